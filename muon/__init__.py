@@ -1,0 +1,1 @@
+"""Muon optimizer (Newton-Schulz orthogonalised momentum)."""

@@ -1,0 +1,1 @@
+"""specrl rollout sidecar: gRPC service, engines and the client library."""

@@ -1,0 +1,30 @@
+"""Specific exceptions of the rollout side. The gRPC edge maps each to one status code."""
+
+from __future__ import annotations
+
+
+class SpecrlError(Exception):
+    """Base of specrl's own errors; the message says what was wrong and what to do."""
+
+
+class InvalidRequestError(SpecrlError, ValueError):
+    """A generation request the engine cannot serve as given (INVALID_ARGUMENT)."""
+
+
+class UnknownTensorError(SpecrlError, KeyError):
+    """A weight name the model does not have (NOT_FOUND)."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class WeightMismatchError(SpecrlError, ValueError):
+    """Weights that do not fit the model: dtype, shape or missing tensors (FAILED_PRECONDITION)."""
+
+
+class StaleVersionError(SpecrlError, ValueError):
+    """A weight version that is not newer than the served one (FAILED_PRECONDITION)."""
+
+
+class CheckpointError(SpecrlError, ValueError):
+    """A checkpoint directory that cannot be loaded (missing or malformed files)."""

@@ -1,0 +1,102 @@
+from sidecar.protocol.specrl.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    D_TYPE_UNSPECIFIED: _ClassVar[DType]
+    D_TYPE_FLOAT32: _ClassVar[DType]
+    D_TYPE_FLOAT16: _ClassVar[DType]
+    D_TYPE_BFLOAT16: _ClassVar[DType]
+D_TYPE_UNSPECIFIED: DType
+D_TYPE_FLOAT32: DType
+D_TYPE_FLOAT16: DType
+D_TYPE_BFLOAT16: DType
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "byte_length", "crc32")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    BYTE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    byte_length: int
+    crc32: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., byte_length: _Optional[int] = ..., crc32: _Optional[int] = ...) -> None: ...
+
+class WeightManifest(_message.Message):
+    __slots__ = ("version", "selector", "tensors")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SELECTOR_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    selector: _common_pb2.WeightSelector
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    def __init__(self, version: _Optional[int] = ..., selector: _Optional[_Union[_common_pb2.WeightSelector, str]] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+
+class WeightChunk(_message.Message):
+    __slots__ = ("tensor_index", "offset", "data", "crc32")
+    TENSOR_INDEX_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    tensor_index: int
+    offset: int
+    data: bytes
+    crc32: int
+    def __init__(self, tensor_index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+
+class WeightCommit(_message.Message):
+    __slots__ = ("chunk_count",)
+    CHUNK_COUNT_FIELD_NUMBER: _ClassVar[int]
+    chunk_count: int
+    def __init__(self, chunk_count: _Optional[int] = ...) -> None: ...
+
+class PushWeightsRequest(_message.Message):
+    __slots__ = ("manifest", "chunk", "commit")
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    manifest: WeightManifest
+    chunk: WeightChunk
+    commit: WeightCommit
+    def __init__(self, manifest: _Optional[_Union[WeightManifest, _Mapping]] = ..., chunk: _Optional[_Union[WeightChunk, _Mapping]] = ..., commit: _Optional[_Union[WeightCommit, _Mapping]] = ...) -> None: ...
+
+class PushWeightsResponse(_message.Message):
+    __slots__ = ("version", "previous_version", "bytes_received", "tensors_updated", "receive_seconds", "apply_seconds")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_UPDATED_FIELD_NUMBER: _ClassVar[int]
+    RECEIVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    APPLY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    previous_version: int
+    bytes_received: int
+    tensors_updated: int
+    receive_seconds: float
+    apply_seconds: float
+    def __init__(self, version: _Optional[int] = ..., previous_version: _Optional[int] = ..., bytes_received: _Optional[int] = ..., tensors_updated: _Optional[int] = ..., receive_seconds: _Optional[float] = ..., apply_seconds: _Optional[float] = ...) -> None: ...
+
+class DescribeWeightsRequest(_message.Message):
+    __slots__ = ("selector",)
+    SELECTOR_FIELD_NUMBER: _ClassVar[int]
+    selector: _common_pb2.WeightSelector
+    def __init__(self, selector: _Optional[_Union[_common_pb2.WeightSelector, str]] = ...) -> None: ...
+
+class DescribeWeightsResponse(_message.Message):
+    __slots__ = ("tensors", "weight_version")
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    weight_version: int
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., weight_version: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,226 @@
+"""Plain-Python domain types of specrl's rollout side.
+
+These are what the engines, the sidecar server, the client library and the trainer pass
+around. Protobuf never crosses into them: `sidecar.protocol.convert` translates at the gRPC
+edge, in both directions, with one function per message pair.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+
+class WeightSelector(enum.Enum):
+    """Which part of the served model a weight update addresses."""
+
+    ALL = "all"  # target and draft together (the default: a stale draft destroys acceptance)
+    TARGET = "target"
+    DRAFT = "draft"
+
+
+class FinishReason(enum.Enum):
+    """Why a sample stopped."""
+
+    STOP = "stop"  # emitted a stop token (included in the output)
+    LENGTH = "length"  # reached max_new_tokens
+    ABORT = "abort"  # aborted; the output holds the tokens generated so far
+
+
+@dataclass(kw_only=True, slots=True)
+class SamplingParams:
+    """How to sample: from softmax(logits / temperature), restricted by top_k then top_p."""
+
+    temperature: float = 1.0
+    """Softmax temperature, >= 0; 0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus mass in (0, 1]; 1 disables."""
+    top_k: int = 0
+    """Keep the top_k most likely tokens; 0 disables."""
+    max_new_tokens: int = 256
+    """Most tokens generated per sample, > 0."""
+    stop_token_ids: tuple[int, ...] = ()
+    """A sample stops after emitting any of these (the stop token is kept)."""
+    seed: int | None = None
+    """Seed of the request's random stream; None draws a fresh one."""
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids}")
+        self.stop_token_ids = tuple(self.stop_token_ids)
+
+
+@dataclass(kw_only=True, slots=True)
+class GenerationRequest:
+    """A batch of tokenised prompts, each sampled `samples_per_prompt` times."""
+
+    prompts: list[list[int]]
+    """Token ids of each prompt; non-empty."""
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    samples_per_prompt: int = 1
+    """G in group-relative RL."""
+    request_id: str = ""
+    """Unique among live requests; used by abort. Empty: the server assigns one."""
+    min_weight_version: int = 0
+    """Refuse unless the served weight version is at least this."""
+    speculation_k: int | None = None
+    """None: the engine's current k; 0: plain decoding; n: draft n tokens per step."""
+
+    def __post_init__(self) -> None:
+        if not self.prompts:
+            raise ValueError("prompts must hold at least one prompt")
+        for i, prompt in enumerate(self.prompts):
+            if len(prompt) == 0:
+                raise ValueError(f"prompts[{i}] is empty; every prompt needs at least one token")
+        if self.samples_per_prompt < 1:
+            raise ValueError(f"samples_per_prompt must be >= 1, got {self.samples_per_prompt}")
+        if self.min_weight_version < 0:
+            raise ValueError(f"min_weight_version must be >= 0, got {self.min_weight_version}")
+        if self.speculation_k is not None and self.speculation_k < 0:
+            raise ValueError(f"speculation_k must be >= 0 or None, got {self.speculation_k}")
+
+
+@dataclass(kw_only=True, slots=True)
+class SpeculationCounters:
+    """Raw, monotonically increasing speculation counters (see proto/specrl/v1/common.proto).
+
+    tau (acceptance length) = generated_tokens / verify_steps, bonus token included;
+    acceptance rate = accepted_tokens / drafted_tokens.
+    """
+
+    verify_steps: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    generated_tokens: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def add(self, other: SpeculationCounters) -> None:
+        """Accumulate `other` into self (position lists grow to the longer length)."""
+        self.verify_steps += other.verify_steps
+        self.drafted_tokens += other.drafted_tokens
+        self.accepted_tokens += other.accepted_tokens
+        self.generated_tokens += other.generated_tokens
+        for mine, theirs in (
+            (self.drafted_per_position, other.drafted_per_position),
+            (self.accepted_per_position, other.accepted_per_position),
+        ):
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for i, v in enumerate(theirs):
+                mine[i] += v
+
+    def minus(self, earlier: SpeculationCounters) -> SpeculationCounters:
+        """The counts accumulated since the reading `earlier`."""
+        n = max(len(self.drafted_per_position), len(earlier.drafted_per_position))
+
+        def sub(a: list[int], b: list[int]) -> list[int]:
+            return [(a[i] if i < len(a) else 0) - (b[i] if i < len(b) else 0) for i in range(n)]
+
+        return SpeculationCounters(
+            verify_steps=self.verify_steps - earlier.verify_steps,
+            drafted_tokens=self.drafted_tokens - earlier.drafted_tokens,
+            accepted_tokens=self.accepted_tokens - earlier.accepted_tokens,
+            generated_tokens=self.generated_tokens - earlier.generated_tokens,
+            drafted_per_position=sub(self.drafted_per_position, earlier.drafted_per_position),
+            accepted_per_position=sub(self.accepted_per_position, earlier.accepted_per_position),
+        )
+
+    @property
+    def acceptance_length(self) -> float:
+        """tau = generated tokens per verify step (1.0 for plain decoding; 0 when empty)."""
+        return self.generated_tokens / self.verify_steps if self.verify_steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted over drafted tokens (0 when nothing was drafted)."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+
+@dataclass(kw_only=True, slots=True)
+class Sample:
+    """One finished sample."""
+
+    request_id: str
+    prompt_index: int
+    sample_index: int
+    token_ids: list[int]
+    """Generated tokens only."""
+    logprobs: list[float]
+    """Target log-prob of each token under log_softmax(logits / T), T = temperature or 1 if 0."""
+    finish_reason: FinishReason
+    weight_version: int
+    """Weight version that produced the first token."""
+    last_weight_version: int
+    """Weight version that produced the last token (differs if a push landed mid-sample)."""
+    counters: SpeculationCounters = field(default_factory=SpeculationCounters)
+
+
+@dataclass(kw_only=True, slots=True)
+class TensorSpec:
+    """A named tensor's layout, as a weight push announces it."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    crc32: int = 0
+    """CRC-32 (zlib) of the tensor's C-contiguous little-endian bytes; 0 when unknown."""
+
+    @property
+    def byte_length(self) -> int:
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        return numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(kw_only=True, slots=True)
+class VersionStats:
+    """Counters accumulated while one weight version served."""
+
+    weight_version: int
+    counters: SpeculationCounters = field(default_factory=SpeculationCounters)
+    samples_finished: int = 0
+    busy_seconds: float = 0.0
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelInfo:
+    """Shape of the served model (the engine reports it; GetInfo publishes it)."""
+
+    name: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    max_position_embeddings: int
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    num_mtp_layers: int = 0
+    dtype: str = "float32"
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineInfo:
+    """What an engine is, where it runs, and how it speculates."""
+
+    model: ModelInfo
+    engine: str
+    """"torch" or "sglang"."""
+    engine_version: str
+    device_kind: str
+    """torch device type: "cpu" or "cuda"."""
+    device_name: str
+    speculation_method: str
+    """"mtp", or "" when the model has no draft."""
+    speculation_k: int
+    max_speculation_k: int

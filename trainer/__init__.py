@@ -1,0 +1,1 @@
+"""specrl trainer: Megatron-core policy, RL losses, draft training and the CLI."""

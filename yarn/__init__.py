@@ -1,0 +1,1 @@
+"""YaRN rotary-embedding scaling shared by the trainer and the engines."""
