@@ -204,7 +204,7 @@ class RopeConfig:
             "beta_slow": self.beta_slow,
             "truncate": self.truncate,
         }
-        if self.mscale_all_dim:
+        if self.mscale != 1.0 or self.mscale_all_dim:
             out.update(mscale=self.mscale, mscale_all_dim=self.mscale_all_dim)
         if self.attention_factor is not None:
             out["attention_factor"] = self.attention_factor
