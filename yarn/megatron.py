@@ -18,8 +18,9 @@ Where Megatron differs from Hugging Face (and so from ``yarn``), ``configure`` r
   equivalent ``yarn_mscale`` (with ``yarn_mscale_all_dim = 0``, Megatron's scale is ``0.1·m·ln s + 1``).
 * Factor 1. Megatron's YaRN blend of two equal frequency tensors may round one ulp away from plain RoPE;
   ``yarn`` returns plain RoPE exactly, so ``configure`` selects Megatron's plain ``"rope"`` embedding.
-* The scale is dropped silently by ``fused_single_qkv_rope`` and by TE's fused RoPE warns and falls back;
-  ``configure`` refuses the former when the scale is not 1.
+* ``fused_single_qkv_rope`` drops the scale silently, so ``configure`` refuses it when the scale is not 1
+  (``apply_rope_fusion`` is fine: TE's fused RoPE warns and falls back to the unfused path). Megatron's
+  dynamic-batching inference context also ignores the scale; the trainer does not use it.
 
 On a machine without CUDA, constructing ``YarnRotaryEmbedding`` (and calling it) needs
 ``torch.cuda.current_device`` to return the CPU device even with ``use_cpu_initialization=True``: it moves
