@@ -18,7 +18,7 @@ DESIGN = RopeConfig(head_dim=64, base=1e4, rope_type="yarn", factor=4.0, origina
 # (name, RopeConfig kwargs) covering each knob; positions are checked up to 4x the original length.
 CONFIGS: list[tuple[str, dict[str, Any]]] = [
     ("design", dict(head_dim=64, base=1e4, rope_type="yarn", factor=4.0, original_max_position_embeddings=2048)),
-    ("qwen3", dict(head_dim=128, base=1e6, rope_type="yarn", factor=4.0, original_max_position_embeddings=32768)),
+    ("qwen3_like", dict(head_dim=128, base=1e6, rope_type="yarn", factor=4.0, original_max_position_embeddings=4096)),
     ("untruncated", dict(head_dim=32, base=5e5, rope_type="yarn", factor=8.0, original_max_position_embeddings=512,
                          truncate=False)),
     ("betas", dict(head_dim=16, rope_type="yarn", factor=2.5, original_max_position_embeddings=256, beta_fast=16.0,
