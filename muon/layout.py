@@ -10,10 +10,15 @@ Megatron-core fuses several logical matrices into one weight:
   shards gate and up *separately*: each rank holds ``[gate_shard; up_shard]`` (partition stride 2).
 
 Orthogonalising the fused matrix as a whole would couple Q with K and V (and gate with up), whose
-scales and roles differ; the reference RL system orthogonalises Q, K and V separately. We split
-**per query group**: every group's Q block, K block and V block is its own matrix (a batch of
-``num_query_groups`` independent (rows, cols) matrices per kind). This follows the fused layout
-literally and keeps each rank's query groups self-contained.
+scales and roles differ; the reference RL system orthogonalises Q, K and V separately. Two
+granularities are offered:
+
+* ``per_group`` (default): every query group's Q block, K block and V block is its own matrix (a
+  batch of ``num_query_groups`` independent matrices per kind), following the fused layout
+  literally;
+* ``per_kind``: one Q matrix (all groups' query rows), one K and one V matrix — what
+  megatron-core 0.16's own ``TensorParallelMuon`` (``muon_split_qkv``) does, and the same as
+  Muon on separate Hugging Face ``q_proj``/``k_proj``/``v_proj`` weights.
 
 A :class:`RowBlocks` describes such a layout in *global* (unsharded) row order; ``tp_stride`` says
 how tensor parallelism interleaves it (see ``muon.tensor_parallel``).
@@ -26,12 +31,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+QKV_SPLIT_MODES = ("per_group", "per_kind")
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RowBlocks:
     """Rows of a fused matrix: ``groups`` repetitions of consecutive blocks of ``sizes`` rows.
 
-    Block kind i of every group is orthogonalised as its own (sizes[i], cols) matrix.
+    Block kind i of every group is orthogonalised as its own (sizes[i], cols) matrix, or, with
+    ``merge_groups``, all groups' blocks of kind i together as one (groups·sizes[i], cols) matrix.
     """
 
     sizes: tuple[int, ...]
@@ -42,6 +50,8 @@ class RowBlocks:
     """How tensor parallelism shards these rows: 1 = each rank holds whole consecutive groups
     (QKV); ``len(sizes)`` = every block kind is sharded on its own and each rank stores its pieces
     stacked (SwiGLU fc1, Megatron ``partition_stride=2``)."""
+    merge_groups: bool = False
+    """Orthogonalise each block kind across all groups as one matrix (``per_kind`` QKV)."""
 
     def __post_init__(self) -> None:
         if not self.sizes or any(s < 1 for s in self.sizes):
@@ -55,17 +65,25 @@ class RowBlocks:
     def rows(self) -> int:
         return self.groups * sum(self.sizes)
 
-    def split(self, full: Tensor) -> list[Tensor]:  # full: (rows, cols) -> [(groups, sizes[i], cols)]
-        """The blocks of a global-order matrix, one batch of ``groups`` matrices per block kind."""
+    def split(
+        self, full: Tensor
+    ) -> list[Tensor]:  # (rows, cols) -> [(groups, sizes[i], cols)] or [(1, groups·sizes[i], cols)]
+        """The matrices to orthogonalise: per block kind, a batch of per-group blocks (or one merged matrix)."""
         if full.ndim != 2 or full.size(0) != self.rows:
             raise ValueError(f"RowBlocks expects a ({self.rows}, cols) matrix, got {tuple(full.shape)}")
-        grouped = full.reshape(self.groups, sum(self.sizes), full.size(1))
-        return list(torch.split(grouped, list(self.sizes), dim=1))
+        cols = full.size(1)
+        parts = torch.split(full.reshape(self.groups, sum(self.sizes), cols), list(self.sizes), dim=1)
+        if self.merge_groups:
+            return [part.reshape(1, -1, cols) for part in parts]
+        return list(parts)
 
-    def merge(self, blocks: list[Tensor]) -> Tensor:  # [(groups, sizes[i], cols)] -> (rows, cols)
+    def merge(self, blocks: list[Tensor]) -> Tensor:  # inverse of split -> (rows, cols)
         """Inverse of :meth:`split`."""
-        grouped = torch.cat(blocks, dim=1)
-        return grouped.reshape(self.rows, grouped.size(-1))
+        cols = blocks[0].size(-1)
+        grouped = torch.cat(
+            [b.reshape(self.groups, size, cols) for b, size in zip(blocks, self.sizes, strict=True)], dim=1
+        )
+        return grouped.reshape(self.rows, cols)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -98,10 +116,20 @@ class QKVLayout:
             head_dim=head_dim,
         )
 
-    def row_blocks(self) -> RowBlocks:
-        """Per query group: a Q block, a K block and a V block; TP keeps whole groups per rank."""
+    def row_blocks(self, mode: str = "per_group") -> RowBlocks:
+        """Q, K and V blocks per query group (``per_group``) or across groups (``per_kind``).
+
+        Tensor parallelism keeps whole query groups per rank either way (stride 1).
+        """
+        if mode not in QKV_SPLIT_MODES:
+            raise ValueError(f"QKV split mode={mode!r} is unknown; choose one of {QKV_SPLIT_MODES}")
         q = self.heads_per_group * self.head_dim
-        return RowBlocks(sizes=(q, self.head_dim, self.head_dim), groups=self.num_query_groups, tp_stride=1)
+        return RowBlocks(
+            sizes=(q, self.head_dim, self.head_dim),
+            groups=self.num_query_groups,
+            tp_stride=1,
+            merge_groups=mode == "per_kind",
+        )
 
 
 def gated_fc1_blocks(rows: int) -> RowBlocks:

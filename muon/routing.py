@@ -13,7 +13,7 @@ gains and biases are optimised with AdamW, as in the reference implementations (
 4. every other 2-D matrix → Muon.
 
 Forcing a non-2-D tensor to Muon is a configuration error and names the parameter. Megatron's
-fused ``linear_qkv`` is split per query group (``muon.layout``); a SwiGLU ``linear_fc1`` into gate
+fused ``linear_qkv`` is split into Q, K, V (per query group by default, ``muon.layout``); a SwiGLU ``linear_fc1`` into gate
 and up when ``split_gated_fc1``. To give a subset (the MTP draft head) its own optimizer and
 clipping, exclude it with ``route`` and build a second optimizer over just that subset.
 """
@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from muon.hybrid import HybridOptimizer
-from muon.layout import QKVLayout, RowBlocks, gated_fc1_blocks
+from muon.layout import QKV_SPLIT_MODES, QKVLayout, RowBlocks, gated_fc1_blocks
 from muon.newton_schulz import NewtonSchulzConfig
 from muon.optimizer import SCALE_MODES, Muon
 from muon.tensor_parallel import global_shape
@@ -70,7 +70,10 @@ class HybridOptimizerConfig:
     newton_schulz: NewtonSchulzConfig = field(default_factory=NewtonSchulzConfig)
     """Orthogonalisation schedule, steps and precision."""
     split_qkv: bool = True
-    """Orthogonalise Megatron ``linear_qkv`` per query group as Q, K, V blocks (needs ``qkv_layout``)."""
+    """Orthogonalise Megatron ``linear_qkv`` as separate Q, K, V blocks (needs ``qkv_layout``)."""
+    qkv_split_mode: str = "per_group"
+    """``"per_group"``: each query group's Q, K, V block on its own; ``"per_kind"``: one Q, one K,
+    one V matrix across all groups (megatron-core's own Muon). See ``muon.layout``."""
     split_gated_fc1: bool = False
     """Orthogonalise a SwiGLU ``linear_fc1`` as separate gate and up matrices."""
     adamw_name_patterns: tuple[str, ...] = ("embedding", "embed_tokens", "output_layer", "lm_head", "norm")
@@ -90,6 +93,10 @@ class HybridOptimizerConfig:
         if self.scale not in SCALE_MODES:
             raise ValueError(
                 f"HybridOptimizerConfig.scale={self.scale!r} is unknown; choose one of {sorted(SCALE_MODES)}"
+            )
+        if self.qkv_split_mode not in QKV_SPLIT_MODES:
+            raise ValueError(
+                f"HybridOptimizerConfig.qkv_split_mode={self.qkv_split_mode!r} is unknown; choose one of {QKV_SPLIT_MODES}"
             )
 
 
@@ -115,7 +122,7 @@ def _row_blocks(
                 f"parameter {name!r} is a fused QKV weight and split_qkv is on: pass qkv_layout=QKVLayout(...) "
                 "or set HybridOptimizerConfig.split_qkv=False"
             )
-        blocks = qkv_layout.row_blocks()
+        blocks = qkv_layout.row_blocks(config.qkv_split_mode)
         if blocks.rows != rows:
             raise ValueError(f"parameter {name!r} has {rows} (global) rows but {qkv_layout} describes {blocks.rows}")
         return blocks

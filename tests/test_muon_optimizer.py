@@ -123,6 +123,22 @@ def test_qkv_split_equals_three_separate_calls_per_query_group() -> None:
     assert (whole - out).abs().max() > 1e-2
 
 
+def test_qkv_per_kind_split_equals_three_calls_on_all_groups_rows() -> None:
+    """megatron-core's granularity: one Q matrix (every group's query rows, in order), one K, one V."""
+    layout = QKVLayout(num_query_groups=3, heads_per_group=2, head_dim=4)  # per group: 8 q, 4 k, 4 v rows
+    fused = torch.randn(3 * 16, 20, generator=torch.Generator().manual_seed(5))
+    out = scaled_polar(
+        fused, newton_schulz=NewtonSchulzConfig(), scale="match_adamw_rms", blocks=layout.row_blocks("per_kind")
+    )
+    groups = fused.view(3, 16, 20)
+    for lo, hi in [(0, 8), (8, 12), (12, 16)]:
+        rows = groups[:, lo:hi].reshape(-1, 20)  # this kind's rows of every group, stacked
+        expected = orthogonalize(rows) * 0.2 * math.sqrt(max(rows.size(0), 20))
+        torch.testing.assert_close(out.view(3, 16, 20)[:, lo:hi].reshape(-1, 20), expected, atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="mode='per_head'"):
+        layout.row_blocks("per_head")
+
+
 def test_gated_fc1_split_equals_two_separate_calls() -> None:
     fused = torch.randn(24, 10, generator=torch.Generator().manual_seed(4))
     out = scaled_polar(fused, newton_schulz=NewtonSchulzConfig(), scale="none", blocks=gated_fc1_blocks(24))

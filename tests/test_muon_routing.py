@@ -136,6 +136,7 @@ def test_route_override_forces_excludes_and_rejects_non_matrices() -> None:
         ({"momentum": 1.5}, r"HybridOptimizerConfig\.momentum=1\.5"),
         ({"scale": "rms"}, r"HybridOptimizerConfig\.scale='rms'"),
         ({"adamw_betas": (0.9,)}, r"HybridOptimizerConfig\.adamw_betas"),
+        ({"qkv_split_mode": "per_head"}, r"HybridOptimizerConfig\.qkv_split_mode='per_head'"),
     ],
 )
 def test_bad_config_names_the_field(kwargs: dict, pattern: str) -> None:

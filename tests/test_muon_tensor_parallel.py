@@ -33,6 +33,7 @@ HIDDEN, FFN, VOCAB, STEPS = 32, 24, 40, 3
 PARAMS: dict[str, tuple[tuple[int, ...], int | None, int]] = {
     "embedding.word_embeddings.weight": ((VOCAB, HIDDEN), 0, 1),
     "decoder.layers.0.self_attention.linear_qkv.weight": ((64, HIDDEN), 0, 1),
+    "decoder.layers.1.self_attention.linear_qkv.weight": ((64, HIDDEN), 0, 1),
     "decoder.layers.0.self_attention.linear_proj.weight": ((HIDDEN, 32), 1, 1),
     "decoder.layers.0.mlp.linear_fc1.weight": ((2 * FFN, HIDDEN), 0, 2),
     "decoder.layers.1.mlp.linear_fc1.weight": ((2 * FFN, HIDDEN), 0, 2),
@@ -77,14 +78,16 @@ def run(
         split_gated_fc1=True,
         newton_schulz=NewtonSchulzConfig(schedule="polar_express", steps=6),
     )
-    # Layer 1's fc1 stays fused (its rows are only permuted by the stride-2 gather): route it
-    # through a config without the split by building it as a separate optimizer.
-    layer1 = "decoder.layers.1.mlp.linear_fc1.weight"
+    # Layer 1 uses the other settings: fc1 fused (the stride-2 gather must still rebuild the
+    # global row order) and QKV split per kind; it gets its own optimizer.
+    layer1 = ["decoder.layers.1.mlp.linear_fc1.weight", "decoder.layers.1.self_attention.linear_qkv.weight"]
     main = build_optimizer(
-        params.items(), config, qkv_layout=LAYOUT, tp_group=group, route=lambda n, p: "exclude" if n == layer1 else None
+        params.items(), config, qkv_layout=LAYOUT, tp_group=group, route=lambda n, p: "exclude" if n in layer1 else None
     )
-    config_unsplit = HybridOptimizerConfig(lr=0.01, weight_decay=0.1, newton_schulz=config.newton_schulz)
-    extra = build_optimizer([(layer1, params[layer1])], config_unsplit, tp_group=group)
+    config1 = HybridOptimizerConfig(
+        lr=0.01, weight_decay=0.1, newton_schulz=config.newton_schulz, qkv_split_mode="per_kind"
+    )
+    extra = build_optimizer([(n, params[n]) for n in layer1], config1, qkv_layout=LAYOUT, tp_group=group)
     norms = []
     for step in range(STEPS):
         for name, p in params.items():
