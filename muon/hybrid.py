@@ -56,13 +56,13 @@ class HybridOptimizer(torch.optim.Optimizer):
         """The non-empty inner optimizers, Muon first."""
         return [opt for opt in (self.muon, self.adamw) if opt is not None]
 
-    @property  # type: ignore[override]
-    def param_groups(self) -> list[dict[str, Any]]:
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
         return [group for opt in self.optimizers for group in opt.param_groups]
 
-    @property  # type: ignore[override]
-    def state(self) -> ChainMap[Tensor, Any]:
-        return ChainMap(*(opt.state for opt in self.optimizers))  # type: ignore[arg-type]
+    @property
+    def state(self) -> ChainMap[Tensor, Any]:  # type: ignore[override]
+        return ChainMap(*(opt.state for opt in self.optimizers))
 
     def parameters(self) -> Iterator[Tensor]:
         """Every parameter this optimizer updates."""

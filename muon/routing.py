@@ -170,7 +170,7 @@ def build_optimizer(
 
     muon = None
     if muon_named:
-        row_blocks = {}
+        row_blocks: dict[torch.Tensor, RowBlocks] = {}
         for name, param in muon_named:
             blocks = _row_blocks(name, param, config, qkv_layout, tp_group)
             if blocks is not None:

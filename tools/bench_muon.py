@@ -18,7 +18,6 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -85,16 +84,14 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
 
-    variants: dict[str, Callable[[], HybridOptimizer]] = {}
     named = demo_parameters(device)
-    variants["AdamW alone"] = lambda: build_optimizer(named, HybridOptimizerConfig(), route=lambda n, p: "adamw")
+    optimizers = {"AdamW alone": build_optimizer(named, HybridOptimizerConfig(), route=lambda n, p: "adamw")}
     for label, ns in [
         ("Muon+AdamW (quintic x5, fp32)", NewtonSchulzConfig()),
         ("Muon+AdamW (Polar Express x5, fp32)", NewtonSchulzConfig(schedule="polar_express")),
         ("Muon+AdamW (quintic x5, bf16)", NewtonSchulzConfig(dtype="bfloat16")),
     ]:
-        variants[label] = lambda ns=ns: build_optimizer(named, HybridOptimizerConfig(newton_schulz=ns))
-    optimizers = {label: make() for label, make in variants.items()}
+        optimizers[label] = build_optimizer(named, HybridOptimizerConfig(newton_schulz=ns))
     n_muon = len(optimizers["Muon+AdamW (quintic x5, fp32)"].muon_names)
     print(
         f"{sum(p.numel() for _, p in named) / 1e6:.2f}M parameters, {n_muon} Muon matrices; "
