@@ -56,6 +56,12 @@ def demo_parameters(
     return named
 
 
+def newton_schulz_flops(rows: int, cols: int, *, steps: int) -> int:
+    """Matmul FLOPs of one orthogonalisation: per step X·Xᵀ, G·G and (bG + cG²)·X on the small side."""
+    small, large = min(rows, cols), max(rows, cols)
+    return steps * (2 * small * small * large + 2 * small**3 + 2 * small * small * large)
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -92,9 +98,12 @@ def main(argv: list[str] | None = None) -> int:
         ("Muon+AdamW (quintic x5, bf16)", NewtonSchulzConfig(dtype="bfloat16")),
     ]:
         optimizers[label] = build_optimizer(named, HybridOptimizerConfig(newton_schulz=ns))
-    n_muon = len(optimizers["Muon+AdamW (quintic x5, fp32)"].muon_names)
+    muon_names = set(optimizers["Muon+AdamW (quintic x5, fp32)"].muon_names)
+    n_muon = len(muon_names)
+    ns_gflop = sum(newton_schulz_flops(*p.shape, steps=5) for n, p in named if n in muon_names) / 1e9
     print(
-        f"{sum(p.numel() for _, p in named) / 1e6:.2f}M parameters, {n_muon} Muon matrices; "
+        f"{sum(p.numel() for _, p in named) / 1e6:.2f}M parameters, {n_muon} Muon matrices "
+        f"({ns_gflop:.1f} GFLOP of Newton-Schulz matmuls per step); "
         f"device {device}, torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}",
         flush=True,
     )
