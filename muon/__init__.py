@@ -8,7 +8,7 @@ gate/up weights and ``muon.tensor_parallel`` for megatron-core tensor parallelis
 """
 
 from muon.hybrid import HybridOptimizer
-from muon.layout import QKVLayout, RowBlocks, gated_fc1_blocks
+from muon.layout import QKV_SPLIT_MODES, QKVLayout, RowBlocks, gated_fc1_blocks
 from muon.newton_schulz import (
     POLAR_EXPRESS_COEFFICIENTS,
     QUINTIC_COEFFICIENTS,
@@ -21,6 +21,7 @@ from muon.routing import HybridOptimizerConfig, build_optimizer, default_route
 
 __all__ = [
     "POLAR_EXPRESS_COEFFICIENTS",
+    "QKV_SPLIT_MODES",
     "QUINTIC_COEFFICIENTS",
     "SCALE_MODES",
     "SCHEDULES",

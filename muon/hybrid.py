@@ -135,6 +135,14 @@ class HybridOptimizer(torch.optim.Optimizer):
         if self.adamw is not None:
             self.adamw.load_state_dict(state_dict["adamw"])
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Optimizer's version would drop the inner optimizers. Like it, leave out instance-level
+        # patches of ``step`` (an LR scheduler's wrapper points back at the original object).
+        return {k: v for k, v in self.__dict__.items() if k != "step"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise NotImplementedError("build a new HybridOptimizer (muon.build_optimizer) instead of adding groups")
 

@@ -140,6 +140,11 @@ class Muon(torch.optim.Optimizer):
                     "route it to AdamW instead"
                 )
 
+    def __getstate__(self) -> dict[str, Any]:  # keep the layouts and TP group on copy/pickle
+        state = super().__getstate__()
+        state.update(_row_blocks=self._row_blocks, tp_group=self.tp_group)
+        return state
+
     @staticmethod
     def _newton_schulz(group: Mapping[str, Any]) -> NewtonSchulzConfig:
         return NewtonSchulzConfig(
@@ -159,11 +164,11 @@ class Muon(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                grad = p.grad
                 state = self.state[p]
-                if "momentum_buffer" not in state:
+                if "momentum_buffer" not in state:  # kept in the parameter's dtype (fp32 main params)
                     state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 buf = state["momentum_buffer"]
+                grad = p.grad.to(buf.dtype)
                 buf.lerp_(grad, 1 - momentum)
                 update = grad.lerp(buf, momentum) if group["nesterov"] else buf
                 blocks = self._row_blocks.get(p)

@@ -6,6 +6,7 @@ Oracles: hand-built ``Muon`` + ``torch.optim.AdamW`` pairs, ``torch.nn.utils.cli
 
 from __future__ import annotations
 
+import copy
 import io
 
 import pytest
@@ -251,6 +252,17 @@ def test_save_load_continue_equals_uninterrupted_bitwise() -> None:
         assert torch.equal(p, q), name
     assert opt_b.muon is not None and opt.muon is not None and len(opt_b.muon.state) == len(opt.muon.state) > 0
     assert opt_b.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+
+
+def test_deepcopy_keeps_both_inner_optimizers() -> None:
+    model, opt, _ = make_run()
+    twin = copy.deepcopy({"model": model, "opt": opt})
+    fill_grads(model, 0)
+    fill_grads(twin["model"], 0)
+    opt.step()
+    twin["opt"].step()
+    for p, q in zip(model.parameters(), twin["model"].parameters(), strict=True):
+        assert torch.equal(p, q) and p is not q
 
 
 def test_load_rejects_a_checkpoint_with_other_routing() -> None:
