@@ -124,7 +124,11 @@ def _row_blocks(
             )
         blocks = qkv_layout.row_blocks(config.qkv_split_mode)
         if blocks.rows != rows:
-            raise ValueError(f"parameter {name!r} has {rows} (global) rows but {qkv_layout} describes {blocks.rows}")
+            raise ValueError(
+                f"parameter {name!r} has {rows} (global) rows but {qkv_layout} describes {blocks.rows}; check "
+                "the layout, and under tensor parallelism that each rank holds whole query groups "
+                "(num_query_groups divisible by the TP size)"
+            )
         return blocks
     if name.endswith(FC1_SUFFIX) and config.split_gated_fc1:
         try:

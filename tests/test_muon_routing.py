@@ -175,13 +175,14 @@ def test_step_equals_hand_built_muon_and_adamw() -> None:
         assert torch.equal(p, q), name
 
 
-def test_clip_grad_norm_matches_torch() -> None:
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+def test_clip_grad_norm_matches_torch(norm_type: float) -> None:
     model, ref = TinyQwen3(), TinyQwen3()
     fill_grads(model, 0)
     fill_grads(ref, 0)
     opt = build_optimizer(model.named_parameters(), HybridOptimizerConfig())
-    total = opt.clip_grad_norm_(1.0)
-    ref_total = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+    total = opt.clip_grad_norm_(1.0, norm_type)
+    ref_total = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0, norm_type)
     torch.testing.assert_close(total, ref_total, rtol=1e-6, atol=0)
     assert total > 1.0
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
