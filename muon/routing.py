@@ -13,8 +13,8 @@ gains and biases are optimised with AdamW, as in the reference implementations (
 4. every other 2-D matrix → Muon.
 
 Forcing a non-2-D tensor to Muon is a configuration error and names the parameter. Megatron's
-fused ``linear_qkv`` is split into Q, K, V (per query group by default, ``muon.layout``); a SwiGLU ``linear_fc1`` into gate
-and up when ``split_gated_fc1``. To give a subset (the MTP draft head) its own optimizer and
+fused ``linear_qkv`` is split into Q, K, V (per query group by default, see ``muon.layout``); a
+SwiGLU ``linear_fc1`` into gate and up when ``split_gated_fc1``. To give a subset (the MTP draft head) its own optimizer and
 clipping, exclude it with ``route`` and build a second optimizer over just that subset.
 """
 

@@ -5,8 +5,9 @@ weight would give an update that depends on the tensor-parallel (TP) size. So fo
 parameter the momentum-updated shard is all-gathered along its partition dimension, the full
 matrix is orthogonalised (identically on every rank), and each rank keeps its own chunk. Every
 rank then holds exactly the update a single process would compute; the cost is one all-gather
-of the update per sharded matrix and redundant Newton–Schulz work (the simple scheme of
-Moonlight, Liu et al. 2025, arXiv:2502.16982, Sec. 2.3).
+of the update per sharded matrix and redundant Newton–Schulz work on every rank — the
+"duplicated" mode of megatron-core 0.16's own ``TensorParallelMuon``, and the gather-then-
+orthogonalise idea of Moonlight's Distributed Muon (Liu et al. 2025, arXiv:2502.16982).
 
 megatron-core marks sharded parameters with attributes
 (megatron/core/tensor_parallel/layers.py, ``set_tensor_model_parallel_attributes``):
