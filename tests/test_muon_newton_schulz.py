@@ -158,3 +158,15 @@ def test_bad_config_names_the_field(kwargs: dict, field: str) -> None:
 def test_vector_input_is_rejected() -> None:
     with pytest.raises(ValueError, match="needs a matrix"):
         orthogonalize(torch.ones(5))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_matches_svd_polar_factor(dtype: str) -> None:
+    s = torch.logspace(-2, 0, 64, dtype=torch.float64)
+    m = matrix_with_spectrum(192, 64, s, seed=5)
+    u, _, vh = torch.linalg.svd(m, full_matrices=False)
+    out = orthogonalize(m.float().cuda(), NewtonSchulzConfig(schedule="polar_express", steps=10, dtype=dtype)).cpu()
+    tolerance = 1e-4 if dtype == "float32" else 5e-2  # bf16 keeps ~3 significant digits per entry
+    assert (out - (u @ vh).float()).abs().max() < tolerance
