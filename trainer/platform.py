@@ -125,7 +125,8 @@ def initialize_model_parallel(tensor_parallel: int = 1, pipeline_parallel: int =
     """Create Megatron's TP/PP/DP groups over the existing world and seed its RNG tracker.
 
     Data parallel size is what remains: world_size / (tensor_parallel * pipeline_parallel).
-    Re-initialises cleanly if groups already exist (tests build several models per process).
+    With groups of the same layout already present they are kept (models built on them stay
+    valid) and only the RNGs are re-seeded; a different layout re-creates them.
     """
     from megatron.core import parallel_state
 
@@ -138,6 +139,12 @@ def initialize_model_parallel(tensor_parallel: int = 1, pipeline_parallel: int =
             f"{tensor_parallel * pipeline_parallel}; choose sizes that divide the number of processes"
         )
     if parallel_state.model_parallel_is_initialized():
+        if (
+            parallel_state.get_tensor_model_parallel_world_size() == tensor_parallel
+            and parallel_state.get_pipeline_model_parallel_world_size() == pipeline_parallel
+        ):
+            seed_everything(seed)  # same layout: keep the groups (live models hold them)
+            return
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel,
