@@ -36,7 +36,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sidecar.engine.model import ModelConfig, MTPStack
@@ -118,10 +117,10 @@ class MTPDraft(nn.Module):
             outs.append(h)
         return outs
 
-    def logits(self, j: int, out: Tensor, lm_head_weight: Tensor) -> Tensor:  # out (B, L, H) -> (B, L, V')
-        """Output logits of draft step j (V' = this rank's vocab shard of the shared head)."""
+    def logits(self, j: int, out: Tensor, head: Callable[[Tensor], Tensor]) -> Tensor:  # (B, L, H) -> (B, L, V)
+        """Output logits of draft step j through the shared output `head` (hidden -> full vocab)."""
         layer = self.layers[min(j, len(self.layers) - 1)]
-        return F.linear(layer.shared_head.norm(out), lm_head_weight)
+        return head(layer.shared_head.norm(out))
 
 
 def draft_loss(
@@ -132,11 +131,11 @@ def draft_loss(
     target_logits: Tensor,  # (B, S, V) trunk logits, full vocabulary
     mask: Tensor,  # (B, S-1) 1 where tokens[:, 1:] are response tokens (the policy's loss mask)
     embed: Callable[[Tensor], Tensor],  # ids -> trunk embeddings (B, L, H)
-    lm_head_weight: Tensor,  # (V', H) the trunk's output weight (shard)
-    gather: Callable[[Tensor], Tensor] = lambda x: x,  # vocab shard -> full vocab (TP all-gather)
+    head: Callable[[Tensor], Tensor],  # (B, L, H) -> (B, L, V) the trunk's output head, weight detached
 ) -> tuple[Tensor, dict[str, float]]:
-    """Mean draft loss over response tokens, all draft steps; every trunk input is detached here."""
-    hidden, target_logits, lm_head_weight = hidden.detach(), target_logits.detach(), lm_head_weight.detach()
+    """Mean draft loss over response tokens, all draft steps; every trunk input is detached here
+    (`head` must use a detached weight: `trainer.gpt.shared_head`)."""
+    hidden, target_logits = hidden.detach(), target_logits.detach()
 
     def detached_embed(ids: Tensor) -> Tensor:
         with torch.no_grad():
@@ -152,7 +151,7 @@ def draft_loss(
         if n <= 0:
             break
         m = mask[:, j + 1 : j + 1 + n].to(torch.float32)  # (B, n): is tokens[:, t+j+2] a response token
-        logq = torch.log_softmax(gather(draft.logits(j, out[:, :n], lm_head_weight)).float() / t, dim=-1)
+        logq = torch.log_softmax(draft.logits(j, out[:, :n], head).float() / t, dim=-1)
         if cfg.objective == "kl":
             logp = torch.log_softmax(target_logits[:, j + 1 : j + 1 + n].float() / t, dim=-1)
             per_tok = (logp.exp() * (logp - logq)).sum(-1)  # KL(p || q), (B, n)

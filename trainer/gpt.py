@@ -14,7 +14,7 @@ RL objective needs deterministic log-probs, and the engine has none.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -170,10 +170,24 @@ def gather_vocab(logits: Tensor) -> Tensor:  # (..., V/tp) -> (..., V), differen
 
 
 def output_weight(model: Any) -> Tensor:  # (V/tp, H)
-    """The output layer's weight (the embedding when tied): the draft head's shared lm_head."""
+    """The output layer's weight (the embedding when tied), this rank's vocab shard."""
     if model.share_embeddings_and_output_weights:
         return model.shared_embedding_or_output_weight()
     return model.output_layer.weight
+
+
+def shared_head(model: Any) -> Callable[[Tensor], Tensor]:
+    """The output head for the draft: hidden (..., H) -> full-vocab logits (..., V), weight DETACHED.
+
+    Tensor-parallel like Megatron's ColumnParallelLinear: the input enters through
+    ``copy_to_tensor_model_parallel_region`` (identity forward, all-reduce of the input gradient
+    backward — each rank only sees its vocab shard's contribution) and the shard logits are
+    all-gathered. The weight is detached, so no gradient reaches the trunk's head.
+    """
+    from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+    weight = output_weight(model).detach()
+    return lambda h: gather_vocab(F.linear(copy_to_tensor_model_parallel_region(h), weight))
 
 
 def embed(model: Any, tokens: Tensor) -> Tensor:  # tokens (B, S) -> (B, S, H)

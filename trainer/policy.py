@@ -199,6 +199,19 @@ class Policy:
         if self.draft is not None:
             yield from bridge.export_draft(self.draft)
 
+    def save_hf(self, path: str | Path) -> None:
+        """Write a serving checkpoint (config.json + model.safetensors, naming contract) from rank 0.
+
+        Collective (all ranks gather); holds the full state dict on rank 0 while writing.
+        """
+        from sidecar.engine.checkpoint import save_checkpoint
+
+        tensors = dict(self.export_named_tensors())
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            save_checkpoint(path, self.model_config, tensors)
+        if dist.is_initialized():
+            dist.barrier()
+
     # ---- forward -------------------------------------------------------------------------
     def logprobs(self, tokens: Tensor) -> Tensor:  # tokens (B, S) -> (B, S-1) float32
         """log p(tokens[:, t+1] | tokens[:, :t+1]) at the rollout temperature, no grad."""
@@ -215,7 +228,7 @@ class Policy:
         with torch.no_grad():
             _, hidden = gpt.forward(self.model, tokens)
             outs = self.draft.chain(tokens, hidden, lambda ids: gpt.embed(self.model, ids), depth=layer + 1)
-            return gpt.gather_vocab(self.draft.logits(layer, outs[layer], gpt.output_weight(self.model)))
+            return self.draft.logits(layer, outs[layer], gpt.shared_head(self.model))
 
     # ---- training ------------------------------------------------------------------------
     def backward(self, batch: TrainBatch) -> dict[str, float]:
@@ -245,8 +258,7 @@ class Policy:
                 gpt.gather_vocab(logits.detach()),
                 mask,
                 embed=lambda ids: gpt.embed(self.model, ids),
-                lm_head_weight=gpt.output_weight(self.model),
-                gather=gpt.gather_vocab,
+                head=gpt.shared_head(self.model),
             )
             dloss.backward()
             metrics.update(dmetrics)
