@@ -1,8 +1,8 @@
 """Checkpoint bridge: HF -> Megatron -> HF is exact; tensor parallel 2 exports what TP 1 exports.
 
-The TP test spawns two gloo processes (127.0.0.1, free port, with a deadline) that load the same
-checkpoint at TP 2, export, compute log-probs and take two training steps; the parent does the
-same at TP 1 and compares.
+The two-process tests spawn gloo workers (127.0.0.1, free port, with a deadline) that load the
+same checkpoint at tensor parallel 2 (or data parallel 2, one sample per rank), export, compute
+log-probs and take two training steps; the parent does the same in one process and compares.
 """
 
 from __future__ import annotations
@@ -63,17 +63,14 @@ def test_load_rejects_mismatched_checkpoints() -> None:
         policy.load_tensors(bad)
 
 
-def _tokens(mc: ModelConfig) -> torch.Tensor:
-    return torch.randint(0, mc.vocab_size, (2, 20), generator=torch.Generator().manual_seed(4))
-
-
-def _run(policy: Policy, mc: ModelConfig) -> dict[str, object]:
-    tokens = _tokens(mc)
+def _run(policy: Policy, mc: ModelConfig, rows: slice) -> dict[str, object]:
+    """Export, log-probs, then two training steps on `rows` of a fixed batch (equal token counts)."""
+    tokens = torch.randint(0, mc.vocab_size, (2, 20), generator=torch.Generator().manual_seed(4))
     mask = torch.zeros(2, 19)
     mask[:, 5:] = 1.0
-    batch = TrainBatch(tokens=tokens, mask=mask, advantages=torch.tensor([1.0, -1.0]))
+    batch = TrainBatch(tokens=tokens[rows], mask=mask[rows], advantages=torch.tensor([1.0, -1.0])[rows])
     exported = dict(policy.export_named_tensors())
-    logprobs = policy.logprobs(tokens)
+    logprobs = policy.logprobs(batch.tokens)
     for _ in range(2):
         policy.train_step(batch)
     return {"exported": exported, "logprobs": logprobs, "after": dict(policy.export_named_tensors())}
@@ -84,11 +81,14 @@ def _config(tp: int) -> Policy.Config:
     return Policy.Config(tensor_parallel=tp, optimizer=fast, draft_optimizer=fast)
 
 
-def _tp_worker(rank: int, world: int, port: int, ckpt: str, out: str) -> None:
+def _worker(rank: int, world: int, port: int, mode: str, ckpt: str, out: str) -> None:
     platform.init_distributed(rank=rank, world_size=world, port=port)
     try:
         mc, tensors = load_checkpoint(ckpt)
-        result = _run(Policy(mc, _config(world), tensors), mc)
+        if mode == "tp2":  # both ranks see the whole batch; the model is sharded
+            result = _run(Policy(mc, _config(2), tensors), mc, slice(None))
+        else:  # dp2: whole model on each rank, one sample each; gradients averaged
+            result = _run(Policy(mc, _config(1), tensors), mc, slice(rank, rank + 1))
         if rank == 0:
             torch.save(result, out)
     finally:
@@ -96,14 +96,15 @@ def _tp_worker(rank: int, world: int, port: int, ckpt: str, out: str) -> None:
 
 
 @pytest.mark.slow
-def test_tensor_parallel_2_exports_and_trains_like_tp_1(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["tp2", "dp2"])
+def test_two_processes_export_and_train_like_one(tmp_path: Path, mode: str) -> None:
     mc = ModelConfig.tiny()
     state = _state(mc, seed=9)
     save_checkpoint(tmp_path / "ckpt", mc, state)
-    out = tmp_path / "tp2.pt"
+    out = tmp_path / "rank0.pt"
     ctx = mp.start_processes(
-        _tp_worker,
-        args=(2, platform.free_port(), str(tmp_path / "ckpt"), str(out)),
+        _worker,
+        args=(2, platform.free_port(), mode, str(tmp_path / "ckpt"), str(out)),
         nprocs=2,
         join=False,
         start_method="spawn",
@@ -113,15 +114,16 @@ def test_tensor_parallel_2_exports_and_trains_like_tp_1(tmp_path: Path) -> None:
         if time.monotonic() > deadline:
             for p in ctx.processes:
                 p.kill()
-            pytest.fail("TP=2 workers did not finish within 180 s")
-    tp2 = torch.load(out, weights_only=True)
+            pytest.fail(f"{mode} workers did not finish within 180 s")
+    two = torch.load(out, weights_only=True)
 
     mc1, tensors = load_checkpoint(tmp_path / "ckpt")
-    tp1 = _run(Policy(mc1, _config(1), tensors), mc1)
-    assert tp2["exported"].keys() == tp1["exported"].keys() == state.keys()
-    for name, tensor in tp2["exported"].items():
-        assert torch.equal(tensor, tp1["exported"][name]), name  # gathered shards == unsharded, exactly
-    torch.testing.assert_close(tp2["logprobs"], tp1["logprobs"], rtol=0, atol=1e-5)
-    # Two Muon/AdamW steps at lr 1e-2: a wrong TP gradient reduction would move weights by ~1e-2.
-    for name, tensor in tp2["after"].items():
-        torch.testing.assert_close(tensor, tp1["after"][name], rtol=0, atol=2e-5, msg=name)
+    one = _run(Policy(mc1, _config(1), tensors), mc1, slice(None))
+    assert two["exported"].keys() == one["exported"].keys() == state.keys()
+    for name, tensor in two["exported"].items():
+        assert torch.equal(tensor, one["exported"][name]), name  # gathered shards == unsharded, exactly
+    rows = slice(None) if mode == "tp2" else slice(0, 1)
+    torch.testing.assert_close(two["logprobs"], one["logprobs"][rows], rtol=0, atol=1e-5)
+    # Two Muon/AdamW steps at lr 1e-2: a wrong gradient reduction would move weights by ~1e-2.
+    for name, tensor in two["after"].items():
+        torch.testing.assert_close(tensor, one["after"][name], rtol=0, atol=2e-5, msg=name)

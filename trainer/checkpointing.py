@@ -37,7 +37,7 @@ def rng_state() -> dict[str, Any]:
     """Every RNG a training step may draw from, in weights_only-loadable form."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()  # type: ignore[misc]
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
     return {
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],

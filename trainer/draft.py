@@ -34,11 +34,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import Tensor, nn
 
-from sidecar.engine.model import ModelConfig, MTPStack
+from sidecar.engine.model import ModelConfig, MTPLayer, MTPStack
 from yarn import RotaryEmbedding
 
 
@@ -109,7 +110,7 @@ class MTPDraft(nn.Module):
             length = seq - 1 - j
             if length <= 0:
                 break
-            layer = self.layers[min(j, len(self.layers) - 1)]
+            layer = self.layer(j)
             positions = torch.arange(j + 1, j + 1 + length, device=tokens.device).expand(batch, length)
             cos, sin = self.rotary(positions)  # (B, L, d)
             x = layer.combine(embed(tokens[:, j + 1 : j + 1 + length]), h[:, :length])
@@ -119,8 +120,11 @@ class MTPDraft(nn.Module):
 
     def logits(self, j: int, out: Tensor, head: Callable[[Tensor], Tensor]) -> Tensor:  # (B, L, H) -> (B, L, V)
         """Output logits of draft step j through the shared output `head` (hidden -> full vocab)."""
-        layer = self.layers[min(j, len(self.layers) - 1)]
-        return head(layer.shared_head.norm(out))
+        return head(self.layer(j).shared_head.norm(out))
+
+    def layer(self, j: int) -> MTPLayer:
+        """The MTP layer that draft step j uses: min(j, n-1) (chain drafting)."""
+        return cast(MTPLayer, self.layers[min(j, len(self.layers) - 1)])
 
 
 def draft_loss(
