@@ -12,7 +12,7 @@ import torch
 
 from sidecar.engine.checkpoint import model_state_dict
 from sidecar.engine.model import ModelConfig, build_model
-from trainer.policy import Policy
+from trainer.policy import Policy, TrainBatch
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
 SEQ = 48  # three times the original YaRN context
@@ -85,6 +85,38 @@ def test_greedy_temperature_means_one() -> None:
     engine = build_model(mc, seed=5)
     policy = Policy(mc, Policy.Config(temperature=0.0), model_state_dict(engine))
     tokens = torch.randint(0, mc.vocab_size, (1, 12))
+    with torch.no_grad():
+        want = _gather(engine(tokens), tokens)
+    torch.testing.assert_close(policy.logprobs(tokens), want, rtol=0, atol=1e-4)
+
+
+def test_batch_alignment_and_mismatch_metric_against_engine_logprobs() -> None:
+    mc = ModelConfig.tiny(num_nextn_predict_layers=0)
+    engine = build_model(mc, seed=8)
+    prompts, responses = [[1, 2, 3], [4, 5]], [[6, 7, 8, 9], [10, 11]]
+    rollout = []
+    with torch.no_grad():  # what the engine reports: log p(r_i | prompt, r_<i), each sequence unpadded
+        for p, r in zip(prompts, responses, strict=True):
+            seq = torch.tensor([p + r])
+            rollout.append(_gather(engine(seq), seq)[0, len(p) - 1 :].tolist())
+    batch = TrainBatch.from_sequences(prompts, responses, torch.tensor([1.0, -1.0]), rollout_logprobs=rollout)
+    # mask over tokens[:, 1:]: sample 0 predicts 6..9 at positions 2..5; sample 1 predicts 10, 11 at 1, 2
+    assert batch.mask.tolist() == [[0, 0, 1, 1, 1, 1], [0, 1, 1, 0, 0, 0]]
+    policy = Policy(mc, Policy.Config(), model_state_dict(engine))
+    m = batch.mask.bool()
+    torch.testing.assert_close(policy.logprobs(batch.tokens)[m], batch.rollout_logprobs[m], rtol=0, atol=1e-4)
+    metrics = policy.backward(batch)
+    assert metrics["mismatch_logprob_abs_max"] < 1e-4
+    assert metrics["tokens"] == 6.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_logprobs_match_engine_on_cuda() -> None:
+    mc = ModelConfig.tiny(rope_scaling=YARN, max_position_embeddings=64)
+    engine = build_model(mc, seed=3, device="cuda")
+    policy = Policy(mc, Policy.Config(), {k: v.cpu() for k, v in model_state_dict(engine).items()})
+    tokens = torch.randint(0, mc.vocab_size, (2, SEQ), device="cuda")
     with torch.no_grad():
         want = _gather(engine(tokens), tokens)
     torch.testing.assert_close(policy.logprobs(tokens), want, rtol=0, atol=1e-4)

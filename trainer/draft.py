@@ -50,18 +50,12 @@ class DraftConfig:
     objective: str = "kl"
     """"kl": forward KL to the target's detached distribution (default, see module docstring);
     "hard": cross-entropy on the sampled tokens."""
-    temperature: float = 1.0
-    """Softmax temperature of both distributions (the rollout's; 0 is treated as 1)."""
     loss_weight: float = 1.0
     """Scale of the draft loss (the draft has its own optimizer, so this is its step size knob)."""
 
     def __post_init__(self) -> None:
         if self.objective not in ("kl", "hard"):
             raise ValueError(f"objective must be 'kl' or 'hard', got {self.objective!r}")
-        if not self.temperature >= 0.0:
-            raise ValueError(
-                f"temperature must be >= 0 (0 means greedy rollouts; trained at 1), got {self.temperature}"
-            )
         if not self.loss_weight > 0.0:
             raise ValueError(f"loss_weight must be > 0, got {self.loss_weight}")
 
@@ -136,6 +130,7 @@ def draft_loss(
     mask: Tensor,  # (B, S-1) 1 where tokens[:, 1:] are response tokens (the policy's loss mask)
     embed: Callable[[Tensor], Tensor],  # ids -> trunk embeddings (B, L, H)
     head: Callable[[Tensor], Tensor],  # (B, L, H) -> (B, L, V) the trunk's output head, weight detached
+    temperature: float = 1.0,  # the rollout's; both distributions are softmax(logits / T), T = 1 if 0
 ) -> tuple[Tensor, dict[str, float]]:
     """Mean draft loss over response tokens, all draft steps; every trunk input is detached here
     (`head` must use a detached weight: `trainer.gpt.shared_head`)."""
@@ -145,7 +140,7 @@ def draft_loss(
         with torch.no_grad():
             return embed(ids)
 
-    t = cfg.temperature if cfg.temperature > 0 else 1.0
+    t = temperature if temperature > 0 else 1.0
     outs = draft.chain(tokens, hidden, detached_embed)
     seq = tokens.shape[1]
     total = hidden.new_zeros(())

@@ -137,7 +137,7 @@ def forward(model: Any, tokens: Tensor) -> tuple[Tensor, Tensor]:  # tokens: (B,
     handle = model.decoder.register_forward_hook(lambda _m, _i, out: captured.append(out))
     try:
         position_ids = torch.arange(seq, device=tokens.device)[None].expand(batch, seq)
-        logits = model(tokens, position_ids, platform.causal_mask(seq, tokens.device))  # (B, S, V/tp)
+        logits = model(tokens, position_ids, platform.attention_mask(seq, tokens.device))  # (B, S, V/tp)
     finally:
         handle.remove()
     return logits, captured[0].transpose(0, 1)  # decoder output is (S, B, H)

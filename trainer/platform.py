@@ -68,11 +68,17 @@ def apply_cpu_accommodations() -> None:
 def causal_mask(seq_len: int, dev: torch.device | None = None) -> torch.Tensor:
     """Boolean causal mask in Megatron's convention: (1, 1, S, S), True where attention is masked.
 
-    Position i may attend to j <= i. Passed explicitly to `GPTModel`/`TransformerBlock` on
-    every forward (accommodation 2 in the module docstring); also correct on CUDA.
+    Position i may attend to j <= i. `attention_mask` passes it on every CPU forward
+    (accommodation 2 in the module docstring).
     """
     dev = dev if dev is not None else device()
     return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=dev), diagonal=1)[None, None]
+
+
+def attention_mask(seq_len: int, dev: torch.device | None = None) -> torch.Tensor | None:
+    """What to pass as GPTModel's ``attention_mask`` for causal attention: the explicit boolean
+    mask on CPU (accommodation 2), None on CUDA (Megatron/TE apply their own causal mask)."""
+    return None if has_cuda() else causal_mask(seq_len, dev)
 
 
 def free_port() -> int:

@@ -121,7 +121,6 @@ class Policy:
             for name in ("clip_grad", "draft_clip_grad"):
                 if not getattr(self, name) > 0.0:
                     raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-            self.draft.temperature = self.temperature
 
     def __init__(
         self,
@@ -259,6 +258,7 @@ class Policy:
                 mask,
                 embed=lambda ids: gpt.embed(self.model, ids),
                 head=gpt.shared_head(self.model),
+                temperature=self.cfg.temperature,
             )
             dloss.backward()
             metrics.update(dmetrics)
