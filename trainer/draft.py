@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import cast
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sidecar.engine.model import ModelConfig, MTPLayer, MTPStack
@@ -153,7 +154,7 @@ def draft_loss(
         logq = torch.log_softmax(draft.logits(j, out[:, :n], head).float() / t, dim=-1)
         if cfg.objective == "kl":
             logp = torch.log_softmax(target_logits[:, j + 1 : j + 1 + n].float() / t, dim=-1)
-            per_tok = (logp.exp() * (logp - logq)).sum(-1)  # KL(p || q), (B, n)
+            per_tok = F.kl_div(logq, logp, reduction="none", log_target=True).sum(-1)  # KL(p || q), (B, n)
         else:
             per_tok = -logq.gather(-1, tokens[:, j + 2 : j + 2 + n, None])[..., 0]
         loss_j = (per_tok * m).sum() / m.sum().clamp_min(1.0)
