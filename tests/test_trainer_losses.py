@@ -16,6 +16,7 @@ from trainer.losses import (
     mismatch_metrics,
     overlong_penalty,
     policy_loss,
+    sample_advantages,
 )
 
 
@@ -36,6 +37,10 @@ def test_group_advantages_by_hand() -> None:
     )
     # dynamic filtering keeps groups 0 and 2 only
     assert group_keep_mask(rewards).tolist() == [True, False, True]
+    adv_flat, keep = sample_advantages(rewards, cfg)
+    assert keep.tolist() == [True] * 3 + [False] * 3 + [True] * 3
+    assert adv_flat[6:].tolist() == pytest.approx([-1.0, 0.0, 1.0], abs=1e-5)
+    assert sample_advantages(rewards, GRPOConfig(filter_equal_groups=False))[1].all()
 
 
 def _example() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -112,6 +112,15 @@ def group_keep_mask(rewards: Tensor) -> Tensor:  # rewards: (N, G)
     return (rewards != rewards[:, :1]).any(dim=1)
 
 
+def sample_advantages(rewards: Tensor, cfg: GRPOConfig) -> tuple[Tensor, Tensor]:  # rewards: (N, G)
+    """Per-sample advantages (N*G,) and keep mask (N*G,) bool, group-major (sample g of group n
+    at n*G + g). With `filter_equal_groups` the samples of all-equal groups are dropped."""
+    adv = group_advantages(rewards, cfg)
+    keep = group_keep_mask(rewards) if cfg.filter_equal_groups else torch.ones(rewards.shape[0], dtype=torch.bool)
+    keep = keep[:, None].expand_as(rewards)
+    return (adv * keep).reshape(-1), keep.reshape(-1)
+
+
 @dataclass(kw_only=True, slots=True)
 class PolicyLossOutput:
     """The scalar loss to backpropagate and detached float metrics."""
