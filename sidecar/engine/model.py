@@ -372,14 +372,15 @@ class Qwen3WithMTP(nn.Module):
         layer: int,
         tokens: Tensor,  # (B, S) x_{t+1} for each MTP position t
         hidden: Tensor,  # (B, S, hidden) h_t (trunk output, or the previous MTP output when chaining)
-        cache: KVCache,  # the MTP layers' cache (one slot per MTP layer)
-        plan: AttentionPlan,  # slots t; rotary positions are t + 1
+        cache: KVCache,  # this MTP layer's own cache (a one-layer KVCache)
+        plan: AttentionPlan,  # cache slots of the new positions
+        rope_positions: Tensor | None = None,  # (B, S) rotary positions; default slot + 1 (= t + 1)
     ) -> Tensor:  # (B, S, hidden) MTP output before shared_head.norm
         """One MTP layer over new positions, attending to its own cached earlier positions."""
         mtp = self.mtp.layers[layer]
-        cos, sin = self.rope(plan.positions + 1)
+        cos, sin = self.rope(plan.positions + 1 if rope_positions is None else rope_positions)
         x = mtp.combine(self.model.embed_tokens(tokens), hidden)
-        return mtp(x, cos, sin, cache, layer, plan)
+        return mtp(x, cos, sin, cache, 0, plan)
 
     def mtp_head(self, layer: int, out: Tensor) -> Tensor:
         """Draft logits from an MTP output: shared lm_head(shared_head.norm(out))."""
