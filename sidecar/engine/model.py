@@ -105,7 +105,7 @@ class ModelConfig:
             num_key_value_heads=2,
             head_dim=16,
             rope_theta=10_000.0,
-            max_position_embeddings=256,
+            max_position_embeddings=512,
             num_nextn_predict_layers=1,
         )
         base.update(overrides)
