@@ -120,3 +120,24 @@ def test_draft_matches_transformers_decoder_layer(setup) -> None:
         positions = torch.arange(1, tokens.shape[1]).expand(tokens.shape[0], -1)
         want = hf(inputs_embeds=x, position_ids=positions).logits
     torch.testing.assert_close(policy.draft_logits(tokens), want, rtol=0, atol=1e-4)
+
+
+def test_two_layer_chain_step_matches_engine_building_blocks() -> None:
+    """Step j = 1 of the teacher-forced chain: layer 1 on (layer 0's output at t, embed(x_{t+2})),
+    rotary at t + 2, predicting x_{t+3} — rebuilt from the engine's own primitives."""
+    mc = ModelConfig.tiny(num_nextn_predict_layers=2)
+    engine = build_model(mc, seed=13)
+    policy = Policy(mc, Policy.Config(), model_state_dict(engine))
+    tokens = torch.randint(0, mc.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        h = engine.hidden_states(tokens)
+        out0 = engine.mtp_hidden(tokens, h, 0)  # (B, T-1, H): position t sees h_t, x_{t+1}
+        layer1 = engine.mtp.layers[1]
+        positions = torch.arange(2, tokens.shape[1]).expand(2, -1)
+        cos, sin = engine.rope(positions)
+        out1 = layer1(layer1.combine(engine.model.embed_tokens(tokens[:, 2:]), out0[:, :-1]), cos, sin)
+        want = engine.mtp_head(1, out1)  # (B, T-2, V)
+    torch.testing.assert_close(policy.draft_logits(tokens, layer=1), want, rtol=0, atol=1e-4)
+    mask = torch.ones(2, 11)
+    metrics = policy.backward(TrainBatch(tokens=tokens, mask=mask, advantages=torch.tensor([1.0, -1.0])))
+    assert {"draft_loss_0", "draft_loss_1"} <= metrics.keys()
