@@ -141,3 +141,14 @@ def test_two_layer_chain_step_matches_engine_building_blocks() -> None:
     mask = torch.ones(2, 11)
     metrics = policy.backward(TrainBatch(tokens=tokens, mask=mask, advantages=torch.tensor([1.0, -1.0])))
     assert {"draft_loss_0", "draft_loss_1"} <= metrics.keys()
+
+
+def test_draft_only_step_leaves_the_trunk_and_learns(setup) -> None:
+    mc, _, state, tokens = setup
+    policy = Policy(mc, Policy.Config(draft_optimizer=HybridOptimizerConfig(lr=3e-3, weight_decay=0.0)), dict(state))
+    mask = _batch(tokens, 6, [0.0] * 4).mask
+    losses = [policy.train_draft_step(tokens, mask)["draft_loss"] for _ in range(15)]
+    trunk = {n: t for n, t in policy.export_named_tensors() if not n.startswith("mtp.")}
+    assert all(torch.equal(trunk[n], state[n]) for n in trunk)
+    assert all(p.grad is None for p in policy.model.parameters())  # no trunk backward at all
+    assert losses[-1] < 0.8 * losses[0], losses

@@ -5,6 +5,7 @@ What the RL loop (issue 8) uses:
     policy = Policy.from_checkpoint("ckpt/", Policy.Config(...))   # or Policy(model_config, cfg)
     logp = policy.logprobs(tokens)                                 # (B, S-1) float32, no grad
     metrics = policy.train_step(batch)                             # one GRPO/DAPO + draft update
+    metrics = policy.train_draft_step(tokens, mask)                # draft only (warm-up on in-domain data)
     for name, tensor in policy.export_named_tensors(): ...         # naming contract, bounded memory
     policy.save("run/step_10"); policy.load("run/step_10")         # resume bit for bit
 
@@ -246,38 +247,58 @@ class Policy:
         metrics = dict(out.metrics)
         if batch.rollout_logprobs is not None:
             metrics.update(mismatch_metrics(logp, batch.rollout_logprobs.to(dev), mask))
-        if self.draft is not None and self.cfg.train_draft and self.draft_optimizer is not None:
-            self.draft.train()
-            self.draft_optimizer.zero_grad(set_to_none=True)
-            dloss, dmetrics = draft_loss(
-                self.draft,
-                self.cfg.draft,
-                tokens,
-                hidden,
-                gpt.gather_vocab(logits.detach()),
-                mask,
-                embed=lambda ids: gpt.embed(self.model, ids),
-                head=gpt.shared_head(self.model),
-                temperature=self.cfg.temperature,
-            )
-            dloss.backward()
-            metrics.update(dmetrics)
-        self._reduce_gradients()
+        if self.draft is not None and self.cfg.train_draft:
+            metrics.update(self._draft_backward(tokens, hidden, logits, mask))
+        self._reduce_gradients([self.model] + ([self.draft] if self.draft is not None else []))
         return metrics
 
-    def _reduce_gradients(self) -> None:
-        """Sum q/k-norm grads over TP (each rank saw only its heads); average everything over DP."""
+    def _draft_backward(self, tokens: Tensor, hidden: Tensor, logits: Tensor, mask: Tensor) -> dict[str, float]:
+        # tokens (B, S); hidden (B, S, H); logits (B, S, V/tp); mask (B, S-1). Trunk tensors enter detached.
+        assert self.draft is not None and self.draft_optimizer is not None
+        self.draft.train()
+        self.draft_optimizer.zero_grad(set_to_none=True)
+        dloss, dmetrics = draft_loss(
+            self.draft,
+            self.cfg.draft,
+            tokens,
+            hidden,
+            gpt.gather_vocab(logits.detach()),
+            mask,
+            embed=lambda ids: gpt.embed(self.model, ids),
+            head=gpt.shared_head(self.model),
+            temperature=self.cfg.temperature,
+        )
+        dloss.backward()
+        return dmetrics
+
+    def train_draft_step(self, tokens: Tensor, mask: Tensor) -> dict[str, float]:
+        """Update only the draft head on `tokens` (B, S) with `mask` (B, S-1); the trunk runs
+        without gradients. For warming a draft up on in-domain data before RL."""
+        if self.draft is None or self.draft_optimizer is None:
+            raise ValueError("this model has no draft head (num_nextn_predict_layers is 0)")
+        dev = platform.device()
+        tokens, mask = tokens.to(dev), mask.to(dev)
+        self.model.eval()
+        with torch.no_grad():
+            logits, hidden = gpt.forward(self.model, tokens)
+        metrics = self._draft_backward(tokens, hidden, logits, mask)
+        self._reduce_gradients([self.draft])
+        metrics["draft_grad_norm"] = float(self.draft_optimizer.clip_grad_norm_(self.cfg.draft_clip_grad))
+        self.draft_optimizer.step()
+        return metrics
+
+    def _reduce_gradients(self, modules: list[torch.nn.Module]) -> None:
+        """Sum q/k-norm grads over TP (each rank saw only its heads); average `modules` over DP."""
         from megatron.core import parallel_state
 
-        tp_group = parallel_state.get_tensor_model_parallel_group()
-        if self.cfg.tensor_parallel > 1:
+        if self.cfg.tensor_parallel > 1 and self.model in modules:
+            tp_group = parallel_state.get_tensor_model_parallel_group()
             for name, p in self.model.named_parameters():
                 if p.grad is not None and ("q_layernorm" in name or "k_layernorm" in name):
                     dist.all_reduce(p.grad, group=tp_group)
         dp = parallel_state.get_data_parallel_world_size()
         if dp > 1:
             dp_group = parallel_state.get_data_parallel_group()
-            modules = [self.model] + ([self.draft] if self.draft is not None else [])
             for module in modules:
                 for p in module.parameters():
                     if p.grad is not None:
