@@ -43,8 +43,12 @@ def setup() -> tuple[ModelConfig, Qwen3WithMTP, dict[str, torch.Tensor], torch.T
     return mc, engine, model_state_dict(engine), _sample(engine, prompts, 18, seed=2)
 
 
-def test_policy_gradient_identical_with_and_without_draft_loss(setup) -> None:
+@pytest.mark.parametrize("tied", [False, True])
+def test_policy_gradient_identical_with_and_without_draft_loss(setup, tied: bool) -> None:
     mc, _, state, tokens = setup
+    if tied:  # the draft then shares the embedding as its output head: still no path into the trunk
+        mc = ModelConfig.tiny(tie_word_embeddings=True)
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
     batch = _batch(tokens, 6, [1.0, -1.0, 0.5, -0.5])
     grads = []
     for train_draft in (False, True):
