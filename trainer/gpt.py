@@ -132,6 +132,7 @@ def forward(model: Any, tokens: Tensor) -> tuple[Tensor, Tensor]:  # tokens: (B,
     `hidden` is the decoder output after the final norm — the input of the output layer — captured
     with a forward hook on ``model.decoder`` so only GPTModel's public forward is used.
     """
+    platform.apply_cpu_accommodations()  # cheap identity check; megatron calls current_device per forward
     batch, seq = tokens.shape
     captured: list[Tensor] = []
     handle = model.decoder.register_forward_hook(lambda _m, _i, out: captured.append(out))

@@ -36,7 +36,9 @@ from contextlib import closing
 import torch
 import torch.distributed as dist
 
-_ACCOMMODATED = False
+
+def _cpu_current_device() -> torch.device:
+    return torch.device("cpu")
 
 
 def has_cuda() -> bool:
@@ -52,17 +54,12 @@ def device() -> torch.device:
 def apply_cpu_accommodations() -> None:
     """Make megatron-core's CUDA-only calls resolve to the CPU (no-op when CUDA is present).
 
-    Idempotent. Only ``torch.cuda.current_device`` is patched; see the module docstring.
+    Idempotent, and re-applied if something (a test's monkeypatch undo) restored the original.
+    Only ``torch.cuda.current_device`` is patched; see the module docstring.
     """
-    global _ACCOMMODATED
-    if has_cuda() or _ACCOMMODATED:
+    if has_cuda() or torch.cuda.current_device is _cpu_current_device:
         return
-
-    def _cpu_current_device() -> torch.device:
-        return torch.device("cpu")
-
     torch.cuda.current_device = _cpu_current_device  # type: ignore[assignment]
-    _ACCOMMODATED = True
 
 
 def causal_mask(seq_len: int, dev: torch.device | None = None) -> torch.Tensor:
