@@ -18,6 +18,8 @@ from sidecar.types import (
     GenerationRequest,
     GpuTelemetry,
     ModelInfo,
+    PushItem,
+    PushResult,
     RequestLimits,
     Sample,
     SamplingParams,
@@ -26,6 +28,9 @@ from sidecar.types import (
     SpeculationCounters,
     TensorSpec,
     VersionStats,
+    WeightChunk,
+    WeightCommit,
+    WeightManifest,
     WeightSelector,
 )
 
@@ -219,6 +224,85 @@ def tensor_spec_from_pb(msg: weights_pb2.TensorSpec) -> TensorSpec:
             f"of {spec.dtype} ({spec.byte_length} bytes)"
         )
     return spec
+
+
+def manifest_to_pb(manifest: WeightManifest) -> weights_pb2.WeightManifest:
+    return weights_pb2.WeightManifest(
+        version=manifest.version,
+        selector=selector_to_pb(manifest.selector),
+        tensors=[tensor_spec_to_pb(t) for t in manifest.tensors],
+    )
+
+
+def push_item_to_pb(item: PushItem) -> weights_pb2.PushWeightsRequest:
+    """One domain push item as the PushWeights stream message that carries it."""
+    if isinstance(item, WeightManifest):
+        return weights_pb2.PushWeightsRequest(manifest=manifest_to_pb(item))
+    if isinstance(item, WeightChunk):
+        chunk = weights_pb2.WeightChunk(
+            tensor_index=item.tensor_index, offset=item.offset, data=item.data, crc32=item.crc32
+        )
+        if item.tensor_crc32 is not None:
+            chunk.tensor_crc32 = item.tensor_crc32
+        return weights_pb2.PushWeightsRequest(chunk=chunk)
+    return weights_pb2.PushWeightsRequest(commit=weights_pb2.WeightCommit(chunk_count=item.chunk_count))
+
+
+def push_item_from_pb(msg: weights_pb2.PushWeightsRequest) -> PushItem:
+    """Read one PushWeights stream message; InvalidRequestError for an empty one or a bad manifest."""
+    kind = msg.WhichOneof("item")
+    if kind == "manifest":
+        m = msg.manifest
+        return WeightManifest(
+            version=m.version,
+            selector=selector_from_pb(m.selector),
+            tensors=[tensor_spec_from_pb(t) for t in m.tensors],
+        )
+    if kind == "chunk":
+        c = msg.chunk
+        return WeightChunk(
+            tensor_index=c.tensor_index,
+            offset=c.offset,
+            data=c.data,
+            crc32=c.crc32,
+            tensor_crc32=c.tensor_crc32 if c.HasField("tensor_crc32") else None,
+        )
+    if kind == "commit":
+        return WeightCommit(chunk_count=msg.commit.chunk_count)
+    raise InvalidRequestError("a PushWeightsRequest sets none of manifest, chunk or commit; set exactly one")
+
+
+def push_result_to_pb(result: PushResult) -> weights_pb2.PushWeightsResponse:
+    return weights_pb2.PushWeightsResponse(
+        version=result.version,
+        previous_version=result.previous_version,
+        bytes_received=result.bytes_received,
+        tensors_updated=result.tensors_updated,
+        receive_seconds=result.receive_seconds,
+        apply_seconds=result.apply_seconds,
+    )
+
+
+def push_result_from_pb(msg: weights_pb2.PushWeightsResponse) -> PushResult:
+    return PushResult(
+        version=msg.version,
+        previous_version=msg.previous_version,
+        bytes_received=msg.bytes_received,
+        tensors_updated=msg.tensors_updated,
+        receive_seconds=msg.receive_seconds,
+        apply_seconds=msg.apply_seconds,
+    )
+
+
+def describe_weights_to_pb(specs: list[TensorSpec], weight_version: int) -> weights_pb2.DescribeWeightsResponse:
+    return weights_pb2.DescribeWeightsResponse(
+        tensors=[tensor_spec_to_pb(TensorSpec(name=s.name, dtype=s.dtype, shape=s.shape)) for s in specs],
+        weight_version=weight_version,
+    )
+
+
+def describe_weights_from_pb(msg: weights_pb2.DescribeWeightsResponse) -> tuple[list[TensorSpec], int]:
+    return [tensor_spec_from_pb(t) for t in msg.tensors], msg.weight_version
 
 
 # --- control -------------------------------------------------------------------------------
