@@ -259,7 +259,7 @@ class WeightReceiver:
             want = expected.get(spec.name)
             if want is None:
                 raise WeightMismatchError(
-                    f"tensor {spec.name!r} is not part of the {manifest.selector.value} selector; "
+                    f"tensor {spec.name!r} is not part of the {manifest.selector.name} selector; "
                     "push it with a selector that includes it (ALL, TARGET or DRAFT)"
                 )
             if spec.dtype != want.dtype:
@@ -275,7 +275,7 @@ class WeightReceiver:
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise WeightMismatchError(
-                f"the manifest lacks {len(missing)} tensor(s) of the {manifest.selector.value} selector: {shown}; "
+                f"the manifest lacks {len(missing)} tensor(s) of the {manifest.selector.name} selector: {shown}; "
                 "a push must replace the whole selected part"
             )
         return [_StagedTensor(s) for s in manifest.tensors]
@@ -368,8 +368,10 @@ def iter_push_requests(
         raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
     if version <= 0:
         raise ValueError(f"version must be > 0 (the sidecar starts at 0 and versions increase), got {version}")
+    pairs: Iterable[tuple[str, torch.Tensor]] = (
+        named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+    )
     if isinstance(named_tensors, Mapping):
-        pairs: Iterable[tuple[str, torch.Tensor]] = named_tensors.items()
         if specs is None:
             specs = [spec_of(n, t) for n, t in named_tensors.items()]
     elif specs is None:
