@@ -281,11 +281,9 @@ class Sidecar:
             specrl_version = "unknown"
         self.scheduler = Scheduler(engine, self.config.scheduler)
         self.control = ControlService(self.scheduler, self.config.limits, specrl_version)
-        servicers = [
-            RolloutService(self.scheduler, self.config.limits),
-            WeightService(self.scheduler),
-            self.control,
-        ]
+        self.rollout = RolloutService(self.scheduler, self.config.limits)
+        self.weights = WeightService(self.scheduler)
+        servicers = [self.rollout, self.weights, self.control]
         sec = self.config.security
         interceptors = [TokenAuthInterceptor(sec.token)] if sec.token else []
         self.server, self.port, self.health = create_server(
@@ -294,12 +292,17 @@ class Sidecar:
         self.metrics = metrics.SidecarMetrics(self.scheduler)
         self.metrics_port: int | None = None
         self._metrics_server: Any = None
+        self._started = False
 
     @property
     def address(self) -> str:
         return f"{self.config.server.host}:{self.port}"
 
     def start(self) -> Sidecar:
+        """Start serving (idempotent)."""
+        if self._started:
+            return self
+        self._started = True
         self.scheduler.start()
         self.server.start()
         if self.config.metrics_port is not None:
