@@ -375,6 +375,12 @@ class Scheduler:
             live = self._live.get(sample.request_id)
         if live is None:  # cancelled: nobody is listening
             return
+        if sample.weight_version < 0 or sample.last_weight_version < 0:
+            # A sample aborted before its first token has no producing version; report the
+            # served one (the protocol's versions are unsigned).
+            served = self._engine.weight_version
+            sample.weight_version = served if sample.weight_version < 0 else sample.weight_version
+            sample.last_weight_version = served if sample.last_weight_version < 0 else sample.last_weight_version
         live.handle._put(sample)
         live.delivered += 1
         if live.delivered >= live.handle.expected:

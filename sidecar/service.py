@@ -26,7 +26,7 @@ from sidecar import errors, telemetry
 from sidecar.engine.base import Engine
 from sidecar.protocol import services
 from sidecar.protocol.specrl.v1 import control_pb2, rollout_pb2, weights_pb2
-from sidecar.scheduler import Scheduler, SchedulerConfig
+from sidecar.scheduler import RequestCancelled, Scheduler, SchedulerConfig
 from sidecar.security import SecurityConfig, TokenAuthInterceptor, server_credentials
 from sidecar.server import ServerConfig, create_server
 from sidecar.types import GenerationRequest, PushItem, PushResult, RequestLimits, SidecarInfo, SidecarStats
@@ -112,6 +112,8 @@ class RolloutService(services.RolloutServicer):
                 sample = handle.get(timeout=self._poll_s)
             except queue.Empty:
                 continue
+            except RequestCancelled:  # the client left; nobody is listening
+                return
             except Exception as e:
                 _abort(context, e)
             if sample is None:

@@ -121,7 +121,7 @@ PUSH_CASES = [
         lambda: good_messages(tensors={n: t for n, t in weights(1).items() if n != "model.norm.weight"}),
         Code.FAILED_PRECONDITION,
     ),
-    ("version 0 (not newer)", _version0, Code.FAILED_PRECONDITION),
+    ("version 0 (not newer)", lambda: _version0(), Code.FAILED_PRECONDITION),
     ("oversize chunk message", lambda: _oversize(), Code.RESOURCE_EXHAUSTED),
 ]
 
@@ -186,7 +186,7 @@ GENERATE_CASES = [
     ("too many samples", lambda: _with(_req([[1]] * 2), samples_per_prompt=200), Code.INVALID_ARGUMENT),
     ("prompt over the limit", lambda: _req([[1] * 65]), Code.INVALID_ARGUMENT),
     ("max_new_tokens over the limit", lambda: _req(max_new_tokens=251), Code.INVALID_ARGUMENT),
-    ("oversize message", lambda: _req([[1] * 300_000]), Code.RESOURCE_EXHAUSTED),
+    ("oversize message", lambda: _req([[2**31] * 300_000]), Code.RESOURCE_EXHAUSTED),
     ("weights too old", lambda: _with(_req(), min_weight_version=10**6), Code.FAILED_PRECONDITION),
 ]
 
@@ -322,15 +322,24 @@ def test_overload_is_refused_and_a_disconnect_frees_the_slots(checkpoint: Path, 
         SidecarClient(sc.address) as c,
     ):
         c.pause()
-        stream = c.stream_generate(greedy_request([[1]] * 4, n=64))
-        holder = threading.Thread(target=lambda: next(stream, None))
+        leaver = SidecarClient(sc.address)
+        errors: list[SidecarCallError] = []
+
+        def hold() -> None:
+            try:
+                leaver.generate(greedy_request([[1]] * 4, n=64))
+            except SidecarCallError as e:
+                errors.append(e)
+
+        holder = threading.Thread(target=hold)
         holder.start()
         wait_until(lambda: c.stats().queued_sequences == 4, what="first request admitted")
         with pytest.raises(SidecarCallError) as err:
             c.generate(greedy_request([[2]]))
         assert err.value.code == Code.RESOURCE_EXHAUSTED and "retry" in err.value.details
-        stream.close()  # the client goes away: its slots are freed
+        leaver.close()  # the client goes away: its slots are freed
         holder.join(DEADLINE)
+        assert errors and errors[0].code == Code.CANCELLED
         wait_until(lambda: c.stats().queued_sequences + c.stats().running_sequences == 0, what="slots freed")
         c.resume()
         assert [s.token_ids for s in c.generate(greedy_request(PROMPTS[:1]))] == oracle[:1]
@@ -339,8 +348,7 @@ def test_overload_is_refused_and_a_disconnect_frees_the_slots(checkpoint: Path, 
 def test_a_duplicate_live_request_id_is_refused(checkpoint: Path) -> None:
     with start_sidecar(checkpoint) as sc, SidecarClient(sc.address) as c:
         c.pause()
-        stream = c.stream_generate(greedy_request([[1]], request_id="same"))
-        holder = threading.Thread(target=lambda: next(stream, None))
+        holder = threading.Thread(target=lambda: c.generate(greedy_request([[1]], request_id="same")))
         holder.start()
         wait_until(lambda: c.stats().queued_sequences == 1, what="admission")
         with pytest.raises(SidecarCallError) as err:
