@@ -232,12 +232,23 @@ class SidecarClient:
         if specs is None and not isinstance(named_tensors, Mapping):
             specs, _ = self.describe_weights(selector)
         items = iter_push_requests(named_tensors, version, selector, chunk_bytes, specs=specs)
-        requests = (convert.push_item_to_pb(item) for item in items)
+        sender_failure: list[Exception] = []
+
+        def requests() -> Iterator[weights_pb2.PushWeightsRequest]:
+            try:
+                for item in items:
+                    yield convert.push_item_to_pb(item)
+            except Exception as e:  # gRPC would hide it behind UNKNOWN; re-raised below
+                sender_failure.append(e)
+                raise
+
         try:
             msg = self._weights.PushWeights(
-                requests, timeout=timeout_s or self.config.push_timeout_s, metadata=self._metadata
+                requests(), timeout=timeout_s or self.config.push_timeout_s, metadata=self._metadata
             )
         except grpc.RpcError as e:
+            if sender_failure:  # our own tensors were wrong; the stream ended without a commit
+                raise sender_failure[0] from None
             raise self._error("PushWeights", e) from None
         return convert.push_result_from_pb(msg)
 

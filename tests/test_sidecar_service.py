@@ -110,7 +110,11 @@ PUSH_CASES = [
     ("tensor checksum mismatch", lambda: flip_tensor_crc(good_messages()), Code.INVALID_ARGUMENT),
     ("unknown dtype", lambda: with_dtype(good_messages(), weights_pb2.D_TYPE_UNSPECIFIED), Code.INVALID_ARGUMENT),
     ("unknown tensor", lambda: good_messages(tensors={**weights(1), "model.extra": torch.zeros(3)}), Code.NOT_FOUND),
-    ("wrong dtype", lambda: good_messages(tensors={n: t.half() for n, t in weights(1).items()}), Code.FAILED_PRECONDITION),
+    (
+        "wrong dtype",
+        lambda: good_messages(tensors={n: t.half() for n, t in weights(1).items()}),
+        Code.FAILED_PRECONDITION,
+    ),
     (
         "wrong shape",
         lambda: good_messages(tensors={**weights(1), "model.norm.weight": torch.ones(3)}),
@@ -176,7 +180,11 @@ GENERATE_CASES = [
     ("no prompts", lambda: _req([]), Code.INVALID_ARGUMENT),
     ("empty prompt", lambda: _req([[1], []]), Code.INVALID_ARGUMENT),
     ("out-of-vocab id", lambda: _req([[1, 64]]), Code.INVALID_ARGUMENT),
-    ("no sampling", lambda: rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(token_ids=[1])]), Code.INVALID_ARGUMENT),
+    (
+        "no sampling",
+        lambda: rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(token_ids=[1])]),
+        Code.INVALID_ARGUMENT,
+    ),
     ("max_new_tokens 0", lambda: _req(max_new_tokens=0), Code.INVALID_ARGUMENT),
     ("negative temperature", lambda: _req(temperature=-1.0), Code.INVALID_ARGUMENT),
     ("top_p 0", lambda: _req(top_p=0.0), Code.INVALID_ARGUMENT),
