@@ -66,9 +66,8 @@ def greedy_tokens(client: SidecarClient) -> list[list[int]]:
 
 
 def push_raw(address: str, messages: list[weights_pb2.PushWeightsRequest]) -> grpc.RpcError:
-    with grpc.insecure_channel(address) as ch:
-        with pytest.raises(grpc.RpcError) as err:
-            services.WeightStub(ch).PushWeights(iter(messages), timeout=DEADLINE)
+    with grpc.insecure_channel(address) as ch, pytest.raises(grpc.RpcError) as err:
+        services.WeightStub(ch).PushWeights(iter(messages), timeout=DEADLINE)
     return err.value
 
 
