@@ -16,16 +16,18 @@ from types import FrameType
 
 import click
 
+from sidecar.engine.base import Engine
+
 log = logging.getLogger("specrl.serve")
 
 SGLANG_UNAVAILABLE = "SGLang engine not available in this build: install specrl[sglang] on a GPU node"
 
 
-def load_engine(engine: str, model: Path, *, device: str, spec_k: int, max_spec_k: int, max_batch_size: int):  # type: ignore[no-untyped-def]
+def load_engine(engine: str, model: Path, *, device: str, spec_k: int, max_spec_k: int, max_batch_size: int) -> Engine:
     """The engine serving `model` (an Engine); click.ClickException when it cannot be built."""
     if engine == "sglang":
         try:
-            from sidecar.engine.sglang_engine import SGLangEngine  # type: ignore[import-not-found]
+            from sidecar.engine.sglang_engine import SGLangEngine
         except ImportError:
             raise click.ClickException(SGLANG_UNAVAILABLE) from None
         return SGLangEngine.from_checkpoint(

@@ -90,7 +90,7 @@ class RequestHandle:
             return None
         if isinstance(item, BaseException):
             raise item
-        return item  # type: ignore[no-any-return]
+        return item
 
     def cancel(self) -> None:
         """The client went away: abort its sequences and drop their output (idempotent)."""
@@ -201,7 +201,11 @@ class Scheduler:
         with self._lock:
             if request_id not in self._live:
                 return
-        self._commands.put(lambda: self._do_abort(request_id, deliver=False))
+
+        def run() -> None:
+            self._do_abort(request_id, deliver=False)
+
+        self._commands.put(run)
 
     def set_speculation_k(self, k: int) -> int:
         """Set the engine's default k; returns the previous one. ValueError beyond max."""

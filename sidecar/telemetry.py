@@ -41,9 +41,10 @@ def _nvml() -> Any:
         return _state["nvml"]
 
 
-def _read(fn: Callable[[], T], default: T, nvml: Any) -> T:
+def _read(nvml: Any, default: T, fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args), or `default` when the device does not support that reading."""
     try:
-        return fn()
+        return fn(*args)
     except nvml.NVMLError:
         return default
 
@@ -64,11 +65,12 @@ def gpu_telemetry() -> list[GpuTelemetry]:
             h = nvml.nvmlDeviceGetHandleByIndex(i)
         except nvml.NVMLError:
             continue
-        name = _read(lambda h=h: nvml.nvmlDeviceGetName(h), "", nvml)
-        mem = _read(lambda h=h: nvml.nvmlDeviceGetMemoryInfo(h), None, nvml)
-        util = _read(lambda h=h: nvml.nvmlDeviceGetUtilizationRates(h).gpu, 0, nvml)
-        temp = _read(lambda h=h: nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU), 0, nvml)
-        power_mw = _read(lambda h=h: nvml.nvmlDeviceGetPowerUsage(h), 0, nvml)
+        name: Any = _read(nvml, "", nvml.nvmlDeviceGetName, h)
+        mem: Any = _read(nvml, None, nvml.nvmlDeviceGetMemoryInfo, h)
+        rates: Any = _read(nvml, None, nvml.nvmlDeviceGetUtilizationRates, h)
+        util = rates.gpu if rates is not None else 0
+        temp: Any = _read(nvml, 0, nvml.nvmlDeviceGetTemperature, h, nvml.NVML_TEMPERATURE_GPU)
+        power_mw: Any = _read(nvml, 0, nvml.nvmlDeviceGetPowerUsage, h)
         gpus.append(
             GpuTelemetry(
                 index=i,
