@@ -70,7 +70,10 @@ def load_engine(engine: str, model: Path, *, device: str, spec_k: int, max_spec_
 @click.option("--token", default=None, help="Bearer token required on every RPC (or --token-file / $SPECRL_TOKEN).")
 @click.option("--token-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None)
 @click.option(
-    "--metrics-port", type=click.IntRange(0, 65535), default=None, help="Prometheus endpoint (off unless set)."
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Prometheus endpoint port on --host (off unless set).",
 )
 @click.option("--grace", type=click.FloatRange(0), default=5.0, show_default=True, help="Shutdown grace seconds.")
 @click.option("--log-level", default="INFO", show_default=True)
@@ -114,6 +117,7 @@ def serve(
             limits=RequestLimits(max_samples=min(4096, max_live_sequences)),
             security=security,
             metrics_port=metrics_port,
+            metrics_host=host,
             shutdown_grace_s=grace,
         )
     except ValueError as e:

@@ -1,4 +1,4 @@
-"""Prometheus metrics of a sidecar (prometheus-client), off by default.
+"""Observability of a sidecar: Prometheus metrics (prometheus-client) and GPU telemetry (NVML).
 
 A custom collector reads the scheduler's snapshot at scrape time, so nothing is updated on
 the hot path and the exported values are exactly GetStats' raw counters (plus a few derived
@@ -13,19 +13,30 @@ Exported (prefix `specrl_`):
   position), all over the served weight version so they follow the current policy;
   `tokens_per_second` (over the scheduler's throughput window), `queue_depth`,
   `running_sequences`, `weight_version`, `paused`, `speculation_k`.
+
+GPU telemetry comes from NVML (nvidia-ml-py) and is cleanly absent where there is no NVIDIA
+driver: on a CPU-only machine `pynvml` imports but `nvmlInit` raises `NVMLError` (no driver
+library); then, and if the package is missing, `gpu_telemetry()` is empty and says so once in
+the log. A reading a device does not support (e.g. power on some boards) is left at 0 rather
+than failing the whole report.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from sidecar.scheduler import Scheduler
-from sidecar.types import SpeculationCounters
+from sidecar.types import GpuTelemetry, SpeculationCounters
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class SidecarMetrics(Collector):
@@ -87,3 +98,72 @@ class SidecarMetrics(Collector):
         """Start the HTTP endpoint on a daemon thread; returns (server, bound port)."""
         server, _thread = start_http_server(port, addr=host, registry=self.registry)
         return server, server.server_port
+
+
+# --- GPU telemetry (NVML) ---------------------------------------------------------------
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {"tried": False, "nvml": None}
+
+
+def _nvml() -> Any:
+    """The initialised pynvml module, or None without a usable NVIDIA driver."""
+    with _lock:
+        if not _state["tried"]:
+            _state["tried"] = True
+            try:
+                import pynvml
+            except ImportError:
+                log.info("nvidia-ml-py is not installed; GPU telemetry is off")
+                return None
+            try:
+                pynvml.nvmlInit()
+            except pynvml.NVMLError as e:
+                log.info("NVML unavailable (%s); GPU telemetry is off", e)
+                return None
+            _state["nvml"] = pynvml
+        return _state["nvml"]
+
+
+def _read(nvml: Any, default: T, fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args), or `default` when the device does not support that reading."""
+    try:
+        return fn(*args)
+    except nvml.NVMLError:
+        return default
+
+
+def gpu_telemetry() -> list[GpuTelemetry]:
+    """Live readings of every visible GPU; [] without NVML."""
+    nvml = _nvml()
+    if nvml is None:
+        return []
+    try:
+        count = nvml.nvmlDeviceGetCount()
+    except nvml.NVMLError as e:
+        log.warning("NVML device count failed: %s", e)
+        return []
+    gpus = []
+    for i in range(count):
+        try:
+            h = nvml.nvmlDeviceGetHandleByIndex(i)
+        except nvml.NVMLError:
+            continue
+        name: Any = _read(nvml, "", nvml.nvmlDeviceGetName, h)
+        mem: Any = _read(nvml, None, nvml.nvmlDeviceGetMemoryInfo, h)
+        rates: Any = _read(nvml, None, nvml.nvmlDeviceGetUtilizationRates, h)
+        util = rates.gpu if rates is not None else 0
+        temp: Any = _read(nvml, 0, nvml.nvmlDeviceGetTemperature, h, nvml.NVML_TEMPERATURE_GPU)
+        power_mw: Any = _read(nvml, 0, nvml.nvmlDeviceGetPowerUsage, h)
+        gpus.append(
+            GpuTelemetry(
+                index=i,
+                name=name.decode() if isinstance(name, bytes) else str(name),
+                memory_total_bytes=int(mem.total) if mem is not None else 0,
+                memory_used_bytes=int(mem.used) if mem is not None else 0,
+                utilization_percent=int(util),
+                temperature_celsius=int(temp),
+                power_watts=power_mw / 1000.0,
+            )
+        )
+    return gpus

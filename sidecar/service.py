@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 import grpc
 
 import sidecar.protocol.convert as convert
-from sidecar import errors, telemetry
+from sidecar import errors, metrics
 from sidecar.engine.base import Engine
 from sidecar.protocol import services
 from sidecar.protocol.specrl.v1 import control_pb2, rollout_pb2, weights_pb2
@@ -30,7 +30,7 @@ from sidecar.scheduler import RequestCancelled, Scheduler, SchedulerConfig
 from sidecar.security import SecurityConfig, TokenAuthInterceptor, server_credentials
 from sidecar.server import ServerConfig, create_server
 from sidecar.types import GenerationRequest, PushItem, PushResult, RequestLimits, SidecarInfo, SidecarStats
-from sidecar.weights import WeightReceiver
+from sidecar.weights import WeightReceiver, release_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -57,14 +57,16 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-def _abort(context: grpc.ServicerContext, exc: BaseException) -> NoReturn:
+def _status_and_message(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     code = status_for(exc)
     if code == grpc.StatusCode.INTERNAL and not isinstance(exc, errors.SpecrlError):
-        log.exception("unexpected error in an RPC", exc_info=exc)
-        message = f"internal error ({type(exc).__name__}: {exc}); the sidecar is still serving, retry or report it"
-    else:
-        message = str(exc)
-    context.abort(code, message)
+        log.error("unexpected error in an RPC", exc_info=exc)
+        return code, f"internal error ({type(exc).__name__}: {exc}); the sidecar is still serving, retry or report it"
+    return code, str(exc)
+
+
+def _abort(context: grpc.ServicerContext, exc: BaseException) -> NoReturn:
+    context.abort(*_status_and_message(exc))
     raise AssertionError("context.abort returned")  # grpc raises; this line documents NoReturn
 
 
@@ -140,26 +142,31 @@ class WeightService(services.WeightServicer):
         )
 
     def PushWeights(self, request_iterator: Iterator[Any], context: grpc.ServicerContext) -> Any:
+        failure: tuple[grpc.StatusCode, str] | None = None
         try:
-            with self._receiver.claim():
-                staged = self._receiver.receive(_push_items(request_iterator, context), is_active=context.is_active)
-                if not context.is_active():
-                    raise errors.PushCancelledError("the client went away before the push was applied")
-                remaining = context.time_remaining()
-                previous, apply_s = self._scheduler.apply_weights(staged, timeout_s=remaining)
+            result = self._push(request_iterator, context)
         except Exception as e:
-            _abort(context, e)
-        del staged.tensors  # the engine holds its own copy now
+            failure = _status_and_message(e)
+        release_freed_memory()  # the staging tensors died with _push's frame
+        if failure is not None:
+            context.abort(*failure)
+        return convert.push_result_to_pb(result)
+
+    def _push(self, request_iterator: Iterator[Any], context: grpc.ServicerContext) -> PushResult:
+        with self._receiver.claim():
+            staged = self._receiver.receive(_push_items(request_iterator, context), is_active=context.is_active)
+            if not context.is_active():
+                raise errors.PushCancelledError("the client went away before the push was applied")
+            previous, apply_s = self._scheduler.apply_weights(staged, timeout_s=context.time_remaining())
         log.info("serving weight version %d (was %d)", staged.version, previous)
-        result = PushResult(
+        return PushResult(
             version=staged.version,
             previous_version=previous,
             bytes_received=staged.bytes_received,
-            tensors_updated=len(self._scheduler.model_specs(staged.selector)),
+            tensors_updated=len(staged.tensors),
             receive_seconds=staged.receive_seconds,
             apply_seconds=apply_s,
         )
-        return convert.push_result_to_pb(result)
 
     def DescribeWeights(self, request: weights_pb2.DescribeWeightsRequest, context: grpc.ServicerContext) -> Any:
         try:
@@ -195,7 +202,7 @@ class ControlService(services.ControlServicer):
             weight_version=snap.weight_version,
             paused=snap.paused,
             limits=self._limits,
-            gpus=telemetry.gpu_telemetry(),
+            gpus=metrics.gpu_telemetry(),
             specrl_version=self._specrl_version,
         )
 
@@ -273,8 +280,6 @@ class Sidecar:
 
     def __init__(self, engine: Engine, config: SidecarConfig | None = None) -> None:
         from importlib.metadata import PackageNotFoundError, version
-
-        from sidecar import metrics
 
         self.config = config or SidecarConfig()
         try:
