@@ -116,6 +116,12 @@ class SidecarClient:
         self._weights = services.WeightStub(self.channel)
         self._control = services.ControlStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
+        # PushWeights with pre-serialised requests (convert.push_item_to_wire: one copy per chunk).
+        self._push = self.channel.stream_unary(
+            services.PUSH_WEIGHTS_METHOD,
+            request_serializer=None,
+            response_deserializer=weights_pb2.PushWeightsResponse.FromString,
+        )
 
     # --- plumbing ---------------------------------------------------------------------------
 
@@ -234,18 +240,16 @@ class SidecarClient:
         items = iter_push_requests(named_tensors, version, selector, chunk_bytes, specs=specs)
         sender_failure: list[Exception] = []
 
-        def requests() -> Iterator[weights_pb2.PushWeightsRequest]:
+        def requests() -> Iterator[bytes]:
             try:
                 for item in items:
-                    yield convert.push_item_to_pb(item)
+                    yield convert.push_item_to_wire(item)
             except Exception as e:  # gRPC would hide it behind UNKNOWN; re-raised below
                 sender_failure.append(e)
                 raise
 
         try:
-            msg = self._weights.PushWeights(
-                requests(), timeout=timeout_s or self.config.push_timeout_s, metadata=self._metadata
-            )
+            msg = self._push(requests(), timeout=timeout_s or self.config.push_timeout_s, metadata=self._metadata)
         except grpc.RpcError as e:
             if sender_failure:  # our own tensors were wrong; the stream ended without a commit
                 raise sender_failure[0] from None

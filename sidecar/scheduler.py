@@ -320,6 +320,7 @@ class Scheduler:
                 except queue.Empty:
                     continue
                 self._run_command(cmd)
+                del cmd  # a command may hold a model-sized weight update: drop it now, not at the next one
                 continue
             self._step()
         self._abort_all(ShuttingDownError("the sidecar shut down before the request finished; retry elsewhere"))

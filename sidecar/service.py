@@ -177,10 +177,13 @@ class WeightService(services.WeightServicer):
 
 
 def _push_items(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[PushItem]:
-    """The push stream as domain items; a vanished client becomes PushCancelledError."""
+    """The push stream (already domain items, see services.PUSH_WEIGHTS_METHOD); a message that
+    could not be read raises its InvalidRequestError, a vanished client PushCancelledError."""
     try:
-        for msg in requests:
-            yield convert.push_item_from_pb(msg)
+        for item in requests:
+            if isinstance(item, Exception):
+                raise item
+            yield item
     except grpc.RpcError:
         raise errors.PushCancelledError(
             "the client cancelled the push mid-stream; nothing was applied, the old weights still serve"

@@ -294,7 +294,8 @@ class WeightChunk:
 
     tensor_index: int
     offset: int
-    data: bytes
+    data: bytes | memoryview
+    """The payload (a memoryview of the received message on the server: no copy)."""
     crc32: int
     """CRC-32 (zlib) of `data`."""
     tensor_crc32: int | None = None

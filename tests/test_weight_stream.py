@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import sidecar.protocol.convert as convert
 from sidecar.errors import (
     InvalidRequestError,
     PushCancelledError,
@@ -19,6 +20,7 @@ from sidecar.errors import (
     UnknownTensorError,
     WeightMismatchError,
 )
+from sidecar.protocol.specrl.v1 import weights_pb2
 from sidecar.types import PushItem, TensorSpec, WeightChunk, WeightCommit, WeightManifest, WeightSelector
 from sidecar.weights import WeightReceiver, crc32_combine, iter_push_requests, spec_of
 
@@ -215,3 +217,70 @@ def test_a_vanished_client_is_a_cancellation_and_pushes_are_serialised() -> None
         rx.claim()
     with rx.claim():  # released after the first claim ended
         pass
+
+
+# --- the wire fast path of chunks against the protobuf runtime (the oracle) -----------------
+
+u32 = st.integers(0, 2**32 - 1)
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, WeightChunk) and isinstance(b, WeightChunk):
+        return (a.tensor_index, a.offset, bytes(a.data), a.crc32, a.tensor_crc32) == (
+            b.tensor_index,
+            b.offset,
+            bytes(b.data),
+            b.crc32,
+            b.tensor_crc32,
+        )
+    return a == b
+
+
+@settings(max_examples=150, deadline=None)
+@given(index=u32, offset=st.integers(0, 2**64 - 1), data=st.binary(max_size=300), crc=u32, tcrc=st.none() | u32)
+def test_chunk_wire_encoding_is_protobufs_and_reads_back(
+    index: int, offset: int, data: bytes, crc: int, tcrc: int | None
+) -> None:
+    item = WeightChunk(tensor_index=index, offset=offset, data=data, crc32=crc, tensor_crc32=tcrc)
+    wire = convert.push_item_to_wire(item)
+    assert wire == convert.push_item_to_pb(item).SerializeToString()
+    assert _same(convert.push_item_from_wire(wire), item)
+
+
+def _field(tag: int, value: int | bytes) -> bytes:
+    if tag in (0x25, 0x2D):
+        return bytes([tag]) + int(value).to_bytes(4, "little")  # type: ignore[arg-type]
+    if tag == 0x1A:
+        assert isinstance(value, bytes)
+        return bytes([tag]) + convert._varint(len(value)) + value
+    return bytes([tag]) + convert._varint(int(value))  # type: ignore[arg-type]
+
+
+fields = st.one_of(
+    st.tuples(st.sampled_from([0x08, 0x10]), st.integers(0, 2**70)),
+    st.tuples(st.just(0x1A), st.binary(max_size=20)),
+    st.tuples(st.sampled_from([0x25, 0x2D]), u32),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(body=st.lists(fields, max_size=7), junk=st.binary(max_size=3), whole=st.booleans())
+def test_any_chunk_bytes_read_exactly_as_protobuf_reads_them(
+    body: list[tuple[int, int | bytes]], junk: bytes, whole: bool
+) -> None:
+    inner = b"".join(_field(t, v) for t, v in body) + (b"" if whole else junk)
+    raw = b"\x12" + convert._varint(len(inner)) + inner
+    got = convert.push_item_from_wire(raw)
+    try:
+        want = convert.push_item_from_pb(weights_pb2.PushWeightsRequest.FromString(raw))
+    except Exception:
+        assert isinstance(got, InvalidRequestError)
+        return
+    assert _same(got, want)
+
+
+@settings(max_examples=200, deadline=None)
+@given(raw=st.binary(max_size=40))
+def test_random_bytes_never_escape_as_anything_but_invalid_argument(raw: bytes) -> None:
+    got = convert.push_item_from_wire(raw)
+    assert isinstance(got, (InvalidRequestError, WeightManifest, WeightChunk, WeightCommit))
