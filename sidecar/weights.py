@@ -23,12 +23,14 @@ know it when it writes the manifest.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import sys
 import threading
 import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,6 +48,9 @@ from sidecar.types import PushItem, TensorSpec, WeightChunk, WeightCommit, Weigh
 
 if sys.byteorder != "little":  # the wire format is little-endian; so is every supported host
     raise ImportError("sidecar.weights needs a little-endian host (the specrl.v1 tensor bytes are little-endian)")
+
+_IN_FLIGHT = 2
+"""Chunks a receiver holds beyond the one being read (bounds memory to a few chunk sizes)."""
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 """4 MiB: large enough that per-message overhead is negligible, far below the 64 MiB limit."""
@@ -117,6 +122,20 @@ def release_freed_memory() -> None:
         trim(0)
 
 
+def prefer_mmap_for_large_buffers(threshold_bytes: int = 1 << 20) -> bool:
+    """Make glibc serve every allocation >= `threshold_bytes` with its own mmap (returned to the
+    OS on free) instead of letting its dynamic threshold grow past chunk- and tensor-sized
+    buffers, which would then fragment the heap during every push. Process-wide: call it once
+    from the process's entry point (`specrl serve` does). Returns False where unsupported."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    mallopt = getattr(libc, "mallopt", None)
+    m_mmap_threshold = -3
+    return bool(mallopt is not None and mallopt(m_mmap_threshold, threshold_bytes) == 1)
+
+
 # --- tensors as bytes -----------------------------------------------------------------------
 
 
@@ -148,16 +167,17 @@ class StagedWeights:
 class _StagedTensor:
     """One manifest entry being received into its final buffer."""
 
-    __slots__ = ("buffer", "crc", "received", "spec", "view")
+    __slots__ = ("buffer", "crc", "received", "scheduled", "spec", "view")
 
     def __init__(self, spec: TensorSpec) -> None:
         self.spec = spec
         self.buffer: torch.Tensor | None = None  # allocated on the first chunk
         self.view: np.ndarray | None = None  # uint8 view of buffer
-        self.received = 0
+        self.scheduled = 0  # bytes accepted by the receiving thread
+        self.received = 0  # bytes checked and copied by the staging thread
         self.crc = 0
 
-    def write(self, offset: int, data: bytes) -> None:
+    def write(self, offset: int, data: bytes | memoryview) -> None:
         if self.buffer is None:
             self.buffer = torch.empty(self.spec.shape, dtype=self.spec.dtype)
             self.view = tensor_bytes(self.buffer)
@@ -216,27 +236,42 @@ class WeightReceiver:
         commit: WeightCommit | None = None
         # Bound the loop: one-byte chunks, a commit and one stray message at worst.
         max_items = sum(t.spec.byte_length for t in staged) + len(staged) + 2
-        for _ in range(max_items):
-            item = _next_item(items, is_active, "a chunk or the commit")
-            if item is None:
-                break
-            if commit is not None:
-                raise InvalidRequestError(
-                    f"a {_kind(item)} arrived after the commit; the commit must be the last message of a push"
-                )
-            if isinstance(item, WeightManifest):
-                raise InvalidRequestError("a second manifest arrived; a push carries exactly one manifest, first")
-            if isinstance(item, WeightCommit):
-                commit = item
-                continue
-            self._stage_chunk(staged, item, chunk_count)
-            chunk_count += 1
-            bytes_received += len(item.data)
-        else:
-            raise InvalidRequestError(
-                f"the push stream has more than {max_items} messages for {len(staged)} tensors; "
-                "send each tensor's bytes once, then the commit"
-            )
+        # Checksumming and copying a chunk (which release the GIL) run on a staging thread while
+        # this one waits for the next message; at most _IN_FLIGHT chunks are held at a time.
+        in_flight: collections.deque[Future[None]] = collections.deque()
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="specrl-stage") as stager:
+            try:
+                for _ in range(max_items):
+                    item = _next_item(items, is_active, "a chunk or the commit")
+                    if item is None:
+                        break
+                    if commit is not None:
+                        raise InvalidRequestError(
+                            f"a {_kind(item)} arrived after the commit; the commit must be the last message of a push"
+                        )
+                    if isinstance(item, WeightManifest):
+                        raise InvalidRequestError(
+                            "a second manifest arrived; a push carries exactly one manifest, first"
+                        )
+                    if isinstance(item, WeightCommit):
+                        commit = item
+                        continue
+                    t = self._accept_chunk(staged, item, chunk_count)
+                    in_flight.append(stager.submit(_verify_and_copy, t, item, chunk_count))
+                    chunk_count += 1
+                    bytes_received += len(item.data)
+                    while len(in_flight) > _IN_FLIGHT:
+                        in_flight.popleft().result()
+                else:
+                    raise InvalidRequestError(
+                        f"the push stream has more than {max_items} messages for {len(staged)} tensors; "
+                        "send each tensor's bytes once, then the commit"
+                    )
+                while in_flight:
+                    in_flight.popleft().result()
+            finally:
+                for f in in_flight:
+                    f.cancel()
         if commit is None:
             raise InvalidRequestError(
                 f"the push stream ended after {chunk_count} chunks without a commit (truncated); "
@@ -306,40 +341,47 @@ class WeightReceiver:
         return [_StagedTensor(s) for s in manifest.tensors]
 
     @staticmethod
-    def _stage_chunk(staged: list[_StagedTensor], chunk: WeightChunk, number: int) -> None:
+    def _accept_chunk(staged: list[_StagedTensor], chunk: WeightChunk, number: int) -> _StagedTensor:
+        """Structural checks of a chunk (index, order, bounds), in the receiving thread."""
         if chunk.tensor_index >= len(staged):
             raise InvalidRequestError(
                 f"chunk {number} names tensor index {chunk.tensor_index} but the manifest has {len(staged)} tensors"
             )
         t = staged[chunk.tensor_index]
-        if chunk.offset != t.received:
+        if chunk.offset != t.scheduled:
             raise InvalidRequestError(
-                f"chunk {number} of tensor {t.spec.name!r} starts at byte {chunk.offset} but {t.received} bytes "
+                f"chunk {number} of tensor {t.spec.name!r} starts at byte {chunk.offset} but {t.scheduled} bytes "
                 "were received so far; send each tensor's chunks in order"
             )
-        if t.received + len(chunk.data) > t.spec.byte_length:
+        if t.scheduled + len(chunk.data) > t.spec.byte_length:
             raise InvalidRequestError(
                 f"chunk {number} runs past the end of tensor {t.spec.name!r} "
-                f"({t.received} + {len(chunk.data)} > {t.spec.byte_length} bytes)"
+                f"({t.scheduled} + {len(chunk.data)} > {t.spec.byte_length} bytes)"
             )
-        crc = zlib.crc32(chunk.data)
-        if crc != chunk.crc32:
-            raise InvalidRequestError(
-                f"chunk {number} of tensor {t.spec.name!r} at byte {chunk.offset} has CRC-32 {crc:#010x}, "
-                f"not the {chunk.crc32:#010x} it was sent with; the bytes were corrupted, push again"
-            )
-        t.write(chunk.offset, chunk.data)
-        t.crc = crc32_combine(t.crc, crc, len(chunk.data))
-        if t.received == t.spec.byte_length:
-            want = chunk.tensor_crc32 if chunk.tensor_crc32 is not None else t.spec.crc32
-            if t.crc != want:
-                raise InvalidRequestError(
-                    f"tensor {t.spec.name!r} has CRC-32 {t.crc:#010x} but was announced with {want:#010x}; "
-                    "its bytes differ from what the sender checksummed, push again"
-                )
-        elif chunk.tensor_crc32 is not None:
+        t.scheduled += len(chunk.data)
+        if chunk.tensor_crc32 is not None and t.scheduled != t.spec.byte_length:
             raise InvalidRequestError(
                 f"chunk {number} carries tensor_crc32 but is not the last chunk of tensor {t.spec.name!r}"
+            )
+        return t
+
+
+def _verify_and_copy(t: _StagedTensor, chunk: WeightChunk, number: int) -> None:
+    """Checksum a chunk and copy it into its tensor's buffer (on the staging thread, in order)."""
+    crc = zlib.crc32(chunk.data)
+    if crc != chunk.crc32:
+        raise InvalidRequestError(
+            f"chunk {number} of tensor {t.spec.name!r} at byte {chunk.offset} has CRC-32 {crc:#010x}, "
+            f"not the {chunk.crc32:#010x} it was sent with; the bytes were corrupted, push again"
+        )
+    t.write(chunk.offset, chunk.data)
+    t.crc = crc32_combine(t.crc, crc, len(chunk.data))
+    if t.received == t.spec.byte_length:
+        want = chunk.tensor_crc32 if chunk.tensor_crc32 is not None else t.spec.crc32
+        if t.crc != want:
+            raise InvalidRequestError(
+                f"tensor {t.spec.name!r} has CRC-32 {t.crc:#010x} but was announced with {want:#010x}; "
+                "its bytes differ from what the sender checksummed, push again"
             )
 
 
