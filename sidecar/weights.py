@@ -122,10 +122,12 @@ def release_freed_memory() -> None:
         trim(0)
 
 
-def prefer_mmap_for_large_buffers(threshold_bytes: int = 1 << 20) -> bool:
+def prefer_mmap_for_large_buffers(threshold_bytes: int = 8 << 20) -> bool:
     """Make glibc serve every allocation >= `threshold_bytes` with its own mmap (returned to the
-    OS on free) instead of letting its dynamic threshold grow past chunk- and tensor-sized
-    buffers, which would then fragment the heap during every push. Process-wide: call it once
+    OS on free) instead of letting its dynamic threshold grow past tensor-sized buffers, which
+    would then fragment the heap during every push. The default, 8 MiB, stays above the 4 MiB
+    chunk messages, whose heap blocks are reused from one message to the next (an mmap per
+    message would page-fault every received byte twice). Process-wide: call it once
     from the process's entry point (`specrl serve` does). Returns False where unsupported."""
     try:
         libc = ctypes.CDLL("libc.so.6")
