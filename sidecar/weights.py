@@ -465,7 +465,7 @@ def iter_push_requests(
         total = view.nbytes
         crc = 0
         for offset in range(0, total, chunk_bytes):
-            data = memoryview(view[offset : offset + chunk_bytes])  # no copy: the encoder's join copies once
+            data = memoryview(view[offset : offset + chunk_bytes].data)  # no copy: the encoder's join copies once
             chunk_crc = zlib.crc32(data)
             crc = crc32_combine(crc, chunk_crc, len(data))
             last = offset + len(data) >= total
