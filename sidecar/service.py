@@ -108,7 +108,9 @@ class RolloutService(services.RolloutServicer):
             handle = self._scheduler.submit(domain)
         except Exception as e:
             _abort(context, e)
-        context.add_callback(handle.cancel)
+        if not context.add_callback(handle.cancel):  # the call already ended: free the slots now
+            handle.cancel()
+            return
         while context.is_active():  # ends when the client leaves (the callback frees its slots)
             try:
                 sample = handle.get(timeout=self._poll_s)
