@@ -224,3 +224,56 @@ class EngineInfo:
     """"mtp", or "" when the model has no draft."""
     speculation_k: int
     max_speculation_k: int
+
+
+@dataclass(kw_only=True, slots=True)
+class RequestLimits:
+    """Per-request limits a sidecar enforces with INVALID_ARGUMENT."""
+
+    max_prompts: int = 1024
+    max_samples: int = 4096
+    max_prompt_tokens: int = 32768
+    max_new_tokens: int = 32768
+
+    def __post_init__(self) -> None:
+        for name in ("max_prompts", "max_samples", "max_prompt_tokens", "max_new_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"RequestLimits.{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass(kw_only=True, slots=True)
+class GpuTelemetry:
+    """One GPU's live readings (NVML)."""
+
+    index: int
+    name: str
+    memory_total_bytes: int = 0
+    memory_used_bytes: int = 0
+    utilization_percent: int = 0
+    temperature_celsius: int = 0
+    power_watts: float = 0.0
+
+
+@dataclass(kw_only=True, slots=True)
+class SidecarInfo:
+    """Everything GetInfo reports about a sidecar."""
+
+    engine: EngineInfo
+    weight_version: int
+    paused: bool
+    limits: RequestLimits
+    gpus: list[GpuTelemetry] = field(default_factory=list)
+    protocol: str = "specrl.v1"
+    specrl_version: str = ""
+
+
+@dataclass(kw_only=True, slots=True)
+class SidecarStats:
+    """Everything GetStats reports: raw counters per weight version and the load."""
+
+    versions: list[VersionStats]
+    total: SpeculationCounters
+    weight_version: int
+    queued_sequences: int = 0
+    running_sequences: int = 0
+    uptime_seconds: float = 0.0

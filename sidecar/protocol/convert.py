@@ -1,0 +1,360 @@
+"""Conversion between specrl.v1 protobuf messages and the domain types of `sidecar.types`.
+
+The one place where generated protobuf code meets the rest of specrl; the server and the
+client both convert here, so the two sides cannot drift apart. `*_to_pb` builds a message,
+`*_from_pb` reads one; `*_from_pb` raises `InvalidRequestError` (never a bare protobuf or
+ValueError) for a message whose content is not acceptable, naming the field.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sidecar.errors import InvalidRequestError
+from sidecar.protocol.specrl.v1 import common_pb2, control_pb2, rollout_pb2, weights_pb2
+from sidecar.types import (
+    EngineInfo,
+    FinishReason,
+    GenerationRequest,
+    GpuTelemetry,
+    ModelInfo,
+    RequestLimits,
+    Sample,
+    SamplingParams,
+    SidecarInfo,
+    SidecarStats,
+    SpeculationCounters,
+    TensorSpec,
+    VersionStats,
+    WeightSelector,
+)
+
+PROTOCOL = "specrl.v1"
+
+_SELECTOR_TO_PB = {
+    WeightSelector.ALL: common_pb2.WEIGHT_SELECTOR_ALL,
+    WeightSelector.TARGET: common_pb2.WEIGHT_SELECTOR_TARGET,
+    WeightSelector.DRAFT: common_pb2.WEIGHT_SELECTOR_DRAFT,
+}
+_SELECTOR_FROM_PB = {v: k for k, v in _SELECTOR_TO_PB.items()} | {
+    common_pb2.WEIGHT_SELECTOR_UNSPECIFIED: WeightSelector.ALL
+}
+_FINISH_TO_PB = {
+    FinishReason.STOP: rollout_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: rollout_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: rollout_pb2.FINISH_REASON_ABORT,
+}
+_FINISH_FROM_PB = {v: k for k, v in _FINISH_TO_PB.items()}
+_DTYPE_TO_PB = {
+    torch.float32: weights_pb2.D_TYPE_FLOAT32,
+    torch.float16: weights_pb2.D_TYPE_FLOAT16,
+    torch.bfloat16: weights_pb2.D_TYPE_BFLOAT16,
+}
+_DTYPE_FROM_PB = {v: k for k, v in _DTYPE_TO_PB.items()}
+
+
+def selector_to_pb(selector: WeightSelector) -> common_pb2.WeightSelector.ValueType:
+    return _SELECTOR_TO_PB[selector]
+
+
+def selector_from_pb(value: int) -> WeightSelector:
+    try:
+        return _SELECTOR_FROM_PB[value]  # type: ignore[index]
+    except KeyError:
+        raise InvalidRequestError(
+            f"selector {value} is not a WeightSelector value (use ALL, TARGET or DRAFT)"
+        ) from None
+
+
+def dtype_to_pb(dtype: torch.dtype) -> weights_pb2.DType.ValueType:
+    try:
+        return _DTYPE_TO_PB[dtype]
+    except KeyError:
+        raise InvalidRequestError(f"dtype {dtype} cannot be streamed; use float32, float16 or bfloat16") from None
+
+
+def dtype_from_pb(value: int) -> torch.dtype:
+    try:
+        return _DTYPE_FROM_PB[value]  # type: ignore[index]
+    except KeyError:
+        raise InvalidRequestError(
+            f"tensor dtype {value} is not supported; use D_TYPE_FLOAT32, D_TYPE_FLOAT16 or D_TYPE_BFLOAT16"
+        ) from None
+
+
+# --- rollout -------------------------------------------------------------------------------
+
+
+def sampling_to_pb(params: SamplingParams) -> rollout_pb2.SamplingParams:
+    msg = rollout_pb2.SamplingParams(
+        temperature=params.temperature,
+        max_new_tokens=params.max_new_tokens,
+        stop_token_ids=list(params.stop_token_ids),
+    )
+    if params.top_p != 1.0:
+        msg.top_p = params.top_p
+    if params.top_k:
+        msg.top_k = params.top_k
+    if params.seed is not None:
+        msg.seed = params.seed
+    return msg
+
+
+def sampling_from_pb(msg: rollout_pb2.SamplingParams) -> SamplingParams:
+    try:
+        return SamplingParams(
+            temperature=msg.temperature,
+            top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+            top_k=msg.top_k if msg.HasField("top_k") else 0,
+            max_new_tokens=msg.max_new_tokens,
+            stop_token_ids=tuple(msg.stop_token_ids),
+            seed=msg.seed if msg.HasField("seed") else None,
+        )
+    except ValueError as e:
+        raise InvalidRequestError(f"sampling: {e}") from None
+
+
+def generation_request_to_pb(request: GenerationRequest) -> rollout_pb2.GenerateRequest:
+    msg = rollout_pb2.GenerateRequest(
+        request_id=request.request_id,
+        prompts=[rollout_pb2.Prompt(token_ids=p) for p in request.prompts],
+        sampling=sampling_to_pb(request.sampling),
+        samples_per_prompt=request.samples_per_prompt,
+        min_weight_version=request.min_weight_version,
+    )
+    if request.speculation_k is not None:
+        msg.speculation_k = request.speculation_k
+    return msg
+
+
+def generation_request_from_pb(msg: rollout_pb2.GenerateRequest) -> GenerationRequest:
+    if not msg.HasField("sampling"):
+        raise InvalidRequestError("sampling is missing; set at least sampling.max_new_tokens")
+    sampling = sampling_from_pb(msg.sampling)
+    try:
+        return GenerationRequest(
+            prompts=[list(p.token_ids) for p in msg.prompts],
+            sampling=sampling,
+            samples_per_prompt=max(1, msg.samples_per_prompt),
+            request_id=msg.request_id,
+            min_weight_version=msg.min_weight_version,
+            speculation_k=msg.speculation_k if msg.HasField("speculation_k") else None,
+        )
+    except ValueError as e:
+        raise InvalidRequestError(str(e)) from None
+
+
+def counters_to_pb(counters: SpeculationCounters) -> common_pb2.SpeculationCounters:
+    return common_pb2.SpeculationCounters(
+        verify_steps=counters.verify_steps,
+        drafted_tokens=counters.drafted_tokens,
+        accepted_tokens=counters.accepted_tokens,
+        generated_tokens=counters.generated_tokens,
+        drafted_per_position=counters.drafted_per_position,
+        accepted_per_position=counters.accepted_per_position,
+    )
+
+
+def counters_from_pb(msg: common_pb2.SpeculationCounters) -> SpeculationCounters:
+    return SpeculationCounters(
+        verify_steps=msg.verify_steps,
+        drafted_tokens=msg.drafted_tokens,
+        accepted_tokens=msg.accepted_tokens,
+        generated_tokens=msg.generated_tokens,
+        drafted_per_position=list(msg.drafted_per_position),
+        accepted_per_position=list(msg.accepted_per_position),
+    )
+
+
+def sample_to_pb(sample: Sample) -> rollout_pb2.Sample:
+    return rollout_pb2.Sample(
+        request_id=sample.request_id,
+        prompt_index=sample.prompt_index,
+        sample_index=sample.sample_index,
+        token_ids=sample.token_ids,
+        logprobs=sample.logprobs,
+        finish_reason=_FINISH_TO_PB[sample.finish_reason],
+        weight_version=sample.weight_version,
+        last_weight_version=sample.last_weight_version,
+        counters=counters_to_pb(sample.counters),
+    )
+
+
+def sample_from_pb(msg: rollout_pb2.Sample) -> Sample:
+    if msg.finish_reason not in _FINISH_FROM_PB:
+        raise InvalidRequestError(f"sample has finish_reason {msg.finish_reason}, not a known FinishReason")
+    return Sample(
+        request_id=msg.request_id,
+        prompt_index=msg.prompt_index,
+        sample_index=msg.sample_index,
+        token_ids=list(msg.token_ids),
+        logprobs=list(msg.logprobs),
+        finish_reason=_FINISH_FROM_PB[msg.finish_reason],
+        weight_version=msg.weight_version,
+        last_weight_version=msg.last_weight_version,
+        counters=counters_from_pb(msg.counters),
+    )
+
+
+# --- weights -------------------------------------------------------------------------------
+
+
+def tensor_spec_to_pb(spec: TensorSpec) -> weights_pb2.TensorSpec:
+    return weights_pb2.TensorSpec(
+        name=spec.name,
+        dtype=dtype_to_pb(spec.dtype),
+        shape=list(spec.shape),
+        byte_length=spec.byte_length,
+        crc32=spec.crc32,
+    )
+
+
+def tensor_spec_from_pb(msg: weights_pb2.TensorSpec) -> TensorSpec:
+    if not msg.name:
+        raise InvalidRequestError("a manifest tensor has an empty name; name every tensor")
+    spec = TensorSpec(name=msg.name, dtype=dtype_from_pb(msg.dtype), shape=tuple(msg.shape), crc32=msg.crc32)
+    if spec.byte_length != msg.byte_length:
+        raise InvalidRequestError(
+            f"tensor {msg.name!r}: byte_length {msg.byte_length} does not match shape {list(msg.shape)} "
+            f"of {spec.dtype} ({spec.byte_length} bytes)"
+        )
+    return spec
+
+
+# --- control -------------------------------------------------------------------------------
+
+
+def info_to_pb(info: SidecarInfo) -> control_pb2.GetInfoResponse:
+    e, m = info.engine, info.engine.model
+    return control_pb2.GetInfoResponse(
+        model=control_pb2.ModelInfo(
+            name=m.name,
+            architecture=m.architecture,
+            vocab_size=m.vocab_size,
+            hidden_size=m.hidden_size,
+            num_layers=m.num_layers,
+            max_position_embeddings=m.max_position_embeddings,
+            rope_type=m.rope_type,
+            rope_factor=m.rope_factor,
+            num_mtp_layers=m.num_mtp_layers,
+            dtype=m.dtype,
+        ),
+        speculation=control_pb2.SpeculationInfo(
+            method=e.speculation_method, k=e.speculation_k, max_k=e.max_speculation_k
+        ),
+        engine=e.engine,
+        engine_version=e.engine_version,
+        device=control_pb2.DeviceInfo(
+            kind=e.device_kind,
+            name=e.device_name,
+            gpus=[
+                control_pb2.GpuTelemetry(
+                    index=g.index,
+                    name=g.name,
+                    memory_total_bytes=g.memory_total_bytes,
+                    memory_used_bytes=g.memory_used_bytes,
+                    utilization_percent=g.utilization_percent,
+                    temperature_celsius=g.temperature_celsius,
+                    power_watts=g.power_watts,
+                )
+                for g in info.gpus
+            ],
+        ),
+        weight_version=info.weight_version,
+        paused=info.paused,
+        limits=control_pb2.RequestLimits(
+            max_prompts=info.limits.max_prompts,
+            max_samples=info.limits.max_samples,
+            max_prompt_tokens=info.limits.max_prompt_tokens,
+            max_new_tokens=info.limits.max_new_tokens,
+        ),
+        protocol=info.protocol,
+        specrl_version=info.specrl_version,
+    )
+
+
+def info_from_pb(msg: control_pb2.GetInfoResponse) -> SidecarInfo:
+    m = msg.model
+    return SidecarInfo(
+        engine=EngineInfo(
+            model=ModelInfo(
+                name=m.name,
+                architecture=m.architecture,
+                vocab_size=m.vocab_size,
+                hidden_size=m.hidden_size,
+                num_layers=m.num_layers,
+                max_position_embeddings=m.max_position_embeddings,
+                rope_type=m.rope_type,
+                rope_factor=m.rope_factor,
+                num_mtp_layers=m.num_mtp_layers,
+                dtype=m.dtype,
+            ),
+            engine=msg.engine,
+            engine_version=msg.engine_version,
+            device_kind=msg.device.kind,
+            device_name=msg.device.name,
+            speculation_method=msg.speculation.method,
+            speculation_k=msg.speculation.k,
+            max_speculation_k=msg.speculation.max_k,
+        ),
+        weight_version=msg.weight_version,
+        paused=msg.paused,
+        limits=RequestLimits(
+            max_prompts=msg.limits.max_prompts,
+            max_samples=msg.limits.max_samples,
+            max_prompt_tokens=msg.limits.max_prompt_tokens,
+            max_new_tokens=msg.limits.max_new_tokens,
+        ),
+        gpus=[
+            GpuTelemetry(
+                index=g.index,
+                name=g.name,
+                memory_total_bytes=g.memory_total_bytes,
+                memory_used_bytes=g.memory_used_bytes,
+                utilization_percent=g.utilization_percent,
+                temperature_celsius=g.temperature_celsius,
+                power_watts=g.power_watts,
+            )
+            for g in msg.device.gpus
+        ],
+        protocol=msg.protocol,
+        specrl_version=msg.specrl_version,
+    )
+
+
+def stats_to_pb(stats: SidecarStats) -> control_pb2.GetStatsResponse:
+    return control_pb2.GetStatsResponse(
+        versions=[
+            control_pb2.VersionStats(
+                weight_version=v.weight_version,
+                counters=counters_to_pb(v.counters),
+                samples_finished=v.samples_finished,
+                busy_seconds=v.busy_seconds,
+            )
+            for v in stats.versions
+        ],
+        total=counters_to_pb(stats.total),
+        weight_version=stats.weight_version,
+        queued_sequences=stats.queued_sequences,
+        running_sequences=stats.running_sequences,
+        uptime_seconds=stats.uptime_seconds,
+    )
+
+
+def stats_from_pb(msg: control_pb2.GetStatsResponse) -> SidecarStats:
+    return SidecarStats(
+        versions=[
+            VersionStats(
+                weight_version=v.weight_version,
+                counters=counters_from_pb(v.counters),
+                samples_finished=v.samples_finished,
+                busy_seconds=v.busy_seconds,
+            )
+            for v in msg.versions
+        ],
+        total=counters_from_pb(msg.total),
+        weight_version=msg.weight_version,
+        queued_sequences=msg.queued_sequences,
+        running_sequences=msg.running_sequences,
+        uptime_seconds=msg.uptime_seconds,
+    )

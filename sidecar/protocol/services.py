@@ -1,0 +1,51 @@
+"""The specrl.v1 services as gRPC sees them: names, servicer bases, registration and stubs.
+
+`SERVICE_NAMES` lists the fully qualified names that health checking and reflection publish.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from sidecar.protocol.specrl.v1 import (
+    control_pb2,
+    control_pb2_grpc,
+    rollout_pb2,
+    rollout_pb2_grpc,
+    weights_pb2,
+    weights_pb2_grpc,
+)
+
+ROLLOUT = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
+WEIGHTS = weights_pb2.DESCRIPTOR.services_by_name["WeightService"].full_name
+CONTROL = control_pb2.DESCRIPTOR.services_by_name["ControlService"].full_name
+SERVICE_NAMES: tuple[str, ...] = (ROLLOUT, WEIGHTS, CONTROL)
+
+RolloutServicer = rollout_pb2_grpc.RolloutServiceServicer
+WeightServicer = weights_pb2_grpc.WeightServiceServicer
+ControlServicer = control_pb2_grpc.ControlServiceServicer
+
+RolloutStub = rollout_pb2_grpc.RolloutServiceStub
+WeightStub = weights_pb2_grpc.WeightServiceStub
+ControlStub = control_pb2_grpc.ControlServiceStub
+
+_ADDERS: dict[type, tuple[str, Callable[[Any, grpc.Server], None]]] = {
+    RolloutServicer: (ROLLOUT, rollout_pb2_grpc.add_RolloutServiceServicer_to_server),
+    WeightServicer: (WEIGHTS, weights_pb2_grpc.add_WeightServiceServicer_to_server),
+    ControlServicer: (CONTROL, control_pb2_grpc.add_ControlServiceServicer_to_server),
+}
+
+
+def register(servicer: object, server: grpc.Server) -> str:
+    """Add `servicer` (a subclass of one of the servicer bases) to `server`; return its name."""
+    for base, (name, add) in _ADDERS.items():
+        if isinstance(servicer, base):
+            add(servicer, server)
+            return name
+    raise TypeError(
+        f"{type(servicer).__name__} implements no specrl.v1 service; subclass RolloutServicer, "
+        "WeightServicer or ControlServicer"
+    )
