@@ -15,7 +15,7 @@ with speculation, interleaved, `--repeats` times, and prints medians of:
 - peak resident memory of the process (getrusage maxrss) after each batch size.
 
 The model (built on first use into --model): a Qwen3-shaped target (hidden 512, 12 layers,
-8/4 heads, vocab 4096) with random weights whose residual branches are scaled down (0.1)
+8/4 heads, vocab 4096) with random weights whose residual branches are scaled down (0.08)
 and whose output logits are sharpened (x4), so that the next token depends mostly — not
 only — on the current one, like a peaked LM continuation; its MTP layer starts as the
 "bigram" draft and is then trained briefly on the target's own greedy outputs
@@ -58,7 +58,7 @@ BENCH_CONFIG = ModelConfig(
 )
 
 
-RESIDUAL_SCALE = 0.1
+RESIDUAL_SCALE = 0.08
 
 
 def build_bench_checkpoint(path: Path, fit_steps: int) -> None:
@@ -140,7 +140,7 @@ def step_costs(
     target_step(1)
     t_draft = median_time(draft_step, 15)
     t_target = median_time(lambda: target_step(1), 15)
-    t_verify = {k: median_time(lambda k=k: target_step(k + 1), 9) for k in ks}
+    t_verify = {k: median_time(lambda k=k: target_step(k + 1), 15) for k in ks}
     return t_draft, t_target, t_verify
 
 
