@@ -121,11 +121,6 @@ class RopeConfig:
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be finite, got {getattr(self, name)!r}")
 
-    @property
-    def is_plain(self) -> bool:
-        """True when the rotary embedding is exactly plain RoPE (no frequency change, scale 1)."""
-        return self.factor == 1.0 and attention_scale(self) == 1.0
-
     def correction_range(self) -> tuple[float, float]:
         """YaRN's (low, high) dimension-pair range of the ramp; see ``_correction_range``."""
         if self.rope_type != "yarn":
@@ -204,7 +199,7 @@ class RopeConfig:
             "beta_slow": self.beta_slow,
             "truncate": self.truncate,
         }
-        if self.mscale_all_dim:
+        if self.mscale != 1.0 or self.mscale_all_dim:
             out.update(mscale=self.mscale, mscale_all_dim=self.mscale_all_dim)
         if self.attention_factor is not None:
             out["attention_factor"] = self.attention_factor
@@ -271,7 +266,10 @@ class RotaryEmbedding(nn.Module):
 
     ``forward(positions)`` returns float32 ``(cos, sin)`` of shape ``positions.shape + (head_dim,)``,
     already multiplied by ``attention_scale(cfg)`` (the Hugging Face convention); layout is
-    rotate-half (both halves of the head share frequencies), as in HF Qwen3 and Megatron.
+    rotate-half (both halves of the head share frequencies), as in HF Qwen3 and Megatron. Each call reads
+    the largest position on the host (one device sync): call it once per model forward and share the
+    result across layers. The cached rows equal a direct computation bit for bit, so growing the cache
+    never changes results.
     """
 
     def __init__(self, cfg: RopeConfig, *, max_positions: int = 0) -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -105,7 +105,7 @@ class ModelConfig:
             num_key_value_heads=2,
             head_dim=16,
             rope_theta=10_000.0,
-            max_position_embeddings=256,
+            max_position_embeddings=512,
             num_nextn_predict_layers=1,
         )
         base.update(overrides)
@@ -304,6 +304,10 @@ class Qwen3WithMTP(nn.Module):
         self._rotary: list[RotaryEmbedding] = [RotaryEmbedding(config.rope_config())]
 
     # ---- shared pieces -------------------------------------------------------------------
+    def mtp_layer(self, j: int) -> MTPLayer:
+        """MTP layer j (typed access into `mtp.layers`)."""
+        return cast(MTPLayer, self.mtp.layers[j])
+
     def output_weight(self) -> Tensor:
         """The output projection (vocab, hidden): lm_head, or the embedding when tied."""
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -342,7 +346,7 @@ class Qwen3WithMTP(nn.Module):
         t + 1; returns the layer's output (B, T-1, hidden) before shared_head.norm.
         """
         b, t = input_ids.shape
-        mtp = self.mtp.layers[layer]
+        mtp = self.mtp_layer(layer)
         positions = torch.arange(1, t, device=input_ids.device).expand(b, t - 1)
         cos, sin = self.rope(positions)
         x = mtp.combine(self.model.embed_tokens(input_ids[:, 1:]), hidden[:, :-1])
@@ -351,7 +355,7 @@ class Qwen3WithMTP(nn.Module):
     def mtp_logits(self, input_ids: Tensor, hidden: Tensor, layer: int = 0) -> Tensor:
         """Draft logits (B, T-1, V): position t predicts x_{t+2}. See `mtp_hidden`."""
         out = self.mtp_hidden(input_ids, hidden, layer)
-        return self.logits(self.mtp.layers[layer].shared_head.norm(out))
+        return self.logits(self.mtp_layer(layer).shared_head.norm(out))
 
     # ---- cache-aware steps (the engine) ---------------------------------------------------
     def trunk_step(
@@ -377,14 +381,14 @@ class Qwen3WithMTP(nn.Module):
         rope_positions: Tensor | None = None,  # (B, S) rotary positions; default slot + 1 (= t + 1)
     ) -> Tensor:  # (B, S, hidden) MTP output before shared_head.norm
         """One MTP layer over new positions, attending to its own cached earlier positions."""
-        mtp = self.mtp.layers[layer]
+        mtp = self.mtp_layer(layer)
         cos, sin = self.rope(plan.positions + 1 if rope_positions is None else rope_positions)
         x = mtp.combine(self.model.embed_tokens(tokens), hidden)
         return mtp(x, cos, sin, cache, 0, plan)
 
     def mtp_head(self, layer: int, out: Tensor) -> Tensor:
         """Draft logits from an MTP output: shared lm_head(shared_head.norm(out))."""
-        return self.logits(self.mtp.layers[layer].shared_head.norm(out))
+        return self.logits(self.mtp_layer(layer).shared_head.norm(out))
 
 
 def init_weights(model: Qwen3WithMTP, seed: int, std: float = 0.02) -> None:

@@ -387,6 +387,7 @@ class TorchEngine(Engine):
             ref_hidden = torch.zeros(b, width, self.config.hidden_size, dtype=self.config.dtype, device=dev)
             for i, (s, n) in enumerate(zip(seqs, num_refresh, strict=True)):
                 if n:
+                    assert s.pending is not None
                     ref_tokens[i, :n] = torch.tensor(s.last_tokens(n))
                     ref_hidden[i, :n] = s.pending
                     consumed[i] = True

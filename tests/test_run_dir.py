@@ -1,0 +1,43 @@
+"""The run directory keeps every logged step and renders real PNG plots from them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from trainer.run_dir import RunDir
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_metrics_append_and_plots_are_pngs(tmp_path: Path) -> None:
+    run = RunDir(tmp_path / "r")
+    for step in range(3):
+        run.log(
+            step,
+            {
+                "reward/train_mean": 0.1 * step,
+                "reward/eval_mean": float("nan"),
+                "spec/acceptance_length": 2.0 + step,
+                "time/generation": 1.0,
+                "time/train": 0.5,
+            },
+        )
+    lines = (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [0, 1, 2]
+    assert json.loads(lines[0])["reward/eval_mean"] is None  # NaN is not valid JSON
+    written = run.plot()
+    assert {p.name for p in written} == {"reward.png", "acceptance.png", "step_time.png"}
+    for p in written:
+        assert p.read_bytes()[:8] == PNG_MAGIC and p.stat().st_size > 1000
+
+
+def test_an_existing_run_is_not_overwritten_without_resume(tmp_path: Path) -> None:
+    RunDir(tmp_path).log(0, {"reward/train_mean": 1.0})
+    with pytest.raises(FileExistsError, match="--resume"):
+        RunDir(tmp_path)
+    resumed = RunDir(tmp_path, resume=True)
+    resumed.log(1, {"reward/train_mean": 0.5})
+    assert [r["step"] for r in resumed.read_metrics()] == [0, 1]

@@ -1,0 +1,171 @@
+"""Reading run configurations: YAML or TOML files mapped onto typed config dataclasses.
+
+A run is described by a root config dataclass (each component owns a small nested one, see
+STYLE.md). Files and command-line overrides only *select and override* values: every key must
+name an existing field, every value must fit the field's type, and the message of any
+mismatch names the dotted key and what was expected. The resolved config is written back to
+the run directory, so a run can be reproduced from it alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration file or override that does not fit the config dataclasses."""
+
+
+def load_file(path: str | Path) -> dict[str, Any]:
+    """Read a `.yaml`/`.yml` or `.toml` file into a mapping."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    text = path.read_text()
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(text) or {}
+        elif path.suffix == ".toml":
+            data = tomllib.loads(text)
+        else:
+            raise ConfigError(f"config file {path} must end in .yaml, .yml or .toml")
+    except (yaml.YAMLError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"cannot parse {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping at the top level, not {type(data).__name__}")
+    return data
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`"a.b.c=value"` -> (["a", "b", "c"], value parsed as YAML: numbers, bools, lists...)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {text!r} must look like section.field=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def merge_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply dotted overrides on top of a mapping (returns a new mapping)."""
+    out = json.loads(json.dumps(data, default=str)) if data else {}
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = out
+        for k in keys[:-1]:
+            child = node.setdefault(k, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {text!r}: {k!r} is a value, not a section")
+            node = child
+        node[keys[-1]] = value
+    return out
+
+
+def from_mapping(cls: type[T], data: Mapping[str, Any], *, path: str = "") -> T:
+    """Build dataclass `cls` from `data`, recursively; unknown keys and bad types are errors."""
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"{cls} is not a dataclass")
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path.rstrip('.') or 'config'} must be a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        where = path.rstrip(".") or cls.__name__
+        raise ConfigError(f"unknown key(s) {unknown} in {where}; known keys: {sorted(fields)}")
+    kwargs = {name: _coerce(hints[name], data[name], f"{path}{name}") for name in fields if name in data}
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{path.rstrip('.') or cls.__name__}: {e}") from None
+
+
+def to_mapping(config: Any) -> Any:
+    """A dataclass config as plain data (for writing the resolved config)."""
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        return {f.name: to_mapping(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    if isinstance(config, enum.Enum):
+        return config.value
+    if isinstance(config, Path):
+        return str(config)
+    if isinstance(config, list | tuple):
+        return [to_mapping(v) for v in config]
+    if isinstance(config, dict):
+        return {str(k): to_mapping(v) for k, v in config.items()}
+    return config
+
+
+def write_yaml(config: Any, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_mapping(config), sort_keys=False))
+
+
+def _coerce(hint: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(arg, value, key)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}: {value!r} fits none of {hint}")
+    if origin is typing.Literal:
+        if value not in args:
+            raise ConfigError(f"{key} must be one of {list(args)}, got {value!r}")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{key} must be a list, got {value!r}")
+        item = args[0] if args else Any
+        items = [_coerce(item, v, f"{key}[{i}]") for i, v in enumerate(value)]
+        return items if origin is list else tuple(items)
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key} must be a mapping, got {value!r}")
+        return dict(value)
+    if hint is Any:
+        return value
+    if dataclasses.is_dataclass(hint):
+        return from_mapping(hint, value, path=f"{key}.")  # type: ignore[arg-type]
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        try:
+            return hint(value)
+        except ValueError:
+            raise ConfigError(f"{key} must be one of {[m.value for m in hint]}, got {value!r}") from None
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key} must be an integer, got {value!r}")
+    if hint is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key} must be a number, got {value!r}")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key} must be a string, got {value!r}")
+    if hint is Path:
+        if isinstance(value, str | Path):
+            return Path(value)
+        raise ConfigError(f"{key} must be a path, got {value!r}")
+    return value

@@ -1,0 +1,111 @@
+"""The run directory: resolved config, `metrics.jsonl`, PNG plots and checkpoints.
+
+Layout of `runs/<name>/`:
+
+    config.yaml        the resolved run config (reproduces the run)
+    metrics.jsonl      one JSON object per step (flat keys such as "reward/mean")
+    plots/*.png        reward, acceptance length, step-time breakdown
+    checkpoints/       model, draft, optimizer and RNG state (see trainer/checkpointing.py)
+
+Metric keys are `group/name`; plots select them by group, so a new metric needs no plotting
+code. Writes are append-and-flush, so a crashed run keeps every finished step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+PLOTS: dict[str, tuple[str, list[str]]] = {
+    "reward.png": ("Reward", ["reward/train_mean", "reward/eval_mean"]),
+    "acceptance.png": ("Acceptance length τ (tokens per verify step)", ["spec/acceptance_length"]),
+    "step_time.png": (
+        "Step time breakdown (s)",
+        ["time/weight_sync", "time/generation", "time/logprobs", "time/train"],
+    ),
+}
+
+
+class RunDir:
+    """A run's directory on disk."""
+
+    def __init__(self, root: str | Path, *, resume: bool = False) -> None:
+        self.root = Path(root)
+        metrics = self.root / "metrics.jsonl"
+        if metrics.exists() and not resume:
+            raise FileExistsError(
+                f"{self.root} already holds a run; pass --resume to continue it or choose another --run-dir"
+            )
+        (self.root / "plots").mkdir(parents=True, exist_ok=True)
+        self.checkpoints.mkdir(exist_ok=True)
+        self.metrics_path = metrics
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def config_path(self) -> Path:
+        return self.root / "config.yaml"
+
+    def log(self, step: int, metrics: Mapping[str, float | int | str]) -> None:
+        """Append one step's metrics (non-finite floats are written as null)."""
+        row: dict[str, Any] = {"step": step}
+        for key, value in metrics.items():
+            row[key] = None if isinstance(value, float) and not math.isfinite(value) else value
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        if not self.metrics_path.exists():
+            return []
+        return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
+
+    def plot(self) -> list[Path]:
+        """Render the PNG plots from metrics.jsonl; returns the files written."""
+        return plot_metrics(self.read_metrics(), self.root / "plots")
+
+
+def plot_metrics(rows: Iterable[Mapping[str, Any]], out_dir: Path) -> list[Path]:
+    """One PNG per entry of PLOTS that has data; series are drawn against "step"."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = list(rows)
+    written = []
+    for filename, (title, keys) in PLOTS.items():
+        series = {
+            k: [(r["step"], r[k]) for r in rows if isinstance(r.get(k), int | float) and "step" in r] for k in keys
+        }
+        series = {k: v for k, v in series.items() if v}
+        if not series:
+            continue
+        fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+        if filename == "step_time.png":
+            steps = sorted({s for v in series.values() for s, _ in v})
+            bottom = [0.0] * len(steps)
+            for key, points in series.items():
+                value = dict(points)
+                heights = [value.get(s, 0.0) for s in steps]
+                ax.bar(steps, heights, bottom=bottom, label=key.split("/", 1)[1])
+                bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+        else:
+            for key, points in series.items():
+                xs, ys = zip(*points, strict=True)
+                ax.plot(xs, ys, marker="o", markersize=3, label=key.split("/", 1)[1])
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out_dir / filename
+        fig.savefig(path)
+        plt.close(fig)
+        written.append(path)
+    return written

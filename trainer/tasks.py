@@ -1,0 +1,199 @@
+"""Verifiable tasks and rewards for RL: built-in synthetic arithmetic, and user datasets.
+
+Two built-in families are generated on the fly from a seed, like the two regimes of the
+reference study:
+
+- ``zero``: two-operand addition with a short written-out scratchpad (one line per digit, with
+  the carry), then the answer: short completions, the "RL-zero" regime.
+- ``think``: a chain of 3–5 additions and subtractions solved step by step, one line per
+  operation: longer completions with more text per verify step, the "thinking" regime.
+
+Every completion ends with ``#<answer>``; the reward is 1.0 when the integer after the last
+``#`` equals the answer, else 0.0 (binary and verifiable, as in GRPO/DAPO).
+
+A problem belongs to the training or the held-out split by a hash of its prompt, so the
+held-out set never appears in training, whatever the seed.
+
+User datasets are JSONL files with one ``{"prompt": str, "answer": str}`` object per line; a user
+reward function is any importable callable ``reward(prompt: str, completion: str, answer: str)
+-> float`` named as ``"package.module:function"``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import json
+import random
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Protocol
+
+RewardFn = Callable[[str, str, str], float]
+Split = Literal["train", "eval"]
+_ANSWER = re.compile(r"#\s*(-?\d+)\s*$")
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """One task instance."""
+
+    prompt: str
+    answer: str
+    solution: str = ""
+    """A reference completion (for supervised warm-up and draft initialisation); "" if unknown."""
+
+
+class Task(Protocol):
+    """A source of problems and their reward."""
+
+    name: str
+
+    def sample(self, rng: random.Random, split: Split = "train") -> Problem: ...
+
+    def reward(self, problem: Problem, completion: str) -> float: ...
+
+
+def extract_answer(completion: str) -> str | None:
+    """The integer after the last '#' at the end of the completion, or None."""
+    match = _ANSWER.search(completion.strip())
+    return match.group(1) if match else None
+
+
+def exact_answer_reward(prompt: str, completion: str, answer: str) -> float:
+    """1.0 when the completion ends with '#<answer>' (integers compared by value), else 0.0."""
+    got = extract_answer(completion)
+    return 1.0 if got is not None and int(got) == int(answer) else 0.0
+
+
+def _split_of(prompt: str, eval_fraction: float) -> Split:
+    digest = hashlib.blake2b(prompt.encode(), digest_size=8).digest()
+    return "eval" if int.from_bytes(digest, "little") / 2**64 < eval_fraction else "train"
+
+
+@dataclass(kw_only=True, slots=True)
+class ArithmeticTask:
+    """Synthetic arithmetic with a written-out solution (see the module docstring)."""
+
+    regime: Literal["zero", "think"] = "zero"
+    """"zero": short scratchpad addition; "think": multi-step chains."""
+    digits: int = 2
+    """Digits per operand (1..6)."""
+    eval_fraction: float = 0.1
+    """Share of all problems reserved for the held-out split."""
+
+    def __post_init__(self) -> None:
+        if self.regime not in ("zero", "think"):
+            raise ValueError(f"regime must be 'zero' or 'think', got {self.regime!r}")
+        if not 1 <= self.digits <= 6:
+            raise ValueError(f"digits must be in 1..6, got {self.digits}")
+        if not 0.0 < self.eval_fraction < 1.0:
+            raise ValueError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
+
+    @property
+    def name(self) -> str:
+        return f"arithmetic-{self.regime}-{self.digits}d"
+
+    def sample(self, rng: random.Random, split: Split = "train") -> Problem:
+        """Draw problems until one falls in `split` (about 1/eval_fraction draws at most)."""
+        for _ in range(10_000):
+            problem = self._zero(rng) if self.regime == "zero" else self._think(rng)
+            if _split_of(problem.prompt, self.eval_fraction) == split:
+                return problem
+        raise RuntimeError(f"no {split} problem in 10000 draws; eval_fraction={self.eval_fraction} is too extreme")
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        return exact_answer_reward(problem.prompt, completion, problem.answer)
+
+    def _operand(self, rng: random.Random) -> int:
+        return rng.randrange(10 ** (self.digits - 1) if self.digits > 1 else 0, 10**self.digits)
+
+    def _zero(self, rng: random.Random) -> Problem:
+        a, b = self._operand(rng), self._operand(rng)
+        lines, carry = [], 0
+        da, db = str(a)[::-1], str(b)[::-1]
+        for i in range(max(len(da), len(db))):
+            x = int(da[i]) if i < len(da) else 0
+            y = int(db[i]) if i < len(db) else 0
+            s = x + y + carry
+            lines.append(f"{x}+{y}+{carry}={s}")
+            carry = s // 10
+        return Problem(prompt=f"{a}+{b}=?\n", answer=str(a + b), solution=",".join(lines) + f"#{a + b}")
+
+    def _think(self, rng: random.Random) -> Problem:
+        n = rng.randint(3, 5)
+        values = [self._operand(rng) for _ in range(n)]
+        ops = [rng.choice("+-") for _ in range(n - 1)]
+        expr = str(values[0]) + "".join(f"{op}{v}" for op, v in zip(ops, values[1:], strict=True))
+        steps, acc = [], values[0]
+        for op, v in zip(ops, values[1:], strict=True):
+            new = acc + v if op == "+" else acc - v
+            steps.append(f"{acc}{op}{v}={new}")
+            acc = new
+        return Problem(prompt=f"{expr}=?\n", answer=str(acc), solution="\n".join(steps) + f"\n#{acc}")
+
+
+def load_reward_fn(spec: str) -> RewardFn:
+    """Import `"package.module:function"` and check it takes (prompt, completion, answer)."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"reward function {spec!r} must be written 'package.module:function'")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"cannot import reward function {spec!r}: {e}") from e
+    if not callable(fn):
+        raise ValueError(f"reward function {spec!r} is not callable")
+    try:
+        inspect.signature(fn).bind("prompt", "completion", "answer")
+    except TypeError as e:
+        raise ValueError(f"reward function {spec!r} must accept (prompt, completion, answer): {e}") from e
+    return fn  # type: ignore[no-any-return]
+
+
+@dataclass(kw_only=True, slots=True)
+class JsonlTask:
+    """A user dataset: JSONL lines {"prompt": str, "answer": str}, with a reward function."""
+
+    path: Path
+    reward_fn: RewardFn = exact_answer_reward
+    eval_fraction: float = 0.1
+    problems: tuple[Problem, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.path = Path(self.path)
+        if not 0.0 < self.eval_fraction < 1.0:
+            raise ValueError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
+        if not self.path.is_file():
+            raise FileNotFoundError(f"dataset {self.path} does not exist")
+        problems = []
+        for line_no, line in enumerate(self.path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                problems.append(Problem(prompt=str(row["prompt"]), answer=str(row["answer"])))
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(
+                    f"{self.path}:{line_no}: expected a JSON object with 'prompt' and 'answer' ({e})"
+                ) from None
+        if not problems:
+            raise ValueError(f"{self.path} holds no problems")
+        self.problems = tuple(problems)
+
+    @property
+    def name(self) -> str:
+        return self.path.stem
+
+    def sample(self, rng: random.Random, split: Split = "train") -> Problem:
+        pool = [p for p in self.problems if _split_of(p.prompt, self.eval_fraction) == split] or list(self.problems)
+        return rng.choice(pool)
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        value = self.reward_fn(problem.prompt, completion, problem.answer)
+        if not isinstance(value, int | float) or value != value:
+            raise TypeError(f"reward function returned {value!r} for prompt {problem.prompt[:40]!r}; return a float")
+        return float(value)

@@ -1,0 +1,145 @@
+"""Tokenizers: a built-in character tokenizer for the synthetic tasks, and Hugging Face
+`tokenizer.json` files (through the `tokenizers` library) for real checkpoints.
+
+The rollout protocol is token-level, so the tokenizer lives with the trainer alone: it turns
+task prompts into ids for `Generate` and completions back into text for the reward.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Protocol
+
+BUILTIN = "builtin"
+
+
+class Tokenizer(Protocol):
+    """What the trainer needs of a tokenizer."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def bos_id(self) -> int | None: ...
+
+    @property
+    def eos_id(self) -> int: ...
+
+    @property
+    def pad_id(self) -> int: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class CharTokenizer:
+    """One token per printable ASCII character (plus newline) and three special tokens.
+
+    Ids: 0 <pad>, 1 <bos>, 2 <eos>, then "\\n" and the 95 printable ASCII characters: 99 in
+    all. Tiny models for tests and the demo use it, so their embedding tables stay small.
+    `encode` prepends <bos>; `decode` drops special tokens.
+    """
+
+    PAD, BOS, EOS = 0, 1, 2
+    _CHARS = "\n" + "".join(chr(c) for c in range(32, 127))
+
+    def __init__(self) -> None:
+        self._index = {ch: i + 3 for i, ch in enumerate(self._CHARS)}
+
+    @property
+    def vocab_size(self) -> int:
+        return 3 + len(self._CHARS)
+
+    @property
+    def bos_id(self) -> int:
+        return self.BOS
+
+    @property
+    def eos_id(self) -> int:
+        return self.EOS
+
+    @property
+    def pad_id(self) -> int:
+        return self.PAD
+
+    def encode(self, text: str) -> list[int]:
+        ids = [self.BOS]
+        for pos, ch in enumerate(text):
+            try:
+                ids.append(self._index[ch])
+            except KeyError:
+                raise ValueError(
+                    f"character {ch!r} at position {pos} is not in the built-in tokenizer "
+                    f"(printable ASCII and newline only); use a tokenizer.json for other text"
+                ) from None
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self._CHARS[i - 3] for i in ids if 3 <= i < self.vocab_size)
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizer.json` (fast tokenizer) through the `tokenizers` library.
+
+    Special tokens come from `tokenizer_config.json` / `generation_config.json` beside it
+    when present (eos: `eos_token` / `eos_token_id`; pad falls back to eos).
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        from tokenizers import Tokenizer as _Fast
+
+        path = Path(path)
+        file = path / "tokenizer.json" if path.is_dir() else path
+        if not file.is_file():
+            raise FileNotFoundError(f"no tokenizer.json at {file}; point --tokenizer at a checkpoint directory")
+        self._tok = _Fast.from_file(str(file))
+        config = _read_json(file.parent / "tokenizer_config.json")
+        eos_token = config.get("eos_token")
+        if isinstance(eos_token, dict):
+            eos_token = eos_token.get("content")
+        eos = self._tok.token_to_id(eos_token) if isinstance(eos_token, str) else None
+        if eos is None:
+            gen = _read_json(file.parent / "generation_config.json").get("eos_token_id")
+            eos = gen[0] if isinstance(gen, list) else gen
+        if eos is None:
+            raise ValueError(
+                f"cannot find the end-of-sequence token for {file}: set eos_token in tokenizer_config.json"
+            )
+        self._eos = int(eos)
+        bos_token = config.get("bos_token")
+        self._bos = self._tok.token_to_id(bos_token) if isinstance(bos_token, str) else None
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._bos
+
+    @property
+    def eos_id(self) -> int:
+        return self._eos
+
+    @property
+    def pad_id(self) -> int:
+        return self._eos
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text).ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self._tok.decode(ids, skip_special_tokens=True))
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def load_tokenizer(spec: str | Path) -> Tokenizer:
+    """`"builtin"` for the character tokenizer, else a path to a tokenizer.json or its directory."""
+    if str(spec) == BUILTIN:
+        return CharTokenizer()
+    return HFTokenizer(spec)
