@@ -75,6 +75,12 @@ def load_engine(engine: str, model: Path, *, device: str, spec_k: int, max_spec_
     default=None,
     help="Prometheus endpoint port on --host (off unless set).",
 )
+@click.option(
+    "--keep-staging/--no-keep-staging",
+    default=False,
+    show_default=True,
+    help="Keep weight-push staging memory between pushes (faster pushes; +1x model resident).",
+)
 @click.option("--grace", type=click.FloatRange(0), default=5.0, show_default=True, help="Shutdown grace seconds.")
 @click.option("--log-level", default="INFO", show_default=True)
 def serve(
@@ -93,6 +99,7 @@ def serve(
     token: str | None,
     token_file: Path | None,
     metrics_port: int | None,
+    keep_staging: bool,
     grace: float,
     log_level: str,
 ) -> None:
@@ -121,6 +128,7 @@ def serve(
             security=security,
             metrics_port=metrics_port,
             metrics_host=host,
+            keep_staging=keep_staging and engine == "torch",
             shutdown_grace_s=grace,
         )
     except ValueError as e:

@@ -171,9 +171,9 @@ class _StagedTensor:
 
     __slots__ = ("buffer", "crc", "received", "scheduled", "spec", "view")
 
-    def __init__(self, spec: TensorSpec) -> None:
+    def __init__(self, spec: TensorSpec, buffer: torch.Tensor | None = None) -> None:
         self.spec = spec
-        self.buffer: torch.Tensor | None = None  # allocated on the first chunk
+        self.buffer: torch.Tensor | None = buffer  # allocated on the first chunk unless reused
         self.view: np.ndarray | None = None  # uint8 view of buffer
         self.scheduled = 0  # bytes accepted by the receiving thread
         self.received = 0  # bytes checked and copied by the staging thread
@@ -182,8 +182,8 @@ class _StagedTensor:
     def write(self, offset: int, data: bytes | memoryview) -> None:
         if self.buffer is None:
             self.buffer = torch.empty(self.spec.shape, dtype=self.spec.dtype)
+        if self.view is None:
             self.view = tensor_bytes(self.buffer)
-        assert self.view is not None
         self.view[offset : offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
         self.received += len(data)
 
@@ -191,6 +191,12 @@ class _StagedTensor:
         if self.buffer is None:  # a zero-byte tensor gets no chunks
             self.buffer = torch.empty(self.spec.shape, dtype=self.spec.dtype)
         return self.buffer
+
+
+def _reusable(buffer: torch.Tensor | None, spec: TensorSpec) -> torch.Tensor | None:
+    if buffer is None or buffer.dtype != spec.dtype or tuple(buffer.shape) != tuple(spec.shape):
+        return None
+    return buffer
 
 
 class WeightReceiver:
@@ -206,10 +212,18 @@ class WeightReceiver:
         *,
         model_specs: Callable[[WeightSelector], list[TensorSpec]],
         served_version: Callable[[], int],
+        keep_staging: bool = False,
     ) -> None:
+        """`keep_staging`: keep the staging tensors after an applied push and receive the next
+        push into them: no fresh memory to fault in (the largest single cost of a push on a
+        small machine), at the price of ~1x the model staying resident between pushes (the
+        peak is the same). Only for engines whose `update_weights` copies what it is given,
+        as TorchEngine does."""
         self._model_specs = model_specs
         self._served_version = served_version
         self._lock = threading.Lock()
+        self._keep_staging = keep_staging
+        self._kept: dict[str, torch.Tensor] = {}
 
     def claim(self) -> _PushClaim:
         """Reserve the receiver for one push; PushInProgressError if another one holds it."""
@@ -340,7 +354,13 @@ class WeightReceiver:
                 f"the manifest lacks {len(missing)} tensor(s) of the {manifest.selector.name} selector: {shown}; "
                 "a push must replace the whole selected part"
             )
-        return [_StagedTensor(s) for s in manifest.tensors]
+        kept, self._kept = self._kept, {}
+        return [_StagedTensor(s, _reusable(kept.pop(s.name, None), s)) for s in manifest.tensors]
+
+    def keep(self, staged: StagedWeights) -> None:
+        """Take an applied push's tensors back for the next push (a no-op unless keep_staging)."""
+        if self._keep_staging:
+            self._kept = dict(staged.tensors)
 
     @staticmethod
     def _accept_chunk(staged: list[_StagedTensor], chunk: WeightChunk, number: int) -> _StagedTensor:

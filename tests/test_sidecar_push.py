@@ -163,3 +163,22 @@ def test_the_sender_aborts_a_push_whose_tensor_does_not_match(checkpoint: Path) 
             c.push_weights(bad, 1, specs=specs)
         wait_until(lambda: not sc.weights._receiver._lock.locked(), what="push dropped")
         assert c.info().weight_version == 0
+
+
+def test_kept_staging_buffers_never_leak_into_the_served_model(checkpoint: Path) -> None:
+    with start_sidecar(checkpoint, keep_staging=True) as sc, SidecarClient(sc.address) as c:
+        for version, seed in ((1, 1), (2, 2)):
+            c.push_weights(weights(seed), version)
+            assert [s.token_ids for s in c.generate(greedy_request())] == oracle(seed)
+        kept = {n: t.data_ptr() for n, t in sc.weights._receiver._kept.items()}
+        assert len(kept) == len(weights(0))  # the next push reuses these buffers
+        specs, _ = c.describe_weights()
+        w0 = weights(0)
+        half = ((s.name, w0[s.name] if i < len(specs) // 2 else torch.zeros(1)) for i, s in enumerate(specs))
+        with pytest.raises(ValueError):  # dies halfway, after overwriting half the kept buffers
+            c.push_weights(half, 3, specs=specs)
+        wait_until(lambda: not sc.weights._receiver._lock.locked(), what="push dropped")
+        assert [s.token_ids for s in c.generate(greedy_request())] == oracle(2)  # still version 2's model
+        c.push_weights(weights(0), 3)
+        assert [s.token_ids for s in c.generate(greedy_request())] == oracle(0)
+        assert c.info().weight_version == 3

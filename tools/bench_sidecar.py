@@ -153,7 +153,9 @@ def raw_push(address: str, state: dict[str, torch.Tensor], chunk_bytes: int, met
 # --- the two benchmarks ---------------------------------------------------------------------
 
 
-def bench_push(workdir: Path, layers: int, repeats: int, chunk_bytes: int) -> dict[str, object]:
+def bench_push(
+    workdir: Path, layers: int, repeats: int, chunk_bytes: int, keep_staging: bool = False
+) -> dict[str, object]:
     config = ModelConfig(
         vocab_size=8192,
         hidden_size=1024,
@@ -171,7 +173,8 @@ def bench_push(workdir: Path, layers: int, repeats: int, chunk_bytes: int) -> di
     save_checkpoint(ckpt, config, state)
     print(f"push model: {sum(t.numel() for t in state.values()) / 1e6:.0f}M params, {size / MiB:.0f} MiB", flush=True)
     specrl = str(Path(sys.executable).parent / "specrl")
-    sidecar = Served([specrl, "serve", "--model", str(ckpt), "--port", "0", "--log-level", "WARNING"])
+    extra = ["--keep-staging"] if keep_staging else []
+    sidecar = Served([specrl, "serve", "--model", str(ckpt), "--port", "0", "--log-level", "WARNING", *extra])
     raw = Served([sys.executable, __file__, "--raw-server"])
     push_s: list[float] = []
     raw_s: list[float] = []
@@ -301,6 +304,7 @@ def main() -> None:
     parser.add_argument("--requests-per-stream", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--skip-push", action="store_true")
+    parser.add_argument("--keep-staging", action="store_true", help="serve with --keep-staging")
     parser.add_argument("--skip-generate", action="store_true")
     args = parser.parse_args()
     if args.raw_server:
@@ -310,7 +314,7 @@ def main() -> None:
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}")
     with tempfile.TemporaryDirectory(prefix="bench-sidecar-") as tmp:
         if not args.skip_push:
-            r = bench_push(Path(tmp), args.layers, args.repeats, int(args.chunk_mib * MiB))
+            r = bench_push(Path(tmp), args.layers, args.repeats, int(args.chunk_mib * MiB), args.keep_staging)
             print(
                 f"PUSH model {r['model_mib']:.0f} MiB: push {r['push_gib_s']:.2f} GiB/s vs raw gRPC "
                 f"{r['raw_gib_s']:.2f} GiB/s = {100 * r['ratio']:.0f}% of baseline (goal >= 80%; median of "
