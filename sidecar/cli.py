@@ -77,9 +77,10 @@ def load_engine(engine: str, model: Path, *, device: str, spec_k: int, max_spec_
 )
 @click.option(
     "--keep-staging/--no-keep-staging",
-    default=False,
+    default=True,
     show_default=True,
-    help="Keep weight-push staging memory between pushes (faster pushes; +1x model resident).",
+    help="Receive each weight push into the last push's staging memory (torch engine): faster pushes, "
+    "but ~1x the model stays resident between pushes (the peak during a push is the same).",
 )
 @click.option("--grace", type=click.FloatRange(0), default=5.0, show_default=True, help="Shutdown grace seconds.")
 @click.option("--log-level", default="INFO", show_default=True)

@@ -13,7 +13,7 @@
    streams (C = 1, 8, 32, 64) each send greedy one-prompt requests; reports generated tokens/s
    and p50/p99 request latency.
 
-Usage: python tools/bench_sidecar.py [--repeats 3] [--layers 14] [--skip-push] [--skip-generate]
+Usage: python tools/bench_sidecar.py [--repeats 5] [--layers 14] [--no-keep-staging] [--skip-push] [--skip-generate]
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ def bench_push(
     save_checkpoint(ckpt, config, state)
     print(f"push model: {sum(t.numel() for t in state.values()) / 1e6:.0f}M params, {size / MiB:.0f} MiB", flush=True)
     specrl = str(Path(sys.executable).parent / "specrl")
-    extra = ["--keep-staging"] if keep_staging else []
+    extra = ["--keep-staging" if keep_staging else "--no-keep-staging"]
     sidecar = Served([specrl, "serve", "--model", str(ckpt), "--port", "0", "--log-level", "WARNING", *extra])
     raw = Served([sys.executable, __file__, "--raw-server"])
     push_s: list[float] = []
@@ -304,7 +304,9 @@ def main() -> None:
     parser.add_argument("--requests-per-stream", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--skip-push", action="store_true")
-    parser.add_argument("--keep-staging", action="store_true", help="serve with --keep-staging")
+    parser.add_argument(
+        "--no-keep-staging", action="store_true", help="serve with --no-keep-staging (fresh staging per push)"
+    )
     parser.add_argument("--skip-generate", action="store_true")
     args = parser.parse_args()
     if args.raw_server:
@@ -314,7 +316,7 @@ def main() -> None:
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}")
     with tempfile.TemporaryDirectory(prefix="bench-sidecar-") as tmp:
         if not args.skip_push:
-            r = bench_push(Path(tmp), args.layers, args.repeats, int(args.chunk_mib * MiB), args.keep_staging)
+            r = bench_push(Path(tmp), args.layers, args.repeats, int(args.chunk_mib * MiB), not args.no_keep_staging)
             print(
                 f"PUSH model {r['model_mib']:.0f} MiB: push {r['push_gib_s']:.2f} GiB/s vs raw gRPC "
                 f"{r['raw_gib_s']:.2f} GiB/s = {100 * r['ratio']:.0f}% of baseline (goal >= 80%; median of "
