@@ -9,6 +9,7 @@ training"). The trunk, the embedding and the shared output head never change.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,23 @@ class DraftFitConfig:
             raise ValueError(f"lr must be > 0, got {self.lr}")
 
 
+def init_draft_from_embedding(model: Qwen3WithMTP) -> None:
+    """Start MTP layer 0 as the "bigram" draft: logits = lm_head(norm(embed(x_{t+1}))).
+
+    eh_proj passes the normed next-token embedding through and drops h_t; the layer's
+    attention and MLP outputs start at zero (residual identity). Training then adds context.
+    """
+    mtp, h = model.mtp_layer(0), model.config.hidden_size
+    with torch.no_grad():
+        mtp.eh_proj.weight.zero_()
+        mtp.eh_proj.weight[:, :h] = torch.eye(h)
+        mtp.self_attn.o_proj.weight.zero_()
+        mtp.mlp.down_proj.weight.zero_()
+        for name, p in mtp.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+
+
 def target_continuations(model: Qwen3WithMTP, cfg: DraftFitConfig) -> torch.Tensor:  # (N, P + new) int64
     """Random prompts followed by the target's own continuations (plain decoding)."""
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -58,8 +76,13 @@ def target_continuations(model: Qwen3WithMTP, cfg: DraftFitConfig) -> torch.Tens
     return torch.tensor([p + s.token_ids for p, s in zip(prompts.tolist(), samples, strict=True)])
 
 
-def fit_draft(model: Qwen3WithMTP, cfg: DraftFitConfig) -> list[float]:
-    """Train MTP layer 0 in place on the target's continuations; returns the loss per step."""
+def fit_draft(
+    model: Qwen3WithMTP, cfg: DraftFitConfig, progress: Callable[[int, float], None] | None = None
+) -> list[float]:
+    """Train MTP layer 0 in place on the target's continuations; returns the loss per step.
+
+    `progress(step, loss)` is called after every step (tools print it).
+    """
     if model.config.num_nextn_predict_layers == 0:
         raise ValueError("the model has no MTP layer to fit (num_nextn_predict_layers = 0)")
     device = model.output_weight().device
@@ -69,7 +92,7 @@ def fit_draft(model: Qwen3WithMTP, cfg: DraftFitConfig) -> list[float]:
     targets = ids[:, 2:]  # x_{t+2} for t = 0..T-3
     weight = torch.zeros_like(targets, dtype=torch.float32)
     weight[:, max(cfg.prompt_length - 2, 0) :] = 1.0  # learn the continuations, not the random prompts
-    params = list(model.mtp.layers[0].parameters())
+    params = list(model.mtp_layer(0).parameters())
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.Adam(params, lr=cfg.lr)
@@ -82,7 +105,9 @@ def fit_draft(model: Qwen3WithMTP, cfg: DraftFitConfig) -> list[float]:
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
+            if progress is not None:
+                progress(len(losses), losses[-1])
     finally:
         for p in params:
             p.requires_grad_(False)

@@ -85,7 +85,8 @@ def filtered_probs(
         if rows.any_top_p:
             probs_sorted = torch.softmax(sorted_vals.masked_fill(remove_sorted, float("-inf")), dim=-1)
             mass_before = probs_sorted.cumsum(dim=-1) - probs_sorted
-            remove_sorted |= mass_before >= _per_row(rows.top_p, logits)
+            top_p = _per_row(rows.top_p, logits)
+            remove_sorted |= (mass_before >= top_p) & (top_p < 1.0)  # top_p = 1 never cuts (rounding)
         remove = torch.zeros_like(remove_sorted).scatter(-1, sorted_idx, remove_sorted)
         scaled = scaled.masked_fill(remove, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)

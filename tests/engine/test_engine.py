@@ -255,3 +255,17 @@ def test_duplicate_request_id_info_and_speculation_k(random_model: Qwen3WithMTP)
     assert engine.info().speculation_k == 0
     with pytest.raises(ValueError, match="max_speculation_k is 4"):
         engine.set_speculation_k(5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_engine_matches_cpu_greedy_and_logprobs(random_model: Qwen3WithMTP) -> None:
+    cuda_model = build_model(ModelConfig.tiny(), device="cuda")
+    cuda_model.load_state_dict(model_state_dict(random_model))
+    cpu, gpu = TorchEngine(random_model, speculation_k=3), TorchEngine(cuda_model, speculation_k=3)
+    assert gpu.info().device_kind == "cuda"
+    req = GenerationRequest(prompts=PROMPTS, sampling=SamplingParams(temperature=0.0, max_new_tokens=16))
+    a, b = cpu.generate(req), gpu.generate(GenerationRequest(prompts=PROMPTS, sampling=req.sampling))
+    assert [s.token_ids for s in a] == [s.token_ids for s in b]
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4, rtol=0)
