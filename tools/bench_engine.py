@@ -17,9 +17,10 @@ with speculation, interleaved, `--repeats` times, and prints medians of:
 The model (built on first use into --model): a Qwen3-shaped target (hidden 512, 12 layers,
 8/4 heads, vocab 4096) with random weights whose residual branches are scaled down (0.08)
 and whose output logits are sharpened (x4), so that the next token depends mostly — not
-only — on the current one, like a peaked LM continuation; its MTP layer starts as the
-"bigram" draft and is then trained briefly on the target's own greedy outputs
-(tools/fit_draft.py logic: detached hidden states, trunk frozen).
+only — on the current one, like a peaked LM continuation; its MTP layer is the
+"bigram" draft (logits = lm_head(norm(embed(x_{t+1})))); --fit-steps N then trains it on
+the target's own greedy outputs (tools/fit_draft.py logic: detached hidden states, trunk
+frozen) — off by default, since the few thousand tokens a CPU affords over-fit.
 """
 
 from __future__ import annotations
@@ -62,13 +63,13 @@ RESIDUAL_SCALE = 0.08
 
 
 def build_bench_checkpoint(path: Path, fit_steps: int) -> None:
-    """The synthetic target and its self-distilled MTP draft (see the module docstring)."""
+    """The synthetic target and its MTP draft (bigram init, optionally self-distilled; see the module docstring)."""
     model = build_model(BENCH_CONFIG, seed=0)
     with torch.no_grad():
         model.model.embed_tokens.weight.mul_(math.sqrt(BENCH_CONFIG.hidden_size))  # unit-RMS embeddings
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.mul_(RESIDUAL_SCALE)
-            layer.mlp.down_proj.weight.mul_(RESIDUAL_SCALE)
+        for name, p in model.named_parameters():  # the trunk's residual branches (attention, MLP outputs)
+            if name.startswith("model.layers.") and name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
+                p.mul_(RESIDUAL_SCALE)
         assert model.lm_head is not None
         model.lm_head.weight.mul_(4.0)
     init_draft_from_embedding(model)
