@@ -5,7 +5,8 @@
                           [--temperature 0] [--threads 1]
 
 For each batch size B and draft length k, generates the same prompts with k = 0 (plain) and
-with speculation, interleaved, `--repeats` times, and prints medians of:
+with speculation, interleaved, `--repeats` times (batches smaller than --min-prompts run in
+turn over that many prompts, so B = 1 is not one prompt's luck), and prints medians of:
 - tokens/s of both and the realised speedup (spec over plain, each measured in this run);
 - tau (acceptance length = generated tokens / verify steps, bonus included) and the
   acceptance rate per draft position;
@@ -17,9 +18,10 @@ with speculation, interleaved, `--repeats` times, and prints medians of:
 The model (built on first use into --model): a Qwen3-shaped target (hidden 512, 12 layers,
 8/4 heads, vocab 4096) with random weights whose residual branches are scaled down (0.08)
 and whose output logits are sharpened (x4), so that the next token depends mostly — not
-only — on the current one, like a peaked LM continuation; its MTP layer starts as the
-"bigram" draft and is then trained briefly on the target's own greedy outputs
-(tools/fit_draft.py logic: detached hidden states, trunk frozen).
+only — on the current one, like a peaked LM continuation; its MTP layer is the
+"bigram" draft (logits = lm_head(norm(embed(x_{t+1})))); --fit-steps N then trains it on
+the target's own greedy outputs (tools/fit_draft.py logic: detached hidden states, trunk
+frozen) — off by default, since the few thousand tokens a CPU affords over-fit.
 """
 
 from __future__ import annotations
@@ -62,13 +64,13 @@ RESIDUAL_SCALE = 0.08
 
 
 def build_bench_checkpoint(path: Path, fit_steps: int) -> None:
-    """The synthetic target and its self-distilled MTP draft (see the module docstring)."""
+    """The synthetic target and its MTP draft (bigram init, optionally self-distilled; see the module docstring)."""
     model = build_model(BENCH_CONFIG, seed=0)
     with torch.no_grad():
         model.model.embed_tokens.weight.mul_(math.sqrt(BENCH_CONFIG.hidden_size))  # unit-RMS embeddings
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.mul_(RESIDUAL_SCALE)
-            layer.mlp.down_proj.weight.mul_(RESIDUAL_SCALE)
+        for name, p in model.named_parameters():  # the trunk's residual branches (attention, MLP outputs)
+            if name.startswith("model.layers.") and name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
+                p.mul_(RESIDUAL_SCALE)
         assert model.lm_head is not None
         model.lm_head.weight.mul_(4.0)
     init_draft_from_embedding(model)
@@ -144,14 +146,17 @@ def step_costs(
     return t_draft, t_target, t_verify
 
 
-def run(engine: TorchEngine, prompts: list[list[int]], sp: SamplingParams, k: int) -> tuple[float, SpeculationCounters]:
-    before = engine.stats()[-1].counters
+def run(
+    engine: TorchEngine, batches: list[list[list[int]]], sp: SamplingParams, k: int
+) -> tuple[float, SpeculationCounters]:
+    """Generate each batch of prompts in turn; CPU seconds and counters over all of them."""
     snapshot = SpeculationCounters()
-    snapshot.add(before)
+    snapshot.add(engine.stats()[-1].counters)
     start = time.process_time()
-    samples = engine.generate(GenerationRequest(prompts=prompts, sampling=sp, speculation_k=k))
+    for prompts in batches:
+        samples = engine.generate(GenerationRequest(prompts=prompts, sampling=sp, speculation_k=k))
+        assert sum(len(s.token_ids) for s in samples) == len(prompts) * sp.max_new_tokens
     seconds = time.process_time() - start
-    assert sum(len(s.token_ids) for s in samples) == len(prompts) * sp.max_new_tokens
     return seconds, engine.stats()[-1].counters.minus(snapshot)
 
 
@@ -163,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ks", default="1,2,3,5,7")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prompt-length", type=int, default=16)
+    ap.add_argument("--min-prompts", type=int, default=4, help="small batches run in turn over this many prompts")
     ap.add_argument("--new-tokens", default="128,128,64,64", help="per batch size (one value or one per batch)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: a shared 2-core box thrashes with 2)")
@@ -192,8 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     print(header, flush=True)
     for batch, new in zip(batches, news, strict=True):
         sp = SamplingParams(temperature=args.temperature, max_new_tokens=new, seed=3)
-        prompts = torch.randint(0, BENCH_CONFIG.vocab_size, (batch, args.prompt_length), generator=gen).tolist()
-        run(engine, prompts, SamplingParams(temperature=args.temperature, max_new_tokens=4), 1)  # warm up
+        rounds = max(1, -(-args.min_prompts // batch))  # B = 1 averages over several prompts too
+        prompts = [
+            torch.randint(0, BENCH_CONFIG.vocab_size, (batch, args.prompt_length), generator=gen).tolist()
+            for _ in range(rounds)
+        ]
+        run(engine, prompts[:1], SamplingParams(temperature=args.temperature, max_new_tokens=4), 1)  # warm up
         times: dict[int, list[float]] = {k: [] for k in [0, *ks]}
         counters: dict[int, SpeculationCounters] = {k: SpeculationCounters() for k in ks}
         for _ in range(args.repeats):
@@ -204,13 +214,13 @@ def main(argv: list[str] | None = None) -> int:
                     counters[k].add(c)
         t_draft, t_target, t_verify = step_costs(model, batch, args.prompt_length + new // 2, sp, ks)
         c_ratio = t_draft / t_target
-        plain = batch * new / statistics.median(times[0])
+        plain = rounds * batch * new / statistics.median(times[0])
         for k in ks:
             cnt = counters[k]
             tau = cnt.acceptance_length
             acc = cnt.accepted_per_position + [0] * k
             per_pos = "/".join(f"{acc[i] / max(cnt.drafted_per_position[i], 1):.2f}" for i in range(k))
-            spec = batch * new / statistics.median(times[k])
+            spec = rounds * batch * new / statistics.median(times[k])
             bound = tau / (1 + k * c_ratio)
             v_k = t_verify[k] / t_target
             v_bound = tau / (v_k + k * c_ratio)

@@ -24,7 +24,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import aligned_draft_model
+from engine_fixtures import aligned_draft_model
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import sidecar.engine.torch_engine as torch_engine

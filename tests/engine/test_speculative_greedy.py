@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import aligned_draft_model
+from engine_fixtures import aligned_draft_model
 
 from sidecar.engine.model import ModelConfig, Qwen3WithMTP
 from sidecar.engine.torch_engine import TorchEngine
