@@ -5,9 +5,10 @@ forward pass (no KV cache, no speculation, no server)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import pytest
 import torch
 
 from sidecar.engine.checkpoint import model_state_dict, save_checkpoint
@@ -24,6 +25,16 @@ NEW_TOKENS = 8
 
 
 CONTEXT = 256  # pinned: the bad-input tests exceed it within the request limits
+
+
+@pytest.fixture(autouse=False)
+def single_torch_thread() -> Iterator[None]:
+    """Tiny models gain nothing from intra-op threads; on a 2-core box those threads' spinning
+    starves the server's RPC threads (a 2 s test took 13 s). Restored after each test."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def tiny_config() -> ModelConfig:

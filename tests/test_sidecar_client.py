@@ -29,10 +29,13 @@ from tests.sidecar_fixtures import (
     greedy_reference,
     greedy_request,
     make_checkpoint,
+    single_torch_thread,  # noqa: F401  (a fixture, used by pytestmark)
     start_sidecar,
     weights,
 )
 from trainer.cli import main
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 ROOT = Path(__file__).resolve().parent.parent
 Code = grpc.StatusCode

@@ -27,10 +27,13 @@ from tests.sidecar_fixtures import (
     greedy_reference,
     greedy_request,
     make_checkpoint,
+    single_torch_thread,  # noqa: F401  (a fixture, used by pytestmark)
     start_sidecar,
     wait_until,
     weights,
 )
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,20 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sidecar.client import ClientConfig, SidecarCallError, SidecarClient
 from sidecar.security import SecurityConfig
-from tests.sidecar_fixtures import DEADLINE, greedy_reference, greedy_request, make_checkpoint, start_sidecar, weights
+from tests.sidecar_fixtures import (
+    DEADLINE,
+    greedy_reference,
+    greedy_request,
+    make_checkpoint,
+    single_torch_thread,  # noqa: F401  (a fixture, used by pytestmark)
+    start_sidecar,
+    weights,
+)
 
-pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI to make certificates")
+pytestmark = [
+    pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI to make certificates"),
+    pytest.mark.usefixtures("single_torch_thread"),
+]
 Code = grpc.StatusCode
 
 
