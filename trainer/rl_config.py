@@ -1,0 +1,163 @@
+"""The root configuration of an RL run, composed of the components' own small configs.
+
+A run is a function returning an `RLConfig` (`demo_config()` is the built-in one); YAML/TOML
+files and `--set a.b=v` overrides only select and override fields (`trainer.config_io`), and the
+resolved config is written to the run directory so the run can be reproduced from it alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from muon import HybridOptimizerConfig
+from trainer.draft import DraftConfig
+from trainer.losses import GRPOConfig
+from trainer.tasks import ArithmeticTask, JsonlTask, Task, load_reward_fn
+
+
+@dataclass(kw_only=True, slots=True)
+class TaskConfig:
+    """Where problems and rewards come from."""
+
+    kind: Literal["arithmetic", "jsonl"] = "arithmetic"
+    """"arithmetic": the built-in synthetic task; "jsonl": a user dataset at `path`."""
+    regime: Literal["zero", "think"] = "zero"
+    """Arithmetic regime (short scratchpad or multi-step chains)."""
+    digits: int = 2
+    """Digits per operand of the arithmetic task."""
+    path: Path | None = None
+    """JSONL dataset (one {"prompt", "answer"} object per line) when kind is "jsonl"."""
+    reward_fn: str = ""
+    """"package.module:function" taking (prompt, completion, answer) -> float; "" = exact answer."""
+    eval_fraction: float = 0.1
+    """Share of problems held out for evaluation (split by prompt hash)."""
+
+    def __post_init__(self) -> None:
+        if self.kind == "jsonl" and self.path is None:
+            raise ValueError("task.path must name a JSONL file when task.kind is 'jsonl'")
+
+    def build(self) -> Task:
+        if self.kind == "arithmetic":
+            return ArithmeticTask(regime=self.regime, digits=self.digits, eval_fraction=self.eval_fraction)
+        assert self.path is not None
+        if self.reward_fn:
+            return JsonlTask(path=self.path, reward_fn=load_reward_fn(self.reward_fn), eval_fraction=self.eval_fraction)
+        return JsonlTask(path=self.path, eval_fraction=self.eval_fraction)
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutConfig:
+    """How each step samples."""
+
+    prompts_per_step: int = 8
+    """Prompts drawn per step (groups)."""
+    samples_per_prompt: int = 4
+    """G: samples per prompt, for group-relative advantages (>= 2)."""
+    temperature: float = 1.0
+    """Sampling temperature (the trainer's log-probs use the same)."""
+    max_new_tokens: int = 64
+    speculation_k: int = 3
+    """Draft tokens per verify step (0: plain decoding)."""
+    measure_plain: bool = False
+    """Also generate each step's prompts with speculation off (same weights) and time it: the
+    speedup measured side by side in the same run. Costs one extra generation per step."""
+    deadline_s: float = 300.0
+    """A sidecar that has not answered its share by then is given up on and its prompts re-routed."""
+
+    def __post_init__(self) -> None:
+        if self.prompts_per_step < 1:
+            raise ValueError(f"rollout.prompts_per_step must be >= 1, got {self.prompts_per_step}")
+        if self.samples_per_prompt < 2:
+            raise ValueError(f"rollout.samples_per_prompt must be >= 2 (GRPO groups), got {self.samples_per_prompt}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"rollout.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.speculation_k < 0:
+            raise ValueError(f"rollout.speculation_k must be >= 0, got {self.speculation_k}")
+        if not self.temperature > 0.0:
+            raise ValueError(f"rollout.temperature must be > 0 for RL sampling, got {self.temperature}")
+        if not self.deadline_s > 0:
+            raise ValueError(f"rollout.deadline_s must be > 0, got {self.deadline_s}")
+
+
+@dataclass(kw_only=True, slots=True)
+class SidecarsConfig:
+    """Which sidecars serve the rollouts: remote addresses, or local subprocesses."""
+
+    addresses: list[str] = field(default_factory=list)
+    """HOST:PORT of running sidecars (`specrl serve`)."""
+    local: int = 0
+    """Start this many local `specrl serve` subprocesses on the run's checkpoint (port 0)."""
+    max_batch_size: int = 64
+    """Engine batch of a local sidecar."""
+    threads: int = 1
+    """torch threads of each local sidecar (OMP_NUM_THREADS)."""
+    startup_timeout_s: float = 120.0
+    """How long a local sidecar may take to print `listening on`."""
+    call_timeout_s: float = 10.0
+    """Deadline of control calls (health, info, stats)."""
+
+    def __post_init__(self) -> None:
+        if self.local < 0:
+            raise ValueError(f"sidecars.local must be >= 0, got {self.local}")
+        if self.local and self.addresses:
+            raise ValueError("give sidecars.addresses or sidecars.local, not both")
+        if self.threads < 1:
+            raise ValueError(f"sidecars.threads must be >= 1, got {self.threads}")
+
+
+@dataclass(kw_only=True, slots=True)
+class RLConfig:
+    """One RL run."""
+
+    model: Path
+    """Checkpoint directory (config.json + model.safetensors, naming contract) to start from."""
+    tokenizer: str = "builtin"
+    """"builtin" (the character tokenizer) or a path to a Hugging Face tokenizer.json."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: GRPOConfig = field(default_factory=GRPOConfig)
+    optimizer: HybridOptimizerConfig = field(default_factory=lambda: HybridOptimizerConfig(lr=1e-5))
+    """Trunk optimizer (Muon for hidden matrices, AdamW for the rest)."""
+    train_draft: bool = True
+    """Update the MTP draft head every step on detached hidden states."""
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    draft_optimizer: HybridOptimizerConfig = field(default_factory=lambda: HybridOptimizerConfig(lr=1e-4))
+    sidecars: SidecarsConfig = field(default_factory=lambda: SidecarsConfig(local=1))
+    steps: int = 10
+    eval_every: int = 5
+    """Evaluate on the held-out split every this many steps (and before the first); 0: never."""
+    eval_size: int = 32
+    """Held-out problems per evaluation (greedy, one sample each)."""
+    checkpoint_every: int = 0
+    """Save a resumable checkpoint every this many steps (0: only at the end)."""
+    seed: int = 0
+    run_dir: Path = Path("runs/rl")
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "eval_every", "eval_size", "checkpoint_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not self.sidecars.local and not self.sidecars.addresses:
+            raise ValueError("no sidecars: set sidecars.local (e.g. 2) or sidecars.addresses (HOST:PORT, ...)")
+
+
+def demo_config(model: Path, run_dir: Path) -> RLConfig:
+    """The demo's RL phase: short "zero"-regime arithmetic, two local sidecars, speculation k=3,
+    and a plain-decoding pass per step to measure the speedup side by side."""
+    return RLConfig(
+        model=model,
+        task=TaskConfig(kind="arithmetic", regime="zero", digits=2),
+        rollout=RolloutConfig(
+            prompts_per_step=8, samples_per_prompt=4, temperature=1.0, max_new_tokens=40, measure_plain=True
+        ),
+        optimizer=HybridOptimizerConfig(lr=3e-4),
+        draft_optimizer=HybridOptimizerConfig(lr=1e-3),
+        sidecars=SidecarsConfig(local=2),
+        steps=6,
+        eval_every=3,
+        eval_size=32,
+        seed=0,
+        run_dir=run_dir,
+    )

@@ -1,0 +1,208 @@
+"""Before RL: a supervised warm-up of the policy, and in-domain initialisation of its draft.
+
+RL from a model that never earns reward learns nothing (every GRPO group is all-zero and is
+filtered), so a small model is first taught the task's reference solutions (`supervised_warmup`:
+maximum likelihood, written as the policy-gradient loss with advantage 1 on on-policy log-probs,
+whose gradient is exactly ∇ log p). The draft head is left alone there.
+
+`draft_init` then fits the MTP draft on the policy's *own* completions of in-domain prompts, with
+the detached-hidden-state objective the RL step uses (`Policy.train_draft_step`: forward KL to the
+target's distribution; the trunk does not move). This is the reference study's main lever: an
+in-domain draft gave 1.77× where a generic one gave 1.51× (arXiv 2604.26779, §5).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from muon import HybridOptimizerConfig
+from sidecar.engine.checkpoint import model_state_dict, save_checkpoint
+from sidecar.engine.model import ModelConfig, build_model
+from sidecar.engine.torch_engine import TorchEngine
+from sidecar.types import GenerationRequest, SamplingParams
+from trainer.losses import GRPOConfig
+from trainer.policy import Policy, TrainBatch
+from trainer.tasks import Task
+from trainer.tokenizer import Tokenizer
+
+Progress = Callable[[int, dict[str, float]], None]
+
+
+@dataclass(kw_only=True, slots=True)
+class WarmupConfig:
+    """Supervised warm-up on reference solutions."""
+
+    steps: int = 300
+    batch_size: int = 32
+    lr: float = 3e-3
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"warmup.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ValueError(f"warmup.lr must be > 0, got {self.lr}")
+
+
+@dataclass(kw_only=True, slots=True)
+class DraftInitConfig:
+    """In-domain draft initialisation on the policy's own completions."""
+
+    prompts: int = 256
+    """Training prompts completed by the policy (plain decoding) to fit on."""
+    temperature: float = 1.0
+    """Sampling temperature of those completions (use the RL rollout's)."""
+    max_new_tokens: int = 40
+    steps: int = 200
+    batch_size: int = 32
+    lr: float = 3e-3
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("prompts", "max_new_tokens", "steps", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"draft_init.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ValueError(f"draft_init.lr must be > 0, got {self.lr}")
+
+
+def make_model(path: Path, config: ModelConfig, seed: int = 0) -> Path:
+    """Write a freshly initialised checkpoint (target and draft) to `path`."""
+    save_checkpoint(path, config, model_state_dict(build_model(config, seed=seed)))
+    return path
+
+
+def _continuation(tokenizer: Tokenizer, text: str) -> list[int]:
+    """Token ids of `text` as a continuation (without the <bos> that `encode` may prepend)."""
+    ids = tokenizer.encode(text)
+    return ids[1:] if ids and tokenizer.bos_id is not None and ids[0] == tokenizer.bos_id else ids
+
+
+def _pack(prompts: list[list[int]], completions: list[list[int]], pad_id: int) -> TrainBatch:
+    return TrainBatch.from_sequences(prompts, completions, torch.ones(len(prompts)), pad_id=pad_id)
+
+
+def supervised_warmup(
+    checkpoint: Path,
+    out: Path,
+    task: Task,
+    tokenizer: Tokenizer,
+    cfg: WarmupConfig,
+    progress: Progress | None = None,
+) -> list[float]:
+    """Train the trunk on prompt → reference solution + EOS; write the result to `out`.
+    Returns the mean token negative log-likelihood per step."""
+    policy = Policy.from_checkpoint(
+        checkpoint,
+        Policy.Config(
+            seed=cfg.seed,
+            optimizer=HybridOptimizerConfig(lr=cfg.lr),
+            grpo=GRPOConfig(filter_equal_groups=False, normalize_std=False),
+            train_draft=False,
+        ),
+    )
+    rng = random.Random(cfg.seed)
+    nll: list[float] = []
+    for step in range(cfg.steps):
+        problems = [task.sample(rng, "train") for _ in range(cfg.batch_size)]
+        if not all(p.solution for p in problems):
+            raise ValueError(f"task {task.name} has no reference solutions to warm up on")
+        batch = _pack(
+            [tokenizer.encode(p.prompt) for p in problems],
+            [[*_continuation(tokenizer, p.solution), tokenizer.eos_id] for p in problems],
+            tokenizer.pad_id,
+        )
+        logp = policy.logprobs(batch.tokens)
+        nll.append(float(-(logp * batch.mask).sum() / batch.mask.sum()))
+        batch.old_logprobs = logp
+        policy.train_step(batch)
+        if progress is not None:
+            progress(step + 1, {"nll": nll[-1]})
+    policy.save_hf(out)
+    return nll
+
+
+def policy_completions(
+    checkpoint: Path, prompts: list[list[int]], *, temperature: float, max_new_tokens: int, stop: int, seed: int
+) -> list[list[int]]:
+    """The checkpoint's own completions of `prompts` (plain decoding, embedded engine)."""
+    engine = TorchEngine.from_checkpoint(checkpoint, speculation_k=0, max_batch_size=64)
+    request = GenerationRequest(
+        prompts=prompts,
+        sampling=SamplingParams(
+            temperature=temperature, max_new_tokens=max_new_tokens, stop_token_ids=(stop,), seed=seed
+        ),
+        request_id="draft-init",
+    )
+    samples = sorted(engine.generate(request), key=lambda s: s.prompt_index)
+    return [s.token_ids for s in samples]
+
+
+def draft_init(
+    checkpoint: Path,
+    out: Path,
+    task: Task,
+    tokenizer: Tokenizer,
+    cfg: DraftInitConfig,
+    progress: Progress | None = None,
+) -> list[float]:
+    """Fit the draft on the policy's own in-domain completions; the trunk is unchanged.
+    Writes `out` and returns the draft loss per step."""
+    rng = random.Random(cfg.seed)
+    prompts = [tokenizer.encode(task.sample(rng, "train").prompt) for _ in range(cfg.prompts)]
+    completions = policy_completions(
+        checkpoint,
+        prompts,
+        temperature=cfg.temperature,
+        max_new_tokens=cfg.max_new_tokens,
+        stop=tokenizer.eos_id,
+        seed=cfg.seed,
+    )
+    policy = Policy.from_checkpoint(
+        checkpoint,
+        Policy.Config(seed=cfg.seed, temperature=cfg.temperature, draft_optimizer=HybridOptimizerConfig(lr=cfg.lr)),
+    )
+    losses: list[float] = []
+    order = list(range(len(prompts)))
+    for step in range(cfg.steps):
+        start = (step * cfg.batch_size) % len(order)
+        if start < cfg.batch_size:
+            rng.shuffle(order)
+        idx = [order[(start + i) % len(order)] for i in range(cfg.batch_size)]
+        batch = _pack([prompts[i] for i in idx], [completions[i] for i in idx], tokenizer.pad_id)
+        metrics = policy.train_draft_step(batch.tokens, batch.mask)
+        losses.append(float(metrics["draft_loss"]))
+        if progress is not None:
+            progress(step + 1, {"draft_loss": losses[-1]})
+    policy.save_hf(out)
+    return losses
+
+
+def acceptance_length(
+    checkpoint: Path,
+    prompts: list[list[int]],
+    *,
+    k: int,
+    temperature: float,
+    max_new_tokens: int,
+    stop: int,
+    seed: int = 0,
+) -> float:
+    """τ (generated tokens per verify step) of the checkpoint's draft on `prompts` at draft length k."""
+    engine = TorchEngine.from_checkpoint(checkpoint, speculation_k=k, max_batch_size=64)
+    request = GenerationRequest(
+        prompts=prompts,
+        sampling=SamplingParams(
+            temperature=temperature, max_new_tokens=max_new_tokens, stop_token_ids=(stop,), seed=seed
+        ),
+        request_id="acceptance",
+    )
+    samples = engine.generate(request)
+    verify = sum(s.counters.verify_steps for s in samples)
+    return sum(s.counters.generated_tokens for s in samples) / max(verify, 1)
