@@ -1,4 +1,4 @@
-"""The `specrl` command line: help works and unfinished commands say so instead of faking it."""
+"""The `specrl` command line: help lists the commands and bad configs fail with a clear message."""
 
 from __future__ import annotations
 
@@ -13,7 +13,19 @@ def test_help_lists_the_commands() -> None:
     assert "demo" in result.output
 
 
-def test_demo_before_the_rl_loop_lands_fails_clearly() -> None:
-    result = CliRunner().invoke(main, ["demo"])
+def test_rl_commands_are_registered() -> None:
+    result = CliRunner().invoke(main, ["--help"])
+    for command in ("train", "draft-init", "warmup", "demo", "serve"):
+        assert command in result.output
+
+
+def test_train_names_a_bad_override() -> None:
+    result = CliRunner().invoke(main, ["train", "--set", "model=/tmp", "--set", "rollout.no_such_field=1"])
     assert result.exit_code != 0
-    assert "not yet available" in result.output
+    assert "no_such_field" in result.output and "rollout" in result.output
+
+
+def test_train_requires_a_model() -> None:
+    result = CliRunner().invoke(main, ["train", "--local-sidecars", "2"])
+    assert result.exit_code != 0
+    assert "model" in result.output

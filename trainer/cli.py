@@ -11,15 +11,11 @@ def main() -> None:
     """specrl: fast, lossless RL post-training with speculative rollouts."""
 
 
-@main.command()
-def demo() -> None:
-    """Run the end-to-end demo (small model, sidecars, RL steps with speculation)."""
-    raise click.ClickException(
-        "the end-to-end demo is not yet available: it lands with the RL loop (issue 8). "
-        "Run the tests with tools/test in the meantime."
-    )
-
-
 from sidecar.cli import serve  # noqa: E402  (subcommands register on main)
+from trainer.rl_cli import demo, draft_init_cmd, train, warmup  # noqa: E402
 
 main.add_command(serve)
+main.add_command(train)
+main.add_command(warmup)
+main.add_command(draft_init_cmd)
+main.add_command(demo)

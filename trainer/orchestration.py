@@ -102,8 +102,11 @@ class Orchestrator:
         self._weights = weights
         events: list[str] = []
         live = self.live()
+        # Gathered once and shared by all pushes: a mapping lets each push use the sidecar's
+        # manifest order (the trainer exports in its own order). Holds one copy of the model.
+        tensors = dict(weights())
         with ThreadPoolExecutor(max_workers=max(1, len(live))) as pool:
-            futures = {c.address: (c, pool.submit(c.push_weights, weights(), self.version)) for c in live}
+            futures = {c.address: (c, pool.submit(c.push_weights, tensors, self.version)) for c in live}
             for client, fut in futures.values():
                 try:
                     fut.result(timeout=self.deadline_s)
@@ -125,7 +128,7 @@ class Orchestrator:
                 continue
             try:
                 if self._weights is not None and c.info().weight_version < self.version:
-                    c.push_weights(self._weights(), self.version)
+                    c.push_weights(dict(self._weights()), self.version)
             except SidecarCallError as e:
                 log.info("sidecar %s answers but could not take version %d yet: %s", c.address, self.version, e)
                 continue

@@ -1,0 +1,159 @@
+"""The RL loop end to end, against real `specrl serve` subprocesses.
+
+Oracles: the weight version each sample reports (set by the pushes, read back from the sidecar);
+the Megatron policy's own log-prob recomputation of the sampled tokens (the engine's log-probs
+must equal it); the task's verifiable reward on held-out problems the model never trained on;
+plain greedy decoding with the full forward pass (what every sample must equal at temperature 0,
+wherever it was generated); and the exact set of (prompt, sample) pairs that was asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from muon import HybridOptimizerConfig
+from sidecar.engine.checkpoint import load_checkpoint
+from sidecar.engine.model import ModelConfig, build_model
+from sidecar.types import SamplingParams
+from trainer.local_sidecars import LocalSidecars
+from trainer.orchestration import Orchestrator
+from trainer.rl_config import RLConfig, RolloutConfig, SidecarsConfig, TaskConfig
+from trainer.rl_loop import train
+from trainer.tasks import ArithmeticTask
+from trainer.tokenizer import CharTokenizer
+from trainer.warmup import (
+    DraftInitConfig,
+    WarmupConfig,
+    acceptance_length,
+    draft_init,
+    make_model,
+    supervised_warmup,
+)
+
+TASK = ArithmeticTask(regime="zero", digits=2)
+TOK = CharTokenizer()
+
+
+def tiny() -> ModelConfig:
+    return ModelConfig.tiny(
+        vocab_size=TOK.vocab_size,
+        hidden_size=64,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny model warmed up part of the way (it earns some reward, not all), then draft-initialised."""
+    root = tmp_path_factory.mktemp("rl")
+    torch.set_num_threads(1)
+    make_model(root / "init", tiny(), seed=0)
+    supervised_warmup(root / "init", root / "warm", TASK, TOK, WarmupConfig(steps=60, batch_size=32, lr=3e-3))
+    draft_init(root / "warm", root / "policy", TASK, TOK, DraftInitConfig(prompts=128, steps=40, lr=3e-3))
+    return {"init": root / "init", "warm": root / "warm", "policy": root / "policy"}
+
+
+@pytest.mark.slow
+def test_draft_init_beats_an_untrained_draft(checkpoints: dict[str, Path]) -> None:
+    # the trunk is identical in both checkpoints: only the draft differs
+    _, warm = load_checkpoint(checkpoints["warm"])
+    _, init = load_checkpoint(checkpoints["policy"])
+    assert all(torch.equal(warm[n], init[n]) for n in warm if not n.startswith("mtp."))
+    rng = random.Random(5)
+    prompts = [TOK.encode(TASK.sample(rng, "eval").prompt) for _ in range(16)]
+    kw = {"k": 3, "temperature": 1.0, "max_new_tokens": 24, "stop": TOK.eos_id}
+    untrained = acceptance_length(checkpoints["warm"], prompts, **kw)  # type: ignore[arg-type]
+    initialised = acceptance_length(checkpoints["policy"], prompts, **kw)  # type: ignore[arg-type]
+    assert initialised > untrained + 0.5, (untrained, initialised)
+
+
+@pytest.mark.slow
+def test_rl_steps_end_to_end(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    cfg = RLConfig(
+        model=checkpoints["policy"],
+        task=TaskConfig(kind="arithmetic", regime="zero", digits=2),
+        rollout=RolloutConfig(prompts_per_step=8, samples_per_prompt=4, max_new_tokens=24, speculation_k=3),
+        optimizer=HybridOptimizerConfig(lr=1e-3),
+        sidecars=SidecarsConfig(local=2),
+        steps=4,
+        eval_every=4,
+        eval_size=48,
+        run_dir=tmp_path / "run",
+    )
+    history = train(cfg, progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+
+    # weight versions advance by one per step: step i samples version i+1 and pushes i+2
+    assert [m["rollout/weight_version"] for m in history] == [1.0, 2.0, 3.0, 4.0]
+    assert [m["weights/version"] for m in history] == [2.0, 3.0, 4.0, 5.0]
+    # the sidecars' log-probs are the trainer's, for the weights it pushed
+    assert all(m["mismatch/logprob_abs_max"] < 1e-4 for m in history), [m["mismatch/logprob_abs_max"] for m in history]
+    # speculation ran, and its figures come from the sidecars' counters
+    assert all(m["spec/acceptance_length"] > 1.0 for m in history)
+    # no sample lost or duplicated on the healthy path
+    assert all(m["rollout/rerouted"] == 0 and m["rollout/duplicates"] == 0 for m in history)
+    # held-out reward (greedy, problems never trained on) improves over the starting policy
+    before, after = rows[0]["reward/eval_mean"], rows[-1]["reward/eval_mean"]
+    assert after > before, (before, after)
+    # the run directory holds everything a user looks at
+    run = tmp_path / "run"
+    assert (run / "config.yaml").is_file()
+    assert {p.name for p in (run / "plots").iterdir()} >= {"reward.png", "acceptance.png", "step_time.png"}
+    assert (run / "checkpoints" / "step_4").is_dir()
+
+
+def _greedy(state: dict[str, torch.Tensor], config: ModelConfig, prompt: list[int], n: int, stop: int) -> list[int]:
+    """Plain greedy decoding with the full forward pass (no cache, no speculation, no server)."""
+    model = build_model(config)
+    model.load_state_dict(state, strict=True)
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+            if ids[-1] == stop:
+                break
+    return ids[len(prompt) :]
+
+
+@pytest.mark.slow
+def test_a_killed_sidecar_loses_no_sample_and_rejoins_with_current_weights(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    config, state = load_checkpoint(checkpoints["policy"])
+    rng = random.Random(11)
+    prompts = [TOK.encode(TASK.sample(rng, "train").prompt) for _ in range(24)]
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=24, stop_token_ids=(TOK.eos_id,))
+    with LocalSidecars(checkpoints["policy"], 2, tmp_path / "logs", max_batch_size=4) as local:
+        local.start()
+        with Orchestrator(local.addresses, deadline_s=60.0) as orch:
+            orch.push_weights(lambda: state.items(), orch.start_version())
+            killer = threading.Timer(0.6, local.kill, args=(0,))
+            killer.start()
+            result = orch.generate(prompts, sampling, samples_per_prompt=3, speculation_k=3)
+            killer.join()
+
+            keys = [(s.prompt_index, s.sample_index) for s in result.samples]
+            assert sorted(keys) == [(p, i) for p in range(24) for i in range(3)]  # none lost, none twice
+            assert result.rerouted > 0 and result.duplicates == 0
+            assert any("is down" in e for e in result.events)
+            for s in result.samples[::7]:  # wherever it ran, a sample is the plain greedy decode
+                assert s.token_ids == _greedy(state, config, prompts[s.prompt_index], 24, TOK.eos_id)
+
+            # the crashed sidecar comes back (initial weights, version 0) and must be brought up
+            # to the current version before it serves anything
+            local.restart(0)
+            events: list[str] = []
+            orch.rejoin(events)
+            assert any("rejoined" in e for e in events), events
+            assert orch.served_versions() == {a: orch.version for a in local.addresses}
+            again = orch.generate(prompts[:4], sampling, samples_per_prompt=1)
+            assert all(s.weight_version == orch.version for s in again.samples)
