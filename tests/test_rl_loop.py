@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import random
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -57,7 +58,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("rl")
     torch.set_num_threads(1)
     make_model(root / "init", tiny(), seed=0)
-    supervised_warmup(root / "init", root / "warm", TASK, TOK, WarmupConfig(steps=60, batch_size=32, lr=3e-3))
+    supervised_warmup(root / "init", root / "warm", TASK, TOK, WarmupConfig(steps=150, batch_size=32, lr=3e-3))
     draft_init(root / "warm", root / "policy", TASK, TOK, DraftInitConfig(prompts=128, steps=40, lr=3e-3))
     return {"init": root / "init", "warm": root / "warm", "policy": root / "policy"}
 
@@ -81,11 +82,13 @@ def test_rl_steps_end_to_end(checkpoints: dict[str, Path], tmp_path: Path) -> No
     cfg = RLConfig(
         model=checkpoints["policy"],
         task=TaskConfig(kind="arithmetic", regime="zero", digits=2),
-        rollout=RolloutConfig(prompts_per_step=8, samples_per_prompt=4, max_new_tokens=24, speculation_k=3),
-        optimizer=HybridOptimizerConfig(lr=1e-3),
+        rollout=RolloutConfig(
+            prompts_per_step=16, samples_per_prompt=8, temperature=0.7, max_new_tokens=24, speculation_k=3
+        ),
+        optimizer=HybridOptimizerConfig(lr=5e-4),
         sidecars=SidecarsConfig(local=2),
-        steps=4,
-        eval_every=4,
+        steps=6,
+        eval_every=6,
         eval_size=48,
         run_dir=tmp_path / "run",
     )
@@ -93,8 +96,8 @@ def test_rl_steps_end_to_end(checkpoints: dict[str, Path], tmp_path: Path) -> No
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
 
     # weight versions advance by one per step: step i samples version i+1 and pushes i+2
-    assert [m["rollout/weight_version"] for m in history] == [1.0, 2.0, 3.0, 4.0]
-    assert [m["weights/version"] for m in history] == [2.0, 3.0, 4.0, 5.0]
+    assert [m["rollout/weight_version"] for m in history] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    assert [m["weights/version"] for m in history] == [2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
     # the sidecars' log-probs are the trainer's, for the weights it pushed
     assert all(m["mismatch/logprob_abs_max"] < 1e-4 for m in history), [m["mismatch/logprob_abs_max"] for m in history]
     # speculation ran, and its figures come from the sidecars' counters
@@ -108,7 +111,7 @@ def test_rl_steps_end_to_end(checkpoints: dict[str, Path], tmp_path: Path) -> No
     run = tmp_path / "run"
     assert (run / "config.yaml").is_file()
     assert {p.name for p in (run / "plots").iterdir()} >= {"reward.png", "acceptance.png", "step_time.png"}
-    assert (run / "checkpoints" / "step_4").is_dir()
+    assert (run / "checkpoints" / "step_6").is_dir()
 
 
 def _greedy(state: dict[str, torch.Tensor], config: ModelConfig, prompt: list[int], n: int, stop: int) -> list[int]:
@@ -130,19 +133,29 @@ def test_a_killed_sidecar_loses_no_sample_and_rejoins_with_current_weights(
 ) -> None:
     config, state = load_checkpoint(checkpoints["policy"])
     rng = random.Random(11)
-    prompts = [TOK.encode(TASK.sample(rng, "train").prompt) for _ in range(24)]
+    prompts = [TOK.encode(TASK.sample(rng, "train").prompt) for _ in range(48)]
     sampling = SamplingParams(temperature=0.0, max_new_tokens=24, stop_token_ids=(TOK.eos_id,))
-    with LocalSidecars(checkpoints["policy"], 2, tmp_path / "logs", max_batch_size=4) as local:
+    with LocalSidecars(checkpoints["policy"], 2, tmp_path / "logs", max_batch_size=2) as local:
         local.start()
         with Orchestrator(local.addresses, deadline_s=60.0) as orch:
             orch.push_weights(lambda: state.items(), orch.start_version())
-            killer = threading.Timer(0.6, local.kill, args=(0,))
+            victim = orch.clients[0]
+            baseline = victim.stats().total.generated_tokens
+
+            def kill_when_busy() -> None:  # mid-stream: as soon as sidecar 0 has produced tokens
+                for _ in range(1000):
+                    if victim.stats().total.generated_tokens > baseline:
+                        break
+                    time.sleep(0.01)
+                local.kill(0)
+
+            killer = threading.Thread(target=kill_when_busy)
             killer.start()
             result = orch.generate(prompts, sampling, samples_per_prompt=3, speculation_k=3)
             killer.join()
 
             keys = [(s.prompt_index, s.sample_index) for s in result.samples]
-            assert sorted(keys) == [(p, i) for p in range(24) for i in range(3)]  # none lost, none twice
+            assert sorted(keys) == [(p, i) for p in range(48) for i in range(3)]  # none lost, none twice
             assert result.rerouted > 0 and result.duplicates == 0
             assert any("is down" in e for e in result.events)
             for s in result.samples[::7]:  # wherever it ran, a sample is the plain greedy decode

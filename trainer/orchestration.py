@@ -123,9 +123,15 @@ class Orchestrator:
     def rejoin(self, events: list[str]) -> None:
         """Bring back down sidecars that answer their health check, after pushing them the
         current weights (never used while behind)."""
-        for c in self.clients:
-            if c.address not in self._down or not c.health():
+        for n, old in enumerate(self.clients):
+            if old.address not in self._down:
                 continue
+            c = SidecarClient(old.address, old.config)  # fresh channel: no reconnect backoff
+            if not c.health():
+                c.close()
+                continue
+            old.close()
+            self.clients[n] = c
             try:
                 if self._weights is not None and c.info().weight_version < self.version:
                     c.push_weights(dict(self._weights()), self.version)
