@@ -27,7 +27,9 @@ frozen) — off by default, since the few thousand tokens a CPU affords over-fit
 from __future__ import annotations
 
 import argparse
+import cProfile
 import math
+import pstats
 import resource
 import statistics
 import sys
@@ -160,6 +162,25 @@ def run(
     return seconds, engine.stats()[-1].counters.minus(snapshot)
 
 
+def step_breakdown(engine: TorchEngine, prompts: list[list[int]], sp: SamplingParams, ks: list[int]) -> None:
+    """Where a round's CPU time goes inside the engine (cProfile on CPU time): verify, draft, rest."""
+    for k in [0, *ks]:
+        prof = cProfile.Profile(time.process_time)
+        prof.enable()
+        engine.generate(GenerationRequest(prompts=prompts, sampling=sp, speculation_k=k))
+        prof.disable()
+        stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+        cum = {f[2]: (v[0], v[3]) for f, v in stats.items() if f[0].endswith(("speculative.py", "torch_engine.py"))}
+        steps, t_verify = cum["verify"]
+        t_draft = cum.get("draft", (0, 0.0))[1]
+        t_rest = cum["_decode"][1] - t_verify - t_draft
+        print(
+            f"  breakdown B={len(prompts)} k={k}: {steps} rounds; per round verify {t_verify / steps * 1e3:.1f} ms, "
+            f"draft {t_draft / steps * 1e3:.1f} ms, rest (accept, rollback, bookkeeping) {t_rest / steps * 1e3:.2f} ms",
+            flush=True,
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=Path("/tmp/specrl-bench-engine-model"))
@@ -171,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-prompts", type=int, default=4, help="small batches run in turn over this many prompts")
     ap.add_argument("--new-tokens", default="128,128,64,64", help="per batch size (one value or one per batch)")
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--breakdown", action="store_true", help="also profile where a round's time goes (B = 1 only)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: a shared 2-core box thrashes with 2)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -231,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             lines.append(row)
             print(row, flush=True)
+        if args.breakdown and batch == 1:
+            step_breakdown(engine, prompts[0], sp, ks)
         rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(
             f"  B={batch}: target step {t_target * 1e3:.1f} ms, draft step {t_draft * 1e3:.1f} ms, "
