@@ -113,6 +113,16 @@ def test_rl_steps_end_to_end(checkpoints: dict[str, Path], tmp_path: Path) -> No
     assert {p.name for p in (run / "plots").iterdir()} >= {"reward.png", "acceptance.png", "step_time.png"}
     assert (run / "checkpoints" / "step_6").is_dir()
 
+    # the same run directory is refused without --resume, and resumes after step 6 with it
+    with pytest.raises(FileExistsError):
+        train(cfg, progress=False)
+    cfg.steps = 7
+    resumed = train(cfg, resume=True, progress=False)
+    assert len(resumed) == 1
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert resumed[0]["mismatch/logprob_abs_max"] < 1e-4
+
 
 def _greedy(state: dict[str, torch.Tensor], config: ModelConfig, prompt: list[int], n: int, stop: int) -> list[int]:
     """Plain greedy decoding with the full forward pass (no cache, no speculation, no server)."""

@@ -1,7 +1,7 @@
 """`specrl demo`: the whole product on a laptop-sized problem, in minutes on a 2-core CPU.
 
 1. make a small model (character tokenizer; deep-and-narrow so that a one-layer draft is cheap
-   against the 6-layer target, which is what lets speculation win on a CPU),
+   against the 12-layer target, which is what lets speculation win on a CPU),
 2. supervised warm-up on the synthetic "zero" arithmetic task, so the policy earns reward,
 3. in-domain draft initialisation on the policy's own completions,
 4. two local `specrl serve` sidecars, RL steps with speculation (k = 3), a plain-decoding pass
@@ -34,13 +34,13 @@ from trainer.warmup import (
 )
 
 
-def demo_model_config() -> ModelConfig:
-    """~1.2M parameters: vocab 99 (CharTokenizer), hidden 128, 6 layers, one MTP layer."""
+def demo_model_config(layers: int = 12) -> ModelConfig:
+    """vocab 99 (CharTokenizer), hidden 128, `layers` layers (12: ~2.4M parameters), one MTP layer."""
     return ModelConfig.tiny(
         vocab_size=CharTokenizer().vocab_size,
         hidden_size=128,
         intermediate_size=384,
-        num_hidden_layers=6,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=32,
@@ -56,6 +56,8 @@ class DemoConfig:
 
     warmup: WarmupConfig = field(default_factory=lambda: WarmupConfig(steps=120, batch_size=32, lr=3e-3))
     draft_init: DraftInitConfig = field(default_factory=lambda: DraftInitConfig(prompts=512, steps=120, lr=3e-3))
+    layers: int = 12
+    """Target depth: the draft is one layer, so a deeper target makes drafting relatively cheaper."""
     rl_steps: int = 6
     acceptance_prompts: int = 32
 
@@ -102,7 +104,7 @@ def run_demo(out: Path, cfg: DemoConfig | None = None, progress: Progress | None
     seconds: dict[str, float] = {}
 
     t = time.perf_counter()
-    make_model(out / "init", demo_model_config(), seed=0)
+    make_model(out / "init", demo_model_config(cfg.layers), seed=0)
     supervised_warmup(out / "init", out / "warm", task, tok, cfg.warmup, progress)
     seconds["warm-up"] = time.perf_counter() - t
 

@@ -1,0 +1,72 @@
+#!/usr/bin/env python3
+"""Benchmark: speculation on the demo workload, side by side with plain decoding in one run.
+
+1. the demo (`trainer.demo.run_demo`): warm-up, in-domain draft-init, two local sidecars, RL steps
+   that each generate their prompts with speculation (k = 3) and again without, on the same weights
+   (order alternating per step): generation speedup and RL step speedup per step;
+2. a sweep of k on the same two sidecars and the demo's workload (8 prompts × 4 samples,
+   temperature 1, the draft-initialised policy): repeats interleaved k by k, medians, τ from the
+   sidecars' raw counters — where longer drafts stop paying.
+
+    .venv/bin/python tools/bench_rl.py --out /tmp/bench-rl --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import subprocess
+from pathlib import Path
+
+import torch
+
+from sidecar.types import SamplingParams
+from trainer.demo import DemoConfig, run_demo
+from trainer.local_sidecars import LocalSidecars
+from trainer.orchestration import Orchestrator
+from trainer.tasks import ArithmeticTask
+from trainer.tokenizer import CharTokenizer
+
+
+def k_sweep(policy: Path, logs: Path, ks: list[int], repeats: int, prompts_n: int, samples: int) -> list[str]:
+    task, tok = ArithmeticTask(regime="zero", digits=2), CharTokenizer()
+    rng = random.Random(7)
+    prompts = [tok.encode(task.sample(rng, "train").prompt) for _ in range(prompts_n)]
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=40, stop_token_ids=(tok.eos_id,), seed=3)
+    times: dict[int, list[float]] = {k: [] for k in [0, *ks]}
+    taus: dict[int, list[float]] = {k: [] for k in [0, *ks]}
+    with LocalSidecars(policy, 2, logs) as local, Orchestrator(local.start()) as orch:
+        orch.generate(prompts, sampling, samples)  # warm the processes up
+        orch.speculation_delta()
+        for _ in range(repeats):
+            for k in times:
+                times[k].append(orch.generate(prompts, sampling, samples, speculation_k=k).seconds)
+                taus[k].append(orch.speculation_delta().acceptance_length)
+    plain = statistics.median(times[0])
+    rows = ["| k | τ | generation s | speedup vs plain |", "|---|---|---|---|"]
+    for k in times:
+        t = statistics.median(times[k])
+        rows.append(f"| {k} | {statistics.median(taus[k]):.2f} | {t:.3f} | {plain / t:.2f}x |")
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--rl-steps", type=int, default=6)
+    ap.add_argument("--ks", default="1,2,3,4,5,6")
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    report = run_demo(args.out, DemoConfig(rl_steps=args.rl_steps))
+    print(report.render())
+    print()
+    ks = [int(k) for k in args.ks.split(",")]
+    print("\n".join(k_sweep(args.out / "policy", args.out / "sweep-logs", ks, args.repeats, 8, 4)))
+    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    print("\n" + next((ln for ln in cpu.splitlines() if "Model name" in ln), "cpu: unknown"))
+
+
+if __name__ == "__main__":
+    main()
