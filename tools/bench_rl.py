@@ -57,11 +57,13 @@ def main() -> None:
     ap.add_argument("--rl-steps", type=int, default=6)
     ap.add_argument("--ks", default="1,2,3,4,5,6")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--sweep-only", action="store_true", help="Reuse OUT/policy from an earlier run; only sweep k.")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    report = run_demo(args.out, DemoConfig(rl_steps=args.rl_steps))
-    print(report.render())
-    print()
+    if not args.sweep_only:
+        report = run_demo(args.out, DemoConfig(rl_steps=args.rl_steps))
+        print(report.render())
+        print()
     ks = [int(k) for k in args.ks.split(",")]
     print("\n".join(k_sweep(args.out / "policy", args.out / "sweep-logs", ks, args.repeats, 8, 4)))
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from trainer.config_io import ConfigError, from_mapping, load_file, merge_overrides
 from trainer.rl_config import RLConfig, TaskConfig
+from trainer.tasks import Task
 from trainer.warmup import DraftInitConfig, Progress, WarmupConfig
 
 
@@ -88,7 +89,7 @@ def train(
         )
 
 
-def _task_options(f):  # type: ignore[no-untyped-def]
+def _task_options(f: Callable[..., None]) -> Callable[..., None]:
     f = click.option("--tokenizer", default="builtin", show_default=True, help="builtin or a tokenizer.json")(f)
     f = click.option("--regime", type=click.Choice(["zero", "think"]), default="zero", show_default=True)(f)
     f = click.option("--digits", type=click.IntRange(1, 6), default=2, show_default=True)(f)
@@ -96,10 +97,10 @@ def _task_options(f):  # type: ignore[no-untyped-def]
     return f
 
 
-def _task(regime: str, digits: int, dataset: Path | None):  # type: ignore[no-untyped-def]
+def _task(regime: str, digits: int, dataset: Path | None) -> Task:
     if dataset is not None:
         return TaskConfig(kind="jsonl", path=dataset).build()
-    return TaskConfig(kind="arithmetic", regime=regime, digits=digits).build()  # type: ignore[arg-type]
+    return TaskConfig(kind="arithmetic", regime="think" if regime == "think" else "zero", digits=digits).build()
 
 
 @click.command()

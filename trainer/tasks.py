@@ -50,7 +50,8 @@ class Problem:
 class Task(Protocol):
     """A source of problems and their reward."""
 
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def sample(self, rng: random.Random, split: Split = "train") -> Problem: ...
 
@@ -151,7 +152,7 @@ def load_reward_fn(spec: str) -> RewardFn:
         inspect.signature(fn).bind("prompt", "completion", "answer")
     except TypeError as e:
         raise ValueError(f"reward function {spec!r} must accept (prompt, completion, answer): {e}") from e
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 @dataclass(kw_only=True, slots=True)
