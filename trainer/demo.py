@@ -55,7 +55,9 @@ class DemoConfig:
     """Sizes of the demo's phases (defaults fit ~10 minutes on a 2-core CPU)."""
 
     warmup: WarmupConfig = field(default_factory=lambda: WarmupConfig(steps=120, batch_size=32, lr=3e-3))
-    draft_init: DraftInitConfig = field(default_factory=lambda: DraftInitConfig(prompts=512, steps=120, lr=3e-3))
+    draft_init: DraftInitConfig = field(
+        default_factory=lambda: DraftInitConfig(prompts=512, steps=120, lr=3e-3, chain_depth=4)
+    )
     layers: int = 24
     """Target depth: the draft is one layer, so a deeper target makes drafting relatively cheaper."""
     rl_steps: int = 6

@@ -53,12 +53,17 @@ class DraftConfig:
     "hard": cross-entropy on the sampled tokens."""
     loss_weight: float = 1.0
     """Scale of the draft loss (the draft has its own optimizer, so this is its step size knob)."""
+    chain_depth: int = 0
+    """Teacher-forced chain steps trained: 0 = one per MTP layer; n > layers also trains the last
+    layer on its own outputs, as the engine reuses it when drafting k > layers tokens."""
 
     def __post_init__(self) -> None:
         if self.objective not in ("kl", "hard"):
             raise ValueError(f"objective must be 'kl' or 'hard', got {self.objective!r}")
         if not self.loss_weight > 0.0:
             raise ValueError(f"loss_weight must be > 0, got {self.loss_weight}")
+        if self.chain_depth < 0:
+            raise ValueError(f"chain_depth must be >= 0 (0: one step per MTP layer), got {self.chain_depth}")
 
 
 class MTPDraft(nn.Module):
@@ -142,7 +147,7 @@ def draft_loss(
             return embed(ids)
 
     t = temperature if temperature > 0 else 1.0
-    outs = draft.chain(tokens, hidden, detached_embed)
+    outs = draft.chain(tokens, hidden, detached_embed, depth=cfg.chain_depth or None)
     seq = tokens.shape[1]
     total = hidden.new_zeros(())
     metrics: dict[str, float] = {}

@@ -141,6 +141,9 @@ def warmup(
 @click.option("--steps", type=click.IntRange(1), default=200, show_default=True)
 @click.option("--batch-size", type=click.IntRange(1), default=32, show_default=True)
 @click.option("--lr", type=float, default=3e-3, show_default=True)
+@click.option(
+    "--chain-depth", type=click.IntRange(0), default=3, show_default=True, help="Draft steps trained (use >= spec k)."
+)
 def draft_init_cmd(
     model: Path,
     out: Path,
@@ -154,6 +157,7 @@ def draft_init_cmd(
     steps: int,
     batch_size: int,
     lr: float,
+    chain_depth: int,
 ) -> None:
     """Initialise the MTP draft in-domain: fit it on the policy's own completions (trunk frozen)."""
     from trainer.tokenizer import load_tokenizer

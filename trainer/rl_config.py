@@ -153,6 +153,7 @@ def demo_config(model: Path, run_dir: Path) -> RLConfig:
             prompts_per_step=8, samples_per_prompt=4, temperature=1.0, max_new_tokens=40, measure_plain=True
         ),
         optimizer=HybridOptimizerConfig(lr=3e-4),
+        draft=DraftConfig(chain_depth=4),
         draft_optimizer=HybridOptimizerConfig(lr=1e-3),
         sidecars=SidecarsConfig(local=2),
         steps=6,
