@@ -10,7 +10,9 @@ wherever it was generated); and the exact set of (prompt, sample) pairs that was
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
 import threading
 import time
 from pathlib import Path
@@ -180,3 +182,28 @@ def test_a_killed_sidecar_loses_no_sample_and_rejoins_with_current_weights(
             assert orch.served_versions() == {a: orch.version for a in local.addresses}
             again = orch.generate(prompts[:4], sampling, samples_per_prompt=1)
             assert all(s.weight_version == orch.version for s in again.samples)
+
+
+@pytest.mark.slow
+def test_a_sidecar_that_stops_answering_is_given_up_on_at_the_deadline(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    _, state = load_checkpoint(checkpoints["policy"])
+    rng = random.Random(12)
+    prompts = [TOK.encode(TASK.sample(rng, "train").prompt) for _ in range(8)]
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=24, stop_token_ids=(TOK.eos_id,), seed=5)
+    with LocalSidecars(checkpoints["policy"], 2, tmp_path / "logs") as local:
+        local.start()
+        with Orchestrator(local.addresses, deadline_s=4.0, call_timeout_s=2.0) as orch:
+            orch.push_weights(lambda: state.items(), orch.start_version())
+            os.kill(local.pid(0), signal.SIGSTOP)  # alive but silent: no error ever comes back
+            try:
+                result = orch.generate(prompts, sampling, samples_per_prompt=2)
+            finally:
+                os.kill(local.pid(0), signal.SIGCONT)
+            keys = sorted((s.prompt_index, s.sample_index) for s in result.samples)
+            assert keys == [(p, i) for p in range(8) for i in range(2)]
+            assert result.rerouted > 0 and any("deadline" in e for e in result.events), result.events
+            events: list[str] = []
+            orch.rejoin(events)  # answering again, already at the current version
+            assert any("rejoined" in e for e in events), events
