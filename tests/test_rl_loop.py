@@ -89,17 +89,17 @@ def test_rl_steps_end_to_end(checkpoints: dict[str, Path], tmp_path: Path) -> No
         ),
         optimizer=HybridOptimizerConfig(lr=5e-4),
         sidecars=SidecarsConfig(local=2),
-        steps=6,
-        eval_every=6,
-        eval_size=48,
+        steps=12,
+        eval_every=12,
+        eval_size=128,
         run_dir=tmp_path / "run",
     )
     history = train(cfg, progress=False)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
 
     # weight versions advance by one per step: step i samples version i+1 and pushes i+2
-    assert [m["rollout/weight_version"] for m in history] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
-    assert [m["weights/version"] for m in history] == [2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
+    assert [m["rollout/weight_version"] for m in history] == [float(v) for v in range(1, 13)]
+    assert [m["weights/version"] for m in history] == [float(v) for v in range(2, 14)]
     # the sidecars' log-probs are the trainer's, for the weights it pushed
     assert all(m["mismatch/logprob_abs_max"] < 1e-4 for m in history), [m["mismatch/logprob_abs_max"] for m in history]
     # speculation ran, and its figures come from the sidecars' counters
@@ -113,16 +113,16 @@ def test_rl_steps_end_to_end(checkpoints: dict[str, Path], tmp_path: Path) -> No
     run = tmp_path / "run"
     assert (run / "config.yaml").is_file()
     assert {p.name for p in (run / "plots").iterdir()} >= {"reward.png", "acceptance.png", "step_time.png"}
-    assert (run / "checkpoints" / "step_6").is_dir()
+    assert (run / "checkpoints" / "step_12").is_dir()
 
-    # the same run directory is refused without --resume, and resumes after step 6 with it
+    # the same run directory is refused without --resume, and resumes after step 12 with it
     with pytest.raises(FileExistsError):
         train(cfg, progress=False)
-    cfg.steps = 7
+    cfg.steps = 13
     resumed = train(cfg, resume=True, progress=False)
     assert len(resumed) == 1
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert steps == list(range(14))
     assert resumed[0]["mismatch/logprob_abs_max"] < 1e-4
 
 
