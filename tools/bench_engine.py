@@ -202,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     ks = [int(k) for k in args.ks.split(",")]
     news = [int(n) for n in args.new_tokens.split(",")]
-    news = news * len(batches) if len(news) == 1 else news
+    news = news * len(batches) if len(news) == 1 else news[: len(batches)]
+    if len(news) != len(batches):
+        ap.error(f"--new-tokens needs one value or one per batch size ({len(batches)})")
     engine = TorchEngine.from_checkpoint(
         args.model, speculation_k=0, max_speculation_k=max(ks), max_batch_size=max(batches)
     )
