@@ -1,0 +1,121 @@
+"""Temperature > 0: speculative sampling is distributed exactly as plain sampling.
+
+Oracle: the exact joint distribution of the first three generated tokens, P(t1, t2, t3 |
+prompt), computed by enumerating all V^3 continuations through the plain full forward and
+Hugging Face's logits warpers (temperature, top-k, top-p) — no engine code involved.
+
+Test: Pearson chi-square goodness of fit of N = 4000 engine samples against that
+distribution (cells with expected count < 5 pooled), at alpha = 1e-3. With V = 8 and a partly
+aligned MTP draft (acceptance 0.4-0.6, so the residual and the bonus paths both carry a
+large share of the mass) the first speculative round covers t2 and t3: draft positions,
+rejection → residual, and bonus.
+
+Power: the same test is run on two deliberately wrong acceptance rules, patched into the
+engine — "always accept" (emits the draft distribution q) and "on rejection resample from p
+instead of norm(max(0, p − q))" (the classic subtle bug, which biases towards tokens both
+models like). Both must be rejected at p < 1e-6, i.e. the test has essentially full power
+against errors of this size at N = 4000, while the correct rule passes. Seeds are fixed, so
+the outcome is deterministic.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from engine_fixtures import aligned_draft_model
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+import sidecar.engine.torch_engine as torch_engine
+from sidecar.engine.model import ModelConfig, Qwen3WithMTP
+from sidecar.engine.sampling import Acceptance, rejection_sample, sample_from
+from sidecar.engine.torch_engine import TorchEngine
+from sidecar.types import GenerationRequest, SamplingParams
+
+V = 8
+PROMPT = [3, 1, 4, 1, 5]
+N = 4000
+ALPHA = 1e-3
+
+
+@pytest.fixture(scope="module")
+def model() -> Qwen3WithMTP:
+    return aligned_draft_model(ModelConfig.tiny(vocab_size=V), seed=11, eps=0.1)
+
+
+def hf_filter(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+    scores = TemperatureLogitsWarper(sp.temperature)(None, logits.clone())
+    if sp.top_k:
+        scores = TopKLogitsWarper(sp.top_k)(None, scores)
+    if sp.top_p < 1:
+        scores = TopPLogitsWarper(sp.top_p)(None, scores)
+    return scores.softmax(-1)
+
+
+def exact_joint(model: Qwen3WithMTP, sp: SamplingParams) -> torch.Tensor:  # (V**3,) P(t1, t2, t3)
+    conts = torch.tensor(list(itertools.product(range(V), repeat=3)))  # (V^3, 3), lexicographic
+    ids = torch.cat([torch.tensor(PROMPT).expand(len(conts), -1), conts], dim=1)
+    with torch.no_grad():
+        logits = model(ids)[:, len(PROMPT) - 1 : len(PROMPT) + 2].double()  # predicts t1, t2, t3
+    probs = torch.stack([hf_filter(logits[:, i], sp) for i in range(3)], dim=1)  # (V^3, 3, V)
+    return probs.gather(-1, conts[..., None])[..., 0].prod(dim=1)
+
+
+def engine_counts(model: Qwen3WithMTP, sp: SamplingParams, k: int) -> tuple[torch.Tensor, float]:
+    """Counts of (t1, t2, t3) over N samples (V**3 cells), and the acceptance rate."""
+    engine = TorchEngine(model, speculation_k=k, max_batch_size=1000)
+    req = GenerationRequest(prompts=[PROMPT], sampling=sp, samples_per_prompt=N, speculation_k=k)
+    samples = engine.generate(req)
+    cells = torch.tensor([(s.token_ids[0] * V + s.token_ids[1]) * V + s.token_ids[2] for s in samples])
+    return torch.bincount(cells, minlength=V**3).double(), engine.stats()[0].counters.acceptance_rate
+
+
+def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum()[None]])
+    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    keep = exp > 0
+    assert counts[expected == 0].sum() == 0  # a continuation of probability 0 never appears
+    stat = (((obs - exp) ** 2) / exp)[keep].sum()
+    df = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0), stat / 2.0))
+
+
+SETTINGS = [
+    (SamplingParams(temperature=1.0, max_new_tokens=4, seed=1), 2),
+    (SamplingParams(temperature=1.0, max_new_tokens=3, seed=2), 1),
+    (SamplingParams(temperature=0.8, top_k=5, top_p=0.85, max_new_tokens=4, seed=3), 3),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("sp", "k"), SETTINGS)
+def test_speculative_samples_follow_the_exact_target_distribution(model: Qwen3WithMTP, sp: SamplingParams, k: int):
+    exact = exact_joint(model, sp)
+    assert chi_square_pvalue(engine_counts(model, sp, 0)[0], exact) > ALPHA  # plain sampling (sanity)
+    counts, acceptance = engine_counts(model, sp, k)
+    assert 0.3 < acceptance < 0.8  # both the accept and the reject (residual) paths carry mass
+    assert chi_square_pvalue(counts, exact) > ALPHA
+
+
+def always_accept(draft_tokens, q, p, num_draft, accept_uniforms, final_uniforms) -> Acceptance:
+    rows = torch.arange(len(num_draft))
+    return Acceptance(num_accepted=num_draft.clone(), next_token=sample_from(p[rows, num_draft], final_uniforms))
+
+
+def residual_from_p(draft_tokens, q, p, num_draft, accept_uniforms, final_uniforms) -> Acceptance:
+    acc = rejection_sample(draft_tokens, q, p, num_draft, accept_uniforms, final_uniforms)
+    rows = torch.arange(len(num_draft))
+    resampled = sample_from(p[rows, acc.num_accepted], final_uniforms)
+    return Acceptance(num_accepted=acc.num_accepted, next_token=resampled)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wrong_rule", [always_accept, residual_from_p])
+def test_the_test_detects_wrong_acceptance_rules(model: Qwen3WithMTP, monkeypatch, wrong_rule) -> None:
+    sp, k = SETTINGS[0]
+    exact = exact_joint(model, sp)
+    monkeypatch.setattr(torch_engine, "rejection_sample", wrong_rule)
+    assert chi_square_pvalue(engine_counts(model, sp, k)[0], exact) < 1e-6
