@@ -1,0 +1,122 @@
+"""The Megatron policy computes the engine's log-probs (DESIGN invariant 2) and the engine's draft.
+
+Two independent references: the embedded engine's plain forward (`Qwen3WithMTP`) and Hugging
+Face transformers' `Qwen3ForCausalLM` built from the same config and weights. Sequences run past
+the YaRN original context (16 positions) to exercise the interpolated frequencies.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sidecar.engine.checkpoint import model_state_dict
+from sidecar.engine.model import ModelConfig, build_model
+from trainer.policy import Policy, TrainBatch
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+SEQ = 48  # three times the original YaRN context
+
+
+def _hf_reference(mc: ModelConfig, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+    transformers = pytest.importorskip("transformers")
+    keys = [
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "rope_theta",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+    ]
+    kwargs = {k: getattr(mc, k) for k in keys}
+    if mc.rope_scaling is not None:
+        kwargs["rope_scaling"] = dict(mc.rope_scaling)
+    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**kwargs)).eval()
+    trunk = {k: v for k, v in state.items() if not k.startswith("mtp.")}
+    missing, unexpected = model.load_state_dict(trunk, strict=False)
+    assert not unexpected and all(k == "lm_head.weight" for k in missing), (missing, unexpected)
+    return model
+
+
+def _gather(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:  # (B,S,V),(B,S) -> (B,S-1)
+    return torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, tokens[:, 1:, None])[..., 0]
+
+
+@pytest.mark.parametrize(
+    ("rope_scaling", "tied", "temperature"),
+    [(None, False, 1.0), (YARN, False, 1.0), (YARN, True, 0.7)],
+    ids=["rope", "yarn", "yarn-tied-T0.7"],
+)
+def test_logprobs_match_engine_and_transformers(rope_scaling: dict | None, tied: bool, temperature: float) -> None:
+    mc = ModelConfig.tiny(rope_scaling=rope_scaling, tie_word_embeddings=tied, max_position_embeddings=64)
+    engine = build_model(mc, seed=3)
+    state = model_state_dict(engine)
+    # Non-trivial norm gains, so a swapped or misplaced norm cannot hide behind all-ones weights.
+    gen = torch.Generator().manual_seed(0)
+    for name, t in state.items():
+        if name.endswith("norm.weight"):
+            t.add_(0.3 * torch.randn(t.shape, generator=gen))
+    policy = Policy(mc, Policy.Config(temperature=temperature), dict(state))
+    tokens = torch.randint(0, mc.vocab_size, (2, SEQ), generator=gen)
+
+    got = policy.logprobs(tokens)
+    with torch.no_grad():
+        want_engine = _gather(engine(tokens) / temperature, tokens)
+        want_hf = _gather(_hf_reference(mc, state)(tokens).logits / temperature, tokens)
+    assert got.dtype == torch.float32 and got.shape == (2, SEQ - 1)
+    torch.testing.assert_close(got, want_engine, rtol=0, atol=1e-4)
+    torch.testing.assert_close(got, want_hf, rtol=0, atol=1e-4)
+    # The tail (positions >= 16) is beyond the original context: it must agree just as well.
+    assert (got[:, 20:] - want_engine[:, 20:]).abs().max() < 1e-4
+
+    # The draft head computes the engine's draft function (logits of x_{t+2} at position t).
+    with torch.no_grad():
+        want_draft = engine.mtp_logits(tokens, engine.hidden_states(tokens))
+    torch.testing.assert_close(policy.draft_logits(tokens), want_draft, rtol=0, atol=1e-4)
+
+
+def test_greedy_temperature_means_one() -> None:
+    mc = ModelConfig.tiny(num_nextn_predict_layers=0)
+    engine = build_model(mc, seed=5)
+    policy = Policy(mc, Policy.Config(temperature=0.0), model_state_dict(engine))
+    tokens = torch.randint(0, mc.vocab_size, (1, 12))
+    with torch.no_grad():
+        want = _gather(engine(tokens), tokens)
+    torch.testing.assert_close(policy.logprobs(tokens), want, rtol=0, atol=1e-4)
+
+
+def test_batch_alignment_and_mismatch_metric_against_engine_logprobs() -> None:
+    mc = ModelConfig.tiny(num_nextn_predict_layers=0)
+    engine = build_model(mc, seed=8)
+    prompts, responses = [[1, 2, 3], [4, 5]], [[6, 7, 8, 9], [10, 11]]
+    rollout = []
+    with torch.no_grad():  # what the engine reports: log p(r_i | prompt, r_<i), each sequence unpadded
+        for p, r in zip(prompts, responses, strict=True):
+            seq = torch.tensor([p + r])
+            rollout.append(_gather(engine(seq), seq)[0, len(p) - 1 :].tolist())
+    batch = TrainBatch.from_sequences(prompts, responses, torch.tensor([1.0, -1.0]), rollout_logprobs=rollout)
+    # mask over tokens[:, 1:]: sample 0 predicts 6..9 at positions 2..5; sample 1 predicts 10, 11 at 1, 2
+    assert batch.mask.tolist() == [[0, 0, 1, 1, 1, 1], [0, 1, 1, 0, 0, 0]]
+    policy = Policy(mc, Policy.Config(), model_state_dict(engine))
+    m = batch.mask.bool()
+    torch.testing.assert_close(policy.logprobs(batch.tokens)[m], batch.rollout_logprobs[m], rtol=0, atol=1e-4)
+    metrics = policy.backward(batch)
+    assert metrics["mismatch_logprob_abs_max"] < 1e-4
+    assert metrics["tokens"] == 6.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_logprobs_match_engine_on_cuda() -> None:
+    mc = ModelConfig.tiny(rope_scaling=YARN, max_position_embeddings=64)
+    engine = build_model(mc, seed=3, device="cuda")
+    policy = Policy(mc, Policy.Config(), {k: v.cpu() for k, v in model_state_dict(engine).items()})
+    tokens = torch.randint(0, mc.vocab_size, (2, SEQ), device="cuda")
+    with torch.no_grad():
+        want = _gather(engine(tokens), tokens)
+    torch.testing.assert_close(policy.logprobs(tokens), want, rtol=0, atol=1e-4)

@@ -1,0 +1,206 @@
+"""The checkpoint bridge: Hugging Face Qwen3 names (the naming contract) <-> megatron-core's layout.
+
+One `plan` of entries serves both directions, so import and export cannot drift apart. Each
+entry maps one Megatron parameter to one or more contract tensors:
+
+- ``linear_qkv`` fuses q/k/v *per query group*: for each of the ``num_key_value_heads`` groups,
+  ``heads_per_group * head_dim`` query rows, then ``head_dim`` key rows, then ``head_dim`` value rows
+  (the order megatron/core/transformer/attention.py splits the projection output in).
+- ``linear_fc1`` stacks gate over up (SwiGLU: ``silu(gate) * up``).
+- everything else is a rename (norms, o/down projections, embedding, output layer).
+
+The layer norm before attention/MLP is its own module in the local (CPU) spec
+(``input_layernorm`` / ``pre_mlp_layernorm``) and fused into the next linear in the
+TransformerEngine spec (``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``);
+the plan uses whichever names the built model actually has.
+
+Tensor parallelism: a Megatron parameter carries ``tensor_model_parallel``, ``partition_dim`` and
+``partition_stride``; sharding and gathering are derived from those attributes only (stride 2 is
+the gated fc1, whose rank r stores ``[gate_r; up_r]``). Export is a generator that gathers one
+parameter at a time over the tensor-parallel group, so peak extra memory is one full tensor.
+Every rank of the group must drive the generator in lockstep (the gathers are collective).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from sidecar.errors import WeightMismatchError
+
+MTP_PREFIX = "mtp."  # draft tensors are "mtp.layers.{j}.<sub-name>" (DeepSeek-V3 names)
+
+
+class CheckpointMismatchError(WeightMismatchError):
+    """A checkpoint's tensors do not fit the model (missing, unexpected, or wrong shape)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One Megatron parameter and the contract tensors it is made of."""
+
+    megatron: str
+    hf: tuple[str, ...]
+    fuse: str  # "copy" | "qkv" | "fc1"
+
+
+def plan(hf_config: Mapping[str, Any], megatron_names: set[str]) -> list[Entry]:
+    """The trunk's entries in contract order (embedding, layers, final norm, output layer)."""
+    te_fused_norms = "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in megatron_names
+    entries = [Entry("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "copy")]
+    for i in range(int(hf_config["num_hidden_layers"])):
+        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+        in_norm = "self_attention.linear_qkv.layer_norm_weight" if te_fused_norms else "input_layernorm.weight"
+        mlp_norm = "mlp.linear_fc1.layer_norm_weight" if te_fused_norms else "pre_mlp_layernorm.weight"
+        entries += [
+            Entry(m + in_norm, (h + "input_layernorm.weight",), "copy"),
+            Entry(
+                m + "self_attention.linear_qkv.weight",
+                tuple(h + f"self_attn.{p}_proj.weight" for p in "qkv"),
+                "qkv",
+            ),
+            Entry(m + "self_attention.q_layernorm.weight", (h + "self_attn.q_norm.weight",), "copy"),
+            Entry(m + "self_attention.k_layernorm.weight", (h + "self_attn.k_norm.weight",), "copy"),
+            Entry(m + "self_attention.linear_proj.weight", (h + "self_attn.o_proj.weight",), "copy"),
+            Entry(m + mlp_norm, (h + "post_attention_layernorm.weight",), "copy"),
+            Entry(m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), "fc1"),
+            Entry(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), "copy"),
+        ]
+    entries.append(Entry("decoder.final_layernorm.weight", ("model.norm.weight",), "copy"))
+    if not hf_config.get("tie_word_embeddings", False):
+        entries.append(Entry("output_layer.weight", ("lm_head.weight",), "copy"))
+    missing = [e.megatron for e in entries if e.megatron not in megatron_names]
+    if missing:
+        raise CheckpointMismatchError(
+            f"the Megatron model lacks parameters the plan expects: {missing[:5]} "
+            "(was it built from the same config, with pipeline parallel 1?)"
+        )
+    return entries
+
+
+def _heads(hf_config: Mapping[str, Any]) -> tuple[int, int, int]:
+    heads, groups = int(hf_config["num_attention_heads"]), int(hf_config["num_key_value_heads"])
+    head_dim = int(hf_config.get("head_dim") or int(hf_config["hidden_size"]) // heads)
+    return heads, groups, head_dim
+
+
+def fuse(entry: Entry, tensors: list[Tensor], hf_config: Mapping[str, Any]) -> Tensor:
+    """Contract tensors -> the full (unsharded) Megatron tensor."""
+    if entry.fuse == "copy":
+        return tensors[0]
+    if entry.fuse == "fc1":
+        return torch.cat(tensors, dim=0)  # (2*ffn, hidden): gate over up
+    heads, groups, d = _heads(hf_config)
+    q, k, v = tensors  # (heads*d, H), (groups*d, H), (groups*d, H)
+    hidden = q.shape[1]
+    q = q.reshape(groups, heads // groups * d, hidden)
+    k = k.reshape(groups, d, hidden)
+    v = v.reshape(groups, d, hidden)
+    return torch.cat([q, k, v], dim=1).reshape(-1, hidden)  # per group: its q heads, then k, then v
+
+
+def split(entry: Entry, full: Tensor, hf_config: Mapping[str, Any]) -> list[Tensor]:
+    """The full Megatron tensor -> contract tensors (inverse of `fuse`)."""
+    if entry.fuse == "copy":
+        return [full]
+    if entry.fuse == "fc1":
+        return list(full.chunk(2, dim=0))
+    heads, groups, d = _heads(hf_config)
+    hidden = full.shape[1]
+    q, k, v = full.reshape(groups, (heads // groups + 2) * d, hidden).split([heads // groups * d, d, d], dim=1)
+    return [q.reshape(-1, hidden), k.reshape(-1, hidden), v.reshape(-1, hidden)]
+
+
+def _tp(param: Tensor) -> tuple[bool, int, int]:
+    return (
+        bool(getattr(param, "tensor_model_parallel", False)),
+        int(getattr(param, "partition_dim", 0)),
+        int(getattr(param, "partition_stride", 1)),
+    )
+
+
+def shard(full: Tensor, param: Tensor, rank: int, world: int) -> Tensor:
+    """This rank's piece of `full` for `param` (Megatron's strided split: chunks r, r+world, ...)."""
+    parallel, dim, stride = _tp(param)
+    if not parallel or world == 1:
+        return full
+    pieces = torch.split(full, full.shape[dim] // (stride * world), dim=dim)
+    return torch.cat(pieces[rank::world], dim=dim)
+
+
+def unshard(shards: list[Tensor], param: Tensor) -> Tensor:
+    """Reassemble the full tensor from every rank's shard (inverse of `shard`)."""
+    parallel, dim, stride = _tp(param)
+    if not parallel or len(shards) == 1:
+        return shards[0]
+    per_rank = [s.chunk(stride, dim=dim) for s in shards]  # [rank][stride piece]
+    return torch.cat([per_rank[r][s] for s in range(stride) for r in range(len(shards))], dim=dim)
+
+
+def _tp_group() -> tuple[dist.ProcessGroup | None, int, int]:
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None, 0, 1
+    return (
+        parallel_state.get_tensor_model_parallel_group(),
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_world_size(),
+    )
+
+
+@torch.no_grad()
+def load_trunk(model: nn.Module, tensors: Mapping[str, Tensor], hf_config: Mapping[str, Any]) -> None:
+    """Copy contract-named trunk tensors into a megatron-core GPTModel (this rank's shards).
+
+    Draft tensors (``mtp.*``) are ignored here; anything else unknown or missing raises.
+    """
+    params = dict(model.named_parameters())
+    entries = plan(hf_config, set(params))
+    wanted = {name for e in entries for name in e.hf}
+    trunk = {k for k in tensors if not k.startswith(MTP_PREFIX)}
+    if wanted != trunk:
+        raise CheckpointMismatchError(
+            f"checkpoint trunk tensors differ from the model: missing {sorted(wanted - trunk)[:5]}, "
+            f"unexpected {sorted(trunk - wanted)[:5]}"
+        )
+    _, rank, world = _tp_group()
+    for e in entries:
+        param = params[e.megatron]
+        piece = shard(fuse(e, [tensors[n] for n in e.hf], hf_config), param, rank, world)
+        if piece.shape != param.shape:
+            raise CheckpointMismatchError(
+                f"{e.hf} -> {e.megatron}: shard shape {tuple(piece.shape)} != parameter shape {tuple(param.shape)}"
+            )
+        param.copy_(piece)
+
+
+@torch.no_grad()
+def export_trunk(model: nn.Module, hf_config: Mapping[str, Any]) -> Iterator[tuple[str, Tensor]]:
+    """Yield (contract name, full tensor) for the trunk, one Megatron parameter at a time.
+
+    Collective under tensor parallelism: every rank of the group must iterate to the end.
+    """
+    params = dict(model.named_parameters())
+    group, _, world = _tp_group()
+    for e in plan(hf_config, set(params)):
+        param = params[e.megatron]
+        local = param.detach()
+        if world > 1 and _tp(param)[0]:
+            shards = [torch.empty_like(local) for _ in range(world)]
+            dist.all_gather(shards, local.contiguous(), group=group)
+            full = unshard(shards, param)
+        else:
+            full = local.clone()
+        yield from zip(e.hf, split(e, full, hf_config), strict=True)
+
+
+def export_draft(draft: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """Yield (contract name, tensor) of the draft head (replicated; names already contract sub-names)."""
+    for name, param in draft.named_parameters():
+        yield MTP_PREFIX + name, param.detach().clone()

@@ -1,0 +1,346 @@
+"""The trainer's policy: megatron-core trunk + MTP draft head, their optimizers, and one RL step.
+
+What the RL loop (issue 8) uses:
+
+    policy = Policy.from_checkpoint("ckpt/", Policy.Config(...))   # or Policy(model_config, cfg)
+    logp = policy.logprobs(tokens)                                 # (B, S-1) float32, no grad
+    metrics = policy.train_step(batch)                             # one GRPO/DAPO + draft update
+    metrics = policy.train_draft_step(tokens, mask)                # draft only (warm-up on in-domain data)
+    for name, tensor in policy.export_named_tensors(): ...         # naming contract, bounded memory
+    policy.save("run/step_10"); policy.load("run/step_10")         # resume bit for bit
+
+A step is ordered so that the two objectives cannot touch each other: the policy loss is
+backpropagated, then the draft loss on *detached* trunk outputs (computed before any weight
+moves), then gradients are reduced (tensor-parallel q/k-norm sums, data-parallel means), each
+optimizer clips its own gradients and steps. The trunk's optimizer is the Muon/AdamW hybrid from
+`muon` (Q, K, V orthogonalised per query group); the draft has its own hybrid and clip.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from muon import HybridOptimizer, HybridOptimizerConfig, QKVLayout, build_optimizer
+from sidecar.engine.model import ModelConfig
+from trainer import bridge, gpt, platform
+from trainer.draft import DraftConfig, MTPDraft, draft_loss
+from trainer.losses import GRPOConfig, mismatch_metrics, policy_loss
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainBatch:
+    """One batch of samples, right-padded; every (B, S-1) tensor is aligned with tokens[:, 1:]."""
+
+    tokens: Tensor
+    """(B, S) int64 prompt + response token ids, right-padded."""
+    mask: Tensor
+    """(B, S-1) 1 where tokens[:, 1:] is a response token that counts in the loss (0 on prompt,
+    padding and filtered groups)."""
+    advantages: Tensor
+    """(B,) one advantage per sample (`trainer.losses.group_advantages`)."""
+    old_logprobs: Tensor | None = None
+    """(B, S-1) log-probs the PPO ratio is taken against; None: the current policy's (on-policy)."""
+    rollout_logprobs: Tensor | None = None
+    """(B, S-1) the engine's reported log-probs, for the training–inference mismatch metric."""
+    ref_logprobs: Tensor | None = None
+    """(B, S-1) reference policy log-probs, needed when GRPOConfig.kl_coef > 0."""
+
+    def __post_init__(self) -> None:
+        b, s = self.tokens.shape
+        for name in ("mask", "old_logprobs", "rollout_logprobs", "ref_logprobs"):
+            t = getattr(self, name)
+            if t is not None and tuple(t.shape) != (b, s - 1):
+                raise ValueError(
+                    f"{name} must be (B, S-1) = ({b}, {s - 1}) aligned with tokens[:, 1:], got {tuple(t.shape)}"
+                )
+        if tuple(self.advantages.shape) != (b,):
+            raise ValueError(f"advantages must be (B,) = ({b},), got {tuple(self.advantages.shape)}")
+
+    @classmethod
+    def from_sequences(
+        cls,
+        prompts: list[list[int]],
+        responses: list[list[int]],
+        advantages: Tensor,  # (B,)
+        rollout_logprobs: list[list[float]] | None = None,
+        pad_id: int = 0,
+    ) -> TrainBatch:
+        """Pack prompt/response token lists (and the engine's per-token log-probs) into a batch."""
+        if len(prompts) != len(responses):
+            raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+        seq = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+        b = len(prompts)
+        tokens = torch.full((b, seq), pad_id, dtype=torch.long)
+        mask = torch.zeros(b, seq - 1)
+        rollout = torch.zeros(b, seq - 1) if rollout_logprobs is not None else None
+        for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+            tokens[i, : len(p) + len(r)] = torch.tensor(p + r, dtype=torch.long)
+            mask[i, len(p) - 1 : len(p) - 1 + len(r)] = 1.0
+            if rollout is not None and rollout_logprobs is not None:
+                rollout[i, len(p) - 1 : len(p) - 1 + len(r)] = torch.tensor(rollout_logprobs[i], dtype=torch.float32)
+        return cls(tokens=tokens, mask=mask, advantages=advantages.float(), rollout_logprobs=rollout)
+
+
+class Policy:
+    """megatron-core policy + MTP draft head + optimizers, on this rank's shard of the model."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config:
+        """Everything about training the policy; the model's shape comes from its ModelConfig."""
+
+        tensor_parallel: int = 1
+        """Tensor-parallel size (must divide heads, kv heads, ffn and vocab)."""
+        seed: int = 1234
+        """Seed of initialisation (for weights the checkpoint lacks) and of every RNG."""
+        temperature: float = 1.0
+        """Rollout temperature: log-probs are log_softmax(logits / T) (T = 1 for greedy)."""
+        grpo: GRPOConfig = field(default_factory=GRPOConfig)
+        optimizer: HybridOptimizerConfig = field(default_factory=lambda: HybridOptimizerConfig(lr=1e-5))
+        """Trunk optimizer (Muon for hidden matrices, AdamW for the rest)."""
+        clip_grad: float = 1.0
+        """Max global gradient norm of the trunk."""
+        train_draft: bool = True
+        """Train the MTP head (when the model has one) in the same step."""
+        draft: DraftConfig = field(default_factory=DraftConfig)
+        draft_optimizer: HybridOptimizerConfig = field(default_factory=lambda: HybridOptimizerConfig(lr=1e-4))
+        """The draft head's own optimizer."""
+        draft_clip_grad: float = 1.0
+        """Max gradient norm of the draft head (its own clip)."""
+
+        def __post_init__(self) -> None:
+            if self.tensor_parallel < 1:
+                raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
+            if not self.temperature >= 0.0:
+                raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            for name in ("clip_grad", "draft_clip_grad"):
+                if not getattr(self, name) > 0.0:
+                    raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cfg: Policy.Config,
+        tensors: dict[str, Tensor] | None = None,
+    ) -> None:
+        """Build on the current process group (a world of one is created if none exists).
+
+        `tensors`: contract-named weights (trunk, and draft if present); None keeps the seeded
+        random initialisation (the draft is initialised when the checkpoint has no ``mtp.*``).
+        """
+        platform.apply_cpu_accommodations()
+        if not dist.is_initialized():
+            platform.init_single_process_group()
+        platform.initialize_model_parallel(cfg.tensor_parallel, 1, seed=cfg.seed)
+        self.cfg = cfg
+        self.model_config = model_config
+        self.hf = model_config.to_hf_dict()
+        self.model = gpt.build_gpt_model(self.hf, tensor_parallel=cfg.tensor_parallel)
+        self.draft: MTPDraft | None = None
+        if model_config.num_nextn_predict_layers > 0:
+            torch.manual_seed(cfg.seed)
+            self.draft = MTPDraft(model_config).to(platform.device())
+            self.draft.init_weights()
+        if tensors is not None:
+            self.load_tensors(tensors)
+        self.step_count = 0
+        self.optimizer = self._build_trunk_optimizer()
+        self.draft_optimizer = (
+            build_optimizer(self.draft.named_parameters(), cfg.draft_optimizer) if self.draft is not None else None
+        )
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, cfg: Policy.Config) -> Policy:
+        """Load a naming-contract checkpoint (config.json + model.safetensors)."""
+        from sidecar.engine.checkpoint import load_checkpoint
+
+        model_config, tensors = load_checkpoint(path)
+        return cls(model_config, cfg, tensors)
+
+    def _build_trunk_optimizer(self) -> HybridOptimizer:
+        from megatron.core import parallel_state
+
+        c = self.model_config
+        layout = QKVLayout.from_heads(
+            num_attention_heads=c.num_attention_heads, num_query_groups=c.num_key_value_heads, head_dim=c.head_dim
+        )
+        tp_group = parallel_state.get_tensor_model_parallel_group() if self.cfg.tensor_parallel > 1 else None
+        return build_optimizer(self.model.named_parameters(), self.cfg.optimizer, qkv_layout=layout, tp_group=tp_group)
+
+    # ---- weights -------------------------------------------------------------------------
+    def load_tensors(self, tensors: dict[str, Tensor]) -> None:
+        """Copy contract-named tensors in (trunk always; the draft's when present)."""
+        bridge.load_trunk(self.model, tensors, self.hf)
+        draft = {k[len(bridge.MTP_PREFIX) :]: v for k, v in tensors.items() if k.startswith(bridge.MTP_PREFIX)}
+        if draft and self.draft is None:
+            raise bridge.CheckpointMismatchError("checkpoint has mtp.* tensors but num_nextn_predict_layers is 0")
+        if draft and self.draft is not None:
+            own = {k for k, _ in self.draft.named_parameters()}
+            if set(draft) != own:
+                raise bridge.CheckpointMismatchError(
+                    f"draft tensors differ: missing {sorted(own - set(draft))[:5]}, unexpected {sorted(set(draft) - own)[:5]}"
+                )
+            with torch.no_grad():
+                for name, p in self.draft.named_parameters():
+                    p.copy_(draft[name])
+
+    def export_named_tensors(self) -> Iterator[tuple[str, Tensor]]:
+        """(contract name, full tensor): trunk then draft, one tensor gathered at a time.
+
+        Collective under tensor parallelism: every rank must consume the whole iterator.
+        """
+        yield from bridge.export_trunk(self.model, self.hf)
+        if self.draft is not None:
+            yield from bridge.export_draft(self.draft)
+
+    def save_hf(self, path: str | Path) -> None:
+        """Write a serving checkpoint (config.json + model.safetensors, naming contract) from rank 0.
+
+        Collective (all ranks gather); holds the full state dict on rank 0 while writing.
+        """
+        from sidecar.engine.checkpoint import save_checkpoint
+
+        tensors = dict(self.export_named_tensors())
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            save_checkpoint(path, self.model_config, tensors)
+        if dist.is_initialized():
+            dist.barrier()
+
+    # ---- forward -------------------------------------------------------------------------
+    def logprobs(self, tokens: Tensor) -> Tensor:  # tokens (B, S) -> (B, S-1) float32
+        """log p(tokens[:, t+1] | tokens[:, :t+1]) at the rollout temperature, no grad."""
+        self.model.eval()
+        with torch.no_grad():
+            logits, _ = gpt.forward(self.model, tokens.to(platform.device()))
+            return gpt.token_logprobs(logits[:, :-1], tokens[:, 1:].to(logits.device), self.cfg.temperature)
+
+    def draft_logits(self, tokens: Tensor, layer: int = 0) -> Tensor:  # (B, S) -> (B, S-1-layer, V)
+        """Teacher-forced draft logits of chain step `layer` (position t predicts tokens[t+layer+2])."""
+        if self.draft is None:
+            raise ValueError("this model has no draft head (num_nextn_predict_layers is 0)")
+        self.model.eval()
+        with torch.no_grad():
+            _, hidden = gpt.forward(self.model, tokens)
+            outs = self.draft.chain(tokens, hidden, lambda ids: gpt.embed(self.model, ids), depth=layer + 1)
+            return self.draft.logits(layer, outs[layer], gpt.shared_head(self.model))
+
+    # ---- training ------------------------------------------------------------------------
+    def backward(self, batch: TrainBatch) -> dict[str, float]:
+        """Forward both objectives and accumulate their (reduced) gradients; no weight changes."""
+        dev = platform.device()
+        tokens = batch.tokens.to(dev)
+        mask = batch.mask.to(dev)
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        logits, hidden = gpt.forward(self.model, tokens)
+        logp = gpt.token_logprobs(logits[:, :-1], tokens[:, 1:], self.cfg.temperature)
+        old = batch.old_logprobs.to(dev) if batch.old_logprobs is not None else logp.detach()
+        ref = batch.ref_logprobs.to(dev) if batch.ref_logprobs is not None else None
+        out = policy_loss(logp, old, batch.advantages.to(dev), mask, self.cfg.grpo, ref_logprobs=ref)
+        out.loss.backward()
+        metrics = dict(out.metrics)
+        if batch.rollout_logprobs is not None:
+            metrics.update(mismatch_metrics(logp, batch.rollout_logprobs.to(dev), mask))
+        if self.draft is not None and self.cfg.train_draft:
+            metrics.update(self._draft_backward(tokens, hidden, logits, mask))
+        self._reduce_gradients([self.model] + ([self.draft] if self.draft is not None else []))
+        return metrics
+
+    def _draft_backward(self, tokens: Tensor, hidden: Tensor, logits: Tensor, mask: Tensor) -> dict[str, float]:
+        # tokens (B, S); hidden (B, S, H); logits (B, S, V/tp); mask (B, S-1). Trunk tensors enter detached.
+        assert self.draft is not None and self.draft_optimizer is not None
+        self.draft.train()
+        self.draft_optimizer.zero_grad(set_to_none=True)
+        dloss, dmetrics = draft_loss(
+            self.draft,
+            self.cfg.draft,
+            tokens,
+            hidden,
+            gpt.gather_vocab(logits.detach()),
+            mask,
+            embed=lambda ids: gpt.embed(self.model, ids),
+            head=gpt.shared_head(self.model),
+            temperature=self.cfg.temperature,
+        )
+        dloss.backward()
+        return dmetrics
+
+    def train_draft_step(self, tokens: Tensor, mask: Tensor) -> dict[str, float]:
+        """Update only the draft head on `tokens` (B, S) with `mask` (B, S-1); the trunk runs
+        without gradients. For warming a draft up on in-domain data before RL."""
+        if self.draft is None or self.draft_optimizer is None:
+            raise ValueError("this model has no draft head (num_nextn_predict_layers is 0)")
+        dev = platform.device()
+        tokens, mask = tokens.to(dev), mask.to(dev)
+        self.model.eval()
+        with torch.no_grad():
+            logits, hidden = gpt.forward(self.model, tokens)
+        metrics = self._draft_backward(tokens, hidden, logits, mask)
+        self._reduce_gradients([self.draft])
+        metrics["draft_grad_norm"] = float(self.draft_optimizer.clip_grad_norm_(self.cfg.draft_clip_grad))
+        self.draft_optimizer.step()
+        return metrics
+
+    def _reduce_gradients(self, modules: list[torch.nn.Module]) -> None:
+        """Sum q/k-norm grads over TP (each rank saw only its heads); average `modules` over DP."""
+        from megatron.core import parallel_state
+
+        if self.cfg.tensor_parallel > 1 and self.model in modules:
+            tp_group = parallel_state.get_tensor_model_parallel_group()
+            for name, p in self.model.named_parameters():
+                if p.grad is not None and ("q_layernorm" in name or "k_layernorm" in name):
+                    dist.all_reduce(p.grad, group=tp_group)
+        dp = parallel_state.get_data_parallel_world_size()
+        if dp > 1:
+            dp_group = parallel_state.get_data_parallel_group()
+            for module in modules:
+                for p in module.parameters():
+                    if p.grad is not None:
+                        dist.all_reduce(p.grad, group=dp_group)
+                        p.grad.div_(dp)
+
+    def step(self) -> dict[str, float]:
+        """Clip and apply the accumulated gradients (each optimizer with its own clip)."""
+        metrics = {"grad_norm": float(self.optimizer.clip_grad_norm_(self.cfg.clip_grad))}
+        self.optimizer.step()
+        if self.draft is not None and self.cfg.train_draft and self.draft_optimizer is not None:
+            metrics["draft_grad_norm"] = float(self.draft_optimizer.clip_grad_norm_(self.cfg.draft_clip_grad))
+            self.draft_optimizer.step()
+        self.step_count += 1
+        return metrics
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One update of policy and draft on `batch`; returns loss, clip, mismatch and draft metrics."""
+        metrics = self.backward(batch)
+        metrics.update(self.step())
+        metrics["step"] = float(self.step_count)
+        return metrics
+
+    # ---- checkpoints ---------------------------------------------------------------------
+    def save(self, path: str | Path) -> None:
+        """Write a resumable checkpoint (see `trainer.checkpointing`)."""
+        from trainer.checkpointing import save_policy
+
+        save_policy(self, Path(path))
+
+    def load(self, path: str | Path) -> None:
+        """Restore a checkpoint written by `save` (same model and parallel layout)."""
+        from trainer.checkpointing import load_policy
+
+        load_policy(self, Path(path))
+
+    def state(self) -> dict[str, Any]:
+        """Model, draft and optimizer state of this rank (for `trainer.checkpointing`)."""
+        return {
+            "model": {k: v for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")},
+            "draft": self.draft.state_dict() if self.draft is not None else None,
+            "optimizer": self.optimizer.state_dict(),
+            "draft_optimizer": self.draft_optimizer.state_dict() if self.draft_optimizer is not None else None,
+            "step": self.step_count,
+        }
