@@ -28,3 +28,35 @@ class StaleVersionError(SpecrlError, ValueError):
 
 class CheckpointError(SpecrlError, ValueError):
     """A checkpoint directory that cannot be loaded (missing or malformed files)."""
+
+
+class ServedVersionTooOldError(SpecrlError):
+    """The sidecar serves an older weight version than a request demands (FAILED_PRECONDITION)."""
+
+
+class DuplicateRequestError(InvalidRequestError):
+    """A request_id already used by a live request (INVALID_ARGUMENT)."""
+
+
+class OverloadedError(SpecrlError):
+    """The bounded admission queue is full; retry with backoff (RESOURCE_EXHAUSTED)."""
+
+
+class PushInProgressError(SpecrlError):
+    """Another weight push is being received or applied; retry after it ends (ABORTED)."""
+
+
+class PushCancelledError(SpecrlError):
+    """The pushing client went away before the push was complete (CANCELLED)."""
+
+
+class ShuttingDownError(SpecrlError):
+    """The sidecar is stopping and admits no new work (UNAVAILABLE)."""
+
+
+class ApplyTimeoutError(SpecrlError):
+    """A verified weight update did not reach an engine step boundary in time (DEADLINE_EXCEEDED)."""
+
+
+class EngineFailure(SpecrlError):
+    """The engine raised while stepping; the requests of that batch fail (INTERNAL)."""

@@ -60,6 +60,10 @@ def create_server(
         ("grpc.max_send_message_length", config.max_message_mib * MiB),
         ("grpc.max_receive_message_length", config.max_message_mib * MiB),
         ("grpc.so_reuseport", 0),
+        # A fixed receive window: bounds what gRPC buffers ahead of a weight push's staging
+        # (with BDP probing it grows with the link and adds to the push's peak memory).
+        ("grpc.http2.bdp_probe", 0),
+        ("grpc.http2.lookahead_bytes", 16 * MiB),
     ]
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="specrl-rpc"),

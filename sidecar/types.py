@@ -277,3 +277,49 @@ class SidecarStats:
     queued_sequences: int = 0
     running_sequences: int = 0
     uptime_seconds: float = 0.0
+
+
+@dataclass(kw_only=True, slots=True)
+class WeightManifest:
+    """First item of a weight push: the version to serve and the tensors that follow, in order."""
+
+    version: int
+    selector: WeightSelector
+    tensors: list[TensorSpec]
+
+
+@dataclass(kw_only=True, slots=True)
+class WeightChunk:
+    """A slice of one tensor's bytes (in order within the tensor)."""
+
+    tensor_index: int
+    offset: int
+    data: bytes | memoryview
+    """The payload (a memoryview of the received message on the server: no copy)."""
+    crc32: int
+    """CRC-32 (zlib) of `data`."""
+    tensor_crc32: int | None = None
+    """On a tensor's last chunk: CRC-32 of the whole tensor, for senders that stream tensors as
+    they produce them and so sent 0 in the manifest. None when the manifest carries it."""
+
+
+@dataclass(kw_only=True, slots=True)
+class WeightCommit:
+    """Last item of a weight push: verify and apply."""
+
+    chunk_count: int
+
+
+PushItem = WeightManifest | WeightChunk | WeightCommit
+
+
+@dataclass(kw_only=True, slots=True)
+class PushResult:
+    """Outcome of a successful weight push."""
+
+    version: int
+    previous_version: int
+    bytes_received: int
+    tensors_updated: int
+    receive_seconds: float
+    apply_seconds: float

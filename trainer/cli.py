@@ -18,3 +18,8 @@ def demo() -> None:
         "the end-to-end demo is not yet available: it lands with the RL loop (issue 8). "
         "Run the tests with tools/test in the meantime."
     )
+
+
+from sidecar.cli import serve  # noqa: E402  (subcommands register on main)
+
+main.add_command(serve)

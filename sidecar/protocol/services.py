@@ -32,9 +32,35 @@ RolloutStub = rollout_pb2_grpc.RolloutServiceStub
 WeightStub = weights_pb2_grpc.WeightServiceStub
 ControlStub = control_pb2_grpc.ControlServiceStub
 
+PUSH_WEIGHTS_METHOD = f"/{WEIGHTS}/PushWeights"
+
+
+def _add_weight_servicer(servicer: Any, server: grpc.Server) -> None:
+    """Like the generated adder, except that PushWeights requests are read by
+    `convert.push_item_from_wire` (zero-copy chunks; a malformed message reaches the servicer as
+    an InvalidRequestError instead of failing in gRPC's deserializer with INTERNAL). The
+    servicer's PushWeights therefore receives domain push items, not messages."""
+    from sidecar.protocol.convert import push_item_from_wire
+
+    handlers = {
+        "PushWeights": grpc.stream_unary_rpc_method_handler(
+            servicer.PushWeights,
+            request_deserializer=push_item_from_wire,
+            response_serializer=weights_pb2.PushWeightsResponse.SerializeToString,
+        ),
+        "DescribeWeights": grpc.unary_unary_rpc_method_handler(
+            servicer.DescribeWeights,
+            request_deserializer=weights_pb2.DescribeWeightsRequest.FromString,
+            response_serializer=weights_pb2.DescribeWeightsResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(WEIGHTS, handlers),))
+    server.add_registered_method_handlers(WEIGHTS, handlers)
+
+
 _ADDERS: dict[type, tuple[str, Callable[[Any, grpc.Server], None]]] = {
     RolloutServicer: (ROLLOUT, rollout_pb2_grpc.add_RolloutServiceServicer_to_server),
-    WeightServicer: (WEIGHTS, weights_pb2_grpc.add_WeightServiceServicer_to_server),
+    WeightServicer: (WEIGHTS, _add_weight_servicer),
     ControlServicer: (CONTROL, control_pb2_grpc.add_ControlServiceServicer_to_server),
 }
 

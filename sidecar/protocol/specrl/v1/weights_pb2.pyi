@@ -44,16 +44,18 @@ class WeightManifest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., selector: _Optional[_Union[_common_pb2.WeightSelector, str]] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
 
 class WeightChunk(_message.Message):
-    __slots__ = ("tensor_index", "offset", "data", "crc32")
+    __slots__ = ("tensor_index", "offset", "data", "crc32", "tensor_crc32")
     TENSOR_INDEX_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_CRC32_FIELD_NUMBER: _ClassVar[int]
     tensor_index: int
     offset: int
     data: bytes
     crc32: int
-    def __init__(self, tensor_index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+    tensor_crc32: int
+    def __init__(self, tensor_index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., tensor_crc32: _Optional[int] = ...) -> None: ...
 
 class WeightCommit(_message.Message):
     __slots__ = ("chunk_count",)

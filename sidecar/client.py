@@ -1,0 +1,410 @@
+"""The typed Python client of specrl.v1, and a pool over several sidecars.
+
+Domain types in, domain types out (`sidecar.types`; conversion in `sidecar.protocol.convert`,
+shared with the server). Every call has a deadline. Retries happen only where repeating a call
+cannot change anything: the read-only GetInfo, GetStats, DescribeWeights and health checks,
+and the idempotent Pause, Resume and SetSpeculation, with capped exponential backoff on
+UNAVAILABLE. Generate, Abort and PushWeights are never retried blindly: a repeated Generate
+would sample again, a repeated push would be refused as a stale version.
+
+Failures raise `SidecarCallError`, which carries the gRPC status code, the server's message
+and the sidecar's address.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+import sidecar.protocol.convert as convert
+from sidecar.errors import SpecrlError
+from sidecar.protocol import services
+from sidecar.protocol.specrl.v1 import control_pb2, rollout_pb2, weights_pb2
+from sidecar.security import auth_metadata, channel_credentials
+from sidecar.types import (
+    GenerationRequest,
+    PushResult,
+    Sample,
+    SidecarInfo,
+    SidecarStats,
+    TensorSpec,
+    WeightSelector,
+)
+from sidecar.weights import DEFAULT_CHUNK_BYTES, iter_push_requests
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+MiB = 1 << 20
+NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
+class SidecarCallError(SpecrlError):
+    """A specrl.v1 call that failed: `code` (grpc.StatusCode), `details` (the server's message)."""
+
+    def __init__(self, address: str, method: str, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{method} on {address} failed with {code.name}: {details}")
+        self.address = address
+        self.method = method
+        self.code = code
+        self.details = details
+
+
+@dataclass(kw_only=True, slots=True)
+class ClientConfig:
+    """Deadlines, retries and security of a client."""
+
+    timeout_s: float = 30.0
+    """Deadline of each unary call."""
+    generate_timeout_s: float = 3600.0
+    """Deadline of a whole Generate stream."""
+    push_timeout_s: float = 3600.0
+    """Deadline of a whole weight push."""
+    retries: int = 4
+    """Extra attempts of a safe call after UNAVAILABLE."""
+    backoff_s: float = 0.1
+    """First backoff; doubles per attempt (with jitter) up to max_backoff_s."""
+    max_backoff_s: float = 2.0
+    token: str | None = None
+    """Bearer token sent with every call."""
+    tls: bool = False
+    """Use TLS (implied by root_ca); the system roots verify the server unless root_ca is set."""
+    root_ca: Path | None = None
+    client_cert: Path | None = None
+    """Client certificate for mutual TLS (with client_key)."""
+    client_key: Path | None = None
+    max_message_mib: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_s", "generate_timeout_s", "push_timeout_s", "backoff_s", "max_backoff_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ClientConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.retries < 0:
+            raise ValueError(f"retries must be >= 0, got {self.retries}")
+        if (self.client_cert is None) != (self.client_key is None):
+            raise ValueError("client_cert and client_key go together (mutual TLS)")
+
+
+class SidecarClient:
+    """A connection to one sidecar."""
+
+    def __init__(self, address: str, config: ClientConfig | None = None) -> None:
+        self.address = address
+        self.config = config or ClientConfig()
+        c = self.config
+        options = [
+            ("grpc.max_send_message_length", c.max_message_mib * MiB),
+            ("grpc.max_receive_message_length", c.max_message_mib * MiB),
+        ]
+        if c.tls or c.root_ca is not None or c.client_cert is not None:
+            creds = channel_credentials(root_ca=c.root_ca, client_cert=c.client_cert, client_key=c.client_key)
+            self.channel = grpc.secure_channel(address, creds, options=options)
+        else:
+            self.channel = grpc.insecure_channel(address, options=options)
+        self._metadata = auth_metadata(c.token)
+        self._rollout = services.RolloutStub(self.channel)
+        self._weights = services.WeightStub(self.channel)
+        self._control = services.ControlStub(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+        # PushWeights with pre-serialised requests (convert.push_item_to_wire: one copy per chunk).
+        self._push = self.channel.stream_unary(
+            services.PUSH_WEIGHTS_METHOD,
+            request_serializer=None,
+            response_deserializer=weights_pb2.PushWeightsResponse.FromString,
+        )
+
+    # --- plumbing ---------------------------------------------------------------------------
+
+    def _error(self, method: str, e: grpc.RpcError) -> SidecarCallError:
+        code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+        details = e.details() if hasattr(e, "details") else str(e)
+        return SidecarCallError(self.address, method, code, details or "")
+
+    def _unary(self, method: str, fn: Callable[..., T], request: Any, *, retry: bool) -> T:
+        attempts = 1 + (self.config.retries if retry else 0)
+        delay = self.config.backoff_s
+        for attempt in range(attempts):
+            try:
+                return fn(request, timeout=self.config.timeout_s, metadata=self._metadata)
+            except grpc.RpcError as e:
+                err = self._error(method, e)
+                if err.code != grpc.StatusCode.UNAVAILABLE or attempt + 1 == attempts:
+                    raise err from None
+                log.debug("%s; retrying in %.2fs", err, delay)
+                time.sleep(delay * (0.5 + random.random()))
+                delay = min(delay * 2, self.config.max_backoff_s)
+        raise AssertionError("unreachable")
+
+    # --- control ----------------------------------------------------------------------------
+
+    def info(self) -> SidecarInfo:
+        msg = self._unary("GetInfo", self._control.GetInfo, control_pb2.GetInfoRequest(), retry=True)
+        return convert.info_from_pb(msg)
+
+    def stats(self) -> SidecarStats:
+        msg = self._unary("GetStats", self._control.GetStats, control_pb2.GetStatsRequest(), retry=True)
+        return convert.stats_from_pb(msg)
+
+    def pause(self) -> bool:
+        """Pause; returns whether it was already paused."""
+        return self._unary("Pause", self._control.Pause, control_pb2.PauseRequest(), retry=True).was_paused
+
+    def resume(self) -> bool:
+        """Resume; returns whether it was paused."""
+        return self._unary("Resume", self._control.Resume, control_pb2.ResumeRequest(), retry=True).was_paused
+
+    def set_speculation(self, k: int) -> int:
+        """Set the default draft length; returns the previous one."""
+        msg = self._unary(
+            "SetSpeculation", self._control.SetSpeculation, control_pb2.SetSpeculationRequest(k=k), retry=True
+        )
+        return int(msg.previous_k)
+
+    def health(self, service: str = "") -> bool:
+        """True when the sidecar (or one of its services) reports SERVING; never raises."""
+        try:
+            reply = self._unary(
+                "Health.Check", self._health.Check, health_pb2.HealthCheckRequest(service=service), retry=False
+            )
+        except SidecarCallError:
+            return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+    # --- rollout ----------------------------------------------------------------------------
+
+    def stream_generate(self, request: GenerationRequest, timeout_s: float | None = None) -> Iterator[Sample]:
+        """Samples as they finish. Closing the iterator early cancels the call (freeing its
+        slots on the sidecar)."""
+        call = self._rollout.Generate(
+            convert.generation_request_to_pb(request),
+            timeout=timeout_s or self.config.generate_timeout_s,
+            metadata=self._metadata,
+        )
+        try:
+            for msg in call:
+                yield convert.sample_from_pb(msg.sample)
+        except grpc.RpcError as e:
+            raise self._error("Generate", e) from None
+        finally:
+            call.cancel()  # no-op after a normal end
+
+    def generate(self, request: GenerationRequest, timeout_s: float | None = None) -> list[Sample]:
+        """All samples of `request`, sorted by (prompt_index, sample_index)."""
+        samples = list(self.stream_generate(request, timeout_s))
+        return sorted(samples, key=lambda s: (s.prompt_index, s.sample_index))
+
+    def abort(self, request_id: str) -> tuple[bool, int]:
+        """Abort a live Generate call; returns (found, samples aborted)."""
+        msg = self._unary("Abort", self._rollout.Abort, rollout_pb2.AbortRequest(request_id=request_id), retry=False)
+        return bool(msg.found), int(msg.aborted_samples)
+
+    # --- weights ----------------------------------------------------------------------------
+
+    def describe_weights(self, selector: WeightSelector = WeightSelector.ALL) -> tuple[list[TensorSpec], int]:
+        """The tensors a push of `selector` must carry, and the served version."""
+        msg = self._unary(
+            "DescribeWeights",
+            self._weights.DescribeWeights,
+            weights_pb2.DescribeWeightsRequest(selector=convert.selector_to_pb(selector)),
+            retry=True,
+        )
+        return convert.describe_weights_from_pb(msg)
+
+    def push_weights(
+        self,
+        named_tensors: NamedTensors,
+        version: int,
+        selector: WeightSelector = WeightSelector.ALL,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        specs: Sequence[TensorSpec] | None = None,
+        timeout_s: float | None = None,
+    ) -> PushResult:
+        """Push new weights and return once the sidecar serves `version`.
+
+        `named_tensors` is a state dict, or an iterable of (name, tensor) pairs streamed one at
+        a time (its order must be `specs`', which default to DescribeWeights' for `selector`).
+        """
+        if specs is None and not isinstance(named_tensors, Mapping):
+            specs, _ = self.describe_weights(selector)
+        items = iter_push_requests(named_tensors, version, selector, chunk_bytes, specs=specs)
+        sender_failure: list[Exception] = []
+
+        def requests() -> Iterator[bytes]:
+            try:
+                for item in items:
+                    yield convert.push_item_to_wire(item)
+            except Exception as e:  # gRPC would hide it behind UNKNOWN; re-raised below
+                sender_failure.append(e)
+                raise
+
+        try:
+            msg = self._push(requests(), timeout=timeout_s or self.config.push_timeout_s, metadata=self._metadata)
+        except grpc.RpcError as e:
+            if sender_failure:  # our own tensors were wrong; the stream ended without a commit
+                raise sender_failure[0] from None
+            raise self._error("PushWeights", e) from None
+        return convert.push_result_from_pb(msg)
+
+    # --- lifetime ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> SidecarClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class SidecarPool:
+    """Several sidecars as one: generation spread over the healthy ones, weights pushed to all.
+
+    Health is checked with `grpc.health.v1` and cached for `health_ttl_s`; a sidecar that fails
+    a call with UNAVAILABLE is marked unhealthy until its next successful check. A Generate
+    shard lost to an UNAVAILABLE sidecar is re-run on another healthy one (its partial samples
+    are dropped, so no sample is duplicated); other errors propagate. Note: with a fixed seed,
+    samples depend on how prompts were split (each shard is its own request).
+    """
+
+    def __init__(
+        self, addresses: Sequence[str], config: ClientConfig | None = None, *, health_ttl_s: float = 5.0
+    ) -> None:
+        if not addresses:
+            raise ValueError("a SidecarPool needs at least one address")
+        self.clients = [SidecarClient(a, config) for a in addresses]
+        self._health_ttl_s = health_ttl_s
+        self._checked: dict[str, tuple[float, bool]] = {}
+        self._lock = threading.Lock()
+
+    def _mark(self, client: SidecarClient, healthy: bool) -> None:
+        with self._lock:
+            self._checked[client.address] = (time.monotonic(), healthy)
+
+    def healthy(self) -> list[SidecarClient]:
+        """The sidecars that report SERVING (cached for health_ttl_s)."""
+        now = time.monotonic()
+        result = []
+        for c in self.clients:
+            with self._lock:
+                cached = self._checked.get(c.address)
+            if cached is None or now - cached[0] > self._health_ttl_s:
+                self._mark(c, c.health())
+                with self._lock:
+                    cached = self._checked[c.address]
+            if cached[1]:
+                result.append(c)
+        return result
+
+    def generate(self, request: GenerationRequest, timeout_s: float | None = None) -> list[Sample]:
+        """All samples of `request`, prompts spread over the healthy sidecars; sorted by
+        (prompt_index, sample_index), with prompt indices of the original request."""
+        rid = request.request_id or f"pool-{time.time_ns():x}"
+        pending: list[list[int]] = [list(range(len(request.prompts)))]
+        results: list[Sample] = []
+        for _attempt in range(len(self.clients)):
+            healthy = self.healthy()
+            if not healthy:
+                raise SidecarCallError(
+                    ",".join(c.address for c in self.clients),
+                    "Generate",
+                    grpc.StatusCode.UNAVAILABLE,
+                    "no healthy sidecar in the pool; start one or check the addresses",
+                )
+            indices = [i for block in pending for i in block]
+            shards = [indices[j :: len(healthy)] for j in range(len(healthy))]
+            work = [(c, s) for c, s in zip(healthy, shards, strict=True) if s]
+            with ThreadPoolExecutor(max_workers=len(work)) as pool:
+                futures = [
+                    pool.submit(self._run_shard, c, request, rid, n, shard, timeout_s)
+                    for n, (c, shard) in enumerate(work)
+                ]
+                pending = []
+                for (c, shard), fut in zip(work, futures, strict=True):
+                    try:
+                        results.extend(fut.result())
+                    except SidecarCallError as e:
+                        if e.code != grpc.StatusCode.UNAVAILABLE:
+                            raise
+                        log.warning("sidecar %s unavailable (%s); re-running its prompts elsewhere", c.address, e)
+                        self._mark(c, False)
+                        pending.append(shard)
+            if not pending:
+                return sorted(results, key=lambda s: (s.prompt_index, s.sample_index))
+        raise SidecarCallError(
+            ",".join(c.address for c in self.clients),
+            "Generate",
+            grpc.StatusCode.UNAVAILABLE,
+            f"{sum(len(p) for p in pending)} prompts could not be served by any sidecar of the pool",
+        )
+
+    @staticmethod
+    def _run_shard(
+        client: SidecarClient,
+        request: GenerationRequest,
+        rid: str,
+        n: int,
+        shard: list[int],
+        timeout_s: float | None,
+    ) -> list[Sample]:
+        sub = replace(request, prompts=[request.prompts[i] for i in shard], request_id=f"{rid}/{n}")
+        samples = client.generate(sub, timeout_s)
+        for s in samples:
+            s.prompt_index = shard[s.prompt_index]
+            s.request_id = rid
+        return samples
+
+    def push_weights(
+        self,
+        named_tensors: Mapping[str, torch.Tensor] | Callable[[], Iterable[tuple[str, torch.Tensor]]],
+        version: int,
+        selector: WeightSelector = WeightSelector.ALL,
+        **kwargs: Any,
+    ) -> dict[str, PushResult]:
+        """Push to every sidecar of the pool (in parallel); raises SidecarCallError naming every
+        sidecar that failed. `named_tensors` is a state dict, or a callable returning a fresh
+        iterable of (name, tensor) pairs for each sidecar."""
+
+        def push(c: SidecarClient) -> PushResult:
+            tensors = named_tensors if isinstance(named_tensors, Mapping) else named_tensors()
+            return c.push_weights(tensors, version, selector, **kwargs)
+
+        with ThreadPoolExecutor(max_workers=len(self.clients)) as pool:
+            futures = {c.address: pool.submit(push, c) for c in self.clients}
+        results: dict[str, PushResult] = {}
+        failures: list[SidecarCallError] = []
+        for address, fut in futures.items():
+            try:
+                results[address] = fut.result()
+            except SidecarCallError as e:
+                failures.append(e)
+        if failures:
+            code = failures[0].code
+            raise SidecarCallError(
+                ",".join(f.address for f in failures),
+                "PushWeights",
+                code,
+                "; ".join(str(f) for f in failures) + f" (succeeded on {sorted(results)})",
+            )
+        return results
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+
+    def __enter__(self) -> SidecarPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,355 @@
+"""The specrl.v1 servicers: Rollout, Weights and Control, on top of the scheduler.
+
+Each RPC converts its request with `sidecar.protocol.convert`, checks request limits, and
+hands the work to the `Scheduler` (which owns the engine). Every failure leaves as
+`context.abort(code, message)` with the status code proto/specrl/v1 documents for it; the
+message says what was wrong and what to do. `status_for` is the one table from specrl's
+exceptions to gRPC codes. A failing request never takes the server down: unexpected
+exceptions become INTERNAL for that call only.
+
+`Sidecar` assembles engine, scheduler, servicers, security and metrics into a running server.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+import grpc
+
+import sidecar.protocol.convert as convert
+from sidecar import errors, metrics
+from sidecar.engine.base import Engine
+from sidecar.protocol import services
+from sidecar.protocol.specrl.v1 import control_pb2, rollout_pb2, weights_pb2
+from sidecar.scheduler import RequestCancelled, Scheduler, SchedulerConfig
+from sidecar.security import SecurityConfig, TokenAuthInterceptor, server_credentials
+from sidecar.server import ServerConfig, create_server
+from sidecar.types import GenerationRequest, PushItem, PushResult, RequestLimits, SidecarInfo, SidecarStats
+from sidecar.weights import WeightReceiver, release_freed_memory
+
+log = logging.getLogger(__name__)
+
+_STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (errors.UnknownTensorError, grpc.StatusCode.NOT_FOUND),
+    (errors.WeightMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.StaleVersionError, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.ServedVersionTooOldError, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.PushInProgressError, grpc.StatusCode.ABORTED),
+    (errors.PushCancelledError, grpc.StatusCode.CANCELLED),
+    (errors.ShuttingDownError, grpc.StatusCode.UNAVAILABLE),
+    (errors.ApplyTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (errors.EngineFailure, grpc.StatusCode.INTERNAL),
+)
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    """The gRPC status code of a specrl exception (INTERNAL for anything unexpected)."""
+    for kind, code in _STATUS:
+        if isinstance(exc, kind):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def _status_and_message(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    code = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL and not isinstance(exc, errors.SpecrlError):
+        log.error("unexpected error in an RPC", exc_info=exc)
+        return code, f"internal error ({type(exc).__name__}: {exc}); the sidecar is still serving, retry or report it"
+    return code, str(exc)
+
+
+def _abort(context: grpc.ServicerContext, exc: BaseException) -> NoReturn:
+    context.abort(*_status_and_message(exc))
+    raise AssertionError("context.abort returned")  # grpc raises; this line documents NoReturn
+
+
+def check_limits(request: GenerationRequest, limits: RequestLimits) -> None:
+    """Raise InvalidRequestError if `request` exceeds `limits`, naming the limit."""
+    if len(request.prompts) > limits.max_prompts:
+        raise errors.InvalidRequestError(
+            f"{len(request.prompts)} prompts exceed the limit of {limits.max_prompts}; split the request"
+        )
+    samples = len(request.prompts) * request.samples_per_prompt
+    if samples > limits.max_samples:
+        raise errors.InvalidRequestError(
+            f"{samples} samples (prompts x samples_per_prompt) exceed the limit of {limits.max_samples}; "
+            "split the request"
+        )
+    longest = max(len(p) for p in request.prompts)
+    if longest > limits.max_prompt_tokens:
+        raise errors.InvalidRequestError(
+            f"a prompt of {longest} tokens exceeds the limit of {limits.max_prompt_tokens}; shorten it"
+        )
+    if request.sampling.max_new_tokens > limits.max_new_tokens:
+        raise errors.InvalidRequestError(
+            f"max_new_tokens {request.sampling.max_new_tokens} exceeds the limit of {limits.max_new_tokens}"
+        )
+
+
+class RolloutService(services.RolloutServicer):
+    """Generate and Abort."""
+
+    def __init__(self, scheduler: Scheduler, limits: RequestLimits, poll_s: float = 0.25) -> None:
+        self._scheduler = scheduler
+        self._limits = limits
+        self._poll_s = poll_s
+
+    def Generate(self, request: rollout_pb2.GenerateRequest, context: grpc.ServicerContext) -> Iterator[Any]:
+        try:
+            domain = convert.generation_request_from_pb(request)
+            check_limits(domain, self._limits)
+            handle = self._scheduler.submit(domain)
+        except Exception as e:
+            _abort(context, e)
+        if not context.add_callback(handle.cancel):  # the call already ended: free the slots now
+            handle.cancel()
+            return
+        while context.is_active():  # ends when the client leaves (the callback frees its slots)
+            try:
+                sample = handle.get(timeout=self._poll_s)
+            except queue.Empty:
+                continue
+            except RequestCancelled:  # the client left; nobody is listening
+                return
+            except Exception as e:
+                _abort(context, e)
+            if sample is None:
+                return
+            yield rollout_pb2.GenerateResponse(sample=convert.sample_to_pb(sample))
+
+    def Abort(self, request: rollout_pb2.AbortRequest, context: grpc.ServicerContext) -> rollout_pb2.AbortResponse:
+        if not request.request_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty; name the Generate call to abort")
+        try:
+            found, n = self._scheduler.abort(request.request_id)
+        except Exception as e:
+            _abort(context, e)
+        return rollout_pb2.AbortResponse(found=found, aborted_samples=n)
+
+
+class WeightService(services.WeightServicer):
+    """PushWeights and DescribeWeights."""
+
+    def __init__(self, scheduler: Scheduler, *, keep_staging: bool = False) -> None:
+        self._scheduler = scheduler
+        self._receiver = WeightReceiver(
+            model_specs=scheduler.model_specs,
+            served_version=lambda: scheduler.weight_version,
+            keep_staging=keep_staging,
+        )
+
+    def PushWeights(self, request_iterator: Iterator[Any], context: grpc.ServicerContext) -> Any:
+        failure: tuple[grpc.StatusCode, str] | None = None
+        try:
+            result = self._push(request_iterator, context)
+        except Exception as e:
+            failure = _status_and_message(e)
+        release_freed_memory()  # the staging tensors died with _push's frame
+        if failure is not None:
+            context.abort(*failure)
+        return convert.push_result_to_pb(result)
+
+    def _push(self, request_iterator: Iterator[Any], context: grpc.ServicerContext) -> PushResult:
+        with self._receiver.claim():
+            staged = self._receiver.receive(_push_items(request_iterator, context), is_active=context.is_active)
+            if not context.is_active():
+                raise errors.PushCancelledError("the client went away before the push was applied")
+            previous, apply_s = self._scheduler.apply_weights(staged, timeout_s=context.time_remaining())
+            self._receiver.keep(staged)
+        log.info("serving weight version %d (was %d)", staged.version, previous)
+        return PushResult(
+            version=staged.version,
+            previous_version=previous,
+            bytes_received=staged.bytes_received,
+            tensors_updated=len(staged.tensors),
+            receive_seconds=staged.receive_seconds,
+            apply_seconds=apply_s,
+        )
+
+    def DescribeWeights(self, request: weights_pb2.DescribeWeightsRequest, context: grpc.ServicerContext) -> Any:
+        try:
+            selector = convert.selector_from_pb(request.selector)
+        except Exception as e:
+            _abort(context, e)
+        return convert.describe_weights_to_pb(self._scheduler.model_specs(selector), self._scheduler.weight_version)
+
+
+def _push_items(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[PushItem]:
+    """The push stream (already domain items, see services.PUSH_WEIGHTS_METHOD); a message that
+    could not be read raises its InvalidRequestError, a vanished client PushCancelledError."""
+    try:
+        for item in requests:
+            if isinstance(item, Exception):
+                raise item
+            yield item
+    except grpc.RpcError:
+        raise errors.PushCancelledError(
+            "the client cancelled the push mid-stream; nothing was applied, the old weights still serve"
+        ) from None
+
+
+class ControlService(services.ControlServicer):
+    """GetInfo, GetStats, Pause, Resume, SetSpeculation."""
+
+    def __init__(self, scheduler: Scheduler, limits: RequestLimits, specrl_version: str) -> None:
+        self._scheduler = scheduler
+        self._limits = limits
+        self._specrl_version = specrl_version
+
+    def info(self) -> SidecarInfo:
+        snap = self._scheduler.snapshot()
+        return SidecarInfo(
+            engine=snap.info,
+            weight_version=snap.weight_version,
+            paused=snap.paused,
+            limits=self._limits,
+            gpus=metrics.gpu_telemetry(),
+            specrl_version=self._specrl_version,
+        )
+
+    def stats(self) -> SidecarStats:
+        snap = self._scheduler.snapshot()
+        total = self._scheduler.total_counters()
+        return SidecarStats(
+            versions=snap.versions,
+            total=total,
+            weight_version=snap.weight_version,
+            queued_sequences=snap.queued,
+            running_sequences=snap.running,
+            uptime_seconds=time.monotonic() - self._scheduler.started_at,
+        )
+
+    def GetInfo(self, request: control_pb2.GetInfoRequest, context: grpc.ServicerContext) -> Any:
+        return convert.info_to_pb(self.info())
+
+    def GetStats(self, request: control_pb2.GetStatsRequest, context: grpc.ServicerContext) -> Any:
+        return convert.stats_to_pb(self.stats())
+
+    def Pause(self, request: control_pb2.PauseRequest, context: grpc.ServicerContext) -> Any:
+        return control_pb2.PauseResponse(was_paused=self._scheduler.pause())
+
+    def Resume(self, request: control_pb2.ResumeRequest, context: grpc.ServicerContext) -> Any:
+        return control_pb2.ResumeResponse(was_paused=self._scheduler.resume())
+
+    def SetSpeculation(self, request: control_pb2.SetSpeculationRequest, context: grpc.ServicerContext) -> Any:
+        max_k = self._scheduler.snapshot().info.max_speculation_k
+        if request.k > max_k:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"k={request.k} exceeds max_k={max_k}; ask for 0..{max_k} (0 turns speculation off)",
+            )
+        try:
+            previous = self._scheduler.set_speculation_k(request.k)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"k={request.k} refused: {e}")
+        except Exception as e:
+            _abort(context, e)
+        return control_pb2.SetSpeculationResponse(previous_k=previous, k=request.k)
+
+
+# --- assembly -------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True, slots=True)
+class SidecarConfig:
+    """Everything a sidecar needs besides its engine."""
+
+    server: ServerConfig = field(default_factory=ServerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+    metrics_port: int | None = None
+    """Prometheus endpoint port (0 picks a free one); None turns it off."""
+    metrics_host: str = "127.0.0.1"
+    shutdown_grace_s: float = 5.0
+    """How long live calls may finish after a stop is requested."""
+    keep_staging: bool = False
+    """Receive each weight push into the previous push's staging tensors (faster pushes; ~1x
+    the model stays resident between pushes). Only for engines that copy on update (torch)."""
+
+    def __post_init__(self) -> None:
+        if self.limits.max_samples > self.scheduler.max_live_sequences:
+            raise ValueError(
+                f"limits.max_samples ({self.limits.max_samples}) exceeds scheduler.max_live_sequences "
+                f"({self.scheduler.max_live_sequences}): such a request could never be admitted; lower it"
+            )
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in 0..65535 or None (off), got {self.metrics_port}")
+        if self.shutdown_grace_s < 0:
+            raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+
+
+class Sidecar:
+    """A running specrl.v1 server around one engine: `start()`, then `stop()`."""
+
+    def __init__(self, engine: Engine, config: SidecarConfig | None = None) -> None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        self.config = config or SidecarConfig()
+        try:
+            specrl_version = version("specrl")
+        except PackageNotFoundError:
+            specrl_version = "unknown"
+        self.scheduler = Scheduler(engine, self.config.scheduler)
+        self.control = ControlService(self.scheduler, self.config.limits, specrl_version)
+        self.rollout = RolloutService(self.scheduler, self.config.limits)
+        self.weights = WeightService(self.scheduler, keep_staging=self.config.keep_staging)
+        servicers = [self.rollout, self.weights, self.control]
+        sec = self.config.security
+        interceptors = [TokenAuthInterceptor(sec.token)] if sec.token else []
+        self.server, self.port, self.health = create_server(
+            servicers, self.config.server, credentials=server_credentials(sec), interceptors=interceptors
+        )
+        self.metrics = metrics.SidecarMetrics(self.scheduler)
+        self.metrics_port: int | None = None
+        self._metrics_server: Any = None
+        self._started = False
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.server.host}:{self.port}"
+
+    def start(self) -> Sidecar:
+        """Start serving (idempotent)."""
+        if self._started:
+            return self
+        self._started = True
+        self.scheduler.start()
+        self.server.start()
+        if self.config.metrics_port is not None:
+            self._metrics_server, self.metrics_port = self.metrics.serve(
+                self.config.metrics_port, self.config.metrics_host
+            )
+        log.info(
+            "specrl sidecar serving %s on %s (%s)%s",
+            services.ROLLOUT.rsplit(".", 1)[0],
+            self.address,
+            "TLS" if self.config.security.tls_cert else "plaintext",
+            f", metrics on :{self.metrics_port}" if self.metrics_port is not None else "",
+        )
+        return self
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Flip health to NOT_SERVING, let live calls finish for the grace period, stop."""
+        grace = self.config.shutdown_grace_s if grace_s is None else grace_s
+        self.health.enter_graceful_shutdown()  # every service reports NOT_SERVING from now on
+        stopped = self.server.stop(grace)
+        self.scheduler.stop(grace_s=min(grace, 1.0))
+        stopped.wait(grace + 5.0)
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server = None
+        log.info("specrl sidecar on %s stopped", self.address)
+
+    def __enter__(self) -> Sidecar:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,260 @@
+"""The client side: a pool routing around a stopped sidecar, a client built from the .proto
+files alone (no specrl import), property-based fuzzing of request messages, and `specrl serve`
+as a real process with graceful shutdown on SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sidecar.client import ClientConfig, SidecarCallError, SidecarClient, SidecarPool
+from sidecar.protocol import services
+from sidecar.protocol.specrl.v1 import rollout_pb2, weights_pb2
+from sidecar.service import Sidecar
+from tests.sidecar_fixtures import (
+    DEADLINE,
+    PROMPTS,
+    greedy_reference,
+    greedy_request,
+    make_checkpoint,
+    single_torch_thread,  # noqa: F401  (a fixture, used by pytestmark)
+    start_sidecar,
+    weights,
+)
+from trainer.cli import main
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
+ROOT = Path(__file__).resolve().parent.parent
+Code = grpc.StatusCode
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def sidecar(checkpoint: Path) -> Iterator[Sidecar]:
+    sc = start_sidecar(checkpoint)
+    yield sc
+    sc.stop(0.5)
+
+
+def oracle(prompts: list[list[int]], n: int = 8) -> list[list[int]]:
+    state = weights(0)
+    return [greedy_reference(state, p, n) for p in prompts]
+
+
+def test_the_pool_spreads_prompts_and_routes_around_a_stopped_sidecar(checkpoint: Path) -> None:
+    a, b = start_sidecar(checkpoint), start_sidecar(checkpoint)
+    prompts = [[i + 1, 2 * i + 1] for i in range(6)]
+    expected = oracle(prompts)
+    config = ClientConfig(retries=0, timeout_s=5)
+    try:
+        with SidecarPool([a.address, b.address], config, health_ttl_s=0.0) as pool:
+            samples = pool.generate(greedy_request(prompts))
+            assert [s.token_ids for s in samples] == expected
+            assert [s.prompt_index for s in samples] == list(range(6))
+            assert all(a.control.stats().total.generated_tokens > 0 for a in (a, b))  # both served
+            assert set(pool.push_weights(weights(0), 1)) == {a.address, b.address}
+            b.stop(0.2)
+            assert [c.address for c in pool.healthy()] == [a.address]
+            samples = pool.generate(greedy_request(prompts))
+            assert [s.token_ids for s in samples] == expected
+            with pytest.raises(SidecarCallError) as err:
+                pool.push_weights(weights(0), 2)
+            assert b.address in str(err.value) and a.address in err.value.details  # names who failed and who not
+            a.stop(0.2)
+            with pytest.raises(SidecarCallError, match="no healthy sidecar"):
+                pool.generate(greedy_request(prompts))
+    finally:
+        a.stop(0.2)
+        b.stop(0.2)
+
+
+FOREIGN_CLIENT = textwrap.dedent(
+    """
+    import json, sys
+    import grpc
+    from specrl.v1 import control_pb2, control_pb2_grpc, rollout_pb2, rollout_pb2_grpc
+    address, prompts = sys.argv[1], json.loads(sys.argv[2])
+    with grpc.insecure_channel(address) as ch:
+        info = control_pb2_grpc.ControlServiceStub(ch).GetInfo(control_pb2.GetInfoRequest(), timeout=20)
+        request = rollout_pb2.GenerateRequest(
+            prompts=[rollout_pb2.Prompt(token_ids=p) for p in prompts],
+            sampling=rollout_pb2.SamplingParams(temperature=0.0, max_new_tokens=8),
+        )
+        stream = rollout_pb2_grpc.RolloutServiceStub(ch).Generate(request, timeout=20)
+        samples = sorted((r.sample.prompt_index, list(r.sample.token_ids)) for r in stream)
+    assert not any(m.startswith("sidecar") for m in sys.modules), "must not use specrl's own code"
+    print(json.dumps({"vocab": info.model.vocab_size, "protocol": info.protocol, "tokens": [t for _, t in samples]}))
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_client_generated_from_the_proto_files_alone(sidecar: Sidecar, tmp_path: Path) -> None:
+    protos = sorted(str(p.relative_to(ROOT / "proto")) for p in (ROOT / "proto").rglob("*.proto"))
+    subprocess.run(
+        [sys.executable, "-m", "grpc_tools.protoc", "-I", str(ROOT / "proto"), f"--python_out={tmp_path}",
+         f"--grpc_python_out={tmp_path}", *protos],
+        check=True, timeout=120,
+    )  # fmt: skip
+    script = tmp_path / "foreign_client.py"
+    script.write_text(FOREIGN_CLIENT)
+    out = subprocess.run(
+        [sys.executable, str(script), sidecar.address, json.dumps(PROMPTS)],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    reply = json.loads(out.stdout)
+    assert reply["vocab"] == 64 and reply["protocol"] == "specrl.v1"
+    assert reply["tokens"] == oracle(PROMPTS)
+
+
+token_ids = st.integers(min_value=0, max_value=2**32 - 1)
+floats = st.floats(allow_nan=True, allow_infinity=True, width=32)
+
+
+@st.composite
+def generate_requests(draw: st.DrawFn) -> rollout_pb2.GenerateRequest:
+    sampling = rollout_pb2.SamplingParams(
+        temperature=draw(st.one_of(floats, st.sampled_from([0.0, 0.7, 1.0]))),
+        max_new_tokens=draw(st.one_of(st.integers(0, 6), st.integers(251, 2**32 - 1))),
+        stop_token_ids=draw(st.lists(token_ids, max_size=3)),
+    )
+    if draw(st.booleans()):
+        sampling.top_p = draw(floats)
+    if draw(st.booleans()):
+        sampling.top_k = draw(st.integers(0, 2**32 - 1))
+    if draw(st.booleans()):
+        sampling.seed = draw(st.integers(0, 2**64 - 1))
+    msg = rollout_pb2.GenerateRequest(
+        request_id=draw(st.text(max_size=8)),
+        prompts=[rollout_pb2.Prompt(token_ids=p) for p in draw(st.lists(st.lists(token_ids, max_size=5), max_size=3))],
+        samples_per_prompt=draw(st.integers(0, 3)),
+        min_weight_version=draw(st.integers(0, 2)),
+    )
+    if draw(st.booleans()):
+        msg.sampling.CopyFrom(sampling)
+    if draw(st.booleans()):
+        msg.speculation_k = draw(st.integers(0, 12))
+    return msg
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(msg=generate_requests())
+def test_fuzzed_generate_requests_never_crash_the_server(sidecar: Sidecar, msg: rollout_pb2.GenerateRequest) -> None:
+    with grpc.insecure_channel(sidecar.address) as ch:
+        try:
+            list(services.RolloutStub(ch).Generate(msg, timeout=DEADLINE))
+        except grpc.RpcError as e:
+            assert e.code() in (Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION), (e.code(), e.details())
+    with SidecarClient(sidecar.address) as c:
+        assert c.health()
+
+
+names = st.sampled_from(["model.norm.weight", "model.embed_tokens.weight", "mtp.layers.0.enorm.weight", "x", ""])
+
+
+@st.composite
+def push_messages(draw: st.DrawFn) -> weights_pb2.PushWeightsRequest:
+    kind = draw(st.sampled_from(["manifest", "chunk", "commit", "empty"]))
+    if kind == "manifest":
+        tensors = [
+            weights_pb2.TensorSpec(
+                name=draw(names),
+                dtype=draw(st.integers(0, 5)),
+                shape=draw(st.lists(st.integers(0, 2**40), max_size=3)),
+                byte_length=draw(st.integers(0, 2**40)),
+                crc32=draw(st.integers(0, 2**32 - 1)),
+            )
+            for _ in range(draw(st.integers(0, 3)))
+        ]
+        manifest = weights_pb2.WeightManifest(version=draw(st.integers(0, 3)), selector=draw(st.integers(0, 5)))
+        manifest.tensors.extend(tensors)
+        return weights_pb2.PushWeightsRequest(manifest=manifest)
+    if kind == "chunk":
+        data = draw(st.binary(max_size=64))
+        return weights_pb2.PushWeightsRequest(
+            chunk=weights_pb2.WeightChunk(
+                tensor_index=draw(st.integers(0, 4)),
+                offset=draw(st.integers(0, 128)),
+                data=data,
+                crc32=draw(st.integers(0, 2**32 - 1)),
+            )
+        )
+    if kind == "commit":
+        return weights_pb2.PushWeightsRequest(commit=weights_pb2.WeightCommit(chunk_count=draw(st.integers(0, 5))))
+    return weights_pb2.PushWeightsRequest()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(messages=st.lists(push_messages(), max_size=6))
+def test_fuzzed_push_streams_never_crash_or_change_the_model(
+    sidecar: Sidecar, messages: list[weights_pb2.PushWeightsRequest]
+) -> None:
+    with grpc.insecure_channel(sidecar.address) as ch:
+        with pytest.raises(grpc.RpcError) as err:  # random bytes never make a complete model
+            services.WeightStub(ch).PushWeights(iter(messages), timeout=DEADLINE)
+        assert err.value.code() in (Code.INVALID_ARGUMENT, Code.NOT_FOUND, Code.FAILED_PRECONDITION), (
+            err.value.code(),
+            err.value.details(),
+        )
+    with SidecarClient(sidecar.address) as c:
+        assert c.health() and c.info().weight_version == 0
+
+
+def test_serve_with_sglang_fails_clearly(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["serve", "--model", str(tmp_path), "--engine", "sglang"])
+    assert result.exit_code != 0
+    assert "SGLang engine not available in this build: install specrl[sglang] on a GPU node" in result.output
+
+
+@pytest.mark.slow
+def test_specrl_serve_runs_and_stops_gracefully_on_sigterm(checkpoint: Path) -> None:
+    specrl = Path(sys.executable).parent / "specrl"
+    proc = subprocess.Popen(
+        [str(specrl), "serve", "--model", str(checkpoint), "--port", "0", "--spec-k", "2", "--grace", "1"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stderr is not None
+        address = None
+        for _ in range(200):  # log lines until the bound address
+            line = proc.stderr.readline()
+            if not line:
+                break
+            if "listening on" in line:
+                address = line.rsplit(" ", 1)[-1].strip()
+                break
+        assert address, "serve never logged its address"
+        with SidecarClient(address) as c:
+            assert c.info().engine.speculation_k == 2
+            assert [s.token_ids for s in c.generate(greedy_request())] == oracle(PROMPTS)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+        assert "stopped" in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

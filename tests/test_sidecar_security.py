@@ -1,0 +1,140 @@
+"""TLS, mutual TLS and the bearer token, with certificates made at test time by the openssl
+CLI (no key is checked in)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from sidecar.client import ClientConfig, SidecarCallError, SidecarClient
+from sidecar.security import SecurityConfig
+from tests.sidecar_fixtures import (
+    DEADLINE,
+    greedy_reference,
+    greedy_request,
+    make_checkpoint,
+    single_torch_thread,  # noqa: F401  (a fixture, used by pytestmark)
+    start_sidecar,
+    weights,
+)
+
+pytestmark = [
+    pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI to make certificates"),
+    pytest.mark.usefixtures("single_torch_thread"),
+]
+Code = grpc.StatusCode
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A CA, a server certificate for 127.0.0.1/localhost and a client certificate."""
+    d = tmp_path_factory.mktemp("pki")
+    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+    _openssl(
+        "req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", "/CN=specrl-test-ca", cwd=d
+    )
+    (d / "server.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for name, ext in (("server", ["-extfile", "server.ext"]), ("client", [])):
+        _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN=specrl-{name}", cwd=d)
+        _openssl(
+            "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", f"{name}.pem", "-days", "1", *ext, cwd=d,
+        )  # fmt: skip
+    return d
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", seed=0)
+
+
+def oracle() -> list[list[int]]:
+    state = weights(0)
+    return [greedy_reference(state, p, 8) for p in greedy_request().prompts]
+
+
+def test_tls_round_trip_and_plaintext_is_refused(pki: Path, checkpoint: Path) -> None:
+    security = SecurityConfig(tls_cert=pki / "server.pem", tls_key=pki / "server.key")
+    with start_sidecar(checkpoint, security=security) as sc:
+        with SidecarClient(sc.address, ClientConfig(root_ca=pki / "ca.pem", retries=0)) as c:
+            assert [s.token_ids for s in c.generate(greedy_request())] == oracle()
+            assert c.info().engine.engine == "torch"
+        with SidecarClient(sc.address, ClientConfig(retries=0, timeout_s=3)) as plain:
+            with pytest.raises(SidecarCallError) as err:
+                plain.info()
+            assert err.value.code == Code.UNAVAILABLE
+
+
+def test_mutual_tls_needs_a_client_certificate(pki: Path, checkpoint: Path) -> None:
+    security = SecurityConfig(tls_cert=pki / "server.pem", tls_key=pki / "server.key", tls_client_ca=pki / "ca.pem")
+    with start_sidecar(checkpoint, security=security) as sc:
+        mtls = ClientConfig(root_ca=pki / "ca.pem", client_cert=pki / "client.pem", client_key=pki / "client.key")
+        with SidecarClient(sc.address, mtls) as c:
+            assert [s.token_ids for s in c.generate(greedy_request())] == oracle()
+            assert c.push_weights(weights(1), 1).version == 1
+        with SidecarClient(sc.address, ClientConfig(root_ca=pki / "ca.pem", retries=0, timeout_s=3)) as anonymous:
+            with pytest.raises(SidecarCallError) as err:
+                anonymous.info()
+            assert err.value.code == Code.UNAVAILABLE  # the TLS handshake fails
+
+
+def test_the_token_is_required_on_every_rpc_but_health(checkpoint: Path) -> None:
+    with start_sidecar(checkpoint, security=SecurityConfig(token="s3cret")) as sc:
+        for token, expect in ((None, "missing bearer token"), ("wrong", "wrong bearer token")):
+            with SidecarClient(sc.address, ClientConfig(token=token)) as c:
+                calls = [
+                    c.info,
+                    c.stats,
+                    c.describe_weights,
+                    lambda c=c: c.generate(greedy_request()),
+                    lambda c=c: c.push_weights(weights(1), 1),
+                    lambda c=c: c.abort("x"),
+                    c.pause,
+                    lambda c=c: c.set_speculation(1),
+                ]
+                for call in calls:
+                    with pytest.raises(SidecarCallError) as err:
+                        call()
+                    assert err.value.code == Code.UNAUTHENTICATED and expect in err.value.details
+                assert c.health()  # probes carry no token: health stays open
+        with SidecarClient(sc.address, ClientConfig(token="s3cret")) as c:
+            assert c.info().weight_version == 0  # the refused push changed nothing
+            assert not c.info().paused
+            assert [s.token_ids for s in c.generate(greedy_request())] == oracle()
+            assert c.push_weights(weights(1), 1).version == 1
+
+
+def test_health_is_open_without_a_token_and_reflection_is_not(checkpoint: Path) -> None:
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    with (
+        start_sidecar(checkpoint, security=SecurityConfig(token="s3cret")) as sc,
+        grpc.insecure_channel(sc.address) as ch,
+    ):
+        reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=DEADLINE)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as err:
+            list(
+                reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+                    iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=DEADLINE
+                )
+            )
+        assert err.value.code() == Code.UNAUTHENTICATED
+
+
+def test_security_config_checks_its_fields(pki: Path) -> None:
+    with pytest.raises(ValueError, match="go together"):
+        SecurityConfig(tls_cert=pki / "server.pem")
+    with pytest.raises(ValueError, match="mutual TLS"):
+        SecurityConfig(tls_client_ca=pki / "ca.pem")
+    with pytest.raises(ValueError, match="whitespace"):
+        SecurityConfig(token="a b")
