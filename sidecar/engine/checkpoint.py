@@ -1,0 +1,228 @@
+"""Checkpoints in Hugging Face layout, and THE checkpoint naming contract of specrl.
+
+The trainer's weight export, the sidecar's weight streaming and this loader all use these
+names; a real local Qwen3 checkpoint loads as is (it simply has no draft layers).
+
+Files
+-----
+- ``config.json``: the Qwen3 keys (``architectures: ["Qwen3ForCausalLM"]``, ``vocab_size``,
+  ``hidden_size``, ``intermediate_size``, ``num_hidden_layers``, ``num_attention_heads``,
+  ``num_key_value_heads``, ``head_dim``, ``rms_norm_eps``, ``rope_theta``, ``rope_scaling``
+  (null or a Hugging Face yarn dict; transformers 5's ``rope_parameters`` is read too),
+  ``max_position_embeddings``, ``tie_word_embeddings``, ``torch_dtype``) plus
+  ``num_nextn_predict_layers`` (absent or 0: no draft, speculation unavailable).
+- ``model.safetensors``, or shards listed by ``model.safetensors.index.json``
+  (``{"weight_map": {name: file}}``), as Hugging Face writes them.
+
+Tensor names (no biases anywhere)
+---------------------------------
+Target (trunk + output head), Hugging Face Qwen3 names, for i in 0..num_hidden_layers-1::
+
+    model.embed_tokens.weight                          [vocab, hidden]
+    model.layers.{i}.input_layernorm.weight            [hidden]
+    model.layers.{i}.self_attn.q_proj.weight           [heads*head_dim, hidden]
+    model.layers.{i}.self_attn.k_proj.weight           [kv_heads*head_dim, hidden]
+    model.layers.{i}.self_attn.v_proj.weight           [kv_heads*head_dim, hidden]
+    model.layers.{i}.self_attn.o_proj.weight           [hidden, heads*head_dim]
+    model.layers.{i}.self_attn.q_norm.weight           [head_dim]
+    model.layers.{i}.self_attn.k_norm.weight           [head_dim]
+    model.layers.{i}.post_attention_layernorm.weight   [hidden]
+    model.layers.{i}.mlp.gate_proj.weight              [intermediate, hidden]
+    model.layers.{i}.mlp.up_proj.weight                [intermediate, hidden]
+    model.layers.{i}.mlp.down_proj.weight              [hidden, intermediate]
+    model.norm.weight                                  [hidden]
+    lm_head.weight                                     [vocab, hidden]  (absent when tie_word_embeddings)
+
+Draft (MTP) layers, prefix ``mtp.layers.{j}.`` for j in 0..num_nextn_predict_layers-1,
+DeepSeek-V3 names::
+
+    mtp.layers.{j}.enorm.weight                        [hidden]   norm of embed(x_{t+1})
+    mtp.layers.{j}.hnorm.weight                        [hidden]   norm of h_t
+    mtp.layers.{j}.eh_proj.weight                      [hidden, 2*hidden]  input = cat([enorm(e), hnorm(h)])
+    mtp.layers.{j}.<every trunk-layer sub-name above>  (input_layernorm.weight, self_attn.*, mlp.*, ...)
+    mtp.layers.{j}.shared_head.norm.weight             [hidden]
+
+The embedding and the output head are shared with the trunk: they belong to the target and
+are never repeated under ``mtp.``. Selector "target" = the first list, "draft" = the MTP list,
+"all" = both.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from sidecar.engine.model import ModelConfig
+from sidecar.errors import CheckpointError
+
+MTP_PREFIX = "mtp.layers."
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+_LAYER_SUFFIXES = (
+    "input_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+    "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+)
+
+
+def _layer_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    h, q, kv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    return {
+        "input_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q, h),
+        "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, q),
+        "self_attn.q_norm.weight": (c.head_dim,),
+        "self_attn.k_norm.weight": (c.head_dim,),
+        "post_attention_layernorm.weight": (h,),
+        "mlp.gate_proj.weight": (c.intermediate_size, h),
+        "mlp.up_proj.weight": (c.intermediate_size, h),
+        "mlp.down_proj.weight": (h, c.intermediate_size),
+    }
+
+
+def target_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the target (trunk + output head), in checkpoint order."""
+    h = config.hidden_size
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
+    layer = _layer_shapes(config)
+    for i in range(config.num_hidden_layers):
+        out.update({f"model.layers.{i}.{s}": layer[s] for s in _LAYER_SUFFIXES})
+    out["model.norm.weight"] = (h,)
+    if not config.tie_word_embeddings:
+        out["lm_head.weight"] = (config.vocab_size, h)
+    return out
+
+
+def draft_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the MTP draft layers (empty when num_nextn_predict_layers is 0)."""
+    h = config.hidden_size
+    layer = _layer_shapes(config)
+    out: dict[str, tuple[int, ...]] = {}
+    for j in range(config.num_nextn_predict_layers):
+        p = f"{MTP_PREFIX}{j}."
+        out[p + "enorm.weight"] = (h,)
+        out[p + "hnorm.weight"] = (h,)
+        out[p + "eh_proj.weight"] = (h, 2 * h)
+        out.update({p + s: layer[s] for s in _LAYER_SUFFIXES})
+        out[p + "shared_head.norm.weight"] = (h,)
+    return out
+
+
+def target_tensor_names(config: ModelConfig) -> list[str]:
+    return list(target_tensor_shapes(config))
+
+
+def draft_tensor_names(config: ModelConfig) -> list[str]:
+    return list(draft_tensor_shapes(config))
+
+
+def check_state_dict(config: ModelConfig, state_dict: Mapping[str, Tensor], *, source: str = "state dict") -> None:
+    """Raise CheckpointError unless `state_dict` holds exactly the contract's tensors with the right shapes."""
+    expected = target_tensor_shapes(config) | draft_tensor_shapes(config)
+    missing = [n for n in expected if n not in state_dict]
+    unknown = [n for n in state_dict if n not in expected]
+    if missing:
+        raise CheckpointError(
+            f"{source}: {len(missing)} tensor(s) missing, e.g. {missing[:3]}; "
+            "the checkpoint does not match its config.json (see sidecar/engine/checkpoint.py for the names)"
+        )
+    if unknown:
+        raise CheckpointError(
+            f"{source}: {len(unknown)} tensor(s) the config does not describe, e.g. {unknown[:3]}; "
+            "check num_hidden_layers / num_nextn_predict_layers / tie_word_embeddings in config.json"
+        )
+    for name, shape in expected.items():
+        got = tuple(state_dict[name].shape)
+        if got != shape:
+            raise CheckpointError(f"{source}: {name} has shape {list(got)}, config.json implies {list(shape)}")
+
+
+def save_checkpoint(path: str | Path, config: ModelConfig, state_dict: Mapping[str, Tensor]) -> None:
+    """Write config.json and model.safetensors (tensors cast to config.torch_dtype, contiguous, CPU)."""
+    check_state_dict(config, state_dict)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {n: state_dict[n].detach().to("cpu", config.dtype).contiguous() for n in state_dict}
+    save_file(tensors, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
+    (path / CONFIG_FILE).write_text(json.dumps(config.to_hf_dict(), indent=2, sort_keys=True) + "\n")
+
+
+def _read_tensors(path: Path) -> dict[str, Tensor]:
+    single, index = path / WEIGHTS_FILE, path / INDEX_FILE
+    try:
+        if single.is_file():
+            return load_file(str(single))
+        if not index.is_file():
+            raise CheckpointError(
+                f"{path}: neither {WEIGHTS_FILE} nor {INDEX_FILE} exists; not a safetensors checkpoint"
+            )
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: not a valid index (needs a 'weight_map' object): {e}") from e
+        tensors: dict[str, Tensor] = {}
+        for shard in sorted(set(weight_map.values())):
+            shard_path = path / shard
+            if not shard_path.is_file():
+                raise CheckpointError(f"{index} lists shard {shard!r}, which does not exist")
+            tensors.update(load_file(str(shard_path)))
+        absent = [n for n in weight_map if n not in tensors]
+        if absent:
+            raise CheckpointError(f"{index} maps {absent[:3]} to shards that do not contain them")
+        return tensors
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path}: cannot read safetensors data ({e}); the file is truncated or corrupt") from e
+
+
+def load_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, Tensor]]:
+    """Read and validate a checkpoint directory: (config, tensors by contract name, CPU).
+
+    Raises CheckpointError naming the file and the problem for a missing or malformed
+    config.json, unreadable safetensors, and missing, unknown or misshapen tensors.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: checkpoint directory does not exist")
+    cfg_path = path / CONFIG_FILE
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{cfg_path}: missing; a checkpoint needs config.json next to the weights") from e
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{cfg_path}: must hold a JSON object")
+    try:
+        config = ModelConfig.from_hf_dict(raw)
+    except KeyError as e:
+        raise CheckpointError(f"{cfg_path}: required key {e} is missing") from e
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{cfg_path}: invalid model config: {e}") from e
+    tensors = _read_tensors(path)
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)  # some tied checkpoints store the duplicate anyway
+    check_state_dict(config, tensors, source=str(path))
+    return config, tensors
+
+
+def model_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
+    """The model's parameters by contract name (the module tree mirrors the contract)."""
+    return {n: p.detach() for n, p in model.named_parameters()}

@@ -1,0 +1,406 @@
+"""The served policy: a Qwen3-style decoder with DeepSeek-V3-style multi-token-prediction heads.
+
+Trunk (Qwen3, https://arxiv.org/abs/2505.09388): token embedding, `num_hidden_layers` pre-norm
+decoder layers (RMSNorm → grouped-query attention with per-head RMSNorm on q and k and rotary
+position embedding, optionally YaRN-scaled → residual; RMSNorm → SwiGLU MLP → residual), a
+final RMSNorm and an output head (tied to the embedding or not). No biases.
+
+Draft (DeepSeek-V3 MTP, https://arxiv.org/abs/2412.19437 §2.2): MTP layer j at position t
+combines the trunk's final-normed hidden state h_t with the embedding of the next token,
+`eh_proj(cat([enorm(embed(x_{t+1})), hnorm(h_t)]))` (embedding first, as SGLang and
+Megatron), runs one decoder layer with its own causal attention (rotary position t + 1),
+then `shared_head.norm` and the shared output head: logits for x_{t+2}.
+
+The module tree reproduces the checkpoint naming contract (see `checkpoint.py`) exactly, so
+`named_parameters()` *are* the checkpoint names. Two ways to run it:
+
+- `forward(input_ids)`: the plain full forward without a cache — the reference the engine's
+  cached, speculative path is tested against.
+- `trunk_step` / `mtp_step`: cache-aware forwards over a batch of rows with per-row lengths
+  (`kv_cache.KVCache`), used by `torch_engine.TorchEngine`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from sidecar.engine.kv_cache import AttentionPlan, KVCache
+from yarn import RopeConfig, RotaryEmbedding, apply_rotary
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """Shape of the model; the fields are the config.json keys of the checkpoint contract."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_scaling: dict[str, Any] | None = None
+    """None for plain RoPE, or a Hugging Face rope_scaling dict (e.g. rope_type "yarn")."""
+    max_position_embeddings: int = 4096
+    """Context length: prompt + generated tokens never exceed it."""
+    tie_word_embeddings: bool = False
+    torch_dtype: str = "float32"
+    """"float32", "bfloat16" or "float16": the dtype weights are stored and computed in."""
+    num_nextn_predict_layers: int = 0
+    """Number of MTP (draft) layers; 0 means the model cannot speculate."""
+    architectures: list[str] = field(default_factory=lambda: ["Qwen3ForCausalLM"])
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.num_key_value_heads <= 0 or self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_key_value_heads must divide num_attention_heads ({self.num_attention_heads}), "
+                f"got {self.num_key_value_heads}"
+            )
+        if self.head_dim <= 0 or self.head_dim % 2:
+            raise ValueError(f"head_dim must be a positive even number (rotary pairs), got {self.head_dim}")
+        if self.rms_norm_eps <= 0:
+            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        if self.rope_theta <= 0:
+            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
+        if self.max_position_embeddings < 2:
+            raise ValueError(f"max_position_embeddings must be >= 2, got {self.max_position_embeddings}")
+        if self.torch_dtype not in _DTYPES:
+            raise ValueError(f"torch_dtype must be one of {sorted(_DTYPES)}, got {self.torch_dtype!r}")
+        if self.num_nextn_predict_layers < 0:
+            raise ValueError(f"num_nextn_predict_layers must be >= 0, got {self.num_nextn_predict_layers}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
+            raise ValueError(f"rope_scaling must be null or a dict, got {self.rope_scaling!r}")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return _DTYPES[self.torch_dtype]
+
+    def rope_config(self) -> RopeConfig:
+        """The rotary settings shared by trunk and MTP layers (YaRN when rope_scaling says so)."""
+        return RopeConfig.from_hf(self.to_hf_dict())
+
+    @classmethod
+    def tiny(cls, **overrides: Any) -> ModelConfig:
+        """A small valid config for tests: vocab 64, hidden 64, 2 layers, 4/2 heads, 1 MTP layer."""
+        base: dict[str, Any] = dict(
+            vocab_size=64,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            rope_theta=10_000.0,
+            max_position_embeddings=256,
+            num_nextn_predict_layers=1,
+        )
+        base.update(overrides)
+        return cls(**base)
+
+    @classmethod
+    def from_hf_dict(cls, d: Mapping[str, Any]) -> ModelConfig:
+        """Read a Hugging Face config.json dict (transformers 4 or 5 layout; unknown keys ignored)."""
+        d = dict(d)
+        rope_theta = d.get("rope_theta")
+        rope_scaling = d.get("rope_scaling")
+        params = d.get("rope_parameters")  # transformers >= 5 folds theta and scaling in here
+        if isinstance(params, dict):
+            rope_theta = params.get("rope_theta", rope_theta)
+            kind = params.get("rope_type", params.get("type", "default"))
+            if kind != "default" and rope_scaling is None:
+                rope_scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        if isinstance(rope_scaling, dict) and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
+            rope_scaling = None
+        heads = d["num_attention_heads"]
+        out: dict[str, Any] = {
+            "vocab_size": d["vocab_size"],
+            "hidden_size": d["hidden_size"],
+            "intermediate_size": d["intermediate_size"],
+            "num_hidden_layers": d["num_hidden_layers"],
+            "num_attention_heads": heads,
+            "num_key_value_heads": d.get("num_key_value_heads") or heads,
+            "head_dim": d.get("head_dim") or d["hidden_size"] // heads,
+            "rms_norm_eps": d.get("rms_norm_eps", 1e-6),
+            "rope_theta": float(rope_theta if rope_theta is not None else 10_000.0),
+            "rope_scaling": rope_scaling,
+            "max_position_embeddings": d.get("max_position_embeddings", 4096),
+            "tie_word_embeddings": bool(d.get("tie_word_embeddings", False)),
+            "torch_dtype": d.get("torch_dtype") or d.get("dtype") or "float32",
+            "num_nextn_predict_layers": int(d.get("num_nextn_predict_layers") or 0),
+        }
+        if d.get("architectures"):
+            out["architectures"] = list(d["architectures"])
+        return cls(**out)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The config.json dict (Qwen3 keys plus num_nextn_predict_layers)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["model_type"] = "qwen3"
+        d["hidden_act"] = "silu"
+        d["attention_bias"] = False
+        return d
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32, like Hugging Face's Qwen3RMSNorm."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with q/k RMSNorm and rotary embedding."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        x: Tensor,  # (B, S, hidden)
+        cos: Tensor,  # (B, S, head_dim)
+        sin: Tensor,  # (B, S, head_dim)
+        cache: KVCache | None = None,
+        layer: int = 0,
+        plan: AttentionPlan | None = None,
+    ) -> Tensor:  # (B, S, hidden)
+        b, s, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, s, self.num_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = cos.unsqueeze(1).to(q.dtype), sin.unsqueeze(1).to(q.dtype)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cache is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            assert plan is not None
+            keys, values = cache.write_and_read(layer, k, v, plan)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=plan.mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention block and MLP block, each with a residual connection."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self,
+        x: Tensor,  # (B, S, hidden)
+        cos: Tensor,
+        sin: Tensor,
+        cache: KVCache | None = None,
+        layer: int = 0,
+        plan: AttentionPlan | None = None,
+    ) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, plan)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class SharedHead(nn.Module):
+    """The MTP layer's final norm (the output projection itself is the trunk's, shared)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class MTPLayer(DecoderLayer):
+    """One DeepSeek-V3 MTP module: enorm/hnorm, eh_proj, a decoder layer, shared_head.norm."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.shared_head = SharedHead(cfg)
+
+    def combine(self, embedded: Tensor, hidden: Tensor) -> Tensor:
+        """eh_proj(cat([enorm(embed(x_{t+1})), hnorm(h_t)])): the layer's input, (B, S, hidden)."""
+        return self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
+
+
+class Trunk(nn.Module):
+    """Embedding, decoder layers and the final norm (checkpoint prefix `model.`)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class MTPStack(nn.Module):
+    """The draft layers (checkpoint prefix `mtp.`)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(MTPLayer(cfg) for _ in range(cfg.num_nextn_predict_layers))
+
+
+class Qwen3WithMTP(nn.Module):
+    """The policy (trunk + output head) and its MTP draft layers, named per the checkpoint contract."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Trunk(config)
+        self.lm_head = (
+            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        self.mtp = MTPStack(config)
+        # Held outside the module tree so that model.to(bfloat16) never rounds the rotary
+        # frequencies; it follows the model's device lazily in `rope`.
+        self._rotary: list[RotaryEmbedding] = [RotaryEmbedding(config.rope_config())]
+
+    # ---- shared pieces -------------------------------------------------------------------
+    def output_weight(self) -> Tensor:
+        """The output projection (vocab, hidden): lm_head, or the embedding when tied."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Project final-normed hidden states (..., hidden) to logits (..., vocab)."""
+        return F.linear(hidden, self.output_weight())
+
+    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos, sin (B, S, head_dim) float32 for integer positions (B, S)."""
+        rotary = self._rotary[0]
+        if rotary.inv_freq.device != positions.device:
+            rotary = self._rotary[0] = rotary.to(positions.device)
+        return rotary(positions)
+
+    # ---- plain reference forward ---------------------------------------------------------
+    def hidden_states(self, input_ids: Tensor) -> Tensor:
+        """h (B, T, hidden): the trunk's output after the final norm, no cache."""
+        b, t = input_ids.shape
+        positions = torch.arange(t, device=input_ids.device).expand(b, t)
+        cos, sin = self.rope(positions)
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin)
+        return self.model.norm(x)
+
+    def forward(self, input_ids: Tensor) -> Tensor:  # (B, T) -> logits (B, T, V)
+        """The plain full forward: logits for every next token, no cache (the reference)."""
+        return self.logits(self.hidden_states(input_ids))
+
+    def mtp_hidden(self, input_ids: Tensor, hidden: Tensor, layer: int = 0) -> Tensor:
+        """MTP layer `layer` over a whole sequence, no cache (the draft trainer's forward).
+
+        input_ids (B, T), hidden (B, T, hidden) = the trunk's h (detach it to train the draft
+        alone). Position t (0 <= t < T-1) combines h_t with embed(x_{t+1}) at rotary position
+        t + 1; returns the layer's output (B, T-1, hidden) before shared_head.norm.
+        """
+        b, t = input_ids.shape
+        mtp = self.mtp.layers[layer]
+        positions = torch.arange(1, t, device=input_ids.device).expand(b, t - 1)
+        cos, sin = self.rope(positions)
+        x = mtp.combine(self.model.embed_tokens(input_ids[:, 1:]), hidden[:, :-1])
+        return mtp(x, cos, sin)
+
+    def mtp_logits(self, input_ids: Tensor, hidden: Tensor, layer: int = 0) -> Tensor:
+        """Draft logits (B, T-1, V): position t predicts x_{t+2}. See `mtp_hidden`."""
+        out = self.mtp_hidden(input_ids, hidden, layer)
+        return self.logits(self.mtp.layers[layer].shared_head.norm(out))
+
+    # ---- cache-aware steps (the engine) ---------------------------------------------------
+    def trunk_step(
+        self,
+        input_ids: Tensor,  # (B, S) new tokens, right-padded per row
+        cache: KVCache,  # one slot per trunk layer
+        plan: AttentionPlan,  # positions of the new tokens, from cache.plan(...)
+    ) -> Tensor:  # (B, S, hidden) final-normed hidden states
+        """Run the trunk over new tokens appended to each row's cached prefix."""
+        cos, sin = self.rope(plan.positions)
+        x = self.model.embed_tokens(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, cache, i, plan)
+        return self.model.norm(x)
+
+    def mtp_step(
+        self,
+        layer: int,
+        tokens: Tensor,  # (B, S) x_{t+1} for each MTP position t
+        hidden: Tensor,  # (B, S, hidden) h_t (trunk output, or the previous MTP output when chaining)
+        cache: KVCache,  # this MTP layer's own cache (a one-layer KVCache)
+        plan: AttentionPlan,  # cache slots of the new positions
+        rope_positions: Tensor | None = None,  # (B, S) rotary positions; default slot + 1 (= t + 1)
+    ) -> Tensor:  # (B, S, hidden) MTP output before shared_head.norm
+        """One MTP layer over new positions, attending to its own cached earlier positions."""
+        mtp = self.mtp.layers[layer]
+        cos, sin = self.rope(plan.positions + 1 if rope_positions is None else rope_positions)
+        x = mtp.combine(self.model.embed_tokens(tokens), hidden)
+        return mtp(x, cos, sin, cache, 0, plan)
+
+    def mtp_head(self, layer: int, out: Tensor) -> Tensor:
+        """Draft logits from an MTP output: shared lm_head(shared_head.norm(out))."""
+        return self.logits(self.mtp.layers[layer].shared_head.norm(out))
+
+
+def init_weights(model: Qwen3WithMTP, seed: int, std: float = 0.02) -> None:
+    """Deterministic random init (normal(0, std) matrices, unit norms), for tests and tools."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+
+def build_model(config: ModelConfig, *, device: str | torch.device = "cpu", seed: int | None = None) -> Qwen3WithMTP:
+    """A model in config.dtype on `device` (random init when seed is given) in eval mode."""
+    model = Qwen3WithMTP(config)
+    if seed is not None:
+        init_weights(model, seed, std=1.0 / math.sqrt(config.hidden_size))
+    return model.to(device=device, dtype=config.dtype).eval().requires_grad_(False)

@@ -1,0 +1,130 @@
+"""The pure steps of MTP speculative decoding: draft, verify (accept is `sampling.rejection_sample`).
+
+Per row, with n tokens so far (x_0 .. x_{n-1}, the last one not yet seen by the target):
+the target's KV cache holds positions 0..n-2, and its final-normed hidden states h_t are known
+up to t = n-2. The MTP layer's cache holds its own positions 0..m-1 (m <= n-1); the hidden
+states h_m .. h_{n-2} it has not consumed yet are the row's *pending* hidden states.
+
+1. **Draft** (`draft`): refresh each MTP layer's cache over the pending positions t (inputs
+   h_t and x_{t+1}); the output at t = n-2 gives q_1, the draft distribution of x_n. Chain:
+   draft step d >= 1 feeds the previous MTP output back in as h together with the token just
+   drafted, in MTP layer min(d, L-1), at rotary position n-1+d; each step's distribution is
+   filtered exactly like the target's (sampling.filtered_probs) and sampled with the row's
+   pre-drawn uniform. The chain entries are rolled back afterwards (only confirmed positions
+   stay cached).
+2. **Verify** (`verify`): one target forward over [x_{n-1}, d_1, .., d_k] (k+1 positions per
+   row) gives p_1 .. p_{k+1} and the hidden states of those positions.
+3. **Accept** (`sampling.rejection_sample`), then the orchestrator keeps the target's KV of
+   the accepted prefix (rollback) and makes the accepted positions' hidden states pending.
+
+Rows may draft different numbers of tokens (per-request k, tokens left): shorter rows are
+padded, and padding never reaches a valid row (masks, per-row counts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from sidecar.engine.kv_cache import KVCache
+from sidecar.engine.model import Qwen3WithMTP
+from sidecar.engine.sampling import RowSampling, filtered_probs, sample_from
+
+
+@dataclass(kw_only=True, slots=True)
+class DraftInput:
+    """What the draft phase needs for a batch of B rows drafting up to K tokens."""
+
+    refresh_tokens: Tensor
+    """(B, S) x_{t+1} for each pending position t, right-padded."""
+    refresh_hidden: Tensor
+    """(B, S, hidden) the pending h_t, right-padded."""
+    num_refresh: list[int]
+    """Pending positions per row (>= 1 on rows that draft; 0 on rows that do not)."""
+    next_position: Tensor
+    """(B,) int64 n - 1: index of each row's last token (the first chain step's rotary position is n)."""
+    num_draft: Tensor
+    """(B,) int64 drafts wanted per row, <= K."""
+    uniforms: Tensor
+    """(B, K) uniforms in [0, 1) for sampling the drafts."""
+
+
+@dataclass(kw_only=True, slots=True)
+class DraftOutput:
+    tokens: Tensor
+    """(B, K) drafted ids (columns >= num_draft[b] are padding)."""
+    probs: Tensor
+    """(B, K, V) float32 the filtered draft distributions q the tokens were sampled from."""
+
+
+@dataclass(kw_only=True, slots=True)
+class VerifyInput:
+    tokens: Tensor
+    """(B, K+1) each row's last token followed by its drafts."""
+    num_new: list[int]
+    """Valid columns per row: num_draft + 1."""
+
+
+@dataclass(kw_only=True, slots=True)
+class VerifyOutput:
+    hidden: Tensor
+    """(B, K+1, hidden) the target's final-normed hidden states at the verified positions."""
+    logits: Tensor
+    """(B, K+1, V) float32 target logits."""
+    probs: Tensor
+    """(B, K+1, V) float32 filtered target distributions p."""
+
+
+def draft(
+    model: Qwen3WithMTP,
+    caches: list[KVCache],  # one per MTP layer, rows aligned with the batch
+    inp: DraftInput,
+    rows: RowSampling,
+) -> DraftOutput:
+    """Refresh the MTP caches on confirmed positions, then chain-draft K tokens per row."""
+    b, k = inp.uniforms.shape
+    width = max(max(inp.num_refresh), 1)
+    batch = torch.arange(b, device=inp.uniforms.device)
+    last = torch.tensor([max(n - 1, 0) for n in inp.num_refresh], device=inp.uniforms.device)
+    out0: Tensor | None = None
+    for j, cache in enumerate(caches):
+        plan = cache.plan(inp.num_refresh, width=width)
+        out = model.mtp_step(j, inp.refresh_tokens, inp.refresh_hidden, cache, plan)
+        cache.commit(plan)
+        if j == 0:
+            out0 = out
+    assert out0 is not None
+    confirmed = [list(c.lengths) for c in caches]
+    g = out0[batch, last]  # (B, hidden) MTP output at t = n-2
+    q = filtered_probs(model.mtp_head(0, g), rows)  # (B, V)
+    token = sample_from(q, inp.uniforms[:, 0])
+    tokens, probs = [token], [q]
+    for d in range(1, k):
+        j = min(d, len(caches) - 1)
+        plan = caches[j].plan([1] * b, width=1)
+        rope = (inp.next_position + d)[:, None]  # (B, 1): MTP position t = n-2+d, rotary t+1
+        g = model.mtp_step(j, token[:, None], g[:, None], caches[j], plan, rope)[:, 0]
+        caches[j].commit(plan)
+        q = filtered_probs(model.mtp_head(j, g), rows)
+        token = sample_from(q, inp.uniforms[:, d])
+        tokens.append(token)
+        probs.append(q)
+    for cache, lengths in zip(caches, confirmed, strict=True):
+        cache.truncate(lengths)  # drop the chain entries: they were computed from draft states
+    return DraftOutput(tokens=torch.stack(tokens, dim=1), probs=torch.stack(probs, dim=1))
+
+
+def verify(
+    model: Qwen3WithMTP,
+    cache: KVCache,  # the target's cache; on return rows hold num_new more positions
+    inp: VerifyInput,
+    rows: RowSampling,
+) -> VerifyOutput:
+    """One target forward over each row's last token and its drafts."""
+    plan = cache.plan(inp.num_new, width=inp.tokens.shape[1])
+    hidden = model.trunk_step(inp.tokens, cache, plan)
+    cache.commit(plan)
+    logits = model.logits(hidden).float()
+    return VerifyOutput(hidden=hidden, logits=logits, probs=filtered_probs(logits, rows))

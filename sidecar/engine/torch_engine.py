@@ -1,0 +1,469 @@
+"""The embedded PyTorch engine: continuous batching with MTP speculative decoding (CPU and CUDA).
+
+One `step()` = admit queued sequences (one prefill forward, which emits their first token)
+and advance every running sequence by one speculative round: draft k tokens with the MTP
+layer(s), verify them in one target forward over k+1 positions, accept by exact rejection
+sampling, roll back the rejected KV entries (`speculative.py` holds the pure steps,
+`sampling.py` the acceptance rule). k = 0 is plain decoding through the same path.
+
+Reproducibility: each sequence owns a `torch.Generator` seeded from (request seed,
+prompt_index, sample_index) and draws, per round, exactly 2·k_eff + 1 uniforms (k_eff =
+min(k, tokens left - 1)): draft samples, acceptance tests, the final token. So a sequence's
+tokens do not depend on the other sequences in its batch (batched == unbatched).
+
+Reported log-probs: log_softmax(target_logits / T) of each emitted token, float32, T = the
+request temperature (1 when temperature is 0), before top-k/top-p filtering — the quantity
+an RL trainer recomputes.
+
+Weight updates land between steps; sequences in flight keep their cached prefix (computed
+with the old weights) and continue with the new ones (`Sample.last_weight_version`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+import sidecar
+from sidecar.engine.base import Engine
+from sidecar.engine.checkpoint import draft_tensor_shapes, load_checkpoint, target_tensor_shapes
+from sidecar.engine.kv_cache import KVCache
+from sidecar.engine.model import Qwen3WithMTP, build_model
+from sidecar.engine.sampling import RowSampling, filtered_probs, rejection_sample, sample_from, token_logprobs
+from sidecar.engine.speculative import DraftInput, VerifyInput, draft, verify
+from sidecar.engine.validation import check_weights, validate_request
+from sidecar.errors import InvalidRequestError
+from sidecar.types import (
+    EngineInfo,
+    FinishReason,
+    GenerationRequest,
+    ModelInfo,
+    Sample,
+    SamplingParams,
+    SpeculationCounters,
+    TensorSpec,
+    VersionStats,
+    WeightSelector,
+)
+
+
+def sequence_seed(seed: int, prompt_index: int, sample_index: int) -> int:
+    """The generator seed of one sequence: a hash of (request seed, prompt index, sample index)."""
+    digest = hashlib.blake2b(f"{seed}/{prompt_index}/{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+@dataclass(kw_only=True, slots=True)
+class _Sequence:
+    request_id: str
+    prompt_index: int
+    sample_index: int
+    prompt: list[int]
+    params: SamplingParams
+    k: int
+    generator: torch.Generator
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    counters: SpeculationCounters = field(default_factory=SpeculationCounters)
+    first_version: int = -1
+    last_version: int = -1
+    pending: Tensor | None = None  # (n, hidden) trunk states the MTP layers have not consumed
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def last_tokens(self, n: int) -> list[int]:
+        if n <= len(self.output):
+            return self.output[len(self.output) - n :]
+        return self.prompt[len(self.prompt) - (n - len(self.output)) :] + self.output
+
+    def emit(self, token: int, logprob: float, version: int) -> FinishReason | None:
+        if not self.output:
+            self.first_version = version
+        self.last_version = version
+        self.output.append(token)
+        self.logprobs.append(logprob)
+        if token in self.params.stop_token_ids:
+            return FinishReason.STOP
+        if len(self.output) >= self.params.max_new_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def to_sample(self, reason: FinishReason) -> Sample:
+        return Sample(
+            request_id=self.request_id,
+            prompt_index=self.prompt_index,
+            sample_index=self.sample_index,
+            token_ids=list(self.output),
+            logprobs=list(self.logprobs),
+            finish_reason=reason,
+            weight_version=self.first_version,
+            last_weight_version=self.last_version,
+            counters=self.counters,
+        )
+
+
+class TorchEngine(Engine):
+    """Embedded engine over a `Qwen3WithMTP`; see the module docstring."""
+
+    def __init__(
+        self,
+        model: Qwen3WithMTP,
+        *,
+        speculation_k: int = 3,
+        max_speculation_k: int = 8,
+        max_batch_size: int = 64,
+        name: str = "",
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if max_speculation_k < 0:
+            raise ValueError(f"max_speculation_k must be >= 0, got {max_speculation_k}")
+        self.model = model
+        self.config = model.config
+        self.device = model.output_weight().device
+        self.name = name
+        self.max_batch_size = max_batch_size
+        self.num_mtp = self.config.num_nextn_predict_layers
+        self.max_speculation_k = max_speculation_k if self.num_mtp else 0
+        # Without MTP layers speculation is unavailable: the default k is 0.
+        self._k = min(speculation_k, self.max_speculation_k) if self.num_mtp else 0
+        self.set_speculation_k(self._k)
+        self._version = 0
+        self._stats: dict[int, VersionStats] = {0: VersionStats(weight_version=0)}
+        self._queue: deque[_Sequence] = deque()
+        self._running: list[_Sequence] = []
+        self._live: dict[str, int] = {}  # request id -> unfinished sequences
+        self._cache = self._new_cache(self.config.num_hidden_layers, 0)
+        self._mtp_caches = [self._new_cache(1, 0) for _ in range(self.num_mtp)]
+        self._rows: RowSampling | None = None
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        path: str | Path,
+        *,
+        device: str | torch.device = "cpu",
+        speculation_k: int = 3,
+        max_speculation_k: int = 8,
+        max_batch_size: int = 64,
+    ) -> TorchEngine:
+        """Load a checkpoint directory (config.json + safetensors) onto `device`."""
+        config, tensors = load_checkpoint(path)
+        model = build_model(config, device=device)
+        model.load_state_dict(tensors, strict=True)
+        return cls(
+            model,
+            speculation_k=speculation_k,
+            max_speculation_k=max_speculation_k,
+            max_batch_size=max_batch_size,
+            name=Path(path).name,
+        )
+
+    def _new_cache(self, layers: int, batch: int, capacity: int = 64) -> KVCache:
+        c = self.config
+        return KVCache(
+            num_layers=layers,
+            num_kv_heads=c.num_key_value_heads,
+            head_dim=c.head_dim,
+            dtype=c.dtype,
+            device=self.device,
+            batch=batch,
+            capacity=capacity,
+        )
+
+    # ---- Engine interface: info and control --------------------------------------------------
+    def info(self) -> EngineInfo:
+        c = self.config
+        rope = c.rope_config()
+        return EngineInfo(
+            model=ModelInfo(
+                name=self.name,
+                architecture=(c.architectures or ["Qwen3ForCausalLM"])[0],
+                vocab_size=c.vocab_size,
+                hidden_size=c.hidden_size,
+                num_layers=c.num_hidden_layers,
+                max_position_embeddings=c.max_position_embeddings,
+                rope_type=rope.rope_type,
+                rope_factor=rope.factor,
+                num_mtp_layers=self.num_mtp,
+                dtype=c.torch_dtype,
+            ),
+            engine="torch",
+            engine_version=getattr(sidecar, "__version__", "0.1.0"),
+            device_kind=self.device.type,
+            device_name=torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
+            speculation_method="mtp" if self.num_mtp else "",
+            speculation_k=self._k,
+            max_speculation_k=self.max_speculation_k,
+        )
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    @property
+    def speculation_k(self) -> int:
+        return self._k
+
+    def set_speculation_k(self, k: int) -> None:
+        """Default k for requests submitted from now on (running sequences keep theirs)."""
+        if k < 0 or k > self.max_speculation_k:
+            why = (
+                "the model has no MTP layers" if not self.num_mtp else f"max_speculation_k is {self.max_speculation_k}"
+            )
+            raise ValueError(f"speculation k must be in [0, {self.max_speculation_k}] ({why}), got {k}")
+        self._k = k
+
+    def validate(self, request: GenerationRequest) -> None:
+        validate_request(request, self.config, self.max_speculation_k)
+
+    def num_queued(self) -> int:
+        return len(self._queue)
+
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def stats(self) -> list[VersionStats]:
+        return [self._stats[v] for v in sorted(self._stats)]
+
+    # ---- requests ----------------------------------------------------------------------------
+    def submit(self, request: GenerationRequest) -> None:
+        self.validate(request)
+        if not request.request_id:
+            raise InvalidRequestError("request_id is empty; the server assigns one before submit")
+        if request.request_id in self._live:
+            raise InvalidRequestError(f"request_id {request.request_id!r} is already running; ids must be unique")
+        k = self._k if request.speculation_k is None else request.speculation_k
+        seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(63)
+        for p, prompt in enumerate(request.prompts):
+            for s in range(request.samples_per_prompt):
+                gen = torch.Generator().manual_seed(sequence_seed(seed, p, s))
+                self._queue.append(
+                    _Sequence(
+                        request_id=request.request_id,
+                        prompt_index=p,
+                        sample_index=s,
+                        prompt=list(prompt),
+                        params=request.sampling,
+                        k=k,
+                        generator=gen,
+                    )
+                )
+        self._live[request.request_id] = len(request.prompts) * request.samples_per_prompt
+
+    def abort(self, request_id: str) -> list[Sample]:
+        if request_id not in self._live:
+            return []
+        out = [s.to_sample(FinishReason.ABORT) for s in self._queue if s.request_id == request_id]
+        self._queue = deque(s for s in self._queue if s.request_id != request_id)
+        keep = [i for i, s in enumerate(self._running) if s.request_id != request_id]
+        out += [s.to_sample(FinishReason.ABORT) for s in self._running if s.request_id == request_id]
+        self._keep_rows(keep)
+        del self._live[request_id]
+        return out
+
+    def _finish(self, seq: _Sequence, reason: FinishReason) -> Sample:
+        self._live[seq.request_id] -= 1
+        if not self._live[seq.request_id]:
+            del self._live[seq.request_id]
+        self._stats[self._version].samples_finished += 1
+        return seq.to_sample(reason)
+
+    def _keep_rows(self, keep: list[int]) -> None:
+        if keep == list(range(len(self._running))):
+            return
+        self._running = [self._running[i] for i in keep]
+        self._cache.keep_rows(keep)
+        for c in self._mtp_caches:
+            c.keep_rows(keep)
+        self._rows = None
+
+    def _count(self, seq: _Sequence, drafted: int, accepted: int, generated: int) -> None:
+        step = SpeculationCounters(
+            verify_steps=1,
+            drafted_tokens=drafted,
+            accepted_tokens=accepted,
+            generated_tokens=generated,
+            drafted_per_position=[1] * drafted,
+            accepted_per_position=[1] * accepted,
+        )
+        seq.counters.add(step)
+        self._stats[self._version].counters.add(step)
+
+    # ---- the loop --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[Sample]:
+        start = time.perf_counter()
+        finished: list[Sample] = []
+        if self._running:
+            finished += self._decode()
+        if self._queue and len(self._running) < self.max_batch_size:
+            finished += self._admit()
+        if finished or self._running:
+            self._stats[self._version].busy_seconds += time.perf_counter() - start
+        return finished
+
+    def _admit(self) -> list[Sample]:
+        """Prefill queued sequences in one target forward and emit each one's first token."""
+        new = [self._queue.popleft() for _ in range(min(len(self._queue), self.max_batch_size - len(self._running)))]
+        b, lengths = len(new), [len(s.prompt) for s in new]
+        width = max(lengths)
+        tokens = torch.zeros(b, width, dtype=torch.int64)
+        for i, s in enumerate(new):
+            tokens[i, : lengths[i]] = torch.tensor(s.prompt)
+        tokens = tokens.to(self.device)
+        cache = self._new_cache(self.config.num_hidden_layers, b, width + self.max_speculation_k + 2)
+        plan = cache.plan(lengths, width=width)
+        hidden = self.model.trunk_step(tokens, cache, plan)  # (b, width, hidden)
+        cache.commit(plan)
+        last = torch.tensor([n - 1 for n in lengths], device=self.device)
+        logits = self.model.logits(hidden[torch.arange(b, device=self.device), last]).float()  # (b, V)
+        rows = RowSampling.of([s.params for s in new], self.device)
+        uniforms = torch.cat([torch.rand(1, generator=s.generator) for s in new]).to(self.device)
+        first = sample_from(filtered_probs(logits, rows), uniforms)
+        logprobs = token_logprobs(logits[:, None], first[:, None], rows.temperature)[:, 0]
+        mtp_caches = [self._new_cache(1, b, width + self.max_speculation_k + 2) for _ in range(self.num_mtp)]
+        drafting = [s.k > 0 for s in new]
+        if any(drafting) and width > 1:
+            # MTP positions t = 0..P-2 of the prompt (inputs h_t and x_{t+1}); h_{P-1} stays pending.
+            num = [n - 1 if d else 0 for n, d in zip(lengths, drafting, strict=True)]
+            for j, mc in enumerate(mtp_caches):
+                mplan = mc.plan(num, width=width - 1)
+                self.model.mtp_step(j, tokens[:, 1:], hidden[:, :-1], mc, mplan)
+                mc.commit(mplan)
+        finished, keep = [], []
+        for i, (s, tok, lp) in enumerate(zip(new, first.tolist(), logprobs.tolist(), strict=True)):
+            self._count(s, drafted=0, accepted=0, generated=1)
+            reason = s.emit(tok, lp, self._version)
+            if reason is not None:
+                finished.append(self._finish(s, reason))
+                continue
+            if s.k > 0 and self.num_mtp:
+                s.pending = hidden[i, lengths[i] - 1 : lengths[i]]
+            keep.append(i)
+        if keep:
+            cache.keep_rows(keep)
+            self._cache.append_rows(cache)
+            for mine, mc in zip(self._mtp_caches, mtp_caches, strict=True):
+                mc.keep_rows(keep)
+                mine.append_rows(mc)
+            self._running += [new[i] for i in keep]
+            self._rows = None
+        return finished
+
+    def _decode(self) -> list[Sample]:
+        """One speculative round (draft → verify → accept → roll back) for every running row."""
+        seqs = self._running
+        b, dev = len(seqs), self.device
+        if self._rows is None:
+            self._rows = RowSampling.of([s.params for s in seqs], dev)
+        rows = self._rows
+        k_eff = [min(s.k, s.params.max_new_tokens - len(s.output) - 1) if s.pending is not None else 0 for s in seqs]
+        kmax = max(k_eff)
+        u = torch.zeros(b, 2 * kmax + 1)
+        for i, (s, k) in enumerate(zip(seqs, k_eff, strict=True)):
+            r = torch.rand(2 * k + 1, generator=s.generator)
+            u[i, :k], u[i, kmax : kmax + k], u[i, 2 * kmax] = r[:k], r[k : 2 * k], r[2 * k]
+        u = u.to(dev)
+        num_draft = torch.tensor(k_eff, dtype=torch.int64, device=dev)
+        last = torch.tensor([s.last_tokens(1)[0] for s in seqs], dtype=torch.int64)
+        consumed = [False] * b
+        if kmax > 0:
+            num_refresh = [
+                s.pending.shape[0] if (k and s.pending is not None) else 0 for s, k in zip(seqs, k_eff, strict=True)
+            ]
+            width = max(num_refresh)
+            ref_tokens = torch.zeros(b, width, dtype=torch.int64)
+            ref_hidden = torch.zeros(b, width, self.config.hidden_size, dtype=self.config.dtype, device=dev)
+            for i, (s, n) in enumerate(zip(seqs, num_refresh, strict=True)):
+                if n:
+                    ref_tokens[i, :n] = torch.tensor(s.last_tokens(n))
+                    ref_hidden[i, :n] = s.pending
+                    consumed[i] = True
+            out = draft(
+                self.model,
+                self._mtp_caches,
+                DraftInput(
+                    refresh_tokens=ref_tokens.to(dev),
+                    refresh_hidden=ref_hidden,
+                    num_refresh=num_refresh,
+                    next_position=torch.tensor([s.length - 1 for s in seqs], device=dev),
+                    num_draft=num_draft,
+                    uniforms=u[:, :kmax],
+                ),
+                rows,
+            )
+            draft_tokens, q = out.tokens, out.probs
+            verify_tokens = torch.cat([last.to(dev)[:, None], draft_tokens], dim=1)
+        else:
+            draft_tokens = torch.zeros(b, 0, dtype=torch.int64, device=dev)
+            q = torch.zeros(b, 0, self.config.vocab_size, device=dev)
+            verify_tokens = last.to(dev)[:, None]
+        old_lengths = list(self._cache.lengths)
+        vout = verify(self.model, self._cache, VerifyInput(tokens=verify_tokens, num_new=[k + 1 for k in k_eff]), rows)
+        acc = rejection_sample(draft_tokens, q, vout.probs, num_draft, u[:, kmax : 2 * kmax], u[:, 2 * kmax])
+        emitted = torch.cat([draft_tokens, torch.zeros(b, 1, dtype=torch.int64, device=dev)], dim=1)
+        emitted[torch.arange(b, device=dev), acc.num_accepted] = acc.next_token
+        logprobs = token_logprobs(vout.logits, emitted, rows.temperature)
+        num_accepted, emitted_l, logprobs_l = acc.num_accepted.tolist(), emitted.tolist(), logprobs.tolist()
+
+        finished, keep = [], []
+        for i, s in enumerate(seqs):
+            a, before = num_accepted[i], len(s.output)
+            reason = None
+            for j in range(a + 1):
+                reason = s.emit(emitted_l[i][j], logprobs_l[i][j], self._version)
+                if reason is not None:
+                    break
+            self._count(s, drafted=k_eff[i], accepted=a, generated=len(s.output) - before)
+            if reason is not None:
+                finished.append(self._finish(s, reason))
+                continue
+            if s.k > 0 and self.num_mtp:
+                new_pending = vout.hidden[i, : a + 1]
+                s.pending = new_pending if consumed[i] or s.pending is None else torch.cat([s.pending, new_pending])
+            keep.append(i)
+        self._cache.truncate([n + a + 1 for n, a in zip(old_lengths, num_accepted, strict=True)])
+        self._keep_rows(keep)
+        return finished
+
+    # ---- weights -----------------------------------------------------------------------------
+    def _selected_shapes(self, selector: WeightSelector) -> dict[str, tuple[int, ...]]:
+        shapes: dict[str, tuple[int, ...]] = {}
+        if selector in (WeightSelector.ALL, WeightSelector.TARGET):
+            shapes |= target_tensor_shapes(self.config)
+        if selector in (WeightSelector.ALL, WeightSelector.DRAFT):
+            shapes |= draft_tensor_shapes(self.config)
+        return shapes
+
+    def weight_specs(self, selector: WeightSelector) -> list[TensorSpec]:
+        return [
+            TensorSpec(name=n, dtype=self.config.dtype, shape=s) for n, s in self._selected_shapes(selector).items()
+        ]
+
+    def update_weights(self, tensors: Mapping[str, torch.Tensor], selector: WeightSelector, version: int) -> None:
+        check_weights(
+            tensors,
+            selector=selector,
+            version=version,
+            served_version=self._version,
+            expected=self._selected_shapes(selector),
+            all_names=set(self._selected_shapes(WeightSelector.ALL)),
+            dtype=self.config.dtype,
+        )
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, t in tensors.items():
+                params[name].copy_(t)
+        self._version = version
+        self._stats.setdefault(version, VersionStats(weight_version=version))
