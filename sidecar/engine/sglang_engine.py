@@ -396,9 +396,7 @@ class SGLangEngine(Engine):
             seq = self._seqs[rid]
             if not seq.task.done():
                 seq.task.cancel()
-            sample = self._finish(rid)
-            sample.finish_reason = FinishReason.ABORT
-            out.append(sample)
+            out.append(self._finish(rid))  # SGLang reports "abort"; one that just finished keeps its reason
         self._live.pop(request_id, None)
         return out
 
@@ -409,19 +407,26 @@ class SGLangEngine(Engine):
             self._live[seq.request_id] = left
         else:
             self._live.pop(seq.request_id, None)
-        where = dict(request_id=seq.request_id, prompt_index=seq.prompt_index, sample_index=seq.sample_index)
         if seq.task.cancelled() or seq.task.exception() is not None:
             why = "cancelled" if seq.task.cancelled() else repr(seq.task.exception())
             log.warning("SGLang request %s ended without output (%s); returned as ABORT", rid, why)
             return Sample(
-                **where,
+                request_id=seq.request_id,
+                prompt_index=seq.prompt_index,
+                sample_index=seq.sample_index,
                 token_ids=[],
                 logprobs=[],
                 finish_reason=FinishReason.ABORT,
                 weight_version=self._version,
                 last_weight_version=self._version,
             )
-        sample = sample_from_meta_info(seq.task.result(), **where, speculation_k=self._k)
+        sample = sample_from_meta_info(
+            seq.task.result(),
+            request_id=seq.request_id,
+            prompt_index=seq.prompt_index,
+            sample_index=seq.sample_index,
+            speculation_k=self._k,
+        )
         stats = self._stats.setdefault(
             sample.last_weight_version, VersionStats(weight_version=sample.last_weight_version)
         )
