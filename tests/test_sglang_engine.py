@@ -277,6 +277,7 @@ class RecordingBackend:
         self.skip_draft = skip_draft
         self.fail_push: str | None = None
         self.version = "0"
+        self.aborted: set[str] = set()
 
     def start_generate(self, rid: str, input_ids: list[int], params: dict[str, Any]) -> asyncio.Task[Any]:
         self.calls.append(("generate", rid))
@@ -288,6 +289,9 @@ class RecordingBackend:
 
         async def run() -> dict[str, Any]:
             await asyncio.sleep(0)
+            if rid in self.aborted:  # SGLang returns what it has, with reason "abort"
+                cut = {"finish_reason": {"type": "abort"}, "output_token_logprobs": meta["output_token_logprobs"][:1]}
+                return {"output_ids": ids[:1], "meta_info": {**sglang_meta([], self.k), **cut}}
             return {"output_ids": ids, "meta_info": meta}
 
         return self.loop.create_task(run())
@@ -301,6 +305,7 @@ class RecordingBackend:
 
     def abort(self, rid: str) -> None:
         self.calls.append(("abort", rid))
+        self.aborted.add(rid)
 
     def pause(self) -> None:
         self.calls.append(("pause",))
@@ -405,7 +410,7 @@ def test_abort_returns_abort_samples(ckpt: Path) -> None:
     eng.submit(GenerationRequest(prompts=[[1], [2]], request_id="x", sampling=SamplingParams(max_new_tokens=3)))
     out = eng.abort("x")
     assert sorted(s.prompt_index for s in out) == [0, 1]
-    assert all(s.finish_reason is FinishReason.ABORT for s in out)
+    assert all(s.finish_reason is FinishReason.ABORT and s.token_ids == [s.prompt_index + 2] for s in out)
     assert [c[0] for c in be.calls].count("abort") == 2
     assert eng.abort("x") == [] and not eng.has_work()
 
