@@ -336,7 +336,9 @@ class RecordingBackend:
         """What SGLang's load_weights does to its (fused) parameters, as content digests."""
         parts: dict[str, list[str]] = {}
         for n, t in named.items():
-            parts.setdefault(names.runtime_parameter(n, draft=role == "draft"), []).append(tensor_digest(t))
+            contract = role == "target" or n.startswith("mtp.")  # EAGLE drafts keep their own names
+            param = names.runtime_parameter(n, draft=role == "draft") if contract else n
+            parts.setdefault(param, []).append(tensor_digest(t))
         self.params.update({(role, p): "".join(sorted(d)) for p, d in parts.items()})
 
     def draft_checksums(self) -> dict[str, str]:
@@ -498,6 +500,32 @@ def test_sglang_failure_mid_push_is_loud(ckpt: Path) -> None:
         eng.step()
     eng.update_weights(perturbed(ckpt, "mtp.", 0.04), WeightSelector.ALL, 3)
     assert eng.step() == [] and eng.weight_version == 3
+
+
+def test_eagle_draft_is_pushed_under_its_own_names(ckpt: Path, tmp_path: Path) -> None:
+    """EAGLE/EAGLE3: a separate draft checkpoint; specs come from its safetensors header."""
+    from safetensors.torch import save_file
+
+    model, _ = load_checkpoint(ckpt)
+    eagle = {"fc.weight": torch.randn(64, 128), "midlayer.self_attn.q_proj.weight": torch.randn(64, 64)}
+    save_file(eagle, str(tmp_path / "model.safetensors"))
+    cfg = SGLangEngineConfig(
+        model_path=str(ckpt), speculative_algorithm="EAGLE", draft_model_path=str(tmp_path), speculation_k=3
+    )
+    be = RecordingBackend(k=3)
+    be.load("draft", eagle)
+    eng = SGLangEngine(cfg, model, backend=be, draft_digests={n: tensor_digest(t) for n, t in eagle.items()})  # type: ignore[arg-type]
+    assert {(s.name, s.shape) for s in eng.weight_specs(WeightSelector.DRAFT)} == {
+        ("fc.weight", (64, 128)),
+        ("midlayer.self_attn.q_proj.weight", (64, 64)),
+    }
+    eng.update_weights({n: t + 1 for n, t in eagle.items()}, WeightSelector.DRAFT, 1)
+    assert ("push", "draft", "1", True) in be.calls and eng.weight_version == 1
+    be.skip_draft = "fc"  # SGLang skips one tensor: the aggregate checksum still changed (q_proj did)
+    eng.update_weights({n: t + 2 for n, t in eagle.items()}, WeightSelector.DRAFT, 2)
+    be.skip_draft = "."  # SGLang skips everything: caught
+    with pytest.raises(StaleDraftError, match="unchanged"):
+        eng.update_weights({n: t + 3 for n, t in eagle.items()}, WeightSelector.DRAFT, 3)
 
 
 def test_create_engine_dispatch(ckpt: Path) -> None:

@@ -118,6 +118,8 @@ class SGLangEngineConfig:
     """Longest a `step` waits for a sequence to finish before returning []."""
     abort_wait_s: float = 10.0
     """Longest `abort` waits for SGLang to hand back partial outputs."""
+    served_name: str = ""
+    """Model name reported by `info` ("" = the last component of model_path)."""
     extra_server_args: dict[str, Any] = field(default_factory=dict)
     """Further ``ServerArgs`` keywords, passed as given (they win over the ones built here)."""
 
@@ -274,6 +276,7 @@ class SGLangEngine(Engine):
             speculation_k=speculation_k if spec else 0,
             draft_model_path=str(layout.draft_dir) if spec else None,
             max_running_requests=max_batch_size,
+            served_name=Path(path).name,
             **options,
         )
         _, draft = names.split_contract(model, tensors)
@@ -299,7 +302,7 @@ class SGLangEngine(Engine):
         scaling = m.rope_scaling or {}
         return EngineInfo(
             model=ModelInfo(
-                name=Path(self.config.model_path).name,
+                name=self.config.served_name or Path(self.config.model_path).name,
                 architecture=names.TARGET_ARCHITECTURE,
                 vocab_size=m.vocab_size,
                 hidden_size=m.hidden_size,
