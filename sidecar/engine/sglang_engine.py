@@ -478,6 +478,7 @@ class SGLangEngine(Engine):
             b.end()
             if before is not None:
                 self._prove_draft_changed(before, b.draft_checksums(), changed)
+            b.resume()
         except Exception as e:
             self._broken |= roles
             self._broken_why = f"push of version {version} failed: {e}"
@@ -485,7 +486,6 @@ class SGLangEngine(Engine):
             if isinstance(e, SGLangEngineError):
                 raise
             raise SGLangEngineError(self._broken_why) from e
-        b.resume()
         self._broken -= roles
         if not self._broken:
             self._broken_why = ""
