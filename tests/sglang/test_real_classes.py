@@ -278,3 +278,59 @@ def test_server_args_without_speculation(sglang: Any, layout: names.SGLangCheckp
     sa.check_server_args()
     assert resolution_result(sa, "speculative_algorithm") is None
     assert Path(resolution_result(sa, "model_path")) == layout.target_dir
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_meta_info_built_by_sglangs_own_code(resolved: Any, seed: int) -> None:
+    """SGLang's real meta_info builders, fed a known run, give the counters of a direct count."""
+    import random
+
+    from sglang.srt import runtime_context
+    from sglang.srt.managers.schedule_batch import FINISH_MATCHED_TOKEN, Req
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+    from sglang.srt.utils.weight_versions import (
+        WeightVersionEvent,
+        add_weight_versions_to_meta_info,
+        compute_weight_version_spans,
+    )
+
+    from sidecar.engine.sglang_meta import sample_from_meta_info
+    from sidecar.types import FinishReason
+
+    rng = random.Random(seed)
+    steps = [rng.randint(0, K) for _ in range(rng.randint(1, 20))]  # drafts accepted per verify step
+    n = 1 + sum(a + 1 for a in steps)  # the prefill token, then accepted drafts + 1 per step
+    ids = [rng.randrange(512) for _ in range(n)]
+    req = types.SimpleNamespace(spec_correct_drafts_histogram=[])
+    for a in steps:
+        Req.update_spec_correct_drafts_histogram(req, a)  # what the scheduler does per verify step
+    recv = types.SimpleNamespace(
+        spec_verify_ct=[len(steps)],
+        spec_num_correct_drafts=[sum(steps)],
+        spec_correct_drafts_histogram=[req.spec_correct_drafts_histogram],
+        completion_tokens=[n],
+    )
+    meta: dict[str, Any] = {"finish_reason": FINISH_MATCHED_TOKEN(ids[-1]).to_json(), "num_retractions": 0}
+    runtime_context.publish(resolved, role="test")
+    try:
+        TokenizerManager._calculate_spec_decoding_metrics(object(), meta, recv, 0)
+    finally:
+        runtime_context.reset_context()
+    push_at = rng.randint(1, n - 1)
+    spans = compute_weight_version_spans(
+        [WeightVersionEvent(old_version="4", num_output_tokens=push_at)], current_version="5", num_output_tokens=n
+    )
+    add_weight_versions_to_meta_info(meta, spans, num_output_tokens=n)
+    lps = [-rng.random() for _ in ids]
+    meta["output_token_logprobs"] = TokenizerManager.detokenize_logprob_tokens(object(), lps, ids, False)
+
+    s = sample_from_meta_info(
+        {"output_ids": ids, "meta_info": meta}, request_id="r", prompt_index=0, sample_index=0, speculation_k=K
+    )
+    assert s.token_ids == ids and s.logprobs == lps and s.finish_reason is FinishReason.STOP
+    assert (s.weight_version, s.last_weight_version) == (4, 5)
+    c = s.counters
+    assert c.verify_steps == len(steps) + 1 and c.generated_tokens == n
+    assert c.drafted_tokens == K * len(steps) and c.accepted_tokens == sum(steps)
+    assert c.accepted_per_position == [sum(1 for a in steps if a > i) for i in range(K)]
+    assert meta["spec_accept_length"] == pytest.approx(n / len(steps))  # SGLang's tau omits the prefill
