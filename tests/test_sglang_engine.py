@@ -13,6 +13,7 @@ The same adapter against SGLang's REAL classes: tests/sglang/ (tools/test-sglang
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import inspect
 import json
 import random
@@ -526,6 +527,14 @@ def test_eagle_draft_is_pushed_under_its_own_names(ckpt: Path, tmp_path: Path) -
     be.skip_draft = "."  # SGLang skips everything: caught
     with pytest.raises(StaleDraftError, match="unchanged"):
         eng.update_weights({n: t + 3 for n, t in eagle.items()}, WeightSelector.DRAFT, 3)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="SGLang is installed here")
+def test_missing_sglang_says_how_to_install(ckpt: Path) -> None:
+    model, _ = load_checkpoint(ckpt)
+    cfg = SGLangEngineConfig(model_path=str(ckpt), speculative_algorithm=None, speculation_k=0)
+    with pytest.raises(SGLangEngineError, match=r"install specrl\[sglang\] on a GPU node \(CUDA 13, torch 2.14.1\)"):
+        SGLangEngine(cfg, model)
 
 
 def test_create_engine_dispatch(ckpt: Path) -> None:
