@@ -7,7 +7,7 @@ meta-info definitions replayed from an explicit list of per-verify-step acceptan
 order (pause → begin → update target → update draft → end → continue) on a recording
 backend whose method signatures are checked against the real `SGLangBackend`.
 
-The same adapter against SGLang's REAL classes: tests/sglang/ (tools/test-sglang).
+The same adapter against SGLang's REAL classes: tests/with_sglang/ (tools/test-sglang).
 """
 
 from __future__ import annotations

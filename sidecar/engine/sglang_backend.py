@@ -1,7 +1,7 @@
 """The only code that touches SGLang objects: a thin, typed wrapper over ``sglang.Engine`` 0.5.23.
 
 Everything `SGLangEngine` needs from SGLang goes through `SGLangBackend`, so the names and
-signatures it relies on are in one place, and ``tests/sglang/`` checks each of them against
+signatures it relies on are in one place, and ``tests/with_sglang/`` checks each of them against
 the installed SGLang (``tools/test-sglang``). SGLang is imported lazily: importing specrl
 never requires it.
 
