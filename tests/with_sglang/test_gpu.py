@@ -15,6 +15,7 @@ The model is specrl's tiny config widened to shapes SGLang's attention kernels a
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,7 +28,16 @@ from sidecar.engine.sglang_engine import SGLangEngine
 from sidecar.engine.torch_engine import TorchEngine
 from sidecar.types import GenerationRequest, SamplingParams, WeightSelector
 
+# Runs only where SGLang is installed (tools/test-sglang); elsewhere reported as skipped without
+# importing SGLang (the modules import it only inside fixtures). A namespace package is not
+# SGLang: with tests/ on sys.path a directory named "sglang" would look like one. No conftest.py
+# here: tests/engine imports its helpers with `from conftest import ...`, which a second
+# conftest module would shadow.
+_SGLANG = importlib.util.find_spec("sglang")
+HAVE_SGLANG = _SGLANG is not None and _SGLANG.origin is not None
+NEEDS_SGLANG = pytest.mark.skipif(not HAVE_SGLANG, reason="SGLang is not installed here; run tools/test-sglang")
 pytestmark = [
+    NEEDS_SGLANG,
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (and SGLang): run tools/test-sglang on a GPU"),
 ]

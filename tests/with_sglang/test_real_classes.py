@@ -20,6 +20,7 @@ Not checked here (needs a GPU): anything that runs a forward pass — see test_g
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import inspect
 import re
 import types
@@ -37,6 +38,16 @@ from sidecar.engine.sglang_engine import SGLANG_VERSION, SGLangEngineConfig, bui
 from sidecar.types import SamplingParams
 
 K = 3
+
+# Runs only where SGLang is installed (tools/test-sglang); elsewhere reported as skipped without
+# importing SGLang (the modules import it only inside fixtures). A namespace package is not
+# SGLang: with tests/ on sys.path a directory named "sglang" would look like one. No conftest.py
+# here: tests/engine imports its helpers with `from conftest import ...`, which a second
+# conftest module would shadow.
+_SGLANG = importlib.util.find_spec("sglang")
+HAVE_SGLANG = _SGLANG is not None and _SGLANG.origin is not None
+NEEDS_SGLANG = pytest.mark.skipif(not HAVE_SGLANG, reason="SGLang is not installed here; run tools/test-sglang")
+pytestmark = NEEDS_SGLANG
 
 
 @pytest.fixture(scope="module")
