@@ -151,7 +151,7 @@ def load_reward_fn(spec: str) -> RewardFn:
         inspect.signature(fn).bind("prompt", "completion", "answer")
     except TypeError as e:
         raise ValueError(f"reward function {spec!r} must accept (prompt, completion, answer): {e}") from e
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 @dataclass(kw_only=True, slots=True)

@@ -195,7 +195,7 @@ def tensor_digest(t: torch.Tensor) -> str:
     """A content hash of a tensor's bytes (dtype and shape included)."""
     data = t.detach().to("cpu").contiguous()
     h = hashlib.blake2b(f"{data.dtype}{tuple(data.shape)}".encode(), digest_size=16)
-    h.update(data.reshape(-1).view(torch.uint8).numpy())  # buffer protocol: no copy
+    h.update(data.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # ndarray is a buffer: no copy
     return h.hexdigest()
 
 
