@@ -25,23 +25,23 @@ SGLANG_UNAVAILABLE = "SGLang engine not available in this build: install specrl[
 
 def load_engine(engine: str, model: Path, *, device: str, spec_k: int, max_spec_k: int, max_batch_size: int) -> Engine:
     """The engine serving `model` (an Engine); click.ClickException when it cannot be built."""
-    if engine == "sglang":
-        try:
-            from sidecar.engine.sglang_engine import SGLangEngine
-        except ImportError:
-            raise click.ClickException(SGLANG_UNAVAILABLE) from None
-        return SGLangEngine.from_checkpoint(
-            model, device=device, speculation_k=spec_k, max_speculation_k=max_spec_k, max_batch_size=max_batch_size
-        )
-    from sidecar.engine.torch_engine import TorchEngine
-    from sidecar.errors import CheckpointError
+    from sidecar.engine import create_engine
+    from sidecar.errors import SpecrlError
 
     try:
-        return TorchEngine.from_checkpoint(
-            model, device=device, speculation_k=spec_k, max_speculation_k=max_spec_k, max_batch_size=max_batch_size
+        return create_engine(
+            engine,
+            model,
+            device=device,
+            speculation_k=spec_k,
+            max_speculation_k=max_spec_k,
+            max_batch_size=max_batch_size,
         )
-    except (CheckpointError, FileNotFoundError) as e:
-        raise click.ClickException(f"cannot load the model from {model}: {e}") from None
+    except ImportError as e:
+        raise click.ClickException(f"{SGLANG_UNAVAILABLE} ({e})") from None
+    except (SpecrlError, FileNotFoundError, ValueError) as e:
+        # SpecrlError covers CheckpointError and SGLangEngineError ("install specrl[sglang] ...").
+        raise click.ClickException(f"cannot start the {engine} engine for {model}: {e}") from None
 
 
 @click.command()

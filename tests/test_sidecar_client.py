@@ -4,6 +4,7 @@ as a real process with graceful shutdown on SIGTERM."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -222,10 +223,17 @@ def test_fuzzed_push_streams_never_crash_or_change_the_model(
         assert c.health() and c.info().weight_version == 0
 
 
-def test_serve_with_sglang_fails_clearly(tmp_path: Path) -> None:
-    result = CliRunner().invoke(main, ["serve", "--model", str(tmp_path), "--engine", "sglang"])
-    assert result.exit_code != 0
-    assert "SGLang engine not available in this build: install specrl[sglang] on a GPU node" in result.output
+def test_serve_with_sglang_fails_clearly(checkpoint: Path) -> None:
+    # On a CPU device the adapter refuses before touching SGLang.
+    result = CliRunner().invoke(main, ["serve", "--model", str(checkpoint), "--engine", "sglang"])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "the SGLang engine runs on CUDA devices" in result.output and "--engine torch" in result.output
+    # On CUDA without SGLang installed it says what to install.
+    if importlib.util.find_spec("sglang") is not None:
+        return
+    result = CliRunner().invoke(main, ["serve", "--model", str(checkpoint), "--engine", "sglang", "--device", "cuda"])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "specrl[sglang]" in result.output, result.output
 
 
 @pytest.mark.slow

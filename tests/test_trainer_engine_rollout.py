@@ -4,6 +4,7 @@ of the same tokens from the same checkpoint; the trainer's mismatch metric sees 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -24,16 +25,18 @@ def test_engine_rollout_logprobs_equal_policy_recomputation(tmp_path: Path) -> N
     request = GenerationRequest(
         prompts=prompts,
         samples_per_prompt=2,
-        sampling=SamplingParams(temperature=0.8, max_new_tokens=14, seed=7),
+        # 5 + 27 = 32 positions: four times the original YaRN context of 8 (factor 4).
+        sampling=SamplingParams(temperature=0.8, max_new_tokens=27, seed=7),
         request_id="r0",
     )
     engine.submit(request)
     samples = []
-    for _ in range(200):  # bounded: 4 samples x 14 tokens need far fewer steps
+    for _ in range(400):  # bounded: 4 samples x 27 tokens need far fewer steps
         samples += engine.step()
         if not engine.has_work():
             break
-    assert len(samples) == 4 and all(len(s.token_ids) > 0 for s in samples)
+    assert len(samples) == 4 and all(len(s.token_ids) == 27 for s in samples)
+    assert all(all(math.isfinite(x) for x in s.logprobs) for s in samples)
     assert sum(s.counters.drafted_tokens for s in samples) > 0  # speculation really ran
 
     policy = Policy.from_checkpoint(tmp_path, Policy.Config(temperature=0.8))

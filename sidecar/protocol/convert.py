@@ -58,7 +58,7 @@ _DTYPE_TO_PB = {
 _DTYPE_FROM_PB = {v: k for k, v in _DTYPE_TO_PB.items()}
 
 
-def selector_to_pb(selector: WeightSelector) -> common_pb2.WeightSelector.ValueType:
+def selector_to_pb(selector: WeightSelector) -> common_pb2.WeightSelector:
     return _SELECTOR_TO_PB[selector]
 
 
@@ -71,7 +71,7 @@ def selector_from_pb(value: int) -> WeightSelector:
         ) from None
 
 
-def dtype_to_pb(dtype: torch.dtype) -> weights_pb2.DType.ValueType:
+def dtype_to_pb(dtype: torch.dtype) -> weights_pb2.DType:
     try:
         return _DTYPE_TO_PB[dtype]
     except KeyError:
