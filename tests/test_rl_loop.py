@@ -207,3 +207,41 @@ def test_a_sidecar_that_stops_answering_is_given_up_on_at_the_deadline(
             events: list[str] = []
             orch.rejoin(events)  # answering again, already at the current version
             assert any("rejoined" in e for e in events), events
+
+
+@pytest.mark.slow
+def test_specrl_train_command_runs_a_step(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from trainer.cli import main
+
+    config = tmp_path / "run.yaml"
+    config.write_text("rollout: {prompts_per_step: 2, samples_per_prompt: 2, max_new_tokens: 16}\nsteps: 1\n")
+    args = ["train", "--config", str(config), "--model", str(checkpoints["policy"]), "--local-sidecars", "1"]
+    args += ["--run-dir", str(tmp_path / "run"), "--set", "eval_every=0"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "done: 1 steps" in result.output
+    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert row["step"] == 1 and row["weights/version"] == 2.0
+
+
+@pytest.mark.slow
+def test_demo_pipeline_at_toy_size(tmp_path: Path) -> None:
+    """The demo's phases and report, shrunk (the real demo takes minutes)."""
+    from trainer.demo import DemoConfig, run_demo
+
+    cfg = DemoConfig(
+        layers=2,
+        warmup=WarmupConfig(steps=20, batch_size=16),
+        draft_init=DraftInitConfig(prompts=32, steps=10, batch_size=16),
+        rl_steps=1,
+        acceptance_prompts=4,
+    )
+    report = run_demo(tmp_path, cfg)
+    assert len(report.steps) == 1
+    step = report.steps[0]
+    assert step["time/generation_plain"] > 0 and step["speedup/generation"] > 0
+    text = report.render()
+    assert "speedup" in text and "before RL" in text
+    assert (tmp_path / "run" / "plots" / "step_time.png").is_file()
