@@ -67,7 +67,14 @@ class _Job:
 class Orchestrator:
     """The trainer's view of the sidecar fleet."""
 
-    def __init__(self, addresses: list[str], *, deadline_s: float = 300.0, call_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        addresses: list[str],
+        *,
+        deadline_s: float = 300.0,
+        call_timeout_s: float = 10.0,
+        probe_interval_s: float = 30.0,
+    ) -> None:
         if not addresses:
             raise ValueError("the orchestrator needs at least one sidecar address")
         config = ClientConfig(timeout_s=call_timeout_s, retries=1, generate_timeout_s=deadline_s)
@@ -76,6 +83,9 @@ class Orchestrator:
         self.version = 0
         self._weights: WeightSource | None = None
         self._down: set[str] = set()
+        self.probe_interval_s = probe_interval_s
+        """How often a down sidecar is probed for rejoining (a hung one costs a call deadline)."""
+        self._next_probe: dict[str, float] = {}
         self._counters: dict[str, tuple[float, SpeculationCounters]] = {}
         self._requests = 0
 
@@ -86,6 +96,7 @@ class Orchestrator:
     def _mark_down(self, client: SidecarClient, why: str, events: list[str]) -> None:
         if client.address not in self._down:
             self._down.add(client.address)
+            self._next_probe[client.address] = time.monotonic() + self.probe_interval_s
             msg = f"sidecar {client.address} is down ({why})"
             log.warning(msg)
             events.append(msg)
@@ -120,12 +131,17 @@ class Orchestrator:
         """One above the highest version any sidecar serves (a push must be newer)."""
         return max(c.info().weight_version for c in self.clients) + 1
 
-    def rejoin(self, events: list[str]) -> None:
+    def rejoin(self, events: list[str], *, force: bool = True) -> None:
         """Bring back down sidecars that answer their health check, after pushing them the
-        current weights (never used while behind)."""
+        current weights (never used while behind). Without `force`, each down sidecar is probed
+        at most once per `probe_interval_s`."""
+        now = time.monotonic()
         for n, old in enumerate(self.clients):
             if old.address not in self._down:
                 continue
+            if not force and now < self._next_probe.get(old.address, 0.0):
+                continue
+            self._next_probe[old.address] = now + self.probe_interval_s
             c = SidecarClient(old.address, old.config)  # fresh channel: no reconnect backoff
             if not c.health():
                 c.close()
@@ -159,7 +175,7 @@ class Orchestrator:
         events: list[str] = []
         rerouted = duplicates = 0
         for round_ in range(len(self.clients) + 1):
-            self.rejoin(events)
+            self.rejoin(events, force=False)
             live = self.live()
             if not live:
                 raise RolloutError(
