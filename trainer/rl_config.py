@@ -158,7 +158,7 @@ def demo_config(model: Path, run_dir: Path) -> RLConfig:
         sidecars=SidecarsConfig(local=2),
         steps=6,
         eval_every=3,
-        eval_size=32,
+        eval_size=64,
         seed=0,
         run_dir=run_dir,
     )
