@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
+import warnings
+
 import click
+
+# megatron-core announces optional accelerators it falls back from (Apex, Transformer Engine)
+# and a config default it deprecates, on every import; on a CPU machine these are expected and
+# say nothing the user can act on. Only these exact messages are silenced.
+_EXPECTED_MEGATRON_WARNINGS = (
+    r"Transformer Engine and Apex are not installed",
+    r"Apex is not installed",
+    r"full scope is deprecated",
+)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="specrl")
 def main() -> None:
     """specrl: fast, lossless RL post-training with speculative rollouts."""
+    for message in _EXPECTED_MEGATRON_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
 
 
 from sidecar.cli import serve  # noqa: E402  (subcommands register on main)
