@@ -51,3 +51,15 @@ def test_component_checks() -> None:
         RolloutConfig(samples_per_prompt=1)
     with pytest.raises(ValueError, match="not both"):
         SidecarsConfig(local=2, addresses=["a:1"])
+
+
+def test_the_readme_config_example_is_a_valid_run_config() -> None:
+    import yaml
+
+    from trainer.config_io import from_mapping
+    from trainer.rl_config import RLConfig
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    example = readme.split("```yaml\n", 1)[1].split("```", 1)[0]
+    config = from_mapping(RLConfig, yaml.safe_load(example))
+    assert config.sidecars.addresses == ["10.0.0.5:50051", "10.0.0.6:50051"] and config.steps == 100
