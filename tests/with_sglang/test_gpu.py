@@ -23,16 +23,16 @@ import pytest
 import torch
 
 from sidecar.engine.checkpoint import load_checkpoint, model_state_dict, save_checkpoint
-from sidecar.engine.model import ModelConfig, Qwen3WithMTP, build_model
+from sidecar.engine.model import ModelConfig, build_model
 from sidecar.engine.sglang_engine import SGLangEngine
 from sidecar.engine.torch_engine import TorchEngine
 from sidecar.types import GenerationRequest, SamplingParams, WeightSelector
+from tests.engine.engine_fixtures import aligned_draft_model
 
 # Runs only where SGLang is installed (tools/test-sglang); elsewhere reported as skipped without
 # importing SGLang (the modules import it only inside fixtures). A namespace package is not
-# SGLang: with tests/ on sys.path a directory named "sglang" would look like one. No conftest.py
-# here: tests/engine imports its helpers with `from conftest import ...`, which a second
-# conftest module would shadow.
+# SGLang: with tests/ on sys.path a directory named "sglang" would look like one. The aligned
+# draft comes from tests/engine/engine_fixtures.py, shared with the embedded engine's tests.
 _SGLANG = importlib.util.find_spec("sglang")
 HAVE_SGLANG = _SGLANG is not None and _SGLANG.origin is not None
 NEEDS_SGLANG = pytest.mark.skipif(not HAVE_SGLANG, reason="SGLang is not installed here; run tools/test-sglang")
@@ -62,22 +62,6 @@ def small_config() -> ModelConfig:
     )
 
 
-def aligned(config: ModelConfig, seed: int, eps: float = 0.002) -> Qwen3WithMTP:
-    """Nearly a bigram target and an MTP layer that copies it (see tests/engine/conftest.py)."""
-    model = build_model(config, seed=seed)
-    h = config.hidden_size
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.mul_(eps)
-            layer.mlp.down_proj.weight.mul_(eps)
-        for mtp in model.mtp.layers:
-            mtp.eh_proj.weight.zero_()
-            mtp.eh_proj.weight[:, :h] = torch.eye(h)
-            mtp.self_attn.o_proj.weight.zero_()
-            mtp.mlp.down_proj.weight.zero_()
-    return model
-
-
 def greedy(prompts: list[list[int]]) -> GenerationRequest:
     return GenerationRequest(prompts=prompts, sampling=SamplingParams(temperature=0.0, max_new_tokens=NEW))
 
@@ -86,7 +70,7 @@ def greedy(prompts: list[list[int]]) -> GenerationRequest:
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("sglang-gpu") / "ckpt"
     config = small_config()
-    save_checkpoint(path, config, model_state_dict(aligned(config, seed=5)))
+    save_checkpoint(path, config, model_state_dict(aligned_draft_model(config, seed=5)))
     return path
 
 
@@ -126,7 +110,7 @@ def test_push_changes_outputs_and_draft(ckpt: Path, engine: SGLangEngine) -> Non
     before_draft = eng._backend.draft_checksums()
 
     # a new policy (a different aligned model) with its matching draft: outputs change
-    new = model_state_dict(aligned(config, seed=6))
+    new = model_state_dict(aligned_draft_model(config, seed=6))
     eng.update_weights(new, WeightSelector.ALL, 1)
     after = eng.generate(greedy(PROMPTS))
     assert [s.token_ids for s in after] != before_out
