@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from sidecar.engine.model import ModelConfig, Qwen3WithMTP, build_model
+from sidecar.types import SamplingParams
 
 
 def aligned_draft_model(config: ModelConfig, seed: int, eps: float = 0.002) -> Qwen3WithMTP:
@@ -27,3 +28,18 @@ def aligned_draft_model(config: ModelConfig, seed: int, eps: float = 0.002) -> Q
             mtp.self_attn.o_proj.weight.zero_()
             mtp.mlp.down_proj.weight.zero_()
     return model
+
+
+def hf_probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:  # (..., V) -> (..., V)
+    """The filtered sampling distribution by Hugging Face's own logits warpers (the oracle for
+    temperature -> top-k -> top-p); greedy is one-hot on the argmax."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    if sp.temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    scores = TemperatureLogitsWarper(sp.temperature)(None, logits.clone())
+    if sp.top_k:
+        scores = TopKLogitsWarper(sp.top_k)(None, scores)
+    if sp.top_p < 1:
+        scores = TopPLogitsWarper(sp.top_p)(None, scores)
+    return scores.softmax(-1)

@@ -5,22 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from engine_fixtures import hf_probs
 
 from sidecar.engine.sampling import RowSampling, filtered_probs, rejection_sample, sample_from, token_logprobs
 from sidecar.types import SamplingParams
-
-
-def hf_probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
-    if sp.temperature == 0:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    scores = TemperatureLogitsWarper(sp.temperature)(None, logits.clone())
-    if sp.top_k:
-        scores = TopKLogitsWarper(sp.top_k)(None, scores)
-    if sp.top_p < 1:
-        scores = TopPLogitsWarper(sp.top_p)(None, scores)
-    return scores.softmax(-1)
-
 
 PARAMS = [
     SamplingParams(temperature=1.0),

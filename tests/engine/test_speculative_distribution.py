@@ -24,8 +24,7 @@ import itertools
 
 import pytest
 import torch
-from engine_fixtures import aligned_draft_model
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from engine_fixtures import aligned_draft_model, hf_probs
 
 import sidecar.engine.torch_engine as torch_engine
 from sidecar.engine.model import ModelConfig, Qwen3WithMTP
@@ -44,21 +43,12 @@ def model() -> Qwen3WithMTP:
     return aligned_draft_model(ModelConfig.tiny(vocab_size=V), seed=11, eps=0.1)
 
 
-def hf_filter(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
-    scores = TemperatureLogitsWarper(sp.temperature)(None, logits.clone())
-    if sp.top_k:
-        scores = TopKLogitsWarper(sp.top_k)(None, scores)
-    if sp.top_p < 1:
-        scores = TopPLogitsWarper(sp.top_p)(None, scores)
-    return scores.softmax(-1)
-
-
 def exact_joint(model: Qwen3WithMTP, sp: SamplingParams) -> torch.Tensor:  # (V**3,) P(t1, t2, t3)
     conts = torch.tensor(list(itertools.product(range(V), repeat=3)))  # (V^3, 3), lexicographic
     ids = torch.cat([torch.tensor(PROMPT).expand(len(conts), -1), conts], dim=1)
     with torch.no_grad():
         logits = model(ids)[:, len(PROMPT) - 1 : len(PROMPT) + 2].double()  # predicts t1, t2, t3
-    probs = torch.stack([hf_filter(logits[:, i], sp) for i in range(3)], dim=1)  # (V^3, 3, V)
+    probs = torch.stack([hf_probs(logits[:, i], sp) for i in range(3)], dim=1)  # (V^3, 3, V)
     return probs.gather(-1, conts[..., None])[..., 0].prod(dim=1)
 
 
