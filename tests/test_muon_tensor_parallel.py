@@ -20,10 +20,10 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from muon import HybridOptimizerConfig, NewtonSchulzConfig, QKVLayout, build_optimizer
+from tests.spawn_workers import join_group, leave_group, spawn
 
 WORLD = 2
 LAYOUT = QKVLayout(num_query_groups=4, heads_per_group=2, head_dim=4)  # 4 groups x (8 q + 4 k + 4 v) rows
@@ -102,21 +102,19 @@ def run(
 MAX_NORMS = (1e9, 5.0)  # 1e9 never clips (coefficient exactly 1); 5.0 clips every step
 
 
-def worker(rank: int, store: str, out_dir: str) -> None:
+def worker(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
-    try:
-        results = {max_norm: run(rank, dist.group.WORLD, max_norm) for max_norm in MAX_NORMS}
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    join_group(rank, WORLD, port)
+    results = {max_norm: run(rank, dist.group.WORLD, max_norm) for max_norm in MAX_NORMS}
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    leave_group()
 
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     """Per TP rank: {max_norm: (params, norms)} from two spawned gloo processes."""
     tmp = tmp_path_factory.mktemp("tp")
-    mp.start_processes(worker, args=(str(tmp / "store"), str(tmp)), nprocs=WORLD, start_method="spawn", join=True)
+    spawn(worker, (str(tmp),), nprocs=WORLD)
     return [torch.load(tmp / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
 
 

@@ -7,17 +7,16 @@ log-probs and take two training steps; the parent does the same in one process a
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from muon import HybridOptimizerConfig
 from sidecar.engine.checkpoint import load_checkpoint, model_state_dict, save_checkpoint
 from sidecar.engine.model import ModelConfig, build_model
-from trainer import bridge, platform
+from tests.spawn_workers import join_group, leave_group, spawn
+from trainer import bridge
 from trainer.policy import Policy, TrainBatch
 
 
@@ -81,18 +80,16 @@ def _config(tp: int) -> Policy.Config:
     return Policy.Config(tensor_parallel=tp, optimizer=fast, draft_optimizer=fast)
 
 
-def _worker(rank: int, world: int, port: int, mode: str, ckpt: str, out: str) -> None:
-    platform.init_distributed(rank=rank, world_size=world, port=port)
-    try:
-        mc, tensors = load_checkpoint(ckpt)
-        if mode == "tp2":  # both ranks see the whole batch; the model is sharded
-            result = _run(Policy(mc, _config(2), tensors), mc, slice(None))
-        else:  # dp2: whole model on each rank, one sample each; gradients averaged
-            result = _run(Policy(mc, _config(1), tensors), mc, slice(rank, rank + 1))
-        if rank == 0:
-            torch.save(result, out)
-    finally:
-        platform.teardown()
+def _worker(rank: int, port: int, mode: str, ckpt: str, out: str) -> None:
+    join_group(rank, 2, port)
+    mc, tensors = load_checkpoint(ckpt)
+    if mode == "tp2":  # both ranks see the whole batch; the model is sharded
+        result = _run(Policy(mc, _config(2), tensors), mc, slice(None))
+    else:  # dp2: whole model on each rank, one sample each; gradients averaged
+        result = _run(Policy(mc, _config(1), tensors), mc, slice(rank, rank + 1))
+    if rank == 0:
+        torch.save(result, out)
+    leave_group()
 
 
 @pytest.mark.slow
@@ -102,19 +99,7 @@ def test_two_processes_export_and_train_like_one(tmp_path: Path, mode: str) -> N
     state = _state(mc, seed=9)
     save_checkpoint(tmp_path / "ckpt", mc, state)
     out = tmp_path / "rank0.pt"
-    ctx = mp.start_processes(
-        _worker,
-        args=(2, platform.free_port(), mode, str(tmp_path / "ckpt"), str(out)),
-        nprocs=2,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + 180
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"{mode} workers did not finish within 180 s")
+    spawn(_worker, (mode, str(tmp_path / "ckpt"), str(out)), nprocs=2)
     two = torch.load(out, weights_only=True)
 
     mc1, tensors = load_checkpoint(tmp_path / "ckpt")
