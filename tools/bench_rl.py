@@ -4,8 +4,8 @@
 1. the demo (`trainer.demo.run_demo`): warm-up, in-domain draft-init, two local sidecars, RL steps
    that each generate their prompts with speculation (k = 3) and again without, on the same weights
    (order alternating per step): generation speedup and RL step speedup per step;
-2. a sweep of k on the same two sidecars and the demo's workload (8 prompts × 4 samples,
-   temperature 1, the draft-initialised policy): repeats interleaved k by k, medians, τ from the
+2. a sweep of k on the same two sidecars and the demo's workload (`demo_config`'s rollout:
+   4 prompts × 4 samples, temperature 1, the draft-initialised policy): repeats interleaved k by k, medians, τ from the
    sidecars' raw counters — where longer drafts stop paying.
 
     .venv/bin/python tools/bench_rl.py --out /tmp/bench-rl --repeats 5
@@ -27,6 +27,7 @@ from sidecar.types import SamplingParams
 from trainer.demo import DemoConfig, run_demo
 from trainer.local_sidecars import LocalSidecars
 from trainer.orchestration import Orchestrator
+from trainer.rl_config import demo_config
 from trainer.tasks import ArithmeticTask
 from trainer.tokenizer import CharTokenizer
 
@@ -79,7 +80,7 @@ def k_sweep(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--rl-steps", type=int, default=6)
+    ap.add_argument("--rl-steps", type=int, default=DemoConfig().rl_steps)
     ap.add_argument("--ks", default="1,2,3,4,5,6")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--sweep-only", action="store_true", help="Reuse OUT/policy from an earlier run; only sweep k.")
@@ -90,7 +91,16 @@ def main() -> None:
         print(report.render())
         print()
     ks = [int(k) for k in args.ks.split(",")]
-    print("\n".join(k_sweep(args.out / "policy", args.out / "sweep-logs", ks, args.repeats, 8, 4)))
+    rollout = demo_config(args.out / "policy", args.out / "run").rollout
+    sweep = k_sweep(
+        args.out / "policy",
+        args.out / "sweep-logs",
+        ks,
+        args.repeats,
+        rollout.prompts_per_step,
+        rollout.samples_per_prompt,
+    )
+    print("\n".join(sweep))
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     print("\n" + next((ln for ln in cpu.splitlines() if "Model name" in ln), "cpu: unknown"))
 

@@ -145,12 +145,18 @@ class RLConfig:
 
 def demo_config(model: Path, run_dir: Path) -> RLConfig:
     """The demo's RL phase: short "zero"-regime arithmetic, two local sidecars, speculation k=3,
-    and a plain-decoding pass per step to measure the speedup side by side."""
+    and a plain-decoding pass per step to measure the speedup side by side.
+
+    4 prompts x G=4 per step, so each sidecar decodes a batch of 8. At that batch a k+1-token
+    verify costs this CPU little more than a one-token step (as a GPU's memory-bound decode does
+    at serving batch sizes); at 16 rows per sidecar the verify's extra matmul work is paid in
+    full and the generation speedup drops from ~1.5x to ~1.35x (BENCHMARKS.md, "RL loop").
+    """
     return RLConfig(
         model=model,
         task=TaskConfig(kind="arithmetic", regime="zero", digits=2),
         rollout=RolloutConfig(
-            prompts_per_step=8, samples_per_prompt=4, temperature=1.0, max_new_tokens=40, measure_plain=True
+            prompts_per_step=4, samples_per_prompt=4, temperature=1.0, max_new_tokens=40, measure_plain=True
         ),
         optimizer=HybridOptimizerConfig(lr=3e-4),
         draft=DraftConfig(chain_depth=4),
