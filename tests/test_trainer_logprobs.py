@@ -111,6 +111,30 @@ def test_batch_alignment_and_mismatch_metric_against_engine_logprobs() -> None:
     assert metrics["tokens"] == 6.0
 
 
+def test_old_logprobs_from_the_training_forward_give_the_same_update_as_a_separate_pass() -> None:
+    """The RL loop's default (`separate_logprob_pass` off): with one update per rollout batch the
+    PPO ratio's denominator taken detached from the training forward is the separate pass's,
+    so policy and draft move bit for bit the same."""
+    mc = ModelConfig.tiny()
+    state = model_state_dict(build_model(mc, seed=21))
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, mc.vocab_size, (5,), generator=gen).tolist() for _ in range(4)]
+    responses = [torch.randint(0, mc.vocab_size, (n,), generator=gen).tolist() for n in (7, 3, 9, 5)]
+    after = []
+    for separate in (True, False):
+        policy = Policy(mc, Policy.Config(), dict(state))
+        batch = TrainBatch.from_sequences(prompts, responses, torch.tensor([1.0, -1.0, 0.5, -0.5]))
+        if separate:
+            batch.old_logprobs = policy.logprobs(batch.tokens)
+        policy.train_step(batch)
+        after.append(dict(policy.export_named_tensors()))
+    assert after[0].keys() == after[1].keys()
+    moved = [n for n in after[0] if not torch.equal(after[0][n], state[n])]
+    assert moved, "the update changed nothing: the comparison would be vacuous"
+    for name in after[0]:
+        assert torch.equal(after[0][name], after[1][name]), name
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_logprobs_match_engine_on_cuda() -> None:

@@ -51,10 +51,13 @@ class TrainBatch:
     """(B, S-1) the engine's reported log-probs, for the training–inference mismatch metric."""
     ref_logprobs: Tensor | None = None
     """(B, S-1) reference policy log-probs, needed when GRPOConfig.kl_coef > 0."""
+    generated: Tensor | None = None
+    """(B, S-1) 1 on every generated token, including those of groups the loss filters out:
+    where the training–inference mismatch metric is taken; None: `mask`."""
 
     def __post_init__(self) -> None:
         b, s = self.tokens.shape
-        for name in ("mask", "old_logprobs", "rollout_logprobs", "ref_logprobs"):
+        for name in ("mask", "old_logprobs", "rollout_logprobs", "ref_logprobs", "generated"):
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != (b, s - 1):
                 raise ValueError(
@@ -246,7 +249,8 @@ class Policy:
         out.loss.backward()
         metrics = dict(out.metrics)
         if batch.rollout_logprobs is not None:
-            metrics.update(mismatch_metrics(logp, batch.rollout_logprobs.to(dev), mask))
+            where = batch.generated.to(dev) if batch.generated is not None else mask
+            metrics.update(mismatch_metrics(logp, batch.rollout_logprobs.to(dev), where))
         if self.draft is not None and self.cfg.train_draft:
             metrics.update(self._draft_backward(tokens, hidden, logits, mask))
         self._reduce_gradients([self.model] + ([self.draft] if self.draft is not None else []))

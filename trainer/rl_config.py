@@ -120,6 +120,12 @@ class RLConfig:
     algorithm: GRPOConfig = field(default_factory=GRPOConfig)
     optimizer: HybridOptimizerConfig = field(default_factory=lambda: HybridOptimizerConfig(lr=1e-5))
     """Trunk optimizer (Muon for hidden matrices, AdamW for the rest)."""
+    separate_logprob_pass: bool = False
+    """Recompute the old log-probs in a forward pass of their own before the update (the reference
+    study's "log-probs" phase). Each rollout batch gets one update, so those log-probs are the
+    current policy's: by default they are taken, detached, from the training forward itself (the
+    same weights and the same float32 numbers, so the PPO ratio is exactly 1 either way), which
+    saves one forward over the batch per step."""
     train_draft: bool = True
     """Update the MTP draft head every step on detached hidden states."""
     draft: DraftConfig = field(default_factory=DraftConfig)

@@ -7,7 +7,10 @@ sidecar processes in `trainer.local_sidecars`, the policy and its optimizers in
 
 Each step records the timing breakdown of the reference study's table (weight sync, generation,
 log-probs, training), the reward, and acceptance figures computed from the sidecars' raw counters
-(τ = generated tokens per verify step, acceptance rate, acceptance per draft position). With
+(τ = generated tokens per verify step, acceptance rate, acceptance per draft position). The
+loop makes one update per rollout batch, so the PPO ratio's denominator is the current policy's
+log-probs: unless `separate_logprob_pass` is set they come, detached, from the training forward
+itself and the "log-probs" phase costs nothing. With
 `rollout.measure_plain`, the step's prompts are generated once more with speculation off on the
 same weights, so the speedup is measured side by side in the same run.
 """
@@ -165,21 +168,21 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
         rollout_logprobs=[s.logprobs for s in samples],
         pad_id=run.tokenizer.pad_id,
     )
-    generated = batch.mask.bool()  # every generated token (the loss then drops filtered groups)
+    batch.generated = batch.mask.clone()  # every generated token (the loss then drops filtered groups)
     batch.mask = batch.mask * keep.float()[:, None]
 
-    # 3. log-prob recomputation with the trainer's policy (the PPO ratio's denominator)
+    # 3. log-prob recomputation with the trainer's policy (the PPO ratio's denominator): in a
+    #    pass of its own, or (default) taken detached from the training forward of step 4
     t = time.perf_counter()
-    batch.old_logprobs = run.policy.logprobs(batch.tokens).cpu()
+    if cfg.separate_logprob_pass:
+        batch.old_logprobs = run.policy.logprobs(batch.tokens).cpu()
     metrics["time/logprobs"] = time.perf_counter() - t
-    assert batch.rollout_logprobs is not None
-    diff = (batch.old_logprobs - batch.rollout_logprobs)[generated].abs()
-    metrics["mismatch/logprob_abs_max"] = float(diff.max()) if diff.numel() else 0.0
 
     # 4. policy and draft update
     t = time.perf_counter()
     metrics.update({f"train/{k}": v for k, v in run.policy.train_step(batch).items()})
     metrics["time/train"] = time.perf_counter() - t
+    metrics["mismatch/logprob_abs_max"] = metrics["train/mismatch_logprob_abs_max"]
 
     # 5. push target + draft to every sidecar (version + 1)
     metrics["time/weight_sync"] = run.sidecars.push_weights(run.policy.export_named_tensors)
