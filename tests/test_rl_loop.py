@@ -150,7 +150,8 @@ def test_a_killed_sidecar_loses_no_sample_and_rejoins_with_current_weights(
     with LocalSidecars(checkpoints["policy"], 2, tmp_path / "logs", max_batch_size=2) as local:
         local.start()
         with Orchestrator(local.addresses, deadline_s=60.0) as orch:
-            orch.push_weights(lambda: state.items(), orch.start_version())
+            # streamed (names given): the rejoin below re-streams the current weights the same way
+            orch.push_weights(lambda: state.items(), orch.start_version(), names=list(state))
             victim = orch.clients[0]
             baseline = victim.stats().total.generated_tokens
 

@@ -36,6 +36,7 @@ def test_hf_megatron_hf_round_trip_is_exact(tied: bool) -> None:
     exported = list(policy.export_named_tensors())
     names = [n for n, _ in exported]
     assert len(names) == len(set(names)) and set(names) == set(state)
+    assert policy.export_names() == names  # a streamed push announces them before any tensor
     for name, tensor in exported:
         assert torch.equal(tensor, state[name]), name
     # The fused layout is Megatron's: q heads of a group, then its k, then its v.

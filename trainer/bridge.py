@@ -200,6 +200,16 @@ def export_trunk(model: nn.Module, hf_config: Mapping[str, Any]) -> Iterator[tup
         yield from zip(e.hf, split(e, full, hf_config), strict=True)
 
 
+def export_names(model: nn.Module, hf_config: Mapping[str, Any]) -> list[str]:
+    """The contract names `export_trunk` yields, in its order, without touching any tensor."""
+    return [name for e in plan(hf_config, {n for n, _ in model.named_parameters()}) for name in e.hf]
+
+
+def draft_names(draft: nn.Module) -> list[str]:
+    """The contract names `export_draft` yields, in its order."""
+    return [MTP_PREFIX + name for name, _ in draft.named_parameters()]
+
+
 def export_draft(draft: nn.Module) -> Iterator[tuple[str, Tensor]]:
     """Yield (contract name, tensor) of the draft head (replicated; names already contract sub-names)."""
     for name, param in draft.named_parameters():

@@ -8,7 +8,9 @@ aborted), and its missing samples go to the others in the next round — so no s
 one already received is never asked for again (duplicates are dropped and counted). Every such
 event is logged and returned with the result.
 
-Weights: `push_weights` streams target + draft to every live sidecar as one versioned update.
+Weights: `push_weights` streams target + draft to every live sidecar as one versioned update;
+given the export order, each tensor is exported once and streamed to all sidecars together, so
+the trainer holds a few tensors in flight, never a second copy of the model.
 A sidecar that was down and answers its health check again rejoins only after it has been
 pushed the current version; every request carries `min_weight_version`, so a stale sidecar
 refuses rather than sampling from old weights.
@@ -20,17 +22,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
-from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import grpc
 import torch
 
 from sidecar.client import ClientConfig, SidecarCallError, SidecarClient
 from sidecar.errors import SpecrlError
-from sidecar.types import GenerationRequest, Sample, SamplingParams, SpeculationCounters
+from sidecar.types import GenerationRequest, Sample, SamplingParams, SpeculationCounters, TensorSpec, WeightSelector
 
 log = logging.getLogger(__name__)
 WeightSource = Callable[[], Iterable[tuple[str, torch.Tensor]]]
@@ -74,6 +79,7 @@ class Orchestrator:
         deadline_s: float = 300.0,
         call_timeout_s: float = 10.0,
         probe_interval_s: float = 30.0,
+        stream_bytes: int = 256 << 20,
     ) -> None:
         if not addresses:
             raise ValueError("the orchestrator needs at least one sidecar address")
@@ -82,6 +88,10 @@ class Orchestrator:
         self.deadline_s = deadline_s
         self.version = 0
         self._weights: WeightSource | None = None
+        self._names: Sequence[str] | None = None
+        self._specs: dict[tuple[str, ...], list[TensorSpec]] = {}
+        self.stream_bytes = stream_bytes
+        """Bytes of tensors a streamed push may queue for a sidecar (one tensor always fits)."""
         self._down: set[str] = set()
         self.probe_interval_s = probe_interval_s
         """How often a down sidecar is probed for rejoining (a hung one costs a call deadline)."""
@@ -105,27 +115,108 @@ class Orchestrator:
         """Weight version each live sidecar serves (GetInfo)."""
         return {c.address: c.info().weight_version for c in self.live()}
 
-    def push_weights(self, weights: WeightSource, version: int | None = None) -> float:
-        """Stream `weights()` (target + draft) to every live sidecar as `version` (default: the
-        next one); returns the wall seconds. Sidecars that fail are marked down."""
+    def push_weights(
+        self, weights: WeightSource, version: int | None = None, *, names: Sequence[str] | None = None
+    ) -> float:
+        """Push `weights()` (target + draft) to every live sidecar as `version` (default: the
+        next one); returns the wall seconds. Sidecars that fail are marked down.
+
+        With `names`, the order in which `weights()` yields its tensors, the tensors are exported
+        once and streamed to all sidecars at the same time, at most `stream_bytes` ahead of the
+        slowest, so the trainer never holds a second copy of the model. Without, the whole
+        model is gathered into one dict first. An error raised by `weights()` itself (or names
+        that do not match the served model) propagates; no sidecar applies anything then, and
+        the served version stays what it was.
+        """
         start = time.perf_counter()
-        self.version = version if version is not None else self.version + 1
-        self._weights = weights
+        version = version if version is not None else self.version + 1
         events: list[str] = []
-        live = self.live()
-        # Gathered once and shared by all pushes: a mapping lets each push use the sidecar's
-        # manifest order (the trainer exports in its own order). Holds one copy of the model.
-        tensors = dict(weights())
-        with ThreadPoolExecutor(max_workers=max(1, len(live))) as pool:
-            futures = {c.address: (c, pool.submit(c.push_weights, tensors, self.version)) for c in live}
-            for client, fut in futures.values():
-                try:
-                    fut.result(timeout=self.deadline_s)
-                except (SidecarCallError, TimeoutError) as e:
-                    self._mark_down(client, f"weight push failed: {e}", events)
+        failures = self._push_to(self.live(), weights, names, version)
+        for client, why in failures.items():
+            self._mark_down(client, f"weight push failed: {why}", events)
         if not self.live():
-            raise RolloutError(f"no sidecar accepted weight version {self.version}: {'; '.join(events)}")
+            raise RolloutError(f"no sidecar accepted weight version {version}: {'; '.join(events)}")
+        self.version, self._weights, self._names = version, weights, names
         return time.perf_counter() - start
+
+    def _push_to(
+        self,
+        clients: list[SidecarClient],
+        weights: WeightSource,
+        names: Sequence[str] | None,
+        version: int,
+    ) -> dict[SidecarClient, str]:
+        """Push to `clients` concurrently; returns the ones that failed, with why."""
+        if not clients:
+            return {}
+        if names is None:
+            tensors = dict(weights())  # shared by all pushes; each sends it in its manifest order
+            with ThreadPoolExecutor(max_workers=len(clients)) as pool:
+                futures = {c: pool.submit(c.push_weights, tensors, version) for c in clients}
+                return self._failures(futures)
+        # The served model does not change (a sidecar serving another one refuses the push and is
+        # marked down all the same), so its specs are asked for once.
+        key = tuple(names)
+        specs = self._specs.get(key)
+        failures: dict[SidecarClient, str] = {}
+        if specs is None:
+            specs, failures = self._specs_in_order(clients, names)  # failures: no answer
+            clients = [c for c in clients if c not in failures]
+            if clients:
+                self._specs = {key: specs}
+        feeds = {c: _Feed(self.stream_bytes) for c in clients}
+        with ThreadPoolExecutor(max_workers=max(1, len(clients))) as pool:
+            futures = {c: pool.submit(c.push_weights, iter(feeds[c]), version, specs=specs) for c in clients}
+            source_error: BaseException | None = None
+            try:
+                for name, tensor in weights():
+                    nbytes = tensor.numel() * tensor.element_size()
+                    for c, feed in feeds.items():
+                        feed.offer((name, tensor), nbytes, futures[c])
+            except BaseException as e:  # the trainer's own failure: end every stream without a commit
+                source_error = e
+            for c, feed in feeds.items():
+                feed.offer(_SourceFailed() if source_error is not None else _END, 0, futures[c])
+            if source_error is not None:
+                for f in futures.values():
+                    with contextlib.suppress(Exception):
+                        f.result(timeout=self.deadline_s)
+                raise source_error
+            failures.update(self._failures(futures))
+        return failures
+
+    def _failures(self, futures: dict[SidecarClient, Future[Any]]) -> dict[SidecarClient, str]:
+        failed: dict[SidecarClient, str] = {}
+        for client, fut in futures.items():
+            try:
+                fut.result(timeout=self.deadline_s)
+            except (SidecarCallError, TimeoutError) as e:
+                failed[client] = str(e) or "no answer within the deadline"
+        return failed  # anything else (the trainer's tensors did not match their specs) propagates
+
+    def _specs_in_order(
+        self, clients: list[SidecarClient], names: Sequence[str]
+    ) -> tuple[list[TensorSpec], dict[SidecarClient, str]]:
+        """The served model's tensor specs in the order of `names` (from the first sidecar that
+        answers DescribeWeights), and the sidecars that did not answer."""
+        unanswered: dict[SidecarClient, str] = {}
+        for c in clients:
+            try:
+                served, _ = c.describe_weights(WeightSelector.ALL)
+            except SidecarCallError as e:
+                unanswered[c] = str(e)
+                continue
+            by_name, given = {s.name: s for s in served}, set(names)
+            unknown = [n for n in names if n not in by_name]
+            missing = [n for n in by_name if n not in given]
+            if unknown or missing or len(given) != len(names):
+                raise ValueError(
+                    f"the weights to push do not match the model sidecar {c.address} serves: "
+                    f"unknown {unknown[:5]}, missing {missing[:5]}, {len(names) - len(given)} repeated; "
+                    "push the checkpoint the sidecars were started from (same config, naming contract)"
+                )
+            return [by_name[n] for n in names], unanswered
+        return [], unanswered
 
     def start_version(self) -> int:
         """One above the highest version any sidecar serves (a push must be newer)."""
@@ -149,11 +240,17 @@ class Orchestrator:
             old.close()
             self.clients[n] = c
             try:
-                if self._weights is not None and c.info().weight_version < self.version:
-                    c.push_weights(dict(self._weights()), self.version)
+                behind = self._weights is not None and c.info().weight_version < self.version
             except SidecarCallError as e:
-                log.info("sidecar %s answers but could not take version %d yet: %s", c.address, self.version, e)
+                log.info("sidecar %s answers but not GetInfo yet: %s", c.address, e)
                 continue
+            if behind and self._weights is not None:
+                failed = self._push_to([c], self._weights, self._names, self.version)
+                if failed:
+                    log.info(
+                        "sidecar %s answers but could not take version %d yet: %s", c.address, self.version, failed[c]
+                    )
+                    continue
             self._down.discard(c.address)
             msg = f"sidecar {c.address} rejoined at weight version {self.version}"
             log.warning(msg)
@@ -290,3 +387,45 @@ class Orchestrator:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _SourceFailed(Exception):
+    """Ends a push stream without a commit because the trainer's weight source raised."""
+
+
+_END = object()
+
+
+class _Feed:
+    """One sidecar's side of the fan-out: (name, tensor) pairs queued up to `limit_bytes`."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit_bytes = limit_bytes
+        self._items: deque[tuple[object, int]] = deque()
+        self._bytes = 0
+        self._changed = threading.Condition()
+
+    def offer(self, item: object, nbytes: int, push: Future[Any]) -> None:
+        """Queue `item` once it fits (one item always does), unless that push has already ended."""
+        with self._changed:
+            while self._items and self._bytes + nbytes > self.limit_bytes and not push.done():
+                self._changed.wait(0.05)
+            if push.done():
+                return
+            self._items.append((item, nbytes))
+            self._bytes += nbytes
+            self._changed.notify_all()
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        while True:
+            with self._changed:
+                while not self._items:
+                    self._changed.wait()
+                item, nbytes = self._items.popleft()
+                self._bytes -= nbytes
+                self._changed.notify_all()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item  # type: ignore[misc]

@@ -7,6 +7,7 @@ What the RL loop (issue 8) uses:
     metrics = policy.train_step(batch)                             # one GRPO/DAPO + draft update
     metrics = policy.train_draft_step(tokens, mask)                # draft only (warm-up on in-domain data)
     for name, tensor in policy.export_named_tensors(): ...         # naming contract, bounded memory
+    names = policy.export_names()                                  # their order, for a streamed push
     policy.save("run/step_10"); policy.load("run/step_10")         # resume bit for bit
 
 A step is ordered so that the two objectives cannot touch each other: the policy loss is
@@ -201,6 +202,12 @@ class Policy:
         yield from bridge.export_trunk(self.model, self.hf)
         if self.draft is not None:
             yield from bridge.export_draft(self.draft)
+
+    def export_names(self) -> list[str]:
+        """The names `export_named_tensors` yields, in its order (a streamed push's manifest)."""
+        return bridge.export_names(self.model, self.hf) + (
+            bridge.draft_names(self.draft) if self.draft is not None else []
+        )
 
     def save_hf(self, path: str | Path) -> None:
         """Write a serving checkpoint (config.json + model.safetensors, naming contract) from rank 0.

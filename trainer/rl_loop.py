@@ -185,7 +185,9 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     metrics["mismatch/logprob_abs_max"] = metrics["train/mismatch_logprob_abs_max"]
 
     # 5. push target + draft to every sidecar (version + 1)
-    metrics["time/weight_sync"] = run.sidecars.push_weights(run.policy.export_named_tensors)
+    metrics["time/weight_sync"] = run.sidecars.push_weights(
+        run.policy.export_named_tensors, names=run.policy.export_names()
+    )
     metrics["weights/version"] = float(run.sidecars.version)
 
     rest = metrics["time/logprobs"] + metrics["time/train"] + metrics["time/weight_sync"]
@@ -218,7 +220,7 @@ def train(cfg: RLConfig, *, resume: bool = False, progress: bool = True) -> list
             tokenizer=load_tokenizer(cfg.tokenizer),
             run_dir=run_dir,
         )
-        orch.push_weights(policy.export_named_tensors, orch.start_version())
+        orch.push_weights(policy.export_named_tensors, orch.start_version(), names=policy.export_names())
         if cfg.eval_every and start == 0:
             run_dir.log(0, {"reward/eval_mean": evaluate(run, cfg.eval_size)})
         bar = tqdm(range(start, cfg.steps), desc="RL steps", disable=not progress, unit="step")

@@ -1,0 +1,132 @@
+"""The trainer's weight fan-out (`Orchestrator.push_weights`) against two real in-process sidecars.
+
+Oracles: plain greedy decoding with the full forward pass of the pushed weights (what both
+sidecars must then produce); the version each sidecar reports; and weak references to the
+tensors the source hands out (how many are still alive when the next one is made).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from sidecar.service import Sidecar
+from sidecar.types import SamplingParams
+from tests.sidecar_fixtures import (
+    greedy_reference,
+    make_checkpoint,
+    single_torch_thread,  # noqa: F401  (a fixture, used by pytestmark)
+    start_sidecar,
+    weights,
+)
+from trainer.orchestration import Orchestrator, RolloutError
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6)
+
+
+@pytest.fixture()
+def pair(tmp_path: Path) -> Iterator[tuple[Sidecar, Sidecar]]:
+    checkpoint = make_checkpoint(tmp_path / "ckpt", seed=0)
+    a, b = start_sidecar(checkpoint), start_sidecar(checkpoint)
+    try:
+        yield a, b
+    finally:
+        a.stop(0.2)
+        b.stop(0.2)
+
+
+class Source:
+    """The weights of `seed` in reversed contract order (not the sidecars' manifest order), each
+    tensor a fresh copy; records how many earlier tensors are still alive at every hand-out."""
+
+    def __init__(self, seed: int, fail_after: int | None = None) -> None:
+        self.state = weights(seed)
+        self.names = list(reversed(self.state))
+        self.fail_after = fail_after
+        self.alive_at_handout: list[int] = []
+        self._refs: list[weakref.ref[torch.Tensor]] = []
+
+    def __call__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for i, name in enumerate(self.names):
+            if self.fail_after is not None and i == self.fail_after:
+                raise RuntimeError("export failed half-way")
+            self.alive_at_handout.append(sum(r() is not None for r in self._refs))
+            tensor = self.state[name].clone()
+            self._refs.append(weakref.ref(tensor))
+            yield name, tensor
+            del tensor
+
+
+def served(orch: Orchestrator) -> list[list[list[int]]]:
+    """What each sidecar generates greedily for PROMPTS (one request to each, not spread)."""
+    out = []
+    for c in orch.clients:
+        sub = Orchestrator([c.address])
+        sub.version = orch.version
+        samples = sub.generate(PROMPTS, GREEDY, 1, speculation_k=0).samples
+        out.append([s.token_ids for s in samples])
+        sub.close()
+    return out
+
+
+def test_a_streamed_push_reaches_both_sidecars_and_holds_few_tensors(pair: tuple[Sidecar, Sidecar]) -> None:
+    a, b = pair
+    source = Source(seed=1)
+    want = [greedy_reference(source.state, p, 6) for p in PROMPTS]
+    assert want != [greedy_reference(weights(0), p, 6) for p in PROMPTS]  # the push must show
+    with Orchestrator([a.address, b.address], stream_bytes=1) as orch:  # one queued tensor
+        orch.push_weights(source, 1, names=source.names)
+        assert orch.served_versions() == {a.address: 1, b.address: 1}
+        assert served(orch) == [want, want]
+        # one queued per sidecar, plus what each sidecar's stream and the producer hold
+        assert max(source.alive_at_handout) <= 1 + 2 + 1, source.alive_at_handout
+
+        gathered = Source(seed=2)  # the dict path keeps every tensor alive: the measure can tell
+        orch.push_weights(gathered, 2)
+        assert served(orch) == [[greedy_reference(gathered.state, p, 6) for p in PROMPTS]] * 2
+        assert max(gathered.alive_at_handout) == len(gathered.names) - 1
+
+
+def test_a_source_that_fails_half_way_changes_no_sidecar(pair: tuple[Sidecar, Sidecar]) -> None:
+    a, b = pair
+    before = [greedy_reference(weights(0), p, 6) for p in PROMPTS]
+    with Orchestrator([a.address, b.address]) as orch:
+        broken = Source(seed=1, fail_after=len(weights(0)) // 2)
+        with pytest.raises(RuntimeError, match="export failed half-way"):
+            orch.push_weights(broken, 1, names=broken.names)
+        assert orch.version == 0 and orch.live() == orch.clients  # the trainer's fault, not theirs
+        assert orch.served_versions() == {a.address: 0, b.address: 0}
+        assert served(orch) == [before, before]
+        good = Source(seed=1)
+        orch.push_weights(good, 1, names=good.names)  # the same version goes through afterwards
+        assert orch.served_versions() == {a.address: 1, b.address: 1}
+
+
+def test_names_that_do_not_match_the_served_model_are_an_error_not_a_dead_fleet(
+    pair: tuple[Sidecar, Sidecar],
+) -> None:
+    a, b = pair
+    source = Source(seed=1)
+    with Orchestrator([a.address, b.address]) as orch:
+        with pytest.raises(ValueError, match="missing \\['model.norm.weight'\\]"):
+            orch.push_weights(source, 1, names=[n for n in source.names if n != "model.norm.weight"])
+        assert orch.live() == orch.clients and orch.served_versions() == {a.address: 0, b.address: 0}
+
+
+def test_a_stopped_sidecar_is_marked_down_and_the_other_takes_the_version(pair: tuple[Sidecar, Sidecar]) -> None:
+    a, b = pair
+    source = Source(seed=1)
+    with Orchestrator([a.address, b.address], call_timeout_s=2.0) as orch:
+        b.stop(0.2)
+        orch.push_weights(source, 1, names=source.names)
+        assert [c.address for c in orch.live()] == [a.address]
+        assert orch.served_versions() == {a.address: 1}
+        a.stop(0.2)
+        with pytest.raises(RolloutError, match="no sidecar accepted weight version 2"):
+            orch.push_weights(Source(seed=2), 2, names=source.names)
