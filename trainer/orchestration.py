@@ -10,7 +10,7 @@ event is logged and returned with the result.
 
 Weights: `push_weights` streams target + draft to every live sidecar as one versioned update;
 given the export order, each tensor is exported once and streamed to all sidecars together, so
-the trainer holds a few tensors in flight, never a second copy of the model.
+the trainer holds at most `stream_bytes` of them in flight, never a second copy of the model.
 A sidecar that was down and answers its health check again rejoins only after it has been
 pushed the current version; every request carries `min_weight_version`, so a stale sidecar
 refuses rather than sampling from old weights.
