@@ -111,7 +111,7 @@ def serve(
     from sidecar.server import ServerConfig
     from sidecar.service import Sidecar, SidecarConfig
     from sidecar.types import RequestLimits
-    from sidecar.weights import prefer_mmap_for_large_buffers
+    from sidecar.weight_sync.memory import prefer_mmap_for_large_buffers
 
     prefer_mmap_for_large_buffers()  # weight pushes then return their staging memory at once
 

@@ -60,3 +60,8 @@ class ApplyTimeoutError(SpecrlError):
 
 class EngineFailure(SpecrlError):
     """The engine raised while stepping; the requests of that batch fail (INTERNAL)."""
+
+
+class TransportUnavailableError(SpecrlError):
+    """A weight data plane (shm region, collective group) that cannot be used here or failed
+    mid-transfer; the sender falls back to or retries over grpc (FAILED_PRECONDITION)."""

@@ -30,7 +30,8 @@ from sidecar.scheduler import RequestCancelled, Scheduler, SchedulerConfig
 from sidecar.security import SecurityConfig, TokenAuthInterceptor, server_credentials
 from sidecar.server import ServerConfig, create_server
 from sidecar.types import GenerationRequest, PushItem, PushResult, RequestLimits, SidecarInfo, SidecarStats
-from sidecar.weights import WeightReceiver, release_freed_memory
+from sidecar.weight_sync.memory import release_freed_memory
+from sidecar.weight_sync.receiver import DataPlaneConfig, WeightReceiver
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ _STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (errors.ShuttingDownError, grpc.StatusCode.UNAVAILABLE),
     (errors.ApplyTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (errors.EngineFailure, grpc.StatusCode.INTERNAL),
+    (errors.TransportUnavailableError, grpc.StatusCode.FAILED_PRECONDITION),
 )
 
 
@@ -135,14 +137,17 @@ class RolloutService(services.RolloutServicer):
 
 
 class WeightService(services.WeightServicer):
-    """PushWeights and DescribeWeights."""
+    """PushWeights, DescribeWeights and PrepareTransport (logic in weight_sync.receiver)."""
 
-    def __init__(self, scheduler: Scheduler, *, keep_staging: bool = False) -> None:
+    def __init__(
+        self, scheduler: Scheduler, *, keep_staging: bool = False, data_planes: DataPlaneConfig | None = None
+    ) -> None:
         self._scheduler = scheduler
         self._receiver = WeightReceiver(
             model_specs=scheduler.model_specs,
             served_version=lambda: scheduler.weight_version,
             keep_staging=keep_staging,
+            data_planes=data_planes,
         )
 
     def PushWeights(self, request_iterator: Iterator[Any], context: grpc.ServicerContext) -> Any:
@@ -171,6 +176,7 @@ class WeightService(services.WeightServicer):
             tensors_updated=len(staged.tensors),
             receive_seconds=staged.receive_seconds,
             apply_seconds=apply_s,
+            transport=staged.transport,
         )
 
     def DescribeWeights(self, request: weights_pb2.DescribeWeightsRequest, context: grpc.ServicerContext) -> Any:
@@ -178,7 +184,20 @@ class WeightService(services.WeightServicer):
             selector = convert.selector_from_pb(request.selector)
         except Exception as e:
             _abort(context, e)
-        return convert.describe_weights_to_pb(self._scheduler.model_specs(selector), self._scheduler.weight_version)
+        return convert.describe_weights_to_pb(
+            self._scheduler.model_specs(selector), self._scheduler.weight_version, self._receiver.data_planes.offered
+        )
+
+    def PrepareTransport(self, request: weights_pb2.PrepareTransportRequest, context: grpc.ServicerContext) -> Any:
+        try:
+            answer = self._receiver.prepare_transport(convert.prepare_transport_from_pb(request))
+        except Exception as e:
+            _abort(context, e)
+        return convert.prepared_to_pb(answer)
+
+    def close(self) -> None:
+        """Leave every collective group."""
+        self._receiver.close()
 
 
 def _push_items(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[PushItem]:
@@ -273,6 +292,8 @@ class SidecarConfig:
     keep_staging: bool = False
     """Receive each weight push into the previous push's staging tensors (faster pushes; ~1x
     the model stays resident between pushes). Only for engines that copy on update (torch)."""
+    data_planes: DataPlaneConfig = field(default_factory=DataPlaneConfig)
+    """Weight transports offered besides the gRPC stream (shm, collective)."""
 
     def __post_init__(self) -> None:
         if self.limits.max_samples > self.scheduler.max_live_sequences:
@@ -300,7 +321,9 @@ class Sidecar:
         self.scheduler = Scheduler(engine, self.config.scheduler)
         self.control = ControlService(self.scheduler, self.config.limits, specrl_version)
         self.rollout = RolloutService(self.scheduler, self.config.limits)
-        self.weights = WeightService(self.scheduler, keep_staging=self.config.keep_staging)
+        self.weights = WeightService(
+            self.scheduler, keep_staging=self.config.keep_staging, data_planes=self.config.data_planes
+        )
         servicers = [self.rollout, self.weights, self.control]
         sec = self.config.security
         interceptors = [TokenAuthInterceptor(sec.token)] if sec.token else []
@@ -343,6 +366,7 @@ class Sidecar:
         stopped = self.server.stop(grace)
         self.scheduler.stop(grace_s=min(grace, 1.0))
         stopped.wait(grace + 5.0)
+        self.weights.close()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server = None

@@ -51,6 +51,11 @@ class WeightServiceStub:
                 request_serializer=specrl_dot_v1_dot_weights__pb2.DescribeWeightsRequest.SerializeToString,
                 response_deserializer=specrl_dot_v1_dot_weights__pb2.DescribeWeightsResponse.FromString,
                 _registered_method=True)
+        self.PrepareTransport = channel.unary_unary(
+                '/specrl.v1.WeightService/PrepareTransport',
+                request_serializer=specrl_dot_v1_dot_weights__pb2.PrepareTransportRequest.SerializeToString,
+                response_deserializer=specrl_dot_v1_dot_weights__pb2.PrepareTransportResponse.FromString,
+                _registered_method=True)
 
 
 class WeightServiceServicer:
@@ -93,6 +98,25 @@ class WeightServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrepareTransport(self, request, context):
+        """Proves or sets up a fast data plane for later pushes (see "Data planes"
+        below). Unary and bounded: the sidecar answers within the request's
+        timeout or fails the call; a failure leaves the gRPC stream as the data
+        plane and nothing else changes.
+
+        Errors:
+        INVALID_ARGUMENT     no transport set, a region name outside the
+        "specrl-" namespace, a rank or world size out of
+        range.
+        FAILED_PRECONDITION  the sidecar does not offer that transport.
+        NOT_FOUND            the shm probe region cannot be opened here (another
+        host, another /dev/shm, another user).
+        DEADLINE_EXCEEDED    the collective group did not form in time.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WeightServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +129,11 @@ def add_WeightServiceServicer_to_server(servicer, server):
                     servicer.DescribeWeights,
                     request_deserializer=specrl_dot_v1_dot_weights__pb2.DescribeWeightsRequest.FromString,
                     response_serializer=specrl_dot_v1_dot_weights__pb2.DescribeWeightsResponse.SerializeToString,
+            ),
+            'PrepareTransport': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareTransport,
+                    request_deserializer=specrl_dot_v1_dot_weights__pb2.PrepareTransportRequest.FromString,
+                    response_serializer=specrl_dot_v1_dot_weights__pb2.PrepareTransportResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -168,6 +197,33 @@ class WeightService:
             '/specrl.v1.WeightService/DescribeWeights',
             specrl_dot_v1_dot_weights__pb2.DescribeWeightsRequest.SerializeToString,
             specrl_dot_v1_dot_weights__pb2.DescribeWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareTransport(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specrl.v1.WeightService/PrepareTransport',
+            specrl_dot_v1_dot_weights__pb2.PrepareTransportRequest.SerializeToString,
+            specrl_dot_v1_dot_weights__pb2.PrepareTransportResponse.FromString,
             options,
             channel_credentials,
             insecure,
