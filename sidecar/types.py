@@ -324,7 +324,18 @@ class CollectivePlacement:
 
 @dataclass(kw_only=True, slots=True)
 class WeightPlaced:
-    """A tensor whose bytes travel on the manifest's data plane, not on the stream."""
+    """Tensors whose bytes travel on the manifest's data plane, announced together."""
+
+    tensors: list[PlacedTensor]
+
+    @property
+    def byte_length(self) -> int:
+        return sum(t.byte_length for t in self.tensors)
+
+
+@dataclass(kw_only=True, slots=True)
+class PlacedTensor:
+    """One tensor of a WeightPlaced."""
 
     tensor_index: int
     offset: int

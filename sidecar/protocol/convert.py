@@ -20,6 +20,7 @@ from sidecar.types import (
     GenerationRequest,
     GpuTelemetry,
     ModelInfo,
+    PlacedTensor,
     PreparedTransport,
     PushItem,
     PushResult,
@@ -337,7 +338,12 @@ def push_item_to_pb(item: PushItem) -> weights_pb2.PushWeightsRequest:
     if isinstance(item, WeightPlaced):
         return weights_pb2.PushWeightsRequest(
             placed=weights_pb2.WeightPlaced(
-                tensor_index=item.tensor_index, offset=item.offset, byte_length=item.byte_length, crc32=item.crc32
+                tensors=[
+                    weights_pb2.PlacedTensor(
+                        tensor_index=t.tensor_index, offset=t.offset, byte_length=t.byte_length, crc32=t.crc32
+                    )
+                    for t in item.tensors
+                ]
             )
         )
     if isinstance(item, WeightChunk):
@@ -356,8 +362,12 @@ def push_item_from_pb(msg: weights_pb2.PushWeightsRequest) -> PushItem:
     if kind == "manifest":
         return manifest_from_pb(msg.manifest)
     if kind == "placed":
-        p = msg.placed
-        return WeightPlaced(tensor_index=p.tensor_index, offset=p.offset, byte_length=p.byte_length, crc32=p.crc32)
+        return WeightPlaced(
+            tensors=[
+                PlacedTensor(tensor_index=t.tensor_index, offset=t.offset, byte_length=t.byte_length, crc32=t.crc32)
+                for t in msg.placed.tensors
+            ]
+        )
     if kind == "chunk":
         c = msg.chunk
         return WeightChunk(

@@ -45,6 +45,7 @@ from sidecar.errors import (
 from sidecar.types import (
     CollectivePlacement,
     CollectiveRendezvous,
+    PlacedTensor,
     PreparedTransport,
     PushItem,
     ShmPlacement,
@@ -402,23 +403,39 @@ class _PlacedPlane(_Plane):
                 f"message {number} is a WeightChunk but the manifest puts the bytes on {self.transport}; "
                 "send WeightPlaced items (or a manifest without a data plane)"
             )
-        if item.tensor_index != self.next_tensor:
-            raise InvalidRequestError(
-                f"placed tensor {number} names index {item.tensor_index} but tensor {self.next_tensor} is next; "
-                "place each manifest tensor once, in manifest order"
-            )
-        if self.next_tensor >= len(self.staged):
-            raise InvalidRequestError(f"placed tensor {number} is beyond the {len(self.staged)} manifest tensors")
-        t = self.staged[item.tensor_index]
-        if item.byte_length != t.spec.byte_length:
-            raise InvalidRequestError(
-                f"placed tensor {t.spec.name!r} has byte_length {item.byte_length}, the manifest {t.spec.byte_length}"
-            )
-        self.next_tensor += 1
-        t.scheduled = item.byte_length
-        return lambda: self.stage(t, item)
+        if not item.tensors:
+            raise InvalidRequestError(f"placed message {number} names no tensors; place at least one")
+        work: list[tuple[_StagedTensor, PlacedTensor]] = []
+        for p in item.tensors:
+            if p.tensor_index != self.next_tensor:
+                raise InvalidRequestError(
+                    f"placed message {number} names tensor {p.tensor_index} but tensor {self.next_tensor} is next; "
+                    "place each manifest tensor once, in manifest order"
+                )
+            if self.next_tensor >= len(self.staged):
+                raise InvalidRequestError(
+                    f"placed message {number} goes beyond the {len(self.staged)} manifest tensors"
+                )
+            t = self.staged[p.tensor_index]
+            if p.byte_length != t.spec.byte_length:
+                raise InvalidRequestError(
+                    f"placed tensor {t.spec.name!r} has byte_length {p.byte_length}, the manifest {t.spec.byte_length}"
+                )
+            self.check_arrived(p.tensor_index, number)
+            self.next_tensor += 1
+            t.scheduled = p.byte_length
+            work.append((t, p))
 
-    def stage(self, t: _StagedTensor, item: WeightPlaced) -> None:
+        def stage_all() -> None:
+            for t, p in work:
+                self.stage(t, p)
+
+        return stage_all
+
+    def check_arrived(self, index: int, number: int) -> None:
+        """InvalidRequestError if tensor `index` cannot have arrived yet (collective)."""
+
+    def stage(self, t: _StagedTensor, item: PlacedTensor) -> None:
         raise NotImplementedError
 
 
@@ -429,7 +446,7 @@ class _ShmPlane(_PlacedPlane):
         super().__init__(staged)
         self.reader = reader
 
-    def stage(self, t: _StagedTensor, item: WeightPlaced) -> None:
+    def stage(self, t: _StagedTensor, item: PlacedTensor) -> None:
         if item.byte_length:
             self.reader.read_into(item.offset, t.bytes_view())
         t.received = item.byte_length
@@ -469,7 +486,14 @@ class _CollectivePlane(_PlacedPlane):
             raise
         self.received_buckets = b + 1
 
-    def stage(self, t: _StagedTensor, item: WeightPlaced) -> None:
+    def check_arrived(self, index: int, number: int) -> None:
+        if self.bucket_of[index] >= self.received_buckets:
+            raise InvalidRequestError(
+                f"placed message {number} names tensor {index} before its bucket {self.bucket_of[index]} was "
+                "broadcast; send a bucket's WeightPlaced after broadcasting it"
+            )
+
+    def stage(self, t: _StagedTensor, item: PlacedTensor) -> None:
         t.received = item.byte_length
         _check_tensor_crc(t, crc32(t.bytes_view()) if item.byte_length else 0, item.crc32)
 

@@ -21,6 +21,7 @@ import torch
 
 from sidecar.types import (
     CollectivePlacement,
+    PlacedTensor,
     PushItem,
     ShmPlacement,
     TensorSpec,
@@ -40,11 +41,17 @@ DEFAULT_CHUNK_BYTES = 4 << 20
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 
+SHM_BATCH_BYTES = 64 << 20
+"""Tensors written to shared memory before their WeightPlaced goes out: few messages (per-message
+costs dominate small models), yet the sidecar starts reading a large model early."""
+
+
 class ShmSender:
     """Places a push's tensors in a sender-owned shared-memory region (reused across pushes)."""
 
-    def __init__(self, region: shm.ShmRegion) -> None:
+    def __init__(self, region: shm.ShmRegion, batch_bytes: int = SHM_BATCH_BYTES) -> None:
         self.region = region
+        self.batch_bytes = batch_bytes
 
     @property
     def placement(self) -> ShmPlacement:
@@ -56,16 +63,26 @@ class ShmSender:
             offsets.append(total)
             total += s.byte_length
         self.region.ensure(total)
+        batch: list[PlacedTensor] = []
+        size = 0
         for index, tensor in pairs:
             view = tensor_bytes(tensor)
             if view.nbytes:
                 self.region.write(offsets[index], view)
-            yield WeightPlaced(
-                tensor_index=index,
-                offset=offsets[index],
-                byte_length=view.nbytes,
-                crc32=crc32(view) if view.nbytes else 0,
+            batch.append(
+                PlacedTensor(
+                    tensor_index=index,
+                    offset=offsets[index],
+                    byte_length=view.nbytes,
+                    crc32=crc32(view) if view.nbytes else 0,
+                )
             )
+            size += view.nbytes
+            if size >= self.batch_bytes:
+                yield WeightPlaced(tensors=batch)
+                batch, size = [], 0
+        if batch:
+            yield WeightPlaced(tensors=batch)
 
 
 class CollectiveSender:
@@ -91,11 +108,15 @@ class CollectiveSender:
                     raise ValueError(f"tensor {index} arrived where tensor {want} was expected")
                 tensors.append(tensor.detach().contiguous())
             self._broadcast(tensors, f"bucket {b} of {len(buckets)}")
+            placed = []
             for index, tensor in zip(bucket, tensors, strict=True):
                 view = tensor_bytes(tensor)  # a host copy for device tensors (the checksum needs it)
-                yield WeightPlaced(
-                    tensor_index=index, offset=0, byte_length=view.nbytes, crc32=crc32(view) if view.nbytes else 0
+                placed.append(
+                    PlacedTensor(
+                        tensor_index=index, offset=0, byte_length=view.nbytes, crc32=crc32(view) if view.nbytes else 0
+                    )
                 )
+            yield WeightPlaced(tensors=placed)
         rest = next(pairs, None)
         if rest is not None:
             raise ValueError(f"tensor {rest[0]} is beyond the {len(specs)} tensors of the manifest")

@@ -44,7 +44,7 @@ class CollectivePlacement(_message.Message):
     bucket_bytes: int
     def __init__(self, group_id: _Optional[str] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
 
-class WeightPlaced(_message.Message):
+class PlacedTensor(_message.Message):
     __slots__ = ("tensor_index", "offset", "byte_length", "crc32")
     TENSOR_INDEX_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,12 @@ class WeightPlaced(_message.Message):
     byte_length: int
     crc32: int
     def __init__(self, tensor_index: _Optional[int] = ..., offset: _Optional[int] = ..., byte_length: _Optional[int] = ..., crc32: _Optional[int] = ...) -> None: ...
+
+class WeightPlaced(_message.Message):
+    __slots__ = ("tensors",)
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[PlacedTensor]
+    def __init__(self, tensors: _Optional[_Iterable[_Union[PlacedTensor, _Mapping]]] = ...) -> None: ...
 
 class ShmProbe(_message.Message):
     __slots__ = ("region",)
