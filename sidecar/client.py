@@ -47,7 +47,7 @@ from sidecar.types import (
     WeightTransport,
 )
 from sidecar.weight_sync.negotiation import DataPlaneSession, TransportChoice, TransportConfig
-from sidecar.weight_sync.sender import DEFAULT_CHUNK_BYTES, DataPlaneSender, iter_push_requests
+from sidecar.weight_sync.sender import DEFAULT_CHUNK_BYTES, CollectiveSender, DataPlaneSender, iter_push_requests
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -320,7 +320,8 @@ class SidecarClient:
         except grpc.RpcError as e:
             error = self._error("PushWeights", e)
             if plane is not None and (
-                (e.code() == grpc.StatusCode.FAILED_PRECONDITION and "transport" in error.details)
+                isinstance(plane, CollectiveSender)  # a failed broadcast sequence leaves the group out of step
+                or (e.code() == grpc.StatusCode.FAILED_PRECONDITION and "transport" in error.details)
                 or any(isinstance(f, TransportUnavailableError) for f in sender_failure)
             ):
                 self.data_plane.drop(str(sender_failure[0]) if sender_failure else error.details)
