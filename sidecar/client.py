@@ -321,7 +321,7 @@ class SidecarClient:
             error = self._error("PushWeights", e)
             if plane is not None and (
                 isinstance(plane, CollectiveSender)  # a failed broadcast sequence leaves the group out of step
-                or (e.code() == grpc.StatusCode.FAILED_PRECONDITION and "transport" in error.details)
+                or error.code == grpc.StatusCode.UNAVAILABLE  # the plane (or the sidecar) is gone: negotiate again
                 or any(isinstance(f, TransportUnavailableError) for f in sender_failure)
             ):
                 self.data_plane.drop(str(sender_failure[0]) if sender_failure else error.details)

@@ -64,4 +64,5 @@ class EngineFailure(SpecrlError):
 
 class TransportUnavailableError(SpecrlError):
     """A weight data plane (shm region, collective group) that cannot be used here or failed
-    mid-transfer; the sender falls back to or retries over grpc (FAILED_PRECONDITION)."""
+    mid-transfer; nothing was applied, and the sender's next push negotiates again, falling back
+    to grpc if need be (UNAVAILABLE: retry)."""

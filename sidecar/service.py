@@ -47,7 +47,7 @@ _STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (errors.ShuttingDownError, grpc.StatusCode.UNAVAILABLE),
     (errors.ApplyTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (errors.EngineFailure, grpc.StatusCode.INTERNAL),
-    (errors.TransportUnavailableError, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.TransportUnavailableError, grpc.StatusCode.UNAVAILABLE),
 )
 
 

@@ -84,6 +84,9 @@ class WeightServiceServicer:
         version is not greater than the served version.
         ABORTED              another push is in progress; retry after it ends.
         CANCELLED            the client went away mid-stream.
+        UNAVAILABLE          the manifest's data plane is not offered or not
+        usable (see "Data planes"); push again after
+        negotiating again (or over the stream).
         UNAUTHENTICATED      missing or wrong bearer token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -106,12 +109,12 @@ class WeightServiceServicer:
 
         Errors:
         INVALID_ARGUMENT     no transport set, a region name outside the
-        "specrl-" namespace, a rank or world size out of
-        range.
-        FAILED_PRECONDITION  the sidecar does not offer that transport.
-        NOT_FOUND            the shm probe region cannot be opened here (another
-        host, another /dev/shm, another user).
-        DEADLINE_EXCEEDED    the collective group did not form in time.
+        "specrl-" namespace, rank 0 or a rank or world size
+        out of range, an unknown backend.
+        UNAVAILABLE          the sidecar does not offer that transport, the shm
+        probe region cannot be opened here (another host,
+        another /dev/shm, another user), or the collective
+        group did not form within timeout_seconds.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
