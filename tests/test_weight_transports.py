@@ -128,12 +128,12 @@ def test_each_transport_delivers_the_model_exactly(checkpoint: Path, transport: 
 
 
 def test_a_sidecar_on_another_host_falls_back_to_grpc(checkpoint: Path, tmp_path: Path) -> None:
-    """The sidecar's /dev/shm is another directory (as on another host): the nonce probe
-    cannot be read there, so the client stays on grpc and says why."""
-    other = tmp_path / "other-host-shm"
+    """The sidecar's /proc is another directory (as on another host): the nonce probe cannot
+    be opened there, so the client stays on grpc and says why."""
+    other = tmp_path / "other-host-proc"
     other.mkdir()
     with (
-        start_sidecar(checkpoint, data_planes=DataPlaneConfig(shm_dir=other)) as sc,
+        start_sidecar(checkpoint, data_planes=DataPlaneConfig(proc_dir=other)) as sc,
         client(sc.address, TransportConfig()) as c,
     ):
         assert WeightTransport.SHM in c.offered_transports()  # it claims shm ...
@@ -229,8 +229,17 @@ def _shifted(item: WeightPlaced, by: int) -> WeightPlaced:
 
 
 SHM_FAULTS = {  # name: (fault, the item it hits, what the refusal says)
-    "truncated": (lambda region: lambda item: os.truncate(region.path, 64), WeightPlaced, "ends at byte"),
-    "unlinked": (lambda region: lambda item: region.path.unlink(), WeightManifest, "does not exist here"),
+    "closed before the sidecar opened it": (
+        lambda region: lambda item: _renamed(item, _closed()),
+        WeightManifest,
+        "does not exist here",
+    ),
+    "naming another file": (
+        lambda region: lambda item: _renamed(item, f"specrl-{os.getpid()}-0-{region.token}"),
+        WeightManifest,
+        "not the sender's region",
+    ),
+    "naming another region": (lambda region: lambda item: _renamed(item, _other_open()), WeightManifest, "CRC-32"),
     "rewritten after its checksum": (
         lambda region: lambda item: region.write(0, torch.ones(16, dtype=torch.uint8).numpy()),
         WeightPlaced,
@@ -240,6 +249,41 @@ SHM_FAULTS = {  # name: (fault, the item it hits, what the refusal says)
     "offset past the end": (lambda region: lambda item: _shifted(item, 1 << 30), WeightPlaced, "ends at byte"),
     "readable by others": (lambda region: lambda item: os.chmod(region.path, 0o644), WeightManifest, "not a private"),
 }
+
+
+_KEPT: list[shm.ShmRegion] = []
+
+
+def _closed() -> str:
+    r = shm.ShmRegion()
+    r.close()
+    return r.name
+
+
+def _other_open() -> str:
+    r = shm.ShmRegion()
+    r.ensure(1 << 20)
+    _KEPT.append(r)
+    return r.name
+
+
+def _renamed(item: WeightManifest, name: str) -> WeightManifest:
+    item.data_plane = ShmPlacement(region=name)
+    return item
+
+
+def test_a_region_cannot_shrink_under_the_sidecar() -> None:
+    """The region is sealed against shrinking, so the sidecar may copy from its mapping
+    without risking SIGBUS: truncating it fails for everyone, the sender included."""
+    region = shm.ShmRegion()
+    try:
+        region.ensure(4096)
+        with pytest.raises(PermissionError):
+            os.truncate(region.path, 64)
+        region.ensure(8192)  # growing is allowed
+        assert os.stat(region.path).st_size == 8192
+    finally:
+        region.close()
 
 
 @pytest.mark.parametrize("fault", list(SHM_FAULTS))
@@ -260,7 +304,9 @@ def test_a_damaged_shm_push_leaves_the_old_weights_serving(sidecar: Sidecar, fau
         assert c.info().weight_version == version and served(c) == before
 
 
-@pytest.mark.parametrize("name", ["../etc/passwd", "specrl-../x", "other-region", "specrl-"])
+@pytest.mark.parametrize(
+    "name", ["../etc/passwd", "specrl-1-2-../x", "other-region", "specrl-", "specrl-1-2-0123456789abcdeg"]
+)
 def test_region_names_outside_the_namespace_are_refused(sidecar: Sidecar, name: str) -> None:
     with client(sidecar.address, TransportConfig()) as c:
         version = c.info().weight_version
@@ -270,7 +316,7 @@ def test_region_names_outside_the_namespace_are_refused(sidecar: Sidecar, name: 
         items[0].data_plane = ShmPlacement(region=name)  # type: ignore[union-attr]
         with pytest.raises(SidecarCallError) as err:
             _push_raw(c, iter(items))
-        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "not 'specrl-'" in err.value.details
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "is not 'specrl-<pid>" in err.value.details
         assert c.info().weight_version == version
 
 

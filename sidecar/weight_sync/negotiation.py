@@ -19,12 +19,10 @@ import secrets
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from sidecar.types import CollectiveRendezvous, PreparedTransport, ShmProbe, WeightTransport
 from sidecar.weight_sync import collective, shm
 from sidecar.weight_sync.sender import CollectiveSender, DataPlaneSender, ShmSender
-from sidecar.weight_sync.shm import DEFAULT_SHM_DIR
 
 log = logging.getLogger(__name__)
 
@@ -61,14 +59,12 @@ class TransportConfig:
 
     shm: bool = True
     """Use shared memory with sidecars that prove they share this host."""
-    shm_dir: Path = DEFAULT_SHM_DIR
     collective: CollectiveConfig | None = None
     """Set up a collective group with sidecars that offer it; None: never."""
     probe_timeout_s: float = 10.0
     """Bound on the shm probe call."""
 
     def __post_init__(self) -> None:
-        self.shm_dir = Path(self.shm_dir)
         if self.probe_timeout_s <= 0:
             raise ValueError(f"probe_timeout_s must be > 0, got {self.probe_timeout_s}")
 
@@ -143,14 +139,14 @@ class DataPlaneSession:
 
 
 def _prove_shm(config: TransportConfig, prepare: Prepare) -> ShmSender:
-    probe, nonce = shm.write_probe(config.shm_dir)
+    probe, nonce = shm.write_probe()
     try:
         answer = prepare(ShmProbe(region=probe.name), config.probe_timeout_s)
     finally:
         probe.close()
     if answer.shm_nonce != nonce:
         raise RuntimeError("the sidecar read other bytes than the probe's nonce (not this host's /dev/shm)")
-    return ShmSender(shm.ShmRegion(config.shm_dir))
+    return ShmSender(shm.ShmRegion())
 
 
 def _build_group(config: CollectiveConfig, prepare: Prepare) -> CollectiveSender:

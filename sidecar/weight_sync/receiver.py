@@ -60,7 +60,7 @@ from sidecar.types import (
 )
 from sidecar.weight_sync import collective, shm
 from sidecar.weight_sync.checksum import crc32, crc32_combine
-from sidecar.weight_sync.shm import DEFAULT_SHM_DIR
+from sidecar.weight_sync.shm import DEFAULT_PROC_DIR
 from sidecar.weight_sync.tensors import tensor_bytes
 
 _IN_FLIGHT = 2
@@ -73,13 +73,14 @@ class DataPlaneConfig:
 
     shm: bool = True
     """Offer `shm` (a same-host sender proves itself with a probe before using it)."""
-    shm_dir: Path = DEFAULT_SHM_DIR
-    """Where shared-memory regions live (/dev/shm; tests point two "hosts" at different dirs)."""
+    proc_dir: Path = DEFAULT_PROC_DIR
+    """Where the senders' region descriptors are found (/proc; a test points it elsewhere to
+    play a sidecar on another host)."""
     collective: bool = True
     """Offer `collective` (join a torch.distributed group a sender sets up)."""
 
     def __post_init__(self) -> None:
-        self.shm_dir = Path(self.shm_dir)
+        self.proc_dir = Path(self.proc_dir)
 
     @property
     def offered(self) -> list[WeightTransport]:
@@ -177,7 +178,7 @@ class WeightReceiver:
         if isinstance(request, ShmProbe):
             if not self.data_planes.shm:
                 raise TransportUnavailableError("this sidecar does not offer the shm transport; push over grpc")
-            return PreparedTransport(shm_nonce=shm.read_probe(request.region, self.data_planes.shm_dir))
+            return PreparedTransport(shm_nonce=shm.read_probe(request.region, self.data_planes.proc_dir))
         if not self.data_planes.collective:
             raise TransportUnavailableError("this sidecar does not offer the collective transport; push over grpc")
         if request.rank == 0:
@@ -300,7 +301,7 @@ class WeightReceiver:
         if isinstance(where, ShmPlacement):
             if not self.data_planes.shm:
                 raise TransportUnavailableError("this sidecar does not offer the shm transport; push over grpc")
-            return _ShmPlane(staged, shm.ShmReader(where.region, self.data_planes.shm_dir))
+            return _ShmPlane(staged, shm.ShmReader(where.region, self.data_planes.proc_dir))
         if not self.data_planes.collective:
             raise TransportUnavailableError("this sidecar does not offer the collective transport; push over grpc")
         return _CollectivePlane(staged, self.groups, where)
@@ -447,10 +448,9 @@ class _ShmPlane(_PlacedPlane):
         self.reader = reader
 
     def stage(self, t: _StagedTensor, item: PlacedTensor) -> None:
-        if item.byte_length:
-            self.reader.read_into(item.offset, t.bytes_view())
+        crc = self.reader.read_into(item.offset, t.bytes_view()) if item.byte_length else 0
         t.received = item.byte_length
-        _check_tensor_crc(t, crc32(t.bytes_view()) if item.byte_length else 0, item.crc32)
+        _check_tensor_crc(t, crc, item.crc32)
 
     def close(self) -> None:
         self.reader.close()

@@ -67,16 +67,8 @@ class ShmSender:
         size = 0
         for index, tensor in pairs:
             view = tensor_bytes(tensor)
-            if view.nbytes:
-                self.region.write(offsets[index], view)
-            batch.append(
-                PlacedTensor(
-                    tensor_index=index,
-                    offset=offsets[index],
-                    byte_length=view.nbytes,
-                    crc32=crc32(view) if view.nbytes else 0,
-                )
-            )
+            crc = self.region.write(offsets[index], view) if view.nbytes else 0
+            batch.append(PlacedTensor(tensor_index=index, offset=offsets[index], byte_length=view.nbytes, crc32=crc))
             size += view.nbytes
             if size >= self.batch_bytes:
                 yield WeightPlaced(tensors=batch)
