@@ -215,7 +215,9 @@ def _with_fault(items: Iterator[PushItem], fault: object, when: type) -> Iterato
     for item in items:
         if isinstance(item, when) and not done:
             done = True
-            item = fault(item) or item  # type: ignore[operator]
+            changed = fault(item)  # type: ignore[operator]
+            if isinstance(changed, (WeightManifest, WeightPlaced)):
+                item = changed
         yield item
 
 
