@@ -91,7 +91,7 @@ class ShmRegion:
     def _unmap(self) -> None:
         self._view = None
         if self._map is not None:
-            self._map.close()
+            _close_map(self._map)
             self._map = None
 
     def close(self) -> None:
@@ -156,7 +156,7 @@ class ShmReader:
                 )
             self._view = None
             if self._map is not None:
-                self._map.close()
+                _close_map(self._map)
             # MAP_POPULATE: map every page in one call instead of faulting them in one by one.
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             self._map = mmap.mmap(self._fd, size, flags=flags, prot=mmap.PROT_READ)
@@ -173,7 +173,7 @@ class ShmReader:
     def close(self) -> None:
         self._view = None
         if self._map is not None:
-            self._map.close()
+            _close_map(self._map)
             self._map = None
         if self._fd >= 0:
             os.close(self._fd)
@@ -184,6 +184,15 @@ class ShmReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _close_map(m: mmap.mmap) -> None:
+    """Unmap now, or, while an array view of it is still alive somewhere (an abandoned push's
+    frame), when that view is collected."""
+    try:
+        m.close()
+    except BufferError:
+        pass
 
 
 def write_probe() -> tuple[ShmRegion, bytes]:
