@@ -418,7 +418,7 @@ def describe_weights_to_pb(
 
 def transports_from_pb(msg: weights_pb2.DescribeWeightsResponse) -> list[WeightTransport]:
     """The transports a sidecar offers (grpc always; unknown future values are skipped)."""
-    offered = [_TRANSPORT_FROM_PB[t] for t in msg.transports if t in _TRANSPORT_FROM_PB]  # type: ignore[index]
+    offered = [_TRANSPORT_FROM_PB[t] for t in msg.transports if t in _TRANSPORT_FROM_PB]
     return offered if WeightTransport.GRPC in offered else [WeightTransport.GRPC, *offered]
 
 

@@ -19,6 +19,7 @@ import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -61,7 +62,8 @@ class CollectiveGroup:
     rank: int
     world_size: int
     timeout_s: float
-    pg: dist.ProcessGroup
+    pg: Any
+    """A standalone c10d backend (ProcessGroupGloo / ProcessGroupNCCL), not a registered group."""
     store: dist.Store
     host: str
     port: int
@@ -126,7 +128,7 @@ def join_group(
         if backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
-            pg: dist.ProcessGroup = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+            pg: Any = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
         else:
             pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
     except (RuntimeError, ValueError, TimeoutError, dist.DistError) as e:
