@@ -13,7 +13,13 @@ Peak RSS of both processes per push: VmHWM from /proc/<pid>/status after resetti
 the sender writes it with pwrite and the sidecar reads it with preadv, so neither maps it).
 Reports medians; goal: shm >= 4 GiB/s or >= 50% of memcpy.
 
+With `--fanout MODEL_DIR` it measures instead what the RL loop's push costs at a small model's
+size (per-push fixed costs, not bytes): the trainer's streamed fan-out (`Orchestrator.push_weights`
+with the export order) of MODEL_DIR's weights to N local `specrl serve` processes, over grpc and
+over shm, alternating, and one client's push with the sidecar's receive/apply split.
+
 Usage: python tools/bench_transports.py [--repeats 3] [--layers 14]
+       python tools/bench_transports.py --fanout DEMO_OUT/init [--sidecars 2] [--repeats 20]
 """
 
 from __future__ import annotations
@@ -95,13 +101,62 @@ def memcpy(state: dict[str, torch.Tensor], out: np.ndarray) -> float:
     return time.perf_counter() - started
 
 
+def bench_fanout(model: Path, sidecars: int, repeats: int) -> None:
+    """Small-model push: the orchestrator's streamed fan-out over grpc and shm, alternating."""
+    from sidecar.engine.checkpoint import load_checkpoint
+    from sidecar.weight_sync.negotiation import DataPlaneSession
+    from trainer.local_sidecars import LocalSidecars
+    from trainer.orchestration import Orchestrator
+
+    _, state = load_checkpoint(model)
+    size = sum(t.numel() * t.element_size() for t in state.values())
+    names = list(state)
+    print(f"model {model}: {len(state)} tensors, {size / MiB:.1f} MiB; {sidecars} sidecars", flush=True)
+    modes = {"grpc": TransportConfig(shm=False), "shm": TransportConfig()}
+    wall: dict[str, list[float]] = {k: [] for k in modes}
+    split: dict[str, list[tuple[float, float, float]]] = {k: [] for k in modes}
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-fanout-") as tmp,
+        LocalSidecars(model, sidecars, Path(tmp) / "logs") as local,
+        Orchestrator(local.start()) as orch,
+    ):
+        sessions = {k: {c.address: DataPlaneSession(config=cfg) for c in orch.clients} for k, cfg in modes.items()}
+        version = orch.start_version()
+        for r in range(repeats):
+            for k in list(modes)[r % 2 :] + list(modes)[: r % 2]:
+                for c in orch.clients:
+                    c.data_plane = sessions[k][c.address]
+                    c.negotiate_transport()  # once per mode and sidecar, outside the timed pushes
+                wall[k].append(orch.push_weights(lambda: state.items(), version, names=names))
+                version += 1
+                c = orch.clients[0]  # one client alone: the sidecar's share
+                started = time.perf_counter()
+                result = c.push_weights(state, version)
+                split[k].append((time.perf_counter() - started, result.receive_seconds, result.apply_seconds))
+                assert result.transport.value == k
+                orch.version = version
+                version += 1
+        for by_address in sessions.values():
+            for session in by_address.values():
+                session.close()
+    print(f"\n{'path':<6} {'fan-out push ms':>16} {'one client ms':>14} {'receive ms':>11} {'apply ms':>9}")
+    for k in modes:
+        one, rec, app = (statistics.median(x) * 1000 for x in zip(*split[k], strict=True))
+        print(f"{k:<6} {statistics.median(wall[k]) * 1000:>16.1f} {one:>14.1f} {rec:>11.1f} {app:>9.1f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--fanout", type=Path, help="checkpoint directory: measure the small-model fan-out instead")
+    parser.add_argument("--sidecars", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layers", type=int, default=14, help="trunk layers of the push model (14: ~1 GiB)")
     parser.add_argument("--bucket-mib", type=int, default=64, help="collective bucket size")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.fanout is not None:
+        bench_fanout(args.fanout, args.sidecars, args.repeats)
+        return
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}", flush=True)
     config = ModelConfig(
         vocab_size=8192,
