@@ -21,6 +21,7 @@ namespace, or of another user) cannot open it.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import mmap
 import os
@@ -189,10 +190,8 @@ class ShmReader:
 def _close_map(m: mmap.mmap) -> None:
     """Unmap now, or, while an array view of it is still alive somewhere (an abandoned push's
     frame), when that view is collected."""
-    try:
+    with contextlib.suppress(BufferError):
         m.close()
-    except BufferError:
-        pass
 
 
 def write_probe() -> tuple[ShmRegion, bytes]:
