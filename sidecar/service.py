@@ -168,7 +168,7 @@ class WeightService(services.WeightServicer):
                 raise errors.PushCancelledError("the client went away before the push was applied")
             previous, apply_s = self._scheduler.apply_weights(staged, timeout_s=context.time_remaining())
             self._receiver.keep(staged)
-        log.info("serving weight version %d (was %d)", staged.version, previous)
+        log.info("serving weight version %d (was %d; bytes over %s)", staged.version, previous, staged.transport.value)
         return PushResult(
             version=staged.version,
             previous_version=previous,
