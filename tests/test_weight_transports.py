@@ -322,12 +322,13 @@ def test_region_names_outside_the_namespace_are_refused(sidecar: Sidecar, name: 
         assert c.info().weight_version == version
 
 
-def test_two_senders_at_once_serve_one_complete_model(checkpoint: Path) -> None:
-    """Two clients (each with its own region) push different models at the same time: the
-    sidecar serialises them, a refused one changes nothing, and what serves is exactly one
-    of the pushed models, the one of the served version."""
+@pytest.mark.parametrize("transport", [WeightTransport.SHM, WeightTransport.COLLECTIVE], ids=lambda t: t.value)
+def test_two_senders_at_once_serve_one_complete_model(checkpoint: Path, transport: WeightTransport) -> None:
+    """Two clients (each with its own region or group) push different models at the same
+    time: the sidecar serialises them, a refused one changes nothing, what serves is exactly
+    one of the pushed models, the one of the served version, and both senders can push again."""
     with start_sidecar(checkpoint) as sc:
-        clients = [client(sc.address, TransportConfig()), client(sc.address, TransportConfig())]
+        clients = [client(sc.address, CONFIGS[transport]), client(sc.address, CONFIGS[transport])]
         outcome: dict[int, object] = {}
         start = threading.Barrier(2)
 
@@ -348,7 +349,9 @@ def test_two_senders_at_once_serve_one_complete_model(checkpoint: Path) -> None:
         version = clients[0].info().weight_version
         assert version in (1, 2) and outcome[version - 1] == version
         assert served(clients[0]) == oracle(10 + version)
-        for c in clients:
+        for n, c in enumerate(clients):  # a refused sender's plane was dropped and is rebuilt
+            assert c.push_weights(weights(13 + n), version=3 + n).transport is transport
+            assert_serves(c, 3 + n, 13 + n)
             c.close()
 
 
