@@ -19,6 +19,7 @@ Usage: python tools/bench_control_plane.py --src /path/to/main --src . [--stream
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import statistics
@@ -109,19 +110,15 @@ def measure(port: int, streams: int, scenario: str, new_tokens: int) -> tuple[di
                 lambda: rollout.Abort(rollout_pb2.AbortRequest(request_id="s0"), timeout=CALL_DEADLINE_S)
             ),
         }
-        admitted = -1
-        try:
+        admitted = -1  # unknown: GetStats did not answer
+        with contextlib.suppress(grpc.RpcError):
             stats = control.GetStats(control_pb2.GetStatsRequest(), timeout=CALL_DEADLINE_S)
             admitted = stats.queued_sequences + stats.running_sequences
-        except grpc.RpcError:
-            pass
         for call in calls:
             call.cancel()
         if scenario == "paused":
-            try:
+            with contextlib.suppress(grpc.RpcError):
                 control.Resume(control_pb2.ResumeRequest(), timeout=30)
-            except grpc.RpcError:
-                pass
     return latencies, admitted
 
 
