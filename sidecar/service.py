@@ -412,7 +412,10 @@ class Sidecar:
             return
         self._loop.run(self.health.enter_graceful_shutdown())  # every service reports NOT_SERVING from now on
         stopped = asyncio.run_coroutine_threadsafe(self.server.stop(grace), self._loop.loop)
-        self.scheduler.stop(grace_s=min(grace, 1.0))  # live streams end (UNAVAILABLE past the grace)
+        # Live requests may finish during the first half of the grace period; the rest then end
+        # UNAVAILABLE ("retry elsewhere") while the server still runs, instead of CANCELLED when
+        # the server's grace runs out.
+        self.scheduler.stop(grace_s=grace / 2)
         try:
             stopped.result(grace + 5.0)
         finally:

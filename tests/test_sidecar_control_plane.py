@@ -102,3 +102,22 @@ def test_control_rpcs_answer_promptly_with_200_open_streams(tmp_path: Path) -> N
             wait_until(lambda: sidecar.scheduler.snapshot().running == 0, DEADLINE, "an idle engine")
     finally:
         sidecar.stop()
+
+
+def test_stop_ends_the_open_streams_unavailable_within_the_grace_and_closes_the_port(tmp_path: Path) -> None:
+    sidecar = start_sidecar(make_checkpoint(tmp_path / "ckpt", seed=0))
+    with SidecarClient(sidecar.address) as client, grpc.insecure_channel(sidecar.address) as channel:
+        client.pause()
+        rollout = services.RolloutStub(channel)
+        request = GenerationRequest(prompts=[[1, 2]], sampling=SamplingParams(temperature=0.0, max_new_tokens=4))
+        calls = [rollout.Generate(convert.generation_request_to_pb(request), timeout=60.0) for _ in range(20)]
+        wait_until(lambda: sidecar.scheduler.snapshot().queued == 20, what="20 admitted streams")
+        sidecar.stop(1.0)
+        for call in calls:
+            with pytest.raises(grpc.RpcError) as err:
+                list(call)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+            assert "shut down" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:  # the port is closed now
+            client._health.Check(health_pb2.HealthCheckRequest(), timeout=2)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
