@@ -156,16 +156,17 @@ class WeightService(services.WeightServicer):
         context.add_done_callback(lambda _: ended.set())
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
-        items = _pull_from_loop(request_iterator, asyncio.get_running_loop())
+        reader = _StreamReader(request_iterator, asyncio.get_running_loop())
         try:
             outcome = await asyncio.to_thread(
                 self._push_and_release,
-                _push_items(items),
+                _push_items(iter(reader)),
                 is_active=lambda: not ended.is_set(),
                 time_remaining=lambda: None if deadline is None else max(deadline - time.monotonic(), 0.0),
             )
         except asyncio.CancelledError:  # the client went away: the worker sees the stream end and stops
             ended.set()
+            reader.close()
             raise
         if isinstance(outcome, PushResult):
             return convert.push_result_to_pb(outcome)
@@ -215,28 +216,48 @@ class WeightService(services.WeightServicer):
 _END = object()
 
 
-def _pull_from_loop(stream: AsyncIterator[Any], loop: asyncio.AbstractEventLoop) -> Iterator[Any]:
+class _StreamReader:
     """A blocking iterator over an aio request stream, for a worker thread: each `next` reads
-    one message on the loop. A stream that breaks (client gone, server stopping) raises
-    `PushCancelledError`."""
-    iterator = stream.__aiter__()
+    one message on the loop. A stream that breaks (client gone, server stopping) or a reader
+    closed by the handler raises `PushCancelledError`, so the worker never waits forever."""
 
-    async def read() -> Any:
+    def __init__(self, stream: AsyncIterator[Any], loop: asyncio.AbstractEventLoop) -> None:
+        self._stream = stream
+        self._iterator: AsyncIterator[Any] | None = None  # made on the loop, at the first read
+        self._loop = loop
+        self._pending: concurrent.futures.Future[Any] | None = None
+        self._closed = False
+
+    async def _read(self) -> Any:
+        if self._iterator is None:
+            self._iterator = self._stream.__aiter__()
         try:
-            return await iterator.__anext__()
+            return await self._iterator.__anext__()
         except StopAsyncIteration:
             return _END
 
-    while True:
-        try:
-            item = asyncio.run_coroutine_threadsafe(read(), loop).result()
-        except (grpc.RpcError, concurrent.futures.CancelledError, asyncio.CancelledError, RuntimeError) as e:
-            raise errors.PushCancelledError(
-                f"the push stream broke mid-way ({type(e).__name__}); nothing was applied, the old weights still serve"
-            ) from None
-        if item is _END:
-            return
-        yield item
+    def __iter__(self) -> Iterator[Any]:
+        while True:
+            try:
+                if self._closed:
+                    raise concurrent.futures.CancelledError()
+                self._pending = asyncio.run_coroutine_threadsafe(self._read(), self._loop)
+                item = self._pending.result()
+            except (grpc.RpcError, concurrent.futures.CancelledError, asyncio.CancelledError, RuntimeError) as e:
+                raise errors.PushCancelledError(
+                    f"the push stream broke mid-way ({type(e).__name__}); nothing was applied, the old weights "
+                    "still serve"
+                ) from None
+            if item is _END:
+                return
+            yield item
+
+    def close(self) -> None:
+        """Stop reading: a pending read is cancelled, later reads fail (thread-safe)."""
+        self._closed = True
+        pending = self._pending
+        if pending is not None:
+            pending.cancel()
 
 
 def _push_items(requests: Iterator[Any]) -> Iterator[PushItem]:
