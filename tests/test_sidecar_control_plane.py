@@ -121,3 +121,26 @@ def test_stop_ends_the_open_streams_unavailable_within_the_grace_and_closes_the_
         with pytest.raises(grpc.RpcError) as err:  # the port is closed now
             client._health.Check(health_pb2.HealthCheckRequest(), timeout=2)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_every_rpc_handler_is_a_coroutine() -> None:
+    """A plain `def` handler still runs on a grpc.aio server — on the event loop's thread, which
+    it blocks while it waits (for a step boundary, a transfer): the starvation of issue 14 again,
+    for everyone. So every handler of the sidecar must be `async def` (blocking work inside goes
+    to `asyncio.to_thread` or awaits the scheduler)."""
+    import inspect
+
+    from sidecar.service import ControlService, RolloutService, WeightService
+
+    for servicer, base in (
+        (RolloutService, services.RolloutServicer),
+        (WeightService, services.WeightServicer),
+        (ControlService, services.ControlServicer),
+    ):
+        for name, _ in inspect.getmembers(base, inspect.isfunction):
+            if name.startswith("_"):
+                continue
+            handler = getattr(servicer, name)
+            assert inspect.iscoroutinefunction(handler) or inspect.isasyncgenfunction(handler), (
+                f"{servicer.__name__}.{name} must be `async def`"
+            )
