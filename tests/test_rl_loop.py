@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from muon import HybridOptimizerConfig
+from sidecar.client import ClientConfig
 from sidecar.engine.checkpoint import load_checkpoint
 from sidecar.engine.model import ModelConfig, build_model
-from sidecar.client import ClientConfig
 from sidecar.fleet import Fleet, FleetConfig
 from sidecar.types import GenerationRequest, SamplingParams
 from trainer.local_sidecars import LocalSidecars

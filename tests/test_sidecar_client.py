@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sidecar.client import ClientConfig, SidecarCallError, SidecarClient
+from sidecar.client import ClientConfig, SidecarClient
 from sidecar.fleet import Fleet, FleetConfig, NoLiveSidecarError
 from sidecar.protocol import services
 from sidecar.protocol.specrl.v1 import rollout_pb2, weights_pb2
