@@ -89,7 +89,7 @@ def main() -> None:
                     _reset_peak()
                     before = _status_kib("VmRSS")
                     seconds[mode].append(
-                        orch.push_weights(source, version, names=names if mode == "streamed" else None)
+                        orch.push_weights(source, version, names=names if mode == "streamed" else None).seconds
                     )
                     extra[mode].append((_status_kib("VmHWM") - before) / 1024)
                     version += 1
