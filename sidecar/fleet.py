@@ -466,8 +466,9 @@ class Fleet:
                 events.append(msg)
             jobs = self._plan(request, rid, missing, ready, round_)
             workers = min(len(jobs), self.config.max_streams_per_sidecar * len(ready))
+            failing: set[str] = set()  # unavailable this round: its queued jobs are not started
             with ThreadPoolExecutor(max_workers=workers) as pool:
-                outcomes = list(pool.map(self._run, jobs))
+                outcomes = list(pool.map(self._run, jobs, [failing] * len(jobs)))
             caller: SidecarCallError | None = None
             saw_unavailable = saw_busy = saw_success = False
             for job, outcome in zip(jobs, outcomes, strict=True):
@@ -563,22 +564,27 @@ class Fleet:
             jobs.append(_Job(client=live[(n + round_) % len(live)], prompt=p, request=sub))
         return jobs
 
-    def _run(self, job: _Job) -> _Outcome:
-        """Stream one prompt's request; the samples received and, if incomplete, why."""
+    def _run(self, job: _Job, failing: set[str]) -> _Outcome:
+        """Stream one prompt's request; the samples received and, if incomplete, why. A job
+        whose sidecar already failed as unavailable this round (in `failing`) is not started, so a
+        hung sidecar costs one deadline, not one per queued prompt."""
         samples: list[Sample] = []
-        if job.client.address in self._down:  # went down while this job waited for a stream
-            return _Outcome(samples=samples, why="marked down before its turn")
+        if job.client.address in failing:
+            return _Outcome(samples=samples, why="an earlier call to it failed this round")
         deadline = self.config.deadline_s
         try:
             for s in job.client.stream_generate(job.request, timeout_s=deadline):
                 samples.append(s)
         except SidecarCallError as e:
+            if disposition(e.code) is Disposition.UNAVAILABLE:
+                failing.add(job.client.address)
             if e.code == Code.DEADLINE_EXCEEDED:
                 with contextlib.suppress(SidecarCallError):  # best effort: free a straggler's slots
                     job.client.abort(job.request.request_id)
                 return _Outcome(samples=samples, error=e, why=f"no answer within the {deadline:.0f}s deadline")
             return _Outcome(samples=samples, error=e, why=f"{e.code.name}: {e.details}")
         if len(samples) < job.request.samples_per_prompt:
+            failing.add(job.client.address)
             return _Outcome(
                 samples=samples, why=f"stream ended after {len(samples)} of {job.request.samples_per_prompt} samples"
             )

@@ -311,3 +311,12 @@ def test_push_policy(code: Code, raises: type[Exception] | None, down: bool) -> 
         )
         with pytest.raises(NoLiveSidecarError, match="no sidecar accepted weight version 4"):
             fleet.push_weights({"w": torch.zeros(2)}, 4)
+
+
+def test_an_unavailable_sidecar_gets_no_more_calls_in_its_round() -> None:
+    """Queued prompts of a sidecar that just failed as unavailable are not sent to it (a hung
+    sidecar would otherwise cost one deadline per queued prompt)."""
+    fleet, fakes = fleet_of([Script(), Script(Code.UNAVAILABLE)], max_streams_per_sidecar=1)
+    result = fleet.generate(request(10, 2))
+    assert len(result.samples) == 20 and fleet.down() == [fakes[1].address]
+    assert len(fakes[1].calls) == 1
