@@ -178,7 +178,7 @@ def test_security_settings_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="client_cert and client_key go together"):
         SidecarSecurityConfig(client_cert=tmp_path)
     with pytest.raises(ValueError, match="token_file.*is not a readable file"):
-        SidecarSecurityConfig(token_file=tmp_path / "absent")
+        SidecarSecurityConfig(token_file=tmp_path / "absent").client_config(timeout_s=1.0)
     with pytest.raises(ValueError, match="local sidecars serve plaintext"):
         SidecarsConfig(local=1, security=SidecarSecurityConfig(tls=True))
     assert "s3cret" not in repr(ClientConfig(token="s3cret"))

@@ -107,17 +107,19 @@ class SidecarSecurityConfig:
             raise ValueError(
                 "sidecars.security.client_cert and client_key go together (mutual TLS): set both or neither"
             )
-        for name in ("token_file", "root_ca", "client_cert", "client_key"):
-            path = getattr(self, name)
-            if path is not None and not Path(path).is_file():
-                raise ValueError(f"sidecars.security.{name}: {path} is not a readable file")
 
     @property
     def uses_tls(self) -> bool:
         return self.tls or self.root_ca is not None or self.client_cert is not None
 
     def client_config(self, *, timeout_s: float) -> ClientConfig:
-        """The per-sidecar client settings (token resolved now, from the file or $SPECRL_TOKEN)."""
+        """The per-sidecar client settings (token resolved now, from the file or $SPECRL_TOKEN).
+        The files are looked for here, when the run starts, not when the config is built: a
+        config names files on the machine that runs it."""
+        for name in ("token_file", "root_ca", "client_cert", "client_key"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"sidecars.security.{name}: {path} is not a readable file on this machine")
         return ClientConfig(
             timeout_s=timeout_s,
             retries=1,
