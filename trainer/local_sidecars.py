@@ -49,7 +49,10 @@ class LocalSidecars:
         max_batch_size: int = 64,
         threads: int = 1,
         startup_timeout_s: float = 120.0,
+        engine: str = "torch",
+        devices: tuple[str, ...] | list[str] = ("cpu",),
     ) -> None:
+        """`devices`: one torch device for all sidecars, or one per sidecar."""
         if count < 1:
             raise ValueError(f"count must be >= 1, got {count}")
         self.model = Path(model)
@@ -59,6 +62,8 @@ class LocalSidecars:
         self.max_batch_size = max_batch_size
         self.threads = threads
         self.startup_timeout_s = startup_timeout_s
+        self.engine = engine
+        self.devices = list(devices) or ["cpu"]
         self._procs: list[_Proc | None] = [None] * count
         self._launches = 0
 
@@ -98,6 +103,10 @@ class LocalSidecars:
             str(self.max_batch_size),
             "--grace",
             "2",
+            "--engine",
+            self.engine,
+            "--device",
+            self.devices[i % len(self.devices)],
         ]
         env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), MKL_NUM_THREADS=str(self.threads))
         with log_path.open("wb") as out:

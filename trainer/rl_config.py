@@ -87,8 +87,9 @@ class SidecarsConfig:
 
     addresses: list[str] = field(default_factory=list)
     """HOST:PORT of running sidecars (`specrl serve`)."""
-    local: int = 0
-    """Start this many local `specrl serve` subprocesses on the run's checkpoint (port 0)."""
+    local: int | None = None
+    """Start this many local `specrl serve` subprocesses on the run's checkpoint (port 0); unset:
+    one when no addresses are given, none when they are."""
     max_batch_size: int = 64
     """Engine batch of a local sidecar."""
     threads: int = 1
@@ -97,14 +98,52 @@ class SidecarsConfig:
     """How long a local sidecar may take to print `listening on`."""
     call_timeout_s: float = 10.0
     """Deadline of control calls (health, info, stats)."""
+    engine: Literal["torch", "sglang"] = "torch"
+    """Engine of each local sidecar (`specrl serve --engine`)."""
+    devices: list[str] = field(default_factory=lambda: ["cpu"])
+    """torch device of each local sidecar (`specrl serve --device`): one entry for all of them, or
+    one per sidecar (e.g. ["cuda:0", "cuda:1"])."""
 
     def __post_init__(self) -> None:
+        if self.local is None:
+            self.local = 0 if self.addresses else 1
         if self.local < 0:
             raise ValueError(f"sidecars.local must be >= 0, got {self.local}")
+        if not self.devices:
+            raise ValueError('sidecars.devices must name at least one device, e.g. ["cpu"] or ["cuda:0"]')
+        if self.local and len(self.devices) not in (1, self.local):
+            raise ValueError(
+                f"sidecars.devices has {len(self.devices)} entries for {self.local} local sidecars: "
+                "give one device for all of them or one per sidecar"
+            )
         if self.local and self.addresses:
             raise ValueError("give sidecars.addresses or sidecars.local, not both")
         if self.threads < 1:
             raise ValueError(f"sidecars.threads must be >= 1, got {self.threads}")
+
+    def device_of(self, i: int) -> str:
+        """The device of local sidecar `i`."""
+        return self.devices[i % len(self.devices)]
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """How the trainer runs the update: parallel layout and gradient clipping."""
+
+    tensor_parallel: int = 1
+    """Tensor-parallel size of the trainer's policy (run under `torchrun --nproc-per-node N`; must
+    divide heads, kv heads, ffn and vocab)."""
+    clip_grad: float = 1.0
+    """Max global gradient norm of the trunk."""
+    draft_clip_grad: float = 1.0
+    """Max gradient norm of the draft head (its own clip)."""
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel < 1:
+            raise ValueError(f"train.tensor_parallel must be >= 1, got {self.tensor_parallel}")
+        for name in ("clip_grad", "draft_clip_grad"):
+            if not getattr(self, name) > 0.0:
+                raise ValueError(f"train.{name} must be > 0, got {getattr(self, name)}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -130,7 +169,9 @@ class RLConfig:
     """Update the MTP draft head every step on detached hidden states."""
     draft: DraftConfig = field(default_factory=DraftConfig)
     draft_optimizer: HybridOptimizerConfig = field(default_factory=lambda: HybridOptimizerConfig(lr=1e-4))
-    sidecars: SidecarsConfig = field(default_factory=lambda: SidecarsConfig(local=1))
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Parallel layout, gradient clipping (and, see the README, batching and schedules)."""
+    sidecars: SidecarsConfig = field(default_factory=SidecarsConfig)
     steps: int = 10
     eval_every: int = 5
     """Evaluate on the held-out split every this many steps (and before the first); 0: never."""
@@ -147,6 +188,11 @@ class RLConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not self.sidecars.local and not self.sidecars.addresses:
             raise ValueError("no sidecars: set sidecars.local (e.g. 2) or sidecars.addresses (HOST:PORT, ...)")
+        if self.algorithm.kl_coef > 0.0:
+            raise ValueError(
+                f"algorithm.kl_coef={self.algorithm.kl_coef}: the KL penalty needs a reference policy, which this "
+                "trainer does not hold yet; set algorithm.kl_coef=0"
+            )
 
 
 def demo_config(model: Path, run_dir: Path) -> RLConfig:

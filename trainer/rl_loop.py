@@ -35,10 +35,11 @@ from trainer.local_sidecars import LocalSidecars
 from trainer.losses import sample_advantages
 from trainer.orchestration import Orchestrator
 from trainer.policy import Policy, TrainBatch
+from trainer.preflight import preflight
 from trainer.rl_config import RLConfig
 from trainer.run_dir import RunDir
 from trainer.tasks import Problem, Task
-from trainer.tokenizer import Tokenizer, load_tokenizer
+from trainer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -55,19 +56,24 @@ class Run:
     run_dir: RunDir
 
 
-def build_policy(cfg: RLConfig) -> Policy:
-    return Policy.from_checkpoint(
-        cfg.model,
-        Policy.Config(
-            seed=cfg.seed,
-            temperature=cfg.rollout.temperature,
-            grpo=cfg.algorithm,
-            optimizer=cfg.optimizer,
-            train_draft=cfg.train_draft,
-            draft=cfg.draft,
-            draft_optimizer=cfg.draft_optimizer,
-        ),
+def policy_config(cfg: RLConfig) -> Policy.Config:
+    """The policy's config from the run config: every `Policy.Config` field has a run-config key."""
+    return Policy.Config(
+        tensor_parallel=cfg.train.tensor_parallel,
+        seed=cfg.seed,
+        temperature=cfg.rollout.temperature,
+        grpo=cfg.algorithm,
+        optimizer=cfg.optimizer,
+        clip_grad=cfg.train.clip_grad,
+        train_draft=cfg.train_draft,
+        draft=cfg.draft,
+        draft_optimizer=cfg.draft_optimizer,
+        draft_clip_grad=cfg.train.draft_clip_grad,
     )
+
+
+def build_policy(cfg: RLConfig) -> Policy:
+    return Policy.from_checkpoint(cfg.model, policy_config(cfg))
 
 
 @contextlib.contextmanager
@@ -77,12 +83,14 @@ def sidecar_fleet(cfg: RLConfig, run_dir: Path) -> Iterator[tuple[Orchestrator, 
     if cfg.sidecars.local:
         local = LocalSidecars(
             cfg.model,
-            cfg.sidecars.local,
+            int(cfg.sidecars.local),
             run_dir / "logs",
             spec_k=cfg.rollout.speculation_k,
             max_batch_size=cfg.sidecars.max_batch_size,
             threads=cfg.sidecars.threads,
             startup_timeout_s=cfg.sidecars.startup_timeout_s,
+            engine=cfg.sidecars.engine,
+            devices=cfg.sidecars.devices,
         )
     with contextlib.ExitStack() as stack:
         if local is not None:
@@ -202,6 +210,7 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
 
 def train(cfg: RLConfig, *, resume: bool = False, progress: bool = True) -> list[dict[str, float]]:
     """Run `cfg` to the end; returns each step's metrics (also in run_dir/metrics.jsonl)."""
+    prepared = preflight(cfg)  # seconds: fails before Megatron is built or a sidecar is spawned
     run_dir = RunDir(cfg.run_dir, resume=resume)
     write_yaml(cfg, run_dir.config_path)
     policy = build_policy(cfg)
@@ -216,8 +225,8 @@ def train(cfg: RLConfig, *, resume: bool = False, progress: bool = True) -> list
             cfg=cfg,
             policy=policy,
             sidecars=orch,
-            task=cfg.task.build(),
-            tokenizer=load_tokenizer(cfg.tokenizer),
+            task=prepared.task,
+            tokenizer=prepared.tokenizer,
             run_dir=run_dir,
         )
         orch.push_weights(policy.export_named_tensors, orch.start_version(), names=policy.export_names())
