@@ -14,6 +14,7 @@ from typing import Literal
 from muon import HybridOptimizerConfig
 from trainer.draft import DraftConfig
 from trainer.losses import GRPOConfig
+from trainer.schedules import LRScheduleConfig
 from trainer.tasks import ArithmeticTask, JsonlTask, Task, load_reward_fn
 
 
@@ -137,10 +138,32 @@ class TrainConfig:
     """Max global gradient norm of the trunk."""
     draft_clip_grad: float = 1.0
     """Max gradient norm of the draft head (its own clip)."""
+    micro_batch_rows: int = 0
+    """Samples per forward/backward (gradient accumulation; the update equals the unsplit one up to
+    float32 summation order). 0: each update's whole batch in one forward."""
+    epochs: int = 1
+    """Passes over each rollout batch (PPO epochs)."""
+    mini_batches: int = 1
+    """Updates per pass, each on a shuffled slice of the rollout batch. With epochs x mini_batches
+    > 1 the old log-probs come from a separate forward before the first update (implies
+    `separate_logprob_pass`)."""
+    lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+    """Trunk learning-rate schedule (warm-up, constant/linear/cosine decay), per optimizer update."""
+    draft_lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+    """Draft learning-rate schedule, per optimizer update."""
 
     def __post_init__(self) -> None:
         if self.tensor_parallel < 1:
             raise ValueError(f"train.tensor_parallel must be >= 1, got {self.tensor_parallel}")
+        if self.micro_batch_rows < 0:
+            raise ValueError(f"train.micro_batch_rows must be >= 0 (0: whole batch), got {self.micro_batch_rows}")
+        for name in ("epochs", "mini_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def updates_per_batch(self) -> int:
+        return self.epochs * self.mini_batches
         for name in ("clip_grad", "draft_clip_grad"):
             if not getattr(self, name) > 0.0:
                 raise ValueError(f"train.{name} must be > 0, got {getattr(self, name)}")
@@ -188,6 +211,12 @@ class RLConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not self.sidecars.local and not self.sidecars.addresses:
             raise ValueError("no sidecars: set sidecars.local (e.g. 2) or sidecars.addresses (HOST:PORT, ...)")
+        rows = self.rollout.prompts_per_step * self.rollout.samples_per_prompt
+        if self.train.mini_batches > rows:
+            raise ValueError(
+                f"train.mini_batches={self.train.mini_batches} exceeds the {rows} samples of a step "
+                f"(rollout.prompts_per_step x rollout.samples_per_prompt); lower it"
+            )
         if self.algorithm.kl_coef > 0.0:
             raise ValueError(
                 f"algorithm.kl_coef={self.algorithm.kl_coef}: the KL penalty needs a reference policy, which this "

@@ -27,12 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import Tensor
 from tqdm import tqdm
 
 from sidecar.types import SamplingParams, SpeculationCounters
 from trainer.config_io import write_yaml
 from trainer.local_sidecars import LocalSidecars
-from trainer.losses import sample_advantages
+from trainer.losses import mismatch_metrics, sample_advantages
 from trainer.orchestration import Orchestrator
 from trainer.policy import Policy, TrainBatch
 from trainer.preflight import preflight
@@ -69,6 +70,10 @@ def policy_config(cfg: RLConfig) -> Policy.Config:
         draft=cfg.draft,
         draft_optimizer=cfg.draft_optimizer,
         draft_clip_grad=cfg.train.draft_clip_grad,
+        micro_batch_rows=cfg.train.micro_batch_rows,
+        lr_schedule=cfg.train.lr_schedule,
+        draft_lr_schedule=cfg.train.draft_lr_schedule,
+        total_updates=cfg.steps * cfg.train.updates_per_batch,
     )
 
 
@@ -102,6 +107,12 @@ def sidecar_fleet(cfg: RLConfig, run_dir: Path) -> Iterator[tuple[Orchestrator, 
             Orchestrator(addresses, deadline_s=cfg.rollout.deadline_s, call_timeout_s=cfg.sidecars.call_timeout_s)
         )
         yield orch, local
+
+
+def logprobs_in_micro_batches(policy: Policy, tokens: Tensor, rows: int) -> Tensor:  # (B, S) -> (B, S-1)
+    """The policy's log-probs of `tokens`, `rows` samples per forward (0: all at once), on CPU."""
+    size = rows or tokens.shape[0]
+    return torch.cat([policy.logprobs(part).cpu() for part in tokens.split(size)])
 
 
 def latest_checkpoint(run_dir: RunDir) -> tuple[int, Path] | None:
@@ -181,15 +192,25 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
 
     # 3. log-prob recomputation with the trainer's policy (the PPO ratio's denominator): in a
     #    pass of its own, or (default) taken detached from the training forward of step 4
+    #    (several updates per batch always take the separate pass: after the first update the
+    #    training forward no longer computes the sampling policy's log-probs)
     t = time.perf_counter()
-    if cfg.separate_logprob_pass:
-        batch.old_logprobs = run.policy.logprobs(batch.tokens).cpu()
+    updates = cfg.train.updates_per_batch
+    if cfg.separate_logprob_pass or updates > 1:
+        batch.old_logprobs = logprobs_in_micro_batches(run.policy, batch.tokens, cfg.train.micro_batch_rows)
     metrics["time/logprobs"] = time.perf_counter() - t
 
-    # 4. policy and draft update
+    # 4. policy and draft update(s)
     t = time.perf_counter()
-    metrics.update({f"train/{k}": v for k, v in run.policy.train_step(batch).items()})
+    trained = run.policy.train_updates(
+        batch, epochs=cfg.train.epochs, mini_batches=cfg.train.mini_batches, seed=cfg.seed * 7919 + step
+    )
+    metrics.update({f"train/{k}": v for k, v in trained.items()})
     metrics["time/train"] = time.perf_counter() - t
+    if batch.old_logprobs is not None:  # the sampling policy's log-probs, before any update
+        where = batch.generated if batch.generated is not None else batch.mask
+        mismatch = mismatch_metrics(batch.old_logprobs, batch.rollout_logprobs, where)  # type: ignore[arg-type]
+        metrics.update({f"train/{k}": v for k, v in mismatch.items()})
     metrics["mismatch/logprob_abs_max"] = metrics["train/mismatch_logprob_abs_max"]
 
     # 5. push target + draft to every sidecar (version + 1)
