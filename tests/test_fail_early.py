@@ -14,7 +14,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import click
 import pytest
 import yaml
 from click.testing import CliRunner
@@ -60,9 +59,15 @@ def test_lr_3e_minus_4_is_accepted_from_overrides_and_files(tmp_path: Path) -> N
 
 
 # ---- cross-field checks and reachability of every policy knob --------------------------------
-def test_kl_without_a_reference_is_rejected_at_load_time() -> None:
-    with pytest.raises(click.ClickException, match="kl_coef"):
-        resolve_config(None, ["model=ckpt", "algorithm.kl_coef=0.1"])
+def test_a_reference_model_of_another_shape_is_rejected_before_anything_starts(
+    tmp_path: Path, jsonl_run: tuple[Path, Path]
+) -> None:
+    ckpt, data = jsonl_run
+    other = _checkpoint(tmp_path / "other", num_hidden_layers=1)
+    args = _train_args(ckpt, data, tmp_path / "run", "--local-sidecars", "1", "--set", "algorithm.kl_coef=0.1")
+    code, out = _cli([*args, "--set", f"reference_model={other}"])
+    assert code == 1 and "reference_model" in out and "Traceback" not in out, out
+    assert not (tmp_path / "run").exists()
 
 
 def test_local_sidecar_devices_must_fit_their_count() -> None:
@@ -88,6 +93,10 @@ def test_every_policy_config_field_is_reachable_from_the_run_config() -> None:
         "draft.chain_depth=5",
         "draft_optimizer.lr=5e-3",
         "train.draft_clip_grad=0.25",
+        "train.micro_batch_rows=4",
+        "train.lr_schedule.warmup_steps=3",
+        "train.draft_lr_schedule.decay=cosine",
+        "train.epochs=2",  # total_updates = steps x epochs x mini_batches
     ]
     got = policy_config(resolve_config(None, overrides))
     default = Policy.Config()

@@ -42,6 +42,13 @@ def preflight(cfg: RLConfig, *, probe_sidecars: bool = True) -> Prepared:
     tokenizer = _tokenizer(cfg, model_config)
     task = _task(cfg, tokenizer, model_config)
     _parallel_layout(cfg, model_config)
+    if cfg.algorithm.kl_coef > 0 and cfg.reference_model is not None:
+        reference = read_model_config(cfg.reference_model)
+        if reference != model_config:
+            raise PreflightError(
+                f"reference_model={cfg.reference_model} has a different model config than model={cfg.model}; "
+                "the KL penalty compares the two token by token: give a checkpoint of the same model"
+            )
     if probe_sidecars and cfg.sidecars.addresses:
         check_sidecars(cfg, model_config)
     return Prepared(model_config=model_config, tokenizer=tokenizer, task=task)

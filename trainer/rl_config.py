@@ -66,6 +66,10 @@ class RolloutConfig:
     speedup measured side by side in the same run. Costs one extra generation per step."""
     deadline_s: float = 300.0
     """A sidecar that has not answered its share by then is given up on and its prompts re-routed."""
+    refill_rounds: int = 2
+    """DAPO dynamic sampling: when `algorithm.filter_equal_groups` drops groups whose rewards are
+    all equal, draw fresh prompts for the missing groups, for at most this many extra generation
+    rounds per step (0: no refill, the step trains on fewer groups). A step left short is reported."""
 
     def __post_init__(self) -> None:
         if self.prompts_per_step < 1:
@@ -80,6 +84,25 @@ class RolloutConfig:
             raise ValueError(f"rollout.temperature must be > 0 for RL sampling, got {self.temperature}")
         if not self.deadline_s > 0:
             raise ValueError(f"rollout.deadline_s must be > 0, got {self.deadline_s}")
+        if self.refill_rounds < 0:
+            raise ValueError(f"rollout.refill_rounds must be >= 0 (0: no refill), got {self.refill_rounds}")
+
+
+@dataclass(kw_only=True, slots=True)
+class RewardConfig:
+    """Shaping added to the task's reward before advantages are computed."""
+
+    overlong_buffer_len: int = 0
+    """DAPO soft overlong punishment: responses longer than rollout.max_new_tokens minus this many
+    tokens lose up to `overlong_penalty`, linearly, reaching it at max_new_tokens (0: off)."""
+    overlong_penalty: float = 1.0
+    """The penalty at (and beyond) rollout.max_new_tokens."""
+
+    def __post_init__(self) -> None:
+        if self.overlong_buffer_len < 0:
+            raise ValueError(f"reward.overlong_buffer_len must be >= 0 (0: off), got {self.overlong_buffer_len}")
+        if not self.overlong_penalty >= 0:
+            raise ValueError(f"reward.overlong_penalty must be >= 0, got {self.overlong_penalty}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -180,6 +203,12 @@ class RLConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: GRPOConfig = field(default_factory=GRPOConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Reward shaping (DAPO overlong punishment)."""
+    reference_model: Path | None = None
+    """Checkpoint of the frozen reference policy that `algorithm.kl_coef > 0` keeps the policy
+    near, held on the trainer (one more trunk in memory, one more forward per step); None: `model`,
+    the checkpoint the run starts from."""
     optimizer: HybridOptimizerConfig = field(default_factory=lambda: HybridOptimizerConfig(lr=1e-5))
     """Trunk optimizer (Muon for hidden matrices, AdamW for the rest)."""
     separate_logprob_pass: bool = False
@@ -217,10 +246,10 @@ class RLConfig:
                 f"train.mini_batches={self.train.mini_batches} exceeds the {rows} samples of a step "
                 f"(rollout.prompts_per_step x rollout.samples_per_prompt); lower it"
             )
-        if self.algorithm.kl_coef > 0.0:
+        if self.reward.overlong_buffer_len > self.rollout.max_new_tokens:
             raise ValueError(
-                f"algorithm.kl_coef={self.algorithm.kl_coef}: the KL penalty needs a reference policy, which this "
-                "trainer does not hold yet; set algorithm.kl_coef=0"
+                f"reward.overlong_buffer_len={self.reward.overlong_buffer_len} exceeds rollout.max_new_tokens="
+                f"{self.rollout.max_new_tokens}; the penalty ramp must fit inside the response length"
             )
 
 

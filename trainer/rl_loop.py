@@ -30,13 +30,15 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from sidecar.types import SamplingParams, SpeculationCounters
+from sidecar.types import Sample, SamplingParams, SpeculationCounters
 from trainer.config_io import write_yaml
+from trainer.dynamic_sampling import Group, group_samples, select_groups, shaped_rewards
 from trainer.local_sidecars import LocalSidecars
-from trainer.losses import mismatch_metrics, sample_advantages
+from trainer.losses import OverlongConfig, mismatch_metrics, sample_advantages
 from trainer.orchestration import Orchestrator
 from trainer.policy import Policy, TrainBatch
 from trainer.preflight import preflight
+from trainer.reference import ReferencePolicy
 from trainer.rl_config import RLConfig
 from trainer.run_dir import RunDir
 from trainer.tasks import Problem, Task
@@ -55,6 +57,8 @@ class Run:
     task: Task
     tokenizer: Tokenizer
     run_dir: RunDir
+    reference: ReferencePolicy | None = None
+    """The frozen reference policy of the KL penalty (when algorithm.kl_coef > 0)."""
 
 
 def policy_config(cfg: RLConfig) -> Policy.Config:
@@ -142,18 +146,47 @@ def speculation_metrics(c: SpeculationCounters) -> dict[str, float]:
     return out
 
 
+def _sampling(run: Run, step: int, round_: int) -> SamplingParams:
+    ro = run.cfg.rollout
+    return SamplingParams(
+        temperature=ro.temperature,
+        max_new_tokens=ro.max_new_tokens,
+        stop_token_ids=(run.tokenizer.eos_id,),
+        seed=run.cfg.seed * 7919 + step + 100_003 * round_,
+    )
+
+
+def _score(run: Run, problems: list[Problem], prompts: list[list[int]], samples: list[Sample]) -> list[Group]:
+    """Group the samples by prompt and reward them (task reward + configured overlong shaping)."""
+    cfg = run.cfg
+    overlong = (
+        OverlongConfig(
+            max_len=cfg.rollout.max_new_tokens,
+            buffer_len=cfg.reward.overlong_buffer_len,
+            penalty=cfg.reward.overlong_penalty,
+        )
+        if cfg.reward.overlong_buffer_len
+        else None
+    )
+    groups = []
+    for problem, prompt, group in zip(
+        problems, prompts, group_samples(prompts, samples, cfg.rollout.samples_per_prompt), strict=True
+    ):
+        task = torch.tensor([run.task.reward(problem, run.tokenizer.decode(s.token_ids)) for s in group])
+        lengths = torch.tensor([len(s.token_ids) for s in group])
+        groups.append(
+            Group(prompt=prompt, samples=group, rewards=shaped_rewards(task, lengths, overlong), task_rewards=task)
+        )
+    return groups
+
+
 def rl_step(run: Run, step: int) -> dict[str, float]:
     """One RL step; returns its metrics."""
     cfg, ro = run.cfg, run.cfg.rollout
     rng = random.Random(cfg.seed * 1_000_003 + step)
     problems: list[Problem] = [run.task.sample(rng, "train") for _ in range(ro.prompts_per_step)]
     prompts = [run.tokenizer.encode(p.prompt) for p in problems]
-    sampling = SamplingParams(
-        temperature=ro.temperature,
-        max_new_tokens=ro.max_new_tokens,
-        stop_token_ids=(run.tokenizer.eos_id,),
-        seed=cfg.seed * 7919 + step,
-    )
+    sampling = _sampling(run, step, 0)
     metrics: dict[str, float] = {}
 
     # 1. generate across the pool (G samples per prompt), speculatively
@@ -163,7 +196,7 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
         metrics["time/generation_plain"] = run.sidecars.generate(prompts, sampling, ro.samples_per_prompt, 0).seconds
         run.sidecars.speculation_delta()
     rollout = run.sidecars.generate(prompts, sampling, ro.samples_per_prompt, ro.speculation_k)
-    metrics.update(speculation_metrics(run.sidecars.speculation_delta()))
+    counters = run.sidecars.speculation_delta()
     if ro.measure_plain and not plain_first:
         metrics["time/generation_plain"] = run.sidecars.generate(prompts, sampling, ro.samples_per_prompt, 0).seconds
     samples = rollout.samples
@@ -172,32 +205,68 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     metrics["rollout/duplicates"] = float(rollout.duplicates)
     metrics["rollout/weight_version"] = float(min(s.weight_version for s in samples))
     metrics["rollout/response_len"] = sum(len(s.token_ids) for s in samples) / len(samples)
+    events = list(rollout.events)
 
-    # 2. rewards and group-relative advantages
-    rewards = torch.tensor(
-        [run.task.reward(problems[s.prompt_index], run.tokenizer.decode(s.token_ids)) for s in samples]
-    ).view(ro.prompts_per_step, ro.samples_per_prompt)
+    # 2. rewards (with overlong shaping); DAPO dynamic sampling refills groups whose rewards are
+    #    all equal with fresh prompts, for at most rollout.refill_rounds rounds
+    first = _score(run, problems, prompts, samples)
+    metrics["reward/train_mean"] = float(torch.stack([g.task_rewards for g in first]).mean())
+    if cfg.reward.overlong_buffer_len:
+        metrics["reward/overlong_penalty_mean"] = float(torch.stack([g.rewards - g.task_rewards for g in first]).mean())
+    metrics["rollout/kept_fraction_first_round"] = sum(g.informative for g in first) / len(first)
+    refills: list[Group] = []
+    rounds = 0
+    refill_seconds = 0.0
+    while cfg.algorithm.filter_equal_groups and rounds < ro.refill_rounds:
+        missing = ro.prompts_per_step - sum(g.informative for g in first + refills)
+        if missing <= 0:
+            break
+        rounds += 1
+        more = [run.task.sample(rng, "train") for _ in range(missing)]
+        more_prompts = [run.tokenizer.encode(p.prompt) for p in more]
+        run.sidecars.speculation_delta()
+        extra = run.sidecars.generate(
+            more_prompts, _sampling(run, step, rounds), ro.samples_per_prompt, ro.speculation_k
+        )
+        counters.add(run.sidecars.speculation_delta())
+        refill_seconds += extra.seconds
+        events += extra.events
+        refills += _score(run, more, more_prompts, extra.samples)
+    metrics.update(speculation_metrics(counters))
+    chosen = select_groups(first, refills, ro.prompts_per_step, cfg.algorithm.filter_equal_groups)
+    metrics["rollout/refill_rounds"] = float(rounds)
+    metrics["rollout/refilled_groups"] = float(sum(g.informative for g in refills))
+    metrics["rollout/kept_fraction"] = chosen.informative / ro.prompts_per_step
+    metrics["time/refill"] = refill_seconds
+    if cfg.algorithm.filter_equal_groups and ro.refill_rounds and chosen.informative < ro.prompts_per_step:
+        events.append(
+            f"dynamic sampling found {chosen.informative} of {ro.prompts_per_step} informative groups after "
+            f"{rounds} refill round(s); the rest stay masked out (raise rollout.refill_rounds)"
+        )
+    rewards = torch.stack([g.rewards for g in chosen.groups])  # (N, G)
     advantages, keep = sample_advantages(rewards, cfg.algorithm)
-    metrics["reward/train_mean"] = float(rewards.mean())
-    metrics["rollout/kept_fraction"] = float(keep.float().mean())
     batch = TrainBatch.from_sequences(
-        [prompts[s.prompt_index] for s in samples],
-        [s.token_ids for s in samples],
+        [g.prompt for g in chosen.groups for _ in g.samples],
+        [s.token_ids for g in chosen.groups for s in g.samples],
         advantages,
-        rollout_logprobs=[s.logprobs for s in samples],
+        rollout_logprobs=[s.logprobs for g in chosen.groups for s in g.samples],
         pad_id=run.tokenizer.pad_id,
     )
     batch.generated = batch.mask.clone()  # every generated token (the loss then drops filtered groups)
     batch.mask = batch.mask * keep.float()[:, None]
 
     # 3. log-prob recomputation with the trainer's policy (the PPO ratio's denominator): in a
-    #    pass of its own, or (default) taken detached from the training forward of step 4
+    #    pass of its own, or (default) taken detached from the training forward of step 4; and
+    #    the frozen reference's log-probs when the KL penalty is on
     #    (several updates per batch always take the separate pass: after the first update the
     #    training forward no longer computes the sampling policy's log-probs)
     t = time.perf_counter()
     updates = cfg.train.updates_per_batch
     if cfg.separate_logprob_pass or updates > 1:
         batch.old_logprobs = logprobs_in_micro_batches(run.policy, batch.tokens, cfg.train.micro_batch_rows)
+    if run.reference is not None:
+        size = cfg.train.micro_batch_rows or batch.tokens.shape[0]
+        batch.ref_logprobs = torch.cat([run.reference.logprobs(part).cpu() for part in batch.tokens.split(size)])
     metrics["time/logprobs"] = time.perf_counter() - t
 
     # 4. policy and draft update(s)
@@ -219,13 +288,15 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     )
     metrics["weights/version"] = float(run.sidecars.version)
 
-    rest = metrics["time/logprobs"] + metrics["time/train"] + metrics["time/weight_sync"]
+    # refill rounds count as the same cost on both sides of the step speedup (conservative: they
+    # are speculative here and would be plain without speculation)
+    rest = metrics["time/refill"] + metrics["time/logprobs"] + metrics["time/train"] + metrics["time/weight_sync"]
     metrics["time/step"] = metrics["time/generation"] + rest
     if ro.measure_plain:
         metrics["speedup/generation"] = metrics["time/generation_plain"] / metrics["time/generation"]
         metrics["speedup/step"] = (metrics["time/generation_plain"] + rest) / metrics["time/step"]
-    if rollout.events:
-        log.warning("step %d: %s", step, "; ".join(rollout.events))
+    if events:
+        log.warning("step %d: %s", step, "; ".join(events))
     return metrics
 
 
@@ -235,6 +306,13 @@ def train(cfg: RLConfig, *, resume: bool = False, progress: bool = True) -> list
     run_dir = RunDir(cfg.run_dir, resume=resume)
     write_yaml(cfg, run_dir.config_path)
     policy = build_policy(cfg)
+    reference = None
+    if cfg.algorithm.kl_coef > 0:
+        reference = ReferencePolicy.from_checkpoint(
+            cfg.reference_model or cfg.model,
+            tensor_parallel=cfg.train.tensor_parallel,
+            temperature=cfg.rollout.temperature,
+        )
     start = 0
     if resume and (found := latest_checkpoint(run_dir)) is not None:
         start, path = found
@@ -249,6 +327,7 @@ def train(cfg: RLConfig, *, resume: bool = False, progress: bool = True) -> list
             task=prepared.task,
             tokenizer=prepared.tokenizer,
             run_dir=run_dir,
+            reference=reference,
         )
         orch.push_weights(policy.export_named_tensors, orch.start_version(), names=policy.export_names())
         if cfg.eval_every and start == 0:
