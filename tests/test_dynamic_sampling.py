@@ -10,24 +10,19 @@ applied to every prompt the fleet was asked for.
 from __future__ import annotations
 
 import logging
-import random
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar.types import FinishReason, Sample, SamplingParams, SpeculationCounters
+from tests.loop_fakes import FakeFleet, RecordingPolicy, RuleTask
 from trainer.dynamic_sampling import Group, select_groups, shaped_rewards
 from trainer.losses import OverlongConfig
-from trainer.orchestration import RolloutResult
 from trainer.policy import TrainBatch
 from trainer.rl_config import RLConfig, RolloutConfig, SidecarsConfig
 from trainer.rl_loop import Run, rl_step
-from trainer.tasks import Problem
 from trainer.tokenizer import CharTokenizer
 
 TOK = CharTokenizer()
@@ -69,68 +64,6 @@ def test_overlong_shaping_follows_dapo() -> None:
 
 
 # ---- the loop, against an in-memory fleet -----------------------------------------------------
-class RuleTask:
-    """Problem n is informative iff n % 3 == 0: its samples 1.. answer "b" (reward 1), sample 0 "a"."""
-
-    name = "rule"
-
-    def sample(self, rng: random.Random, split: str = "train") -> Problem:
-        return Problem(prompt=f"q{rng.randrange(1000)}", answer="b")
-
-    def reward(self, problem: Problem, completion: str) -> float:
-        return float(int(problem.prompt[1:]) % 3 == 0 and completion == "b")
-
-
-@dataclass
-class FakeFleet:
-    asked: list[str] = field(default_factory=list)
-    calls: int = 0
-    version: int = 1
-
-    def generate(
-        self, prompts: list[list[int]], sampling: SamplingParams, samples_per_prompt: int, k: int = 0
-    ) -> RolloutResult:
-        self.calls += 1
-        self.asked += [TOK.decode(p) for p in prompts]
-        samples = [
-            Sample(
-                request_id="r",
-                prompt_index=i,
-                sample_index=j,
-                token_ids=TOK.encode("a" if j == 0 else "b"),
-                logprobs=[-0.5],
-                finish_reason=FinishReason.STOP,
-                weight_version=1,
-                last_weight_version=1,
-            )
-            for i in range(len(prompts))
-            for j in range(samples_per_prompt)
-        ]
-        return RolloutResult(samples=samples, seconds=0.01)
-
-    def speculation_delta(self) -> SpeculationCounters:
-        return SpeculationCounters()
-
-    def push_weights(self, *args: Any, **kw: Any) -> float:
-        self.version += 1
-        return 0.0
-
-
-@dataclass
-class RecordingPolicy:
-    batches: list[TrainBatch] = field(default_factory=list)
-
-    def train_updates(self, batch: TrainBatch, **kw: Any) -> dict[str, float]:
-        self.batches.append(batch)
-        return {"mismatch_logprob_abs_max": 0.0}
-
-    def export_named_tensors(self) -> list[Any]:
-        return []
-
-    def export_names(self) -> list[str]:
-        return []
-
-
 def _run(refill_rounds: int, steps: int = 1) -> tuple[FakeFleet, RecordingPolicy, list[dict[str, float]]]:
     cfg = RLConfig(
         model=Path("unused"),

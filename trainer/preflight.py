@@ -21,6 +21,7 @@ from sidecar.errors import SpecrlError
 from trainer.rl_config import RLConfig
 from trainer.tasks import Task
 from trainer.tokenizer import Tokenizer, load_tokenizer
+from trainer.trackers import check_trackers
 
 
 class PreflightError(SpecrlError):
@@ -49,6 +50,9 @@ def preflight(cfg: RLConfig, *, probe_sidecars: bool = True) -> Prepared:
                 f"reference_model={cfg.reference_model} has a different model config than model={cfg.model}; "
                 "the KL penalty compares the two token by token: give a checkpoint of the same model"
             )
+    problems = check_trackers(cfg.trackers)
+    if problems:
+        raise PreflightError("; ".join(problems))
     if probe_sidecars and cfg.sidecars.addresses:
         check_sidecars(cfg, model_config)
     return Prepared(model_config=model_config, tokenizer=tokenizer, task=task)

@@ -16,6 +16,7 @@ from trainer.draft import DraftConfig
 from trainer.losses import GRPOConfig
 from trainer.schedules import LRScheduleConfig
 from trainer.tasks import ArithmeticTask, JsonlTask, Task, load_reward_fn
+from trainer.trackers import TrackersConfig
 
 
 @dataclass(kw_only=True, slots=True)
@@ -233,6 +234,8 @@ class RLConfig:
     """Save a resumable checkpoint every this many steps (0: only at the end)."""
     seed: int = 0
     run_dir: Path = Path("runs/rl")
+    trackers: TrackersConfig = field(default_factory=TrackersConfig)
+    """Optional TensorBoard / Weights & Biases reporting (metrics.jsonl and plots are always written)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "eval_every", "eval_size", "checkpoint_every"):

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import random
 import re
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,7 +33,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from sidecar.types import Sample, SamplingParams, SpeculationCounters
-from trainer.config_io import write_yaml
+from trainer.config_io import to_mapping, write_yaml
 from trainer.dynamic_sampling import Group, group_samples, select_groups, shaped_rewards
 from trainer.local_sidecars import LocalSidecars
 from trainer.losses import OverlongConfig, mismatch_metrics, sample_advantages
@@ -43,6 +45,7 @@ from trainer.rl_config import RLConfig
 from trainer.run_dir import RunDir
 from trainer.tasks import Problem, Task
 from trainer.tokenizer import Tokenizer
+from trainer.trackers import open_trackers
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +129,9 @@ def latest_checkpoint(run_dir: RunDir) -> tuple[int, Path] | None:
     return max(steps) if steps else None
 
 
-def evaluate(run: Run, size: int) -> float:
-    """Mean reward of greedy completions on a fixed held-out set (same problems every time)."""
+def evaluate(run: Run, size: int) -> tuple[float, float]:
+    """Mean reward of greedy completions on a fixed held-out set (same problems every time), and its
+    standard error (sample std / sqrt(n)): a change smaller than ~2 standard errors is noise."""
     rng = random.Random(1_000_003 + run.cfg.seed)
     problems = [run.task.sample(rng, "eval") for _ in range(size)]
     sampling = SamplingParams(
@@ -136,7 +140,24 @@ def evaluate(run: Run, size: int) -> float:
     prompts = [run.tokenizer.encode(p.prompt) for p in problems]
     samples = run.sidecars.generate(prompts, sampling, 1, run.cfg.rollout.speculation_k).samples
     rewards = [run.task.reward(problems[s.prompt_index], run.tokenizer.decode(s.token_ids)) for s in samples]
-    return sum(rewards) / len(rewards)
+    return mean_and_stderr(rewards)
+
+
+def mean_and_stderr(values: list[float]) -> tuple[float, float]:
+    """Sample mean and its standard error (Bessel-corrected std / sqrt(n); 0 for n < 2)."""
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, 0.0
+    var = sum((v - mean) ** 2 for v in values) / (n - 1)
+    return mean, math.sqrt(var / n)
+
+
+def evaluate_logged(run: Run, progress: bool = False) -> dict[str, float]:
+    """`evaluate` as metrics (reward/eval_mean, reward/eval_stderr), announced as a phase."""
+    with phase(f"evaluating on {run.cfg.eval_size} held-out problems", progress):
+        mean, stderr = evaluate(run, run.cfg.eval_size)
+    return {"reward/eval_mean": mean, "reward/eval_stderr": stderr}
 
 
 def speculation_metrics(c: SpeculationCounters) -> dict[str, float]:
@@ -292,6 +313,7 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     # are speculative here and would be plain without speculation)
     rest = metrics["time/refill"] + metrics["time/logprobs"] + metrics["time/train"] + metrics["time/weight_sync"]
     metrics["time/step"] = metrics["time/generation"] + rest
+    metrics["time/generation_share"] = (metrics["time/generation"] + metrics["time/refill"]) / metrics["time/step"]
     if ro.measure_plain:
         metrics["speedup/generation"] = metrics["time/generation_plain"] / metrics["time/generation"]
         metrics["speedup/step"] = (metrics["time/generation_plain"] + rest) / metrics["time/step"]
@@ -300,50 +322,80 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     return metrics
 
 
+@contextlib.contextmanager
+def phase(desc: str, enabled: bool = True) -> Iterator[None]:
+    """Say that a slow phase started and how long it took (on stderr, between progress bars)."""
+    if enabled:
+        tqdm.write(f"{desc} ...", file=sys.stderr)
+    t = time.perf_counter()
+    yield
+    if enabled:
+        tqdm.write(f"{desc}: done in {time.perf_counter() - t:.1f}s", file=sys.stderr)
+
+
 def train(cfg: RLConfig, *, resume: bool = False, progress: bool = True) -> list[dict[str, float]]:
-    """Run `cfg` to the end; returns each step's metrics (also in run_dir/metrics.jsonl)."""
+    """Run `cfg` to the end; returns each step's metrics (also in run_dir/metrics.jsonl).
+
+    Plots are redrawn after every step and once more on the way out, so an interrupted run keeps
+    them; the configured trackers get every row that metrics.jsonl gets."""
     prepared = preflight(cfg)  # seconds: fails before Megatron is built or a sidecar is spawned
     run_dir = RunDir(cfg.run_dir, resume=resume)
     write_yaml(cfg, run_dir.config_path)
-    policy = build_policy(cfg)
-    reference = None
-    if cfg.algorithm.kl_coef > 0:
-        reference = ReferencePolicy.from_checkpoint(
-            cfg.reference_model or cfg.model,
-            tensor_parallel=cfg.train.tensor_parallel,
-            temperature=cfg.rollout.temperature,
-        )
+    with phase("building the policy (Megatron)", progress):
+        policy = build_policy(cfg)
+        reference = None
+        if cfg.algorithm.kl_coef > 0:
+            reference = ReferencePolicy.from_checkpoint(
+                cfg.reference_model or cfg.model,
+                tensor_parallel=cfg.train.tensor_parallel,
+                temperature=cfg.rollout.temperature,
+            )
     start = 0
     if resume and (found := latest_checkpoint(run_dir)) is not None:
         start, path = found
         policy.load(path)
         log.info("resumed from %s (step %d)", path, start)
     history: list[dict[str, float]] = []
-    with sidecar_fleet(cfg, run_dir.root) as (orch, _local):
-        run = Run(
-            cfg=cfg,
-            policy=policy,
-            sidecars=orch,
-            task=prepared.task,
-            tokenizer=prepared.tokenizer,
-            run_dir=run_dir,
-            reference=reference,
-        )
-        orch.push_weights(policy.export_named_tensors, orch.start_version(), names=policy.export_names())
-        if cfg.eval_every and start == 0:
-            run_dir.log(0, {"reward/eval_mean": evaluate(run, cfg.eval_size)})
-        bar = tqdm(range(start, cfg.steps), desc="RL steps", disable=not progress, unit="step")
-        for step in bar:
-            metrics = rl_step(run, step)
-            done = step + 1
-            if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
-                metrics["reward/eval_mean"] = evaluate(run, cfg.eval_size)
-            run_dir.log(done, metrics)
-            history.append(metrics)
-            bar.set_postfix(
-                reward=f"{metrics['reward/train_mean']:.2f}", tau=f"{metrics['spec/acceptance_length']:.2f}"
+    fleet = (
+        f"starting {cfg.sidecars.local} local sidecar(s) (engine {cfg.sidecars.engine}, "
+        f"device {', '.join(cfg.sidecars.devices)})"
+        if cfg.sidecars.local
+        else f"connecting to {len(cfg.sidecars.addresses)} sidecar(s)"
+    )
+    try:
+        run_dir.trackers = open_trackers(cfg.trackers, run_dir.root, to_mapping(cfg))
+        with contextlib.ExitStack() as stack:
+            with phase(fleet, progress):
+                orch, _local = stack.enter_context(sidecar_fleet(cfg, run_dir.root))
+            run = Run(
+                cfg=cfg,
+                policy=policy,
+                sidecars=orch,
+                task=prepared.task,
+                tokenizer=prepared.tokenizer,
+                run_dir=run_dir,
+                reference=reference,
             )
-            if (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == cfg.steps:
-                policy.save(run_dir.checkpoints / f"step_{done}")
-        run_dir.plot()
+            names = policy.export_names()
+            with phase(f"first weight push ({len(names)} tensors to {len(orch.clients)} sidecar(s))", progress):
+                orch.push_weights(policy.export_named_tensors, orch.start_version(), names=names)
+            if cfg.eval_every and start == 0:
+                run_dir.log(0, evaluate_logged(run, progress))
+            bar = tqdm(range(start, cfg.steps), desc="RL steps", disable=not progress, unit="step")
+            for step in bar:
+                metrics = rl_step(run, step)
+                done = step + 1
+                if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
+                    metrics.update(evaluate_logged(run, progress))
+                run_dir.log(done, metrics)
+                history.append(metrics)
+                bar.set_postfix(
+                    reward=f"{metrics['reward/train_mean']:.2f}", tau=f"{metrics['spec/acceptance_length']:.2f}"
+                )
+                if (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == cfg.steps:
+                    policy.save(run_dir.checkpoints / f"step_{done}")
+                run_dir.plot()
+    finally:
+        run_dir.close()
+        run_dir.plot()  # also after a failure or an interrupt: the plots show every logged step
     return history
