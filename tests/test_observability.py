@@ -130,7 +130,10 @@ def test_an_interrupted_run_keeps_its_plots_rows_and_tracker_events(
         run_dir=tmp_path / "run",
         trackers=TrackersConfig(tensorboard=True),
     )
-    monkeypatch.setattr(rl_loop, "preflight", lambda c: Prepared(model_config=None, tokenizer=TOK, task=RuleTask()))  # type: ignore[arg-type]
+    monkeypatch.setattr(
+        rl_loop, "preflight", lambda c, **kw: Prepared(model_config=None, tokenizer=TOK, task=RuleTask())
+    )  # type: ignore[arg-type]
+    monkeypatch.setattr(rl_loop, "check_sidecars", lambda c, m: None)
     monkeypatch.setattr(rl_loop, "build_policy", lambda c: RecordingPolicy())
     monkeypatch.setattr(rl_loop, "sidecar_fleet", lambda c, root: _fake_fleet(fleet))
     with pytest.raises(KeyboardInterrupt):

@@ -136,8 +136,12 @@ def _parallel_layout(cfg: RLConfig, model: ModelConfig) -> None:
         raise PreflightError(f"train.tensor_parallel={tp} must divide the model's {bad}; choose a divisor")
     import torch.distributed as dist
 
-    if dist.is_initialized() and dist.get_world_size() % tp:
-        raise PreflightError(f"train.tensor_parallel={tp} must divide the world size {dist.get_world_size()}")
+    if dist.is_initialized() and dist.get_world_size() != tp:
+        raise PreflightError(
+            f"train.tensor_parallel={tp} but {dist.get_world_size()} processes: the RL loop runs tensor parallel "
+            "only (data-parallel batch sharding is not implemented); launch as many processes as "
+            "train.tensor_parallel"
+        )
 
 
 def check_sidecars(cfg: RLConfig, model: ModelConfig) -> None:

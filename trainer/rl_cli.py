@@ -97,11 +97,12 @@ def train(
     if print_config:
         click.echo(yaml.safe_dump(to_mapping(cfg), sort_keys=False), nl=False)
         return
+    from trainer.rl_loop import is_leader
     from trainer.rl_loop import train as run_training
 
     with user_errors():
         history = run_training(cfg, resume=resume)
-    if history:
+    if history and is_leader():  # under torchrun, rank 0 reports
         last = history[-1]
         click.echo(
             f"done: {len(history)} steps, reward {last['reward/train_mean']:.3f}, "
