@@ -277,7 +277,7 @@ def demo_config(model: Path, run_dir: Path) -> RLConfig:
         sidecars=SidecarsConfig(local=2),
         steps=6,
         eval_every=3,
-        eval_size=64,
+        eval_size=128,
         seed=0,
         run_dir=run_dir,
     )
