@@ -260,3 +260,43 @@ def test_a_local_sidecar_that_cannot_start_is_one_message(tmp_path: Path, jsonl_
 
 def test_merge_overrides_keeps_strings_that_look_like_nothing() -> None:
     assert merge_overrides({}, ["run_dir=on", "tokenizer=no"]) == {"run_dir": "on", "tokenizer": "no"}
+
+
+def _expected_errors() -> list[Exception]:
+    from trainer.bridge import CheckpointMismatchError
+    from trainer.config_io import ConfigError
+    from trainer.local_sidecars import SidecarStartError
+    from trainer.orchestration import RolloutError
+    from trainer.preflight import PreflightError
+
+    return [
+        RolloutError("no live sidecar"),
+        SidecarStartError("exited"),
+        CheckpointMismatchError("shapes"),
+        RewardFunctionError("raised"),
+        ConfigError("bad key"),
+        PreflightError("bad config"),
+        FileExistsError("run dir taken"),
+    ]
+
+
+@pytest.mark.parametrize("error", _expected_errors(), ids=lambda e: type(e).__name__)
+def test_every_expected_error_is_one_cli_message(error: Exception) -> None:
+    import click
+
+    from trainer.rl_cli import user_errors
+
+    @click.command()
+    def fails() -> None:
+        with user_errors():
+            raise error
+
+    result = CliRunner().invoke(fails, [])
+    assert result.exit_code == 1 and result.output == f"Error: {type(error).__name__}: {error}\n"
+
+
+def test_a_bug_keeps_its_traceback() -> None:
+    from trainer.rl_cli import user_errors
+
+    with pytest.raises(ZeroDivisionError), user_errors():
+        _ = 1 / 0
