@@ -385,6 +385,11 @@ def phase(desc: str, enabled: bool = True) -> Iterator[None]:
         tqdm.write(f"{desc}: done in {time.perf_counter() - t:.1f}s", file=sys.stderr)
 
 
+PLOT_INTERVAL_S = 10.0
+"""Plots are redrawn after a step when this long has passed since the last drawing (a drawing
+costs ~1 s of CPU for all of them), and always on the way out."""
+
+
 def join_torchrun_group() -> None:
     """Under torchrun (WORLD_SIZE > 1 in the environment), join its process group before the
     policy would otherwise make a world of one per process."""
@@ -414,8 +419,8 @@ def on_leader(fn: Callable[[], T]) -> T | None:
 def train(cfg: RLConfig, *, resume: bool = False, progress: bool = True) -> list[dict[str, float]]:
     """Run `cfg` to the end; returns each step's metrics (also in run_dir/metrics.jsonl).
 
-    Plots are redrawn after every step and once more on the way out, so an interrupted run keeps
-    them; the configured trackers get every row that metrics.jsonl gets. Under torchrun every rank
+    Plots are redrawn as steps finish (at most every PLOT_INTERVAL_S) and once more on the way
+    out, so an interrupted run keeps them; the configured trackers get every row that metrics.jsonl gets. Under torchrun every rank
     runs this; only rank 0 probes and starts sidecars, pushes weights, evaluates and writes the
     run directory (the others train their tensor-parallel shard of the same batches)."""
     join_torchrun_group()
@@ -471,6 +476,7 @@ def train(cfg: RLConfig, *, resume: bool = False, progress: bool = True) -> list
             )
             if leader and cfg.eval_every and start == 0:
                 run_dir.log(0, evaluate_logged(run, progress))  # type: ignore[union-attr]
+            last_plot = 0.0
             bar = tqdm(range(start, cfg.steps), desc="RL steps", disable=not progress, unit="step")
             for step in bar:
                 metrics = rl_step(run, step)
@@ -482,7 +488,9 @@ def train(cfg: RLConfig, *, resume: bool = False, progress: bool = True) -> list
                     policy.save(cfg.run_dir / "checkpoints" / f"step_{done}")  # collective: every rank
                 if run_dir is not None:
                     run_dir.log(done, metrics)
-                    run_dir.plot()
+                    if time.monotonic() - last_plot >= PLOT_INTERVAL_S:
+                        run_dir.plot()
+                        last_plot = time.monotonic()
                 bar.set_postfix(
                     reward=f"{metrics['reward/train_mean']:.2f}", tau=f"{metrics['spec/acceptance_length']:.2f}"
                 )

@@ -5,7 +5,7 @@ Layout of `runs/<name>/`:
     config.yaml        the resolved run config (reproduces the run)
     metrics.jsonl      one JSON object per step (flat keys such as "reward/mean")
     plots/*.png        reward, acceptance (mean and per draft position), step-time breakdown,
-                       generation share of the step, speedups; redrawn after every step
+                       generation share of the step, speedups; redrawn as the run goes
     checkpoints/       model, draft, optimizer and RNG state (see trainer/checkpointing.py)
 
 Metric keys are `group/name`; plots select them by group, so a new metric needs no plotting
