@@ -22,8 +22,9 @@ from pathlib import Path
 
 import torch
 
+from trainer.config_io import from_mapping, merge_overrides, to_mapping
 from trainer.demo import DemoConfig, demo_model_config
-from trainer.rl_config import demo_config
+from trainer.rl_config import RLConfig, demo_config
 from trainer.rl_loop import train
 from trainer.tasks import ArithmeticTask
 from trainer.tokenizer import CharTokenizer
@@ -36,6 +37,14 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
     parser.add_argument("--steps", type=int, default=DemoConfig().rl_steps)
     parser.add_argument("--eval-size", type=int, default=None, help="default: the demo's")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a field of the demo's RL config (as `specrl train --set`)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     demo = DemoConfig()
@@ -49,12 +58,14 @@ def main() -> None:
         print(f"warm-up + draft-init: {time.perf_counter() - t:.0f} s", flush=True)
     results = []
     for seed in args.seeds:
-        cfg = demo_config(out / "policy", out / f"run_seed{seed}")
+        cfg = demo_config(out / "policy", out / f"run_seed{seed}_{len(list(out.glob('run_seed*')))}")
         cfg.seed = seed
         cfg.steps = args.steps
         cfg.eval_every = args.steps
         cfg.eval_size = args.eval_size or cfg.eval_size
         cfg.rollout.measure_plain = False  # speed is not measured here
+        if args.overrides:
+            cfg = from_mapping(RLConfig, merge_overrides(to_mapping(cfg), args.overrides))
         t = time.perf_counter()
         train(cfg, progress=False)
         rows = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -72,7 +83,8 @@ def main() -> None:
     beyond = sum(r[5] > 2 * r[6] for r in results)
     worse = sum(r[5] < -2 * r[6] for r in results)
     print(
-        f"\n{len(results)} seeds, {args.steps} RL steps, eval size {cfg.eval_size}: mean change "
+        f"\n{len(results)} seeds, {args.steps} RL steps, eval size {cfg.eval_size}, overrides {args.overrides}: "
+        f"mean change "
         f"{statistics.mean(changes):+.3f} (seed-to-seed std {statistics.pstdev(changes):.3f}); improved beyond 2 se: "
         f"{beyond}; worse beyond 2 se: {worse}; positive: {sum(c > 0 for c in changes)}"
     )
