@@ -146,9 +146,14 @@ def _parallel_layout(cfg: RLConfig, model: ModelConfig) -> None:
 
 def check_sidecars(cfg: RLConfig, model: ModelConfig) -> None:
     """Each remote sidecar answers GetInfo within sidecars.call_timeout_s and serves this model's shape."""
-    from sidecar.client import ClientConfig, SidecarCallError, SidecarClient
+    from dataclasses import replace
 
-    client_config = ClientConfig(timeout_s=cfg.sidecars.call_timeout_s, retries=0)
+    from sidecar.client import SidecarCallError, SidecarClient
+
+    try:  # the run's own credentials (token, TLS), so a secured sidecar answers the probe
+        client_config = replace(cfg.sidecars.security.client_config(timeout_s=cfg.sidecars.call_timeout_s), retries=0)
+    except ValueError as e:
+        raise PreflightError(str(e)) from None
     for address in cfg.sidecars.addresses:
         client = SidecarClient(address, client_config)
         try:

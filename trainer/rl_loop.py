@@ -1,7 +1,7 @@
 """The RL loop: generate → score → recompute log-probs → update policy and draft → push weights.
 
 Reads like the algorithm (DESIGN.md "Data flow of one RL step"); every mechanism lives in the
-module named after it: sidecar fan-out and fault handling in `trainer.orchestration`, local
+module named after it: sidecar fan-out and fault handling in `sidecar.fleet`, local
 sidecar processes in `trainer.local_sidecars`, the policy and its optimizers in
 `trainer.policy`, the GRPO/DAPO loss in `trainer.losses`, the run directory in `trainer.run_dir`.
 
@@ -36,13 +36,13 @@ from torch import Tensor
 from tqdm import tqdm
 
 from sidecar.engine.model import ModelConfig
-from sidecar.types import Sample, SamplingParams, SpeculationCounters
+from sidecar.fleet import Fleet, FleetConfig, derive_seed
+from sidecar.types import GenerationRequest, Sample, SamplingParams, SpeculationCounters
 from trainer import platform
 from trainer.config_io import to_mapping, write_yaml
 from trainer.dynamic_sampling import Group, group_samples, select_groups, shaped_rewards
 from trainer.local_sidecars import LocalSidecars
 from trainer.losses import OverlongConfig, mismatch_metrics, sample_advantages
-from trainer.orchestration import Orchestrator
 from trainer.policy import Policy, TrainBatch
 from trainer.preflight import check_sidecars, preflight
 from trainer.reference import ReferencePolicy
@@ -61,7 +61,7 @@ class Run:
 
     cfg: RLConfig
     policy: Policy
-    sidecars: Orchestrator | None
+    sidecars: Fleet | None
     """The fleet; None on the ranks > 0 of a multi-process run (only rank 0 talks to sidecars)."""
     task: Task
     tokenizer: Tokenizer
@@ -75,7 +75,7 @@ class Run:
         return is_leader()
 
     @property
-    def fleet(self) -> Orchestrator:
+    def fleet(self) -> Fleet:
         if self.sidecars is None:
             raise RuntimeError("only rank 0 talks to the sidecars")
         return self.sidecars
@@ -106,9 +106,11 @@ def build_policy(cfg: RLConfig) -> Policy:
 
 
 @contextlib.contextmanager
-def sidecar_fleet(cfg: RLConfig, run_dir: Path) -> Iterator[tuple[Orchestrator, LocalSidecars | None]]:
-    """The run's sidecars: local subprocesses (torn down on exit) or the given addresses."""
+def sidecar_fleet(cfg: RLConfig, run_dir: Path) -> Iterator[tuple[Fleet, LocalSidecars | None]]:
+    """The run's sidecars: local subprocesses (torn down on exit) or the given addresses, all
+    reached with the run's credentials (`sidecars.security`; local sidecars get its token)."""
     local = None
+    client = cfg.sidecars.security.client_config(timeout_s=cfg.sidecars.call_timeout_s)
     if cfg.sidecars.local:
         local = LocalSidecars(
             cfg.model,
@@ -120,6 +122,7 @@ def sidecar_fleet(cfg: RLConfig, run_dir: Path) -> Iterator[tuple[Orchestrator, 
             startup_timeout_s=cfg.sidecars.startup_timeout_s,
             engine=cfg.sidecars.engine,
             devices=cfg.sidecars.devices,
+            token=client.token,
         )
     with contextlib.ExitStack() as stack:
         if local is not None:
@@ -127,10 +130,8 @@ def sidecar_fleet(cfg: RLConfig, run_dir: Path) -> Iterator[tuple[Orchestrator, 
             addresses = local.start()
         else:
             addresses = list(cfg.sidecars.addresses)
-        orch = stack.enter_context(
-            Orchestrator(addresses, deadline_s=cfg.rollout.deadline_s, call_timeout_s=cfg.sidecars.call_timeout_s)
-        )
-        yield orch, local
+        fleet = stack.enter_context(Fleet(addresses, FleetConfig(client=client, deadline_s=cfg.rollout.deadline_s)))
+        yield fleet, local
 
 
 def is_leader() -> bool:
@@ -171,7 +172,8 @@ def evaluate(run: Run, size: int) -> tuple[float, float]:
         temperature=0.0, max_new_tokens=run.cfg.rollout.max_new_tokens, stop_token_ids=(run.tokenizer.eos_id,)
     )
     prompts = [run.tokenizer.encode(p.prompt) for p in problems]
-    samples = run.fleet.generate(prompts, sampling, 1, run.cfg.rollout.speculation_k).samples
+    request = GenerationRequest(prompts=prompts, sampling=sampling, speculation_k=run.cfg.rollout.speculation_k)
+    samples = run.fleet.generate(request).samples
     rewards = [run.task.reward(problems[s.prompt_index], run.tokenizer.decode(s.token_ids)) for s in samples]
     return mean_and_stderr(rewards)
 
@@ -206,7 +208,7 @@ def _sampling(run: Run, step: int, round_: int) -> SamplingParams:
         temperature=ro.temperature,
         max_new_tokens=ro.max_new_tokens,
         stop_token_ids=(run.tokenizer.eos_id,),
-        seed=run.cfg.seed * 7919 + step + 100_003 * round_,
+        seed=derive_seed(run.cfg.seed, step, round_) if round_ else derive_seed(run.cfg.seed, step),
     )
 
 
@@ -277,7 +279,7 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     if run.leader:
         metrics["time/weight_sync"] = run.fleet.push_weights(
             run.policy.export_named_tensors, names=run.policy.export_names()
-        )
+        ).seconds
         metrics["weights/version"] = float(run.fleet.version)
     else:
         for _ in run.policy.export_named_tensors():
@@ -306,20 +308,26 @@ def collect_batch(run: Run, step: int, metrics: dict[str, float]) -> TrainBatch:
     prompts = [run.tokenizer.encode(p.prompt) for p in problems]
     sampling = _sampling(run, step, 0)
 
+    def rollout_request(k: int) -> GenerationRequest:
+        return GenerationRequest(
+            prompts=prompts, sampling=sampling, samples_per_prompt=ro.samples_per_prompt, speculation_k=k
+        )
+
     # 1. generate across the pool (G samples per prompt), speculatively
     run.fleet.speculation_delta()  # baseline of the raw counters
     plain_first = ro.measure_plain and step % 2 == 1  # alternate the order of the side-by-side passes
     if plain_first:
-        metrics["time/generation_plain"] = run.fleet.generate(prompts, sampling, ro.samples_per_prompt, 0).seconds
+        metrics["time/generation_plain"] = run.fleet.generate(rollout_request(0)).seconds
         run.fleet.speculation_delta()
-    rollout = run.fleet.generate(prompts, sampling, ro.samples_per_prompt, ro.speculation_k)
+    rollout = run.fleet.generate(rollout_request(ro.speculation_k))
     counters = run.fleet.speculation_delta()
     if ro.measure_plain and not plain_first:
-        metrics["time/generation_plain"] = run.fleet.generate(prompts, sampling, ro.samples_per_prompt, 0).seconds
+        metrics["time/generation_plain"] = run.fleet.generate(rollout_request(0)).seconds
     samples = rollout.samples
     metrics["time/generation"] = rollout.seconds
     metrics["rollout/rerouted"] = float(rollout.rerouted)
     metrics["rollout/duplicates"] = float(rollout.duplicates)
+    metrics["rollout/regenerated"] = float(rollout.regenerated)
     metrics["rollout/weight_version"] = float(min(s.weight_version for s in samples))
     metrics["rollout/response_len"] = sum(len(s.token_ids) for s in samples) / len(samples)
     events = list(rollout.events)
@@ -342,7 +350,14 @@ def collect_batch(run: Run, step: int, metrics: dict[str, float]) -> TrainBatch:
         more = [run.task.sample(rng, "train") for _ in range(missing)]
         more_prompts = [run.tokenizer.encode(p.prompt) for p in more]
         run.fleet.speculation_delta()
-        extra = run.fleet.generate(more_prompts, _sampling(run, step, rounds), ro.samples_per_prompt, ro.speculation_k)
+        extra = run.fleet.generate(
+            GenerationRequest(
+                prompts=more_prompts,
+                sampling=_sampling(run, step, rounds),
+                samples_per_prompt=ro.samples_per_prompt,
+                speculation_k=ro.speculation_k,
+            )
+        )
         counters.add(run.fleet.speculation_delta())
         refill_seconds += extra.seconds
         events += extra.events
@@ -452,7 +467,7 @@ def train(cfg: RLConfig, *, resume: bool = False, progress: bool = True) -> list
     try:
         with contextlib.ExitStack() as stack:
 
-            def start_fleet() -> Orchestrator:
+            def start_fleet() -> Fleet:
                 with phase(fleet, progress):
                     orch, _local = stack.enter_context(sidecar_fleet(cfg, cfg.run_dir))
                 return orch
