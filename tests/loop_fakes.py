@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sidecar.types import FinishReason, Sample, SamplingParams, SpeculationCounters
-from trainer.orchestration import RolloutResult
+from sidecar.fleet import FleetResult, PushReport
+from sidecar.types import FinishReason, GenerationRequest, Sample, SpeculationCounters
 from trainer.policy import TrainBatch
 from trainer.tasks import Problem
 from trainer.tokenizer import CharTokenizer
@@ -43,9 +43,8 @@ class FakeFleet:
     def start_version(self) -> int:
         return self.version + 1
 
-    def generate(
-        self, prompts: list[list[int]], sampling: SamplingParams, samples_per_prompt: int, k: int = 0
-    ) -> RolloutResult:
+    def generate(self, request: GenerationRequest) -> FleetResult:
+        prompts, samples_per_prompt = request.prompts, request.samples_per_prompt
         self.calls += 1
         if self.calls == self.fail_on_call:
             raise self.failure()
@@ -64,14 +63,14 @@ class FakeFleet:
             for i in range(len(prompts))
             for j in range(samples_per_prompt)
         ]
-        return RolloutResult(samples=samples, seconds=0.01)
+        return FleetResult(samples=samples, seconds=0.01)
 
     def speculation_delta(self) -> SpeculationCounters:
         return SpeculationCounters()
 
-    def push_weights(self, *args: Any, **kw: Any) -> float:
+    def push_weights(self, *args: Any, **kw: Any) -> PushReport:
         self.version += 1
-        return 0.0
+        return PushReport(version=self.version, results={}, seconds=0.0)
 
 
 @dataclass

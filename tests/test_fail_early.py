@@ -263,14 +263,14 @@ def test_merge_overrides_keeps_strings_that_look_like_nothing() -> None:
 
 
 def _expected_errors() -> list[Exception]:
+    from sidecar.fleet import NoLiveSidecarError
     from trainer.bridge import CheckpointMismatchError
     from trainer.config_io import ConfigError
     from trainer.local_sidecars import SidecarStartError
-    from trainer.orchestration import RolloutError
     from trainer.preflight import PreflightError
 
     return [
-        RolloutError("no live sidecar"),
+        NoLiveSidecarError("no live sidecar"),
         SidecarStartError("exited"),
         CheckpointMismatchError("shapes"),
         RewardFunctionError("raised"),
