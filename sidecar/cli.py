@@ -17,6 +17,7 @@ from types import FrameType
 import click
 
 from sidecar.engine.base import Engine
+from sidecar.serve_config import ServeConfig
 
 log = logging.getLogger("specrl.serve")
 
@@ -44,77 +45,126 @@ def load_engine(engine: str, model: Path, *, device: str, spec_k: int, max_spec_
         raise click.ClickException(f"cannot start the {engine} engine for {model}: {e}") from None
 
 
+_D = ServeConfig()
+"""Every option's default is the config field's default."""
+
+
 @click.command()
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="YAML/TOML with `specrl serve` settings (fields of sidecar.serve_config.ServeConfig).",
+)
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a field, e.g. port=0.")
+@click.option("--print-config", is_flag=True, help="Print the resolved settings (YAML) and exit.")
 @click.option(
     "--model",
     "model_dir",
-    required=True,
     type=click.Path(exists=True, file_okay=False, path_type=Path),
-    help="Checkpoint directory (config.json + model.safetensors).",
+    help="Checkpoint directory (config.json + model.safetensors); required here or in the config.",
 )
-@click.option("--engine", type=click.Choice(["torch", "sglang"]), default="torch", show_default=True)
-@click.option("--host", default="127.0.0.1", show_default=True, help="Bind address (loopback unless told otherwise).")
-@click.option("--port", type=click.IntRange(0, 65535), default=50051, show_default=True, help="0 picks a free port.")
-@click.option("--spec-k", type=click.IntRange(0), default=3, show_default=True, help="Default draft length (0: off).")
-@click.option("--max-spec-k", type=click.IntRange(0), default=8, show_default=True)
-@click.option("--max-batch-size", type=click.IntRange(1), default=64, show_default=True)
-@click.option("--max-live-sequences", type=click.IntRange(1), default=4096, show_default=True)
-@click.option("--device", default="cpu", show_default=True, help="torch device: cpu, cuda, cuda:1 ...")
-@click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Server PEM chain.")
-@click.option("--tls-key", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Server PEM key.")
+@click.option("--engine", type=click.Choice(["torch", "sglang"]), default=_D.engine, show_default=True)
+@click.option("--host", default=_D.host, show_default=True, help="Bind address (loopback unless told otherwise).")
+@click.option("--port", type=click.IntRange(0, 65535), default=_D.port, show_default=True, help="0 picks a free port.")
+@click.option("--spec-k", type=click.IntRange(0), default=_D.spec_k, show_default=True, help="Default draft length.")
+@click.option("--max-spec-k", type=click.IntRange(0), default=_D.max_spec_k, show_default=True)
+@click.option("--max-batch-size", type=click.IntRange(1), default=_D.max_batch_size, show_default=True)
+@click.option("--max-live-sequences", type=click.IntRange(1), default=_D.max_live_sequences, show_default=True)
+@click.option("--device", default=_D.device, show_default=True, help="torch device: cpu, cuda, cuda:1 ...")
+@click.option(
+    "--tls-cert", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=_D.tls_cert, help="PEM chain."
+)
+@click.option(
+    "--tls-key", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=_D.tls_key, help="PEM key."
+)
 @click.option(
     "--tls-client-ca",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=_D.tls_client_ca,
     help="CA bundle clients must be signed by (mutual TLS).",
 )
 @click.option("--token", default=None, help="Bearer token required on every RPC (or --token-file / $SPECRL_TOKEN).")
-@click.option("--token-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None)
+@click.option("--token-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=_D.token_file)
 @click.option(
     "--metrics-port",
     type=click.IntRange(0, 65535),
-    default=None,
+    default=_D.metrics_port,
     help="Prometheus endpoint port on --host (off unless set).",
 )
 @click.option(
     "--keep-staging/--no-keep-staging",
-    default=True,
+    default=_D.keep_staging,
     show_default=True,
     help="Receive each weight push into the last push's staging memory (torch engine): faster pushes, "
     "but ~1x the model stays resident between pushes (the peak during a push is the same).",
 )
 @click.option(
     "--weight-transports",
-    default="shm,collective",
+    default=_D.weight_transports,
     show_default=True,
     help="Weight data planes offered besides the gRPC stream (comma-separated: shm, collective; '' for "
     "grpc only). A client proves shm (same host) before using it; collective lets a client that may push "
     "weights make this sidecar join its torch.distributed group.",
 )
-@click.option("--grace", type=click.FloatRange(0), default=5.0, show_default=True, help="Shutdown grace seconds.")
-@click.option("--log-level", default="INFO", show_default=True)
+@click.option("--grace", type=click.FloatRange(0), default=_D.grace, show_default=True, help="Shutdown grace seconds.")
+@click.option("--log-level", default=_D.log_level, show_default=True)
+@click.pass_context
 def serve(
-    model_dir: Path,
-    engine: str,
-    host: str,
-    port: int,
-    spec_k: int,
-    max_spec_k: int,
-    max_batch_size: int,
-    max_live_sequences: int,
-    device: str,
-    tls_cert: Path | None,
-    tls_key: Path | None,
-    tls_client_ca: Path | None,
+    ctx: click.Context,
+    config_file: Path | None,
+    overrides: tuple[str, ...],
+    print_config: bool,
+    model_dir: Path | None,
     token: str | None,
-    token_file: Path | None,
-    metrics_port: int | None,
-    keep_staging: bool,
-    weight_transports: str,
-    grace: float,
-    log_level: str,
+    **options: object,
 ) -> None:
     """Serve a model over specrl.v1 (a rollout sidecar)."""
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = resolve_serve_config(ctx, config_file, list(overrides), model_dir, options)
+    if print_config:
+        import yaml
+
+        from trainer.config_io import to_mapping
+
+        click.echo(yaml.safe_dump(to_mapping(cfg), sort_keys=False), nl=False)
+        return
+    run_sidecar(cfg, token)
+
+
+def resolve_serve_config(
+    ctx: click.Context,
+    config_file: Path | None,
+    overrides: list[str],
+    model_dir: Path | None,
+    options: dict[str, object],
+) -> ServeConfig:
+    """File, then `--set`, then the options given on the command line (not their defaults)."""
+    from click.core import ParameterSource
+
+    from trainer.config_io import ConfigError, from_mapping, load_file, merge_overrides
+
+    try:
+        data = load_file(config_file) if config_file is not None else {}
+        data = merge_overrides(data, overrides)
+        for name, value in options.items():
+            if ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT):
+                data[name] = str(value) if isinstance(value, Path) else value
+        if model_dir is not None:
+            data["model"] = str(model_dir)
+        cfg = from_mapping(ServeConfig, data)
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None
+    if cfg.model is None:
+        raise click.UsageError("no model: pass --model DIR or set model in the --config file")
+    if not cfg.model.is_dir():
+        raise click.ClickException(f"model: checkpoint directory {cfg.model} does not exist")
+    return cfg
+
+
+def run_sidecar(cfg: ServeConfig, token: str | None = None) -> None:
+    """Serve `cfg.model` until SIGTERM/SIGINT."""
+    assert cfg.model is not None
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from sidecar.scheduler import SchedulerConfig
     from sidecar.security import SecurityConfig, read_token
     from sidecar.server import ServerConfig
@@ -125,28 +175,23 @@ def serve(
 
     prefer_mmap_for_large_buffers()  # weight pushes then return their staging memory at once
 
-    offered = {t.strip() for t in weight_transports.split(",") if t.strip()}
-    if offered - {"shm", "collective"}:
-        raise click.BadParameter(
-            f"unknown transport(s) {sorted(offered - {'shm', 'collective'})}; use shm and/or collective "
-            "(grpc is always offered)",
-            param_hint="--weight-transports",
-        )
+    host, grace, engine = cfg.host, cfg.grace, cfg.engine
+    offered = cfg.offered_transports
     try:
         security = SecurityConfig(
-            tls_cert=tls_cert,
-            tls_key=tls_key,
-            tls_client_ca=tls_client_ca,
-            token=read_token(token, token_file),
+            tls_cert=cfg.tls_cert,
+            tls_key=cfg.tls_key,
+            tls_client_ca=cfg.tls_client_ca,
+            token=read_token(token, cfg.token_file),
         )
         config = SidecarConfig(
-            server=ServerConfig(host=host, port=port),
-            scheduler=SchedulerConfig(max_live_sequences=max_live_sequences),
-            limits=RequestLimits(max_samples=min(4096, max_live_sequences)),
+            server=ServerConfig(host=host, port=cfg.port),
+            scheduler=SchedulerConfig(max_live_sequences=cfg.max_live_sequences),
+            limits=RequestLimits(max_samples=min(4096, cfg.max_live_sequences)),
             security=security,
-            metrics_port=metrics_port,
+            metrics_port=cfg.metrics_port,
             metrics_host=host,
-            keep_staging=keep_staging and engine == "torch",
+            keep_staging=cfg.keep_staging and engine == "torch",
             data_planes=DataPlaneConfig(shm="shm" in offered, collective="collective" in offered),
             shutdown_grace_s=grace,
         )
@@ -155,7 +200,12 @@ def serve(
     if host not in ("127.0.0.1", "::1", "localhost") and security.token is None and security.tls_client_ca is None:
         log.warning("binding %s without a token or mutual TLS: anyone who reaches it can push weights", host)
     eng = load_engine(
-        engine, model_dir, device=device, spec_k=spec_k, max_spec_k=max_spec_k, max_batch_size=max_batch_size
+        engine,
+        cfg.model,
+        device=cfg.device,
+        spec_k=cfg.spec_k,
+        max_spec_k=cfg.max_spec_k,
+        max_batch_size=cfg.max_batch_size,
     )
     try:
         sidecar = Sidecar(eng, config)
