@@ -14,8 +14,11 @@ import threading
 from pathlib import Path
 from types import FrameType
 
+import json
+
 import click
 
+from sidecar.engine import ENGINE_KINDS
 from sidecar.engine.base import Engine
 
 log = logging.getLogger("specrl.serve")
@@ -23,11 +26,40 @@ log = logging.getLogger("specrl.serve")
 SGLANG_UNAVAILABLE = "SGLang engine not available in this build: install specrl[sglang] on a GPU node"
 
 
-def load_engine(engine: str, model: Path, *, device: str, spec_k: int, max_spec_k: int, max_batch_size: int) -> Engine:
+def parse_sglang_args(pairs: tuple[str, ...]) -> dict[str, object]:
+    """``KEY=VALUE`` pairs → SGLang ``ServerArgs`` keywords; VALUE is JSON when it parses, else a string."""
+    out: dict[str, object] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.isidentifier():
+            raise click.BadParameter(
+                f"{pair!r} is not KEY=VALUE with KEY a ServerArgs field, e.g. mem_fraction_static=0.5",
+                param_hint="--sglang-arg",
+            )
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
+
+
+def load_engine(
+    engine: str,
+    model: Path,
+    *,
+    device: str,
+    spec_k: int,
+    max_spec_k: int,
+    max_batch_size: int,
+    sglang_args: dict[str, object] | None = None,
+) -> Engine:
     """The engine serving `model` (an Engine); click.ClickException when it cannot be built."""
     from sidecar.engine import create_engine
     from sidecar.errors import SpecrlError
 
+    if sglang_args and engine != "sglang":
+        raise click.BadParameter(f"--sglang-arg applies to --engine sglang only, not {engine}", param_hint="--sglang-arg")
+    options: dict[str, object] = {"extra_server_args": sglang_args} if sglang_args else {}
     try:
         return create_engine(
             engine,
@@ -36,6 +68,7 @@ def load_engine(engine: str, model: Path, *, device: str, spec_k: int, max_spec_
             speculation_k=spec_k,
             max_speculation_k=max_spec_k,
             max_batch_size=max_batch_size,
+            **options,
         )
     except ImportError as e:
         raise click.ClickException(f"{SGLANG_UNAVAILABLE} ({e})") from None
@@ -52,7 +85,7 @@ def load_engine(engine: str, model: Path, *, device: str, spec_k: int, max_spec_
     type=click.Path(exists=True, file_okay=False, path_type=Path),
     help="Checkpoint directory (config.json + model.safetensors).",
 )
-@click.option("--engine", type=click.Choice(["torch", "sglang"]), default="torch", show_default=True)
+@click.option("--engine", type=click.Choice(ENGINE_KINDS), default="torch", show_default=True)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Bind address (loopback unless told otherwise).")
 @click.option("--port", type=click.IntRange(0, 65535), default=50051, show_default=True, help="0 picks a free port.")
 @click.option("--spec-k", type=click.IntRange(0), default=3, show_default=True, help="Default draft length (0: off).")
@@ -82,6 +115,14 @@ def load_engine(engine: str, model: Path, *, device: str, spec_k: int, max_spec_
     help="Receive each weight push into the last push's staging memory (torch engine): faster pushes, "
     "but ~1x the model stays resident between pushes (the peak during a push is the same).",
 )
+@click.option(
+    "--sglang-arg",
+    "sglang_args",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Extra SGLang ServerArgs keyword (--engine sglang; repeatable; VALUE parsed as JSON when it can be), "
+    "e.g. --sglang-arg mem_fraction_static=0.5 --sglang-arg max_total_tokens=4096.",
+)
 @click.option("--grace", type=click.FloatRange(0), default=5.0, show_default=True, help="Shutdown grace seconds.")
 @click.option("--log-level", default="INFO", show_default=True)
 def serve(
@@ -101,6 +142,7 @@ def serve(
     token_file: Path | None,
     metrics_port: int | None,
     keep_staging: bool,
+    sglang_args: tuple[str, ...],
     grace: float,
     log_level: str,
 ) -> None:
@@ -137,7 +179,13 @@ def serve(
     if host not in ("127.0.0.1", "::1", "localhost") and security.token is None and security.tls_client_ca is None:
         log.warning("binding %s without a token or mutual TLS: anyone who reaches it can push weights", host)
     eng = load_engine(
-        engine, model_dir, device=device, spec_k=spec_k, max_spec_k=max_spec_k, max_batch_size=max_batch_size
+        engine,
+        model_dir,
+        device=device,
+        spec_k=spec_k,
+        max_spec_k=max_spec_k,
+        max_batch_size=max_batch_size,
+        sglang_args=parse_sglang_args(sglang_args),
     )
     try:
         sidecar = Sidecar(eng, config)
@@ -155,4 +203,7 @@ def serve(
     click.echo(f"specrl sidecar listening on {sidecar.address}", err=True)
     while not stop.wait(timeout=1.0):  # ends on SIGTERM/SIGINT
         pass
-    sidecar.stop(grace)
+    try:
+        sidecar.stop(grace)
+    finally:
+        eng.close()

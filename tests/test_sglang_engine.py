@@ -27,18 +27,18 @@ from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from sidecar.engine import create_engine
-from sidecar.engine import sglang_names as names
+from sidecar.engine.sglang import names
 from sidecar.engine.checkpoint import draft_tensor_names, load_checkpoint, save_checkpoint, target_tensor_names
 from sidecar.engine.model import ModelConfig, build_model
-from sidecar.engine.sglang_backend import SGLangBackend, SGLangEngineError, sampling_params_dict
-from sidecar.engine.sglang_engine import (
+from sidecar.engine.sglang.backend import SGLangBackend, SGLangEngineError, sampling_params_dict
+from sidecar.engine.sglang.engine import (
     SGLangEngine,
     SGLangEngineConfig,
     StaleDraftError,
     build_server_args,
     tensor_digest,
 )
-from sidecar.engine.sglang_meta import MetaInfoError, counters_from_meta_info, sample_from_meta_info
+from sidecar.engine.sglang.meta import MetaInfoError, counters_from_meta_info, sample_from_meta_info
 from sidecar.errors import InvalidRequestError, StaleVersionError, UnknownTensorError, WeightMismatchError
 from sidecar.types import FinishReason, GenerationRequest, SamplingParams, WeightSelector
 
@@ -94,7 +94,7 @@ def test_sampling_params() -> None:
 # ---- meta_info → Sample --------------------------------------------------------------------
 
 
-def sglang_meta(accepted_per_step: list[int], k: int, *, version: str = "3", retractions: int = 0) -> dict[str, Any]:
+def meta(accepted_per_step: list[int], k: int, *, version: str = "3", retractions: int = 0) -> dict[str, Any]:
     """meta_info the way SGLang 0.5.23 builds it from per-verify-step accepted-draft counts."""
     completion = 1 + retractions + sum(a + 1 for a in accepted_per_step)  # prefills + one per step
     meta: dict[str, Any] = {
@@ -125,7 +125,7 @@ def test_counters_match_a_direct_count(seed: int) -> None:
     k = rng.randint(1, 5)
     steps = [rng.randint(0, k) for _ in range(rng.randint(1, 30))]
     retractions = rng.randint(0, 2)
-    meta = sglang_meta(steps, k, retractions=retractions)
+    meta = meta(steps, k, retractions=retractions)
     c = counters_from_meta_info(meta, num_tokens=meta["completion_tokens"], speculation_k=k)
     assert c.verify_steps == len(steps) + 1 + retractions
     assert c.generated_tokens == meta["completion_tokens"]
@@ -137,18 +137,18 @@ def test_counters_match_a_direct_count(seed: int) -> None:
 
 
 def test_counters_plain_decoding_and_inconsistency() -> None:
-    c = counters_from_meta_info(sglang_meta([], 3), num_tokens=1, speculation_k=3)
+    c = counters_from_meta_info(meta([], 3), num_tokens=1, speculation_k=3)
     assert (c.verify_steps, c.generated_tokens, c.drafted_tokens) == (1, 1, 0)
-    bad = sglang_meta([1, 2], 3) | {"spec_num_proposed_drafts": 5}
+    bad = meta([1, 2], 3) | {"spec_num_proposed_drafts": 5}
     with pytest.raises(MetaInfoError, match="speculative_num_steps=3"):
         counters_from_meta_info(bad, num_tokens=6, speculation_k=3)
-    bad = sglang_meta([1, 2], 3) | {"spec_correct_drafts_histogram": [1, 1]}
+    bad = meta([1, 2], 3) | {"spec_correct_drafts_histogram": [1, 1]}
     with pytest.raises(MetaInfoError, match="histogram"):
         counters_from_meta_info(bad, num_tokens=6, speculation_k=3)
 
 
 def test_sample_from_meta_info() -> None:
-    meta = sglang_meta([2, 0], 2) | {
+    meta = meta([2, 0], 2) | {
         "finish_reason": {"type": "stop", "matched": 9},
         "weight_versions": [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 5}],
         "weight_version": "4",
@@ -284,7 +284,7 @@ class RecordingBackend:
         self.calls.append(("generate", rid))
         n = params["max_new_tokens"]
         ids = [(input_ids[-1] + i + 1) % 64 for i in range(n)]
-        meta = sglang_meta([min(self.k, 1)] * ((n - 1) // 2), self.k, version=self.version)
+        meta = meta([min(self.k, 1)] * ((n - 1) // 2), self.k, version=self.version)
         meta["completion_tokens"] = n
         meta["output_token_logprobs"] = [(-0.1, t, None) for t in ids]
 
@@ -292,7 +292,7 @@ class RecordingBackend:
             await asyncio.sleep(0)
             if rid in self.aborted:  # SGLang returns what it has, with reason "abort"
                 cut = {"finish_reason": {"type": "abort"}, "output_token_logprobs": meta["output_token_logprobs"][:1]}
-                return {"output_ids": ids[:1], "meta_info": {**sglang_meta([], self.k), **cut}}
+                return {"output_ids": ids[:1], "meta_info": {**meta([], self.k), **cut}}
             return {"output_ids": ids, "meta_info": meta}
 
         return self.loop.create_task(run())

@@ -10,7 +10,7 @@ Skipped without CUDA (and without SGLang). Shows, for the same weights:
 
 The model is specrl's tiny config widened to shapes SGLang's attention kernels accept
 (head_dim 64), in bfloat16, saved in the checkpoint contract layout and exported with
-`sglang_names.write_sglang_checkpoint` (Qwen3ForCausalLM target + Qwen3-MoE MTP shim draft).
+`names.write_sglang_checkpoint` (Qwen3ForCausalLM target + Qwen3-MoE MTP shim draft).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 
 from sidecar.engine.checkpoint import load_checkpoint, model_state_dict, save_checkpoint
 from sidecar.engine.model import ModelConfig, build_model
-from sidecar.engine.sglang_engine import SGLangEngine
+from sidecar.engine.sglang.engine import SGLangEngine
 from sidecar.engine.torch_engine import TorchEngine
 from sidecar.types import GenerationRequest, SamplingParams, WeightSelector
 from tests.engine.engine_fixtures import aligned_draft_model

@@ -43,6 +43,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -51,12 +52,12 @@ from typing import Any
 
 import torch
 
-from sidecar.engine import sglang_names as names
+from sidecar.engine.sglang import names
 from sidecar.engine.base import Engine
 from sidecar.engine.checkpoint import draft_tensor_shapes, load_checkpoint, target_tensor_shapes
 from sidecar.engine.model import ModelConfig
-from sidecar.engine.sglang_backend import SGLangBackend, SGLangEngineError, sampling_params_dict
-from sidecar.engine.sglang_meta import sample_from_meta_info
+from sidecar.engine.sglang.backend import SGLangBackend, SGLangEngineError, import_sglang, sampling_params_dict
+from sidecar.engine.sglang.meta import sample_from_meta_info
 from sidecar.engine.validation import check_weights, validate_request
 from sidecar.errors import InvalidRequestError
 from sidecar.types import (
@@ -90,7 +91,7 @@ class SGLangEngineConfig:
     """How to launch SGLang; `build_server_args` turns it into ``ServerArgs`` keywords."""
 
     model_path: str
-    """Target directory in SGLang's layout (see `sglang_names.write_sglang_checkpoint`)."""
+    """Target directory in SGLang's layout (see `names.write_sglang_checkpoint`)."""
     speculative_algorithm: str | None = "NEXTN"
     """NEXTN (the model's MTP layer, via the draft directory), EAGLE, EAGLE3, or None (no draft)."""
     speculation_k: int = 3
@@ -110,7 +111,9 @@ class SGLangEngineConfig:
     context_length: int | None = None
     """Override of the model context (None: max_position_embeddings)."""
     disable_cuda_graph: bool = False
-    """True skips CUDA-graph capture (faster start, slower decode; handy in tests)."""
+    """True skips CUDA-graph capture (faster start, slower decode; handy in tests). Always on for CPU."""
+    device: str = "cuda"
+    """"cuda", "cuda:N" (SGLang's ``base_gpu_id`` = N) or "cpu" (SGLang's CPU engine, see `build_server_args`)."""
     rejection_sampling: bool = False
     """SGLang's ``speculative_use_rejection_sampling`` (sampled drafts + min(1, p/q)). False
     keeps SGLang's default target-only verification of greedy drafts, which is also lossless."""
@@ -138,12 +141,14 @@ class SGLangEngineConfig:
             if not self.draft_model_path:
                 raise ValueError(
                     f"draft_model_path is required with {self.speculative_algorithm}; for NEXTN use the draft "
-                    "directory of sglang_names.write_sglang_checkpoint"
+                    "directory of names.write_sglang_checkpoint"
                 )
         elif self.speculation_k != 0:
             raise ValueError(f"speculation_k must be 0 without a speculative algorithm, got {self.speculation_k}")
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if not (self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device)):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1) or None, got {self.mem_fraction_static}")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
@@ -158,7 +163,8 @@ def build_server_args(config: SGLangEngineConfig) -> dict[str, Any]:
     """Keyword arguments of ``sglang.Engine(**kw)`` (= ``ServerArgs(**kw)``) for `config`.
 
     Fixed choices: token ids in and out (``skip_tokenizer_init``), weight version "0" until the
-    first push, top-k 1 chain drafting with ``speculative_num_draft_tokens = k + 1``.
+    first push, top-k 1 chain drafting with ``speculative_num_draft_tokens = k + 1``. On
+    ``device="cpu"`` CUDA graphs are off and SGLang chooses its CPU attention backend.
     """
     args: dict[str, Any] = {
         "model_path": config.model_path,
@@ -171,6 +177,12 @@ def build_server_args(config: SGLangEngineConfig) -> dict[str, Any]:
         "disable_cuda_graph": config.disable_cuda_graph,
         "log_level": "error",
     }
+    if config.device == "cpu":
+        # SGLang's CPU engine (also needs SGLANG_USE_CPU_ENGINE=1, set by SGLangBackend.launch);
+        # SGLang picks its CPU attention backend itself (intel_amx on x86).
+        args.update(device="cpu", disable_cuda_graph=True)
+    elif config.device.startswith("cuda:"):
+        args["base_gpu_id"] = int(config.device.split(":", 1)[1])
     if config.mem_fraction_static is not None:
         args["mem_fraction_static"] = config.mem_fraction_static
     if config.max_running_requests is not None:
@@ -260,8 +272,7 @@ class SGLangEngine(Engine):
         `max_speculation_k` is ignored (the engine reports max = k); `max_batch_size` becomes
         ``max_running_requests``; `options` go to `SGLangEngineConfig`.
         """
-        if not device.startswith("cuda"):
-            raise ValueError(f"the SGLang engine runs on CUDA devices, got device={device!r}; use --engine torch")
+        import_sglang(device)  # fail before writing SGLang's directories next to the checkpoint
         if max_speculation_k is not None and max_speculation_k != speculation_k:
             log.info(
                 "SGLang fixes k at launch: serving k=%d, max_speculation_k=%d ignored", speculation_k, max_speculation_k
@@ -277,6 +288,7 @@ class SGLangEngine(Engine):
             draft_model_path=str(layout.draft_dir) if spec else None,
             max_running_requests=max_batch_size,
             served_name=Path(path).name,
+            device=device,
             **options,
         )
         _, draft = names.split_contract(model, tensors)
@@ -315,7 +327,7 @@ class SGLangEngine(Engine):
             ),
             engine="sglang",
             engine_version=SGLANG_VERSION,
-            device_kind="cuda",
+            device_kind="cpu" if self.config.device == "cpu" else "cuda",
             device_name=self._backend.device_name(),
             speculation_method="mtp" if self._k else "",
             speculation_k=self._k,
@@ -517,7 +529,7 @@ class SGLangEngine(Engine):
         if missing:
             raise StaleDraftError(
                 f"SGLang reports no checksum for draft parameter(s) {missing[:3]}; the name mapping does not match "
-                f"the served {names.DRAFT_CLASS} (sglang_names.runtime_parameter)"
+                f"the served {names.DRAFT_CLASS} (names.runtime_parameter)"
             )
         stale = sorted(p for p in want if before[p] == after[p])
         if stale:
