@@ -368,6 +368,13 @@ class SGLangEngine(Engine):
     # ---- Engine: requests -------------------------------------------------------------------
     def validate(self, request: GenerationRequest) -> None:
         validate_request(request, self.model, self._k)
+        if self._k and self.config.device == "cpu" and request.sampling.temperature > 0:
+            raise InvalidRequestError(
+                f"temperature={request.sampling.temperature} with speculation is refused on CPU: SGLang 0.5.23 "
+                "verifies drafts greedily there (sglang/srt/speculative/eagle_utils.py, _verify_uses_greedy), so "
+                "its samples would not follow the target distribution; use temperature 0, serve with --spec-k 0, "
+                "or run on a GPU"
+            )
         if request.speculation_k is not None and request.speculation_k != self._k:
             raise InvalidRequestError(
                 f"speculation_k={request.speculation_k} is not available: SGLang drafts exactly k={self._k} tokens "
