@@ -44,7 +44,7 @@ def small_config(dtype: str = "float32", **overrides: object) -> ModelConfig:
     return ModelConfig.tiny(**fields)  # type: ignore[arg-type]
 
 
-def test_server_args(*, max_running_requests: int = 16) -> dict[str, object]:
+def sglang_test_args(*, max_running_requests: int = 16) -> dict[str, object]:
     """SGLang ServerArgs for tests: small KV cache, no CUDA graphs, bounded batch."""
     return {
         "max_total_tokens": KV_TOKENS,
@@ -55,7 +55,7 @@ def test_server_args(*, max_running_requests: int = 16) -> dict[str, object]:
     }
 
 
-def test_env() -> dict[str, str]:
+def sglang_test_env() -> dict[str, str]:
     """Environment of processes that run SGLang in tests (the sidecar and its scheduler)."""
     env = dict(os.environ)
     env.update(
@@ -92,13 +92,13 @@ def specrl_serve(checkpoint: Path, *, spec_k: int, extra: tuple[str, ...] = ()) 
         "--log-level",
         "WARNING",
     ]
-    for key, value in test_server_args().items():
+    for key, value in sglang_test_args().items():
         if key != "max_running_requests":  # --max-batch-size sets it
             cmd += ["--sglang-arg", f"{key}={str(value).lower() if isinstance(value, bool) else value}"]
     cmd += list(extra)
     log = checkpoint.parent / f"serve-k{spec_k}.log"
     with open(log, "w+") as err:
-        proc = subprocess.Popen(cmd, stderr=err, stdout=subprocess.DEVNULL, env=test_env(), text=True)
+        proc = subprocess.Popen(cmd, stderr=err, stdout=subprocess.DEVNULL, env=sglang_test_env(), text=True)
         try:
             address = _wait_for_address(proc, log)
             yield address

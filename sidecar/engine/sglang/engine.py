@@ -375,6 +375,13 @@ class SGLangEngine(Engine):
                 "its samples would not follow the target distribution; use temperature 0, serve with --spec-k 0, "
                 "or run on a GPU"
             )
+        sp = request.sampling
+        if self.config.device == "cpu" and sp.temperature > 0 and sp.top_k > 0 and sp.top_p < 1.0:
+            raise InvalidRequestError(
+                f"top_k={sp.top_k} together with top_p={sp.top_p} is refused on CPU: SGLang's PyTorch sampler applies "
+                "top-p to the probabilities before top-k renormalisation (sglang/srt/layers/sampler.py), specrl "
+                "after it, so the served distribution would differ; use one of the two"
+            )
         if request.speculation_k is not None and request.speculation_k != self._k:
             raise InvalidRequestError(
                 f"speculation_k={request.speculation_k} is not available: SGLang drafts exactly k={self._k} tokens "
