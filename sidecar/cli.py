@@ -8,13 +8,12 @@ says otherwise: whoever can push weights owns the model.
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import threading
 from pathlib import Path
 from types import FrameType
-
-import json
 
 import click
 
@@ -58,7 +57,9 @@ def load_engine(
     from sidecar.errors import SpecrlError
 
     if sglang_args and engine != "sglang":
-        raise click.BadParameter(f"--sglang-arg applies to --engine sglang only, not {engine}", param_hint="--sglang-arg")
+        raise click.BadParameter(
+            f"--sglang-arg applies to --engine sglang only, not {engine}", param_hint="--sglang-arg"
+        )
     options: dict[str, object] = {"extra_server_args": sglang_args} if sglang_args else {}
     try:
         return create_engine(

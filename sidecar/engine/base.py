@@ -108,3 +108,4 @@ class Engine(ABC):
 
         The embedded engine holds nothing of the kind; `specrl serve` calls this on shutdown.
         """
+        return None

@@ -27,9 +27,9 @@ from typing import Any
 import pytest
 import torch
 
-from sidecar.engine.sglang import names
 from sidecar.engine.checkpoint import load_checkpoint, save_checkpoint
 from sidecar.engine.model import ModelConfig, build_model
+from sidecar.engine.sglang import names
 from sidecar.engine.sglang.backend import SHARED_WITH_TARGET, _merge_checksums
 from sidecar.engine.sglang.engine import (
     SGLangEngine,

@@ -41,12 +41,12 @@ from sidecar.engine.sglang import SGLangEngine, SGLangEngineError, StaleDraftErr
 from sidecar.engine.torch_engine import TorchEngine
 from sidecar.types import GenerationRequest, SamplingParams, WeightSelector
 from tests.engine.engine_fixtures import aligned_draft_model
-from tests.with_sglang.served import DEVICE, specrl_serve, sglang_test_args
+from tests.with_sglang.served import DEVICE, sglang_test_args, specrl_serve
 
 # The harness itself (one piece of code for both engines); its module imports its neighbours as
 # top-level modules, as tests/engine's conftest arranges.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
-from test_speculative_distribution import PROMPT, V, chi_square_pvalue, exact_joint  # noqa: E402
+from test_speculative_distribution import PROMPT, V, chi_square_pvalue, exact_joint
 
 _SGLANG = importlib.util.find_spec("sglang")
 HAVE_SGLANG = _SGLANG is not None and _SGLANG.origin is not None
@@ -158,7 +158,9 @@ def test_cpu_speculative_sampling_is_greedy_verification_not_lossless(
     first_two = {tuple(o["output_ids"][:1]) for o in outs}
     for prefix in first_two:
         want = greedy_next.generate(
-            GenerationRequest(prompts=[PROMPT + list(prefix)], sampling=SamplingParams(temperature=0.0, max_new_tokens=2))
+            GenerationRequest(
+                prompts=[PROMPT + list(prefix)], sampling=SamplingParams(temperature=0.0, max_new_tokens=2)
+            )
         )[0].token_ids
         got = {tuple(o["output_ids"][1:3]) for o in outs if tuple(o["output_ids"][:1]) == prefix}
         assert got == {tuple(want)}, (prefix, got, want)

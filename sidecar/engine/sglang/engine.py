@@ -52,10 +52,10 @@ from typing import Any
 
 import torch
 
-from sidecar.engine.sglang import names
 from sidecar.engine.base import Engine
 from sidecar.engine.checkpoint import draft_tensor_shapes, load_checkpoint, target_tensor_shapes
 from sidecar.engine.model import ModelConfig
+from sidecar.engine.sglang import names
 from sidecar.engine.sglang.backend import SGLangBackend, SGLangEngineError, import_sglang, sampling_params_dict
 from sidecar.engine.sglang.meta import sample_from_meta_info
 from sidecar.engine.validation import check_weights, validate_request

@@ -136,7 +136,9 @@ def _attend(
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), vf)
 
 
-def _unsupported(is_cross_attn: bool, sliding_window: int, sinks: Tensor | None, key_scale: float, v_scale: float) -> None:
+def _unsupported(
+    is_cross_attn: bool, sliding_window: int, sinks: Tensor | None, key_scale: float, v_scale: float
+) -> None:
     if is_cross_attn or sinks is not None or sliding_window > 0 or key_scale != 1.0 or v_scale != 1.0:
         raise NotImplementedError(
             "reference attention covers causal self-attention without sinks, sliding windows or scaled (fp8) KV "
@@ -172,7 +174,14 @@ def decode_attention_cpu(
         v_buffer[loc.long()] = value.to(v_buffer.dtype)
     for i in range(query.shape[0]):
         slots = req_to_token[int(req_pool_indices[i]), : int(seq_lens[i])].long()
-        out = _attend(query[i : i + 1], k_buffer[slots], v_buffer[slots], sm_scale=sm_scale, logit_cap=logit_cap, causal_offset=None)
+        out = _attend(
+            query[i : i + 1],
+            k_buffer[slots],
+            v_buffer[slots],
+            sm_scale=sm_scale,
+            logit_cap=logit_cap,
+            causal_offset=None,
+        )
         output[i] = out[0].to(output.dtype)
 
 
@@ -385,7 +394,6 @@ def verify_tree_greedy_cpu(
     target_predict: Tensor,  # (B, draft_token_num): the target's argmax after each node
 ) -> None:
     """Greedy verification: walk down the tree while a child equals the target's argmax."""
-    n = candidates.shape[1]
     flat_target = target_predict.reshape(-1)
     for b in range(candidates.shape[0]):
         last = int(retrive_index[b, 0])
