@@ -67,8 +67,10 @@ def sglang_test_env() -> dict[str, str]:
 
 
 @contextmanager
-def specrl_serve(checkpoint: Path, *, spec_k: int, extra: tuple[str, ...] = ()) -> Iterator[str]:
-    """Run ``specrl serve --engine sglang`` on `checkpoint` (port 0); yield its address; SIGTERM it after."""
+def specrl_serve(
+    checkpoint: Path, *, spec_k: int, extra: tuple[str, ...] = (), engine: str = "sglang"
+) -> Iterator[str]:
+    """Run ``specrl serve --engine ENGINE`` on `checkpoint` (port 0); yield its address; SIGTERM it after."""
     specrl = Path(sys.executable).parent / "specrl"
     cmd = [
         str(specrl),
@@ -76,7 +78,7 @@ def specrl_serve(checkpoint: Path, *, spec_k: int, extra: tuple[str, ...] = ()) 
         "--model",
         str(checkpoint),
         "--engine",
-        "sglang",
+        engine,
         "--device",
         DEVICE,
         "--port",
@@ -93,10 +95,10 @@ def specrl_serve(checkpoint: Path, *, spec_k: int, extra: tuple[str, ...] = ()) 
         "WARNING",
     ]
     for key, value in sglang_test_args().items():
-        if key != "max_running_requests":  # --max-batch-size sets it
+        if key != "max_running_requests" and engine == "sglang":  # --max-batch-size sets it
             cmd += ["--sglang-arg", f"{key}={str(value).lower() if isinstance(value, bool) else value}"]
     cmd += list(extra)
-    log = checkpoint.parent / f"serve-k{spec_k}.log"
+    log = checkpoint.parent / f"serve-{engine}-k{spec_k}.log"
     with open(log, "w+") as err:
         proc = subprocess.Popen(cmd, stderr=err, stdout=subprocess.DEVNULL, env=sglang_test_env(), text=True)
         try:
