@@ -30,11 +30,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sidecar.client import SidecarClient  # noqa: E402
-from sidecar.types import GenerationRequest, SamplingParams  # noqa: E402
-from tests.with_sglang.served import specrl_serve  # noqa: E402
-from trainer.tasks import ArithmeticTask  # noqa: E402
-from trainer.tokenizer import CharTokenizer  # noqa: E402
+from sidecar.client import SidecarClient
+from sidecar.types import GenerationRequest, SamplingParams
+from tests.with_sglang.served import specrl_serve
+from trainer.tasks import ArithmeticTask
+from trainer.tokenizer import CharTokenizer
 
 
 def main() -> None:
@@ -68,7 +68,9 @@ def main() -> None:
                 outs[name] = clients[name].generate(req, timeout_s=600)
                 if rep:
                     times[name].append(time.perf_counter() - start)
-            assert [x.token_ids for x in outs["torch"]] == [x.token_ids for x in outs["sglang"]], "greedy outputs differ"
+            assert [x.token_ids for x in outs["torch"]] == [x.token_ids for x in outs["sglang"]], (
+                "greedy outputs differ"
+            )
             if rep:
                 for name, samples in outs.items():
                     tokens[name].append(sum(len(x.token_ids) for x in samples))
