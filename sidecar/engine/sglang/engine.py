@@ -1,4 +1,4 @@
-"""The SGLang engine: specrl's step-driven `Engine` over `sglang.Engine` (pinned 0.5.23, GPU).
+"""The SGLang engine: specrl's step-driven `Engine` over `sglang.Engine` (pinned 0.5.23; GPU, or CPU).
 
 SGLang serves speculative decoding itself (NEXTN for a model's built-in MTP layer, EAGLE /
 EAGLE3 for a separate draft; Leviathan et al. 2023, https://arxiv.org/abs/2211.17192; Li et
@@ -24,6 +24,11 @@ pause_generation(retract) → begin_weight_update(selector) → update_weights_f
 cache) → end_weight_update → draft checksum proof → continue_generation. Retract mode puts
 running requests back in SGLang's queue and drops their KV, so tokens after the push are
 computed with the new weights (SGLang reports the split in ``meta_info["weight_versions"]``).
+
+Sampling on CPU. SGLang 0.5.23 verifies drafts greedily on CPU whatever the temperature
+(``speculative/eagle_utils.py``, ``_verify_uses_greedy``), and its PyTorch sampler applies top-p
+before top-k renormalisation; `validate` refuses the requests whose samples would therefore not
+follow specrl's distribution (tests/with_sglang/test_sampling.py shows both).
 
 What SGLang can and cannot guarantee. specrl validates names, dtypes, shapes and the version
 BEFORE calling SGLang, so those errors leave everything untouched (the ABC's all-or-nothing
