@@ -103,7 +103,7 @@ def test_aligned_draft_is_accepted(client: SidecarClient) -> None:
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the refusal concerns SGLang's CPU verify path")
 def test_sampling_with_speculation_is_refused_on_cpu(client: SidecarClient) -> None:
-    """SGLang 0.5.23 verifies greedily on CPU, so T > 0 would not be lossless (test_sampling.py)."""
+    """SGLang 0.5.23 verifies greedily on CPU, so T > 0 would not be lossless (test_sglang_sampling.py)."""
     request = GenerationRequest(prompts=[[1, 2]], sampling=SamplingParams(temperature=0.7, max_new_tokens=4))
     with pytest.raises(SidecarCallError, match="verifies drafts greedily") as err:
         client.generate(request)

@@ -28,7 +28,7 @@ computed with the new weights (SGLang reports the split in ``meta_info["weight_v
 Sampling on CPU. SGLang 0.5.23 verifies drafts greedily on CPU whatever the temperature
 (``speculative/eagle_utils.py``, ``_verify_uses_greedy``), and its PyTorch sampler applies top-p
 before top-k renormalisation; `validate` refuses the requests whose samples would therefore not
-follow specrl's distribution (tests/with_sglang/test_sampling.py shows both).
+follow specrl's distribution (tests/with_sglang/test_sglang_sampling.py shows both).
 
 What SGLang can and cannot guarantee. specrl validates names, dtypes, shapes and the version
 BEFORE calling SGLang, so those errors leave everything untouched (the ABC's all-or-nothing
