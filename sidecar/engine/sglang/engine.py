@@ -508,7 +508,7 @@ class SGLangEngine(Engine):
                 b.push(named, selector=role, weight_version=str(version) if last else None, flush_cache=last)
             b.end()
             if before is not None:
-                self._prove_draft_changed(before, b.draft_checksums(), changed)
+                self._prove_draft_changed(before, b.draft_checksums(), changed, digests)
             b.resume()
         except Exception as e:
             self._broken |= roles
@@ -534,16 +534,27 @@ class SGLangEngine(Engine):
         before: Mapping[str, str],
         after: Mapping[str, str],
         changed: list[str],
+        digests: Mapping[str, str],
     ) -> None:
-        """Raise StaleDraftError unless SGLang's draft checksums show the pushed change."""
+        """Raise StaleDraftError unless SGLang's draft checksums show the pushed change.
+
+        Tensors SGLang did load are recorded as served (`_draft_digest`) even when the push
+        fails, so that retrying the same push proves only what is still missing (SGLang loads
+        in place: what it loaded before the failure stays loaded).
+        """
         if not self._contract_draft:
             if before == after:
                 raise StaleDraftError("SGLang's draft checksums are unchanged after pushing new draft tensors")
             return
-        want: set[str] = set()
-        for n in changed:
-            for sg in names.draft_names(n, num_experts=self.config.tp_size):
-                want.add(names.runtime_parameter(sg, draft=True))
+        params = {
+            n: {names.runtime_parameter(sg, draft=True) for sg in names.draft_names(n, num_experts=self.config.tp_size)}
+            for n in changed
+        }
+        loaded = [
+            n for n, ps in params.items() if all(p in before and p in after and before[p] != after[p] for p in ps)
+        ]
+        self._draft_digest.update({n: digests[n] for n in loaded})
+        want = set().union(*params.values()) if params else set()
         missing = sorted(p for p in want if p not in after or p not in before)
         if missing:
             raise StaleDraftError(
