@@ -8,6 +8,7 @@ says otherwise: whoever can push weights owns the model.
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import threading
@@ -16,6 +17,7 @@ from types import FrameType
 
 import click
 
+from sidecar.engine import ENGINE_KINDS
 from sidecar.engine.base import Engine
 from sidecar.serve_config import ServeConfig
 
@@ -24,11 +26,42 @@ log = logging.getLogger("specrl.serve")
 SGLANG_UNAVAILABLE = "SGLang engine not available in this build: install specrl[sglang] on a GPU node"
 
 
-def load_engine(engine: str, model: Path, *, device: str, spec_k: int, max_spec_k: int, max_batch_size: int) -> Engine:
+def parse_sglang_args(pairs: tuple[str, ...]) -> dict[str, object]:
+    """``KEY=VALUE`` pairs → SGLang ``ServerArgs`` keywords; VALUE is JSON when it parses, else a string."""
+    out: dict[str, object] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.isidentifier():
+            raise click.BadParameter(
+                f"{pair!r} is not KEY=VALUE with KEY a ServerArgs field, e.g. mem_fraction_static=0.5",
+                param_hint="--sglang-arg",
+            )
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
+
+
+def load_engine(
+    engine: str,
+    model: Path,
+    *,
+    device: str,
+    spec_k: int,
+    max_spec_k: int,
+    max_batch_size: int,
+    sglang_args: dict[str, object] | None = None,
+) -> Engine:
     """The engine serving `model` (an Engine); click.ClickException when it cannot be built."""
     from sidecar.engine import create_engine
     from sidecar.errors import SpecrlError
 
+    if sglang_args and engine != "sglang":
+        raise click.BadParameter(
+            f"--sglang-arg applies to --engine sglang only, not {engine}", param_hint="--sglang-arg"
+        )
+    options: dict[str, object] = {"extra_server_args": sglang_args} if sglang_args else {}
     try:
         return create_engine(
             engine,
@@ -37,6 +70,7 @@ def load_engine(engine: str, model: Path, *, device: str, spec_k: int, max_spec_
             speculation_k=spec_k,
             max_speculation_k=max_spec_k,
             max_batch_size=max_batch_size,
+            **options,
         )
     except ImportError as e:
         raise click.ClickException(f"{SGLANG_UNAVAILABLE} ({e})") from None
@@ -64,7 +98,7 @@ _D = ServeConfig()
     type=click.Path(exists=True, file_okay=False, path_type=Path),
     help="Checkpoint directory (config.json + model.safetensors); required here or in the config.",
 )
-@click.option("--engine", type=click.Choice(["torch", "sglang"]), default=_D.engine, show_default=True)
+@click.option("--engine", type=click.Choice(ENGINE_KINDS), default=_D.engine, show_default=True)
 @click.option("--host", default=_D.host, show_default=True, help="Bind address (loopback unless told otherwise).")
 @click.option("--port", type=click.IntRange(0, 65535), default=_D.port, show_default=True, help="0 picks a free port.")
 @click.option("--spec-k", type=click.IntRange(0), default=_D.spec_k, show_default=True, help="Default draft length.")
@@ -107,6 +141,15 @@ _D = ServeConfig()
     "grpc only). A client proves shm (same host) before using it; collective lets a client that may push "
     "weights make this sidecar join its torch.distributed group.",
 )
+@click.option(
+    "--sglang-arg",
+    "sglang_args",
+    multiple=True,
+    default=_D.sglang_args,
+    metavar="KEY=VALUE",
+    help="Extra SGLang ServerArgs keyword (--engine sglang; repeatable; VALUE parsed as JSON when it can be), "
+    "e.g. --sglang-arg mem_fraction_static=0.5 --sglang-arg max_total_tokens=4096.",
+)
 @click.option("--grace", type=click.FloatRange(0), default=_D.grace, show_default=True, help="Shutdown grace seconds.")
 @click.option("--log-level", default=_D.log_level, show_default=True)
 @click.pass_context
@@ -148,7 +191,9 @@ def resolve_serve_config(
         data = merge_overrides(data, overrides)
         for name, value in options.items():
             if ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT):
-                data[name] = str(value) if isinstance(value, Path) else value
+                data[name] = (
+                    str(value) if isinstance(value, Path) else list(value) if isinstance(value, tuple) else value
+                )
         if model_dir is not None:
             data["model"] = str(model_dir)
         cfg = from_mapping(ServeConfig, data)
@@ -206,10 +251,12 @@ def run_sidecar(cfg: ServeConfig, token: str | None = None) -> None:
         spec_k=cfg.spec_k,
         max_spec_k=cfg.max_spec_k,
         max_batch_size=cfg.max_batch_size,
+        sglang_args=parse_sglang_args(cfg.sglang_args),
     )
     try:
         sidecar = Sidecar(eng, config)
     except OSError as e:
+        eng.close()  # an SGLang engine holds processes of its own
         raise click.ClickException(str(e)) from None
     stop = threading.Event()
 
@@ -223,4 +270,7 @@ def run_sidecar(cfg: ServeConfig, token: str | None = None) -> None:
     click.echo(f"specrl sidecar listening on {sidecar.address}", err=True)
     while not stop.wait(timeout=1.0):  # ends on SIGTERM/SIGINT
         pass
-    sidecar.stop(grace)
+    try:
+        sidecar.stop(grace)
+    finally:
+        eng.close()

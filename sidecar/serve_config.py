@@ -46,6 +46,9 @@ class ServeConfig:
     """Weight data planes offered besides the gRPC stream (comma-separated: shm, collective; ''
     for grpc only). A client proves shm (same host) before using it; collective lets a client that
     may push weights make this sidecar join its torch.distributed group."""
+    sglang_args: tuple[str, ...] = ()
+    """Extra SGLang `ServerArgs` keywords as KEY=VALUE (engine sglang; VALUE parsed as JSON when
+    it can be), e.g. mem_fraction_static=0.5."""
     grace: float = 5.0
     """Shutdown grace seconds."""
     log_level: str = "INFO"
