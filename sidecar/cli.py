@@ -23,20 +23,43 @@ log = logging.getLogger("specrl.serve")
 SGLANG_UNAVAILABLE = "SGLang engine not available in this build: install specrl[sglang] on a GPU node"
 
 
-def load_engine(engine: str, model: Path, *, device: str, spec_k: int, max_spec_k: int, max_batch_size: int) -> Engine:
-    """The engine serving `model` (an Engine); click.ClickException when it cannot be built."""
+class SpecK(click.ParamType):
+    """--spec-k: a fixed draft length N >= 0, or "auto" (k chosen per engine step, up to --max-spec-k)."""
+
+    name = "N|auto"
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> int | str:
+        if isinstance(value, int) or value == "auto":
+            return value
+        try:
+            k = int(str(value))
+        except ValueError:
+            k = -1
+        if k < 0:
+            self.fail(f"{value!r} is neither a draft length >= 0 nor 'auto'", param, ctx)
+        return k
+
+
+def load_engine(
+    engine: str, model: Path, *, device: str, spec_k: int | str, max_spec_k: int, max_batch_size: int
+) -> Engine:
+    """The engine serving `model` (an Engine); click.ClickException when it cannot be built.
+    spec_k "auto": automatic mode up to max_spec_k."""
     from sidecar.engine import create_engine
     from sidecar.errors import SpecrlError
 
     try:
-        return create_engine(
+        built = create_engine(
             engine,
             model,
             device=device,
-            speculation_k=spec_k,
+            speculation_k=max_spec_k if spec_k == "auto" else spec_k,
             max_speculation_k=max_spec_k,
             max_batch_size=max_batch_size,
         )
+        if spec_k == "auto":
+            built.set_speculation_auto(built.info().max_speculation_k)
+        return built
     except ImportError as e:
         raise click.ClickException(f"{SGLANG_UNAVAILABLE} ({e})") from None
     except (SpecrlError, FileNotFoundError, ValueError) as e:
@@ -55,8 +78,16 @@ def load_engine(engine: str, model: Path, *, device: str, spec_k: int, max_spec_
 @click.option("--engine", type=click.Choice(["torch", "sglang"]), default="torch", show_default=True)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Bind address (loopback unless told otherwise).")
 @click.option("--port", type=click.IntRange(0, 65535), default=50051, show_default=True, help="0 picks a free port.")
-@click.option("--spec-k", type=click.IntRange(0), default=3, show_default=True, help="Default draft length (0: off).")
-@click.option("--max-spec-k", type=click.IntRange(0), default=8, show_default=True)
+@click.option(
+    "--spec-k",
+    type=SpecK(),
+    default=3,
+    show_default=True,
+    help="Default draft length (0: off), or 'auto': the sidecar chooses k in 0..--max-spec-k for every engine "
+    "step from its measured costs and acceptance (lossless; at temperature > 0 not bit-reproducible from the "
+    "seed, pin k per request for that).",
+)
+@click.option("--max-spec-k", type=click.IntRange(0), default=8, show_default=True, help="Largest k (auto: its range).")
 @click.option("--max-batch-size", type=click.IntRange(1), default=64, show_default=True)
 @click.option("--max-live-sequences", type=click.IntRange(1), default=4096, show_default=True)
 @click.option("--device", default="cpu", show_default=True, help="torch device: cpu, cuda, cuda:1 ...")
@@ -89,7 +120,7 @@ def serve(
     engine: str,
     host: str,
     port: int,
-    spec_k: int,
+    spec_k: int | str,
     max_spec_k: int,
     max_batch_size: int,
     max_live_sequences: int,

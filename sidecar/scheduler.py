@@ -17,6 +17,7 @@ which aborts its sequences in the engine and frees their slots.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import logging
 import queue
@@ -207,12 +208,17 @@ class Scheduler:
 
         self._commands.put(run)
 
-    def set_speculation_k(self, k: int) -> int:
-        """Set the engine's default k; returns the previous one. ValueError beyond max."""
+    def set_speculation_k(self, k: int, automatic: bool = False) -> tuple[int, bool]:
+        """Set the engine's default k (automatic: the maximum of automatic mode); returns the
+        previous (k, automatic). ValueError beyond max or without an automatic mode."""
 
-        def run() -> int:
-            previous = self._engine.info().speculation_k
-            self._engine.set_speculation_k(k)
+        def run() -> tuple[int, bool]:
+            info = self._engine.info()
+            previous = (info.speculation_k, info.speculation_status.auto)
+            if automatic:
+                self._engine.set_speculation_auto(k)
+            else:
+                self._engine.set_speculation_k(k)
             self._refresh_snapshot(info=True)
             return previous
 
@@ -436,10 +442,12 @@ class Scheduler:
         ]
         total_generated = sum(v.counters.generated_tokens for v in versions)
         new_info = self._engine.info() if info else None
+        speculation = self._engine.speculation_status()
         with self._lock:
             s = self._snapshot
             if new_info is not None:
                 s.info = new_info
+            s.info = dataclasses.replace(s.info, speculation_status=speculation)
             s.weight_version = self._engine.weight_version
             s.versions = versions
             s.queued = self._engine.num_queued() + sum(

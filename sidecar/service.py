@@ -224,6 +224,7 @@ class ControlService(services.ControlServicer):
             queued_sequences=snap.queued,
             running_sequences=snap.running,
             uptime_seconds=time.monotonic() - self._scheduler.started_at,
+            speculation=snap.info.speculation_status,
         )
 
     def GetInfo(self, request: control_pb2.GetInfoRequest, context: grpc.ServicerContext) -> Any:
@@ -246,12 +247,14 @@ class ControlService(services.ControlServicer):
                 f"k={request.k} exceeds max_k={max_k}; ask for 0..{max_k} (0 turns speculation off)",
             )
         try:
-            previous = self._scheduler.set_speculation_k(request.k)
+            previous, was_automatic = self._scheduler.set_speculation_k(request.k, request.automatic)
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"k={request.k} refused: {e}")
         except Exception as e:
             _abort(context, e)
-        return control_pb2.SetSpeculationResponse(previous_k=previous, k=request.k)
+        return control_pb2.SetSpeculationResponse(
+            previous_k=previous, k=request.k, previous_automatic=was_automatic, automatic=request.automatic
+        )
 
 
 # --- assembly -------------------------------------------------------------------------------

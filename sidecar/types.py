@@ -302,6 +302,8 @@ class SidecarStats:
     queued_sequences: int = 0
     running_sequences: int = 0
     uptime_seconds: float = 0.0
+    speculation: SpeculationStatus = field(default_factory=SpeculationStatus)
+    """The k in use and why, as of the latest engine step."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -80,6 +80,7 @@ def sidecar_fleet(cfg: RLConfig, run_dir: Path) -> Iterator[tuple[Orchestrator, 
             cfg.sidecars.local,
             run_dir / "logs",
             spec_k=cfg.rollout.speculation_k,
+            spec_auto=cfg.rollout.speculation_auto,
             max_batch_size=cfg.sidecars.max_batch_size,
             threads=cfg.sidecars.threads,
             startup_timeout_s=cfg.sidecars.startup_timeout_s,
@@ -111,7 +112,7 @@ def evaluate(run: Run, size: int) -> float:
         temperature=0.0, max_new_tokens=run.cfg.rollout.max_new_tokens, stop_token_ids=(run.tokenizer.eos_id,)
     )
     prompts = [run.tokenizer.encode(p.prompt) for p in problems]
-    samples = run.sidecars.generate(prompts, sampling, 1, run.cfg.rollout.speculation_k).samples
+    samples = run.sidecars.generate(prompts, sampling, 1, run.cfg.rollout.request_k).samples
     rewards = [run.task.reward(problems[s.prompt_index], run.tokenizer.decode(s.token_ids)) for s in samples]
     return sum(rewards) / len(rewards)
 
@@ -143,7 +144,7 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     if plain_first:
         metrics["time/generation_plain"] = run.sidecars.generate(prompts, sampling, ro.samples_per_prompt, 0).seconds
         run.sidecars.speculation_delta()
-    rollout = run.sidecars.generate(prompts, sampling, ro.samples_per_prompt, ro.speculation_k)
+    rollout = run.sidecars.generate(prompts, sampling, ro.samples_per_prompt, ro.request_k)
     metrics.update(speculation_metrics(run.sidecars.speculation_delta()))
     if ro.measure_plain and not plain_first:
         metrics["time/generation_plain"] = run.sidecars.generate(prompts, sampling, ro.samples_per_prompt, 0).seconds

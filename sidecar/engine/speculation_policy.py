@@ -342,7 +342,9 @@ class SpeculationPolicy:
             return
         ratio = realised * plain  # realised tokens/s per row over plain's (1 token per row per plain step)
         if ratio < self.config.guard_ratio:
-            b.backoff_len = min(2 * b.backoff_len if b.backoff_len else self.config.backoff_steps, self.config.max_backoff_steps)
+            b.backoff_len = min(
+                2 * b.backoff_len if b.backoff_len else self.config.backoff_steps, self.config.max_backoff_steps
+            )
             b.backoff_until = b.steps + b.backoff_len
             self.trips += 1
             self._pending_reason = (

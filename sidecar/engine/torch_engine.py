@@ -66,7 +66,6 @@ from sidecar.types import (
     WeightSelector,
 )
 
-
 DORMANT_AFTER = 32
 """An auto sequence that has not drafted for this many rounds stops feeding its draft (its
 pending MTP inputs are dropped) and finishes with plain decoding: the controller keeps choosing
@@ -539,7 +538,9 @@ class TorchEngine(Engine):
         self._cache.truncate([n + a + 1 for n, a in zip(old_lengths, num_accepted, strict=True)])
         self._keep_rows(keep)
         if self._policy is not None:
-            self._policy.observe_acceptance([k for k in k_eff if k], [a for a, k in zip(num_accepted, k_eff, strict=True) if k])
+            self._policy.observe_acceptance(
+                [k for k in k_eff if k], [a for a, k in zip(num_accepted, k_eff, strict=True) if k]
+            )
             self._policy.observe_step(
                 batch=b,
                 k=kmax,

@@ -81,7 +81,9 @@ def test_the_guard_trips_inside_the_engine_on_a_wrong_cost_model_and_output_stay
     prompts = PROMPTS * 2
     for i, p in enumerate(prompts):
         engine.submit(
-            GenerationRequest(prompts=[p], sampling=SamplingParams(temperature=0.0, max_new_tokens=64), request_id=str(i))
+            GenerationRequest(
+                prompts=[p], sampling=SamplingParams(temperature=0.0, max_new_tokens=64), request_id=str(i)
+            )
         )
     out = {}
     while engine.has_work():

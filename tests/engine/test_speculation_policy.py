@@ -6,6 +6,7 @@ alpha_j and cost = verify(k + 1) + k * draft, computed here from the injected nu
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -118,7 +119,7 @@ def test_probes_revisit_neighbours_and_back_off_while_nothing_changes() -> None:
     probes = [i for i, d in enumerate(decisions) if d.reason == "probe"]
     best = next(d.k for d in decisions if d.reason == "model")
     assert {decisions[i].k for i in probes} <= {best - 1, best + 1, 0}
-    gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(probes)]
     assert gaps[0] == 4 and gaps[-1] == 16  # the probe interval doubles while the best k stays
 
 
