@@ -458,9 +458,8 @@ class TorchEngine(Engine):
             self._rows = RowSampling.of([s.params for s in seqs], dev)
         rows = self._rows
         started = self._clock()
-        decision: SpeculationDecision | None = None
-        if self._policy is not None and any(s.auto for s in seqs):
-            decision = self._policy.decide(b)
+        policy = self._policy if any(s.auto for s in seqs) else None
+        decision: SpeculationDecision | None = policy.decide(b) if policy is not None else None
         auto_k = decision.k if decision is not None else 0
         k_eff = [
             min(auto_k if s.auto else s.k, s.params.max_new_tokens - len(s.output) - 1) if s.pending is not None else 0
@@ -500,7 +499,7 @@ class TorchEngine(Engine):
                 rows,
             )
             draft_tokens, q = out.tokens, out.probs
-            if self._policy is not None and dev.type == "cuda":
+            if policy is not None and dev.type == "cuda":
                 torch.cuda.synchronize(dev)  # the draft phase's cost, not its launch
             verify_tokens = torch.cat([last.to(dev)[:, None], draft_tokens], dim=1)
         else:
@@ -537,17 +536,17 @@ class TorchEngine(Engine):
             keep.append(i)
         self._cache.truncate([n + a + 1 for n, a in zip(old_lengths, num_accepted, strict=True)])
         self._keep_rows(keep)
-        if self._policy is not None:
-            self._policy.observe_acceptance(
+        if policy is not None:  # the controller learns from the steps it decided
+            policy.observe_acceptance(
                 [k for k in k_eff if k], [a for a, k in zip(num_accepted, k_eff, strict=True) if k]
             )
-            self._policy.observe_step(
+            policy.observe_step(
                 batch=b,
                 k=kmax,
                 draft_seconds=drafted_at - started,
                 step_seconds=self._clock() - started,
                 tokens=sum(a + 1 for a in num_accepted),
-                chosen=decision is not None and kmax == auto_k,
+                chosen=kmax == auto_k,
             )
         return finished
 
