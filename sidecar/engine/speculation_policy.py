@@ -24,7 +24,8 @@ engine step, not a constant (DESIGN.md, "Speculation policy"):
   of the guard); then every `probe_every` steps the controller runs the least recently measured
   of {best - 1, best + 1, 0} once, so costs and acceptance of the neighbours stay fresh.
 - **Guard**: the model can be wrong (stale acceptance after a push, a cost that moved, a bug).
-  Over the last `guard_window` model-chosen steps with k > 0 in a bucket, the realised tokens
+  Over the last `guard_rows` row-rounds (at least `guard_min_steps` steps) of model-chosen
+  steps with k > 0 in a bucket, the realised tokens
   per second per row are compared with plain decoding's measured rate; below `guard_ratio` of it
   the bucket backs off to k = 0 for `backoff_steps` steps (doubling on each consecutive trip, up
   to `max_backoff_steps`) and then re-probes. `cost_bias` is the test hook that makes the model
@@ -65,13 +66,16 @@ class SpeculationPolicyConfig:
     """Steps between probes of a neighbouring k (per bucket); the interval doubles while probes
     do not change the best k, up to `max_probe_every` (a probe of a worse k costs throughput)."""
     max_probe_every: int = 256
-    guard_window: int = 12
-    """Model-chosen k > 0 steps whose realised rate the guard compares with plain decoding."""
+    guard_rows: int = 96
+    """Row-rounds (sum of batch sizes) of model-chosen k > 0 steps whose realised rate the guard
+    compares with plain decoding: acceptance is random, so one row's few steps say little."""
+    guard_min_steps: int = 8
+    """... and at least this many steps (cost noise)."""
     guard_ratio: float = 0.95
     """Back off when realised tokens/s per row < guard_ratio x plain's."""
-    backoff_steps: int = 64
+    backoff_steps: int = 32
     """Steps at k = 0 after the guard trips (doubles on consecutive trips)."""
-    max_backoff_steps: int = 1024
+    max_backoff_steps: int = 512
     cost_bias: float = 1.0
     """TEST HOOK: multiplies every predicted k > 0 step cost. < 1 claims speculation is cheaper
     than measured: the guard must catch it. Keep 1.0 in production."""
@@ -89,7 +93,14 @@ class SpeculationPolicyConfig:
             raise ValueError(f"prior_acceptance must be in (0, 1), got {self.prior_acceptance}")
         if not 0 < self.guard_ratio <= 1:
             raise ValueError(f"guard_ratio must be in (0, 1], got {self.guard_ratio}")
-        for name in ("probe_every", "max_probe_every", "guard_window", "backoff_steps", "max_backoff_steps"):
+        for name in (
+            "probe_every",
+            "max_probe_every",
+            "guard_rows",
+            "guard_min_steps",
+            "backoff_steps",
+            "max_backoff_steps",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -190,8 +201,8 @@ class _Bucket:
     last_probe_best: int = -1
     backoff_until: int = 0
     backoff_len: int = 0
-    window: list[tuple[float, float]] = field(default_factory=list)
-    """Recent model-chosen k > 0 steps: (tokens per row, seconds)."""
+    window: list[tuple[int, float, float]] = field(default_factory=list)
+    """Recent model-chosen k > 0 steps: (rows, tokens per row, seconds)."""
 
 
 class SpeculationPolicy:
@@ -307,10 +318,9 @@ class SpeculationPolicy:
 
     def may_draft(self, batch: int) -> bool:
         """False when sequences joining a batch of this size should not keep a draft at all: the
-        bucket is backing off, or its measured costs say plain decoding is best."""
+        bucket's measured costs and acceptance say plain decoding is best. (A guard back-off does
+        not count: it is temporary, and the sequences may draft once it ends.)"""
         b = self._bucket(batch)
-        if b.steps < b.backoff_until:
-            return False
         rates = self.expected_rates(batch)
         if rates is None or b.draft_per_token is None:
             return True  # not measured yet
@@ -332,11 +342,13 @@ class SpeculationPolicy:
         b.last_measured[k] = b.steps
         if not (chosen and k > 0 and self.last.reason == "model"):
             return
-        b.window.append((tokens / batch, step_seconds))
-        if len(b.window) < self.config.guard_window:
+        b.window.append((batch, tokens / batch, step_seconds))
+        rows = sum(n for n, _, _ in b.window)
+        if len(b.window) < self.config.guard_min_steps or rows < self.config.guard_rows:
             return
         plain = b.verify.get(1)
-        realised = sum(t for t, _ in b.window) / sum(s for _, s in b.window)
+        realised = sum(t for _, t, _ in b.window) / sum(s for _, _, s in b.window)
+        steps = len(b.window)
         b.window.clear()
         if plain is None:
             return
@@ -348,7 +360,7 @@ class SpeculationPolicy:
             b.backoff_until = b.steps + b.backoff_len
             self.trips += 1
             self._pending_reason = (
-                f"realised {ratio:.2f}x plain over {self.config.guard_window} steps at batch {batch} "
+                f"realised {ratio:.2f}x plain over {steps} steps ({rows} row-rounds) at batch {batch} "
                 f"(model predicted {self.last.expected_speedup:.2f}x)"
             )
         else:

@@ -66,7 +66,7 @@ from sidecar.types import (
     WeightSelector,
 )
 
-DORMANT_AFTER = 32
+DORMANT_AFTER = 128
 """An auto sequence that has not drafted for this many rounds stops feeding its draft (its
 pending MTP inputs are dropped) and finishes with plain decoding: the controller keeps choosing
 k = 0 for its batch, and keeping the MTP inputs would cost memory and, on resuming, a long refresh."""
@@ -154,11 +154,13 @@ class TorchEngine(Engine):
         name: str = "",
         auto_speculation: bool = False,
         policy: SpeculationPolicyConfig | None = None,
-        clock: Callable[[], float] = time.perf_counter,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         """`auto_speculation`: start in auto mode with maximum k `speculation_k`; `policy`: the
-        controller's knobs (its max_k is set by the mode); `clock`: seconds, for cost measurement
-        (tests inject one)."""
+        controller's knobs (its max_k is set by the mode); `clock`: seconds, for the controller's
+        cost measurements (tests inject one). Default: process CPU time on a CPU device (what a
+        step costs this process, not what other tenants of the machine cost it: on a shared box
+        wall time is mostly waiting), wall time on CUDA (synchronised after each phase)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_speculation_k < 0:
@@ -175,7 +177,7 @@ class TorchEngine(Engine):
         self.set_speculation_k(self._k)
         self._policy_config = policy
         self._policy: SpeculationPolicy | None = None
-        self._clock = clock
+        self._clock = clock or (time.perf_counter if self.device.type == "cuda" else time.process_time)
         if auto_speculation:
             self.set_speculation_auto(self._k)
         self._version = 0

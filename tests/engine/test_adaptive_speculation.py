@@ -74,7 +74,7 @@ def test_the_guard_trips_inside_the_engine_on_a_wrong_cost_model_and_output_stay
     model = aligned_draft_model(ModelConfig.tiny(), seed=3)
     ref: list[TorchEngine] = []
     clock = FakeClock(ref, draft=0.004, verify=0.010, slope=2.0)  # every k > 0 loses to plain
-    wrong = SpeculationPolicyConfig(max_k=4, cost_bias=0.01, guard_window=6, backoff_steps=8)
+    wrong = SpeculationPolicyConfig(max_k=4, cost_bias=0.01, guard_rows=24, guard_min_steps=4, backoff_steps=8)
     engine = TorchEngine(model, speculation_k=4, auto_speculation=True, policy=wrong, clock=clock)
     ref.append(engine)
     reasons = []

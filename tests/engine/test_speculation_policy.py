@@ -145,12 +145,12 @@ def run_against(policy: SpeculationPolicy, true_seconds, alphas: list[float], ba
 def test_guard_trips_on_a_wrong_cost_model_and_reprobes_later() -> None:
     alphas = [0.5] * K
     true = lambda k: 0.010 * (1 + 0.8 * k)  # noqa: E731  CPU-like: every k > 0 is slower than plain
-    wrong = SpeculationPolicy(SpeculationPolicyConfig(max_k=K, cost_bias=0.01, backoff_steps=40))
+    wrong = SpeculationPolicy(SpeculationPolicyConfig(max_k=K, cost_bias=0.01, backoff_steps=40, guard_min_steps=12))
     tokens, seconds, decisions = run_against(wrong, true, alphas, batch=16, steps=600)
     assert wrong.trips >= 2
     reasons = [d.reason for d in decisions]
     first_guard = reasons.index("guard")
-    assert all(d.k > 0 for d in decisions[first_guard - 12 : first_guard] if d.reason == "model")
+    assert all(d.k > 0 for d in decisions[first_guard - 8 : first_guard] if d.reason == "model")
     assert "model" in reasons[first_guard + 41 :]  # re-probed after the back-off
     plain_rate = 16 / true(0)
     assert tokens / seconds > 0.85 * plain_rate  # the guard bounds the damage (always-max-k: ~0.4x)
