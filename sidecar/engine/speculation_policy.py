@@ -51,8 +51,12 @@ class SpeculationPolicyConfig:
     """Observations after which an old cost measurement weighs half (EMA)."""
     acceptance_halflife: float = 64.0
     """Engine steps after which old acceptance evidence weighs half (tracks a drifting draft)."""
-    version_discount: float = 0.05
-    """Weight kept by the previous weight version's acceptance counts after a push."""
+    version_discount: float = 0.01
+    """Weight kept by the previous weight version's acceptance counts after a push: at the
+    steady-state evidence of ~92 rounds per row (acceptance_halflife / ln 2) about one engine
+    step's worth. Measured (BENCHMARKS.md, "Adaptive speculation"): an RL push moves tau by less
+    than one step's sampling noise, so the old version is a good prior, while a push that breaks
+    the draft must show within a few steps."""
     prior_acceptance: float = 0.6
     """Acceptance assumed at draft position 1 before any evidence (later positions: the previous
     position's estimate)."""
