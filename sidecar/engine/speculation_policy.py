@@ -14,7 +14,8 @@ engine step, not a constant (DESIGN.md, "Speculation policy"):
 - **Costs** are measured online by the engine (`observe_step`: seconds of the draft phase and of
   the whole decode step, per batch-size bucket and k) and kept as exponential moving averages.
   A width never measured in a bucket is interpolated / extrapolated linearly from the measured
-  ones (with one measured width only, from a prior slope); the draft cost is linear in k.
+  ones; with one measured width only, it takes the nearest measured bucket's cost relative to
+  plain (else a prior slope); the draft cost is linear in k.
 - **Acceptance** per draft position is a discounted count of the rounds that reached the
   position and of those that accepted it (`observe_acceptance`), so it follows a drifting draft;
   a weight push (`on_weight_version`) multiplies the counts by `version_discount`: the old
@@ -233,12 +234,30 @@ class SpeculationPolicy:
         plain = b.verify.get(1)
         if plain is None:
             return None
-        verify = self._verify_seconds(b, k + 1, plain)
-        draft = k * (b.draft_per_token if b.draft_per_token is not None else self.config.prior_draft_cost * plain)
+        near = self._nearest_measured(batch)
+        verify = self._verify_seconds(b, k + 1, plain, near)
+        if b.draft_per_token is not None:
+            per_token = b.draft_per_token
+        elif near is not None and near.draft_per_token is not None:  # the same share of a plain step
+            per_token = near.draft_per_token / near.verify[1] * plain
+        else:
+            per_token = self.config.prior_draft_cost * plain
+        draft = k * per_token
         seconds = verify + draft
         return seconds * self.config.cost_bias if k > 0 else seconds
 
-    def _verify_seconds(self, b: _Bucket, width: int, plain: float) -> float:
+    def _nearest_measured(self, batch: int) -> _Bucket | None:
+        """The nearest other bucket with plain and some k > 0 measured (its relative costs are the
+        best guess for a bucket that has not measured them yet)."""
+        own = batch_bucket(batch)
+        measured = [
+            (abs(math.log(edge / own)), edge)
+            for edge, other in self._buckets.items()
+            if edge != own and 1 in other.verify and len(other.verify) >= 2
+        ]
+        return self._buckets[min(measured)[1]] if measured else None
+
+    def _verify_seconds(self, b: _Bucket, width: int, plain: float, near: _Bucket | None = None) -> float:
         if width in b.verify:
             return b.verify[width]
         widths = sorted(b.verify)
@@ -253,6 +272,8 @@ class SpeculationPolicy:
             slope = max((b.verify[w1] - b.verify[w0]) / (w1 - w0), 0.0)
             anchor = w1 if lower else w0
             return max(b.verify[anchor] + slope * (width - anchor), 0.0)
+        if near is not None:  # the nearest measured batch size's cost relative to its plain step
+            return plain * self._verify_seconds(near, width, near.verify[1]) / near.verify[1]
         return plain * (1.0 + self.config.prior_verify_slope * (width - 1))
 
     def expected_rates(self, batch: int) -> list[float] | None:

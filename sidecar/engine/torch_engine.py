@@ -72,6 +72,16 @@ pending MTP inputs are dropped) and finishes with plain decoding: the controller
 k = 0 for its batch, and keeping the MTP inputs would cost memory and, on resuming, a long refresh."""
 
 
+def cost_clock(device: torch.device) -> Callable[[], float]:
+    """Seconds for the controller's cost measurements: wall time on CUDA (the engine synchronises
+    after each phase); CPU time on a CPU device — this thread's when torch computes on it alone
+    (a sidecar's gRPC threads then do not count), the process's when torch has intra-op threads.
+    On a shared machine wall time is mostly waiting for other tenants."""
+    if device.type == "cuda":
+        return time.perf_counter
+    return time.thread_time if torch.get_num_threads() == 1 else time.process_time
+
+
 def sequence_seed(seed: int, prompt_index: int, sample_index: int) -> int:
     """The generator seed of one sequence: a hash of (request seed, prompt index, sample index)."""
     digest = hashlib.blake2b(f"{seed}/{prompt_index}/{sample_index}".encode(), digest_size=8).digest()
@@ -158,9 +168,7 @@ class TorchEngine(Engine):
     ) -> None:
         """`auto_speculation`: start in auto mode with maximum k `speculation_k`; `policy`: the
         controller's knobs (its max_k is set by the mode); `clock`: seconds, for the controller's
-        cost measurements (tests inject one). Default: process CPU time on a CPU device (what a
-        step costs this process, not what other tenants of the machine cost it: on a shared box
-        wall time is mostly waiting), wall time on CUDA (synchronised after each phase)."""
+        cost measurements (tests inject one). Default: `cost_clock(device)`."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_speculation_k < 0:
@@ -177,7 +185,7 @@ class TorchEngine(Engine):
         self.set_speculation_k(self._k)
         self._policy_config = policy
         self._policy: SpeculationPolicy | None = None
-        self._clock = clock or (time.perf_counter if self.device.type == "cuda" else time.process_time)
+        self._clock = clock or cost_clock(self.device)
         if auto_speculation:
             self.set_speculation_auto(self._k)
         self._version = 0

@@ -211,3 +211,10 @@ def test_batch_buckets_are_narrow_and_monotonic() -> None:
 def test_bad_config_names_the_field(kw, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SpeculationPolicyConfig(**kw)
+
+
+def test_a_new_batch_size_borrows_the_nearest_measured_relative_costs() -> None:
+    policy = SpeculationPolicy(SpeculationPolicyConfig(max_k=3))
+    feed_costs(policy, 8, verify=[0.010, 0.012, 0.014, 0.016], draft=0.002)
+    policy.observe_step(batch=16, k=0, draft_seconds=0.0, step_seconds=0.020, tokens=16)  # only plain at 16
+    assert policy.predicted_seconds(16, 2) == pytest.approx(0.020 * 1.4 + 2 * 0.004)
