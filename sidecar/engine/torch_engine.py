@@ -182,9 +182,10 @@ class TorchEngine(Engine):
         self.max_speculation_k = max_speculation_k if self.num_mtp else 0
         # Without MTP layers speculation is unavailable: the default k is 0.
         self._k = min(speculation_k, self.max_speculation_k) if self.num_mtp else 0
-        self.set_speculation_k(self._k)
+        self._auto = False  # new requests that do not pin k get the controller's k
         self._policy_config = policy
-        self._policy: SpeculationPolicy | None = None
+        self._policy: SpeculationPolicy | None = None  # kept while auto rows may still run
+        self.set_speculation_k(self._k)
         self._clock = clock or cost_clock(self.device)
         if auto_speculation:
             self.set_speculation_auto(self._k)
@@ -279,31 +280,30 @@ class TorchEngine(Engine):
         """Fixed default k for requests submitted from now on (running sequences keep theirs)."""
         self._check_k(k)
         self._k = k
-        self._policy = None
+        self._auto = False  # running auto-mode sequences keep the controller
 
     def set_speculation_auto(self, max_k: int) -> None:
         """Auto default: requests submitted from now on that do not pin k get a per-step k in
-        [0, max_k] from the controller. Cost and acceptance measurements restart."""
+        [0, max_k] from the controller (its measurements are kept while max_k stays the same)."""
         self._check_k(max_k)
-        self._k = max_k
-        cfg = self._policy_config or SpeculationPolicyConfig(max_k=max_k)
-        if cfg.max_k != max_k:
-            cfg = dataclasses.replace(cfg, max_k=max_k)
-        self._policy = SpeculationPolicy(cfg)
+        self._k, self._auto = max_k, True
+        if self._policy is None or self._policy.config.max_k != max_k:
+            cfg = self._policy_config or SpeculationPolicyConfig(max_k=max_k)
+            self._policy = SpeculationPolicy(dataclasses.replace(cfg, max_k=max_k))
 
     def set_speculation_policy(self, policy: SpeculationPolicy) -> None:
         """Auto mode with a given controller (tools and tests install a scripted or configured one)."""
         self._check_k(policy.config.max_k)
-        self._k = policy.config.max_k
+        self._k, self._auto = policy.config.max_k, True
         self._policy = policy
 
     @property
     def speculation_auto(self) -> bool:
-        return self._policy is not None
+        return self._auto
 
     def speculation_status(self) -> SpeculationStatus:
         """The k in use and why (GetInfo / GetStats / Prometheus)."""
-        if self._policy is None:
+        if not self._auto or self._policy is None:
             return SpeculationStatus(auto=False, k=self._k, reason="fixed", detail=f"fixed default k={self._k}")
         d = self._policy.last
         return SpeculationStatus(
@@ -337,7 +337,7 @@ class TorchEngine(Engine):
         if request.request_id in self._live:
             raise InvalidRequestError(f"request_id {request.request_id!r} is already running; ids must be unique")
         k = self._k if request.speculation_k is None else request.speculation_k
-        auto = request.speculation_k is None and self._policy is not None and self._k > 0
+        auto = request.speculation_k is None and self._auto and self._k > 0
         seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(63)
         for p, prompt in enumerate(request.prompts):
             for s in range(request.samples_per_prompt):

@@ -110,3 +110,20 @@ def test_a_weight_push_discounts_the_acceptance_estimate(random_model: Qwen3With
     assert policy.acceptance.reached == [0.0, 0.0, 0.0]  # discount 0: the old version's evidence is gone
     run_all(engine, PROMPTS[2:])
     assert policy.acceptance.rates()[0] < 0.5  # the random draft's acceptance, from its own rounds
+
+
+def test_switching_the_default_back_to_fixed_keeps_running_auto_rows_on_the_controller(aligned_model) -> None:
+    engine = TorchEngine(aligned_model, speculation_k=3)
+    engine.set_speculation_policy(SwitchingPolicy([2]))
+    sp = SamplingParams(temperature=0.0, max_new_tokens=NEW)
+    engine.submit(GenerationRequest(prompts=[PROMPTS[0]], sampling=sp, request_id="auto"))
+    out = {s.request_id: s.token_ids for s in engine.step() + engine.step()}
+    engine.set_speculation_k(0)
+    assert not engine.speculation_auto and engine.speculation_status().reason == "fixed"
+    engine.submit(GenerationRequest(prompts=[PROMPTS[2]], sampling=sp, request_id="fixed"))
+    drafted = engine.stats()[0].counters.drafted_tokens
+    while engine.has_work():
+        out.update({s.request_id: s.token_ids for s in engine.step()})
+    assert out["auto"] == naive_greedy(aligned_model, PROMPTS[0], NEW)
+    assert out["fixed"] == naive_greedy(aligned_model, PROMPTS[2], NEW)
+    assert engine.stats()[0].counters.drafted_tokens > drafted  # the auto row kept drafting
