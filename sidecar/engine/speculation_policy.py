@@ -19,11 +19,14 @@ engine step, not a constant (DESIGN.md, "Speculation policy"):
 - **Acceptance** per draft position is a discounted count of the rounds that reached the
   position and of those that accepted it (`observe_acceptance`), so it follows a drifting draft;
   a weight push (`on_weight_version`) multiplies the counts by `version_discount`: the old
-  version's acceptance stays a prior worth a few rounds, the new version's rounds take over
-  within a step or two (measured in BENCHMARKS.md, "Adaptive speculation").
+  version's acceptance stays a prior worth about one engine step, the new version's rounds take over
+  within ~4 engine steps of a push that changes acceptance (measured in BENCHMARKS.md,
+  "Adaptive speculation").
 - **Exploration**: plain decoding (k = 0) is measured first in every bucket (it is the baseline
-  of the guard); then every `probe_every` steps the controller runs the least recently measured
-  of {best - 1, best + 1, 0} once, so costs and acceptance of the neighbours stay fresh.
+  of the guard); then every `probe_every` steps (the interval doubling up to `max_probe_every`
+  while the best k stays the same) the controller runs the least recently measured of
+  {best - 1, best + 1, 0} once, so costs and acceptance of the neighbours stay fresh. Rows that
+  join a batch whose measured best is plain carry no draft at all (`may_draft`).
 - **Guard**: the model can be wrong (stale acceptance after a push, a cost that moved, a bug).
   Over the last `guard_rows` row-rounds (at least `guard_min_steps` steps) of model-chosen
   steps with k > 0 in a bucket, the realised tokens
