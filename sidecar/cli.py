@@ -43,17 +43,35 @@ def parse_sglang_args(pairs: tuple[str, ...]) -> dict[str, object]:
     return out
 
 
+class SpecK(click.ParamType):
+    """--spec-k: a fixed draft length N >= 0, or "auto" (k chosen per engine step, up to --max-spec-k)."""
+
+    name = "N|auto"
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> int | str:
+        if isinstance(value, int) or value == "auto":
+            return value
+        try:
+            k = int(str(value))
+        except ValueError:
+            k = -1
+        if k < 0:
+            self.fail(f"{value!r} is neither a draft length >= 0 nor 'auto'", param, ctx)
+        return k
+
+
 def load_engine(
     engine: str,
     model: Path,
     *,
     device: str,
-    spec_k: int,
+    spec_k: int | str,
     max_spec_k: int,
     max_batch_size: int,
     sglang_args: dict[str, object] | None = None,
 ) -> Engine:
-    """The engine serving `model` (an Engine); click.ClickException when it cannot be built."""
+    """The engine serving `model` (an Engine); click.ClickException when it cannot be built.
+    spec_k "auto": automatic mode up to max_spec_k."""
     from sidecar.engine import create_engine
     from sidecar.errors import SpecrlError
 
@@ -63,15 +81,18 @@ def load_engine(
         )
     options: dict[str, object] = {"extra_server_args": sglang_args} if sglang_args else {}
     try:
-        return create_engine(
+        built = create_engine(
             engine,
             model,
             device=device,
-            speculation_k=spec_k,
+            speculation_k=max_spec_k if spec_k == "auto" else spec_k,
             max_speculation_k=max_spec_k,
             max_batch_size=max_batch_size,
             **options,
         )
+        if spec_k == "auto":
+            built.set_speculation_auto(built.info().max_speculation_k)
+        return built
     except ImportError as e:
         raise click.ClickException(f"{SGLANG_UNAVAILABLE} ({e})") from None
     except (SpecrlError, FileNotFoundError, ValueError) as e:
@@ -101,8 +122,22 @@ _D = ServeConfig()
 @click.option("--engine", type=click.Choice(ENGINE_KINDS), default=_D.engine, show_default=True)
 @click.option("--host", default=_D.host, show_default=True, help="Bind address (loopback unless told otherwise).")
 @click.option("--port", type=click.IntRange(0, 65535), default=_D.port, show_default=True, help="0 picks a free port.")
-@click.option("--spec-k", type=click.IntRange(0), default=_D.spec_k, show_default=True, help="Default draft length.")
-@click.option("--max-spec-k", type=click.IntRange(0), default=_D.max_spec_k, show_default=True)
+@click.option(
+    "--spec-k",
+    type=SpecK(),
+    default=_D.spec_k,
+    show_default=True,
+    help="Default draft length (0: off), or 'auto': the sidecar chooses k in 0..--max-spec-k for every engine "
+    "step from its measured costs and acceptance (lossless; at temperature > 0 not bit-reproducible from the "
+    "seed, pin k per request for that).",
+)
+@click.option(
+    "--max-spec-k",
+    type=click.IntRange(0),
+    default=_D.max_spec_k,
+    show_default=True,
+    help="Largest k (auto: its range).",
+)
 @click.option("--max-batch-size", type=click.IntRange(1), default=_D.max_batch_size, show_default=True)
 @click.option("--max-live-sequences", type=click.IntRange(1), default=_D.max_live_sequences, show_default=True)
 @click.option("--device", default=_D.device, show_default=True, help="torch device: cpu, cuda, cuda:1 ...")

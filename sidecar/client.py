@@ -174,10 +174,14 @@ class SidecarClient:
         """Resume; returns whether it was paused."""
         return self._unary("Resume", self._control.Resume, control_pb2.ResumeRequest(), retry=True).was_paused
 
-    def set_speculation(self, k: int) -> int:
-        """Set the default draft length; returns the previous one."""
+    def set_speculation(self, k: int, automatic: bool = False) -> int:
+        """Set the default draft length (automatic: the sidecar chooses k in 0..k per engine
+        step); returns the previous k."""
         msg = self._unary(
-            "SetSpeculation", self._control.SetSpeculation, control_pb2.SetSpeculationRequest(k=k), retry=True
+            "SetSpeculation",
+            self._control.SetSpeculation,
+            control_pb2.SetSpeculationRequest(k=k, automatic=automatic),
+            retry=True,
         )
         return int(msg.previous_k)
 

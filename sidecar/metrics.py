@@ -12,7 +12,11 @@ Exported (prefix `specrl_`):
   `acceptance_rate` (accepted / drafted), `position_acceptance_rate{position}` (per draft
   position), all over the served weight version so they follow the current policy;
   `tokens_per_second` (over the scheduler's throughput window), `queue_depth`,
-  `running_sequences`, `weight_version`, `paused`, `speculation_k`.
+  `running_sequences`, `weight_version`, `paused`, `speculation_k` (the k in use at the latest
+  step: in automatic mode the controller's choice), `speculation_automatic`,
+  `speculation_expected_speedup` (the controller's prediction for that k),
+  `speculation_reason{reason}` (1 for the reason of the latest decision: fixed, model, probe,
+  guard, off), counter `speculation_guard_trips_total`.
 
 GPU telemetry comes from NVML (nvidia-ml-py) and is cleanly absent where there is no NVIDIA
 driver: on a CPU-only machine `pynvml` imports but `nvmlInit` raises `NVMLError` (no driver
@@ -70,6 +74,16 @@ class SidecarMetrics(Collector):
             c = CounterMetricFamily(f"specrl_{name}", doc)
             c.add_metric([], value)
             yield c
+        spec = snap.info.speculation_status
+        trips = CounterMetricFamily("specrl_speculation_guard_trips", "Times the guard backed off to plain decoding")
+        trips.add_metric([], spec.guard_trips)
+        yield trips
+        reason = GaugeMetricFamily(
+            "specrl_speculation_reason", "Why k is what it is (1 on the latest decision's reason)", labels=["reason"]
+        )
+        for r in ("fixed", "model", "probe", "guard", "off"):
+            reason.add_metric([r], float(spec.reason == r))
+        yield reason
         gauges = (
             ("acceptance_length", current.acceptance_length, "Acceptance length tau of the served weight version"),
             ("acceptance_rate", current.acceptance_rate, "Accepted over drafted tokens of the served version"),
@@ -78,7 +92,9 @@ class SidecarMetrics(Collector):
             ("running_sequences", snap.running, "Sequences in the running engine batch"),
             ("weight_version", snap.weight_version, "Served weight version"),
             ("paused", int(snap.paused), "1 while paused"),
-            ("speculation_k", snap.info.speculation_k, "Default draft length k"),
+            ("speculation_k", spec.k, "Draft length k in use (automatic mode: chosen at the latest step)"),
+            ("speculation_automatic", int(spec.auto), "1 while the sidecar chooses k per step"),
+            ("speculation_expected_speedup", spec.expected_speedup, "Predicted tokens/s of k over plain decoding"),
         )
         for name, value, doc in gauges:
             g = GaugeMetricFamily(f"specrl_{name}", doc)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import itertools
 import logging
 import queue
@@ -241,17 +242,22 @@ class Scheduler:
 
         self._commands.put(run)
 
-    def set_speculation_k(self, k: int) -> int:
-        """Set the engine's default k; returns the previous one. ValueError beyond max."""
-        return self._call(lambda: self._do_set_k(k))
+    def set_speculation_k(self, k: int, automatic: bool = False) -> tuple[int, bool]:
+        """Set the engine's default k (automatic: the maximum of automatic mode); returns the
+        previous (k, automatic). ValueError beyond max or without an automatic mode."""
+        return self._call(lambda: self._do_set_k(k, automatic))
 
-    async def set_speculation_k_async(self, k: int) -> int:
+    async def set_speculation_k_async(self, k: int, automatic: bool = False) -> tuple[int, bool]:
         """`set_speculation_k` for a handler on an event loop."""
-        return await self._call_async(lambda: self._do_set_k(k))
+        return await self._call_async(lambda: self._do_set_k(k, automatic))
 
-    def _do_set_k(self, k: int) -> int:
-        previous = self._engine.info().speculation_k
-        self._engine.set_speculation_k(k)
+    def _do_set_k(self, k: int, automatic: bool) -> tuple[int, bool]:
+        info = self._engine.info()
+        previous = (info.speculation_k, info.speculation_status.auto)
+        if automatic:
+            self._engine.set_speculation_auto(k)
+        else:
+            self._engine.set_speculation_k(k)
         self._refresh_snapshot(info=True)
         return previous
 
@@ -485,10 +491,12 @@ class Scheduler:
         ]
         total_generated = sum(v.counters.generated_tokens for v in versions)
         new_info = self._engine.info() if info else None
+        speculation = self._engine.speculation_status()
         with self._lock:
             s = self._snapshot
             if new_info is not None:
                 s.info = new_info
+            s.info = dataclasses.replace(s.info, speculation_status=speculation)
             s.weight_version = self._engine.weight_version
             s.versions = versions
             s.queued = self._engine.num_queued() + sum(

@@ -24,8 +24,9 @@ class ServeConfig:
     """Bind address (loopback unless told otherwise: whoever can push weights owns the model)."""
     port: int = 50051
     """0 picks a free port (printed as `listening on HOST:PORT`)."""
-    spec_k: int = 3
-    """Default draft length (0: plain decoding)."""
+    spec_k: int | Literal["auto"] = 3
+    """Default draft length (0: plain decoding), or "auto": the sidecar chooses k in
+    0..max_spec_k for every engine step from its measured costs and acceptance."""
     max_spec_k: int = 8
     max_batch_size: int = 64
     max_live_sequences: int = 4096
@@ -56,10 +57,11 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535 (0 = free), got {self.port}")
-        for name in ("spec_k", "max_spec_k"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.spec_k > self.max_spec_k:
+        if self.max_spec_k < 0:
+            raise ValueError(f"max_spec_k must be >= 0, got {self.max_spec_k}")
+        if self.spec_k != "auto" and self.spec_k < 0:
+            raise ValueError(f"spec_k must be >= 0 or 'auto', got {self.spec_k}")
+        if self.spec_k != "auto" and self.spec_k > self.max_spec_k:
             raise ValueError(f"spec_k={self.spec_k} exceeds max_spec_k={self.max_spec_k}; raise max_spec_k")
         for name in ("max_batch_size", "max_live_sequences"):
             if getattr(self, name) < 1:

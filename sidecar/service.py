@@ -327,6 +327,7 @@ class ControlService(services.ControlServicer):
             queued_sequences=snap.queued,
             running_sequences=snap.running,
             uptime_seconds=time.monotonic() - self._scheduler.started_at,
+            speculation=snap.info.speculation_status,
         )
 
     async def GetInfo(self, request: control_pb2.GetInfoRequest, context: grpc.aio.ServicerContext) -> Any:
@@ -351,12 +352,14 @@ class ControlService(services.ControlServicer):
                 f"k={request.k} exceeds max_k={max_k}; ask for 0..{max_k} (0 turns speculation off)",
             )
         try:
-            previous = await self._scheduler.set_speculation_k_async(request.k)
+            previous, was_automatic = await self._scheduler.set_speculation_k_async(request.k, request.automatic)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"k={request.k} refused: {e}")
         except Exception as e:
             await _abort(context, e)
-        return control_pb2.SetSpeculationResponse(previous_k=previous, k=request.k)
+        return control_pb2.SetSpeculationResponse(
+            previous_k=previous, k=request.k, previous_automatic=was_automatic, automatic=request.automatic
+        )
 
 
 # --- assembly -------------------------------------------------------------------------------

@@ -252,6 +252,29 @@ class ModelInfo:
 
 
 @dataclass(kw_only=True, slots=True)
+class SpeculationStatus:
+    """The draft length in use and why (GetInfo, GetStats, Prometheus)."""
+
+    auto: bool = False
+    """True: the engine chooses k per step (auto mode, up to EngineInfo.speculation_k)."""
+    k: int = 0
+    """k of the latest decode step of auto-mode sequences (the fixed default k when not auto)."""
+    reason: str = "fixed"
+    """"fixed" (not auto), "model" (best predicted k), "probe" (measuring another k), "guard"
+    (backed off to plain: realised throughput fell below plain's), "off" (max k is 0)."""
+    detail: str = ""
+    """The numbers behind `reason`, human-readable."""
+    expected_speedup: float = 1.0
+    """Predicted tokens/s of k over plain decoding's at the step's batch size."""
+    batch_size: int = 0
+    """Rows of the step the decision was made for."""
+    acceptance: list[float] = field(default_factory=list)
+    """Estimated acceptance per draft position (given all earlier ones accepted), current weights."""
+    guard_trips: int = 0
+    """Times the guard has backed off to plain decoding (monotonic)."""
+
+
+@dataclass(kw_only=True, slots=True)
 class EngineInfo:
     """What an engine is, where it runs, and how it speculates."""
 
@@ -265,7 +288,9 @@ class EngineInfo:
     speculation_method: str
     """"mtp", or "" when the model has no draft."""
     speculation_k: int
+    """The fixed default k, or in auto mode the largest k the controller may choose."""
     max_speculation_k: int
+    speculation_status: SpeculationStatus = field(default_factory=SpeculationStatus)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -319,6 +344,8 @@ class SidecarStats:
     queued_sequences: int = 0
     running_sequences: int = 0
     uptime_seconds: float = 0.0
+    speculation: SpeculationStatus = field(default_factory=SpeculationStatus)
+    """The k in use and why, as of the latest engine step."""
 
 
 @dataclass(kw_only=True, slots=True)

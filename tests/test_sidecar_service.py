@@ -297,6 +297,28 @@ def test_speculation_off_gives_the_same_greedy_output(client: SidecarClient, ora
         client.set_speculation(2)
 
 
+def test_automatic_speculation_over_grpc_is_lossless_and_says_why(
+    matrix_sidecar: Sidecar, client: SidecarClient, oracle: list[list[int]]
+) -> None:
+    assert not client.info().engine.speculation_status.auto
+    assert client.set_speculation(3, automatic=True) == 2
+    try:
+        info = client.info()
+        assert info.engine.speculation_status.auto and info.engine.speculation_k == 3
+        assert greedy_tokens(client) == oracle  # whatever k the controller picks per step
+        status = client.stats().speculation
+        assert status.auto and status.reason in ("model", "probe", "guard") and status.batch_size >= 1
+        assert len(status.acceptance) == 3 and status.detail
+        body = urllib.request.urlopen(f"http://127.0.0.1:{matrix_sidecar.metrics_port}/metrics", timeout=DEADLINE)
+        text = body.read().decode()
+        assert "specrl_speculation_automatic 1.0" in text
+        assert f'specrl_speculation_reason{{reason="{status.reason}"}} 1.0' in text
+        assert "specrl_speculation_guard_trips_total" in text
+    finally:
+        client.set_speculation(2)
+    assert client.stats().speculation.reason == "fixed" and not client.info().engine.speculation_status.auto
+
+
 def test_abort_returns_partial_samples(checkpoint: Path) -> None:
     with start_sidecar(checkpoint) as sc, SidecarClient(sc.address) as c:
         c.pause()  # hold the request so the abort surely finds it live

@@ -6,7 +6,9 @@
    (order alternating per step): generation speedup and RL step speedup per step;
 2. a sweep of k on the same two sidecars and the demo's workload (`demo_config`'s rollout:
    4 prompts × 4 samples, temperature 1, the draft-initialised policy): repeats interleaved k by k, medians, τ from the
-   sidecars' raw counters — where longer drafts stop paying.
+   sidecars' raw counters — where longer drafts stop paying; plus automatic mode ("auto": the sidecars, started with
+   `--spec-k auto --max-spec-k max(ks)`, choose k per engine step; their first generations, untimed, are its learning
+   pass), against the best static k.
 
     .venv/bin/python tools/bench_rl.py --out /tmp/bench-rl --repeats 5
 """
@@ -49,13 +51,17 @@ def k_sweep(
     task, tok = ArithmeticTask(regime="zero", digits=2), CharTokenizer()
     rng = random.Random(7)
     prompts = [tok.encode(task.sample(rng, "train").prompt) for _ in range(prompts_n)]
-    wall: dict[int, list[float]] = {k: [] for k in [0, *ks]}
-    cpu: dict[int, list[float]] = {k: [] for k in [0, *ks]}
-    taus: dict[int, list[float]] = {k: [] for k in [0, *ks]}
-    with LocalSidecars(policy, 2, logs) as local, Fleet(local.start()) as orch:
+    configs: list[int | str] = [0, *ks, "auto"]
+    wall: dict[int | str, list[float]] = {k: [] for k in configs}
+    cpu: dict[int | str, list[float]] = {k: [] for k in configs}
+    taus: dict[int | str, list[float]] = {k: [] for k in configs}
+    with LocalSidecars(policy, 2, logs, spec_k=max(ks), spec_auto=True) as local, Fleet(local.start()) as orch:
         pids = [local.pid(i) for i in range(2)]
         warm = SamplingParams(temperature=1.0, max_new_tokens=40, stop_token_ids=(tok.eos_id,), seed=1)
-        orch.generate(GenerationRequest(prompts=prompts, sampling=warm, samples_per_prompt=samples))  # warm up
+        for n in range(rounds):  # warm the processes up; automatic mode's learning pass
+            orch.generate(
+                GenerationRequest(prompts=prompts, sampling=replace(warm, seed=10_000 + n), samples_per_prompt=samples)
+            )
         orch.speculation_delta()
         for r in range(repeats):
             for k in wall:
@@ -63,12 +69,16 @@ def k_sweep(
                 for n in range(rounds):
                     sampling = replace(warm, seed=100 * r + n)
                     request = GenerationRequest(
-                        prompts=prompts, sampling=sampling, samples_per_prompt=samples, speculation_k=k
+                        prompts=prompts,
+                        sampling=sampling,
+                        samples_per_prompt=samples,
+                        speculation_k=None if k == "auto" else int(k),
                     )
                     w += orch.generate(request).seconds
                 cpu[k].append(cpu_seconds(pids) - c0)
                 wall[k].append(w)
                 taus[k].append(orch.speculation_delta().acceptance_length)
+        statuses = [client.stats().speculation for client in orch.clients]
     w0, c0 = statistics.median(wall[0]), statistics.median(cpu[0])
     rows = [
         "| k | τ | wall s | wall speedup | sidecar CPU s | CPU speedup |",
@@ -77,6 +87,20 @@ def k_sweep(
     for k in wall:
         w, c = statistics.median(wall[k]), statistics.median(cpu[k])
         rows.append(f"| {k} | {statistics.median(taus[k]):.2f} | {w:.3f} | {w0 / w:.2f}x | {c:.2f} | {c0 / c:.2f}x |")
+    best = max(ks, key=lambda k: statistics.median(cpu[0]) / statistics.median(cpu[k]))
+    auto_c, best_c = statistics.median(cpu["auto"]), statistics.median(cpu[best])
+    auto_w, best_w = statistics.median(wall["auto"]), statistics.median(wall[best])
+    rows.append("")
+    rows.append(
+        f"auto vs the best static k (k={best} by CPU): CPU {best_c / auto_c:.2f}x, wall {best_w / auto_w:.2f}x "
+        "(> 1: auto faster)"
+    )
+    for i, status in enumerate(statuses):
+        rows.append(
+            f"sidecar {i} at the end: k={status.k} ({status.reason}: {status.detail}); acceptance per position "
+            + "/".join(f"{a:.2f}" for a in status.acceptance)
+            + f"; guard trips {status.guard_trips}"
+        )
     return rows
 
 

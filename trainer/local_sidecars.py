@@ -48,6 +48,7 @@ class LocalSidecars:
         log_dir: Path,
         *,
         spec_k: int = 3,
+        spec_auto: bool = False,
         max_batch_size: int = 64,
         threads: int = 1,
         startup_timeout_s: float = 120.0,
@@ -62,6 +63,7 @@ class LocalSidecars:
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.spec_k = spec_k
+        self.spec_auto = spec_auto
         self.max_batch_size = max_batch_size
         self.threads = threads
         self.startup_timeout_s = startup_timeout_s
@@ -102,8 +104,11 @@ class LocalSidecars:
             str(self.model),
             "--port",
             str(port),
-            "--spec-k",
-            str(self.spec_k),
+            *(
+                ["--spec-k", "auto", "--max-spec-k", str(self.spec_k)]
+                if self.spec_auto
+                else ["--spec-k", str(self.spec_k)]
+            ),
             "--max-batch-size",
             str(self.max_batch_size),
             "--grace",

@@ -64,7 +64,18 @@ class RolloutConfig:
     """Sampling temperature (the trainer's log-probs use the same)."""
     max_new_tokens: int = 64
     speculation_k: int = 3
-    """Draft tokens per verify step (0: plain decoding)."""
+    """Draft tokens per verify step (0: plain decoding); with speculation_auto, the largest k."""
+    speculation_auto: bool = False
+    """The sidecars choose k in 0..speculation_k for every engine step from their measured costs
+    and acceptance (local sidecars start in that mode; remote ones must be started with
+    `specrl serve --spec-k auto`). Lossless, but at temperature > 0 a sample then depends on the
+    k chosen per step, so it is not bit-reproducible from the run seed."""
+
+    @property
+    def request_k(self) -> int | None:
+        """The per-request k override: None (the sidecar's own choice) in automatic mode."""
+        return None if self.speculation_auto else self.speculation_k
+
     measure_plain: bool = False
     """Also generate each step's prompts with speculation off (same weights) and time it: the
     speedup measured side by side in the same run. Costs one extra generation per step."""

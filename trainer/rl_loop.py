@@ -119,6 +119,7 @@ def sidecar_fleet(cfg: RLConfig, run_dir: Path) -> Iterator[tuple[Fleet, LocalSi
             int(cfg.sidecars.local),
             run_dir / "logs",
             spec_k=cfg.rollout.speculation_k,
+            spec_auto=cfg.rollout.speculation_auto,
             max_batch_size=cfg.sidecars.max_batch_size,
             threads=cfg.sidecars.threads,
             startup_timeout_s=cfg.sidecars.startup_timeout_s,
@@ -174,7 +175,7 @@ def evaluate(run: Run, size: int) -> tuple[float, float]:
         temperature=0.0, max_new_tokens=run.cfg.rollout.max_new_tokens, stop_token_ids=(run.tokenizer.eos_id,)
     )
     prompts = [run.tokenizer.encode(p.prompt) for p in problems]
-    request = GenerationRequest(prompts=prompts, sampling=sampling, speculation_k=run.cfg.rollout.speculation_k)
+    request = GenerationRequest(prompts=prompts, sampling=sampling, speculation_k=run.cfg.rollout.request_k)
     samples = run.fleet.generate(request).samples
     rewards = [run.task.reward(problems[s.prompt_index], run.tokenizer.decode(s.token_ids)) for s in samples]
     return mean_and_stderr(rewards)
@@ -310,7 +311,7 @@ def collect_batch(run: Run, step: int, metrics: dict[str, float]) -> TrainBatch:
     prompts = [run.tokenizer.encode(p.prompt) for p in problems]
     sampling = _sampling(run, step, 0)
 
-    def rollout_request(k: int) -> GenerationRequest:
+    def rollout_request(k: int | None) -> GenerationRequest:
         return GenerationRequest(
             prompts=prompts, sampling=sampling, samples_per_prompt=ro.samples_per_prompt, speculation_k=k
         )
@@ -321,7 +322,7 @@ def collect_batch(run: Run, step: int, metrics: dict[str, float]) -> TrainBatch:
     if plain_first:
         metrics["time/generation_plain"] = run.fleet.generate(rollout_request(0)).seconds
         run.fleet.speculation_delta()
-    rollout = run.fleet.generate(rollout_request(ro.speculation_k))
+    rollout = run.fleet.generate(rollout_request(ro.request_k))
     counters = run.fleet.speculation_delta()
     if ro.measure_plain and not plain_first:
         metrics["time/generation_plain"] = run.fleet.generate(rollout_request(0)).seconds
@@ -357,7 +358,7 @@ def collect_batch(run: Run, step: int, metrics: dict[str, float]) -> TrainBatch:
                 prompts=more_prompts,
                 sampling=_sampling(run, step, rounds),
                 samples_per_prompt=ro.samples_per_prompt,
-                speculation_k=ro.speculation_k,
+                speculation_k=ro.request_k,
             )
         )
         counters.add(run.fleet.speculation_delta())

@@ -17,7 +17,15 @@ from collections.abc import Mapping
 
 import torch
 
-from sidecar.types import EngineInfo, GenerationRequest, Sample, TensorSpec, VersionStats, WeightSelector
+from sidecar.types import (
+    EngineInfo,
+    GenerationRequest,
+    Sample,
+    SpeculationStatus,
+    TensorSpec,
+    VersionStats,
+    WeightSelector,
+)
 
 
 class Engine(ABC):
@@ -69,6 +77,16 @@ class Engine(ABC):
     @abstractmethod
     def set_speculation_k(self, k: int) -> None:
         """Set the default draft length (0 turns speculation off); ValueError beyond max."""
+
+    def set_speculation_auto(self, max_k: int) -> None:
+        """Automatic mode: k in [0, max_k] chosen per engine step (see
+        `sidecar.engine.speculation_policy`). ValueError where the engine has none."""
+        raise ValueError(f"the {self.info().engine} engine has no automatic speculation mode; set a fixed k")
+
+    def speculation_status(self) -> SpeculationStatus:
+        """The k in use and why (engines without automatic mode: the fixed default k)."""
+        k = self.info().speculation_k
+        return SpeculationStatus(auto=False, k=k, reason="fixed", detail=f"fixed default k={k}")
 
     @abstractmethod
     def weight_specs(self, selector: WeightSelector) -> list[TensorSpec]:

@@ -1,10 +1,11 @@
-"""Fit the MTP draft layer to the target's own outputs (self-distillation on detached states).
+"""Fit the MTP draft to the target's own outputs (self-distillation on detached states).
 
 An honest draft for tests and benchmarks when no in-domain draft exists: sample
-continuations from the target itself, then train MTP layer 0 with cross-entropy to predict
-x_{t+2} from (h_t, x_{t+1}), where h_t is the trunk's final-normed hidden state computed
-without gradient (the detached-hidden-state objective of the RL trainer, DESIGN.md "Draft
-training"). The trunk, the embedding and the shared output head never change.
+continuations from the target itself, then train the MTP layers with the RL trainer's own
+objective (`sidecar.engine.draft_objective.draft_loss`: forward KL(p || q) to the target's
+distribution on detached trunk states, teacher-forced chain positions), so the benchmarks
+measure the draft the product trains. The trunk, the embedding and the shared output head
+never change.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from sidecar.engine.draft_objective import DraftConfig, MTPDraft, draft_loss
 from sidecar.engine.model import Qwen3WithMTP
 from sidecar.engine.torch_engine import TorchEngine
 from sidecar.types import GenerationRequest, SamplingParams
@@ -36,6 +38,9 @@ class DraftFitConfig:
     """Adam steps over the whole set (full batch)."""
     lr: float = 3e-3
     seed: int = 0
+    chain_depth: int = 0
+    """Chain steps trained (DraftConfig.chain_depth: 0 = one per MTP layer; more trains the last
+    layer on its own outputs, as the engine reuses it for drafts beyond the layers)."""
 
     def __post_init__(self) -> None:
         for name in ("num_sequences", "prompt_length", "new_tokens", "steps"):
@@ -43,6 +48,8 @@ class DraftFitConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.chain_depth < 0:
+            raise ValueError(f"chain_depth must be >= 0 (0: one step per MTP layer), got {self.chain_depth}")
 
 
 def init_draft_from_embedding(model: Qwen3WithMTP) -> None:
@@ -79,9 +86,10 @@ def target_continuations(model: Qwen3WithMTP, cfg: DraftFitConfig) -> torch.Tens
 def fit_draft(
     model: Qwen3WithMTP, cfg: DraftFitConfig, progress: Callable[[int, float], None] | None = None
 ) -> list[float]:
-    """Train MTP layer 0 in place on the target's continuations; returns the loss per step.
+    """Train the MTP layers in place on the target's continuations; returns the loss per step.
 
-    `progress(step, loss)` is called after every step (tools print it).
+    The loss is the trainer's (`draft_loss`, objective "kl"). `progress(step, loss)` is called
+    after every step (tools print it).
     """
     if model.config.num_nextn_predict_layers == 0:
         raise ValueError("the model has no MTP layer to fit (num_nextn_predict_layers = 0)")
@@ -89,19 +97,27 @@ def fit_draft(
     ids = target_continuations(model, cfg).to(device)  # (N, T)
     with torch.no_grad():
         hidden = model.hidden_states(ids)  # (N, T, hidden), detached: the trunk is not trained
-    targets = ids[:, 2:]  # x_{t+2} for t = 0..T-3
-    weight = torch.zeros_like(targets, dtype=torch.float32)
-    weight[:, max(cfg.prompt_length - 2, 0) :] = 1.0  # learn the continuations, not the random prompts
-    params = list(model.mtp_layer(0).parameters())
+        target_logits = model.logits(hidden)  # (N, T, V)
+    mask = torch.zeros(ids.shape[0], ids.shape[1] - 1)
+    mask[:, max(cfg.prompt_length - 1, 0) :] = 1.0  # tokens[:, 1:] from the continuation on, not the random prompt
+    draft = MTPDraft(model.config, layers=model.mtp.layers)
+    objective = DraftConfig(objective="kl", chain_depth=cfg.chain_depth)
+    weight = model.output_weight()
+
+    def head(h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, weight.detach())
+
+    params = list(model.mtp.parameters())
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.Adam(params, lr=cfg.lr)
     losses: list[float] = []
+    temperature = cfg.temperature if cfg.temperature > 0 else 1.0
     try:
         for _ in range(cfg.steps):
-            logits = model.mtp_logits(ids, hidden, layer=0)[:, :-1].float()  # (N, T-2, V)
-            ce = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
-            loss = (ce * weight).sum() / weight.sum()
+            loss, _metrics = draft_loss(
+                draft, objective, ids, hidden, target_logits, mask, model.model.embed_tokens, head, temperature
+            )
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()

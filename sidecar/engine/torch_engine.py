@@ -17,15 +17,25 @@ an RL trainer recomputes.
 
 Weight updates land between steps; sequences in flight keep their cached prefix (computed
 with the old weights) and continue with the new ones (`Sample.last_weight_version`).
+
+Adaptive k (`set_speculation_auto`): sequences that do not pin k take, in each decode step, the
+k chosen by `speculation_policy.SpeculationPolicy` from the engine's own measurements (seconds of
+the draft phase and of the whole step, per batch size; per-position acceptance). Such sequences
+keep their MTP inputs pending while k = 0, so drafting can resume at any step; k changing between
+rounds never changes what is accepted (each round is an exact rejection-sampling round), so
+outputs stay lossless. At temperature > 0 a sequence's tokens then depend on the k chosen per
+round (k decides how many uniforms a round draws), which depends on measured timings: auto mode
+is exactly distributed but not bit-reproducible across runs; pin k for bit-reproducible samples.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import secrets
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +48,7 @@ from sidecar.engine.checkpoint import draft_tensor_shapes, load_checkpoint, targ
 from sidecar.engine.kv_cache import KVCache
 from sidecar.engine.model import Qwen3WithMTP, build_model
 from sidecar.engine.sampling import RowSampling, filtered_probs, rejection_sample, sample_from, token_logprobs
+from sidecar.engine.speculation_policy import SpeculationDecision, SpeculationPolicy, SpeculationPolicyConfig
 from sidecar.engine.speculative import DraftInput, VerifyInput, draft, verify
 from sidecar.engine.validation import check_weights, validate_request
 from sidecar.errors import InvalidRequestError
@@ -49,10 +60,26 @@ from sidecar.types import (
     Sample,
     SamplingParams,
     SpeculationCounters,
+    SpeculationStatus,
     TensorSpec,
     VersionStats,
     WeightSelector,
 )
+
+DORMANT_AFTER = 128
+"""An auto sequence that has not drafted for this many rounds stops feeding its draft (its
+pending MTP inputs are dropped) and finishes with plain decoding: the controller keeps choosing
+k = 0 for its batch, and keeping the MTP inputs would cost memory and, on resuming, a long refresh."""
+
+
+def cost_clock(device: torch.device) -> Callable[[], float]:
+    """Seconds for the controller's cost measurements: wall time on CUDA (the engine synchronises
+    after each phase); CPU time on a CPU device — this thread's when torch computes on it alone
+    (a sidecar's gRPC threads then do not count), the process's when torch has intra-op threads.
+    On a shared machine wall time is mostly waiting for other tenants."""
+    if device.type == "cuda":
+        return time.perf_counter
+    return time.thread_time if torch.get_num_threads() == 1 else time.process_time
 
 
 def sequence_seed(seed: int, prompt_index: int, sample_index: int) -> int:
@@ -69,13 +96,25 @@ class _Sequence:
     prompt: list[int]
     params: SamplingParams
     k: int
+    auto: bool
+    """k is chosen per step by the engine's SpeculationPolicy (`k` is then unused)."""
     generator: torch.Generator
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     counters: SpeculationCounters = field(default_factory=SpeculationCounters)
     first_version: int = -1
     last_version: int = -1
-    pending: Tensor | None = None  # (n, hidden) trunk states the MTP layers have not consumed
+    pending: list[Tensor] | None = None  # chunks of (n, hidden) trunk states the MTP layers have not consumed
+    idle_rounds: int = 0  # consecutive rounds without drafting (auto rows)
+
+    @property
+    def drafts(self) -> bool:
+        """May draft in some step (so its MTP inputs must be kept)."""
+        return self.auto or self.k > 0
+
+    @property
+    def num_pending(self) -> int:
+        return sum(p.shape[0] for p in self.pending) if self.pending is not None else 0
 
     @property
     def length(self) -> int:
@@ -123,7 +162,13 @@ class TorchEngine(Engine):
         max_speculation_k: int = 8,
         max_batch_size: int = 64,
         name: str = "",
+        auto_speculation: bool = False,
+        policy: SpeculationPolicyConfig | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
+        """`auto_speculation`: start in auto mode with maximum k `speculation_k`; `policy`: the
+        controller's knobs (its max_k is set by the mode); `clock`: seconds, for the controller's
+        cost measurements (tests inject one). Default: `cost_clock(device)`."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_speculation_k < 0:
@@ -137,7 +182,13 @@ class TorchEngine(Engine):
         self.max_speculation_k = max_speculation_k if self.num_mtp else 0
         # Without MTP layers speculation is unavailable: the default k is 0.
         self._k = min(speculation_k, self.max_speculation_k) if self.num_mtp else 0
+        self._auto = False  # new requests that do not pin k get the controller's k
+        self._policy_config = policy
+        self._policy: SpeculationPolicy | None = None  # kept while auto rows may still run
         self.set_speculation_k(self._k)
+        self._clock = clock or cost_clock(self.device)
+        if auto_speculation:
+            self.set_speculation_auto(self._k)
         self._version = 0
         self._stats: dict[int, VersionStats] = {0: VersionStats(weight_version=0)}
         self._queue: deque[_Sequence] = deque()
@@ -156,6 +207,7 @@ class TorchEngine(Engine):
         speculation_k: int = 3,
         max_speculation_k: int = 8,
         max_batch_size: int = 64,
+        auto_speculation: bool = False,
     ) -> TorchEngine:
         """Load a checkpoint directory (config.json + safetensors) onto `device`."""
         config, tensors = load_checkpoint(path)
@@ -167,6 +219,7 @@ class TorchEngine(Engine):
             max_speculation_k=max_speculation_k,
             max_batch_size=max_batch_size,
             name=Path(path).name,
+            auto_speculation=auto_speculation,
         )
 
     def _new_cache(self, layers: int, batch: int, capacity: int = 64) -> KVCache:
@@ -205,6 +258,7 @@ class TorchEngine(Engine):
             speculation_method="mtp" if self.num_mtp else "",
             speculation_k=self._k,
             max_speculation_k=self.max_speculation_k,
+            speculation_status=self.speculation_status(),
         )
 
     @property
@@ -215,14 +269,53 @@ class TorchEngine(Engine):
     def speculation_k(self) -> int:
         return self._k
 
-    def set_speculation_k(self, k: int) -> None:
-        """Default k for requests submitted from now on (running sequences keep theirs)."""
+    def _check_k(self, k: int) -> None:
         if k < 0 or k > self.max_speculation_k:
             why = (
                 "the model has no MTP layers" if not self.num_mtp else f"max_speculation_k is {self.max_speculation_k}"
             )
             raise ValueError(f"speculation k must be in [0, {self.max_speculation_k}] ({why}), got {k}")
+
+    def set_speculation_k(self, k: int) -> None:
+        """Fixed default k for requests submitted from now on (running sequences keep theirs)."""
+        self._check_k(k)
         self._k = k
+        self._auto = False  # running auto-mode sequences keep the controller
+
+    def set_speculation_auto(self, max_k: int) -> None:
+        """Auto default: requests submitted from now on that do not pin k get a per-step k in
+        [0, max_k] from the controller (its measurements are kept while max_k stays the same)."""
+        self._check_k(max_k)
+        self._k, self._auto = max_k, True
+        if self._policy is None or self._policy.config.max_k != max_k:
+            cfg = self._policy_config or SpeculationPolicyConfig(max_k=max_k)
+            self._policy = SpeculationPolicy(dataclasses.replace(cfg, max_k=max_k))
+
+    def set_speculation_policy(self, policy: SpeculationPolicy) -> None:
+        """Auto mode with a given controller (tools and tests install a scripted or configured one)."""
+        self._check_k(policy.config.max_k)
+        self._k, self._auto = policy.config.max_k, True
+        self._policy = policy
+
+    @property
+    def speculation_auto(self) -> bool:
+        return self._auto
+
+    def speculation_status(self) -> SpeculationStatus:
+        """The k in use and why (GetInfo / GetStats / Prometheus)."""
+        if not self._auto or self._policy is None:
+            return SpeculationStatus(auto=False, k=self._k, reason="fixed", detail=f"fixed default k={self._k}")
+        d = self._policy.last
+        return SpeculationStatus(
+            auto=True,
+            k=d.k,
+            reason=d.reason,
+            detail=d.detail,
+            expected_speedup=d.expected_speedup,
+            batch_size=d.batch_size,
+            acceptance=self._policy.acceptance.rates(),
+            guard_trips=self._policy.trips,
+        )
 
     def validate(self, request: GenerationRequest) -> None:
         validate_request(request, self.config, self.max_speculation_k)
@@ -244,6 +337,7 @@ class TorchEngine(Engine):
         if request.request_id in self._live:
             raise InvalidRequestError(f"request_id {request.request_id!r} is already running; ids must be unique")
         k = self._k if request.speculation_k is None else request.speculation_k
+        auto = request.speculation_k is None and self._auto and self._k > 0
         seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(63)
         for p, prompt in enumerate(request.prompts):
             for s in range(request.samples_per_prompt):
@@ -256,6 +350,7 @@ class TorchEngine(Engine):
                         prompt=list(prompt),
                         params=request.sampling,
                         k=k,
+                        auto=auto,
                         generator=gen,
                     )
                 )
@@ -316,6 +411,10 @@ class TorchEngine(Engine):
     def _admit(self) -> list[Sample]:
         """Prefill queued sequences in one target forward and emit each one's first token."""
         new = [self._queue.popleft() for _ in range(min(len(self._queue), self.max_batch_size - len(self._running)))]
+        if self._policy is not None and not self._policy.may_draft(len(self._running) + len(new)):
+            for s in new:  # the controller has measured that this batch decodes best without a draft
+                if s.auto:
+                    s.auto, s.k = False, 0
         b, lengths = len(new), [len(s.prompt) for s in new]
         width = max(lengths)
         tokens = torch.zeros(b, width, dtype=torch.int64)
@@ -333,7 +432,7 @@ class TorchEngine(Engine):
         first = sample_from(filtered_probs(logits, rows), uniforms)
         logprobs = token_logprobs(logits[:, None], first[:, None], rows.temperature)[:, 0]
         mtp_caches = [self._new_cache(1, b, width + self.max_speculation_k + 2) for _ in range(self.num_mtp)]
-        drafting = [s.k > 0 for s in new]
+        drafting = [s.drafts for s in new]
         if any(drafting) and width > 1:
             # MTP positions t = 0..P-2 of the prompt (inputs h_t and x_{t+1}); h_{P-1} stays pending.
             num = [n - 1 if d else 0 for n, d in zip(lengths, drafting, strict=True)]
@@ -348,8 +447,8 @@ class TorchEngine(Engine):
             if reason is not None:
                 finished.append(self._finish(s, reason))
                 continue
-            if s.k > 0 and self.num_mtp:
-                s.pending = hidden[i, lengths[i] - 1 : lengths[i]]
+            if s.drafts and self.num_mtp:
+                s.pending = [hidden[i, lengths[i] - 1 : lengths[i]]]
             keep.append(i)
         if keep:
             cache.keep_rows(keep)
@@ -368,7 +467,14 @@ class TorchEngine(Engine):
         if self._rows is None:
             self._rows = RowSampling.of([s.params for s in seqs], dev)
         rows = self._rows
-        k_eff = [min(s.k, s.params.max_new_tokens - len(s.output) - 1) if s.pending is not None else 0 for s in seqs]
+        started = self._clock()
+        policy = self._policy if any(s.auto for s in seqs) else None
+        decision: SpeculationDecision | None = policy.decide(b) if policy is not None else None
+        auto_k = decision.k if decision is not None else 0
+        k_eff = [
+            min(auto_k if s.auto else s.k, s.params.max_new_tokens - len(s.output) - 1) if s.pending is not None else 0
+            for s in seqs
+        ]
         kmax = max(k_eff)
         u = torch.zeros(b, 2 * kmax + 1)
         for i, (s, k) in enumerate(zip(seqs, k_eff, strict=True)):
@@ -379,9 +485,7 @@ class TorchEngine(Engine):
         last = torch.tensor([s.last_tokens(1)[0] for s in seqs], dtype=torch.int64)
         consumed = [False] * b
         if kmax > 0:
-            num_refresh = [
-                s.pending.shape[0] if (k and s.pending is not None) else 0 for s, k in zip(seqs, k_eff, strict=True)
-            ]
+            num_refresh = [s.num_pending if k else 0 for s, k in zip(seqs, k_eff, strict=True)]
             width = max(num_refresh)
             ref_tokens = torch.zeros(b, width, dtype=torch.int64)
             ref_hidden = torch.zeros(b, width, self.config.hidden_size, dtype=self.config.dtype, device=dev)
@@ -389,7 +493,7 @@ class TorchEngine(Engine):
                 if n:
                     assert s.pending is not None
                     ref_tokens[i, :n] = torch.tensor(s.last_tokens(n))
-                    ref_hidden[i, :n] = s.pending
+                    ref_hidden[i, :n] = torch.cat(s.pending)
                     consumed[i] = True
             out = draft(
                 self.model,
@@ -405,11 +509,14 @@ class TorchEngine(Engine):
                 rows,
             )
             draft_tokens, q = out.tokens, out.probs
+            if policy is not None and dev.type == "cuda":
+                torch.cuda.synchronize(dev)  # the draft phase's cost, not its launch
             verify_tokens = torch.cat([last.to(dev)[:, None], draft_tokens], dim=1)
         else:
             draft_tokens = torch.zeros(b, 0, dtype=torch.int64, device=dev)
             q = torch.zeros(b, 0, self.config.vocab_size, device=dev)
             verify_tokens = last.to(dev)[:, None]
+        drafted_at = self._clock()
         old_lengths = list(self._cache.lengths)
         vout = verify(self.model, self._cache, VerifyInput(tokens=verify_tokens, num_new=[k + 1 for k in k_eff]), rows)
         acc = rejection_sample(draft_tokens, q, vout.probs, num_draft, u[:, kmax : 2 * kmax], u[:, 2 * kmax])
@@ -430,12 +537,27 @@ class TorchEngine(Engine):
             if reason is not None:
                 finished.append(self._finish(s, reason))
                 continue
-            if s.k > 0 and self.num_mtp:
+            if s.drafts and self.num_mtp and s.pending is not None:
                 new_pending = vout.hidden[i, : a + 1]
-                s.pending = new_pending if consumed[i] or s.pending is None else torch.cat([s.pending, new_pending])
+                s.pending = [new_pending] if consumed[i] else [*s.pending, new_pending]
+                s.idle_rounds = 0 if consumed[i] else s.idle_rounds + 1
+                if s.auto and s.idle_rounds >= DORMANT_AFTER:
+                    s.pending, s.auto, s.k = None, False, 0  # finishes with plain decoding
             keep.append(i)
         self._cache.truncate([n + a + 1 for n, a in zip(old_lengths, num_accepted, strict=True)])
         self._keep_rows(keep)
+        if policy is not None:  # the controller learns from the steps it decided
+            policy.observe_acceptance(
+                [k for k in k_eff if k], [a for a, k in zip(num_accepted, k_eff, strict=True) if k]
+            )
+            policy.observe_step(
+                batch=b,
+                k=kmax,
+                draft_seconds=drafted_at - started,
+                step_seconds=self._clock() - started,
+                tokens=sum(a + 1 for a in num_accepted),
+                chosen=kmax == auto_k,
+            )
         return finished
 
     # ---- weights -----------------------------------------------------------------------------
@@ -468,3 +590,5 @@ class TorchEngine(Engine):
                 params[name].copy_(t)
         self._version = version
         self._stats.setdefault(version, VersionStats(weight_version=version))
+        if self._policy is not None:
+            self._policy.on_weight_version()

@@ -32,6 +32,7 @@ from sidecar.types import (
     SidecarInfo,
     SidecarStats,
     SpeculationCounters,
+    SpeculationStatus,
     TensorSpec,
     VersionStats,
     WeightChunk,
@@ -429,6 +430,31 @@ def describe_weights_from_pb(msg: weights_pb2.DescribeWeightsResponse) -> tuple[
 # --- control -------------------------------------------------------------------------------
 
 
+def speculation_status_to_pb(s: SpeculationStatus) -> control_pb2.SpeculationDecision:
+    return control_pb2.SpeculationDecision(
+        k=s.k,
+        reason=s.reason,
+        detail=s.detail,
+        expected_speedup=s.expected_speedup,
+        batch_size=s.batch_size,
+        position_acceptance=s.acceptance,
+        guard_trips=s.guard_trips,
+    )
+
+
+def speculation_status_from_pb(msg: control_pb2.SpeculationDecision, automatic: bool) -> SpeculationStatus:
+    return SpeculationStatus(
+        auto=automatic,
+        k=msg.k,
+        reason=msg.reason or "fixed",
+        detail=msg.detail,
+        expected_speedup=msg.expected_speedup,
+        batch_size=msg.batch_size,
+        acceptance=list(msg.position_acceptance),
+        guard_trips=msg.guard_trips,
+    )
+
+
 def info_to_pb(info: SidecarInfo) -> control_pb2.GetInfoResponse:
     e, m = info.engine, info.engine.model
     return control_pb2.GetInfoResponse(
@@ -445,7 +471,11 @@ def info_to_pb(info: SidecarInfo) -> control_pb2.GetInfoResponse:
             dtype=m.dtype,
         ),
         speculation=control_pb2.SpeculationInfo(
-            method=e.speculation_method, k=e.speculation_k, max_k=e.max_speculation_k
+            method=e.speculation_method,
+            k=e.speculation_k,
+            max_k=e.max_speculation_k,
+            automatic=e.speculation_status.auto,
+            decision=speculation_status_to_pb(e.speculation_status),
         ),
         engine=e.engine,
         engine_version=e.engine_version,
@@ -501,6 +531,7 @@ def info_from_pb(msg: control_pb2.GetInfoResponse) -> SidecarInfo:
             speculation_method=msg.speculation.method,
             speculation_k=msg.speculation.k,
             max_speculation_k=msg.speculation.max_k,
+            speculation_status=speculation_status_from_pb(msg.speculation.decision, msg.speculation.automatic),
         ),
         weight_version=msg.weight_version,
         paused=msg.paused,
@@ -543,6 +574,7 @@ def stats_to_pb(stats: SidecarStats) -> control_pb2.GetStatsResponse:
         queued_sequences=stats.queued_sequences,
         running_sequences=stats.running_sequences,
         uptime_seconds=stats.uptime_seconds,
+        speculation=speculation_status_to_pb(stats.speculation),
     )
 
 
@@ -562,4 +594,5 @@ def stats_from_pb(msg: control_pb2.GetStatsResponse) -> SidecarStats:
         queued_sequences=msg.queued_sequences,
         running_sequences=msg.running_sequences,
         uptime_seconds=msg.uptime_seconds,
+        speculation=speculation_status_from_pb(msg.speculation, msg.speculation.reason not in ("", "fixed")),
     )

@@ -29,6 +29,7 @@ from engine_fixtures import aligned_draft_model, hf_probs
 import sidecar.engine.torch_engine as torch_engine
 from sidecar.engine.model import ModelConfig, Qwen3WithMTP
 from sidecar.engine.sampling import Acceptance, rejection_sample, sample_from
+from sidecar.engine.speculation_policy import SpeculationDecision, SpeculationPolicy, SpeculationPolicyConfig
 from sidecar.engine.torch_engine import TorchEngine
 from sidecar.types import GenerationRequest, SamplingParams
 
@@ -109,3 +110,31 @@ def test_the_test_detects_wrong_acceptance_rules(model: Qwen3WithMTP, monkeypatc
     exact = exact_joint(model, sp)
     monkeypatch.setattr(torch_engine, "rejection_sample", wrong_rule)
     assert chi_square_pvalue(engine_counts(model, sp, k)[0], exact) < 1e-6
+
+
+class SwitchingPolicy(SpeculationPolicy):
+    """Scripted controller: k follows a fixed cycle, one entry per decode step (k changes between
+    the rounds of every sequence, 0 included)."""
+
+    def __init__(self, cycle: list[int], **config: float) -> None:
+        super().__init__(SpeculationPolicyConfig(max_k=max(cycle), **config))
+        self.cycle, self.calls = cycle, 0
+
+    def decide(self, batch: int) -> SpeculationDecision:
+        self.last = SpeculationDecision(k=self.cycle[self.calls % len(self.cycle)], reason="probe", batch_size=batch)
+        self.calls += 1
+        return self.last
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cycle", [[2, 0, 1], [1, 0, 2, 3]])
+def test_k_switching_mid_sequence_keeps_the_exact_distribution(model: Qwen3WithMTP, cycle: list[int]) -> None:
+    sp = SamplingParams(temperature=1.0, max_new_tokens=4, seed=4)
+    exact = exact_joint(model, sp)
+    engine = TorchEngine(model, max_batch_size=1000)
+    engine.set_speculation_policy(SwitchingPolicy(cycle))
+    samples = engine.generate(GenerationRequest(prompts=[PROMPT], sampling=sp, samples_per_prompt=N))
+    cells = torch.tensor([(s.token_ids[0] * V + s.token_ids[1]) * V + s.token_ids[2] for s in samples])
+    c = engine.stats()[0].counters
+    assert c.drafted_tokens >= N / 4 and c.accepted_tokens > 0  # speculative rounds really ran
+    assert chi_square_pvalue(torch.bincount(cells, minlength=V**3).double(), exact) > ALPHA

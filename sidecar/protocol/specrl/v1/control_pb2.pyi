@@ -36,14 +36,36 @@ class ModelInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., rope_type: _Optional[str] = ..., rope_factor: _Optional[float] = ..., num_mtp_layers: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class SpeculationInfo(_message.Message):
-    __slots__ = ("method", "k", "max_k")
+    __slots__ = ("method", "k", "max_k", "automatic", "decision")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     MAX_K_FIELD_NUMBER: _ClassVar[int]
+    AUTOMATIC_FIELD_NUMBER: _ClassVar[int]
+    DECISION_FIELD_NUMBER: _ClassVar[int]
     method: str
     k: int
     max_k: int
-    def __init__(self, method: _Optional[str] = ..., k: _Optional[int] = ..., max_k: _Optional[int] = ...) -> None: ...
+    automatic: bool
+    decision: SpeculationDecision
+    def __init__(self, method: _Optional[str] = ..., k: _Optional[int] = ..., max_k: _Optional[int] = ..., automatic: _Optional[bool] = ..., decision: _Optional[_Union[SpeculationDecision, _Mapping]] = ...) -> None: ...
+
+class SpeculationDecision(_message.Message):
+    __slots__ = ("k", "reason", "detail", "expected_speedup", "batch_size", "position_acceptance", "guard_trips")
+    K_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_SPEEDUP_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    POSITION_ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
+    GUARD_TRIPS_FIELD_NUMBER: _ClassVar[int]
+    k: int
+    reason: str
+    detail: str
+    expected_speedup: float
+    batch_size: int
+    position_acceptance: _containers.RepeatedScalarFieldContainer[float]
+    guard_trips: int
+    def __init__(self, k: _Optional[int] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ..., expected_speedup: _Optional[float] = ..., batch_size: _Optional[int] = ..., position_acceptance: _Optional[_Iterable[float]] = ..., guard_trips: _Optional[int] = ...) -> None: ...
 
 class RequestLimits(_message.Message):
     __slots__ = ("max_prompts", "max_samples", "max_prompt_tokens", "max_new_tokens")
@@ -126,20 +148,22 @@ class VersionStats(_message.Message):
     def __init__(self, weight_version: _Optional[int] = ..., counters: _Optional[_Union[_common_pb2.SpeculationCounters, _Mapping]] = ..., samples_finished: _Optional[int] = ..., busy_seconds: _Optional[float] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("versions", "total", "weight_version", "queued_sequences", "running_sequences", "uptime_seconds")
+    __slots__ = ("versions", "total", "weight_version", "queued_sequences", "running_sequences", "uptime_seconds", "speculation")
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     QUEUED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     RUNNING_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
     versions: _containers.RepeatedCompositeFieldContainer[VersionStats]
     total: _common_pb2.SpeculationCounters
     weight_version: int
     queued_sequences: int
     running_sequences: int
     uptime_seconds: float
-    def __init__(self, versions: _Optional[_Iterable[_Union[VersionStats, _Mapping]]] = ..., total: _Optional[_Union[_common_pb2.SpeculationCounters, _Mapping]] = ..., weight_version: _Optional[int] = ..., queued_sequences: _Optional[int] = ..., running_sequences: _Optional[int] = ..., uptime_seconds: _Optional[float] = ...) -> None: ...
+    speculation: SpeculationDecision
+    def __init__(self, versions: _Optional[_Iterable[_Union[VersionStats, _Mapping]]] = ..., total: _Optional[_Union[_common_pb2.SpeculationCounters, _Mapping]] = ..., weight_version: _Optional[int] = ..., queued_sequences: _Optional[int] = ..., running_sequences: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., speculation: _Optional[_Union[SpeculationDecision, _Mapping]] = ...) -> None: ...
 
 class PauseRequest(_message.Message):
     __slots__ = ()
@@ -162,15 +186,21 @@ class ResumeResponse(_message.Message):
     def __init__(self, was_paused: _Optional[bool] = ...) -> None: ...
 
 class SetSpeculationRequest(_message.Message):
-    __slots__ = ("k",)
+    __slots__ = ("k", "automatic")
     K_FIELD_NUMBER: _ClassVar[int]
+    AUTOMATIC_FIELD_NUMBER: _ClassVar[int]
     k: int
-    def __init__(self, k: _Optional[int] = ...) -> None: ...
+    automatic: bool
+    def __init__(self, k: _Optional[int] = ..., automatic: _Optional[bool] = ...) -> None: ...
 
 class SetSpeculationResponse(_message.Message):
-    __slots__ = ("previous_k", "k")
+    __slots__ = ("previous_k", "k", "previous_automatic", "automatic")
     PREVIOUS_K_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_AUTOMATIC_FIELD_NUMBER: _ClassVar[int]
+    AUTOMATIC_FIELD_NUMBER: _ClassVar[int]
     previous_k: int
     k: int
-    def __init__(self, previous_k: _Optional[int] = ..., k: _Optional[int] = ...) -> None: ...
+    previous_automatic: bool
+    automatic: bool
+    def __init__(self, previous_k: _Optional[int] = ..., k: _Optional[int] = ..., previous_automatic: _Optional[bool] = ..., automatic: _Optional[bool] = ...) -> None: ...

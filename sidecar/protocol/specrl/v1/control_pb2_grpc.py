@@ -99,8 +99,11 @@ class ControlServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SetSpeculation(self, request, context):
-        """Sets the default draft length k for requests that do not override it.
-        0 turns speculation off. INVALID_ARGUMENT if k exceeds max_k.
+        """Sets the default draft length k for requests that do not override it:
+        a fixed k (0 turns speculation off), or automatic mode, where the
+        sidecar chooses k in 0..k for every engine step from its measured costs
+        and acceptance. INVALID_ARGUMENT if k exceeds max_k, or if the engine
+        has no automatic mode (SGLang).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

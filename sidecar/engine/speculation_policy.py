@@ -1,0 +1,403 @@
+"""Adaptive speculation: choose the draft length k of each engine step from measured costs.
+
+Why: whether speculation pays depends on the hardware, the batch size and the draft's current
+acceptance (BENCHMARKS.md, "Embedded engine": every static k from 1 to 7 lost 25-70% at batch
+>= 16 on a CPU, while k = 3 won 1.5x on the demo's 8-row batches). So k is a decision made per
+engine step, not a constant (DESIGN.md, "Speculation policy"):
+
+    choose k in {0..K} maximising   E[tokens per row | k] / cost(B, k)
+    E[tokens per row | k] = 1 + sum_{i=1..k} prod_{j<=i} alpha_j       (alpha_j: acceptance of
+                                                                       draft position j given
+                                                                       all before it accepted)
+    cost(B, k) = verify(B, k + 1) + draft(B, k)                        (seconds, measured)
+
+- **Costs** are measured online by the engine (`observe_step`: seconds of the draft phase and of
+  the whole decode step, per batch-size bucket and k) and kept as exponential moving averages.
+  A width never measured in a bucket is interpolated / extrapolated linearly from the measured
+  ones; with one measured width only, it takes the nearest measured bucket's cost relative to
+  plain (else a prior slope); the draft cost is linear in k.
+- **Acceptance** per draft position is a discounted count of the rounds that reached the
+  position and of those that accepted it (`observe_acceptance`), so it follows a drifting draft;
+  a weight push (`on_weight_version`) multiplies the counts by `version_discount`: the old
+  version's acceptance stays a prior worth about one engine step, the new version's rounds take over
+  within ~4 engine steps of a push that changes acceptance (measured in BENCHMARKS.md,
+  "Adaptive speculation").
+- **Exploration**: plain decoding (k = 0) is measured first in every bucket (it is the baseline
+  of the guard); then every `probe_every` steps (the interval doubling up to `max_probe_every`
+  while the best k stays the same) the controller runs the least recently measured of
+  {best - 1, best + 1, 0} once, so costs and acceptance of the neighbours stay fresh. Rows that
+  join a batch whose measured best is plain carry no draft at all (`may_draft`).
+- **Guard**: the model can be wrong (stale acceptance after a push, a cost that moved, a bug).
+  Over the last `guard_rows` row-rounds (at least `guard_min_steps` steps) of model-chosen
+  steps with k > 0 in a bucket, the realised tokens
+  per second per row are compared with plain decoding's measured rate; below `guard_ratio` of it
+  the bucket backs off to k = 0 for `backoff_steps` steps (doubling on each consecutive trip, up
+  to `max_backoff_steps`) and then re-probes. `cost_bias` is the test hook that makes the model
+  deliberately wrong.
+
+Pure logic: no torch, no clock. The engine passes measured durations in, so tests drive it with
+injected costs and acceptance.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(kw_only=True, slots=True)
+class SpeculationPolicyConfig:
+    """Knobs of the adaptive controller (defaults are what the engine uses)."""
+
+    max_k: int
+    """Largest k the controller may choose (the 'auto' mode's maximum)."""
+    cost_halflife: float = 8.0
+    """Observations after which an old cost measurement weighs half (EMA)."""
+    acceptance_halflife: float = 64.0
+    """Engine steps after which old acceptance evidence weighs half (tracks a drifting draft)."""
+    version_discount: float = 0.01
+    """Weight kept by the previous weight version's acceptance counts after a push: at the
+    steady-state evidence of ~92 rounds per row (acceptance_halflife / ln 2) about one engine
+    step's worth. Measured (BENCHMARKS.md, "Adaptive speculation"): an RL push moves tau by less
+    than one step's sampling noise, so the old version is a good prior, while a push that breaks
+    the draft must show within a few steps."""
+    prior_acceptance: float = 0.6
+    """Acceptance assumed at draft position 1 before any evidence (later positions: the previous
+    position's estimate)."""
+    prior_strength: float = 2.0
+    """Pseudo-rounds behind each position's prior."""
+    prior_verify_slope: float = 0.15
+    """Extra verify cost per extra token, as a fraction of a plain step, until two widths are measured."""
+    prior_draft_cost: float = 0.1
+    """Cost of one draft step as a fraction of a plain step until a draft is measured."""
+    probe_every: int = 16
+    """Steps between probes of a neighbouring k (per bucket); the interval doubles while probes
+    do not change the best k, up to `max_probe_every` (a probe of a worse k costs throughput)."""
+    max_probe_every: int = 256
+    guard_rows: int = 96
+    """Row-rounds (sum of batch sizes) of model-chosen k > 0 steps whose realised rate the guard
+    compares with plain decoding: acceptance is random, so one row's few steps say little."""
+    guard_min_steps: int = 8
+    """... and at least this many steps (cost noise)."""
+    guard_ratio: float = 0.95
+    """Back off when realised tokens/s per row < guard_ratio x plain's."""
+    backoff_steps: int = 32
+    """Steps at k = 0 after the guard trips (doubles on consecutive trips)."""
+    max_backoff_steps: int = 512
+    cost_bias: float = 1.0
+    """TEST HOOK: multiplies every predicted k > 0 step cost. < 1 claims speculation is cheaper
+    than measured: the guard must catch it. Keep 1.0 in production."""
+
+    def __post_init__(self) -> None:
+        if self.max_k < 0:
+            raise ValueError(f"max_k must be >= 0, got {self.max_k}")
+        for name in ("cost_halflife", "acceptance_halflife", "prior_strength", "cost_bias"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("version_discount", "prior_verify_slope", "prior_draft_cost"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 < self.prior_acceptance < 1:
+            raise ValueError(f"prior_acceptance must be in (0, 1), got {self.prior_acceptance}")
+        if not 0 < self.guard_ratio <= 1:
+            raise ValueError(f"guard_ratio must be in (0, 1], got {self.guard_ratio}")
+        for name in (
+            "probe_every",
+            "max_probe_every",
+            "guard_rows",
+            "guard_min_steps",
+            "backoff_steps",
+            "max_backoff_steps",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(kw_only=True, slots=True)
+class SpeculationDecision:
+    """One step's choice and why (GetInfo / GetStats / Prometheus show the latest one)."""
+
+    k: int
+    reason: str
+    """'model' (best predicted k), 'probe' (measuring a neighbour or plain), 'guard' (backed off
+    after realised throughput fell below plain), 'off' (max k is 0)."""
+    batch_size: int
+    expected_speedup: float = 1.0
+    """Predicted tokens/s of k over plain decoding's, at this batch size (1.0 when unknown)."""
+    detail: str = ""
+    """Human-readable explanation (the numbers behind `reason`)."""
+
+
+def batch_bucket(batch: int) -> int:
+    """Buckets of batch sizes sharing cost estimates: exact up to 4, then steps of ~1.25x.
+
+    Costs move with the batch (compute-bound CPUs: ~linearly), so buckets are narrow enough that
+    two sizes in one bucket differ by at most 25%."""
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    if batch <= 4:
+        return batch
+    edge = 4.0
+    while edge < batch:
+        edge = math.ceil(edge * 1.25)
+    return int(edge)
+
+
+def _ema(old: float | None, new: float, weight: float) -> float:
+    return new if old is None else old + weight * (new - old)
+
+
+class AcceptanceEstimate:
+    """Discounted per-position acceptance counts of one sidecar (all weight versions, discounted)."""
+
+    def __init__(self, config: SpeculationPolicyConfig) -> None:
+        self.config = config
+        self.reached = [0.0] * config.max_k  # rounds that drafted position i with all before it accepted
+        self.accepted = [0.0] * config.max_k  # ... of which position i was accepted
+        self._decay = 0.5 ** (1.0 / config.acceptance_halflife)
+
+    def observe(self, drafted: list[int], accepted: list[int]) -> None:
+        """One engine step: per row, drafts proposed and drafts accepted (accepted <= drafted)."""
+        for i in range(len(self.reached)):
+            self.reached[i] *= self._decay
+            self.accepted[i] *= self._decay
+        for k, a in zip(drafted, accepted, strict=True):
+            if not 0 <= a <= k:
+                raise ValueError(f"accepted {a} must be in [0, drafted {k}]")
+            for i in range(min(a + 1, k, len(self.reached))):
+                self.reached[i] += 1.0
+                if i < a:
+                    self.accepted[i] += 1.0
+
+    def discount(self, factor: float) -> None:
+        """Scale all evidence by `factor` (a weight push: the old version becomes a weak prior)."""
+        self.reached = [r * factor for r in self.reached]
+        self.accepted = [a * factor for a in self.accepted]
+
+    def rates(self) -> list[float]:
+        """alpha_i per draft position (posterior means; unseen positions inherit the previous one)."""
+        out, prior = [], self.config.prior_acceptance
+        n0 = self.config.prior_strength
+        for r, a in zip(self.reached, self.accepted, strict=True):
+            alpha = (a + n0 * prior) / (r + n0)
+            out.append(alpha)
+            prior = alpha
+        return out
+
+    def expected_tokens(self, k: int) -> float:
+        """E[tokens emitted per row per step] with k drafts: 1 (bonus / plain) + expected accepted."""
+        total, run = 1.0, 1.0
+        for alpha in self.rates()[:k]:
+            run *= alpha
+            total += run
+        return total
+
+
+@dataclass(kw_only=True, slots=True)
+class _Bucket:
+    """Cost estimates and guard state of one batch-size bucket."""
+
+    verify: dict[int, float] = field(default_factory=dict)
+    """width k+1 -> EMA seconds of the decode step without its draft phase."""
+    draft_per_token: float | None = None
+    """EMA seconds of one draft token (draft phase seconds / k)."""
+    last_measured: dict[int, int] = field(default_factory=dict)
+    """k -> step count when last measured."""
+    steps: int = 0
+    probe_interval: int = 0
+    last_probe_step: int = 0
+    last_probe_best: int = -1
+    backoff_until: int = 0
+    backoff_len: int = 0
+    window: list[tuple[int, float, float]] = field(default_factory=list)
+    """Recent model-chosen k > 0 steps: (rows, tokens per row, seconds)."""
+
+
+class SpeculationPolicy:
+    """The per-step k controller; see the module docstring."""
+
+    def __init__(self, config: SpeculationPolicyConfig) -> None:
+        self.config = config
+        self.acceptance = AcceptanceEstimate(config)
+        self._buckets: dict[int, _Bucket] = {}
+        self._cost_w = 1.0 - 0.5 ** (1.0 / config.cost_halflife)
+        self.trips = 0
+        self.last = SpeculationDecision(
+            k=0, reason="off" if not config.max_k else "probe", batch_size=0, detail="no decode step yet"
+        )
+        self._pending_reason = ""
+
+    # ---- predictions ------------------------------------------------------------------------
+    def _bucket(self, batch: int) -> _Bucket:
+        return self._buckets.setdefault(batch_bucket(batch), _Bucket())
+
+    def predicted_seconds(self, batch: int, k: int) -> float | None:
+        """Predicted seconds of one decode step with k drafts at this batch (None before plain is measured)."""
+        b = self._bucket(batch)
+        plain = b.verify.get(1)
+        if plain is None:
+            return None
+        near = self._nearest_measured(batch)
+        verify = self._verify_seconds(b, k + 1, plain, near)
+        if b.draft_per_token is not None:
+            per_token = b.draft_per_token
+        elif near is not None and near.draft_per_token is not None:  # the same share of a plain step
+            per_token = near.draft_per_token / near.verify[1] * plain
+        else:
+            per_token = self.config.prior_draft_cost * plain
+        draft = k * per_token
+        seconds = verify + draft
+        return seconds * self.config.cost_bias if k > 0 else seconds
+
+    def _nearest_measured(self, batch: int) -> _Bucket | None:
+        """The nearest other bucket with plain and some k > 0 measured (its relative costs are the
+        best guess for a bucket that has not measured them yet)."""
+        own = batch_bucket(batch)
+        measured = [
+            (abs(math.log(edge / own)), edge)
+            for edge, other in self._buckets.items()
+            if edge != own and 1 in other.verify and len(other.verify) >= 2
+        ]
+        return self._buckets[min(measured)[1]] if measured else None
+
+    def _verify_seconds(self, b: _Bucket, width: int, plain: float, near: _Bucket | None = None) -> float:
+        if width in b.verify:
+            return b.verify[width]
+        widths = sorted(b.verify)
+        lower = [w for w in widths if w < width]
+        upper = [w for w in widths if w > width]
+        if lower and upper:  # interpolate between the neighbours
+            w0, w1 = lower[-1], upper[0]
+            t = (width - w0) / (w1 - w0)
+            return b.verify[w0] + t * (b.verify[w1] - b.verify[w0])
+        if len(widths) >= 2:  # extrapolate with the slope of the two nearest widths (never negative)
+            w0, w1 = (widths[-2], widths[-1]) if lower else (widths[0], widths[1])
+            slope = max((b.verify[w1] - b.verify[w0]) / (w1 - w0), 0.0)
+            anchor = w1 if lower else w0
+            return max(b.verify[anchor] + slope * (width - anchor), 0.0)
+        if near is not None:  # the nearest measured batch size's cost relative to its plain step
+            return plain * self._verify_seconds(near, width, near.verify[1]) / near.verify[1]
+        return plain * (1.0 + self.config.prior_verify_slope * (width - 1))
+
+    def expected_rates(self, batch: int) -> list[float] | None:
+        """Predicted tokens per second per row for k = 0..max_k (None before plain is measured)."""
+        out = []
+        for k in range(self.config.max_k + 1):
+            seconds = self.predicted_seconds(batch, k)
+            if seconds is None:
+                return None
+            out.append(self.acceptance.expected_tokens(k) / seconds)
+        return out
+
+    # ---- decisions --------------------------------------------------------------------------
+    def decide(self, batch: int) -> SpeculationDecision:
+        """k for the next decode step of a batch of `batch` rows."""
+        cfg = self.config
+        if cfg.max_k == 0:
+            self.last = SpeculationDecision(k=0, reason="off", batch_size=batch, detail="max k is 0")
+            return self.last
+        b = self._bucket(batch)
+        b.steps += 1
+        if b.steps <= b.backoff_until:
+            self.last = SpeculationDecision(
+                k=0,
+                reason="guard",
+                batch_size=batch,
+                detail=f"{self._pending_reason or 'realised throughput below plain'}; plain for "
+                f"{b.backoff_until - b.steps + 1} more steps at batch {batch}",
+            )
+            return self.last
+        rates = self.expected_rates(batch)
+        if rates is None:
+            self.last = SpeculationDecision(
+                k=0, reason="probe", batch_size=batch, detail=f"measuring plain decoding at batch {batch}"
+            )
+            return self.last
+        best = max(range(len(rates)), key=lambda k: (rates[k], -k))
+        speedup = rates[best] / rates[0]
+        if b.steps - b.last_probe_step >= (b.probe_interval or cfg.probe_every):
+            stable = best == b.last_probe_best
+            b.probe_interval = min(2 * b.probe_interval, cfg.max_probe_every) if stable else cfg.probe_every
+            b.last_probe_step, b.last_probe_best = b.steps, best
+            options = [k for k in (best - 1, best + 1, 0) if 0 <= k <= cfg.max_k and k != best]
+            if options:
+                probe = min(options, key=lambda k: (b.last_measured.get(k, -1), k))
+                self.last = SpeculationDecision(
+                    k=probe,
+                    reason="probe",
+                    batch_size=batch,
+                    expected_speedup=rates[probe] / rates[0],
+                    detail=f"re-measuring k={probe} next to the best k={best} at batch {batch}",
+                )
+                return self.last
+        tau = self.acceptance.expected_tokens(best)
+        self.last = SpeculationDecision(
+            k=best,
+            reason="model",
+            batch_size=batch,
+            expected_speedup=speedup,
+            detail=(
+                f"k={best} predicts {speedup:.2f}x plain at batch {batch} (tau {tau:.2f}; "
+                f"step {1e3 * (self.predicted_seconds(batch, best) or 0.0):.2f} ms vs plain "
+                f"{1e3 * (self.predicted_seconds(batch, 0) or 0.0):.2f} ms)"
+            ),
+        )
+        return self.last
+
+    def may_draft(self, batch: int) -> bool:
+        """False when sequences joining a batch of this size should not keep a draft at all: the
+        bucket's measured costs and acceptance say plain decoding is best. (A guard back-off does
+        not count: it is temporary, and the sequences may draft once it ends.)"""
+        b = self._bucket(batch)
+        rates = self.expected_rates(batch)
+        if rates is None or b.draft_per_token is None:
+            return True  # not measured yet
+        return max(range(len(rates)), key=lambda k: (rates[k], -k)) > 0
+
+    # ---- observations -----------------------------------------------------------------------
+    def observe_step(
+        self, *, batch: int, k: int, draft_seconds: float, step_seconds: float, tokens: int, chosen: bool = True
+    ) -> None:
+        """A decode step ran: `k` drafts (the widest row), the draft phase took `draft_seconds` of
+        its `step_seconds`, and `tokens` were emitted over `batch` rows. `chosen`: the step's k came
+        from this controller's 'model' decision (only those feed the guard)."""
+        if batch < 1 or step_seconds <= 0 or draft_seconds < 0 or draft_seconds > step_seconds:
+            return  # nothing measurable (clock resolution, empty step)
+        b = self._bucket(batch)
+        b.verify[k + 1] = _ema(b.verify.get(k + 1), step_seconds - draft_seconds, self._cost_w)
+        if k > 0:
+            b.draft_per_token = _ema(b.draft_per_token, draft_seconds / k, self._cost_w)
+        b.last_measured[k] = b.steps
+        if not (chosen and k > 0 and self.last.reason == "model"):
+            return
+        b.window.append((batch, tokens / batch, step_seconds))
+        rows = sum(n for n, _, _ in b.window)
+        if len(b.window) < self.config.guard_min_steps or rows < self.config.guard_rows:
+            return
+        plain = b.verify.get(1)
+        realised = sum(t for _, t, _ in b.window) / sum(s for _, _, s in b.window)
+        steps = len(b.window)
+        b.window.clear()
+        if plain is None:
+            return
+        ratio = realised * plain  # realised tokens/s per row over plain's (1 token per row per plain step)
+        if ratio < self.config.guard_ratio:
+            b.backoff_len = min(
+                2 * b.backoff_len if b.backoff_len else self.config.backoff_steps, self.config.max_backoff_steps
+            )
+            b.backoff_until = b.steps + b.backoff_len
+            self.trips += 1
+            self._pending_reason = (
+                f"realised {ratio:.2f}x plain over {steps} steps ({rows} row-rounds) at batch {batch} "
+                f"(model predicted {self.last.expected_speedup:.2f}x)"
+            )
+        else:
+            b.backoff_len = 0
+
+    def observe_acceptance(self, drafted: list[int], accepted: list[int]) -> None:
+        """Per row of a decode step: drafts verified and drafts accepted."""
+        self.acceptance.observe(drafted, accepted)
+
+    def on_weight_version(self) -> None:
+        """A weight push landed: the old version's acceptance becomes a weak prior."""
+        self.acceptance.discount(self.config.version_discount)

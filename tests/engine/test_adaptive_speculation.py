@@ -1,0 +1,129 @@
+"""The engine under the adaptive k controller: k switching mid-sequence stays lossless, the guard
+trips inside the engine on a wrong cost model, and a weight push discounts the acceptance estimate.
+
+Oracle: a naive greedy loop over the plain full forward (as in test_speculative_greedy.py).
+Timings come from an injected clock, so nothing here depends on how fast the machine is.
+"""
+
+from __future__ import annotations
+
+import pytest
+from engine_fixtures import aligned_draft_model
+from test_speculative_distribution import SwitchingPolicy
+from test_speculative_greedy import NEW, PROMPTS, naive_greedy
+
+from sidecar.engine.model import ModelConfig, Qwen3WithMTP
+from sidecar.engine.speculation_policy import SpeculationPolicyConfig
+from sidecar.engine.torch_engine import TorchEngine
+from sidecar.types import GenerationRequest, SamplingParams, WeightSelector
+
+
+def run_all(engine: TorchEngine, prompts: list[list[int]], new: int = NEW) -> list[list[int]]:
+    """Every prompt its own auto-mode request, all submitted at once (one ragged batch)."""
+    for i, p in enumerate(prompts):
+        sp = SamplingParams(temperature=0.0, max_new_tokens=new)
+        engine.submit(GenerationRequest(prompts=[p], sampling=sp, request_id=f"r{i}"))
+    out: dict[str, list[int]] = {}
+    for _ in range(10 * new):
+        out.update({s.request_id: s.token_ids for s in engine.step()})
+        if not engine.has_work():
+            break
+    return [out[f"r{i}"] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("draft", ["random", "aligned"])
+@pytest.mark.parametrize("cycle", [[3, 0, 1, 0, 0, 2, 5], [0, 0, 4, 1]])
+def test_greedy_output_is_plain_while_k_switches_every_step(request, draft: str, cycle: list[int]) -> None:
+    model: Qwen3WithMTP = request.getfixturevalue(f"{draft}_model")
+    engine = TorchEngine(model, speculation_k=3)
+    engine.set_speculation_policy(SwitchingPolicy(cycle))
+    assert run_all(engine, PROMPTS) == [naive_greedy(model, p, NEW) for p in PROMPTS]
+    c = engine.stats()[0].counters
+    assert c.drafted_tokens > 0 and c.verify_steps > c.generated_tokens / 6
+
+
+def test_greedy_output_is_plain_under_the_real_controller_and_rows_joining_late(aligned_model) -> None:
+    engine = TorchEngine(aligned_model, speculation_k=4, auto_speculation=True, max_batch_size=2)
+    assert engine.speculation_auto and engine.info().speculation_status.auto
+    assert run_all(engine, PROMPTS) == [naive_greedy(aligned_model, p, NEW) for p in PROMPTS]
+    status = engine.speculation_status()
+    assert status.reason in ("model", "probe", "guard") and 0 <= status.k <= 4 and len(status.acceptance) == 4
+
+
+class FakeClock:
+    """Seconds that advance by a cost model of 'true' hardware: TorchEngine reads the clock three
+    times per decode step (start, after the draft, end); a step with k drafts costs
+    `draft * k` + `verify * (1 + slope * k)`."""
+
+    def __init__(self, engine_ref: list[TorchEngine], draft: float, verify: float, slope: float) -> None:
+        self.engine_ref, self.draft, self.verify, self.slope = engine_ref, draft, verify, slope
+        self.now, self.reads = 0.0, 0
+
+    def __call__(self) -> float:
+        phase = self.reads % 3
+        self.reads += 1
+        k = self.engine_ref[0].speculation_status().k
+        if phase == 1:
+            self.now += self.draft * k
+        elif phase == 2:
+            self.now += self.verify * (1 + self.slope * k)
+        return self.now
+
+
+def test_the_guard_trips_inside_the_engine_on_a_wrong_cost_model_and_output_stays_exact() -> None:
+    model = aligned_draft_model(ModelConfig.tiny(), seed=3)
+    ref: list[TorchEngine] = []
+    clock = FakeClock(ref, draft=0.004, verify=0.010, slope=2.0)  # every k > 0 loses to plain
+    wrong = SpeculationPolicyConfig(max_k=4, cost_bias=0.01, guard_rows=24, guard_min_steps=4, backoff_steps=8)
+    engine = TorchEngine(model, speculation_k=4, auto_speculation=True, policy=wrong, clock=clock)
+    ref.append(engine)
+    reasons = []
+    prompts = PROMPTS * 2
+    for i, p in enumerate(prompts):
+        engine.submit(
+            GenerationRequest(
+                prompts=[p], sampling=SamplingParams(temperature=0.0, max_new_tokens=64), request_id=str(i)
+            )
+        )
+    out = {}
+    while engine.has_work():
+        out.update({s.request_id: s.token_ids for s in engine.step()})
+        reasons.append(engine.speculation_status().reason)
+    assert engine.speculation_status().guard_trips >= 1 and "guard" in reasons
+    assert [out[str(i)] for i in range(len(prompts))] == [naive_greedy(model, p, 64) for p in prompts]
+    right = TorchEngine(model, speculation_k=4, auto_speculation=True, clock=FakeClock([], 0.004, 0.010, 2.0))
+    right._clock.engine_ref.append(right)  # type: ignore[attr-defined]
+    run_all(right, PROMPTS, new=64)
+    assert right.speculation_status().guard_trips == 0  # measured costs alone keep it at plain
+
+
+def test_a_weight_push_discounts_the_acceptance_estimate(random_model: Qwen3WithMTP) -> None:
+    model = aligned_draft_model(ModelConfig.tiny(), seed=2)
+    engine = TorchEngine(model, speculation_k=3)
+    policy = SwitchingPolicy([3], version_discount=0.0)  # k = 3 always; the real acceptance estimator
+    engine.set_speculation_policy(policy)
+    run_all(engine, PROMPTS[:2])
+    assert policy.acceptance.rates()[0] > 0.8  # the aligned draft
+    draft_names = {t.name for t in engine.weight_specs(WeightSelector.DRAFT)}
+    bad = {n: t.clone() for n, t in random_model.state_dict().items() if n in draft_names}
+    engine.update_weights(bad, WeightSelector.DRAFT, version=1)
+    assert policy.acceptance.reached == [0.0, 0.0, 0.0]  # discount 0: the old version's evidence is gone
+    run_all(engine, PROMPTS[2:])
+    assert policy.acceptance.rates()[0] < 0.5  # the random draft's acceptance, from its own rounds
+
+
+def test_switching_the_default_back_to_fixed_keeps_running_auto_rows_on_the_controller(aligned_model) -> None:
+    engine = TorchEngine(aligned_model, speculation_k=3)
+    engine.set_speculation_policy(SwitchingPolicy([2]))
+    sp = SamplingParams(temperature=0.0, max_new_tokens=NEW)
+    engine.submit(GenerationRequest(prompts=[PROMPTS[0]], sampling=sp, request_id="auto"))
+    out = {s.request_id: s.token_ids for s in engine.step() + engine.step()}
+    engine.set_speculation_k(0)
+    assert not engine.speculation_auto and engine.speculation_status().reason == "fixed"
+    engine.submit(GenerationRequest(prompts=[PROMPTS[2]], sampling=sp, request_id="fixed"))
+    drafted = engine.stats()[0].counters.drafted_tokens
+    while engine.has_work():
+        out.update({s.request_id: s.token_ids for s in engine.step()})
+    assert out["auto"] == naive_greedy(aligned_model, PROMPTS[0], NEW)
+    assert out["fixed"] == naive_greedy(aligned_model, PROMPTS[2], NEW)
+    assert engine.stats()[0].counters.drafted_tokens > drafted  # the auto row kept drafting

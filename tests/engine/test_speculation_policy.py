@@ -1,0 +1,220 @@
+"""The adaptive k controller as pure logic: injected costs and acceptance, no engine, no clock.
+
+Oracle for the decisions: the closed form E[tokens | k] / cost(k), with E = 1 + sum_i prod_{j<=i}
+alpha_j and cost = verify(k + 1) + k * draft, computed here from the injected numbers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from sidecar.engine.speculation_policy import (
+    AcceptanceEstimate,
+    SpeculationPolicy,
+    SpeculationPolicyConfig,
+    batch_bucket,
+)
+
+K = 5
+
+
+def feed_acceptance(policy: SpeculationPolicy, alphas: list[float], rows: int = 20000) -> None:
+    """Rows drafting len(alphas) tokens whose conditional acceptance at position i is alphas[i]."""
+    drafted, accepted = [], []
+    survivors = rows
+    for i, alpha in enumerate(alphas):
+        stop_here = survivors - round(survivors * alpha)
+        drafted += [len(alphas)] * stop_here
+        accepted += [i] * stop_here
+        survivors -= stop_here
+    drafted += [len(alphas)] * survivors
+    accepted += [len(alphas)] * survivors
+    policy.observe_acceptance(drafted, accepted)
+
+
+def feed_costs(policy: SpeculationPolicy, batch: int, verify: list[float], draft: float) -> None:
+    """Exact cost measurements of every k (verify[w - 1]: a width-w step without its draft)."""
+    for k in range(policy.config.max_k + 1):
+        for _ in range(3):
+            policy.observe_step(
+                batch=batch,
+                k=k,
+                draft_seconds=k * draft,
+                step_seconds=verify[k] + k * draft,
+                tokens=batch,
+                chosen=False,
+            )
+
+
+def oracle_best(alphas: list[float], verify: list[float], draft: float) -> tuple[int, list[float]]:
+    rates = []
+    for k in range(len(verify)):
+        expected = 1 + sum(math.prod(alphas[: i + 1]) for i in range(k))
+        rates.append(expected / (verify[k] + k * draft))
+    return max(range(len(rates)), key=lambda k: (rates[k], -k)), rates
+
+
+def exact_config(**kw) -> SpeculationPolicyConfig:
+    return SpeculationPolicyConfig(max_k=K, prior_strength=1e-9, acceptance_halflife=1e9, **kw)
+
+
+def test_gpu_like_costs_and_a_good_draft_choose_a_long_draft_cpu_like_costs_choose_plain() -> None:
+    alphas = [0.9] * K
+    gpu = SpeculationPolicy(exact_config())
+    feed_acceptance(gpu, alphas)
+    feed_costs(gpu, 8, verify=[0.010 * (1 + 0.02 * k) for k in range(K + 1)], draft=0.0005)
+    d = gpu.decide(8)
+    assert (d.k, d.reason) == (K, "model") and d.expected_speedup > 3
+    cpu = SpeculationPolicy(exact_config())
+    feed_acceptance(cpu, alphas)
+    feed_costs(cpu, 64, verify=[0.010 * (1 + k) for k in range(K + 1)], draft=0.003)
+    assert cpu.decide(64).k == 0
+    weak = SpeculationPolicy(exact_config())  # cheap verify, but a draft that is almost never right
+    feed_acceptance(weak, [0.05] * K)
+    feed_costs(weak, 8, verify=[0.010 * (1 + 0.02 * k) for k in range(K + 1)], draft=0.002)
+    assert weak.decide(8).k == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    alphas=st.lists(st.floats(0.05, 0.98), min_size=K, max_size=K),
+    slope=st.floats(0.0, 1.0),
+    draft_ratio=st.floats(0.01, 0.4),
+    batch=st.integers(1, 128),
+)
+def test_decision_is_the_closed_form_argmax(alphas: list[float], slope: float, draft_ratio: float, batch: int) -> None:
+    verify = [0.01 * (1 + slope * k) for k in range(K + 1)]
+    best, rates = oracle_best(alphas, verify, 0.01 * draft_ratio)
+    ranked = sorted(rates, reverse=True)
+    assume(ranked[0] > 1.02 * ranked[1])  # a clear winner (counts are rounded to whole rows)
+    policy = SpeculationPolicy(exact_config())
+    feed_acceptance(policy, alphas)
+    feed_costs(policy, batch, verify, 0.01 * draft_ratio)
+    d = policy.decide(batch)
+    assert d.reason == "model" and d.k == best
+    assert d.expected_speedup == pytest.approx(rates[best] / rates[0], rel=0.02)
+
+
+def test_unmeasured_widths_are_interpolated_and_plain_is_measured_first() -> None:
+    policy = SpeculationPolicy(SpeculationPolicyConfig(max_k=K))
+    first = policy.decide(4)
+    assert (first.k, first.reason) == (0, "probe")  # plain decoding is the guard's baseline
+    policy.observe_step(batch=4, k=0, draft_seconds=0.0, step_seconds=0.010, tokens=4)
+    policy.observe_step(batch=4, k=4, draft_seconds=0.004, step_seconds=0.034, tokens=8, chosen=False)
+    assert policy.predicted_seconds(4, 2) == pytest.approx(0.020 + 2 * 0.001)  # verify 10 -> 30 ms, linear
+    assert policy.predicted_seconds(4, 5) == pytest.approx(0.035 + 5 * 0.001)  # extrapolated
+    assert policy.predicted_seconds(64, 1) is None  # another bucket: nothing measured
+
+
+def test_probes_revisit_neighbours_and_back_off_while_nothing_changes() -> None:
+    policy = SpeculationPolicy(exact_config(probe_every=4, max_probe_every=16))
+    feed_acceptance(policy, [0.8] * K)
+    feed_costs(policy, 8, verify=[0.010 * (1 + 0.3 * k) for k in range(K + 1)], draft=0.001)
+    decisions = [policy.decide(8) for _ in range(64)]
+    probes = [i for i, d in enumerate(decisions) if d.reason == "probe"]
+    best = next(d.k for d in decisions if d.reason == "model")
+    assert {decisions[i].k for i in probes} <= {best - 1, best + 1, 0}
+    gaps = [b - a for a, b in itertools.pairwise(probes)]
+    assert gaps[0] == 4 and gaps[-1] == 16  # the probe interval doubles while the best k stays
+
+
+def run_against(policy: SpeculationPolicy, true_seconds, alphas: list[float], batch: int, steps: int):
+    """Drive the controller against 'true' hardware: step k takes true_seconds(k) and emits the
+    expected tokens. Returns (tokens, seconds, decisions)."""
+    tokens = seconds = 0.0
+    decisions = []
+    for _ in range(steps):
+        d = policy.decide(batch)
+        decisions.append(d)
+        t = true_seconds(d.k)
+        emitted = batch * (1 + sum(math.prod(alphas[: i + 1]) for i in range(d.k)))
+        policy.observe_acceptance([d.k] * batch, [min(d.k, round(sum(alphas[: d.k])))] * batch)
+        policy.observe_step(
+            batch=batch, k=d.k, draft_seconds=0.1 * t if d.k else 0.0, step_seconds=t, tokens=round(emitted)
+        )
+        tokens += emitted
+        seconds += t
+    return tokens, seconds, decisions
+
+
+def test_guard_trips_on_a_wrong_cost_model_and_reprobes_later() -> None:
+    alphas = [0.5] * K
+    true = lambda k: 0.010 * (1 + 0.8 * k)  # noqa: E731  CPU-like: every k > 0 is slower than plain
+    wrong = SpeculationPolicy(SpeculationPolicyConfig(max_k=K, cost_bias=0.01, backoff_steps=40, guard_min_steps=12))
+    tokens, seconds, decisions = run_against(wrong, true, alphas, batch=16, steps=600)
+    assert wrong.trips >= 2
+    reasons = [d.reason for d in decisions]
+    first_guard = reasons.index("guard")
+    assert all(d.k > 0 for d in decisions[first_guard - 8 : first_guard] if d.reason == "model")
+    assert "model" in reasons[first_guard + 41 :]  # re-probed after the back-off
+    plain_rate = 16 / true(0)
+    assert tokens / seconds > 0.85 * plain_rate  # the guard bounds the damage (always-max-k: ~0.4x)
+    right = SpeculationPolicy(SpeculationPolicyConfig(max_k=K))
+    tokens, seconds, decisions = run_against(right, true, alphas, batch=16, steps=600)
+    assert right.trips == 0 and tokens / seconds > 0.97 * plain_rate
+
+
+def test_guard_needs_the_realised_rate_below_plain() -> None:
+    alphas = [0.9] * K
+    true = lambda k: 0.010 * (1 + 0.05 * k)  # noqa: E731  speculation really pays
+    policy = SpeculationPolicy(SpeculationPolicyConfig(max_k=K, cost_bias=0.5))  # wrong, but not harmful
+    tokens, seconds, _ = run_against(policy, true, alphas, batch=4, steps=300)
+    assert policy.trips == 0 and tokens / seconds > 2 * 4 / true(0)
+
+
+def test_a_weight_version_change_discounts_the_old_acceptance() -> None:
+    policy = SpeculationPolicy(SpeculationPolicyConfig(max_k=3, version_discount=0.01))
+    for _ in range(50):
+        policy.observe_acceptance([3] * 8, [3] * 8)  # the old version: everything accepted
+    assert policy.acceptance.rates()[0] > 0.95
+    policy.on_weight_version()
+    policy.observe_acceptance([3] * 8, [0] * 8)  # one step of the new version: nothing accepted
+    assert policy.acceptance.rates()[0] < 0.35
+    without = SpeculationPolicy(SpeculationPolicyConfig(max_k=3))  # the same without the push
+    for _ in range(50):
+        without.observe_acceptance([3] * 8, [3] * 8)
+    without.observe_acceptance([3] * 8, [0] * 8)
+    assert without.acceptance.rates()[0] > 0.9
+
+
+def test_acceptance_counts_are_conditional_per_position() -> None:
+    est = AcceptanceEstimate(SpeculationPolicyConfig(max_k=4, acceptance_halflife=1e9))
+    est.observe([3, 3, 2, 4], [1, 3, 2, 0])
+    assert est.reached == pytest.approx([4, 3, 1, 0])  # row (3, 1) reaches positions 0-1, (4, 0) only 0
+    assert est.accepted == pytest.approx([3, 2, 1, 0])
+    with pytest.raises(ValueError, match="accepted 4"):
+        est.observe([3], [4])
+
+
+def test_batch_buckets_are_narrow_and_monotonic() -> None:
+    buckets = [batch_bucket(b) for b in range(1, 300)]
+    assert buckets[:4] == [1, 2, 3, 4]
+    assert all(b >= n for n, b in zip(range(1, 300), buckets, strict=True))
+    assert all(b <= 1.25 * n + 1 for n, b in zip(range(1, 300), buckets, strict=True))
+    assert buckets == sorted(buckets)
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"max_k": -1}, "max_k"),
+        ({"max_k": 3, "guard_ratio": 1.5}, "guard_ratio"),
+        ({"max_k": 3, "prior_acceptance": 1.0}, "prior_acceptance"),
+        ({"max_k": 3, "probe_every": 0}, "probe_every"),
+    ],
+)
+def test_bad_config_names_the_field(kw, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SpeculationPolicyConfig(**kw)
+
+
+def test_a_new_batch_size_borrows_the_nearest_measured_relative_costs() -> None:
+    policy = SpeculationPolicy(SpeculationPolicyConfig(max_k=3))
+    feed_costs(policy, 8, verify=[0.010, 0.012, 0.014, 0.016], draft=0.002)
+    policy.observe_step(batch=16, k=0, draft_seconds=0.0, step_seconds=0.020, tokens=16)  # only plain at 16
+    assert policy.predicted_seconds(16, 2) == pytest.approx(0.020 * 1.4 + 2 * 0.004)

@@ -1,0 +1,158 @@
+#!/usr/bin/env python
+"""Adaptive speculation (automatic k) against plain decoding and every static k, in one run.
+
+    tools/bench_adaptive.py [--model DIR] [--batches 1,4,16,64] [--ks 1,2,3,5] [--max-k 5]
+                            [--temperatures 0,1] [--new-tokens 64,64,48,32] [--repeats 3]
+
+The model is `tools/bench_engine.py`'s (built into --model on first use: a Qwen3-shaped 12-layer
+target with its "bigram" MTP draft). For each temperature and batch size B, the same prompts are
+generated with k = 0 (plain), each static k (pinned per request) and automatic mode, the
+configurations interleaved and their order rotated per repeat; medians of process CPU seconds
+(robust to other tenants of a shared machine) over `--repeats`.
+
+Automatic mode runs on its own engine over the same model (so it learns only from its own steps,
+never from the static runs), one engine per temperature, kept across batch sizes like a
+long-running sidecar. Its first pass over each batch size is the learning pass (plain measured
+first, then probes): reported separately as "first pass", not in the medians.
+
+Prints per (temperature, B): tok/s of plain, speedup of each static k and of auto, auto over the
+best static k, auto's tau, and the share of decode steps at each k (with the reasons).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_engine import BENCH_CONFIG, build_bench_checkpoint
+
+from sidecar.engine.speculation_policy import (
+    SpeculationDecision,
+    SpeculationPolicy,
+    SpeculationPolicyConfig,
+)
+from sidecar.engine.torch_engine import TorchEngine
+from sidecar.types import GenerationRequest, SamplingParams, SpeculationCounters
+
+
+class CountingPolicy(SpeculationPolicy):
+    """The production controller, counting its decisions (k, reason) for the report."""
+
+    def __init__(self, config: SpeculationPolicyConfig) -> None:
+        super().__init__(config)
+        self.counts: Counter[tuple[int, str]] = Counter()
+
+    def decide(self, batch: int) -> SpeculationDecision:
+        d = super().decide(batch)
+        self.counts[(d.k, d.reason)] += 1
+        return d
+
+
+def run(
+    engine: TorchEngine, batches: list[list[list[int]]], sp: SamplingParams, k: int | None
+) -> tuple[float, SpeculationCounters]:
+    """Generate each batch of prompts in turn (k None: the engine's automatic mode); CPU seconds, counters."""
+    before = SpeculationCounters()
+    before.add(engine.stats()[-1].counters)
+    start = time.process_time()
+    for prompts in batches:
+        samples = engine.generate(GenerationRequest(prompts=prompts, sampling=sp, speculation_k=k))
+        assert sum(len(s.token_ids) for s in samples) == len(prompts) * sp.max_new_tokens
+    return time.process_time() - start, engine.stats()[-1].counters.minus(before)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=Path("/tmp/specrl-bench-engine-model"))
+    ap.add_argument("--batches", default="1,4,16,64")
+    ap.add_argument("--ks", default="1,2,3,5")
+    ap.add_argument("--max-k", type=int, default=5, help="automatic mode's largest k")
+    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--new-tokens", default="64,64,48,32", help="per batch size")
+    ap.add_argument("--min-prompts", type=int, default=2, help="small batches run in turn over this many prompts")
+    ap.add_argument("--prompt-length", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    if not (args.model / "config.json").is_file():
+        torch.manual_seed(0)
+        build_bench_checkpoint(args.model, 0)
+    batches = [int(b) for b in args.batches.split(",")]
+    ks = [int(k) for k in args.ks.split(",")]
+    news = [int(n) for n in args.new_tokens.split(",")]
+    news = news * len(batches) if len(news) == 1 else news[: len(batches)]
+    static = TorchEngine.from_checkpoint(
+        args.model, speculation_k=0, max_speculation_k=max(*ks, args.max_k), max_batch_size=max(batches)
+    )
+    model = static.model
+    configs: list[int | str] = [0, *ks, "auto"]
+    header = (
+        "| T | B | plain tok/s | "
+        + " | ".join(f"k={k}" for k in ks)
+        + " | auto | auto / best static | auto first pass | auto tau | auto's k (share of steps) |"
+    )
+    lines = [header, "|---" * (8 + len(ks)) + "|"]
+    print(header, flush=True)
+    for temperature in [float(t) for t in args.temperatures.split(",")]:
+        policy = CountingPolicy(SpeculationPolicyConfig(max_k=args.max_k))
+        auto = TorchEngine(
+            model, speculation_k=args.max_k, max_speculation_k=max(*ks, args.max_k), max_batch_size=max(batches)
+        )
+        auto.set_speculation_policy(policy)
+        gen = torch.Generator().manual_seed(1)
+        for batch, new in zip(batches, news, strict=True):
+            sp = SamplingParams(temperature=temperature, max_new_tokens=new, seed=3)
+            rounds = max(1, -(-args.min_prompts // batch))
+            prompts = [
+                torch.randint(0, BENCH_CONFIG.vocab_size, (batch, args.prompt_length), generator=gen).tolist()
+                for _ in range(rounds)
+            ]
+            run(static, prompts[:1], SamplingParams(temperature=temperature, max_new_tokens=4), 1)  # warm up
+            tokens = rounds * batch * new
+            first_seconds, _ = run(auto, prompts, sp, None)  # automatic mode's learning pass at this batch
+            policy.counts.clear()
+            times: dict[int | str, list[float]] = {c: [] for c in configs}
+            auto_counters = SpeculationCounters()
+            for r in range(args.repeats):
+                order = configs[r % len(configs) :] + configs[: r % len(configs)]
+                for c in order:
+                    seconds, counters = run(
+                        auto if c == "auto" else static, prompts, sp, None if c == "auto" else int(c)
+                    )
+                    times[c].append(seconds)
+                    if c == "auto":
+                        auto_counters.add(counters)
+            rate = {c: tokens / statistics.median(times[c]) for c in configs}
+            best = max(ks, key=lambda k: rate[k])
+            steps = sum(policy.counts.values())
+            by_k: Counter[int] = Counter()
+            for (k, _), n in policy.counts.items():
+                by_k[k] += n
+            reasons = Counter(reason for (_, reason), n in policy.counts.items() for _ in range(n))
+            share = ", ".join(f"k={k} {n / steps:.0%}" for k, n in sorted(by_k.items()))
+            why = "/".join(f"{reason} {n / steps:.0%}" for reason, n in reasons.most_common())
+            if not steps:
+                share, why = "k=0 throughout", "rows admitted without a draft: measured plain is best"
+            row = (
+                f"| {temperature:g} | {batch} | {rate[0]:.1f} | "
+                + " | ".join(f"{rate[k] / rate[0]:.2f}x" for k in ks)
+                + f" | **{rate['auto'] / rate[0]:.2f}x** | {rate['auto'] / max(rate[best], rate[0]):.2f} (best: k={best if rate[best] > rate[0] else 0}) "
+                f"| {tokens / first_seconds / rate[0]:.2f}x | {auto_counters.acceptance_length:.2f} | {share} ({why}) |"
+            )
+            lines.append(row)
+            print(row, flush=True)
+    print("\n".join(["", *lines]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

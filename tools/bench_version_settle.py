@@ -1,0 +1,66 @@
+#!/usr/bin/env python
+"""How many engine steps the adaptive controller's acceptance estimate takes to settle after a push.
+
+    tools/bench_version_settle.py [--model DIR]
+
+The benchmark model of tools/bench_engine.py (built there), 8 rows at temperature 1, k = 3 every
+step; after 60 steps a draft-only push scrambles the MTP layer (acceptance collapses), then 40 more
+steps. For each `version_discount` (1.0 = no reset ... 0.0 = hard reset) prints position-1
+acceptance before and after, and the engine steps until the estimate stays within 10% of the
+change. Why it matters: an RL push barely moves acceptance (BENCHMARKS.md), but a stale or broken
+draft must show within a few steps.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from sidecar.engine.speculation_policy import SpeculationPolicy, SpeculationPolicyConfig
+from sidecar.engine.torch_engine import TorchEngine
+from sidecar.types import GenerationRequest, SamplingParams, WeightSelector
+
+torch.set_num_threads(1)
+MODEL = sys.argv[sys.argv.index("--model") + 1] if "--model" in sys.argv else "/tmp/specrl-bench-engine-model"
+for discount in (1.0, 0.05, 0.01, 0.0):
+    engine = TorchEngine.from_checkpoint(MODEL, speculation_k=3, max_speculation_k=3, max_batch_size=8)
+
+    class Fixed(SpeculationPolicy):
+        def decide(self, batch):
+            d = super().decide(batch)
+            d.k = 3
+            return d
+
+    pol = Fixed(SpeculationPolicyConfig(max_k=3, version_discount=discount))
+    engine.set_speculation_policy(pol)
+    gen = torch.Generator().manual_seed(5)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=400, seed=1)
+    engine.submit(
+        GenerationRequest(prompts=torch.randint(0, 4096, (8, 16), generator=gen).tolist(), sampling=sp, request_id="a")
+    )
+    for _ in range(60):
+        engine.step()
+    before = pol.acceptance.rates()[0]
+    # push: the same target, a draft broken (MTP output projection scrambled)
+    names = {t.name for t in engine.weight_specs(WeightSelector.DRAFT)}
+    sd = {n: t.clone() for n, t in engine.model.state_dict().items() if n in names}
+    g2 = torch.Generator().manual_seed(9)
+    for n in sd:
+        if sd[n].ndim == 2:
+            sd[n] = sd[n][torch.randperm(sd[n].shape[0], generator=g2)]
+    engine.update_weights(sd, WeightSelector.DRAFT, version=1)
+    trace = []
+    for _ in range(40):
+        engine.step()
+        trace.append(pol.acceptance.rates()[0])
+    final = sum(trace[-10:]) / 10
+    settle = next(
+        i + 1
+        for i in range(len(trace))
+        if all(abs(t - final) < 0.1 * max(before - final, 1e-9) + 0.02 for t in trace[i:])
+    )
+    print(
+        f"discount {discount}: alpha_1 before push {before:.2f}, after {final:.2f}; estimate within 10% of the change after {settle} engine steps; trace "
+        + " ".join(f"{t:.2f}" for t in trace[:12])
+    )
