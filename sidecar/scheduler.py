@@ -251,6 +251,13 @@ class Scheduler:
     def model_specs(self, selector: Selector) -> list[TensorSpec]:
         return list(self._specs[selector])
 
+    def served_checksums(self, selector: Selector) -> tuple[int, dict[str, int] | None]:
+        """(served version, CRC-32 per served tensor or None if the engine cannot tell), read
+        together on the scheduler thread between two steps: never torn by a weight swap."""
+        return self._call(
+            lambda: (self._engine.weight_version, self._engine.weight_checksums(selector)), what="weight checksums"
+        )
+
     def snapshot(self) -> Snapshot:
         with self._lock:
             s = self._snapshot

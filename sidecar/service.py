@@ -16,7 +16,7 @@ import logging
 import queue
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NoReturn
 
 import grpc
@@ -176,9 +176,14 @@ class WeightService(services.WeightServicer):
     def DescribeWeights(self, request: weights_pb2.DescribeWeightsRequest, context: grpc.ServicerContext) -> Any:
         try:
             selector = convert.selector_from_pb(request.selector)
+            specs, version = self._scheduler.model_specs(selector), self._scheduler.weight_version
+            if request.include_checksums:
+                version, crcs = self._scheduler.served_checksums(selector)
+                if crcs is not None:
+                    specs = [replace(s, crc32=crcs[s.name]) for s in specs]
         except Exception as e:
             _abort(context, e)
-        return convert.describe_weights_to_pb(self._scheduler.model_specs(selector), self._scheduler.weight_version)
+        return convert.describe_weights_to_pb(specs, version)
 
 
 def _push_items(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[PushItem]:

@@ -153,6 +153,12 @@ def tensor_bytes(tensor: torch.Tensor) -> np.ndarray:
     return flat.view(torch.uint8).numpy()
 
 
+def tensor_crc32(tensor: torch.Tensor) -> int:
+    """CRC-32 (zlib polynomial) of a tensor's C-contiguous little-endian bytes: the checksum of
+    `TensorSpec.crc32`, of a push manifest and of DescribeWeights(include_checksums)."""
+    return crc32(tensor_bytes(tensor))
+
+
 def spec_of(name: str, tensor: torch.Tensor) -> TensorSpec:
     return TensorSpec(name=name, dtype=tensor.dtype, shape=tuple(tensor.shape))
 

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 import sidecar
+from sidecar.engine.acceptance_rules import AcceptanceRule
 from sidecar.engine.base import Engine
 from sidecar.engine.checkpoint import draft_tensor_shapes, load_checkpoint, target_tensor_shapes
 from sidecar.engine.kv_cache import KVCache
@@ -53,6 +54,7 @@ from sidecar.types import (
     VersionStats,
     WeightSelector,
 )
+from sidecar.weights import tensor_crc32
 
 
 def sequence_seed(seed: int, prompt_index: int, sample_index: int) -> int:
@@ -123,12 +125,17 @@ class TorchEngine(Engine):
         max_speculation_k: int = 8,
         max_batch_size: int = 64,
         name: str = "",
+        acceptance_rule: AcceptanceRule | None = None,
     ) -> None:
+        """`acceptance_rule` is a TEST HOOK: None (always, in production) is the exact rule,
+        `sampling.rejection_sample`. Tests and `specrl verify`'s power simulation pass one of
+        `acceptance_rules.WRONG_RULES` to show that a losslessness test rejects it."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_speculation_k < 0:
             raise ValueError(f"max_speculation_k must be >= 0, got {max_speculation_k}")
         self.model = model
+        self.acceptance_rule: AcceptanceRule = acceptance_rule or rejection_sample
         self.config = model.config
         self.device = model.output_weight().device
         self.name = name
@@ -412,7 +419,7 @@ class TorchEngine(Engine):
             verify_tokens = last.to(dev)[:, None]
         old_lengths = list(self._cache.lengths)
         vout = verify(self.model, self._cache, VerifyInput(tokens=verify_tokens, num_new=[k + 1 for k in k_eff]), rows)
-        acc = rejection_sample(draft_tokens, q, vout.probs, num_draft, u[:, kmax : 2 * kmax], u[:, 2 * kmax])
+        acc = self.acceptance_rule(draft_tokens, q, vout.probs, num_draft, u[:, kmax : 2 * kmax], u[:, 2 * kmax])
         emitted = torch.cat([draft_tokens, torch.zeros(b, 1, dtype=torch.int64, device=dev)], dim=1)
         emitted[torch.arange(b, device=dev), acc.num_accepted] = acc.next_token
         logprobs = token_logprobs(vout.logits, emitted, rows.temperature)
@@ -451,6 +458,10 @@ class TorchEngine(Engine):
         return [
             TensorSpec(name=n, dtype=self.config.dtype, shape=s) for n, s in self._selected_shapes(selector).items()
         ]
+
+    def weight_checksums(self, selector: WeightSelector) -> dict[str, int]:
+        params = dict(self.model.named_parameters())
+        return {name: tensor_crc32(params[name]) for name in self._selected_shapes(selector)}
 
     def update_weights(self, tensors: Mapping[str, torch.Tensor], selector: WeightSelector, version: int) -> None:
         check_weights(

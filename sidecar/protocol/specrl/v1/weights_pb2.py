@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from sidecar.protocol.specrl.v1 import common_pb2 as specrl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specrl/v1/weights.proto\x12\tspecrl.v1\x1a\x16specrl/v1/common.proto\"n\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1f\n\x05\x64type\x18\x02 \x01(\x0e\x32\x10.specrl.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x13\n\x0b\x62yte_length\x18\x04 \x01(\x04\x12\r\n\x05\x63rc32\x18\x05 \x01(\x07\"v\n\x0eWeightManifest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12+\n\x08selector\x18\x02 \x01(\x0e\x32\x19.specrl.v1.WeightSelector\x12&\n\x07tensors\x18\x03 \x03(\x0b\x32\x15.specrl.v1.TensorSpec\"|\n\x0bWeightChunk\x12\x14\n\x0ctensor_index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x04 \x01(\x07\x12\x19\n\x0ctensor_crc32\x18\x05 \x01(\x07H\x00\x88\x01\x01\x42\x0f\n\r_tensor_crc32\"#\n\x0cWeightCommit\x12\x13\n\x0b\x63hunk_count\x18\x01 \x01(\x04\"\x9f\x01\n\x12PushWeightsRequest\x12-\n\x08manifest\x18\x01 \x01(\x0b\x32\x19.specrl.v1.WeightManifestH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.specrl.v1.WeightChunkH\x00\x12)\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x17.specrl.v1.WeightCommitH\x00\x42\x06\n\x04item\"\xa1\x01\n\x13PushWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x18\n\x10previous_version\x18\x02 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x03 \x01(\x04\x12\x17\n\x0ftensors_updated\x18\x04 \x01(\r\x12\x17\n\x0freceive_seconds\x18\x05 \x01(\x01\x12\x15\n\rapply_seconds\x18\x06 \x01(\x01\"E\n\x16\x44\x65scribeWeightsRequest\x12+\n\x08selector\x18\x01 \x01(\x0e\x32\x19.specrl.v1.WeightSelector\"Y\n\x17\x44\x65scribeWeightsResponse\x12&\n\x07tensors\x18\x01 \x03(\x0b\x32\x15.specrl.v1.TensorSpec\x12\x16\n\x0eweight_version\x18\x02 \x01(\x04*\\\n\x05\x44Type\x12\x16\n\x12\x44_TYPE_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x44_TYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44_TYPE_FLOAT16\x10\x02\x12\x13\n\x0f\x44_TYPE_BFLOAT16\x10\x03\x32\xb9\x01\n\rWeightService\x12N\n\x0bPushWeights\x12\x1d.specrl.v1.PushWeightsRequest\x1a\x1e.specrl.v1.PushWeightsResponse(\x01\x12X\n\x0f\x44\x65scribeWeights\x12!.specrl.v1.DescribeWeightsRequest\x1a\".specrl.v1.DescribeWeightsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specrl/v1/weights.proto\x12\tspecrl.v1\x1a\x16specrl/v1/common.proto\"n\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1f\n\x05\x64type\x18\x02 \x01(\x0e\x32\x10.specrl.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x13\n\x0b\x62yte_length\x18\x04 \x01(\x04\x12\r\n\x05\x63rc32\x18\x05 \x01(\x07\"v\n\x0eWeightManifest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12+\n\x08selector\x18\x02 \x01(\x0e\x32\x19.specrl.v1.WeightSelector\x12&\n\x07tensors\x18\x03 \x03(\x0b\x32\x15.specrl.v1.TensorSpec\"|\n\x0bWeightChunk\x12\x14\n\x0ctensor_index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x04 \x01(\x07\x12\x19\n\x0ctensor_crc32\x18\x05 \x01(\x07H\x00\x88\x01\x01\x42\x0f\n\r_tensor_crc32\"#\n\x0cWeightCommit\x12\x13\n\x0b\x63hunk_count\x18\x01 \x01(\x04\"\x9f\x01\n\x12PushWeightsRequest\x12-\n\x08manifest\x18\x01 \x01(\x0b\x32\x19.specrl.v1.WeightManifestH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.specrl.v1.WeightChunkH\x00\x12)\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x17.specrl.v1.WeightCommitH\x00\x42\x06\n\x04item\"\xa1\x01\n\x13PushWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x18\n\x10previous_version\x18\x02 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x03 \x01(\x04\x12\x17\n\x0ftensors_updated\x18\x04 \x01(\r\x12\x17\n\x0freceive_seconds\x18\x05 \x01(\x01\x12\x15\n\rapply_seconds\x18\x06 \x01(\x01\"`\n\x16\x44\x65scribeWeightsRequest\x12+\n\x08selector\x18\x01 \x01(\x0e\x32\x19.specrl.v1.WeightSelector\x12\x19\n\x11include_checksums\x18\x02 \x01(\x08\"Y\n\x17\x44\x65scribeWeightsResponse\x12&\n\x07tensors\x18\x01 \x03(\x0b\x32\x15.specrl.v1.TensorSpec\x12\x16\n\x0eweight_version\x18\x02 \x01(\x04*\\\n\x05\x44Type\x12\x16\n\x12\x44_TYPE_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x44_TYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44_TYPE_FLOAT16\x10\x02\x12\x13\n\x0f\x44_TYPE_BFLOAT16\x10\x03\x32\xb9\x01\n\rWeightService\x12N\n\x0bPushWeights\x12\x1d.specrl.v1.PushWeightsRequest\x1a\x1e.specrl.v1.PushWeightsResponse(\x01\x12X\n\x0f\x44\x65scribeWeights\x12!.specrl.v1.DescribeWeightsRequest\x1a\".specrl.v1.DescribeWeightsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specrl.v1.weights_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=945
-  _globals['_DTYPE']._serialized_end=1037
+  _globals['_DTYPE']._serialized_start=972
+  _globals['_DTYPE']._serialized_end=1064
   _globals['_TENSORSPEC']._serialized_start=62
   _globals['_TENSORSPEC']._serialized_end=172
   _globals['_WEIGHTMANIFEST']._serialized_start=174
@@ -47,9 +47,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUSHWEIGHTSRESPONSE']._serialized_start=620
   _globals['_PUSHWEIGHTSRESPONSE']._serialized_end=781
   _globals['_DESCRIBEWEIGHTSREQUEST']._serialized_start=783
-  _globals['_DESCRIBEWEIGHTSREQUEST']._serialized_end=852
-  _globals['_DESCRIBEWEIGHTSRESPONSE']._serialized_start=854
-  _globals['_DESCRIBEWEIGHTSRESPONSE']._serialized_end=943
-  _globals['_WEIGHTSERVICE']._serialized_start=1040
-  _globals['_WEIGHTSERVICE']._serialized_end=1225
+  _globals['_DESCRIBEWEIGHTSREQUEST']._serialized_end=879
+  _globals['_DESCRIBEWEIGHTSRESPONSE']._serialized_start=881
+  _globals['_DESCRIBEWEIGHTSRESPONSE']._serialized_end=970
+  _globals['_WEIGHTSERVICE']._serialized_start=1067
+  _globals['_WEIGHTSERVICE']._serialized_end=1252
 # @@protoc_insertion_point(module_scope)
