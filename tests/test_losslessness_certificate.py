@@ -30,6 +30,7 @@ from sidecar.losslessness.report import certificate_to_json, format_certificate
 from sidecar.server import ServerConfig
 from sidecar.service import Sidecar, SidecarConfig
 from sidecar.types import Sample
+from sidecar.weights import tensor_crc32
 from tests.engine.engine_fixtures import aligned_draft_model
 from tests.sidecar_fixtures import single_torch_thread  # noqa: F401  (a fixture, used by pytestmark)
 from trainer.cli import main
@@ -179,3 +180,19 @@ def test_the_cli_prints_the_certificate_writes_json_and_exits_with_the_verdict(
         assert CliRunner().invoke(main, args).exit_code == 1
     bad = CliRunner().invoke(main, ["verify", "--sidecar", "127.0.0.1:1", "--temperature", "x"])
     assert bad.exit_code == 2 and "comma-separated" in bad.output
+
+
+def test_describe_weights_checksums_are_those_of_the_served_tensors_before_and_after_a_push(
+    model: Qwen3WithMTP,
+) -> None:
+    other = {n: t + 0.5 for n, t in model_state_dict(model).items()}
+    with serving(TorchEngine(aligned_draft_model(ModelConfig.tiny(vocab_size=8), seed=11, eps=0.1))) as client:
+        layout, version = client.describe_weights()
+        assert version == 0 and all(s.crc32 == 0 for s in layout)  # the layout only, as before
+        specs, version = client.describe_weights(include_checksums=True)
+        assert version == 0 and {s.name: s.crc32 for s in specs} == {
+            n: tensor_crc32(t) for n, t in model_state_dict(model).items()
+        }
+        client.push_weights(other, version=1)
+        specs, version = client.describe_weights(include_checksums=True)
+        assert version == 1 and {s.name: s.crc32 for s in specs} == {n: tensor_crc32(t) for n, t in other.items()}
