@@ -29,7 +29,7 @@ from sidecar.losslessness.certificate import Certificate, Verdict, VerifyConfig,
 from sidecar.losslessness.report import certificate_to_json, format_certificate
 from sidecar.server import ServerConfig
 from sidecar.service import Sidecar, SidecarConfig
-from sidecar.types import Sample
+from sidecar.types import Sample, WeightSelector
 from sidecar.weights import tensor_crc32
 from tests.engine.engine_fixtures import aligned_draft_model
 from tests.sidecar_fixtures import single_torch_thread  # noqa: F401  (a fixture, used by pytestmark)
@@ -196,3 +196,18 @@ def test_describe_weights_checksums_are_those_of_the_served_tensors_before_and_a
         client.push_weights(other, version=1)
         specs, version = client.describe_weights(include_checksums=True)
         assert version == 1 and {s.name: s.crc32 for s in specs} == {n: tensor_crc32(t) for n, t in other.items()}
+
+
+class NoChecksums(TorchEngine):
+    """An engine that cannot read its weights back (as SGLang's adapter today)."""
+
+    def weight_checksums(self, selector: WeightSelector) -> None:
+        return None
+
+
+def test_a_sidecar_without_checksums_is_checked_but_the_certificate_stays_underpowered(model: Qwen3WithMTP) -> None:
+    cert = certify(model, NoChecksums(model, speculation_k=3), ks=(3,), temperatures=(0.0,))
+    v = verdicts(cert)
+    assert v["weights"] == Verdict.UNDERPOWERED and "no checksums" in cert.checks[0].summary
+    assert v["greedy k=3"] == v["logprobs"] == Verdict.PASS  # still checked against the unproven model
+    assert cert.exit_status == 3

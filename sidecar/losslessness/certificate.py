@@ -176,7 +176,9 @@ def verify_sidecar(
     info = client.info()
     specs, version = client.describe_weights(WeightSelector.ALL, include_checksums=True)
     weights = _weights_check(specs, version, model)
-    oracle = model if weights.verdict == Verdict.PASS else None
+    # A proven or unprovable (no checksums: the weights check says so) model is the oracle; a
+    # disproven one is not: every check that needs it is refused.
+    oracle = model if weights.verdict != Verdict.FAIL else None
     refused = None if model is None or oracle is not None else "refused: the local --model is not the served model"
     ks = config.ks if config.ks is not None else (info.engine.speculation_k,)
     if config.prompts is not None:
