@@ -26,6 +26,7 @@ from sidecar.engine.checkpoint import model_state_dict, save_checkpoint
 from sidecar.engine.model import ModelConfig, Qwen3WithMTP
 from sidecar.engine.torch_engine import TorchEngine
 from sidecar.losslessness.certificate import Certificate, Verdict, VerifyConfig, verify_sidecar
+from sidecar.losslessness.exact_target import draw_prompts
 from sidecar.losslessness.report import certificate_to_json, format_certificate
 from sidecar.server import ServerConfig
 from sidecar.service import Sidecar, SidecarConfig
@@ -211,3 +212,9 @@ def test_a_sidecar_without_checksums_is_checked_but_the_certificate_stays_underp
     assert v["weights"] == Verdict.UNDERPOWERED and "no checksums" in cert.checks[0].summary
     assert v["greedy k=3"] == v["logprobs"] == Verdict.PASS  # still checked against the unproven model
     assert cert.exit_status == 3
+
+
+def test_drawn_prompts_start_with_the_given_token_and_are_reproducible(model: Qwen3WithMTP) -> None:
+    prompts = draw_prompts(model, 3, 5, seed=4, first_token=1)
+    assert [len(p) for p in prompts] == [5, 5, 5] and all(p[0] == 1 for p in prompts)
+    assert draw_prompts(model, 3, 5, seed=4, first_token=1) == prompts

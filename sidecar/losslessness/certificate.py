@@ -76,6 +76,8 @@ class VerifyConfig:
     num_prompts: int = 4
     """Prompts drawn when `prompts` is None."""
     prompt_length: int = 6
+    first_token: int | None = None
+    """First token of drawn prompts (the tokenizer's BOS gives in-distribution prompts); None: random."""
     greedy_new_tokens: int = 32
     samples_per_prompt: int = 500
     """Samples per prompt of each distribution check (and of each power simulation)."""
@@ -110,6 +112,8 @@ class VerifyConfig:
         for name in ("num_prompts", "prompt_length", "greedy_new_tokens", "samples_per_prompt"):
             if getattr(self, name) < 1:
                 raise ValueError(f"VerifyConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.first_token is not None and self.first_token < 0:
+            raise ValueError(f"first_token must be a token id >= 0 or None (random), got {self.first_token}")
         if self.sample_tokens is not None and self.sample_tokens < 1:
             raise ValueError(f"sample_tokens must be >= 1 or None (2k + 3), got {self.sample_tokens}")
         if not 0.0 < self.alpha < 1.0:
@@ -184,7 +188,7 @@ def verify_sidecar(
     if config.prompts is not None:
         prompts = [list(p) for p in config.prompts]
     elif model is not None:
-        prompts = draw_prompts(model, config.num_prompts, config.prompt_length, config.seed)
+        prompts = draw_prompts(model, config.num_prompts, config.prompt_length, config.seed, config.first_token)
     else:
         gen = torch.Generator().manual_seed(config.seed)
         vocab = info.engine.model.vocab_size

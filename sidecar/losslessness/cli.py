@@ -67,6 +67,13 @@ def _prompts(path: Path) -> list[list[int]]:
     default=None,
     help="JSON lines of token-id prompts (default: prompts drawn from the target itself).",
 )
+@click.option(
+    "--first-token",
+    type=click.IntRange(0),
+    default=None,
+    help="Drawn prompts start with this id (your tokenizer's BOS: in-distribution prompts); default random.",
+)
+@click.option("--prompt-length", type=click.IntRange(1), default=6, show_default=True, help="Tokens per drawn prompt.")
 @click.option("--tokens", "sample_tokens", type=click.IntRange(1), default=None, help="Tokens per sample (2k+3).")
 @click.option("--alpha", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=1e-3, show_default=True)
 @click.option("--logprob-tolerance", type=click.FloatRange(0), default=1e-4, show_default=True)
@@ -87,6 +94,8 @@ def verify(
     samples: int,
     num_prompts: int,
     prompts_file: Path | None,
+    first_token: int | None,
+    prompt_length: int,
     sample_tokens: int | None,
     alpha: float,
     logprob_tolerance: float,
@@ -114,6 +123,8 @@ def verify(
             top_k=top_k,
             prompts=_prompts(prompts_file) if prompts_file else None,
             num_prompts=num_prompts,
+            first_token=first_token,
+            prompt_length=prompt_length,
             samples_per_prompt=samples,
             sample_tokens=sample_tokens,
             alpha=alpha,

@@ -112,11 +112,17 @@ def exact_tokens(
 
 
 @torch.inference_mode()
-def draw_prompts(model: Qwen3WithMTP, count: int, length: int, seed: int) -> list[list[int]]:
-    """`count` prompts of `length` tokens sampled from the target itself (temperature 1) after a
-    random first token: in-distribution contexts for any checkpoint, no tokenizer needed."""
+def draw_prompts(
+    model: Qwen3WithMTP, count: int, length: int, seed: int, first_token: int | None = None
+) -> list[list[int]]:
+    """`count` prompts of `length` tokens sampled from the target itself (temperature 1) after
+    `first_token` (the tokenizer's BOS gives in-distribution prompts) or, when None, a random
+    one: contexts for any checkpoint, no tokenizer needed."""
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, model.config.vocab_size, (count, 1), generator=gen)
+    if first_token is None:
+        ids = torch.randint(0, model.config.vocab_size, (count, 1), generator=gen)
+    else:
+        ids = torch.full((count, 1), first_token, dtype=torch.int64)
     for _ in range(length - 1):
         probs = torch.softmax(model(ids)[:, -1].double(), dim=-1)
         ids = torch.cat([ids, torch.multinomial(probs, 1, generator=gen)], dim=1)
