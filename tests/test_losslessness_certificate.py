@@ -181,6 +181,8 @@ def test_the_cli_prints_the_certificate_writes_json_and_exits_with_the_verdict(
         assert CliRunner().invoke(main, args).exit_code == 1
     bad = CliRunner().invoke(main, ["verify", "--sidecar", "127.0.0.1:1", "--temperature", "x"])
     assert bad.exit_code == 2 and "comma-separated" in bad.output
+    gone = CliRunner().invoke(main, ["verify", "--sidecar", "127.0.0.1:1", "--temperature", "0"])
+    assert gone.exit_code == 4 and "UNAVAILABLE" in gone.output  # not 1: no certificate was made
 
 
 def test_describe_weights_checksums_are_those_of_the_served_tensors_before_and_after_a_push(

@@ -1,8 +1,8 @@
 """`specrl verify`: certify that a running sidecar's speculative decoding is lossless.
 
 Prints the certificate (see `certificate.py` for what each check does), optionally writes it
-as JSON, and exits with the verdict's status: 0 pass, 1 fail, 3 underpowered (2 is click's
-usage error).
+as JSON, and exits with the verdict's status: 0 pass, 1 fail, 3 underpowered; 2 is a usage
+error (click's) and 4 means no certificate could be made (sidecar unreachable, bad --model).
 """
 
 from __future__ import annotations
@@ -11,6 +11,12 @@ import sys
 from pathlib import Path
 
 import click
+
+
+class CannotVerify(click.ClickException):
+    """No certificate could be made: exit status 4, apart from a failed certificate's 1."""
+
+    exit_code = 4
 
 
 def _floats(value: str) -> tuple[float, ...]:
@@ -108,6 +114,8 @@ def verify(
     root_ca: Path | None,
 ) -> None:
     """Certify that a sidecar's speculative decoding is lossless (greedy, distribution, log-probs, weights)."""
+    import grpc
+
     from sidecar.client import ClientConfig, SidecarCallError, SidecarClient
     from sidecar.errors import SpecrlError
     from sidecar.losslessness.certificate import VerifyConfig, verify_sidecar
@@ -140,7 +148,7 @@ def verify(
         try:
             model = load_model(model_dir)
         except (SpecrlError, FileNotFoundError, ValueError) as e:
-            raise click.ClickException(f"cannot load --model {model_dir}: {e}") from None
+            raise CannotVerify(f"cannot load --model {model_dir}: {e}") from None
 
     def progress(line: str) -> None:
         click.echo(line, err=True)
@@ -149,7 +157,8 @@ def verify(
         try:
             cert = verify_sidecar(client, model, config, progress)
         except SidecarCallError as e:
-            raise click.ClickException(f"{e}; is a sidecar serving on {address}?") from None
+            hint = f"; is a sidecar serving on {address}?" if e.code == grpc.StatusCode.UNAVAILABLE else ""
+            raise CannotVerify(f"{e}{hint}") from None
     click.echo(format_certificate(cert))
     if json_out is not None:
         write_json(cert, json_out)
