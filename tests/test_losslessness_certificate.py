@@ -21,7 +21,7 @@ import torch
 from click.testing import CliRunner
 
 from sidecar.client import SidecarClient
-from sidecar.engine.acceptance_rules import WRONG_RULES, AcceptanceRule, in_fraction_of_rounds
+from sidecar.engine.acceptance_rules import POWER_RULES, WRONG_RULES, AcceptanceRule, in_fraction_of_rounds
 from sidecar.engine.checkpoint import model_state_dict, save_checkpoint
 from sidecar.engine.model import ModelConfig, Qwen3WithMTP
 from sidecar.engine.torch_engine import TorchEngine
@@ -92,7 +92,7 @@ def test_the_embedded_engine_is_certified_at_k_1_and_3_greedy_and_sampled_with_t
     for check in cert.checks:
         if check.name.startswith("distribution"):
             # the power statement: both wrong rules were simulated and rejected at this sample size
-            assert {p["rule"] for p in check.details["power"] if p["rejected"]} == set(WRONG_RULES)
+            assert {p["rule"] for p in check.details["power"] if p["rejected"]} == set(POWER_RULES)
             assert 0.3 < check.details["acceptance_rate"] < 0.9  # speculation really was exercised
             assert check.details["impossible_tokens"] == 0
     assert cert.checksums and all(v != "00000000" for v in cert.checksums.values())
@@ -106,9 +106,10 @@ def test_the_embedded_engine_is_certified_at_k_1_and_3_greedy_and_sampled_with_t
     [
         WRONG_RULES["accept_every_draft"],
         WRONG_RULES["resample_from_target"],
+        WRONG_RULES["greedy_verification"],
         in_fraction_of_rounds(WRONG_RULES["accept_every_draft"], 0.5, seed=3),
     ],
-    ids=["accept_every_draft", "resample_from_target", "accept_every_draft_in_half_the_rounds"],
+    ids=["accept_every_draft", "resample_from_target", "greedy_verification", "accept_every_draft_in_half_the_rounds"],
 )
 def test_a_wrong_acceptance_rule_in_the_engine_fails_the_certificate(model: Qwen3WithMTP, rule: AcceptanceRule) -> None:
     engine = TorchEngine(model, speculation_k=3, max_batch_size=300, acceptance_rule=rule)
@@ -118,12 +119,12 @@ def test_a_wrong_acceptance_rule_in_the_engine_fails_the_certificate(model: Qwen
 
 
 def test_a_wrong_rule_at_temperature_zero_is_still_greedy_exact(model: Qwen3WithMTP) -> None:
-    """At temperature 0 p and q are one-hot, so resampling from p equals the residual: the greedy
-    check must not cry wolf (a broken accept-all rule, in contrast, emits the draft's argmax)."""
-    exact = certify(
-        model, TorchEngine(model, acceptance_rule=WRONG_RULES["resample_from_target"]), ks=(3,), temperatures=(0.0,)
-    )
-    assert verdicts(exact)["greedy k=3"] == Verdict.PASS, format_certificate(exact)
+    """At temperature 0 p and q are one-hot, so resampling from p equals the residual and greedy
+    verification is exact: the greedy check must not cry wolf (a broken accept-all rule, in
+    contrast, emits the draft's argmax)."""
+    for harmless in ("resample_from_target", "greedy_verification"):
+        exact = certify(model, TorchEngine(model, acceptance_rule=WRONG_RULES[harmless]), ks=(3,), temperatures=(0.0,))
+        assert verdicts(exact)["greedy k=3"] == Verdict.PASS, format_certificate(exact)
     broken = certify(
         model, TorchEngine(model, acceptance_rule=WRONG_RULES["accept_every_draft"]), ks=(3,), temperatures=(0.0,)
     )

@@ -8,6 +8,8 @@ published "lossless" speculative RL systems actually shipped:
 - `accept_every_draft`: every draft is kept (the output follows the draft q, not the target p);
 - `resample_from_target`: on rejection the emitted token is drawn from p instead of the
   residual norm(max(0, p - q)) — biased towards tokens both models like;
+- `greedy_verification`: a draft is accepted iff it is the target's argmax (what some backends'
+  verify kernels do even for sampling requests);
 - `in_fraction_of_rounds(rule, f)`: the wrong rule in a random fraction f of the rounds only
   (a smaller deviation, to show how small a bug a test can see).
 
@@ -62,11 +64,28 @@ def resample_from_target(
     return Acceptance(num_accepted=acc.num_accepted, next_token=sample_from(p[rows, acc.num_accepted], final_uniforms))
 
 
+def greedy_verification(
+    draft_tokens: Tensor, q: Tensor, p: Tensor, num_draft: Tensor, accept_uniforms: Tensor, final_uniforms: Tensor
+) -> Acceptance:
+    """WRONG at temperature > 0: accept a draft iff it is the target's argmax, emit the argmax
+    after it (what a greedy-only verify kernel does to a sampling request)."""
+    b, k = draft_tokens.shape
+    best = p.argmax(dim=-1)  # (B, K+1)
+    ok = (draft_tokens == best[:, :k]) & (torch.arange(k, device=p.device)[None, :] < num_draft[:, None])
+    num_accepted = ok.to(torch.int64).cumprod(dim=1).sum(dim=1)
+    return Acceptance(num_accepted=num_accepted, next_token=best[torch.arange(b, device=p.device), num_accepted])
+
+
 WRONG_RULES: dict[str, AcceptanceRule] = {
     "accept_every_draft": accept_every_draft,
     "resample_from_target": resample_from_target,
+    "greedy_verification": greedy_verification,
 }
-"""The built-in wrong rules by name (what a certificate reports its power against)."""
+"""The built-in wrong rules by name."""
+
+POWER_RULES = ("accept_every_draft", "resample_from_target")
+"""The rules a certificate's power statement simulates by default: the gross and the subtle
+error (greedy verification at temperature > 0 is grosser still)."""
 
 
 class _InFractionOfRounds:

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from sidecar.client import SidecarClient
-from sidecar.engine.acceptance_rules import WRONG_RULES, in_fraction_of_rounds
+from sidecar.engine.acceptance_rules import POWER_RULES, WRONG_RULES, in_fraction_of_rounds
 from sidecar.engine.model import Qwen3WithMTP
 from sidecar.engine.torch_engine import TorchEngine
 from sidecar.losslessness.exact_target import ExactTokens, draw_prompts, exact_tokens, weight_mismatches
@@ -91,7 +91,8 @@ class VerifyConfig:
     """Max |reported - exact| log-prob (float32 engines agree within 1e-4, DESIGN invariant 2)."""
     argmax_tie_tolerance: float = 1e-4
     """A greedy token whose logit is this close to the maximum counts as an exact tie."""
-    wrong_rules: tuple[str, ...] = tuple(WRONG_RULES)
+    wrong_rules: tuple[str, ...] = POWER_RULES
+    """Wrong acceptance rules simulated for the power statement (names of WRONG_RULES)."""
     power_fractions: tuple[float, ...] = (1.0, 0.5, 0.25)
     """Fractions of rounds in which a wrong rule is applied in the power simulations."""
     seed: int = 0
