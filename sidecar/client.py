@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,20 +27,26 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import sidecar.protocol.convert as convert
-from sidecar.errors import SpecrlError
+import sidecar.protocol.weight_wire as weight_wire
+from sidecar.errors import SpecrlError, TransportUnavailableError
 from sidecar.protocol import services
 from sidecar.protocol.specrl.v1 import control_pb2, rollout_pb2, weights_pb2
 from sidecar.security import auth_metadata, channel_credentials
 from sidecar.types import (
+    CollectiveRendezvous,
     GenerationRequest,
+    PreparedTransport,
     PushResult,
     Sample,
+    ShmProbe,
     SidecarInfo,
     SidecarStats,
     TensorSpec,
     WeightSelector,
+    WeightTransport,
 )
-from sidecar.weights import DEFAULT_CHUNK_BYTES, iter_push_requests
+from sidecar.weight_sync.negotiation import DataPlaneSession, TransportChoice, TransportConfig
+from sidecar.weight_sync.sender import DEFAULT_CHUNK_BYTES, CollectiveSender, DataPlaneSender, iter_push_requests
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -82,6 +89,9 @@ class ClientConfig:
     """Client certificate for mutual TLS (with client_key)."""
     client_key: Path | None = None
     max_message_mib: int = 64
+    transports: TransportConfig = field(default_factory=TransportConfig)
+    """Weight data planes to negotiate (shm with a proven same-host sidecar by default;
+    collective when configured); grpc always works."""
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "generate_timeout_s", "push_timeout_s", "backoff_s", "max_backoff_s"):
@@ -114,12 +124,15 @@ class SidecarClient:
         self._weights = services.WeightStub(self.channel)
         self._control = services.ControlStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
-        # PushWeights with pre-serialised requests (convert.push_item_to_wire: one copy per chunk).
+        # PushWeights with pre-serialised requests (weight_wire.push_item_to_wire: one copy per chunk).
         self._push = self.channel.stream_unary(
             services.PUSH_WEIGHTS_METHOD,
             request_serializer=None,
             response_deserializer=weights_pb2.PushWeightsResponse.FromString,
         )
+        self.data_plane = DataPlaneSession(config=c.transports)
+        """This sidecar's negotiated weight data plane (`data_plane.choice` says which and why)."""
+        self._data_plane_lock = threading.Lock()
 
     # --- plumbing ---------------------------------------------------------------------------
 
@@ -224,6 +237,38 @@ class SidecarClient:
         )
         return convert.describe_weights_from_pb(msg)
 
+    def offered_transports(self) -> list[WeightTransport]:
+        """The weight transports the sidecar offers (DescribeWeights)."""
+        msg = self._unary(
+            "DescribeWeights",
+            self._weights.DescribeWeights,
+            weights_pb2.DescribeWeightsRequest(selector=convert.selector_to_pb(WeightSelector.DRAFT)),
+            retry=True,
+        )
+        return convert.transports_from_pb(msg)
+
+    def prepare_transport(self, request: ShmProbe | CollectiveRendezvous, timeout_s: float) -> PreparedTransport:
+        """PrepareTransport: have the sidecar read a shm probe or join a collective group."""
+        try:
+            msg = self._weights.PrepareTransport(
+                convert.prepare_transport_to_pb(request), timeout=timeout_s, metadata=self._metadata
+            )
+        except grpc.RpcError as e:
+            raise self._error("PrepareTransport", e) from None
+        return convert.prepared_from_pb(msg)
+
+    def negotiate_transport(self) -> TransportChoice:
+        """The data plane for pushes to this sidecar: kept once chosen, chosen again after it
+        failed. Falls back to grpc (logging why) when no faster one works."""
+        if self.data_plane.choice is not None:
+            return self.data_plane.choice
+        try:
+            offered = self.offered_transports()
+        except SidecarCallError as e:
+            offered = [WeightTransport.GRPC]
+            log.warning("sidecar %s did not list its transports (%s); assuming grpc only", self.address, e)
+        return self.data_plane.negotiate(self.address, offered, self.prepare_transport)
+
     def push_weights(
         self,
         named_tensors: NamedTensors,
@@ -234,20 +279,43 @@ class SidecarClient:
         specs: Sequence[TensorSpec] | None = None,
         timeout_s: float | None = None,
     ) -> PushResult:
-        """Push new weights and return once the sidecar serves `version`.
+        """Push new weights over the negotiated data plane and return once the sidecar serves
+        `version` (`PushResult.transport` says which plane carried the bytes).
 
         `named_tensors` is a state dict, or an iterable of (name, tensor) pairs streamed one at
         a time (its order must be `specs`', which default to DescribeWeights' for `selector`).
+        A push that fails on a fast data plane drops it; the next push negotiates again.
         """
         if specs is None and not isinstance(named_tensors, Mapping):
             specs, _ = self.describe_weights(selector)
-        items = iter_push_requests(named_tensors, version, selector, chunk_bytes, specs=specs)
+        self.negotiate_transport()
+        # One push at a time may use this client's region or group; a concurrent one goes over
+        # grpc (and the sidecar, which serialises pushes, refuses whichever comes second).
+        exclusive = self._data_plane_lock.acquire(blocking=False)
+        try:
+            plane = self.data_plane.sender if exclusive else None
+            return self._push_once(named_tensors, version, selector, chunk_bytes, specs, timeout_s, plane)
+        finally:
+            if exclusive:
+                self._data_plane_lock.release()
+
+    def _push_once(
+        self,
+        named_tensors: NamedTensors,
+        version: int,
+        selector: WeightSelector,
+        chunk_bytes: int,
+        specs: Sequence[TensorSpec] | None,
+        timeout_s: float | None,
+        plane: DataPlaneSender | None,
+    ) -> PushResult:
+        items = iter_push_requests(named_tensors, version, selector, chunk_bytes, specs=specs, data_plane=plane)
         sender_failure: list[Exception] = []
 
         def requests() -> Iterator[bytes]:
             try:
                 for item in items:
-                    yield convert.push_item_to_wire(item)
+                    yield weight_wire.push_item_to_wire(item)
             except Exception as e:  # gRPC would hide it behind UNKNOWN; re-raised below
                 sender_failure.append(e)
                 raise
@@ -255,14 +323,27 @@ class SidecarClient:
         try:
             msg = self._push(requests(), timeout=timeout_s or self.config.push_timeout_s, metadata=self._metadata)
         except grpc.RpcError as e:
-            if sender_failure:  # our own tensors were wrong; the stream ended without a commit
-                raise sender_failure[0] from None
-            raise self._error("PushWeights", e) from None
+            error = self._error("PushWeights", e)
+            if plane is not None and (
+                isinstance(plane, CollectiveSender)  # a failed broadcast sequence leaves the group out of step
+                or error.code == grpc.StatusCode.UNAVAILABLE  # the plane (or the sidecar) is gone: negotiate again
+                or any(isinstance(f, TransportUnavailableError) for f in sender_failure)
+            ):
+                self.data_plane.drop(str(sender_failure[0]) if sender_failure else error.details)
+            if sender_failure:
+                failure = sender_failure[0]
+                if isinstance(failure, TransportUnavailableError):  # the data plane broke: a sidecar failure
+                    raise SidecarCallError(
+                        self.address, "PushWeights", grpc.StatusCode.UNAVAILABLE, str(failure)
+                    ) from None
+                raise failure from None  # our own tensors were wrong; the stream ended without a commit
+            raise error from None
         return convert.push_result_from_pb(msg)
 
     # --- lifetime ---------------------------------------------------------------------------
 
     def close(self) -> None:
+        self.data_plane.close()
         self.channel.close()
 
     def __enter__(self) -> SidecarClient:

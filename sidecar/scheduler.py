@@ -43,7 +43,7 @@ from sidecar.errors import (
 )
 from sidecar.types import EngineInfo, GenerationRequest, Sample, SpeculationCounters, TensorSpec, VersionStats
 from sidecar.types import WeightSelector as Selector
-from sidecar.weights import StagedWeights
+from sidecar.weight_sync.receiver import StagedWeights
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -35,7 +35,8 @@ from sidecar.scheduler import RequestCancelled, Scheduler, SchedulerConfig
 from sidecar.security import SecurityConfig, TokenAuthInterceptor, server_credentials
 from sidecar.server import EventLoopThread, ServerConfig, create_server
 from sidecar.types import GenerationRequest, PushItem, PushResult, RequestLimits, SidecarInfo, SidecarStats
-from sidecar.weights import WeightReceiver, release_freed_memory
+from sidecar.weight_sync.memory import release_freed_memory
+from sidecar.weight_sync.receiver import DataPlaneConfig, WeightReceiver
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ _STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (errors.ShuttingDownError, grpc.StatusCode.UNAVAILABLE),
     (errors.ApplyTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (errors.EngineFailure, grpc.StatusCode.INTERNAL),
+    (errors.TransportUnavailableError, grpc.StatusCode.UNAVAILABLE),
 )
 
 
@@ -139,14 +141,17 @@ class RolloutService(services.RolloutServicer):
 
 
 class WeightService(services.WeightServicer):
-    """PushWeights and DescribeWeights."""
+    """PushWeights, DescribeWeights and PrepareTransport (logic in weight_sync.receiver)."""
 
-    def __init__(self, scheduler: Scheduler, *, keep_staging: bool = False) -> None:
+    def __init__(
+        self, scheduler: Scheduler, *, keep_staging: bool = False, data_planes: DataPlaneConfig | None = None
+    ) -> None:
         self._scheduler = scheduler
         self._receiver = WeightReceiver(
             model_specs=scheduler.model_specs,
             served_version=lambda: scheduler.weight_version,
             keep_staging=keep_staging,
+            data_planes=data_planes,
         )
 
     async def PushWeights(self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
@@ -193,7 +198,7 @@ class WeightService(services.WeightServicer):
                 raise errors.PushCancelledError("the client went away before the push was applied")
             previous, apply_s = self._scheduler.apply_weights(staged, timeout_s=time_remaining())
             self._receiver.keep(staged)
-        log.info("serving weight version %d (was %d)", staged.version, previous)
+        log.info("serving weight version %d (was %d; bytes over %s)", staged.version, previous, staged.transport.value)
         return PushResult(
             version=staged.version,
             previous_version=previous,
@@ -201,6 +206,7 @@ class WeightService(services.WeightServicer):
             tensors_updated=len(staged.tensors),
             receive_seconds=staged.receive_seconds,
             apply_seconds=apply_s,
+            transport=staged.transport,
         )
 
     async def DescribeWeights(
@@ -215,7 +221,23 @@ class WeightService(services.WeightServicer):
                     specs = [replace(s, crc32=crcs[s.name]) for s in specs]
         except Exception as e:
             await _abort(context, e)
-        return convert.describe_weights_to_pb(specs, version)
+        return convert.describe_weights_to_pb(specs, version, self._receiver.data_planes.offered)
+
+    async def PrepareTransport(
+        self, request: weights_pb2.PrepareTransportRequest, context: grpc.aio.ServicerContext
+    ) -> Any:
+        """Probing shm or joining a collective group blocks (a join up to its timeout): on a
+        worker thread, never on the event loop."""
+        try:
+            prepared = convert.prepare_transport_from_pb(request)
+            answer = await asyncio.to_thread(self._receiver.prepare_transport, prepared)
+        except Exception as e:
+            await _abort(context, e)
+        return convert.prepared_to_pb(answer)
+
+    def close(self) -> None:
+        """Leave every collective group."""
+        self._receiver.close()
 
 
 _END = object()
@@ -359,6 +381,8 @@ class SidecarConfig:
     keep_staging: bool = False
     """Receive each weight push into the previous push's staging tensors (faster pushes; ~1x
     the model stays resident between pushes). Only for engines that copy on update (torch)."""
+    data_planes: DataPlaneConfig = field(default_factory=DataPlaneConfig)
+    """Weight transports offered besides the gRPC stream (shm, collective)."""
 
     def __post_init__(self) -> None:
         if self.limits.max_samples > self.scheduler.max_live_sequences:
@@ -386,7 +410,9 @@ class Sidecar:
         self.scheduler = Scheduler(engine, self.config.scheduler)
         self.control = ControlService(self.scheduler, self.config.limits, specrl_version)
         self.rollout = RolloutService(self.scheduler, self.config.limits)
-        self.weights = WeightService(self.scheduler, keep_staging=self.config.keep_staging)
+        self.weights = WeightService(
+            self.scheduler, keep_staging=self.config.keep_staging, data_planes=self.config.data_planes
+        )
         servicers = [self.rollout, self.weights, self.control]
         sec = self.config.security
         self._loop = EventLoopThread()
@@ -446,6 +472,7 @@ class Sidecar:
             stopped.result(grace + 5.0)
         finally:
             self._loop.close()
+            self.weights.close()  # leave every collective group
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server = None

@@ -22,6 +22,15 @@ class WeightSelector(enum.Enum):
     DRAFT = "draft"
 
 
+class WeightTransport(enum.Enum):
+    """How the bulk bytes of a weight push travel (the PushWeights stream is always the control
+    plane). Ordered from the most to the least preferred where several work."""
+
+    SHM = "shm"  # a shared-memory region on the same host (proven by a nonce probe)
+    COLLECTIVE = "collective"  # a torch.distributed broadcast group (gloo on CPU, NCCL on GPU)
+    GRPC = "grpc"  # WeightChunk messages on the stream itself (always available)
+
+
 class FinishReason(enum.Enum):
     """Why a sample stopped."""
 
@@ -319,6 +328,82 @@ class WeightManifest:
     version: int
     selector: WeightSelector
     tensors: list[TensorSpec]
+    data_plane: ShmPlacement | CollectivePlacement | None = None
+    """Where the bytes travel; None: WeightChunk items on the stream."""
+
+    @property
+    def transport(self) -> WeightTransport:
+        if isinstance(self.data_plane, ShmPlacement):
+            return WeightTransport.SHM
+        if isinstance(self.data_plane, CollectivePlacement):
+            return WeightTransport.COLLECTIVE
+        return WeightTransport.GRPC
+
+
+@dataclass(kw_only=True, slots=True)
+class ShmPlacement:
+    """The push's bytes are in this shared-memory region (a name under /dev/shm)."""
+
+    region: str
+
+
+@dataclass(kw_only=True, slots=True)
+class CollectivePlacement:
+    """The push's bytes are broadcast over this collective group, in buckets."""
+
+    group_id: str
+    bucket_bytes: int
+
+
+@dataclass(kw_only=True, slots=True)
+class WeightPlaced:
+    """Tensors whose bytes travel on the manifest's data plane, announced together."""
+
+    tensors: list[PlacedTensor]
+
+    @property
+    def byte_length(self) -> int:
+        return sum(t.byte_length for t in self.tensors)
+
+
+@dataclass(kw_only=True, slots=True)
+class PlacedTensor:
+    """One tensor of a WeightPlaced."""
+
+    tensor_index: int
+    offset: int
+    """shm: the tensor's byte offset in the region; collective: 0."""
+    byte_length: int
+    crc32: int
+    """CRC-32 (zlib) of the tensor's bytes as the sender placed them."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ShmProbe:
+    """PrepareTransport(shm): read back the nonce in this probe region (proves same host/user)."""
+
+    region: str
+
+
+@dataclass(kw_only=True, slots=True)
+class CollectiveRendezvous:
+    """PrepareTransport(collective): join this torch.distributed group as `rank`."""
+
+    group_id: str
+    backend: str
+    host: str
+    port: int
+    rank: int
+    world_size: int
+    timeout_s: float
+
+
+@dataclass(kw_only=True, slots=True)
+class PreparedTransport:
+    """PrepareTransport's answer: the probe's bytes as read (shm), or the group joined."""
+
+    shm_nonce: bytes = b""
+    group_id: str = ""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -343,7 +428,7 @@ class WeightCommit:
     chunk_count: int
 
 
-PushItem = WeightManifest | WeightChunk | WeightCommit
+PushItem = WeightManifest | WeightChunk | WeightPlaced | WeightCommit
 
 
 @dataclass(kw_only=True, slots=True)
@@ -356,3 +441,5 @@ class PushResult:
     tensors_updated: int
     receive_seconds: float
     apply_seconds: float
+    transport: WeightTransport = WeightTransport.GRPC
+    """The data plane that carried the bytes."""

@@ -31,7 +31,7 @@ from sidecar.losslessness.report import certificate_to_json, format_certificate
 from sidecar.server import ServerConfig
 from sidecar.service import Sidecar, SidecarConfig
 from sidecar.types import Sample, WeightSelector
-from sidecar.weights import tensor_crc32
+from sidecar.weight_sync.tensors import tensor_crc32
 from tests.engine.engine_fixtures import aligned_draft_model
 from tests.sidecar_fixtures import single_torch_thread  # noqa: F401  (a fixture, used by pytestmark)
 from trainer.cli import main

@@ -54,7 +54,7 @@ from sidecar.types import (
     VersionStats,
     WeightSelector,
 )
-from sidecar.weights import tensor_crc32
+from sidecar.weight_sync.tensors import tensor_crc32
 
 
 def sequence_seed(seed: int, prompt_index: int, sample_index: int) -> int:

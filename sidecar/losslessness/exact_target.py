@@ -28,7 +28,7 @@ from sidecar.engine.checkpoint import load_checkpoint
 from sidecar.engine.model import Qwen3WithMTP, build_model
 from sidecar.engine.sampling import RowSampling, filtered_probs, token_logprobs
 from sidecar.types import SamplingParams, TensorSpec
-from sidecar.weights import tensor_crc32
+from sidecar.weight_sync.tensors import tensor_crc32
 
 
 def load_model(path: str | Path) -> Qwen3WithMTP:
