@@ -225,12 +225,18 @@ class SidecarClient:
 
     # --- weights ----------------------------------------------------------------------------
 
-    def describe_weights(self, selector: WeightSelector = WeightSelector.ALL) -> tuple[list[TensorSpec], int]:
-        """The tensors a push of `selector` must carry, and the served version."""
+    def describe_weights(
+        self, selector: WeightSelector = WeightSelector.ALL, *, include_checksums: bool = False
+    ) -> tuple[list[TensorSpec], int]:
+        """The tensors a push of `selector` must carry, and the served version. With
+        `include_checksums` each spec's crc32 is that of the served tensor (0: the engine
+        cannot tell)."""
         msg = self._unary(
             "DescribeWeights",
             self._weights.DescribeWeights,
-            weights_pb2.DescribeWeightsRequest(selector=convert.selector_to_pb(selector)),
+            weights_pb2.DescribeWeightsRequest(
+                selector=convert.selector_to_pb(selector), include_checksums=include_checksums
+            ),
             retry=True,
         )
         return convert.describe_weights_from_pb(msg)

@@ -294,6 +294,13 @@ class Scheduler:
     def model_specs(self, selector: Selector) -> list[TensorSpec]:
         return list(self._specs[selector])
 
+    async def served_checksums_async(self, selector: Selector) -> tuple[int, dict[str, int] | None]:
+        """(served version, CRC-32 per served tensor or None if the engine cannot tell), read
+        together on the scheduler thread between two steps: never torn by a weight swap."""
+        return await self._call_async(
+            lambda: (self._engine.weight_version, self._engine.weight_checksums(selector)), what="weight checksums"
+        )
+
     def snapshot(self) -> Snapshot:
         with self._lock:
             s = self._snapshot

@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NoReturn
 
 import grpc
@@ -214,11 +214,14 @@ class WeightService(services.WeightServicer):
     ) -> Any:
         try:
             selector = convert.selector_from_pb(request.selector)
+            specs, version = self._scheduler.model_specs(selector), self._scheduler.weight_version
+            if request.include_checksums:
+                version, crcs = await self._scheduler.served_checksums_async(selector)
+                if crcs is not None:
+                    specs = [replace(s, crc32=crcs[s.name]) for s in specs]
         except Exception as e:
             await _abort(context, e)
-        return convert.describe_weights_to_pb(
-            self._scheduler.model_specs(selector), self._scheduler.weight_version, self._receiver.data_planes.offered
-        )
+        return convert.describe_weights_to_pb(specs, version, self._receiver.data_planes.offered)
 
     async def PrepareTransport(
         self, request: weights_pb2.PrepareTransportRequest, context: grpc.aio.ServicerContext

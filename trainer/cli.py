@@ -25,9 +25,11 @@ def main() -> None:
 
 
 from sidecar.cli import serve  # noqa: E402  (subcommands register on main)
+from sidecar.losslessness.cli import verify  # noqa: E402
 from trainer.rl_cli import demo, draft_init_cmd, train, warmup  # noqa: E402
 
 main.add_command(serve)
+main.add_command(verify)
 main.add_command(train)
 main.add_command(warmup)
 main.add_command(draft_init_cmd)

@@ -103,6 +103,12 @@ class Engine(ABC):
         weights. Called only between steps.
         """
 
+    def weight_checksums(self, selector: WeightSelector) -> dict[str, int] | None:
+        """CRC-32 of each served tensor of `selector` (naming-contract names; the bytes a push of
+        it would carry), or None when the engine cannot read its weights back. Called between
+        steps; lets a client prove which weights are served (`specrl verify`)."""
+        return None
+
     @abstractmethod
     def stats(self) -> list[VersionStats]:
         """Raw counters per weight version served, oldest first (monotonic, never reset)."""

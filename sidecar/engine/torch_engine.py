@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 import sidecar
+from sidecar.engine.acceptance_rules import AcceptanceRule
 from sidecar.engine.base import Engine
 from sidecar.engine.checkpoint import draft_tensor_shapes, load_checkpoint, target_tensor_shapes
 from sidecar.engine.kv_cache import KVCache
@@ -65,6 +66,7 @@ from sidecar.types import (
     VersionStats,
     WeightSelector,
 )
+from sidecar.weight_sync.tensors import tensor_crc32
 
 DORMANT_AFTER = 128
 """An auto sequence that has not drafted for this many rounds stops feeding its draft (its
@@ -165,15 +167,21 @@ class TorchEngine(Engine):
         auto_speculation: bool = False,
         policy: SpeculationPolicyConfig | None = None,
         clock: Callable[[], float] | None = None,
+        acceptance_rule: AcceptanceRule | None = None,
     ) -> None:
         """`auto_speculation`: start in auto mode with maximum k `speculation_k`; `policy`: the
         controller's knobs (its max_k is set by the mode); `clock`: seconds, for the controller's
-        cost measurements (tests inject one). Default: `cost_clock(device)`."""
+        cost measurements (tests inject one). Default: `cost_clock(device)`.
+
+        `acceptance_rule` is a TEST HOOK: None (always, in production) is the exact rule,
+        `sampling.rejection_sample`. Tests and `specrl verify`'s power simulation pass one of
+        `acceptance_rules.WRONG_RULES` to show that a losslessness test rejects it."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_speculation_k < 0:
             raise ValueError(f"max_speculation_k must be >= 0, got {max_speculation_k}")
         self.model = model
+        self.acceptance_rule: AcceptanceRule = acceptance_rule or rejection_sample
         self.config = model.config
         self.device = model.output_weight().device
         self.name = name
@@ -519,7 +527,7 @@ class TorchEngine(Engine):
         drafted_at = self._clock()
         old_lengths = list(self._cache.lengths)
         vout = verify(self.model, self._cache, VerifyInput(tokens=verify_tokens, num_new=[k + 1 for k in k_eff]), rows)
-        acc = rejection_sample(draft_tokens, q, vout.probs, num_draft, u[:, kmax : 2 * kmax], u[:, 2 * kmax])
+        acc = self.acceptance_rule(draft_tokens, q, vout.probs, num_draft, u[:, kmax : 2 * kmax], u[:, 2 * kmax])
         emitted = torch.cat([draft_tokens, torch.zeros(b, 1, dtype=torch.int64, device=dev)], dim=1)
         emitted[torch.arange(b, device=dev), acc.num_accepted] = acc.next_token
         logprobs = token_logprobs(vout.logits, emitted, rows.temperature)
@@ -573,6 +581,10 @@ class TorchEngine(Engine):
         return [
             TensorSpec(name=n, dtype=self.config.dtype, shape=s) for n, s in self._selected_shapes(selector).items()
         ]
+
+    def weight_checksums(self, selector: WeightSelector) -> dict[str, int]:
+        params = dict(self.model.named_parameters())
+        return {name: tensor_crc32(params[name]) for name in self._selected_shapes(selector)}
 
     def update_weights(self, tensors: Mapping[str, torch.Tensor], selector: WeightSelector, version: int) -> None:
         check_weights(

@@ -411,7 +411,7 @@ def describe_weights_to_pb(
     specs: list[TensorSpec], weight_version: int, transports: list[WeightTransport] | None = None
 ) -> weights_pb2.DescribeWeightsResponse:
     return weights_pb2.DescribeWeightsResponse(
-        tensors=[tensor_spec_to_pb(TensorSpec(name=s.name, dtype=s.dtype, shape=s.shape)) for s in specs],
+        tensors=[tensor_spec_to_pb(s) for s in specs],  # crc32: 0 unless the served values were checksummed
         weight_version=weight_version,
         transports=[transport_to_pb(t) for t in transports or [WeightTransport.GRPC]],
     )

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from sidecar.types import TensorSpec
+from sidecar.weight_sync.checksum import crc32
 
 if sys.byteorder != "little":  # the wire format is little-endian; so is every supported host
     raise ImportError("sidecar.weight_sync needs a little-endian host (the specrl.v1 tensor bytes are little-endian)")
@@ -18,6 +19,12 @@ def tensor_bytes(tensor: torch.Tensor) -> np.ndarray:
     the tensor is already contiguous on CPU)."""
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     return flat.view(torch.uint8).numpy()
+
+
+def tensor_crc32(tensor: torch.Tensor) -> int:
+    """CRC-32 (zlib polynomial) of a tensor's C-contiguous little-endian bytes: the checksum of
+    `TensorSpec.crc32`, of a push manifest and of DescribeWeights(include_checksums)."""
+    return crc32(tensor_bytes(tensor))
 
 
 def spec_of(name: str, tensor: torch.Tensor) -> TensorSpec:

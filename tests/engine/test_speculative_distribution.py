@@ -10,10 +10,12 @@ aligned MTP draft (acceptance 0.4-0.6, so the residual and the bonus paths both 
 large share of the mass) the first speculative round covers t2 and t3: draft positions,
 rejection → residual, and bonus.
 
-Power: the same test is run on two deliberately wrong acceptance rules, patched into the
-engine — "always accept" (emits the draft distribution q) and "on rejection resample from p
-instead of norm(max(0, p − q))" (the classic subtle bug, which biases towards tokens both
-models like). Both must be rejected at p < 1e-6, i.e. the test has essentially full power
+Power: the same test is run on two deliberately wrong acceptance rules, injected through the
+engine's `acceptance_rule` test hook (`sidecar.engine.acceptance_rules.WRONG_RULES`, which
+`specrl verify` also simulates for its power statement) — "accept every draft" (emits the draft
+distribution q) and "on rejection resample from p instead of norm(max(0, p − q))" (the classic
+subtle bug, which biases towards tokens both models like). The chi-square is the product's
+(`sidecar.losslessness.statistics`). Both must be rejected at p < 1e-6, i.e. the test has essentially full power
 against errors of this size at N = 4000, while the correct rule passes. Seeds are fixed, so
 the outcome is deterministic.
 """
@@ -26,11 +28,11 @@ import pytest
 import torch
 from engine_fixtures import aligned_draft_model, hf_probs
 
-import sidecar.engine.torch_engine as torch_engine
+from sidecar.engine.acceptance_rules import WRONG_RULES, AcceptanceRule
 from sidecar.engine.model import ModelConfig, Qwen3WithMTP
-from sidecar.engine.sampling import Acceptance, rejection_sample, sample_from
 from sidecar.engine.speculation_policy import SpeculationDecision, SpeculationPolicy, SpeculationPolicyConfig
 from sidecar.engine.torch_engine import TorchEngine
+from sidecar.losslessness.statistics import pooled_chi_square_pvalue as chi_square_pvalue
 from sidecar.types import GenerationRequest, SamplingParams
 
 V = 8
@@ -53,25 +55,15 @@ def exact_joint(model: Qwen3WithMTP, sp: SamplingParams) -> torch.Tensor:  # (V*
     return probs.gather(-1, conts[..., None])[..., 0].prod(dim=1)
 
 
-def engine_counts(model: Qwen3WithMTP, sp: SamplingParams, k: int) -> tuple[torch.Tensor, float]:
+def engine_counts(
+    model: Qwen3WithMTP, sp: SamplingParams, k: int, acceptance_rule: AcceptanceRule | None = None
+) -> tuple[torch.Tensor, float]:
     """Counts of (t1, t2, t3) over N samples (V**3 cells), and the acceptance rate."""
-    engine = TorchEngine(model, speculation_k=k, max_batch_size=1000)
+    engine = TorchEngine(model, speculation_k=k, max_batch_size=1000, acceptance_rule=acceptance_rule)
     req = GenerationRequest(prompts=[PROMPT], sampling=sp, samples_per_prompt=N, speculation_k=k)
     samples = engine.generate(req)
     cells = torch.tensor([(s.token_ids[0] * V + s.token_ids[1]) * V + s.token_ids[2] for s in samples])
     return torch.bincount(cells, minlength=V**3).double(), engine.stats()[0].counters.acceptance_rate
-
-
-def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    expected = probs * counts.sum()
-    small = expected < 5
-    obs = torch.cat([counts[~small], counts[small].sum()[None]])
-    exp = torch.cat([expected[~small], expected[small].sum()[None]])
-    keep = exp > 0
-    assert counts[expected == 0].sum() == 0  # a continuation of probability 0 never appears
-    stat = (((obs - exp) ** 2) / exp)[keep].sum()
-    df = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2.0), stat / 2.0))
 
 
 SETTINGS = [
@@ -91,25 +83,13 @@ def test_speculative_samples_follow_the_exact_target_distribution(model: Qwen3Wi
     assert chi_square_pvalue(counts, exact) > ALPHA
 
 
-def always_accept(draft_tokens, q, p, num_draft, accept_uniforms, final_uniforms) -> Acceptance:
-    rows = torch.arange(len(num_draft))
-    return Acceptance(num_accepted=num_draft.clone(), next_token=sample_from(p[rows, num_draft], final_uniforms))
-
-
-def residual_from_p(draft_tokens, q, p, num_draft, accept_uniforms, final_uniforms) -> Acceptance:
-    acc = rejection_sample(draft_tokens, q, p, num_draft, accept_uniforms, final_uniforms)
-    rows = torch.arange(len(num_draft))
-    resampled = sample_from(p[rows, acc.num_accepted], final_uniforms)
-    return Acceptance(num_accepted=acc.num_accepted, next_token=resampled)
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("wrong_rule", [always_accept, residual_from_p])
-def test_the_test_detects_wrong_acceptance_rules(model: Qwen3WithMTP, monkeypatch, wrong_rule) -> None:
+@pytest.mark.parametrize("wrong_rule", sorted(WRONG_RULES))
+def test_the_test_detects_wrong_acceptance_rules(model: Qwen3WithMTP, wrong_rule: str) -> None:
     sp, k = SETTINGS[0]
     exact = exact_joint(model, sp)
-    monkeypatch.setattr(torch_engine, "rejection_sample", wrong_rule)
-    assert chi_square_pvalue(engine_counts(model, sp, k)[0], exact) < 1e-6
+    counts = engine_counts(model, sp, k, acceptance_rule=WRONG_RULES[wrong_rule])[0]
+    assert chi_square_pvalue(counts, exact) < 1e-6
 
 
 class SwitchingPolicy(SpeculationPolicy):

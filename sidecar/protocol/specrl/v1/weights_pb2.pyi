@@ -181,10 +181,12 @@ class PushWeightsResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., previous_version: _Optional[int] = ..., bytes_received: _Optional[int] = ..., tensors_updated: _Optional[int] = ..., receive_seconds: _Optional[float] = ..., apply_seconds: _Optional[float] = ..., transport: _Optional[_Union[WeightTransport, str]] = ...) -> None: ...
 
 class DescribeWeightsRequest(_message.Message):
-    __slots__ = ("selector",)
+    __slots__ = ("selector", "include_checksums")
     SELECTOR_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     selector: _common_pb2.WeightSelector
-    def __init__(self, selector: _Optional[_Union[_common_pb2.WeightSelector, str]] = ...) -> None: ...
+    include_checksums: bool
+    def __init__(self, selector: _Optional[_Union[_common_pb2.WeightSelector, str]] = ..., include_checksums: _Optional[bool] = ...) -> None: ...
 
 class DescribeWeightsResponse(_message.Message):
     __slots__ = ("tensors", "weight_version", "transports")
