@@ -34,6 +34,7 @@ from sidecar.protocol.specrl.v1 import control_pb2, rollout_pb2, weights_pb2
 from sidecar.security import auth_metadata, channel_credentials
 from sidecar.types import (
     GenerationRequest,
+    PushItem,
     PushResult,
     Sample,
     SidecarInfo,
@@ -238,6 +239,14 @@ class SidecarClient:
         if specs is None and not isinstance(named_tensors, Mapping):
             specs, _ = self.describe_weights(selector)
         items = iter_push_requests(named_tensors, version, selector, chunk_bytes, specs=specs)
+        return self.push_items(items, timeout_s=timeout_s)
+
+    def push_items(self, items: Iterable[PushItem], *, timeout_s: float | None = None) -> PushResult:
+        """Send one push given as its items (manifest, chunks, commit), consumed lazily as gRPC
+        sends them: the primitive under `push_weights` and the incremental
+        `sidecar.integrations.weight_session.WeightUpdateSession`. An exception raised by
+        `items` ends the stream without a commit (the sidecar applies nothing) and is re-raised
+        here."""
         sender_failure: list[Exception] = []
 
         def requests() -> Iterator[bytes]:

@@ -29,6 +29,15 @@ class FinishReason(enum.Enum):
     ABORT = "abort"  # aborted; the output holds the tokens generated so far
 
 
+class LogprobMode(enum.Enum):
+    """Which distribution reported log-probs come from (proto LogprobMode)."""
+
+    RAW = "raw"
+    """log_softmax(logits / T) before top-k/top-p: what an RL trainer recomputes. The default."""
+    PROCESSED = "processed"
+    """log of the distribution actually sampled from (after top-k/top-p; vLLM's processed_logprobs)."""
+
+
 @dataclass(kw_only=True, slots=True)
 class SamplingParams:
     """How to sample: from softmax(logits / temperature), restricted by top_k then top_p."""
@@ -45,6 +54,10 @@ class SamplingParams:
     """A sample stops after emitting any of these (the stop token is kept)."""
     seed: int | None = None
     """Seed of the request's random stream; None draws a fresh one."""
+    stop_at_eos: bool = False
+    """Also stop after the model's EOS ids (ModelInfo.eos_token_ids), as vLLM does by default."""
+    logprob_mode: LogprobMode = LogprobMode.RAW
+    """Which log-probs samples report; never changes which tokens are sampled."""
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -207,6 +220,8 @@ class ModelInfo:
     rope_factor: float = 1.0
     num_mtp_layers: int = 0
     dtype: str = "float32"
+    eos_token_ids: tuple[int, ...] = ()
+    """The checkpoint's end-of-sequence ids (config.json eos_token_id); SamplingParams.stop_at_eos stops at them."""
 
 
 @dataclass(kw_only=True, slots=True)

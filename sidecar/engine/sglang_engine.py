@@ -63,6 +63,7 @@ from sidecar.types import (
     EngineInfo,
     FinishReason,
     GenerationRequest,
+    LogprobMode,
     ModelInfo,
     Sample,
     TensorSpec,
@@ -356,6 +357,17 @@ class SGLangEngine(Engine):
     # ---- Engine: requests -------------------------------------------------------------------
     def validate(self, request: GenerationRequest) -> None:
         validate_request(request, self.model, self._k)
+        # Not mapped onto SGLang yet (issue 18): refused rather than silently answered differently.
+        if request.sampling.logprob_mode is not LogprobMode.RAW:
+            raise InvalidRequestError(
+                "logprob_mode PROCESSED is not available on the sglang engine (it reports log-probs before "
+                "top-k/top-p only); use LOGPROB_MODE_RAW, or the torch engine"
+            )
+        if request.sampling.stop_at_eos:
+            raise InvalidRequestError(
+                "stop_at_eos is not available on the sglang engine yet; list the model's EOS ids "
+                "(GetInfo model.eos_token_ids) in stop_token_ids instead"
+            )
         if request.speculation_k is not None and request.speculation_k != self._k:
             raise InvalidRequestError(
                 f"speculation_k={request.speculation_k} is not available: SGLang drafts exactly k={self._k} tokens "

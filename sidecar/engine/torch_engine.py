@@ -21,6 +21,7 @@ with the old weights) and continue with the new ones (`Sample.last_weight_versio
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import secrets
 import time
@@ -37,7 +38,7 @@ from sidecar.engine.base import Engine
 from sidecar.engine.checkpoint import draft_tensor_shapes, load_checkpoint, target_tensor_shapes
 from sidecar.engine.kv_cache import KVCache
 from sidecar.engine.model import Qwen3WithMTP, build_model
-from sidecar.engine.sampling import RowSampling, filtered_probs, rejection_sample, sample_from, token_logprobs
+from sidecar.engine.sampling import RowSampling, filtered_probs, rejection_sample, reported_logprobs, sample_from
 from sidecar.engine.speculative import DraftInput, VerifyInput, draft, verify
 from sidecar.engine.validation import check_weights, validate_request
 from sidecar.errors import InvalidRequestError
@@ -197,6 +198,7 @@ class TorchEngine(Engine):
                 rope_factor=rope.factor,
                 num_mtp_layers=self.num_mtp,
                 dtype=c.torch_dtype,
+                eos_token_ids=tuple(c.eos_token_id),
             ),
             engine="torch",
             engine_version=getattr(sidecar, "__version__", "0.1.0"),
@@ -244,6 +246,11 @@ class TorchEngine(Engine):
         if request.request_id in self._live:
             raise InvalidRequestError(f"request_id {request.request_id!r} is already running; ids must be unique")
         k = self._k if request.speculation_k is None else request.speculation_k
+        params = request.sampling
+        if params.stop_at_eos and self.config.eos_token_id:
+            # Resolved once here, so the per-token stop check stays a plain membership test.
+            stops = tuple(dict.fromkeys((*params.stop_token_ids, *self.config.eos_token_id)))
+            params = dataclasses.replace(params, stop_token_ids=stops)
         seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(63)
         for p, prompt in enumerate(request.prompts):
             for s in range(request.samples_per_prompt):
@@ -254,7 +261,7 @@ class TorchEngine(Engine):
                         prompt_index=p,
                         sample_index=s,
                         prompt=list(prompt),
-                        params=request.sampling,
+                        params=params,
                         k=k,
                         generator=gen,
                     )
@@ -331,7 +338,7 @@ class TorchEngine(Engine):
         rows = RowSampling.of([s.params for s in new], self.device)
         uniforms = torch.cat([torch.rand(1, generator=s.generator) for s in new]).to(self.device)
         first = sample_from(filtered_probs(logits, rows), uniforms)
-        logprobs = token_logprobs(logits[:, None], first[:, None], rows.temperature)[:, 0]
+        logprobs = reported_logprobs(logits[:, None], first[:, None], rows)[:, 0]
         mtp_caches = [self._new_cache(1, b, width + self.max_speculation_k + 2) for _ in range(self.num_mtp)]
         drafting = [s.k > 0 for s in new]
         if any(drafting) and width > 1:
@@ -415,7 +422,7 @@ class TorchEngine(Engine):
         acc = rejection_sample(draft_tokens, q, vout.probs, num_draft, u[:, kmax : 2 * kmax], u[:, 2 * kmax])
         emitted = torch.cat([draft_tokens, torch.zeros(b, 1, dtype=torch.int64, device=dev)], dim=1)
         emitted[torch.arange(b, device=dev), acc.num_accepted] = acc.next_token
-        logprobs = token_logprobs(vout.logits, emitted, rows.temperature)
+        logprobs = reported_logprobs(vout.logits, emitted, rows)
         num_accepted, emitted_l, logprobs_l = acc.num_accepted.tolist(), emitted.tolist(), logprobs.tolist()
 
         finished, keep = [], []

@@ -17,6 +17,7 @@ from sidecar.types import (
     FinishReason,
     GenerationRequest,
     GpuTelemetry,
+    LogprobMode,
     ModelInfo,
     PushItem,
     PushResult,
@@ -90,11 +91,29 @@ def dtype_from_pb(value: int) -> torch.dtype:
 # --- rollout -------------------------------------------------------------------------------
 
 
+_LOGPROB_MODE_TO_PB = {
+    LogprobMode.RAW: rollout_pb2.LOGPROB_MODE_RAW,
+    LogprobMode.PROCESSED: rollout_pb2.LOGPROB_MODE_PROCESSED,
+}
+
+
+def logprob_mode_from_pb(value: int) -> LogprobMode:
+    if value in (rollout_pb2.LOGPROB_MODE_UNSPECIFIED, rollout_pb2.LOGPROB_MODE_RAW):
+        return LogprobMode.RAW
+    if value == rollout_pb2.LOGPROB_MODE_PROCESSED:
+        return LogprobMode.PROCESSED
+    raise InvalidRequestError(
+        f"sampling: unknown logprob_mode {value}; use LOGPROB_MODE_RAW (1) or LOGPROB_MODE_PROCESSED (2)"
+    )
+
+
 def sampling_to_pb(params: SamplingParams) -> rollout_pb2.SamplingParams:
     msg = rollout_pb2.SamplingParams(
         temperature=params.temperature,
         max_new_tokens=params.max_new_tokens,
         stop_token_ids=list(params.stop_token_ids),
+        stop_at_eos=params.stop_at_eos,
+        logprob_mode=_LOGPROB_MODE_TO_PB[params.logprob_mode],
     )
     if params.top_p != 1.0:
         msg.top_p = params.top_p
@@ -114,6 +133,8 @@ def sampling_from_pb(msg: rollout_pb2.SamplingParams) -> SamplingParams:
             max_new_tokens=msg.max_new_tokens,
             stop_token_ids=tuple(msg.stop_token_ids),
             seed=msg.seed if msg.HasField("seed") else None,
+            stop_at_eos=msg.stop_at_eos,
+            logprob_mode=logprob_mode_from_pb(msg.logprob_mode),
         )
     except ValueError as e:
         raise InvalidRequestError(f"sampling: {e}") from None
@@ -437,6 +458,7 @@ def info_to_pb(info: SidecarInfo) -> control_pb2.GetInfoResponse:
             rope_factor=m.rope_factor,
             num_mtp_layers=m.num_mtp_layers,
             dtype=m.dtype,
+            eos_token_ids=list(m.eos_token_ids),
         ),
         speculation=control_pb2.SpeculationInfo(
             method=e.speculation_method, k=e.speculation_k, max_k=e.max_speculation_k
@@ -487,6 +509,7 @@ def info_from_pb(msg: control_pb2.GetInfoResponse) -> SidecarInfo:
                 rope_factor=m.rope_factor,
                 num_mtp_layers=m.num_mtp_layers,
                 dtype=m.dtype,
+                eos_token_ids=tuple(m.eos_token_ids),
             ),
             engine=msg.engine,
             engine_version=msg.engine_version,
