@@ -29,7 +29,7 @@ from sidecar.integrations.trl import (
     UnsupportedBySidecar,
     check_trl_seam,
 )
-from tests.with_trl.conftest import ServeProcess
+from tests.with_trl.serve import ServeProcess
 
 STEPS = 3
 MISMATCH = "sampling/sampling_logp_difference/max"
