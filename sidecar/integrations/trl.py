@@ -36,6 +36,7 @@ from typing import Any, ClassVar
 import torch
 
 from sidecar.client import ClientConfig, SidecarClient
+from sidecar.integrations.draft_alignment import DraftAligner
 from sidecar.integrations.weight_session import SessionConfig, WeightUpdateSession
 from sidecar.types import (
     GenerationRequest,
@@ -101,7 +102,10 @@ class SpecrlVLLMClient:
         self.counters: list[SpeculationCounters] = []
         """Summed speculation counters of each `generate` call (τ per TRL step)."""
         self.push_results: list[PushResult] = []
-        """The result of each committed weight update."""
+        """The result of each committed weight update (policy and draft)."""
+        self.draft_aligner: DraftAligner | None = None
+        """Refits and pushes the draft after policy syncs (see `SpecrlGRPOTrainer(draft_aligner=)`)."""
+        self._last_sequences: list[list[int]] = []
 
     # --- server ---------------------------------------------------------------------------
 
@@ -207,6 +211,7 @@ class SpecrlVLLMClient:
         for s in samples:
             total.add(s.counters)
         self.counters.append(total)
+        self._last_sequences = [token_prompts[s.prompt_index] + list(s.token_ids) for s in samples]
         return {
             "prompt_ids": token_prompts,
             "completion_ids": [list(s.token_ids) for s in samples],
@@ -253,6 +258,29 @@ class SpecrlVLLMClient:
         self.push_results.append(result)
         return result
 
+    def _after_policy_sync(self) -> None:
+        """Refit the draft to the just-synced policy on the latest rollouts and push it (DRAFT)."""
+        aligner = self.draft_aligner
+        if aligner is None or not aligner.due() or not self._last_sequences:
+            return
+        aligner.fit(self._last_sequences)
+        tensors = aligner.draft_tensors()
+        specs = [TensorSpec(name=n, dtype=self._served_dtype(n), shape=tuple(t.shape)) for n, t in tensors]
+        session = WeightUpdateSession(
+            self.sidecar,
+            version=self._version + 1,
+            selector=WeightSelector.DRAFT,
+            specs=specs,
+            config=self.config.session,
+        )
+        try:
+            for name, t in tensors:
+                session.send(name, t)
+        except BaseException:
+            session.abort()
+            raise
+        self._finish(session)
+
     def update_named_params(
         self, metadata: list[tuple[str, str, list[int]]], named_params: Iterator[tuple[str, torch.Tensor]]
     ) -> None:
@@ -272,6 +300,7 @@ class SpecrlVLLMClient:
             session.abort()
             raise
         self._finish(session)
+        self._after_policy_sync()
 
     def update_named_param(self, name: str, weights: torch.Tensor) -> None:
         """Inside `weight_update()`: add one tensor to the open session. Outside it the sidecar
@@ -298,6 +327,7 @@ class SpecrlVLLMClient:
             raise
         else:
             self._finish(self._session)
+            self._after_policy_sync()
         finally:
             self._session = None
 
@@ -358,7 +388,9 @@ class SpecrlGRPOTrainer(GRPOTrainer):
     """`trl.GRPOTrainer` whose rollouts and weight syncs go to a specrl sidecar.
 
     Takes GRPOTrainer's arguments plus `sidecar` (an address "host:port", or a ready
-    `SpecrlVLLMClient`) and `sidecar_config`. `args.use_vllm`/`args.vllm_mode` may be left as
+    `SpecrlVLLMClient`), `sidecar_config`, and optionally `draft_aligner` (a
+    `sidecar.integrations.draft_alignment.DraftAligner`: after each policy sync, refit the MTP
+    draft to the new policy on the latest rollouts and push it, since TRL never trains it). `args.use_vllm`/`args.vllm_mode` may be left as
     they are; the trainer runs TRL's vLLM server-mode path either way.
     """
 
@@ -376,6 +408,7 @@ class SpecrlGRPOTrainer(GRPOTrainer):
         *args: Any,
         sidecar: str | SpecrlVLLMClient,
         sidecar_config: SidecarGenerationConfig | None = None,
+        draft_aligner: DraftAligner | None = None,
         **kwargs: Any,
     ) -> None:
         check_trl_seam()
@@ -414,3 +447,6 @@ class SpecrlGRPOTrainer(GRPOTrainer):
             specrl_client=client,
         )
         self._last_loaded_step = -1
+        if draft_aligner is not None:
+            draft_aligner.bind(self.accelerator.unwrap_model(self.model))
+            client.draft_aligner = draft_aligner

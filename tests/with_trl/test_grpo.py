@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOConfig
 
 from sidecar.client import SidecarClient
+from sidecar.integrations.draft_alignment import DraftAlignConfig, DraftAligner
 from sidecar.integrations.trl import (
     SidecarGenerationConfig,
     SpecrlGRPOTrainer,
@@ -53,7 +54,14 @@ class NoSyncClient(SpecrlVLLMClient):
             pass
 
 
-def train(checkpoint: Path, client: SpecrlVLLMClient, out: Path, lr: float = 3e-3) -> SpecrlGRPOTrainer:
+def train(
+    checkpoint: Path,
+    client: SpecrlVLLMClient,
+    out: Path,
+    lr: float = 3e-3,
+    steps: int = STEPS,
+    draft_aligner: DraftAligner | None = None,
+) -> SpecrlGRPOTrainer:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
@@ -64,7 +72,7 @@ def train(checkpoint: Path, client: SpecrlVLLMClient, out: Path, lr: float = 3e-
         per_device_train_batch_size=8,
         num_generations=4,
         max_completion_length=12,
-        max_steps=STEPS,
+        max_steps=steps,
         learning_rate=lr,
         logging_steps=1,
         report_to=[],
@@ -84,6 +92,7 @@ def train(checkpoint: Path, client: SpecrlVLLMClient, out: Path, lr: float = 3e-
         train_dataset=prompts(),
         processing_class=tokenizer,
         sidecar=client,
+        draft_aligner=draft_aligner,
     )
     trainer.train()
     return trainer
