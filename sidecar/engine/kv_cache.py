@@ -142,8 +142,8 @@ class KVCache:
         if self.batch == 0:
             self.k, self.v, self.lengths = other.k, other.v, list(other.lengths)
             return
-        cap = max(self.capacity, other.capacity)
-        self._grow(cap)
+        self._grow(other.capacity)  # may double past other.capacity: pad other to ours below
+        cap = self.capacity
         ok, ov = other.k, other.v
         if other.capacity < cap:
             pad = (0, 0, 0, cap - other.capacity)

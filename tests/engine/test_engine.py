@@ -269,3 +269,27 @@ def test_cuda_engine_matches_cpu_greedy_and_logprobs(random_model: Qwen3WithMTP)
     assert [s.token_ids for s in a] == [s.token_ids for s in b]
     for x, y in zip(a, b, strict=True):
         torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_a_longer_prompt_joining_running_speculative_rows_decodes_as_alone(aligned_model: Qwen3WithMTP, k: int) -> None:
+    """Issue 14 finding 1: a 10-token prompt decoding with speculation, then a 15-token prompt
+    admitted two steps later (its prefill cache is larger than the running one, but less than
+    double). Both must finish, each with the tokens it gets alone."""
+    engine = TorchEngine(aligned_model, speculation_k=k)
+    greedy_params = SamplingParams(temperature=0.0, max_new_tokens=20)
+    first = GenerationRequest(prompts=[list(range(1, 11))], sampling=greedy_params, request_id="a")
+    second = GenerationRequest(prompts=[list(range(1, 16))], sampling=greedy_params, request_id="b")
+    engine.submit(first)
+    got: dict[str, list[int]] = {}
+    for step in range(200):
+        if step == 2:
+            engine.submit(second)
+        got |= {s.request_id: s.token_ids for s in engine.step()}
+        if step > 2 and not engine.has_work():
+            break
+    for req in (first, second):
+        (alone,) = TorchEngine(aligned_model, speculation_k=k).generate(
+            GenerationRequest(prompts=req.prompts, sampling=greedy_params)
+        )
+        assert got[req.request_id] == alone.token_ids

@@ -80,3 +80,24 @@ def test_ragged_extend_rollback_and_row_changes_match_full_forward(random_model:
     for b in range(3):
         seqs[b] += nxt[b]
         torch.testing.assert_close(hs[b], oracle(random_model, seqs[b])[-len(nxt[b]) :], atol=1e-5, rtol=0)
+
+
+def test_append_rows_from_a_cache_of_larger_but_not_double_capacity(random_model: Qwen3WithMTP) -> None:
+    """A longer prompt admitted while other rows decode: its prefill cache (capacity 25) is
+    larger than the running cache (20) but less than double. Growing the running cache doubles
+    it (40); the joining rows must be padded to that, not to 25 (regression: `cat` failed with
+    "Sizes of tensors must match", issue 14 finding 1)."""
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, 64, (3,), generator=gen).tolist(), torch.randint(0, 64, (9,), generator=gen).tolist()]
+    cache, joining = new_cache(random_model, 1), new_cache(random_model, 1)
+    cache._grow(20)
+    joining._grow(25)
+    extend(random_model, cache, [seqs[0]])
+    extend(random_model, joining, [seqs[1]])
+    cache.append_rows(joining)
+    assert cache.lengths == [3, 9] and cache.capacity >= 25
+    nxt = [[5], [7, 9]]
+    hs = extend(random_model, cache, nxt)
+    for b in range(2):
+        seqs[b] += nxt[b]
+        torch.testing.assert_close(hs[b], oracle(random_model, seqs[b])[-len(nxt[b]) :], atol=1e-5, rtol=0)
