@@ -112,9 +112,7 @@ def main() -> None:
             torch.cuda.empty_cache() if torch.cuda.is_available() else None
             serve = ServeProcess(ckpt, spec_k=0)
             try:
-                version = 0
-                for mode in ("session", "gather", "session", "gather"):  # alternating A/B
-                    version += 1
+                for version, mode in enumerate(("session", "gather", "session", "gather"), start=1):  # A/B
                     out = subprocess.run(
                         [sys.executable, __file__, "--child", str(ckpt), serve.address, mode, str(version)],
                         env=env,

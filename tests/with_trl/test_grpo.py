@@ -188,3 +188,28 @@ def test_weight_update_session_is_atomic(checkpoint: Path, serve: ServeProcess) 
     assert client.weight_version == 1
     with SidecarClient(serve.address) as direct:
         assert direct.info().weight_version == 1
+
+
+def test_draft_aligner_keeps_tau_where_the_stale_draft_decays(checkpoint: Path, tmp_path: Path) -> None:
+    """TRL never trains the draft: at lr 1e-2 τ falls towards 1 within ~8 steps. With DraftAligner
+    (refit on the latest rollouts after every sync, pushed as DRAFT) it stays up, and rollouts stay
+    lossless (the draft never changes the sampled distribution)."""
+    steps, late = 8, slice(4, 8)
+    taus = {}
+    for align in (False, True):
+        serve = ServeProcess(checkpoint, spec_k=2)
+        try:
+            client = SpecrlVLLMClient(serve.address, SidecarGenerationConfig(seed=0))
+            aligner = DraftAligner(checkpoint, DraftAlignConfig(steps=20)) if align else None
+            trainer = train(checkpoint, client, tmp_path / str(align), lr=1e-2, steps=steps, draft_aligner=aligner)
+            assert all(m <= 1e-5 for m in per_step(trainer, MISMATCH))
+            taus[align] = [c.acceptance_length for c in client.counters]
+            # Policy pushes at every step; with the aligner a draft push follows each one that had rollouts.
+            pushes = steps + (steps - 1 if align else 0)
+            assert [r.version for r in client.push_results] == list(range(1, pushes + 1))
+        finally:
+            serve.stop()
+    stale = sum(taus[False][late]) / 4
+    aligned = sum(taus[True][late]) / 4
+    print(f"\nτ per step, stale draft {taus[False]}\nτ per step, aligned draft {taus[True]}")
+    assert aligned > 1.5 and aligned > stale + 0.3, (stale, aligned)
