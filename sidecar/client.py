@@ -37,6 +37,8 @@ from sidecar.types import (
     PushItem,
     PushResult,
     Sample,
+    ScoreRequest,
+    ScoreResult,
     SidecarInfo,
     SidecarStats,
     TensorSpec,
@@ -203,6 +205,12 @@ class SidecarClient:
         """All samples of `request`, sorted by (prompt_index, sample_index)."""
         samples = list(self.stream_generate(request, timeout_s))
         return sorted(samples, key=lambda s: (s.prompt_index, s.sample_index))
+
+    def score(self, request: ScoreRequest) -> ScoreResult:
+        """Teacher-forced log-probs of given sequences (RolloutService.Score). Read-only, so
+        retried on UNAVAILABLE like GetInfo."""
+        msg = self._unary("Score", self._rollout.Score, convert.score_request_to_pb(request), retry=True)
+        return convert.score_result_from_pb(msg)
 
     def abort(self, request_id: str) -> tuple[bool, int]:
         """Abort a live Generate call; returns (found, samples aborted)."""

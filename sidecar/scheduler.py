@@ -38,7 +38,16 @@ from sidecar.errors import (
     ServedVersionTooOldError,
     ShuttingDownError,
 )
-from sidecar.types import EngineInfo, GenerationRequest, Sample, SpeculationCounters, TensorSpec, VersionStats
+from sidecar.types import (
+    EngineInfo,
+    GenerationRequest,
+    Sample,
+    ScoreRequest,
+    ScoreResult,
+    SpeculationCounters,
+    TensorSpec,
+    VersionStats,
+)
 from sidecar.types import WeightSelector as Selector
 from sidecar.weights import StagedWeights
 
@@ -247,6 +256,20 @@ class Scheduler:
 
         previous = self._call(run, timeout_s or self.config.apply_timeout_s, what="weight update")
         return previous, time.perf_counter() - started
+
+    def score(self, request: ScoreRequest) -> ScoreResult:
+        """Score on the scheduler thread between two engine steps: one weight version throughout."""
+
+        def run() -> ScoreResult:
+            version = self._engine.weight_version
+            if version < request.min_weight_version:
+                raise ServedVersionTooOldError(
+                    f"the sidecar serves weight version {version} but the request needs "
+                    f">= {request.min_weight_version}; push weights first, then retry"
+                )
+            return ScoreResult(logprobs=self._engine.score(request), weight_version=version)
+
+        return self._call(run, what="score")
 
     def model_specs(self, selector: Selector) -> list[TensorSpec]:
         return list(self._specs[selector])

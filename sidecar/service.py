@@ -29,7 +29,15 @@ from sidecar.protocol.specrl.v1 import control_pb2, rollout_pb2, weights_pb2
 from sidecar.scheduler import RequestCancelled, Scheduler, SchedulerConfig
 from sidecar.security import SecurityConfig, TokenAuthInterceptor, server_credentials
 from sidecar.server import ServerConfig, create_server
-from sidecar.types import GenerationRequest, PushItem, PushResult, RequestLimits, SidecarInfo, SidecarStats
+from sidecar.types import (
+    GenerationRequest,
+    PushItem,
+    PushResult,
+    RequestLimits,
+    ScoreRequest,
+    SidecarInfo,
+    SidecarStats,
+)
 from sidecar.weights import WeightReceiver, release_freed_memory
 
 log = logging.getLogger(__name__)
@@ -45,6 +53,7 @@ _STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (errors.PushCancelledError, grpc.StatusCode.CANCELLED),
     (errors.ShuttingDownError, grpc.StatusCode.UNAVAILABLE),
     (errors.ApplyTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (errors.NotSupportedError, grpc.StatusCode.UNIMPLEMENTED),
     (errors.EngineFailure, grpc.StatusCode.INTERNAL),
 )
 
@@ -93,6 +102,21 @@ def check_limits(request: GenerationRequest, limits: RequestLimits) -> None:
         )
 
 
+def check_score_limits(request: ScoreRequest, limits: RequestLimits) -> None:
+    """Raise InvalidRequestError if a Score request exceeds `limits` (the Generate limits: a
+    scored sequence is at most a prompt plus its completion)."""
+    if len(request.sequences) > limits.max_prompts:
+        raise errors.InvalidRequestError(
+            f"{len(request.sequences)} sequences exceed the limit of {limits.max_prompts}; split the request"
+        )
+    longest = max(len(s) for s in request.sequences)
+    if longest > limits.max_prompt_tokens + limits.max_new_tokens:
+        raise errors.InvalidRequestError(
+            f"a sequence of {longest} tokens exceeds the limit of {limits.max_prompt_tokens + limits.max_new_tokens} "
+            "(max_prompt_tokens + max_new_tokens); shorten it"
+        )
+
+
 class RolloutService(services.RolloutServicer):
     """Generate and Abort."""
 
@@ -123,6 +147,14 @@ class RolloutService(services.RolloutServicer):
             if sample is None:
                 return
             yield rollout_pb2.GenerateResponse(sample=convert.sample_to_pb(sample))
+
+    def Score(self, request: rollout_pb2.ScoreRequest, context: grpc.ServicerContext) -> rollout_pb2.ScoreResponse:
+        try:
+            domain = convert.score_request_from_pb(request)
+            check_score_limits(domain, self._limits)
+            return convert.score_result_to_pb(self._scheduler.score(domain))
+        except Exception as e:
+            _abort(context, e)
 
     def Abort(self, request: rollout_pb2.AbortRequest, context: grpc.ServicerContext) -> rollout_pb2.AbortResponse:
         if not request.request_id:

@@ -104,6 +104,45 @@ class GenerationRequest:
 
 
 @dataclass(kw_only=True, slots=True)
+class ScoreRequest:
+    """Token sequences to score teacher-forced (RolloutService.Score)."""
+
+    sequences: list[list[int]]
+    """Whole sequences (prompt + completion)."""
+    start_indices: list[int]
+    """Per sequence, the first position scored (>= 1)."""
+    temperature: float = 1.0
+    """log_softmax(logits / temperature); 0 means 1."""
+    min_weight_version: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.sequences:
+            raise ValueError("sequences must hold at least one sequence to score")
+        if len(self.start_indices) != len(self.sequences):
+            raise ValueError(
+                f"start_indices has {len(self.start_indices)} entries for {len(self.sequences)} sequences; give one each"
+            )
+        for i, (seq, start) in enumerate(zip(self.sequences, self.start_indices, strict=True)):
+            if not 1 <= start <= len(seq) - 1:
+                raise ValueError(
+                    f"sequences[{i}] has {len(seq)} tokens; start_index {start} must be in [1, {len(seq) - 1}] "
+                    "(token 0 has no context, and at least one token must be scored)"
+                )
+        if not (self.temperature >= 0.0 and self.temperature < float("inf")):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 means 1), got {self.temperature}")
+        if self.min_weight_version < 0:
+            raise ValueError(f"min_weight_version must be >= 0, got {self.min_weight_version}")
+
+
+@dataclass(kw_only=True, slots=True)
+class ScoreResult:
+    """Log-probs of each scored sequence's tokens from its start index on."""
+
+    logprobs: list[list[float]]
+    weight_version: int
+
+
+@dataclass(kw_only=True, slots=True)
 class SpeculationCounters:
     """Raw, monotonically increasing speculation counters (see proto/specrl/v1/common.proto).
 

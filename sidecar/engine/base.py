@@ -17,7 +17,16 @@ from collections.abc import Mapping
 
 import torch
 
-from sidecar.types import EngineInfo, GenerationRequest, Sample, TensorSpec, VersionStats, WeightSelector
+from sidecar.errors import NotSupportedError
+from sidecar.types import (
+    EngineInfo,
+    GenerationRequest,
+    Sample,
+    ScoreRequest,
+    TensorSpec,
+    VersionStats,
+    WeightSelector,
+)
 
 
 class Engine(ABC):
@@ -84,6 +93,14 @@ class Engine(ABC):
         shape mismatch or a missing tensor — in every case before touching the served
         weights. Called only between steps.
         """
+
+    def score(self, request: ScoreRequest) -> list[list[float]]:
+        """Teacher-forced log-probs of each sequence's tokens from its start index on
+        (RolloutService.Score), with the weights served now. Engines that cannot score raise
+        NotSupportedError (UNIMPLEMENTED)."""
+        raise NotSupportedError(
+            f"the {type(self).__name__} engine cannot score sequences; serve with --engine torch for Score"
+        )
 
     @abstractmethod
     def stats(self) -> list[VersionStats]:

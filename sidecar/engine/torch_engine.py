@@ -38,7 +38,14 @@ from sidecar.engine.base import Engine
 from sidecar.engine.checkpoint import draft_tensor_shapes, load_checkpoint, target_tensor_shapes
 from sidecar.engine.kv_cache import KVCache
 from sidecar.engine.model import Qwen3WithMTP, build_model
-from sidecar.engine.sampling import RowSampling, filtered_probs, rejection_sample, reported_logprobs, sample_from
+from sidecar.engine.sampling import (
+    RowSampling,
+    filtered_probs,
+    rejection_sample,
+    reported_logprobs,
+    sample_from,
+    token_logprobs,
+)
 from sidecar.engine.speculative import DraftInput, VerifyInput, draft, verify
 from sidecar.engine.validation import check_weights, validate_request
 from sidecar.errors import InvalidRequestError
@@ -49,6 +56,7 @@ from sidecar.types import (
     ModelInfo,
     Sample,
     SamplingParams,
+    ScoreRequest,
     SpeculationCounters,
     TensorSpec,
     VersionStats,
@@ -444,6 +452,58 @@ class TorchEngine(Engine):
         self._cache.truncate([n + a + 1 for n, a in zip(old_lengths, num_accepted, strict=True)])
         self._keep_rows(keep)
         return finished
+
+    # ---- scoring -----------------------------------------------------------------------------
+    _SCORE_TOKENS = 8192
+    """Sequence tokens per scoring forward (bounds the logits tensor to ~this x vocab floats)."""
+
+    def score(self, request: ScoreRequest) -> list[list[float]]:
+        """Teacher-forced log-probs with the plain full forward (no cache, no speculation), in
+        groups of sequences of about _SCORE_TOKENS tokens, right-padded (causal: the padding
+        never reaches a real position)."""
+        vocab, context = self.config.vocab_size, self.config.max_position_embeddings
+        for i, seq in enumerate(request.sequences):
+            bad = [t for t in seq if not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(
+                    f"sequences[{i}] holds token ids outside the vocabulary [0, {vocab}): {bad[:5]}"
+                )
+            if len(seq) > context:
+                raise InvalidRequestError(
+                    f"sequences[{i}] has {len(seq)} tokens, more than the model context of {context}"
+                )
+        temperature = request.temperature if request.temperature > 0 else 1.0
+        out: list[list[float]] = []
+        order = list(range(len(request.sequences)))
+        group: list[int] = []
+
+        def flush() -> None:
+            seqs = [request.sequences[i] for i in group]
+            width = max(len(s) for s in seqs)
+            ids = torch.zeros(len(seqs), width, dtype=torch.int64)
+            for row, s in enumerate(seqs):
+                ids[row, : len(s)] = torch.tensor(s)
+            ids = ids.to(self.device)
+            with torch.no_grad():
+                logits = self.model(ids)  # (b, width, V): position t predicts token t + 1
+            temps = torch.full((len(seqs),), temperature, dtype=torch.float32, device=self.device)
+            lps = token_logprobs(logits[:, :-1], ids[:, 1:], temps)  # (b, width - 1)
+            for row, i in enumerate(group):
+                start, n = request.start_indices[i], len(request.sequences[i])
+                out[i] = lps[row, start - 1 : n - 1].tolist()
+
+        out = [[] for _ in order]
+        tokens = 0
+        for i in order:
+            n = len(request.sequences[i])
+            if group and tokens + n > self._SCORE_TOKENS:
+                flush()
+                group, tokens = [], 0
+            group.append(i)
+            tokens += n
+        if group:
+            flush()
+        return out
 
     # ---- weights -----------------------------------------------------------------------------
     def _selected_shapes(self, selector: WeightSelector) -> dict[str, tuple[int, ...]]:

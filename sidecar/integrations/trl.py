@@ -43,6 +43,7 @@ from sidecar.types import (
     LogprobMode,
     PushResult,
     SamplingParams,
+    ScoreRequest,
     SpeculationCounters,
     TensorSpec,
     WeightSelector,
@@ -228,10 +229,35 @@ class SpecrlVLLMClient:
     def image_features(self, *args: Any, **kwargs: Any) -> Any:
         raise UnsupportedBySidecar("image features (multimodal prompts) are not supported by specrl sidecars")
 
-    def get_sequence_logprobs(self, *args: Any, **kwargs: Any) -> Any:
-        raise UnsupportedBySidecar(
-            "get_sequence_logprobs (teacher scoring) is not supported yet: specrl.v1 has no scoring call"
+    def get_sequence_logprobs(
+        self,
+        sequences: list[list[int]],
+        prompt_lengths: list[int],
+        top_logprobs: int = 100,
+        temperature: float = 1.0,
+        chunk_size: int = 0,
+        max_concurrent_requests: int = 4,
+    ) -> dict[str, list]:
+        """VLLMClient.get_sequence_logprobs through RolloutService.Score: the log-prob of each
+        completion token (`actual_logprobs`). Top-N alternatives are not available, so
+        top_logprobs must be 0 (then `logprobs` repeats the actual tokens' log-probs)."""
+        if temperature <= 0:
+            raise ValueError(f"temperature must be positive, got {temperature}")
+        if top_logprobs:
+            raise UnsupportedBySidecar(
+                f"top_logprobs={top_logprobs} (top-N teacher alternatives) is not supported; a sidecar scores "
+                "the given tokens only: pass top_logprobs=0 and use 'actual_logprobs'"
+            )
+        result = self.sidecar.score(
+            ScoreRequest(
+                sequences=[list(map(int, s)) for s in sequences],
+                start_indices=list(prompt_lengths),
+                temperature=temperature,
+            )
         )
+        actual = [[[lp] for lp in lps] for lps in result.logprobs]
+        ids = [[[int(t)] for t in s[p:]] for s, p in zip(sequences, prompt_lengths, strict=True)]
+        return {"logprobs": actual, "logprob_token_ids": ids, "actual_logprobs": actual, "actual_token_ids": ids}
 
     # --- weights --------------------------------------------------------------------------
 

@@ -24,6 +24,8 @@ from sidecar.types import (
     RequestLimits,
     Sample,
     SamplingParams,
+    ScoreRequest,
+    ScoreResult,
     SidecarInfo,
     SidecarStats,
     SpeculationCounters,
@@ -168,6 +170,40 @@ def generation_request_from_pb(msg: rollout_pb2.GenerateRequest) -> GenerationRe
         )
     except ValueError as e:
         raise InvalidRequestError(str(e)) from None
+
+
+def score_request_to_pb(request: ScoreRequest) -> rollout_pb2.ScoreRequest:
+    return rollout_pb2.ScoreRequest(
+        sequences=[
+            rollout_pb2.ScoreSequence(token_ids=list(seq), start_index=start)
+            for seq, start in zip(request.sequences, request.start_indices, strict=True)
+        ],
+        temperature=request.temperature,
+        min_weight_version=request.min_weight_version,
+    )
+
+
+def score_request_from_pb(msg: rollout_pb2.ScoreRequest) -> ScoreRequest:
+    try:
+        return ScoreRequest(
+            sequences=[list(s.token_ids) for s in msg.sequences],
+            start_indices=[s.start_index for s in msg.sequences],
+            temperature=msg.temperature,
+            min_weight_version=msg.min_weight_version,
+        )
+    except ValueError as e:
+        raise InvalidRequestError(f"score: {e}") from None
+
+
+def score_result_to_pb(result: ScoreResult) -> rollout_pb2.ScoreResponse:
+    return rollout_pb2.ScoreResponse(
+        scores=[rollout_pb2.SequenceScore(logprobs=lps) for lps in result.logprobs],
+        weight_version=result.weight_version,
+    )
+
+
+def score_result_from_pb(msg: rollout_pb2.ScoreResponse) -> ScoreResult:
+    return ScoreResult(logprobs=[list(s.logprobs) for s in msg.scores], weight_version=msg.weight_version)
 
 
 def counters_to_pb(counters: SpeculationCounters) -> common_pb2.SpeculationCounters:

@@ -163,9 +163,23 @@ def test_unsupported_vllm_features_are_refused_by_name(serve: ServeProcess) -> N
         client.generate(["w5 w6"])
     with pytest.raises(UnsupportedBySidecar, match="weight_update"):
         client.update_named_param("model.norm.weight", torch.ones(64))
+    with pytest.raises(UnsupportedBySidecar, match="top_logprobs=5"):
+        client.get_sequence_logprobs([[5, 6, 7]], [1], top_logprobs=5)
     # The sidecar still serves after the refusals.
     out = client.generate([[5, 6, 7]], n=2, max_tokens=4)
     assert len(out["completion_ids"]) == 2
+
+
+def test_get_sequence_logprobs_scores_what_generate_sampled(serve: ServeProcess) -> None:
+    """Teacher scoring (RolloutService.Score) gives the log-probs Generate reported for the same tokens."""
+    client = SpecrlVLLMClient(serve.address, SidecarGenerationConfig(seed=1))
+    out = client.generate([[5, 6, 7], [9, 10]], n=2, max_tokens=8, generation_kwargs={"ignore_eos": True})
+    prompts = [p for p in out["prompt_ids"] for _ in range(2)]
+    seqs = [p + c for p, c in zip(prompts, out["completion_ids"], strict=True)]
+    scored = client.get_sequence_logprobs(seqs, [len(p) for p in prompts], top_logprobs=0)
+    for got, want in zip(scored["actual_logprobs"], out["logprobs"], strict=True):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=2e-5, rtol=0)
+    assert scored["actual_token_ids"] == out["logprob_token_ids"]
 
 
 def test_weight_update_session_is_atomic(checkpoint: Path, serve: ServeProcess) -> None:

@@ -28,6 +28,38 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
+class ScoreSequence(_message.Message):
+    __slots__ = ("token_ids", "start_index")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    START_INDEX_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    start_index: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., start_index: _Optional[int] = ...) -> None: ...
+
+class ScoreRequest(_message.Message):
+    __slots__ = ("sequences", "temperature", "min_weight_version")
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    MIN_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[ScoreSequence]
+    temperature: float
+    min_weight_version: int
+    def __init__(self, sequences: _Optional[_Iterable[_Union[ScoreSequence, _Mapping]]] = ..., temperature: _Optional[float] = ..., min_weight_version: _Optional[int] = ...) -> None: ...
+
+class SequenceScore(_message.Message):
+    __slots__ = ("logprobs",)
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class ScoreResponse(_message.Message):
+    __slots__ = ("scores", "weight_version")
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    scores: _containers.RepeatedCompositeFieldContainer[SequenceScore]
+    weight_version: int
+    def __init__(self, scores: _Optional[_Iterable[_Union[SequenceScore, _Mapping]]] = ..., weight_version: _Optional[int] = ...) -> None: ...
+
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "seed", "stop_at_eos", "logprob_mode")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
