@@ -474,5 +474,10 @@ class SpecrlGRPOTrainer(GRPOTrainer):
         )
         self._last_loaded_step = -1
         if draft_aligner is not None:
+            if getattr(self, "is_fsdp_enabled", False) or getattr(self, "is_deepspeed_enabled", False):
+                raise UnsupportedBySidecar(
+                    "draft_aligner with FSDP or DeepSpeed is not supported: it runs the policy forward on the main "
+                    "process alone, which sharded parameters cannot do; train without it (the draft then goes stale)"
+                )
             draft_aligner.bind(self.accelerator.unwrap_model(self.model))
             client.draft_aligner = draft_aligner
