@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -54,6 +55,8 @@ try:
     from trl.generation.vllm_generation import VLLMGeneration
 except ImportError as e:  # pragma: no cover - the extra is missing
     raise ImportError("sidecar.integrations.trl needs TRL: pip install 'specrl[trl]' (pins trl==1.16.0)") from e
+
+log = logging.getLogger(__name__)
 
 TRL_VERSION = "1.16.0"
 """The TRL release this seam is written and tested against."""
@@ -113,6 +116,11 @@ class SpecrlVLLMClient:
     @property
     def weight_version(self) -> int:
         return self._version
+
+    @property
+    def sidecar_dtype(self) -> str:
+        """The served weights' dtype, e.g. "float32"."""
+        return self._info.engine.model.dtype
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -454,6 +462,17 @@ class SpecrlGRPOTrainer(GRPOTrainer):
             super().__init__(*args, **kwargs)
         finally:
             training_args.use_vllm = was
+        served = client.sidecar_dtype
+        trained = "bfloat16" if training_args.bf16 else "float16" if training_args.fp16 else "float32"
+        if served != trained:
+            log.warning(
+                "the sidecar serves %s weights but GRPOTrainer computes in %s: TRL's sampling log-prob mismatch "
+                "will show %s rounding, not a sidecar error (set bf16=False/fp16=False, or serve a %s checkpoint)",
+                served,
+                trained,
+                "bfloat16" if "bfloat16" in (served, trained) else "float16",
+                trained,
+            )
         self.specrl_client = client
         self.use_vllm = True
         self.vllm_mode = "server"
