@@ -82,6 +82,14 @@ def load_engine(engine: str, model: Path, *, device: str, spec_k: int, max_spec_
     help="Receive each weight push into the last push's staging memory (torch engine): faster pushes, "
     "but ~1x the model stays resident between pushes (the peak during a push is the same).",
 )
+@click.option(
+    "--weight-transports",
+    default="shm,collective",
+    show_default=True,
+    help="Weight data planes offered besides the gRPC stream (comma-separated: shm, collective; '' for "
+    "grpc only). A client proves shm (same host) before using it; collective lets a client that may push "
+    "weights make this sidecar join its torch.distributed group.",
+)
 @click.option("--grace", type=click.FloatRange(0), default=5.0, show_default=True, help="Shutdown grace seconds.")
 @click.option("--log-level", default="INFO", show_default=True)
 def serve(
@@ -101,6 +109,7 @@ def serve(
     token_file: Path | None,
     metrics_port: int | None,
     keep_staging: bool,
+    weight_transports: str,
     grace: float,
     log_level: str,
 ) -> None:
@@ -111,10 +120,18 @@ def serve(
     from sidecar.server import ServerConfig
     from sidecar.service import Sidecar, SidecarConfig
     from sidecar.types import RequestLimits
-    from sidecar.weights import prefer_mmap_for_large_buffers
+    from sidecar.weight_sync.memory import prefer_mmap_for_large_buffers
+    from sidecar.weight_sync.receiver import DataPlaneConfig
 
     prefer_mmap_for_large_buffers()  # weight pushes then return their staging memory at once
 
+    offered = {t.strip() for t in weight_transports.split(",") if t.strip()}
+    if offered - {"shm", "collective"}:
+        raise click.BadParameter(
+            f"unknown transport(s) {sorted(offered - {'shm', 'collective'})}; use shm and/or collective "
+            "(grpc is always offered)",
+            param_hint="--weight-transports",
+        )
     try:
         security = SecurityConfig(
             tls_cert=tls_cert,
@@ -130,6 +147,7 @@ def serve(
             metrics_port=metrics_port,
             metrics_host=host,
             keep_staging=keep_staging and engine == "torch",
+            data_planes=DataPlaneConfig(shm="shm" in offered, collective="collective" in offered),
             shutdown_grace_s=grace,
         )
     except ValueError as e:

@@ -1,4 +1,4 @@
-"""The typed Python client of specrl.v1, and a pool over several sidecars.
+"""The typed Python client of specrl.v1 (one sidecar; several as one: `sidecar.fleet`).
 
 Domain types in, domain types out (`sidecar.types`; conversion in `sidecar.protocol.convert`,
 shared with the server). Every call has a deadline. Retries happen only where repeating a call
@@ -18,8 +18,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -28,23 +27,29 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import sidecar.protocol.convert as convert
-from sidecar.errors import SpecrlError
+import sidecar.protocol.weight_wire as weight_wire
+from sidecar.errors import SpecrlError, TransportUnavailableError
 from sidecar.protocol import services
 from sidecar.protocol.specrl.v1 import control_pb2, rollout_pb2, weights_pb2
 from sidecar.security import auth_metadata, channel_credentials
 from sidecar.types import (
+    CollectiveRendezvous,
     GenerationRequest,
+    PreparedTransport,
     PushItem,
     PushResult,
     Sample,
     ScoreRequest,
     ScoreResult,
+    ShmProbe,
     SidecarInfo,
     SidecarStats,
     TensorSpec,
     WeightSelector,
+    WeightTransport,
 )
-from sidecar.weights import DEFAULT_CHUNK_BYTES, iter_push_requests
+from sidecar.weight_sync.negotiation import DataPlaneSession, TransportChoice, TransportConfig
+from sidecar.weight_sync.sender import DEFAULT_CHUNK_BYTES, CollectiveSender, DataPlaneSender, iter_push_requests
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -78,8 +83,8 @@ class ClientConfig:
     backoff_s: float = 0.1
     """First backoff; doubles per attempt (with jitter) up to max_backoff_s."""
     max_backoff_s: float = 2.0
-    token: str | None = None
-    """Bearer token sent with every call."""
+    token: str | None = field(default=None, repr=False)
+    """Bearer token sent with every call (kept out of repr, so it is never logged)."""
     tls: bool = False
     """Use TLS (implied by root_ca); the system roots verify the server unless root_ca is set."""
     root_ca: Path | None = None
@@ -87,6 +92,9 @@ class ClientConfig:
     """Client certificate for mutual TLS (with client_key)."""
     client_key: Path | None = None
     max_message_mib: int = 64
+    transports: TransportConfig = field(default_factory=TransportConfig)
+    """Weight data planes to negotiate (shm with a proven same-host sidecar by default;
+    collective when configured); grpc always works."""
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "generate_timeout_s", "push_timeout_s", "backoff_s", "max_backoff_s"):
@@ -119,12 +127,15 @@ class SidecarClient:
         self._weights = services.WeightStub(self.channel)
         self._control = services.ControlStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
-        # PushWeights with pre-serialised requests (convert.push_item_to_wire: one copy per chunk).
+        # PushWeights with pre-serialised requests (weight_wire.push_item_to_wire: one copy per chunk).
         self._push = self.channel.stream_unary(
             services.PUSH_WEIGHTS_METHOD,
             request_serializer=None,
             response_deserializer=weights_pb2.PushWeightsResponse.FromString,
         )
+        self.data_plane = DataPlaneSession(config=c.transports)
+        """This sidecar's negotiated weight data plane (`data_plane.choice` says which and why)."""
+        self._data_plane_lock = threading.Lock()
 
     # --- plumbing ---------------------------------------------------------------------------
 
@@ -229,6 +240,38 @@ class SidecarClient:
         )
         return convert.describe_weights_from_pb(msg)
 
+    def offered_transports(self) -> list[WeightTransport]:
+        """The weight transports the sidecar offers (DescribeWeights)."""
+        msg = self._unary(
+            "DescribeWeights",
+            self._weights.DescribeWeights,
+            weights_pb2.DescribeWeightsRequest(selector=convert.selector_to_pb(WeightSelector.DRAFT)),
+            retry=True,
+        )
+        return convert.transports_from_pb(msg)
+
+    def prepare_transport(self, request: ShmProbe | CollectiveRendezvous, timeout_s: float) -> PreparedTransport:
+        """PrepareTransport: have the sidecar read a shm probe or join a collective group."""
+        try:
+            msg = self._weights.PrepareTransport(
+                convert.prepare_transport_to_pb(request), timeout=timeout_s, metadata=self._metadata
+            )
+        except grpc.RpcError as e:
+            raise self._error("PrepareTransport", e) from None
+        return convert.prepared_from_pb(msg)
+
+    def negotiate_transport(self) -> TransportChoice:
+        """The data plane for pushes to this sidecar: kept once chosen, chosen again after it
+        failed. Falls back to grpc (logging why) when no faster one works."""
+        if self.data_plane.choice is not None:
+            return self.data_plane.choice
+        try:
+            offered = self.offered_transports()
+        except SidecarCallError as e:
+            offered = [WeightTransport.GRPC]
+            log.warning("sidecar %s did not list its transports (%s); assuming grpc only", self.address, e)
+        return self.data_plane.negotiate(self.address, offered, self.prepare_transport)
+
     def push_weights(
         self,
         named_tensors: NamedTensors,
@@ -239,28 +282,54 @@ class SidecarClient:
         specs: Sequence[TensorSpec] | None = None,
         timeout_s: float | None = None,
     ) -> PushResult:
-        """Push new weights and return once the sidecar serves `version`.
+        """Push new weights over the negotiated data plane and return once the sidecar serves
+        `version` (`PushResult.transport` says which plane carried the bytes).
 
         `named_tensors` is a state dict, or an iterable of (name, tensor) pairs streamed one at
         a time (its order must be `specs`', which default to DescribeWeights' for `selector`).
+        A push that fails on a fast data plane drops it; the next push negotiates again.
         """
         if specs is None and not isinstance(named_tensors, Mapping):
             specs, _ = self.describe_weights(selector)
-        items = iter_push_requests(named_tensors, version, selector, chunk_bytes, specs=specs)
-        return self.push_items(items, timeout_s=timeout_s)
+        self.negotiate_transport()
+        # One push at a time may use this client's region or group; a concurrent one goes over
+        # grpc (and the sidecar, which serialises pushes, refuses whichever comes second).
+        exclusive = self._data_plane_lock.acquire(blocking=False)
+        try:
+            plane = self.data_plane.sender if exclusive else None
+            return self._push_once(named_tensors, version, selector, chunk_bytes, specs, timeout_s, plane)
+        finally:
+            if exclusive:
+                self._data_plane_lock.release()
 
-    def push_items(self, items: Iterable[PushItem], *, timeout_s: float | None = None) -> PushResult:
-        """Send one push given as its items (manifest, chunks, commit), consumed lazily as gRPC
-        sends them: the primitive under `push_weights` and the incremental
-        `sidecar.integrations.weight_session.WeightUpdateSession`. An exception raised by
-        `items` ends the stream without a commit (the sidecar applies nothing) and is re-raised
-        here."""
+    def _push_once(
+        self,
+        named_tensors: NamedTensors,
+        version: int,
+        selector: WeightSelector,
+        chunk_bytes: int,
+        specs: Sequence[TensorSpec] | None,
+        timeout_s: float | None,
+        plane: DataPlaneSender | None,
+    ) -> PushResult:
+        items = iter_push_requests(named_tensors, version, selector, chunk_bytes, specs=specs, data_plane=plane)
+        return self.push_items(items, timeout_s=timeout_s, plane=plane)
+
+    def push_items(
+        self, items: Iterable[PushItem], *, timeout_s: float | None = None, plane: DataPlaneSender | None = None
+    ) -> PushResult:
+        """Send one push given as its items (manifest, chunks or placed tensors, commit), consumed
+        lazily as gRPC sends them: the primitive under `push_weights` and the incremental
+        `sidecar.integrations.weight_session.WeightUpdateSession` (which sends chunks over grpc,
+        `plane` None). `plane` is the data plane `items` placed tensors on, dropped when the push
+        breaks it. An exception raised by `items` ends the stream without a commit (the sidecar
+        applies nothing) and is re-raised here."""
         sender_failure: list[Exception] = []
 
         def requests() -> Iterator[bytes]:
             try:
                 for item in items:
-                    yield convert.push_item_to_wire(item)
+                    yield weight_wire.push_item_to_wire(item)
             except Exception as e:  # gRPC would hide it behind UNKNOWN; re-raised below
                 sender_failure.append(e)
                 raise
@@ -268,159 +337,30 @@ class SidecarClient:
         try:
             msg = self._push(requests(), timeout=timeout_s or self.config.push_timeout_s, metadata=self._metadata)
         except grpc.RpcError as e:
-            if sender_failure:  # our own tensors were wrong; the stream ended without a commit
-                raise sender_failure[0] from None
-            raise self._error("PushWeights", e) from None
+            error = self._error("PushWeights", e)
+            if plane is not None and (
+                isinstance(plane, CollectiveSender)  # a failed broadcast sequence leaves the group out of step
+                or error.code == grpc.StatusCode.UNAVAILABLE  # the plane (or the sidecar) is gone: negotiate again
+                or any(isinstance(f, TransportUnavailableError) for f in sender_failure)
+            ):
+                self.data_plane.drop(str(sender_failure[0]) if sender_failure else error.details)
+            if sender_failure:
+                failure = sender_failure[0]
+                if isinstance(failure, TransportUnavailableError):  # the data plane broke: a sidecar failure
+                    raise SidecarCallError(
+                        self.address, "PushWeights", grpc.StatusCode.UNAVAILABLE, str(failure)
+                    ) from None
+                raise failure from None  # our own tensors were wrong; the stream ended without a commit
+            raise error from None
         return convert.push_result_from_pb(msg)
 
     # --- lifetime ---------------------------------------------------------------------------
 
     def close(self) -> None:
+        self.data_plane.close()
         self.channel.close()
 
     def __enter__(self) -> SidecarClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class SidecarPool:
-    """Several sidecars as one: generation spread over the healthy ones, weights pushed to all.
-
-    Health is checked with `grpc.health.v1` and cached for `health_ttl_s`; a sidecar that fails
-    a call with UNAVAILABLE is marked unhealthy until its next successful check. A Generate
-    shard lost to an UNAVAILABLE sidecar is re-run on another healthy one (its partial samples
-    are dropped, so no sample is duplicated); other errors propagate. Note: with a fixed seed,
-    samples depend on how prompts were split (each shard is its own request).
-    """
-
-    def __init__(
-        self, addresses: Sequence[str], config: ClientConfig | None = None, *, health_ttl_s: float = 5.0
-    ) -> None:
-        if not addresses:
-            raise ValueError("a SidecarPool needs at least one address")
-        self.clients = [SidecarClient(a, config) for a in addresses]
-        self._health_ttl_s = health_ttl_s
-        self._checked: dict[str, tuple[float, bool]] = {}
-        self._lock = threading.Lock()
-
-    def _mark(self, client: SidecarClient, healthy: bool) -> None:
-        with self._lock:
-            self._checked[client.address] = (time.monotonic(), healthy)
-
-    def healthy(self) -> list[SidecarClient]:
-        """The sidecars that report SERVING (cached for health_ttl_s)."""
-        now = time.monotonic()
-        result = []
-        for c in self.clients:
-            with self._lock:
-                cached = self._checked.get(c.address)
-            if cached is None or now - cached[0] > self._health_ttl_s:
-                self._mark(c, c.health())
-                with self._lock:
-                    cached = self._checked[c.address]
-            if cached[1]:
-                result.append(c)
-        return result
-
-    def generate(self, request: GenerationRequest, timeout_s: float | None = None) -> list[Sample]:
-        """All samples of `request`, prompts spread over the healthy sidecars; sorted by
-        (prompt_index, sample_index), with prompt indices of the original request."""
-        rid = request.request_id or f"pool-{time.time_ns():x}"
-        pending: list[list[int]] = [list(range(len(request.prompts)))]
-        results: list[Sample] = []
-        for _attempt in range(len(self.clients)):
-            healthy = self.healthy()
-            if not healthy:
-                raise SidecarCallError(
-                    ",".join(c.address for c in self.clients),
-                    "Generate",
-                    grpc.StatusCode.UNAVAILABLE,
-                    "no healthy sidecar in the pool; start one or check the addresses",
-                )
-            indices = [i for block in pending for i in block]
-            shards = [indices[j :: len(healthy)] for j in range(len(healthy))]
-            work = [(c, s) for c, s in zip(healthy, shards, strict=True) if s]
-            with ThreadPoolExecutor(max_workers=len(work)) as pool:
-                futures = [
-                    pool.submit(self._run_shard, c, request, rid, n, shard, timeout_s)
-                    for n, (c, shard) in enumerate(work)
-                ]
-                pending = []
-                for (c, shard), fut in zip(work, futures, strict=True):
-                    try:
-                        results.extend(fut.result())
-                    except SidecarCallError as e:
-                        if e.code != grpc.StatusCode.UNAVAILABLE:
-                            raise
-                        log.warning("sidecar %s unavailable (%s); re-running its prompts elsewhere", c.address, e)
-                        self._mark(c, False)
-                        pending.append(shard)
-            if not pending:
-                return sorted(results, key=lambda s: (s.prompt_index, s.sample_index))
-        raise SidecarCallError(
-            ",".join(c.address for c in self.clients),
-            "Generate",
-            grpc.StatusCode.UNAVAILABLE,
-            f"{sum(len(p) for p in pending)} prompts could not be served by any sidecar of the pool",
-        )
-
-    @staticmethod
-    def _run_shard(
-        client: SidecarClient,
-        request: GenerationRequest,
-        rid: str,
-        n: int,
-        shard: list[int],
-        timeout_s: float | None,
-    ) -> list[Sample]:
-        sub = replace(request, prompts=[request.prompts[i] for i in shard], request_id=f"{rid}/{n}")
-        samples = client.generate(sub, timeout_s)
-        for s in samples:
-            s.prompt_index = shard[s.prompt_index]
-            s.request_id = rid
-        return samples
-
-    def push_weights(
-        self,
-        named_tensors: Mapping[str, torch.Tensor] | Callable[[], Iterable[tuple[str, torch.Tensor]]],
-        version: int,
-        selector: WeightSelector = WeightSelector.ALL,
-        **kwargs: Any,
-    ) -> dict[str, PushResult]:
-        """Push to every sidecar of the pool (in parallel); raises SidecarCallError naming every
-        sidecar that failed. `named_tensors` is a state dict, or a callable returning a fresh
-        iterable of (name, tensor) pairs for each sidecar."""
-
-        def push(c: SidecarClient) -> PushResult:
-            tensors = named_tensors if isinstance(named_tensors, Mapping) else named_tensors()
-            return c.push_weights(tensors, version, selector, **kwargs)
-
-        with ThreadPoolExecutor(max_workers=len(self.clients)) as pool:
-            futures = {c.address: pool.submit(push, c) for c in self.clients}
-        results: dict[str, PushResult] = {}
-        failures: list[SidecarCallError] = []
-        for address, fut in futures.items():
-            try:
-                results[address] = fut.result()
-            except SidecarCallError as e:
-                failures.append(e)
-        if failures:
-            code = failures[0].code
-            raise SidecarCallError(
-                ",".join(f.address for f in failures),
-                "PushWeights",
-                code,
-                "; ".join(str(f) for f in failures) + f" (succeeded on {sorted(results)})",
-            )
-        return results
-
-    def close(self) -> None:
-        for c in self.clients:
-            c.close()
-
-    def __enter__(self) -> SidecarPool:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -64,3 +64,9 @@ class NotSupportedError(SpecrlError):
 
 class EngineFailure(SpecrlError):
     """The engine raised while stepping; the requests of that batch fail (INTERNAL)."""
+
+
+class TransportUnavailableError(SpecrlError):
+    """A weight data plane (shm region, collective group) that cannot be used here or failed
+    mid-transfer; nothing was applied, and the sender's next push negotiates again, falling back
+    to grpc if need be (UNAVAILABLE: retry)."""

@@ -8,6 +8,7 @@ edge, in both directions, with one function per message pair.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +20,15 @@ class WeightSelector(enum.Enum):
     ALL = "all"  # target and draft together (the default: a stale draft destroys acceptance)
     TARGET = "target"
     DRAFT = "draft"
+
+
+class WeightTransport(enum.Enum):
+    """How the bulk bytes of a weight push travel (the PushWeights stream is always the control
+    plane). Ordered from the most to the least preferred where several work."""
+
+    SHM = "shm"  # a shared-memory region on the same host (proven by a nonce probe)
+    COLLECTIVE = "collective"  # a torch.distributed broadcast group (gloo on CPU, NCCL on GPU)
+    GRPC = "grpc"  # WeightChunk messages on the stream itself (always available)
 
 
 class FinishReason(enum.Enum):
@@ -38,16 +48,47 @@ class LogprobMode(enum.Enum):
     """log of the distribution actually sampled from (after top-k/top-p; vLLM's processed_logprobs)."""
 
 
+MIN_SAMPLING_TEMPERATURE = 1e-5
+"""The smallest temperature that samples. Below it softmax(logits / T) is numerically a one-hot
+(float32 logits / T overflow to inf at T ~ 1e-38 and give NaN; well before that the distribution
+is argmax up to rounding), so temperatures in (0, 1e-5) are refused rather than silently turned
+into greedy decoding: greedy reports log-probs at T = 1, the caller asked for T, and the two
+disagree. 1e-5 is also the greedy cut-off of vLLM and SGLang, so no engine samples differently."""
+_MIN_TEMPERATURE_FLOAT32 = float(torch.tensor(MIN_SAMPLING_TEMPERATURE, dtype=torch.float32))  # what proto carries
+MAX_SAMPLING_TEMPERATURE = float(torch.finfo(torch.float32).max)
+"""The largest temperature: the largest finite float32 (the engines scale float32 logits)."""
+
+
+def temperature_problem(temperature: object) -> str:
+    """Why `temperature` cannot be served ('' when it can): the one rule of every entry point."""
+    if not isinstance(temperature, int | float) or math.isnan(temperature):
+        return f"temperature must be a number, got {temperature!r}"
+    if temperature == 0.0:
+        return ""
+    if temperature < 0.0 or temperature > MAX_SAMPLING_TEMPERATURE:
+        return (
+            f"temperature must be 0 (greedy) or in [{MIN_SAMPLING_TEMPERATURE:g}, {MAX_SAMPLING_TEMPERATURE:.4g}] "
+            f"(finite, non-negative), got {temperature}"
+        )
+    if temperature < _MIN_TEMPERATURE_FLOAT32:
+        return (
+            f"temperature {temperature:g} is below the smallest sampling temperature {MIN_SAMPLING_TEMPERATURE:g} "
+            "(softmax(logits / T) is numerically one-hot or NaN there); send 0 for greedy decoding or a "
+            f"temperature >= {MIN_SAMPLING_TEMPERATURE:g}"
+        )
+    return ""
+
+
 @dataclass(kw_only=True, slots=True)
 class SamplingParams:
     """How to sample: from softmax(logits / temperature), restricted by top_k then top_p."""
 
     temperature: float = 1.0
-    """Softmax temperature, >= 0; 0 means greedy."""
+    """0 means greedy; otherwise in [MIN_SAMPLING_TEMPERATURE, MAX_SAMPLING_TEMPERATURE]."""
     top_p: float = 1.0
-    """Nucleus mass in (0, 1]; 1 disables."""
+    """Nucleus mass in (0, 1]; 1 disables. The most likely token is always kept."""
     top_k: int = 0
-    """Keep the top_k most likely tokens; 0 disables."""
+    """Keep the top_k most likely tokens; 0 disables; beyond the vocabulary keeps them all."""
     max_new_tokens: int = 256
     """Most tokens generated per sample, > 0."""
     stop_token_ids: tuple[int, ...] = ()
@@ -60,8 +101,9 @@ class SamplingParams:
     """Which log-probs samples report; never changes which tokens are sampled."""
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        problem = temperature_problem(self.temperature)
+        if problem:
+            raise ValueError(problem)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p}")
         if self.top_k < 0:
@@ -340,6 +382,82 @@ class WeightManifest:
     version: int
     selector: WeightSelector
     tensors: list[TensorSpec]
+    data_plane: ShmPlacement | CollectivePlacement | None = None
+    """Where the bytes travel; None: WeightChunk items on the stream."""
+
+    @property
+    def transport(self) -> WeightTransport:
+        if isinstance(self.data_plane, ShmPlacement):
+            return WeightTransport.SHM
+        if isinstance(self.data_plane, CollectivePlacement):
+            return WeightTransport.COLLECTIVE
+        return WeightTransport.GRPC
+
+
+@dataclass(kw_only=True, slots=True)
+class ShmPlacement:
+    """The push's bytes are in this shared-memory region (a name under /dev/shm)."""
+
+    region: str
+
+
+@dataclass(kw_only=True, slots=True)
+class CollectivePlacement:
+    """The push's bytes are broadcast over this collective group, in buckets."""
+
+    group_id: str
+    bucket_bytes: int
+
+
+@dataclass(kw_only=True, slots=True)
+class WeightPlaced:
+    """Tensors whose bytes travel on the manifest's data plane, announced together."""
+
+    tensors: list[PlacedTensor]
+
+    @property
+    def byte_length(self) -> int:
+        return sum(t.byte_length for t in self.tensors)
+
+
+@dataclass(kw_only=True, slots=True)
+class PlacedTensor:
+    """One tensor of a WeightPlaced."""
+
+    tensor_index: int
+    offset: int
+    """shm: the tensor's byte offset in the region; collective: 0."""
+    byte_length: int
+    crc32: int
+    """CRC-32 (zlib) of the tensor's bytes as the sender placed them."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ShmProbe:
+    """PrepareTransport(shm): read back the nonce in this probe region (proves same host/user)."""
+
+    region: str
+
+
+@dataclass(kw_only=True, slots=True)
+class CollectiveRendezvous:
+    """PrepareTransport(collective): join this torch.distributed group as `rank`."""
+
+    group_id: str
+    backend: str
+    host: str
+    port: int
+    rank: int
+    world_size: int
+    timeout_s: float
+
+
+@dataclass(kw_only=True, slots=True)
+class PreparedTransport:
+    """PrepareTransport's answer: the probe's bytes as read (shm), or the group joined."""
+
+    shm_nonce: bytes = b""
+    group_id: str = ""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -364,7 +482,7 @@ class WeightCommit:
     chunk_count: int
 
 
-PushItem = WeightManifest | WeightChunk | WeightCommit
+PushItem = WeightManifest | WeightChunk | WeightPlaced | WeightCommit
 
 
 @dataclass(kw_only=True, slots=True)
@@ -377,3 +495,5 @@ class PushResult:
     tensors_updated: int
     receive_seconds: float
     apply_seconds: float
+    transport: WeightTransport = WeightTransport.GRPC
+    """The data plane that carried the bytes."""

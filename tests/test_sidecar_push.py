@@ -19,7 +19,7 @@ from sidecar.client import SidecarCallError, SidecarClient
 from sidecar.protocol import services
 from sidecar.protocol.specrl.v1 import weights_pb2
 from sidecar.types import Sample, WeightSelector
-from sidecar.weights import iter_push_requests
+from sidecar.weight_sync.sender import iter_push_requests
 from tests.sidecar_fixtures import (
     DEADLINE,
     NEW_TOKENS,

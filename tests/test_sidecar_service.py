@@ -21,7 +21,7 @@ from sidecar.protocol.specrl.v1 import rollout_pb2, weights_pb2
 from sidecar.scheduler import SchedulerConfig
 from sidecar.service import Sidecar
 from sidecar.types import FinishReason, GenerationRequest, RequestLimits, SamplingParams, WeightSelector
-from sidecar.weights import iter_push_requests
+from sidecar.weight_sync.sender import iter_push_requests
 from tests.sidecar_fixtures import (
     DEADLINE,
     NEW_TOKENS,

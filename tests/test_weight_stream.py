@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sidecar.protocol.convert as convert
+import sidecar.protocol.weight_wire as weight_wire
 from sidecar.errors import (
     InvalidRequestError,
     PushCancelledError,
@@ -22,7 +23,10 @@ from sidecar.errors import (
 )
 from sidecar.protocol.specrl.v1 import weights_pb2
 from sidecar.types import PushItem, TensorSpec, WeightChunk, WeightCommit, WeightManifest, WeightSelector
-from sidecar.weights import WeightReceiver, crc32_combine, iter_push_requests, spec_of
+from sidecar.weight_sync.checksum import crc32_combine
+from sidecar.weight_sync.receiver import WeightReceiver
+from sidecar.weight_sync.sender import iter_push_requests
+from sidecar.weight_sync.tensors import spec_of
 
 MODEL = {
     "model.embed_tokens.weight": torch.randn(16, 8),
@@ -242,9 +246,9 @@ def test_chunk_wire_encoding_is_protobufs_and_reads_back(
     index: int, offset: int, data: bytes, crc: int, tcrc: int | None
 ) -> None:
     item = WeightChunk(tensor_index=index, offset=offset, data=data, crc32=crc, tensor_crc32=tcrc)
-    wire = convert.push_item_to_wire(item)
+    wire = weight_wire.push_item_to_wire(item)
     assert wire == convert.push_item_to_pb(item).SerializeToString()
-    assert _same(convert.push_item_from_wire(wire), item)
+    assert _same(weight_wire.push_item_from_wire(wire), item)
 
 
 def _field(tag: int, value: int | bytes) -> bytes:
@@ -252,8 +256,8 @@ def _field(tag: int, value: int | bytes) -> bytes:
         return bytes([tag]) + int(value).to_bytes(4, "little")  # type: ignore[arg-type]
     if tag == 0x1A:
         assert isinstance(value, bytes)
-        return bytes([tag]) + convert._varint(len(value)) + value
-    return bytes([tag]) + convert._varint(int(value))  # type: ignore[arg-type]
+        return bytes([tag]) + weight_wire._varint(len(value)) + value
+    return bytes([tag]) + weight_wire._varint(int(value))  # type: ignore[arg-type]
 
 
 fields = st.one_of(
@@ -269,8 +273,8 @@ def test_any_chunk_bytes_read_exactly_as_protobuf_reads_them(
     body: list[tuple[int, int | bytes]], junk: bytes, whole: bool
 ) -> None:
     inner = b"".join(_field(t, v) for t, v in body) + (b"" if whole else junk)
-    raw = b"\x12" + convert._varint(len(inner)) + inner
-    got = convert.push_item_from_wire(raw)
+    raw = b"\x12" + weight_wire._varint(len(inner)) + inner
+    got = weight_wire.push_item_from_wire(raw)
     try:
         want = convert.push_item_from_pb(weights_pb2.PushWeightsRequest.FromString(raw))
     except Exception:
@@ -282,5 +286,5 @@ def test_any_chunk_bytes_read_exactly_as_protobuf_reads_them(
 @settings(max_examples=200, deadline=None)
 @given(raw=st.binary(max_size=40))
 def test_random_bytes_never_escape_as_anything_but_invalid_argument(raw: bytes) -> None:
-    got = convert.push_item_from_wire(raw)
+    got = weight_wire.push_item_from_wire(raw)
     assert isinstance(got, (InvalidRequestError, WeightManifest, WeightChunk, WeightCommit))

@@ -49,7 +49,7 @@ def child(checkpoint: str, address: str, mode: str, version: int) -> None:
     model = build_model(config)
     model.load_state_dict(tensors, strict=True)
     del tensors
-    from sidecar.weights import release_freed_memory
+    from sidecar.weight_sync.memory import release_freed_memory
 
     release_freed_memory()
     client = SidecarClient(address)

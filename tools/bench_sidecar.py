@@ -38,7 +38,8 @@ from sidecar.client import ClientConfig, SidecarClient
 from sidecar.engine.checkpoint import model_state_dict, save_checkpoint
 from sidecar.engine.model import ModelConfig, build_model
 from sidecar.types import GenerationRequest, SamplingParams
-from sidecar.weights import DEFAULT_CHUNK_BYTES, tensor_bytes
+from sidecar.weight_sync.sender import DEFAULT_CHUNK_BYTES
+from sidecar.weight_sync.tensors import tensor_bytes
 
 MiB = 1 << 20
 RAW_METHOD = "/bench.Raw/Stream"

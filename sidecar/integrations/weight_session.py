@@ -30,12 +30,9 @@ import torch
 
 from sidecar.client import SidecarClient
 from sidecar.types import PushItem, PushResult, TensorSpec, WeightChunk, WeightCommit, WeightManifest, WeightSelector
-from sidecar.weights import DEFAULT_CHUNK_BYTES, crc32_combine, tensor_bytes
-
-try:  # the same CRC-32 as sidecar.weights
-    from isal.isal_zlib import crc32
-except ImportError:
-    from zlib import crc32
+from sidecar.weight_sync.checksum import crc32, crc32_combine
+from sidecar.weight_sync.sender import DEFAULT_CHUNK_BYTES
+from sidecar.weight_sync.tensors import tensor_bytes
 
 _END = object()
 """Queue sentinel: the session ended (after the commit, or without one when aborted)."""

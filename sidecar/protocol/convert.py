@@ -13,12 +13,16 @@ import torch
 from sidecar.errors import InvalidRequestError
 from sidecar.protocol.specrl.v1 import common_pb2, control_pb2, rollout_pb2, weights_pb2
 from sidecar.types import (
+    CollectivePlacement,
+    CollectiveRendezvous,
     EngineInfo,
     FinishReason,
     GenerationRequest,
     GpuTelemetry,
     LogprobMode,
     ModelInfo,
+    PlacedTensor,
+    PreparedTransport,
     PushItem,
     PushResult,
     RequestLimits,
@@ -26,6 +30,8 @@ from sidecar.types import (
     SamplingParams,
     ScoreRequest,
     ScoreResult,
+    ShmPlacement,
+    ShmProbe,
     SidecarInfo,
     SidecarStats,
     SpeculationCounters,
@@ -34,7 +40,9 @@ from sidecar.types import (
     WeightChunk,
     WeightCommit,
     WeightManifest,
+    WeightPlaced,
     WeightSelector,
+    WeightTransport,
 )
 
 PROTOCOL = "specrl.v1"
@@ -59,6 +67,14 @@ _DTYPE_TO_PB = {
     torch.bfloat16: weights_pb2.D_TYPE_BFLOAT16,
 }
 _DTYPE_FROM_PB = {v: k for k, v in _DTYPE_TO_PB.items()}
+_TRANSPORT_TO_PB = {
+    WeightTransport.GRPC: weights_pb2.WEIGHT_TRANSPORT_GRPC,
+    WeightTransport.SHM: weights_pb2.WEIGHT_TRANSPORT_SHM,
+    WeightTransport.COLLECTIVE: weights_pb2.WEIGHT_TRANSPORT_COLLECTIVE,
+}
+_TRANSPORT_FROM_PB = {v: k for k, v in _TRANSPORT_TO_PB.items()} | {
+    weights_pb2.WEIGHT_TRANSPORT_UNSPECIFIED: WeightTransport.GRPC
+}
 
 
 def selector_to_pb(selector: WeightSelector) -> common_pb2.WeightSelector:
@@ -284,17 +300,109 @@ def tensor_spec_from_pb(msg: weights_pb2.TensorSpec) -> TensorSpec:
 
 
 def manifest_to_pb(manifest: WeightManifest) -> weights_pb2.WeightManifest:
-    return weights_pb2.WeightManifest(
+    msg = weights_pb2.WeightManifest(
         version=manifest.version,
         selector=selector_to_pb(manifest.selector),
         tensors=[tensor_spec_to_pb(t) for t in manifest.tensors],
     )
+    where = manifest.data_plane
+    if isinstance(where, ShmPlacement):
+        msg.shm.region = where.region
+    elif isinstance(where, CollectivePlacement):
+        msg.collective.group_id = where.group_id
+        msg.collective.bucket_bytes = where.bucket_bytes
+    return msg
+
+
+def manifest_from_pb(m: weights_pb2.WeightManifest) -> WeightManifest:
+    plane = m.WhichOneof("data_plane")
+    data_plane: ShmPlacement | CollectivePlacement | None = None
+    if plane == "shm":
+        if not m.shm.region:
+            raise InvalidRequestError("manifest.shm.region is empty; name the shared-memory region")
+        data_plane = ShmPlacement(region=m.shm.region)
+    elif plane == "collective":
+        if not m.collective.group_id or m.collective.bucket_bytes == 0:
+            raise InvalidRequestError("manifest.collective needs a group_id and bucket_bytes > 0")
+        data_plane = CollectivePlacement(group_id=m.collective.group_id, bucket_bytes=m.collective.bucket_bytes)
+    return WeightManifest(
+        version=m.version,
+        selector=selector_from_pb(m.selector),
+        tensors=[tensor_spec_from_pb(t) for t in m.tensors],
+        data_plane=data_plane,
+    )
+
+
+def transport_to_pb(transport: WeightTransport) -> weights_pb2.WeightTransport:
+    return _TRANSPORT_TO_PB[transport]
+
+
+def transport_from_pb(value: int) -> WeightTransport:
+    try:
+        return _TRANSPORT_FROM_PB[value]  # type: ignore[index]
+    except KeyError:
+        raise InvalidRequestError(f"transport {value} is not a WeightTransport value") from None
+
+
+def prepare_transport_to_pb(request: ShmProbe | CollectiveRendezvous) -> weights_pb2.PrepareTransportRequest:
+    if isinstance(request, ShmProbe):
+        return weights_pb2.PrepareTransportRequest(shm=weights_pb2.ShmProbe(region=request.region))
+    return weights_pb2.PrepareTransportRequest(
+        collective=weights_pb2.CollectiveRendezvous(
+            group_id=request.group_id,
+            backend=request.backend,
+            host=request.host,
+            port=request.port,
+            rank=request.rank,
+            world_size=request.world_size,
+            timeout_seconds=request.timeout_s,
+        )
+    )
+
+
+def prepare_transport_from_pb(msg: weights_pb2.PrepareTransportRequest) -> ShmProbe | CollectiveRendezvous:
+    kind = msg.WhichOneof("transport")
+    if kind == "shm":
+        return ShmProbe(region=msg.shm.region)
+    if kind == "collective":
+        c = msg.collective
+        if not c.group_id or not c.host or not 0 < c.port < 65536:
+            raise InvalidRequestError("collective rendezvous needs a group_id, a host and a port in 1..65535")
+        return CollectiveRendezvous(
+            group_id=c.group_id,
+            backend=c.backend,
+            host=c.host,
+            port=c.port,
+            rank=c.rank,
+            world_size=c.world_size,
+            timeout_s=c.timeout_seconds,
+        )
+    raise InvalidRequestError("a PrepareTransportRequest sets neither shm nor collective; set one")
+
+
+def prepared_to_pb(answer: PreparedTransport) -> weights_pb2.PrepareTransportResponse:
+    return weights_pb2.PrepareTransportResponse(shm_nonce=answer.shm_nonce, group_id=answer.group_id)
+
+
+def prepared_from_pb(msg: weights_pb2.PrepareTransportResponse) -> PreparedTransport:
+    return PreparedTransport(shm_nonce=bytes(msg.shm_nonce), group_id=msg.group_id)
 
 
 def push_item_to_pb(item: PushItem) -> weights_pb2.PushWeightsRequest:
     """One domain push item as the PushWeights stream message that carries it."""
     if isinstance(item, WeightManifest):
         return weights_pb2.PushWeightsRequest(manifest=manifest_to_pb(item))
+    if isinstance(item, WeightPlaced):
+        return weights_pb2.PushWeightsRequest(
+            placed=weights_pb2.WeightPlaced(
+                tensors=[
+                    weights_pb2.PlacedTensor(
+                        tensor_index=t.tensor_index, offset=t.offset, byte_length=t.byte_length, crc32=t.crc32
+                    )
+                    for t in item.tensors
+                ]
+            )
+        )
     if isinstance(item, WeightChunk):
         chunk = weights_pb2.WeightChunk(
             tensor_index=item.tensor_index, offset=item.offset, data=bytes(item.data), crc32=item.crc32
@@ -309,11 +417,13 @@ def push_item_from_pb(msg: weights_pb2.PushWeightsRequest) -> PushItem:
     """Read one PushWeights stream message; InvalidRequestError for an empty one or a bad manifest."""
     kind = msg.WhichOneof("item")
     if kind == "manifest":
-        m = msg.manifest
-        return WeightManifest(
-            version=m.version,
-            selector=selector_from_pb(m.selector),
-            tensors=[tensor_spec_from_pb(t) for t in m.tensors],
+        return manifest_from_pb(msg.manifest)
+    if kind == "placed":
+        return WeightPlaced(
+            tensors=[
+                PlacedTensor(tensor_index=t.tensor_index, offset=t.offset, byte_length=t.byte_length, crc32=t.crc32)
+                for t in msg.placed.tensors
+            ]
         )
     if kind == "chunk":
         c = msg.chunk
@@ -326,122 +436,7 @@ def push_item_from_pb(msg: weights_pb2.PushWeightsRequest) -> PushItem:
         )
     if kind == "commit":
         return WeightCommit(chunk_count=msg.commit.chunk_count)
-    raise InvalidRequestError("a PushWeightsRequest sets none of manifest, chunk or commit; set exactly one")
-
-
-# Weight chunks carry nearly every byte of a push, so they bypass the protobuf object model in
-# both directions: building a WeightChunk message and serialising it copies each payload twice,
-# and parsing one copies it twice more. The functions below produce and read exactly the
-# protobuf wire encoding (tests compare them with the protobuf runtime), with one copy on the
-# sender (the join) and none on the receiver (the payload is a memoryview of the message).
-# Anything other than a canonically encoded chunk goes through the protobuf runtime.
-
-_CHUNK_FIELD = 0x12  # PushWeightsRequest.chunk: field 2, length-delimited
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int] | None:
-    result = shift = 0
-    for i in range(pos, min(end, pos + 10)):
-        b = buf[i]
-        result |= (b & 0x7F) << shift
-        if b < 0x80:
-            return result, i + 1
-        shift += 7
-    return None
-
-
-def push_item_to_wire(item: PushItem) -> bytes:
-    """The serialised PushWeightsRequest of `item` (bytes equal to protobuf's encoding)."""
-    if not isinstance(item, WeightChunk):
-        return bytes(push_item_to_pb(item).SerializeToString())
-    head = b""
-    if item.tensor_index:
-        head += b"\x08" + _varint(item.tensor_index)
-    if item.offset:
-        head += b"\x10" + _varint(item.offset)
-    n = len(item.data)
-    data_head = b"\x1a" + _varint(n) if n else b""
-    tail = b""
-    if item.crc32:
-        tail += b"\x25" + item.crc32.to_bytes(4, "little")
-    if item.tensor_crc32 is not None:
-        tail += b"\x2d" + item.tensor_crc32.to_bytes(4, "little")
-    size = len(head) + len(data_head) + (n if n else 0) + len(tail)
-    parts: list[bytes | memoryview] = [bytes([_CHUNK_FIELD]) + _varint(size), head, data_head]
-    if n:
-        parts.append(item.data)
-    parts.append(tail)
-    return b"".join(parts)
-
-
-def push_item_from_wire(raw: bytes) -> PushItem | InvalidRequestError:
-    """Read one serialised PushWeightsRequest; an unparseable one comes back as the error (the
-    servicer raises it as INVALID_ARGUMENT rather than gRPC answering INTERNAL)."""
-    fast = _chunk_from_wire(raw)
-    if fast is not None:
-        return fast
-    try:
-        return push_item_from_pb(weights_pb2.PushWeightsRequest.FromString(raw))
-    except InvalidRequestError as e:
-        return e
-    except Exception as e:  # protobuf's DecodeError and friends: the bytes are not a message
-        return InvalidRequestError(f"a push message is not a valid PushWeightsRequest ({e}); check the encoder")
-
-
-def _chunk_from_wire(raw: bytes) -> WeightChunk | None:
-    """A canonically encoded chunk, its data a zero-copy view; None for anything else."""
-    buf = memoryview(raw)
-    end = len(buf)
-    if end < 2 or buf[0] != _CHUNK_FIELD:
-        return None
-    got = _read_varint(buf, 1, end)
-    if got is None or got[1] + got[0] != end:
-        return None
-    pos = got[1]
-    fields: dict[int, object] = {}
-    while pos < end:
-        tag = buf[pos]
-        pos += 1
-        if tag in fields:
-            return None  # repeated field: let protobuf apply its merge rules
-        if tag in (0x08, 0x10, 0x1A):
-            got = _read_varint(buf, pos, end)
-            if got is None:
-                return None
-            value, pos = got
-            if tag == 0x1A:
-                if pos + value > end:
-                    return None
-                fields[tag] = buf[pos : pos + value]
-                pos += value
-            elif value >= (1 << 32 if tag == 0x08 else 1 << 64):
-                return None
-            else:
-                fields[tag] = value
-        elif tag in (0x25, 0x2D):
-            if pos + 4 > end:
-                return None
-            fields[tag] = int.from_bytes(buf[pos : pos + 4], "little")
-            pos += 4
-        else:
-            return None
-    data = fields.get(0x1A, b"")
-    return WeightChunk(
-        tensor_index=int(fields.get(0x08, 0)),  # type: ignore[call-overload]
-        offset=int(fields.get(0x10, 0)),  # type: ignore[call-overload]
-        data=data,  # type: ignore[arg-type]
-        crc32=int(fields.get(0x25, 0)),  # type: ignore[call-overload]
-        tensor_crc32=int(fields[0x2D]) if 0x2D in fields else None,  # type: ignore[call-overload]
-    )
+    raise InvalidRequestError("a PushWeightsRequest sets none of manifest, chunk, placed or commit; set exactly one")
 
 
 def push_result_to_pb(result: PushResult) -> weights_pb2.PushWeightsResponse:
@@ -452,6 +447,7 @@ def push_result_to_pb(result: PushResult) -> weights_pb2.PushWeightsResponse:
         tensors_updated=result.tensors_updated,
         receive_seconds=result.receive_seconds,
         apply_seconds=result.apply_seconds,
+        transport=transport_to_pb(result.transport),
     )
 
 
@@ -463,14 +459,24 @@ def push_result_from_pb(msg: weights_pb2.PushWeightsResponse) -> PushResult:
         tensors_updated=msg.tensors_updated,
         receive_seconds=msg.receive_seconds,
         apply_seconds=msg.apply_seconds,
+        transport=_TRANSPORT_FROM_PB.get(msg.transport, WeightTransport.GRPC),
     )
 
 
-def describe_weights_to_pb(specs: list[TensorSpec], weight_version: int) -> weights_pb2.DescribeWeightsResponse:
+def describe_weights_to_pb(
+    specs: list[TensorSpec], weight_version: int, transports: list[WeightTransport] | None = None
+) -> weights_pb2.DescribeWeightsResponse:
     return weights_pb2.DescribeWeightsResponse(
         tensors=[tensor_spec_to_pb(TensorSpec(name=s.name, dtype=s.dtype, shape=s.shape)) for s in specs],
         weight_version=weight_version,
+        transports=[transport_to_pb(t) for t in transports or [WeightTransport.GRPC]],
     )
+
+
+def transports_from_pb(msg: weights_pb2.DescribeWeightsResponse) -> list[WeightTransport]:
+    """The transports a sidecar offers (grpc always; unknown future values are skipped)."""
+    offered = [_TRANSPORT_FROM_PB[t] for t in msg.transports if t in _TRANSPORT_FROM_PB]
+    return offered if WeightTransport.GRPC in offered else [WeightTransport.GRPC, *offered]
 
 
 def describe_weights_from_pb(msg: weights_pb2.DescribeWeightsResponse) -> tuple[list[TensorSpec], int]:

@@ -37,10 +37,10 @@ PUSH_WEIGHTS_METHOD = f"/{WEIGHTS}/PushWeights"
 
 def _add_weight_servicer(servicer: Any, server: grpc.Server) -> None:
     """Like the generated adder, except that PushWeights requests are read by
-    `convert.push_item_from_wire` (zero-copy chunks; a malformed message reaches the servicer as
+    `weight_wire.push_item_from_wire` (zero-copy chunks; a malformed message reaches the servicer as
     an InvalidRequestError instead of failing in gRPC's deserializer with INTERNAL). The
     servicer's PushWeights therefore receives domain push items, not messages."""
-    from sidecar.protocol.convert import push_item_from_wire
+    from sidecar.protocol.weight_wire import push_item_from_wire
 
     handlers = {
         "PushWeights": grpc.stream_unary_rpc_method_handler(
@@ -52,6 +52,11 @@ def _add_weight_servicer(servicer: Any, server: grpc.Server) -> None:
             servicer.DescribeWeights,
             request_deserializer=weights_pb2.DescribeWeightsRequest.FromString,
             response_serializer=weights_pb2.DescribeWeightsResponse.SerializeToString,
+        ),
+        "PrepareTransport": grpc.unary_unary_rpc_method_handler(
+            servicer.PrepareTransport,
+            request_deserializer=weights_pb2.PrepareTransportRequest.FromString,
+            response_serializer=weights_pb2.PrepareTransportResponse.SerializeToString,
         ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(WEIGHTS, handlers),))

@@ -51,6 +51,11 @@ class WeightServiceStub:
                 request_serializer=specrl_dot_v1_dot_weights__pb2.DescribeWeightsRequest.SerializeToString,
                 response_deserializer=specrl_dot_v1_dot_weights__pb2.DescribeWeightsResponse.FromString,
                 _registered_method=True)
+        self.PrepareTransport = channel.unary_unary(
+                '/specrl.v1.WeightService/PrepareTransport',
+                request_serializer=specrl_dot_v1_dot_weights__pb2.PrepareTransportRequest.SerializeToString,
+                response_deserializer=specrl_dot_v1_dot_weights__pb2.PrepareTransportResponse.FromString,
+                _registered_method=True)
 
 
 class WeightServiceServicer:
@@ -79,6 +84,9 @@ class WeightServiceServicer:
         version is not greater than the served version.
         ABORTED              another push is in progress; retry after it ends.
         CANCELLED            the client went away mid-stream.
+        UNAVAILABLE          the manifest's data plane is not offered or not
+        usable (see "Data planes"); push again after
+        negotiating again (or over the stream).
         UNAUTHENTICATED      missing or wrong bearer token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -88,6 +96,25 @@ class WeightServiceServicer:
     def DescribeWeights(self, request, context):
         """Lists the tensors a push for the given selector must contain, with the
         dtypes and shapes the sidecar will check.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PrepareTransport(self, request, context):
+        """Proves or sets up a fast data plane for later pushes (see "Data planes"
+        below). Unary and bounded: the sidecar answers within the request's
+        timeout or fails the call; a failure leaves the gRPC stream as the data
+        plane and nothing else changes.
+
+        Errors:
+        INVALID_ARGUMENT     no transport set, a region name outside the
+        "specrl-" namespace, rank 0 or a rank or world size
+        out of range, an unknown backend.
+        UNAVAILABLE          the sidecar does not offer that transport, the shm
+        probe region cannot be opened here (another host,
+        another /dev/shm, another user), or the collective
+        group did not form within timeout_seconds.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -105,6 +132,11 @@ def add_WeightServiceServicer_to_server(servicer, server):
                     servicer.DescribeWeights,
                     request_deserializer=specrl_dot_v1_dot_weights__pb2.DescribeWeightsRequest.FromString,
                     response_serializer=specrl_dot_v1_dot_weights__pb2.DescribeWeightsResponse.SerializeToString,
+            ),
+            'PrepareTransport': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareTransport,
+                    request_deserializer=specrl_dot_v1_dot_weights__pb2.PrepareTransportRequest.FromString,
+                    response_serializer=specrl_dot_v1_dot_weights__pb2.PrepareTransportResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -168,6 +200,33 @@ class WeightService:
             '/specrl.v1.WeightService/DescribeWeights',
             specrl_dot_v1_dot_weights__pb2.DescribeWeightsRequest.SerializeToString,
             specrl_dot_v1_dot_weights__pb2.DescribeWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareTransport(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specrl.v1.WeightService/PrepareTransport',
+            specrl_dot_v1_dot_weights__pb2.PrepareTransportRequest.SerializeToString,
+            specrl_dot_v1_dot_weights__pb2.PrepareTransportResponse.FromString,
             options,
             channel_credentials,
             insecure,

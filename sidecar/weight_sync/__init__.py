@@ -1,0 +1,15 @@
+"""Weight sync: moving a trainer's new weights into the sidecars' engines.
+
+Follow one tensor, in one direction:
+1. `trainer.policy.Policy.export_named_tensors` yields (name, tensor) in the naming contract.
+2. `sender.iter_push_requests` turns the stream into a manifest, the bytes on one data plane,
+   and a commit; `negotiation.DataPlaneSession` picked that plane for this sidecar
+   (`shm` if same host is proven, `collective` if the run sets a group up, else `grpc`).
+3. The bytes travel: `grpc` as `WeightChunk` messages encoded by `sidecar.protocol.weight_wire`,
+   `shm` through a region (`shm`), `collective` by broadcast (`collective`).
+4. `receiver.WeightReceiver` (behind `WeightService.PushWeights`) checks the manifest, stages
+   each tensor into a buffer of its final dtype and shape and verifies its CRC-32 (`checksum`).
+5. `sidecar.scheduler.Scheduler.apply_weights` swaps the verified tensors into the engine at a
+   step boundary (`Engine.update_weights`).
+`memory` holds the allocator tuning a receiving process uses; `tensors` the byte view of a tensor.
+"""

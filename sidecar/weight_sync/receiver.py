@@ -1,0 +1,607 @@
+"""The receiving side of `WeightService.PushWeights`: stage, verify, hand over for the swap.
+
+A push is a manifest, the tensor bytes on one data plane, and a commit. The receiver checks the
+manifest against the model's own tensor specs before a single byte is staged, stages every
+tensor directly into a buffer of its final dtype and shape (so a push never holds more than one
+extra copy of the model), checks each piece's CRC-32 and order as it arrives and each tensor's
+CRC-32 when it is complete, and returns a fully verified set of tensors (`StagedWeights`) that
+the scheduler swaps in at an engine step boundary. Any failure raises a specific
+`sidecar.errors` exception and nothing is applied.
+
+The data planes (see proto/specrl/v1/weights.proto, "Data planes"):
+- grpc: `WeightChunk`s on the stream; a staging thread checksums and copies each chunk while
+  the receiving thread waits for the next message.
+- shm: one `WeightPlaced` per tensor names its offset in the sender's region; the staging
+  thread reads it into the staging buffer (one copy) and checksums that copy.
+- collective: the receiving thread takes each bucket's broadcast (bounded by the group's
+  timeout) before it reads the bucket's `WeightPlaced` items, then checksums the staged bytes.
+
+Everything here is synchronous and called from the PushWeights handler's thread (the servicer
+only converts statuses), plus `prepare_transport` for PrepareTransport.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from sidecar.errors import (
+    InvalidRequestError,
+    PushCancelledError,
+    PushInProgressError,
+    StaleVersionError,
+    TransportUnavailableError,
+    UnknownTensorError,
+    WeightMismatchError,
+)
+from sidecar.types import (
+    CollectivePlacement,
+    CollectiveRendezvous,
+    PlacedTensor,
+    PreparedTransport,
+    PushItem,
+    ShmPlacement,
+    ShmProbe,
+    TensorSpec,
+    WeightChunk,
+    WeightCommit,
+    WeightManifest,
+    WeightPlaced,
+    WeightSelector,
+    WeightTransport,
+)
+from sidecar.weight_sync import collective, shm
+from sidecar.weight_sync.checksum import crc32, crc32_combine
+from sidecar.weight_sync.shm import DEFAULT_PROC_DIR
+from sidecar.weight_sync.tensors import tensor_bytes
+
+_IN_FLIGHT = 2
+"""Pieces a receiver holds beyond the one being read (bounds memory to a few chunk sizes)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class DataPlaneConfig:
+    """Which data planes a sidecar offers besides the gRPC stream (always offered)."""
+
+    shm: bool = True
+    """Offer `shm` (a same-host sender proves itself with a probe before using it)."""
+    proc_dir: Path = DEFAULT_PROC_DIR
+    """Where the senders' region descriptors are found (/proc; a test points it elsewhere to
+    play a sidecar on another host)."""
+    collective: bool = True
+    """Offer `collective` (join a torch.distributed group a sender sets up)."""
+
+    def __post_init__(self) -> None:
+        self.proc_dir = Path(self.proc_dir)
+
+    @property
+    def offered(self) -> list[WeightTransport]:
+        out = [WeightTransport.GRPC]
+        if self.shm:
+            out.append(WeightTransport.SHM)
+        if self.collective:
+            out.append(WeightTransport.COLLECTIVE)
+        return out
+
+
+@dataclass(kw_only=True, slots=True)
+class StagedWeights:
+    """A verified push, ready to apply."""
+
+    version: int
+    selector: WeightSelector
+    tensors: dict[str, torch.Tensor]
+    bytes_received: int
+    receive_seconds: float
+    transport: WeightTransport = WeightTransport.GRPC
+
+
+class _StagedTensor:
+    """One manifest entry being received into its final buffer."""
+
+    __slots__ = ("buffer", "crc", "received", "scheduled", "spec", "view")
+
+    def __init__(self, spec: TensorSpec, buffer: torch.Tensor | None = None) -> None:
+        self.spec = spec
+        self.buffer: torch.Tensor | None = buffer  # allocated on first use unless reused
+        self.view: np.ndarray | None = None  # uint8 view of buffer
+        self.scheduled = 0  # bytes accepted by the receiving thread
+        self.received = 0  # bytes checked and copied by the staging thread
+        self.crc = 0
+
+    def bytes_view(self) -> np.ndarray:
+        if self.buffer is None:
+            self.buffer = torch.empty(self.spec.shape, dtype=self.spec.dtype)
+        if self.view is None:
+            self.view = tensor_bytes(self.buffer)
+        return self.view
+
+    def write(self, offset: int, data: bytes | memoryview) -> None:
+        self.bytes_view()[offset : offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        self.received += len(data)
+
+    def finished(self) -> torch.Tensor:
+        if self.buffer is None:  # a zero-byte tensor gets no bytes
+            self.buffer = torch.empty(self.spec.shape, dtype=self.spec.dtype)
+        return self.buffer
+
+
+def _reusable(buffer: torch.Tensor | None, spec: TensorSpec) -> torch.Tensor | None:
+    if buffer is None or buffer.dtype != spec.dtype or tuple(buffer.shape) != tuple(spec.shape):
+        return None
+    return buffer
+
+
+class WeightReceiver:
+    """Receives one push at a time and verifies it against the model's tensor specs.
+
+    `model_specs(selector)` returns what an update of that part must contain (the engine's
+    `weight_specs`); `served_version()` the version now served. Neither touches the engine
+    from the receiving thread: the scheduler answers them from its snapshot.
+    """
+
+    def __init__(
+        self,
+        *,
+        model_specs: Callable[[WeightSelector], list[TensorSpec]],
+        served_version: Callable[[], int],
+        keep_staging: bool = False,
+        data_planes: DataPlaneConfig | None = None,
+    ) -> None:
+        """`keep_staging`: keep the staging tensors after an applied push and receive the next
+        push into them: no fresh memory to fault in (the largest single cost of a push on a
+        small machine), at the price of ~1x the model staying resident between pushes (the
+        peak is the same). Only for engines whose `update_weights` copies what it is given,
+        as TorchEngine does."""
+        self._model_specs = model_specs
+        self._served_version = served_version
+        self._lock = threading.Lock()
+        self._keep_staging = keep_staging
+        self._kept: dict[str, torch.Tensor] = {}
+        self.data_planes = data_planes or DataPlaneConfig()
+        self.groups = collective.GroupRegistry()
+
+    # --- data planes ------------------------------------------------------------------------
+
+    def prepare_transport(self, request: ShmProbe | CollectiveRendezvous) -> PreparedTransport:
+        """PrepareTransport: read a probe region back, or join a collective group (blocking,
+        bounded by the request's timeout). TransportUnavailableError if that transport is not
+        offered or cannot be set up here."""
+        if isinstance(request, ShmProbe):
+            if not self.data_planes.shm:
+                raise TransportUnavailableError("this sidecar does not offer the shm transport; push over grpc")
+            return PreparedTransport(shm_nonce=shm.read_probe(request.region, self.data_planes.proc_dir))
+        if not self.data_planes.collective:
+            raise TransportUnavailableError("this sidecar does not offer the collective transport; push over grpc")
+        if request.rank == 0:
+            raise InvalidRequestError("rank 0 is the sender's; give the sidecar a rank from 1 to world_size-1")
+        group = collective.join_group(
+            group_id=request.group_id,
+            backend=request.backend,
+            host=request.host,
+            port=request.port,
+            rank=request.rank,
+            world_size=request.world_size,
+            timeout_s=request.timeout_s,
+        )
+        self.groups.add(group)
+        return PreparedTransport(group_id=group.group_id)
+
+    def close(self) -> None:
+        self.groups.close()
+
+    # --- one push ---------------------------------------------------------------------------
+
+    def claim(self) -> _PushClaim:
+        """Reserve the receiver for one push; PushInProgressError if another one holds it."""
+        if not self._lock.acquire(blocking=False):
+            raise PushInProgressError(
+                "another weight push is being received or applied; retry after it finishes "
+                "(pushes to one sidecar are serialised)"
+            )
+        return _PushClaim(self._lock)
+
+    def receive(self, items: Iterator[PushItem], *, is_active: Callable[[], bool] = lambda: True) -> StagedWeights:
+        """Consume a whole push stream (manifest, chunks or placed tensors, commit, end of stream)
+        and return the verified tensors. Raises InvalidRequestError (malformed stream or
+        checksum), UnknownTensorError, WeightMismatchError, StaleVersionError,
+        TransportUnavailableError (the data plane failed) or PushCancelledError."""
+        first = _next_item(items, is_active, "the manifest")
+        if first is None:
+            raise InvalidRequestError("the push stream is empty; send a manifest, the chunks, then a commit")
+        if not isinstance(first, WeightManifest):
+            raise InvalidRequestError(
+                f"the first message of a push was a {_kind(first)}, not the manifest; send the manifest first"
+            )
+        started = time.perf_counter()
+        staged = self._check_manifest(first)
+        plane = self._open_plane(first, staged)
+        chunk_count = 0
+        bytes_received = 0
+        commit: WeightCommit | None = None
+        # Bound the loop: one-byte chunks, a commit and one stray message at worst.
+        max_items = sum(t.spec.byte_length for t in staged) + len(staged) + 2
+        # Checksumming and copying (which release the GIL) run on a staging thread while this
+        # one waits for the next message; at most _IN_FLIGHT pieces are held at a time.
+        in_flight: collections.deque[Future[None]] = collections.deque()
+        try:
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="specrl-stage") as stager:
+                try:
+                    for _ in range(max_items):
+                        plane.before_next_item()
+                        item = _next_item(items, is_active, "a chunk or the commit")
+                        if item is None:
+                            break
+                        if commit is not None:
+                            raise InvalidRequestError(
+                                f"a {_kind(item)} arrived after the commit; the commit must be the last message of a push"
+                            )
+                        if isinstance(item, WeightManifest):
+                            raise InvalidRequestError(
+                                "a second manifest arrived; a push carries exactly one manifest, first"
+                            )
+                        if isinstance(item, WeightCommit):
+                            commit = item
+                            continue
+                        in_flight.append(stager.submit(plane.accept(item, chunk_count)))
+                        chunk_count += 1
+                        bytes_received += len(item.data) if isinstance(item, WeightChunk) else item.byte_length
+                        while len(in_flight) > _IN_FLIGHT:
+                            in_flight.popleft().result()
+                    else:
+                        raise InvalidRequestError(
+                            f"the push stream has more than {max_items} messages for {len(staged)} tensors; "
+                            "send each tensor's bytes once, then the commit"
+                        )
+                    while in_flight:
+                        in_flight.popleft().result()
+                finally:
+                    for f in in_flight:
+                        f.cancel()
+        finally:
+            plane.close()
+        if commit is None:
+            raise InvalidRequestError(
+                f"the push stream ended after {chunk_count} chunks without a commit (truncated); "
+                "send the commit as the last message"
+            )
+        if commit.chunk_count != chunk_count:
+            raise InvalidRequestError(
+                f"the commit counts {commit.chunk_count} chunks but {chunk_count} arrived; chunks were lost, push again"
+            )
+        for i, t in enumerate(staged):
+            if t.received != t.spec.byte_length:
+                raise InvalidRequestError(
+                    f"tensor {i} {t.spec.name!r} got {t.received} of {t.spec.byte_length} bytes at the commit; "
+                    "send every byte of every manifest tensor"
+                )
+            if t.spec.byte_length == 0 and t.spec.crc32 != 0:
+                raise InvalidRequestError(f"tensor {t.spec.name!r} is empty but its manifest crc32 is not 0")
+        return StagedWeights(
+            version=first.version,
+            selector=first.selector,
+            tensors={t.spec.name: t.finished() for t in staged},
+            bytes_received=bytes_received,
+            receive_seconds=time.perf_counter() - started,
+            transport=first.transport,
+        )
+
+    def _open_plane(self, manifest: WeightManifest, staged: list[_StagedTensor]) -> _Plane:
+        where = manifest.data_plane
+        if where is None:
+            return _StreamPlane(staged)
+        if isinstance(where, ShmPlacement):
+            if not self.data_planes.shm:
+                raise TransportUnavailableError("this sidecar does not offer the shm transport; push over grpc")
+            return _ShmPlane(staged, shm.ShmReader(where.region, self.data_planes.proc_dir))
+        if not self.data_planes.collective:
+            raise TransportUnavailableError("this sidecar does not offer the collective transport; push over grpc")
+        return _CollectivePlane(staged, self.groups, where)
+
+    def _check_manifest(self, manifest: WeightManifest) -> list[_StagedTensor]:
+        served = self._served_version()
+        if manifest.version <= served:
+            raise StaleVersionError(
+                f"version {manifest.version} is not newer than the served version {served}; "
+                f"push with a version > {served} (versions strictly increase)"
+            )
+        expected = {s.name: s for s in self._model_specs(manifest.selector)}
+        every = {s.name for s in self._model_specs(WeightSelector.ALL)}
+        seen: set[str] = set()
+        for spec in manifest.tensors:
+            if spec.name in seen:
+                raise InvalidRequestError(f"tensor {spec.name!r} appears twice in the manifest; list each tensor once")
+            seen.add(spec.name)
+            if spec.name not in every:
+                raise UnknownTensorError(
+                    f"the model has no tensor {spec.name!r}; use the checkpoint naming contract "
+                    "(DescribeWeights lists the expected names)"
+                )
+            want = expected.get(spec.name)
+            if want is None:
+                raise WeightMismatchError(
+                    f"tensor {spec.name!r} is not part of the {manifest.selector.name} selector; "
+                    "push it with a selector that includes it (ALL, TARGET or DRAFT)"
+                )
+            if spec.dtype != want.dtype:
+                raise WeightMismatchError(
+                    f"tensor {spec.name!r} has dtype {spec.dtype} but the model serves {want.dtype}; "
+                    f"convert it to {want.dtype} before pushing"
+                )
+            if tuple(spec.shape) != tuple(want.shape):
+                raise WeightMismatchError(
+                    f"tensor {spec.name!r} has shape {list(spec.shape)} but the model's is {list(want.shape)}"
+                )
+        missing = [n for n in expected if n not in seen]
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise WeightMismatchError(
+                f"the manifest lacks {len(missing)} tensor(s) of the {manifest.selector.name} selector: {shown}; "
+                "a push must replace the whole selected part"
+            )
+        kept, self._kept = self._kept, {}
+        return [_StagedTensor(s, _reusable(kept.pop(s.name, None), s)) for s in manifest.tensors]
+
+    def keep(self, staged: StagedWeights) -> None:
+        """Take an applied push's tensors back for the next push (a no-op unless keep_staging)."""
+        if self._keep_staging:
+            self._kept = dict(staged.tensors)
+
+
+# --- data planes, receiving side ------------------------------------------------------------
+
+
+class _Plane:
+    """Where one push's bytes come from. `accept` runs structural checks in the receiving
+    thread and returns the work (copy + checksum) for the staging thread."""
+
+    def __init__(self, staged: list[_StagedTensor]) -> None:
+        self.staged = staged
+
+    def before_next_item(self) -> None:
+        """Called before each stream read (the collective plane receives a bucket here)."""
+
+    def accept(self, item: WeightChunk | WeightPlaced, number: int) -> Callable[[], None]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the push opened."""
+
+
+class _StreamPlane(_Plane):
+    """grpc: the bytes are the stream's WeightChunks."""
+
+    def accept(self, item: WeightChunk | WeightPlaced, number: int) -> Callable[[], None]:
+        if not isinstance(item, WeightChunk):
+            raise InvalidRequestError(
+                f"message {number} is a placed tensor but the manifest names no data plane; "
+                "send WeightChunks, or name the shm region or collective group in the manifest"
+            )
+        t = _accept_chunk(self.staged, item, number)
+        return lambda: _verify_and_copy(t, item, number)
+
+
+class _PlacedPlane(_Plane):
+    """shm and collective: one WeightPlaced per tensor, in manifest order."""
+
+    transport = "a data plane"
+
+    def __init__(self, staged: list[_StagedTensor]) -> None:
+        super().__init__(staged)
+        self.next_tensor = 0
+
+    def accept(self, item: WeightChunk | WeightPlaced, number: int) -> Callable[[], None]:
+        if not isinstance(item, WeightPlaced):
+            raise InvalidRequestError(
+                f"message {number} is a WeightChunk but the manifest puts the bytes on {self.transport}; "
+                "send WeightPlaced items (or a manifest without a data plane)"
+            )
+        if not item.tensors:
+            raise InvalidRequestError(f"placed message {number} names no tensors; place at least one")
+        work: list[tuple[_StagedTensor, PlacedTensor]] = []
+        for p in item.tensors:
+            if p.tensor_index != self.next_tensor:
+                raise InvalidRequestError(
+                    f"placed message {number} names tensor {p.tensor_index} but tensor {self.next_tensor} is next; "
+                    "place each manifest tensor once, in manifest order"
+                )
+            if self.next_tensor >= len(self.staged):
+                raise InvalidRequestError(
+                    f"placed message {number} goes beyond the {len(self.staged)} manifest tensors"
+                )
+            t = self.staged[p.tensor_index]
+            if p.byte_length != t.spec.byte_length:
+                raise InvalidRequestError(
+                    f"placed tensor {t.spec.name!r} has byte_length {p.byte_length}, the manifest {t.spec.byte_length}"
+                )
+            self.check_arrived(p.tensor_index, number)
+            self.next_tensor += 1
+            t.scheduled = p.byte_length
+            work.append((t, p))
+
+        def stage_all() -> None:
+            for t, p in work:
+                self.stage(t, p)
+
+        return stage_all
+
+    def check_arrived(self, index: int, number: int) -> None:
+        """InvalidRequestError if tensor `index` cannot have arrived yet (collective)."""
+
+    def stage(self, t: _StagedTensor, item: PlacedTensor) -> None:
+        raise NotImplementedError
+
+
+class _ShmPlane(_PlacedPlane):
+    transport = "shm"
+
+    def __init__(self, staged: list[_StagedTensor], reader: shm.ShmReader) -> None:
+        super().__init__(staged)
+        self.reader = reader
+
+    def stage(self, t: _StagedTensor, item: PlacedTensor) -> None:
+        crc = self.reader.read_into(item.offset, t.bytes_view()) if item.byte_length else 0
+        t.received = item.byte_length
+        _check_tensor_crc(t, crc, item.crc32)
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+class _CollectivePlane(_PlacedPlane):
+    transport = "collective"
+
+    def __init__(
+        self, staged: list[_StagedTensor], groups: collective.GroupRegistry, where: CollectivePlacement
+    ) -> None:
+        super().__init__(staged)
+        self.groups = groups
+        self.group = groups.get(where.group_id)
+        self.buckets = collective.plan_buckets([t.spec for t in staged], where.bucket_bytes)
+        self.bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket}
+        self.received_buckets = 0
+        self.failed = False
+
+    def before_next_item(self) -> None:
+        """Take the next tensor's bucket off the group before reading its WeightPlaced: the
+        sender broadcasts a bucket, then sends the bucket's WeightPlaced items."""
+        if self.next_tensor >= len(self.staged):
+            return
+        b = self.bucket_of[self.next_tensor]
+        if b < self.received_buckets:
+            return
+        bucket = [self.staged[i] for i in self.buckets[b]]
+        try:
+            receive_bucket(self.group, bucket, f"bucket {b} of {len(self.buckets)}")
+        except TransportUnavailableError:
+            self.failed = True
+            raise
+        self.received_buckets = b + 1
+
+    def check_arrived(self, index: int, number: int) -> None:
+        if self.bucket_of[index] >= self.received_buckets:
+            raise InvalidRequestError(
+                f"placed message {number} names tensor {index} before its bucket {self.bucket_of[index]} was "
+                "broadcast; send a bucket's WeightPlaced after broadcasting it"
+            )
+
+    def stage(self, t: _StagedTensor, item: PlacedTensor) -> None:
+        t.received = item.byte_length
+        _check_tensor_crc(t, crc32(t.bytes_view()) if item.byte_length else 0, item.crc32)
+
+    def close(self) -> None:
+        if self.failed:  # a broadcast that failed leaves the group unusable: rebuild it
+            self.groups.drop(self.group.group_id)
+
+
+def receive_bucket(group: collective.CollectiveGroup, bucket: list[_StagedTensor], what: str) -> None:
+    """Receive one bucket's broadcast into the staging buffers: a lone tensor straight into its
+    buffer (CPU groups), several through one packed buffer."""
+    total = sum(t.spec.byte_length for t in bucket)
+    if total == 0:
+        return
+    device = group.device
+    if len(bucket) == 1 and device.type == "cpu":
+        group.broadcast(torch.from_numpy(bucket[0].bytes_view()), what)
+        return
+    packed = torch.empty(total, dtype=torch.uint8, device=device)
+    group.broadcast(packed, what)
+    host = packed.cpu().numpy()
+    at = 0
+    for t in bucket:
+        n = t.spec.byte_length
+        if n:
+            t.bytes_view()[:] = host[at : at + n]
+        at += n
+
+
+def _check_tensor_crc(t: _StagedTensor, got: int, want: int) -> None:
+    if got != want:
+        raise InvalidRequestError(
+            f"tensor {t.spec.name!r} has CRC-32 {got:#010x} as staged but was placed with {want:#010x}; "
+            "its bytes changed after the sender checksummed them (region rewritten?), push again"
+        )
+
+
+def _accept_chunk(staged: list[_StagedTensor], chunk: WeightChunk, number: int) -> _StagedTensor:
+    """Structural checks of a chunk (index, order, bounds), in the receiving thread."""
+    if chunk.tensor_index >= len(staged):
+        raise InvalidRequestError(
+            f"chunk {number} names tensor index {chunk.tensor_index} but the manifest has {len(staged)} tensors"
+        )
+    t = staged[chunk.tensor_index]
+    if chunk.offset != t.scheduled:
+        raise InvalidRequestError(
+            f"chunk {number} of tensor {t.spec.name!r} starts at byte {chunk.offset} but {t.scheduled} bytes "
+            "were received so far; send each tensor's chunks in order"
+        )
+    if t.scheduled + len(chunk.data) > t.spec.byte_length:
+        raise InvalidRequestError(
+            f"chunk {number} runs past the end of tensor {t.spec.name!r} "
+            f"({t.scheduled} + {len(chunk.data)} > {t.spec.byte_length} bytes)"
+        )
+    t.scheduled += len(chunk.data)
+    if chunk.tensor_crc32 is not None and t.scheduled != t.spec.byte_length:
+        raise InvalidRequestError(
+            f"chunk {number} carries tensor_crc32 but is not the last chunk of tensor {t.spec.name!r}"
+        )
+    return t
+
+
+def _verify_and_copy(t: _StagedTensor, chunk: WeightChunk, number: int) -> None:
+    """Checksum a chunk and copy it into its tensor's buffer (on the staging thread, in order)."""
+    crc = crc32(chunk.data)
+    if crc != chunk.crc32:
+        raise InvalidRequestError(
+            f"chunk {number} of tensor {t.spec.name!r} at byte {chunk.offset} has CRC-32 {crc:#010x}, "
+            f"not the {chunk.crc32:#010x} it was sent with; the bytes were corrupted, push again"
+        )
+    t.write(chunk.offset, chunk.data)
+    t.crc = crc32_combine(t.crc, crc, len(chunk.data))
+    if t.received == t.spec.byte_length:
+        want = chunk.tensor_crc32 if chunk.tensor_crc32 is not None else t.spec.crc32
+        if t.crc != want:
+            raise InvalidRequestError(
+                f"tensor {t.spec.name!r} has CRC-32 {t.crc:#010x} but was announced with {want:#010x}; "
+                "its bytes differ from what the sender checksummed, push again"
+            )
+
+
+class _PushClaim:
+    """Context manager releasing the receiver's push lock."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self._lock = lock
+
+    def __enter__(self) -> _PushClaim:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+def _kind(item: PushItem) -> str:
+    return {WeightManifest: "manifest", WeightChunk: "chunk", WeightPlaced: "placed tensor", WeightCommit: "commit"}[
+        type(item)
+    ]
+
+
+def _next_item(items: Iterator[PushItem], is_active: Callable[[], bool], what: str) -> PushItem | None:
+    """The next push item, None at the end of the stream; PushCancelledError if the client left."""
+    try:
+        return next(items)
+    except StopIteration:
+        if not is_active():
+            raise PushCancelledError(f"the client went away while the sidecar waited for {what}") from None
+        return None
+
+
+__all__ = ["DataPlaneConfig", "StagedWeights", "WeightReceiver"]
