@@ -36,8 +36,11 @@ from sidecar.types import (
     CollectiveRendezvous,
     GenerationRequest,
     PreparedTransport,
+    PushItem,
     PushResult,
     Sample,
+    ScoreRequest,
+    ScoreResult,
     ShmProbe,
     SidecarInfo,
     SidecarStats,
@@ -218,6 +221,12 @@ class SidecarClient:
         samples = list(self.stream_generate(request, timeout_s))
         return sorted(samples, key=lambda s: (s.prompt_index, s.sample_index))
 
+    def score(self, request: ScoreRequest) -> ScoreResult:
+        """Teacher-forced log-probs of given sequences (RolloutService.Score). Read-only, so
+        retried on UNAVAILABLE like GetInfo."""
+        msg = self._unary("Score", self._rollout.Score, convert.score_request_to_pb(request), retry=True)
+        return convert.score_result_from_pb(msg)
+
     def abort(self, request_id: str) -> tuple[bool, int]:
         """Abort a live Generate call; returns (found, samples aborted)."""
         msg = self._unary("Abort", self._rollout.Abort, rollout_pb2.AbortRequest(request_id=request_id), retry=False)
@@ -314,6 +323,17 @@ class SidecarClient:
         plane: DataPlaneSender | None,
     ) -> PushResult:
         items = iter_push_requests(named_tensors, version, selector, chunk_bytes, specs=specs, data_plane=plane)
+        return self.push_items(items, timeout_s=timeout_s, plane=plane)
+
+    def push_items(
+        self, items: Iterable[PushItem], *, timeout_s: float | None = None, plane: DataPlaneSender | None = None
+    ) -> PushResult:
+        """Send one push given as its items (manifest, chunks or placed tensors, commit), consumed
+        lazily as gRPC sends them: the primitive under `push_weights` and the incremental
+        `sidecar.integrations.weight_session.WeightUpdateSession` (which sends chunks over grpc,
+        `plane` None). `plane` is the data plane `items` placed tensors on, dropped when the push
+        breaks it. An exception raised by `items` ends the stream without a commit (the sidecar
+        applies nothing) and is re-raised here."""
         sender_failure: list[Exception] = []
 
         def requests() -> Iterator[bytes]:

@@ -58,6 +58,10 @@ class ApplyTimeoutError(SpecrlError):
     """A verified weight update did not reach an engine step boundary in time (DEADLINE_EXCEEDED)."""
 
 
+class NotSupportedError(SpecrlError):
+    """A call the serving engine does not implement (UNIMPLEMENTED)."""
+
+
 class EngineFailure(SpecrlError):
     """The engine raised while stepping; the requests of that batch fail (INTERNAL)."""
 

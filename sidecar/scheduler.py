@@ -42,7 +42,16 @@ from sidecar.errors import (
     ServedVersionTooOldError,
     ShuttingDownError,
 )
-from sidecar.types import EngineInfo, GenerationRequest, Sample, SpeculationCounters, TensorSpec, VersionStats
+from sidecar.types import (
+    EngineInfo,
+    GenerationRequest,
+    Sample,
+    ScoreRequest,
+    ScoreResult,
+    SpeculationCounters,
+    TensorSpec,
+    VersionStats,
+)
 from sidecar.types import WeightSelector as Selector
 from sidecar.weight_sync.receiver import StagedWeights
 
@@ -290,6 +299,23 @@ class Scheduler:
 
         previous = self._call(run, timeout_s or self.config.apply_timeout_s, what="weight update")
         return previous, time.perf_counter() - started
+
+    def score(self, request: ScoreRequest) -> ScoreResult:
+        """Score on the scheduler thread between two engine steps: one weight version throughout."""
+        return self._call(lambda: self._do_score(request), what="score")
+
+    async def score_async(self, request: ScoreRequest) -> ScoreResult:
+        """`score` for a handler on an event loop: the wait for the step boundary holds no thread."""
+        return await self._call_async(lambda: self._do_score(request), what="score")
+
+    def _do_score(self, request: ScoreRequest) -> ScoreResult:
+        version = self._engine.weight_version
+        if version < request.min_weight_version:
+            raise ServedVersionTooOldError(
+                f"the sidecar serves weight version {version} but the request needs "
+                f">= {request.min_weight_version}; push weights first, then retry"
+            )
+        return ScoreResult(logprobs=self._engine.score(request), weight_version=version)
 
     def model_specs(self, selector: Selector) -> list[TensorSpec]:
         return list(self._specs[selector])

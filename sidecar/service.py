@@ -34,7 +34,15 @@ from sidecar.protocol.specrl.v1 import control_pb2, rollout_pb2, weights_pb2
 from sidecar.scheduler import RequestCancelled, Scheduler, SchedulerConfig
 from sidecar.security import SecurityConfig, TokenAuthInterceptor, server_credentials
 from sidecar.server import EventLoopThread, ServerConfig, create_server
-from sidecar.types import GenerationRequest, PushItem, PushResult, RequestLimits, SidecarInfo, SidecarStats
+from sidecar.types import (
+    GenerationRequest,
+    PushItem,
+    PushResult,
+    RequestLimits,
+    ScoreRequest,
+    SidecarInfo,
+    SidecarStats,
+)
 from sidecar.weight_sync.memory import release_freed_memory
 from sidecar.weight_sync.receiver import DataPlaneConfig, WeightReceiver
 
@@ -51,6 +59,7 @@ _STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (errors.PushCancelledError, grpc.StatusCode.CANCELLED),
     (errors.ShuttingDownError, grpc.StatusCode.UNAVAILABLE),
     (errors.ApplyTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (errors.NotSupportedError, grpc.StatusCode.UNIMPLEMENTED),
     (errors.EngineFailure, grpc.StatusCode.INTERNAL),
     (errors.TransportUnavailableError, grpc.StatusCode.UNAVAILABLE),
 )
@@ -100,6 +109,21 @@ def check_limits(request: GenerationRequest, limits: RequestLimits) -> None:
         )
 
 
+def check_score_limits(request: ScoreRequest, limits: RequestLimits) -> None:
+    """Raise InvalidRequestError if a Score request exceeds `limits` (the Generate limits: a
+    scored sequence is at most a prompt plus its completion)."""
+    if len(request.sequences) > limits.max_prompts:
+        raise errors.InvalidRequestError(
+            f"{len(request.sequences)} sequences exceed the limit of {limits.max_prompts}; split the request"
+        )
+    longest = max(len(s) for s in request.sequences)
+    if longest > limits.max_prompt_tokens + limits.max_new_tokens:
+        raise errors.InvalidRequestError(
+            f"a sequence of {longest} tokens exceeds the limit of {limits.max_prompt_tokens + limits.max_new_tokens} "
+            "(max_prompt_tokens + max_new_tokens); shorten it"
+        )
+
+
 class RolloutService(services.RolloutServicer):
     """Generate and Abort."""
 
@@ -127,6 +151,14 @@ class RolloutService(services.RolloutServicer):
                 yield rollout_pb2.GenerateResponse(sample=convert.sample_to_pb(sample))
         finally:  # the client left (the task was cancelled) or the call ended: free the slots
             handle.cancel()  # a no-op once the request is finished
+
+    async def Score(self, request: rollout_pb2.ScoreRequest, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            domain = convert.score_request_from_pb(request)
+            check_score_limits(domain, self._limits)
+            return convert.score_result_to_pb(await self._scheduler.score_async(domain))
+        except Exception as e:
+            await _abort(context, e)
 
     async def Abort(self, request: rollout_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> Any:
         if not request.request_id:

@@ -39,6 +39,15 @@ class FinishReason(enum.Enum):
     ABORT = "abort"  # aborted; the output holds the tokens generated so far
 
 
+class LogprobMode(enum.Enum):
+    """Which distribution reported log-probs come from (proto LogprobMode)."""
+
+    RAW = "raw"
+    """log_softmax(logits / T) before top-k/top-p: what an RL trainer recomputes. The default."""
+    PROCESSED = "processed"
+    """log of the distribution actually sampled from (after top-k/top-p; vLLM's processed_logprobs)."""
+
+
 MIN_SAMPLING_TEMPERATURE = 1e-5
 """The smallest temperature that samples. Below it softmax(logits / T) is numerically a one-hot
 (float32 logits / T overflow to inf at T ~ 1e-38 and give NaN; well before that the distribution
@@ -86,6 +95,10 @@ class SamplingParams:
     """A sample stops after emitting any of these (the stop token is kept)."""
     seed: int | None = None
     """Seed of the request's random stream; None draws a fresh one."""
+    stop_at_eos: bool = False
+    """Also stop after the model's EOS ids (ModelInfo.eos_token_ids), as vLLM does by default."""
+    logprob_mode: LogprobMode = LogprobMode.RAW
+    """Which log-probs samples report; never changes which tokens are sampled."""
 
     def __post_init__(self) -> None:
         problem = temperature_problem(self.temperature)
@@ -130,6 +143,45 @@ class GenerationRequest:
             raise ValueError(f"min_weight_version must be >= 0, got {self.min_weight_version}")
         if self.speculation_k is not None and self.speculation_k < 0:
             raise ValueError(f"speculation_k must be >= 0 or None, got {self.speculation_k}")
+
+
+@dataclass(kw_only=True, slots=True)
+class ScoreRequest:
+    """Token sequences to score teacher-forced (RolloutService.Score)."""
+
+    sequences: list[list[int]]
+    """Whole sequences (prompt + completion)."""
+    start_indices: list[int]
+    """Per sequence, the first position scored (>= 1)."""
+    temperature: float = 1.0
+    """log_softmax(logits / temperature); 0 means 1."""
+    min_weight_version: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.sequences:
+            raise ValueError("sequences must hold at least one sequence to score")
+        if len(self.start_indices) != len(self.sequences):
+            raise ValueError(
+                f"start_indices has {len(self.start_indices)} entries for {len(self.sequences)} sequences; give one each"
+            )
+        for i, (seq, start) in enumerate(zip(self.sequences, self.start_indices, strict=True)):
+            if not 1 <= start <= len(seq) - 1:
+                raise ValueError(
+                    f"sequences[{i}] has {len(seq)} tokens; start_index {start} must be in [1, {len(seq) - 1}] "
+                    "(token 0 has no context, and at least one token must be scored)"
+                )
+        if not (self.temperature >= 0.0 and self.temperature < float("inf")):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 means 1), got {self.temperature}")
+        if self.min_weight_version < 0:
+            raise ValueError(f"min_weight_version must be >= 0, got {self.min_weight_version}")
+
+
+@dataclass(kw_only=True, slots=True)
+class ScoreResult:
+    """Log-probs of each scored sequence's tokens from its start index on."""
+
+    logprobs: list[list[float]]
+    weight_version: int
 
 
 @dataclass(kw_only=True, slots=True)
@@ -249,6 +301,8 @@ class ModelInfo:
     rope_factor: float = 1.0
     num_mtp_layers: int = 0
     dtype: str = "float32"
+    eos_token_ids: tuple[int, ...] = ()
+    """The checkpoint's end-of-sequence ids (config.json eos_token_id); SamplingParams.stop_at_eos stops at them."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -17,10 +17,12 @@ from collections.abc import Mapping
 
 import torch
 
+from sidecar.errors import NotSupportedError
 from sidecar.types import (
     EngineInfo,
     GenerationRequest,
     Sample,
+    ScoreRequest,
     SpeculationStatus,
     TensorSpec,
     VersionStats,
@@ -108,6 +110,14 @@ class Engine(ABC):
         it would carry), or None when the engine cannot read its weights back. Called between
         steps; lets a client prove which weights are served (`specrl verify`)."""
         return None
+
+    def score(self, request: ScoreRequest) -> list[list[float]]:
+        """Teacher-forced log-probs of each sequence's tokens from its start index on
+        (RolloutService.Score), with the weights served now. Engines that cannot score raise
+        NotSupportedError (UNIMPLEMENTED)."""
+        raise NotSupportedError(
+            f"the {type(self).__name__} engine cannot score sequences; serve with --engine torch for Score"
+        )
 
     @abstractmethod
     def stats(self) -> list[VersionStats]:

@@ -60,6 +60,8 @@ class ModelConfig:
     num_nextn_predict_layers: int = 0
     """Number of MTP (draft) layers; 0 means the model cannot speculate."""
     architectures: list[str] = field(default_factory=lambda: ["Qwen3ForCausalLM"])
+    eos_token_id: list[int] = field(default_factory=list)
+    """End-of-sequence ids (config.json's eos_token_id, an int or a list there); may be empty."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
@@ -82,6 +84,11 @@ class ModelConfig:
             raise ValueError(f"torch_dtype must be one of {sorted(_DTYPES)}, got {self.torch_dtype!r}")
         if self.num_nextn_predict_layers < 0:
             raise ValueError(f"num_nextn_predict_layers must be >= 0, got {self.num_nextn_predict_layers}")
+        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in self.eos_token_id):
+            raise ValueError(
+                f"eos_token_id must hold token ids in [0, {self.vocab_size}), got {self.eos_token_id}; "
+                "fix eos_token_id in config.json"
+            )
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
             raise ValueError(f"rope_scaling must be null or a dict, got {self.rope_scaling!r}")
 
@@ -144,6 +151,9 @@ class ModelConfig:
         }
         if d.get("architectures"):
             out["architectures"] = list(d["architectures"])
+        eos = d.get("eos_token_id")
+        if eos is not None:
+            out["eos_token_id"] = [int(eos)] if isinstance(eos, int) else [int(t) for t in eos]
         return cls(**out)
 
     def to_hf_dict(self) -> dict[str, Any]:

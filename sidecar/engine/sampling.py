@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from sidecar.types import SamplingParams
+from sidecar.types import LogprobMode, SamplingParams
 
 
 @dataclass(kw_only=True, slots=True)
@@ -40,9 +40,12 @@ class RowSampling:
     """(B,) int64; 0 disables."""
     top_p: Tensor
     """(B,) float32; 1 disables."""
+    processed: Tensor
+    """(B,) bool: the row reports LogprobMode.PROCESSED log-probs."""
     any_greedy: bool
     any_top_k: bool
     any_top_p: bool
+    any_processed: bool = False
 
     @classmethod
     def of(cls, params: list[SamplingParams], device: torch.device | str = "cpu") -> RowSampling:
@@ -56,6 +59,10 @@ class RowSampling:
             greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            processed=torch.tensor(
+                [p.logprob_mode is LogprobMode.PROCESSED for p in params], dtype=torch.bool, device=device
+            ),
+            any_processed=any(p.logprob_mode is LogprobMode.PROCESSED for p in params),
             any_greedy=any(greedy),
             any_top_k=any(p.top_k > 0 for p in params),
             any_top_p=any(p.top_p < 1.0 for p in params),
@@ -67,13 +74,9 @@ def _per_row(x: Tensor, like: Tensor) -> Tensor:
     return x.view(-1, *([1] * (like.dim() - 1)))
 
 
-def filtered_probs(
-    logits: Tensor,  # (B, ..., V) any float dtype
-    rows: RowSampling,
-) -> Tensor:  # (B, ..., V) float32, each distribution sums to 1
-    """The distribution each row samples from: temperature, then top-k, then top-p, renormalised."""
-    logits = logits.float()
-    scaled = logits / _per_row(rows.temperature, logits)
+def _filtered_scaled(logits: Tensor, rows: RowSampling) -> Tensor:
+    """logits / T with the tokens top-k and top-p remove set to -inf (float32)."""
+    scaled = logits.float() / _per_row(rows.temperature, logits)
     if rows.any_top_k or rows.any_top_p:
         sorted_vals, sorted_idx = scaled.sort(dim=-1, descending=True)
         remove_sorted = torch.zeros_like(sorted_vals, dtype=torch.bool)
@@ -90,7 +93,16 @@ def filtered_probs(
             remove_sorted[..., 0] = False  # the most likely token stays even if top_p rounds to 0 in float32
         remove = torch.zeros_like(remove_sorted).scatter(-1, sorted_idx, remove_sorted)
         scaled = scaled.masked_fill(remove, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
+    return scaled
+
+
+def filtered_probs(
+    logits: Tensor,  # (B, ..., V) any float dtype
+    rows: RowSampling,
+) -> Tensor:  # (B, ..., V) float32, each distribution sums to 1
+    """The distribution each row samples from: temperature, then top-k, then top-p, renormalised."""
+    logits = logits.float()
+    probs = torch.softmax(_filtered_scaled(logits, rows), dim=-1)
     if rows.any_greedy:
         one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
         probs = torch.where(_per_row(rows.greedy, probs), one_hot, probs)
@@ -166,3 +178,26 @@ def token_logprobs(
     """log_softmax(logits / T)[token] in float32, before top-k/top-p (the reported log-prob)."""
     scaled = logits.float() / _per_row(temperature, logits)
     return torch.log_softmax(scaled, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def reported_logprobs(
+    logits: Tensor,  # (B, S, V) target logits
+    tokens: Tensor,  # (B, S) emitted ids
+    rows: RowSampling,
+) -> Tensor:  # (B, S) float32
+    """The log-probs samples report, per row's LogprobMode.
+
+    RAW rows: `token_logprobs` (before top-k/top-p). PROCESSED rows: the log-prob under the
+    distribution actually sampled from, log_softmax of the filtered logits (vLLM's
+    processed_logprobs); on greedy rows that distribution is one-hot, so the emitted argmax
+    gets 0.
+    """
+    raw = token_logprobs(logits, tokens, rows.temperature)
+    if not rows.any_processed:
+        return raw
+    processed = torch.log_softmax(_filtered_scaled(logits, rows), dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    if rows.any_greedy:
+        is_argmax = logits.argmax(dim=-1) == tokens
+        one_hot = torch.where(is_argmax, 0.0, float("-inf"))
+        processed = torch.where(_per_row(rows.greedy, processed), one_hot, processed)
+    return torch.where(_per_row(rows.processed, processed), processed, raw)

@@ -48,7 +48,14 @@ from sidecar.engine.base import Engine
 from sidecar.engine.checkpoint import draft_tensor_shapes, load_checkpoint, target_tensor_shapes
 from sidecar.engine.kv_cache import KVCache
 from sidecar.engine.model import Qwen3WithMTP, build_model
-from sidecar.engine.sampling import RowSampling, filtered_probs, rejection_sample, sample_from, token_logprobs
+from sidecar.engine.sampling import (
+    RowSampling,
+    filtered_probs,
+    rejection_sample,
+    reported_logprobs,
+    sample_from,
+    token_logprobs,
+)
 from sidecar.engine.speculation_policy import SpeculationDecision, SpeculationPolicy, SpeculationPolicyConfig
 from sidecar.engine.speculative import DraftInput, VerifyInput, draft, verify
 from sidecar.engine.validation import check_weights, validate_request
@@ -60,6 +67,7 @@ from sidecar.types import (
     ModelInfo,
     Sample,
     SamplingParams,
+    ScoreRequest,
     SpeculationCounters,
     SpeculationStatus,
     TensorSpec,
@@ -258,6 +266,7 @@ class TorchEngine(Engine):
                 rope_factor=rope.factor,
                 num_mtp_layers=self.num_mtp,
                 dtype=c.torch_dtype,
+                eos_token_ids=tuple(c.eos_token_id),
             ),
             engine="torch",
             engine_version=getattr(sidecar, "__version__", "0.1.0"),
@@ -346,6 +355,11 @@ class TorchEngine(Engine):
             raise InvalidRequestError(f"request_id {request.request_id!r} is already running; ids must be unique")
         k = self._k if request.speculation_k is None else request.speculation_k
         auto = request.speculation_k is None and self._auto and self._k > 0
+        params = request.sampling
+        if params.stop_at_eos and self.config.eos_token_id:
+            # Resolved once here, so the per-token stop check stays a plain membership test.
+            stops = tuple(dict.fromkeys((*params.stop_token_ids, *self.config.eos_token_id)))
+            params = dataclasses.replace(params, stop_token_ids=stops)
         seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(63)
         for p, prompt in enumerate(request.prompts):
             for s in range(request.samples_per_prompt):
@@ -356,7 +370,7 @@ class TorchEngine(Engine):
                         prompt_index=p,
                         sample_index=s,
                         prompt=list(prompt),
-                        params=request.sampling,
+                        params=params,
                         k=k,
                         auto=auto,
                         generator=gen,
@@ -438,7 +452,7 @@ class TorchEngine(Engine):
         rows = RowSampling.of([s.params for s in new], self.device)
         uniforms = torch.cat([torch.rand(1, generator=s.generator) for s in new]).to(self.device)
         first = sample_from(filtered_probs(logits, rows), uniforms)
-        logprobs = token_logprobs(logits[:, None], first[:, None], rows.temperature)[:, 0]
+        logprobs = reported_logprobs(logits[:, None], first[:, None], rows)[:, 0]
         mtp_caches = [self._new_cache(1, b, width + self.max_speculation_k + 2) for _ in range(self.num_mtp)]
         drafting = [s.drafts for s in new]
         if any(drafting) and width > 1:
@@ -530,7 +544,7 @@ class TorchEngine(Engine):
         acc = self.acceptance_rule(draft_tokens, q, vout.probs, num_draft, u[:, kmax : 2 * kmax], u[:, 2 * kmax])
         emitted = torch.cat([draft_tokens, torch.zeros(b, 1, dtype=torch.int64, device=dev)], dim=1)
         emitted[torch.arange(b, device=dev), acc.num_accepted] = acc.next_token
-        logprobs = token_logprobs(vout.logits, emitted, rows.temperature)
+        logprobs = reported_logprobs(vout.logits, emitted, rows)
         num_accepted, emitted_l, logprobs_l = acc.num_accepted.tolist(), emitted.tolist(), logprobs.tolist()
 
         finished, keep = [], []
@@ -567,6 +581,58 @@ class TorchEngine(Engine):
                 chosen=kmax == auto_k,
             )
         return finished
+
+    # ---- scoring -----------------------------------------------------------------------------
+    _SCORE_TOKENS = 8192
+    """Sequence tokens per scoring forward (bounds the logits tensor to ~this x vocab floats)."""
+
+    def score(self, request: ScoreRequest) -> list[list[float]]:
+        """Teacher-forced log-probs with the plain full forward (no cache, no speculation), in
+        groups of sequences of about _SCORE_TOKENS tokens, right-padded (causal: the padding
+        never reaches a real position)."""
+        vocab, context = self.config.vocab_size, self.config.max_position_embeddings
+        for i, seq in enumerate(request.sequences):
+            bad = [t for t in seq if not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(
+                    f"sequences[{i}] holds token ids outside the vocabulary [0, {vocab}): {bad[:5]}"
+                )
+            if len(seq) > context:
+                raise InvalidRequestError(
+                    f"sequences[{i}] has {len(seq)} tokens, more than the model context of {context}"
+                )
+        temperature = request.temperature if request.temperature > 0 else 1.0
+        out: list[list[float]] = []
+        order = list(range(len(request.sequences)))
+        group: list[int] = []
+
+        def flush() -> None:
+            seqs = [request.sequences[i] for i in group]
+            width = max(len(s) for s in seqs)
+            ids = torch.zeros(len(seqs), width, dtype=torch.int64)
+            for row, s in enumerate(seqs):
+                ids[row, : len(s)] = torch.tensor(s)
+            ids = ids.to(self.device)
+            with torch.no_grad():
+                logits = self.model(ids)  # (b, width, V): position t predicts token t + 1
+            temps = torch.full((len(seqs),), temperature, dtype=torch.float32, device=self.device)
+            lps = token_logprobs(logits[:, :-1], ids[:, 1:], temps)  # (b, width - 1)
+            for row, i in enumerate(group):
+                start, n = request.start_indices[i], len(request.sequences[i])
+                out[i] = lps[row, start - 1 : n - 1].tolist()
+
+        out = [[] for _ in order]
+        tokens = 0
+        for i in order:
+            n = len(request.sequences[i])
+            if group and tokens + n > self._SCORE_TOKENS:
+                flush()
+                group, tokens = [], 0
+            group.append(i)
+            tokens += n
+        if group:
+            flush()
+        return out
 
     # ---- weights -----------------------------------------------------------------------------
     def _selected_shapes(self, selector: WeightSelector) -> dict[str, tuple[int, ...]]:

@@ -19,6 +19,7 @@ from sidecar.types import (
     FinishReason,
     GenerationRequest,
     GpuTelemetry,
+    LogprobMode,
     ModelInfo,
     PlacedTensor,
     PreparedTransport,
@@ -27,6 +28,8 @@ from sidecar.types import (
     RequestLimits,
     Sample,
     SamplingParams,
+    ScoreRequest,
+    ScoreResult,
     ShmPlacement,
     ShmProbe,
     SidecarInfo,
@@ -107,11 +110,29 @@ def dtype_from_pb(value: int) -> torch.dtype:
 # --- rollout -------------------------------------------------------------------------------
 
 
+_LOGPROB_MODE_TO_PB = {
+    LogprobMode.RAW: rollout_pb2.LOGPROB_MODE_RAW,
+    LogprobMode.PROCESSED: rollout_pb2.LOGPROB_MODE_PROCESSED,
+}
+
+
+def logprob_mode_from_pb(value: int) -> LogprobMode:
+    if value in (rollout_pb2.LOGPROB_MODE_UNSPECIFIED, rollout_pb2.LOGPROB_MODE_RAW):
+        return LogprobMode.RAW
+    if value == rollout_pb2.LOGPROB_MODE_PROCESSED:
+        return LogprobMode.PROCESSED
+    raise InvalidRequestError(
+        f"sampling: unknown logprob_mode {value}; use LOGPROB_MODE_RAW (1) or LOGPROB_MODE_PROCESSED (2)"
+    )
+
+
 def sampling_to_pb(params: SamplingParams) -> rollout_pb2.SamplingParams:
     msg = rollout_pb2.SamplingParams(
         temperature=params.temperature,
         max_new_tokens=params.max_new_tokens,
         stop_token_ids=list(params.stop_token_ids),
+        stop_at_eos=params.stop_at_eos,
+        logprob_mode=_LOGPROB_MODE_TO_PB[params.logprob_mode],
     )
     if params.top_p != 1.0:
         msg.top_p = params.top_p
@@ -131,6 +152,8 @@ def sampling_from_pb(msg: rollout_pb2.SamplingParams) -> SamplingParams:
             max_new_tokens=msg.max_new_tokens,
             stop_token_ids=tuple(msg.stop_token_ids),
             seed=msg.seed if msg.HasField("seed") else None,
+            stop_at_eos=msg.stop_at_eos,
+            logprob_mode=logprob_mode_from_pb(msg.logprob_mode),
         )
     except ValueError as e:
         raise InvalidRequestError(f"sampling: {e}") from None
@@ -164,6 +187,40 @@ def generation_request_from_pb(msg: rollout_pb2.GenerateRequest) -> GenerationRe
         )
     except ValueError as e:
         raise InvalidRequestError(str(e)) from None
+
+
+def score_request_to_pb(request: ScoreRequest) -> rollout_pb2.ScoreRequest:
+    return rollout_pb2.ScoreRequest(
+        sequences=[
+            rollout_pb2.ScoreSequence(token_ids=list(seq), start_index=start)
+            for seq, start in zip(request.sequences, request.start_indices, strict=True)
+        ],
+        temperature=request.temperature,
+        min_weight_version=request.min_weight_version,
+    )
+
+
+def score_request_from_pb(msg: rollout_pb2.ScoreRequest) -> ScoreRequest:
+    try:
+        return ScoreRequest(
+            sequences=[list(s.token_ids) for s in msg.sequences],
+            start_indices=[s.start_index for s in msg.sequences],
+            temperature=msg.temperature,
+            min_weight_version=msg.min_weight_version,
+        )
+    except ValueError as e:
+        raise InvalidRequestError(f"score: {e}") from None
+
+
+def score_result_to_pb(result: ScoreResult) -> rollout_pb2.ScoreResponse:
+    return rollout_pb2.ScoreResponse(
+        scores=[rollout_pb2.SequenceScore(logprobs=lps) for lps in result.logprobs],
+        weight_version=result.weight_version,
+    )
+
+
+def score_result_from_pb(msg: rollout_pb2.ScoreResponse) -> ScoreResult:
+    return ScoreResult(logprobs=[list(s.logprobs) for s in msg.scores], weight_version=msg.weight_version)
 
 
 def counters_to_pb(counters: SpeculationCounters) -> common_pb2.SpeculationCounters:
@@ -469,6 +526,7 @@ def info_to_pb(info: SidecarInfo) -> control_pb2.GetInfoResponse:
             rope_factor=m.rope_factor,
             num_mtp_layers=m.num_mtp_layers,
             dtype=m.dtype,
+            eos_token_ids=list(m.eos_token_ids),
         ),
         speculation=control_pb2.SpeculationInfo(
             method=e.speculation_method,
@@ -523,6 +581,7 @@ def info_from_pb(msg: control_pb2.GetInfoResponse) -> SidecarInfo:
                 rope_factor=m.rope_factor,
                 num_mtp_layers=m.num_mtp_layers,
                 dtype=m.dtype,
+                eos_token_ids=tuple(m.eos_token_ids),
             ),
             engine=msg.engine,
             engine_version=msg.engine_version,

@@ -69,6 +69,7 @@ from sidecar.types import (
     EngineInfo,
     FinishReason,
     GenerationRequest,
+    LogprobMode,
     ModelInfo,
     Sample,
     TensorSpec,
@@ -386,6 +387,17 @@ class SGLangEngine(Engine):
                 f"top_k={sp.top_k} together with top_p={sp.top_p} is refused on CPU: SGLang's PyTorch sampler applies "
                 "top-p to the probabilities before top-k renormalisation (sglang/srt/layers/sampler.py), specrl "
                 "after it, so the served distribution would differ; use one of the two"
+            )
+        # Not mapped onto SGLang yet (issue 18): refused rather than silently answered differently.
+        if request.sampling.logprob_mode is not LogprobMode.RAW:
+            raise InvalidRequestError(
+                "logprob_mode PROCESSED is not available on the sglang engine (it reports log-probs before "
+                "top-k/top-p only); use LOGPROB_MODE_RAW, or the torch engine"
+            )
+        if request.sampling.stop_at_eos:
+            raise InvalidRequestError(
+                "stop_at_eos is not available on the sglang engine yet; list the model's EOS ids "
+                "(GetInfo model.eos_token_ids) in stop_token_ids instead"
             )
         if request.speculation_k is not None and request.speculation_k != self._k:
             raise InvalidRequestError(

@@ -148,6 +148,7 @@ def target_hf_config(config: ModelConfig) -> dict[str, Any]:
     d["model_type"] = "qwen3"
     d["dtype"] = config.torch_dtype  # transformers 5 spelling, next to torch_dtype
     d.pop("num_nextn_predict_layers", None)
+    d.pop("eos_token_id", None)  # see above: stopping at EOS is the request's choice (stop_at_eos)
     return d
 
 

@@ -8,32 +8,77 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class LogprobMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LOGPROB_MODE_UNSPECIFIED: _ClassVar[LogprobMode]
+    LOGPROB_MODE_RAW: _ClassVar[LogprobMode]
+    LOGPROB_MODE_PROCESSED: _ClassVar[LogprobMode]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
+LOGPROB_MODE_UNSPECIFIED: LogprobMode
+LOGPROB_MODE_RAW: LogprobMode
+LOGPROB_MODE_PROCESSED: LogprobMode
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
+class ScoreSequence(_message.Message):
+    __slots__ = ("token_ids", "start_index")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    START_INDEX_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    start_index: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., start_index: _Optional[int] = ...) -> None: ...
+
+class ScoreRequest(_message.Message):
+    __slots__ = ("sequences", "temperature", "min_weight_version")
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    MIN_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[ScoreSequence]
+    temperature: float
+    min_weight_version: int
+    def __init__(self, sequences: _Optional[_Iterable[_Union[ScoreSequence, _Mapping]]] = ..., temperature: _Optional[float] = ..., min_weight_version: _Optional[int] = ...) -> None: ...
+
+class SequenceScore(_message.Message):
+    __slots__ = ("logprobs",)
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class ScoreResponse(_message.Message):
+    __slots__ = ("scores", "weight_version")
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    scores: _containers.RepeatedCompositeFieldContainer[SequenceScore]
+    weight_version: int
+    def __init__(self, scores: _Optional[_Iterable[_Union[SequenceScore, _Mapping]]] = ..., weight_version: _Optional[int] = ...) -> None: ...
+
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "seed")
+    __slots__ = ("temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "seed", "stop_at_eos", "logprob_mode")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_AT_EOS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_MODE_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
     max_new_tokens: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ...) -> None: ...
+    stop_at_eos: bool
+    logprob_mode: LogprobMode
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., stop_at_eos: _Optional[bool] = ..., logprob_mode: _Optional[_Union[LogprobMode, str]] = ...) -> None: ...
 
 class Prompt(_message.Message):
     __slots__ = ("token_ids",)

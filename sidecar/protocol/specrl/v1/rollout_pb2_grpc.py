@@ -47,6 +47,11 @@ class RolloutServiceStub:
                 request_serializer=specrl_dot_v1_dot_rollout__pb2.AbortRequest.SerializeToString,
                 response_deserializer=specrl_dot_v1_dot_rollout__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.Score = channel.unary_unary(
+                '/specrl.v1.RolloutService/Score',
+                request_serializer=specrl_dot_v1_dot_rollout__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=specrl_dot_v1_dot_rollout__pb2.ScoreResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServiceServicer:
@@ -84,6 +89,28 @@ class RolloutServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Score(self, request, context):
+        """Scores given token sequences teacher-forced: the target's log-prob of
+        every token from start_index on, given all the tokens before it, in
+        float32, as Sample.logprobs in LOGPROB_MODE_RAW (no sampling, no
+        speculation, no top-k/top-p). The whole request is scored between two
+        engine steps, so by one weight version (returned).
+
+        Errors:
+        INVALID_ARGUMENT     no sequence, start_index 0 or not inside its
+        sequence, token id outside the vocabulary, a
+        sequence longer than the context, temperature
+        below 0 or not finite, more sequences than
+        limits.max_prompts, a sequence longer than
+        limits.max_prompt_tokens + limits.max_new_tokens.
+        FAILED_PRECONDITION  the sidecar serves an older weight version than
+        min_weight_version.
+        UNIMPLEMENTED        the engine cannot score (the sglang engine).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -96,6 +123,11 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=specrl_dot_v1_dot_rollout__pb2.AbortRequest.FromString,
                     response_serializer=specrl_dot_v1_dot_rollout__pb2.AbortResponse.SerializeToString,
+            ),
+            'Score': grpc.unary_unary_rpc_method_handler(
+                    servicer.Score,
+                    request_deserializer=specrl_dot_v1_dot_rollout__pb2.ScoreRequest.FromString,
+                    response_serializer=specrl_dot_v1_dot_rollout__pb2.ScoreResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -155,6 +187,33 @@ class RolloutService:
             '/specrl.v1.RolloutService/Abort',
             specrl_dot_v1_dot_rollout__pb2.AbortRequest.SerializeToString,
             specrl_dot_v1_dot_rollout__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Score(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specrl.v1.RolloutService/Score',
+            specrl_dot_v1_dot_rollout__pb2.ScoreRequest.SerializeToString,
+            specrl_dot_v1_dot_rollout__pb2.ScoreResponse.FromString,
             options,
             channel_credentials,
             insecure,
