@@ -26,6 +26,7 @@ from sidecar.types import GenerationRequest, SamplingParams
 from tests.sidecar_fixtures import single_torch_thread, start_sidecar  # noqa: F401  (a fixture)
 from tests.test_sidecar_security import pki  # noqa: F401  (a fixture: CA, server and client certificates)
 from trainer import rl_loop
+from trainer.preflight import PreflightError
 from trainer.rl_config import RLConfig, RolloutConfig, SidecarsConfig, SidecarSecurityConfig, TaskConfig
 from trainer.tokenizer import CharTokenizer
 from trainer.warmup import make_model
@@ -142,11 +143,12 @@ def test_train_against_a_token_protected_sidecar(
         assert history[0]["weights/version"] == 2.0
         written = (tmp_path / "run" / "config.yaml").read_text()
         assert "s3cret-token" not in written and str(token_file) in written  # the path, never the token
-        # without the token the same run is refused, by the sidecar, with its message
+        # without the token the same run is refused before anything starts (preflight asks the
+        # sidecar first), with the sidecar's own status and message
         open_cfg = run_config(checkpoint, tmp_path / "run2", SidecarsConfig(addresses=[sidecar.address]))
-        with pytest.raises(SidecarCallError, match="missing bearer token") as err:
+        with pytest.raises(PreflightError, match="UNAUTHENTICATED: missing bearer token"):
             rl_loop.train(open_cfg, progress=False)
-        assert err.value.code == Code.UNAUTHENTICATED
+        assert not (tmp_path / "run2").exists()
     finally:
         sidecar.stop(0.2)
 
@@ -213,7 +215,8 @@ def test_samples_do_not_depend_on_the_fleet_the_plain_pass_or_a_resume(
         one = SidecarsConfig(addresses=[sidecars[0].address])
         two = SidecarsConfig(addresses=[s.address for s in sidecars])
         alone = recorded_run(monkeypatch, run_config(checkpoint, tmp_path / "a", one, steps=2))[SPEC_K]
-        assert len(alone) == 2 and alone[0] != alone[1]  # two steps, different samples
+        # two steps (each may add dynamic-sampling refill rounds), different samples
+        assert len(alone) >= 2 and alone[0] != alone[1]
         assert len({t for step in alone for _, _, t in step}) > 3  # really sampled, not one answer
         # two sidecars, with the plain-decoding measurement between the passes
         both = recorded_run(monkeypatch, run_config(checkpoint, tmp_path / "b", two, steps=2, measure_plain=True))
