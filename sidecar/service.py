@@ -39,6 +39,7 @@ _STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (errors.UnknownTensorError, grpc.StatusCode.NOT_FOUND),
     (errors.WeightMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.StaleVersionError, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.DeltaBaseError, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.ServedVersionTooOldError, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (errors.OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -185,7 +186,10 @@ class WeightService(services.WeightServicer):
         except Exception as e:
             _abort(context, e)
         return convert.describe_weights_to_pb(
-            self._scheduler.model_specs(selector), self._scheduler.weight_version, self._receiver.data_planes.offered
+            self._scheduler.model_specs(selector),
+            self._scheduler.weight_version,
+            self._receiver.data_planes.offered,
+            accepts_deltas=self._receiver.data_planes.deltas,
         )
 
     def PrepareTransport(self, request: weights_pb2.PrepareTransportRequest, context: grpc.ServicerContext) -> Any:

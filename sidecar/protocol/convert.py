@@ -14,6 +14,7 @@ from sidecar.errors import InvalidRequestError
 from sidecar.protocol.specrl.v1 import common_pb2, control_pb2, rollout_pb2, weights_pb2
 from sidecar.types import (
     CollectivePlacement,
+    DeltaEncoding,
     CollectiveRendezvous,
     EngineInfo,
     FinishReason,
@@ -32,6 +33,7 @@ from sidecar.types import (
     SidecarInfo,
     SidecarStats,
     SpeculationCounters,
+    TensorDelta,
     TensorSpec,
     VersionStats,
     WeightChunk,
@@ -227,13 +229,41 @@ def tensor_spec_to_pb(spec: TensorSpec) -> weights_pb2.TensorSpec:
         shape=list(spec.shape),
         byte_length=spec.byte_length,
         crc32=spec.crc32,
+        delta=delta_to_pb(spec.delta) if spec.delta is not None else None,
+    )
+
+
+def delta_to_pb(delta: TensorDelta) -> weights_pb2.TensorDelta:
+    return weights_pb2.TensorDelta(
+        encoding=int(delta.encoding),  # DeltaEncoding values are the proto's
+        changed=delta.changed,
+        payload_length=delta.payload_length,
+        payload_crc32=delta.payload_crc32,
+    )
+
+
+def delta_from_pb(name: str, msg: weights_pb2.TensorDelta) -> TensorDelta:
+    try:
+        encoding = DeltaEncoding(msg.encoding)
+    except ValueError:
+        raise InvalidRequestError(
+            f"tensor {name!r}: delta encoding {msg.encoding} is not INDEX (1) or BITMASK (2)"
+        ) from None
+    return TensorDelta(
+        encoding=encoding, changed=msg.changed, payload_length=msg.payload_length, payload_crc32=msg.payload_crc32
     )
 
 
 def tensor_spec_from_pb(msg: weights_pb2.TensorSpec) -> TensorSpec:
     if not msg.name:
         raise InvalidRequestError("a manifest tensor has an empty name; name every tensor")
-    spec = TensorSpec(name=msg.name, dtype=dtype_from_pb(msg.dtype), shape=tuple(msg.shape), crc32=msg.crc32)
+    spec = TensorSpec(
+        name=msg.name,
+        dtype=dtype_from_pb(msg.dtype),
+        shape=tuple(msg.shape),
+        crc32=msg.crc32,
+        delta=delta_from_pb(msg.name, msg.delta) if msg.HasField("delta") else None,
+    )
     if spec.byte_length != msg.byte_length:
         raise InvalidRequestError(
             f"tensor {msg.name!r}: byte_length {msg.byte_length} does not match shape {list(msg.shape)} "
@@ -247,6 +277,7 @@ def manifest_to_pb(manifest: WeightManifest) -> weights_pb2.WeightManifest:
         version=manifest.version,
         selector=selector_to_pb(manifest.selector),
         tensors=[tensor_spec_to_pb(t) for t in manifest.tensors],
+        base_version=manifest.base_version,
     )
     where = manifest.data_plane
     if isinstance(where, ShmPlacement):
@@ -273,6 +304,7 @@ def manifest_from_pb(m: weights_pb2.WeightManifest) -> WeightManifest:
         selector=selector_from_pb(m.selector),
         tensors=[tensor_spec_from_pb(t) for t in m.tensors],
         data_plane=data_plane,
+        base_version=m.base_version,
     )
 
 
@@ -407,12 +439,16 @@ def push_result_from_pb(msg: weights_pb2.PushWeightsResponse) -> PushResult:
 
 
 def describe_weights_to_pb(
-    specs: list[TensorSpec], weight_version: int, transports: list[WeightTransport] | None = None
+    specs: list[TensorSpec],
+    weight_version: int,
+    transports: list[WeightTransport] | None = None,
+    accepts_deltas: bool = False,
 ) -> weights_pb2.DescribeWeightsResponse:
     return weights_pb2.DescribeWeightsResponse(
         tensors=[tensor_spec_to_pb(TensorSpec(name=s.name, dtype=s.dtype, shape=s.shape)) for s in specs],
         weight_version=weight_version,
         transports=[transport_to_pb(t) for t in transports or [WeightTransport.GRPC]],
+        accepts_deltas=accepts_deltas,
     )
 
 
