@@ -46,8 +46,8 @@ from sidecar.types import (
     WeightSelector,
     WeightTransport,
 )
-from sidecar.weight_sync.negotiation import DataPlaneSession, TransportChoice, TransportConfig
 from sidecar.weight_sync.delta import DeltaBase, plan_push
+from sidecar.weight_sync.negotiation import DataPlaneSession, TransportChoice, TransportConfig
 from sidecar.weight_sync.sender import DEFAULT_CHUNK_BYTES, CollectiveSender, DataPlaneSender, iter_push_requests
 
 log = logging.getLogger(__name__)

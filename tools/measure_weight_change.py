@@ -201,12 +201,10 @@ def main() -> None:
         print(json.dumps(run_one(args.policy, opt, mode, args.steps, args.seed)))
         return
     if args.policy is None:
-        from trainer.demo import DemoConfig
+        from trainer.demo import DemoConfig, demo_model_config
         from trainer.tasks import ArithmeticTask
         from trainer.tokenizer import CharTokenizer
         from trainer.warmup import draft_init, make_model, supervised_warmup
-
-        from trainer.demo import demo_model_config
 
         cfg = DemoConfig()
         task, tok = ArithmeticTask(regime="zero", digits=2), CharTokenizer()

@@ -14,8 +14,8 @@ from sidecar.errors import InvalidRequestError
 from sidecar.protocol.specrl.v1 import common_pb2, control_pb2, rollout_pb2, weights_pb2
 from sidecar.types import (
     CollectivePlacement,
-    DeltaEncoding,
     CollectiveRendezvous,
+    DeltaEncoding,
     EngineInfo,
     FinishReason,
     GenerationRequest,
