@@ -37,6 +37,7 @@ import statistics
 import subprocess
 import sys
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -97,17 +98,13 @@ def hidden_rms(policy) -> float:
     return (sq / n) ** 0.5
 
 
-def run_one(policy_dir: Path, optimizer: str, lr_mode: str, steps: int, seed: int) -> dict:
+def build_policy(policy_dir: Path, optimizer: str, lr_mode: str, seed: int):
+    """(policy, (trunk lr, draft lr), hidden RMS) for one configuration."""
     from muon import HybridOptimizerConfig
-    from sidecar.weight_sync.delta import encoded_delta_bytes
-    from trainer.losses import sample_advantages
-    from trainer.policy import Policy, TrainBatch
+    from trainer.policy import Policy
     from trainer.rl_config import demo_config
-    from trainer.tasks import ArithmeticTask
-    from trainer.tokenizer import CharTokenizer
 
     demo = demo_config(policy_dir, Path("/dev/null"))
-    task, tok = ArithmeticTask(regime="zero", digits=2), CharTokenizer()
     route = {"hybrid": {}, "adamw": {"adamw_name_patterns": ("",)}}[optimizer]  # "" matches every name
 
     def build(trunk_lr: float, draft_lr: float) -> Policy:
@@ -132,14 +129,21 @@ def run_one(policy_dir: Path, optimizer: str, lr_mode: str, steps: int, seed: in
         lrs = (lr, lr)
     else:
         lrs = (demo.optimizer.lr, demo.draft_optimizer.lr)
+    return policy, lrs, rms
+
+
+def rl_steps(policy, steps: int, seed: int, rewards: list[float]) -> Iterator[int]:
+    """The demo's RL steps on `policy` (rollouts sampled in-process); yields after each update."""
+    from trainer.losses import sample_advantages
+    from trainer.policy import TrainBatch
+    from trainer.rl_config import demo_config
+    from trainer.tasks import ArithmeticTask
+    from trainer.tokenizer import CharTokenizer
+
+    demo = demo_config(Path("unused"), Path("/dev/null"))
+    task, tok = ArithmeticTask(regime="zero", digits=2), CharTokenizer()
     ro = demo.rollout
     gen = torch.Generator().manual_seed(seed)
-    dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-    prev = {d: served_bits(dict(policy.export_named_tensors()), dt) for d, dt in dtypes.items()}
-    # per (dtype, kind): per-step changed fraction; per dtype: per-step (delta bytes, dense bytes)
-    frac: dict[str, dict[str, list[float]]] = {d: defaultdict(list) for d in dtypes}
-    wire: dict[str, list[tuple[int, int]]] = {d: [] for d in dtypes}
-    rewards = []
     for step in range(steps):
         rng = random.Random(seed * 1_000_003 + step)
         problems = [task.sample(rng, "train") for _ in range(ro.prompts_per_step)]
@@ -157,6 +161,20 @@ def run_one(policy_dir: Path, optimizer: str, lr_mode: str, steps: int, seed: in
         )
         batch.mask = batch.mask * keep.float()[:, None]
         policy.train_step(batch)
+        yield step
+
+
+def run_one(policy_dir: Path, optimizer: str, lr_mode: str, steps: int, seed: int) -> dict:
+    from sidecar.weight_sync.delta import encoded_delta_bytes
+
+    policy, lrs, rms = build_policy(policy_dir, optimizer, lr_mode, seed)
+    dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+    prev = {d: served_bits(dict(policy.export_named_tensors()), dt) for d, dt in dtypes.items()}
+    # per (dtype, kind): per-step changed fraction; per dtype: per-step (delta bytes, dense bytes)
+    frac: dict[str, dict[str, list[float]]] = {d: defaultdict(list) for d in dtypes}
+    wire: dict[str, list[tuple[int, int]]] = {d: [] for d in dtypes}
+    rewards: list[float] = []
+    for _ in rl_steps(policy, steps, seed, rewards):
         now = dict(policy.export_named_tensors())
         for d, dt in dtypes.items():
             cur = served_bits(now, dt)
@@ -188,17 +206,116 @@ def run_one(policy_dir: Path, optimizer: str, lr_mode: str, steps: int, seed: in
     }
 
 
+def push_bench(policy_dir: Path, lr_mode: str, steps: int, seed: int, transport: str, work: Path) -> dict:
+    """Dense against delta pushes of the same weights in one run: per served dtype, two sidecars
+    (in this process, grpc or shm) start from the policy; after every RL step (Muon hybrid) one
+    gets the dense push and the other the delta push, in alternating order; bytes received and
+    push seconds (client side, the delta's encoding included) per step. At the end the delta
+    sidecar's parameters must hash (sha256) to the trainer's served-dtype copy."""
+    import dataclasses
+    import hashlib
+    import time
+
+    from sidecar.client import ClientConfig, SidecarClient
+    from sidecar.engine.checkpoint import load_checkpoint, save_checkpoint
+    from sidecar.engine.torch_engine import TorchEngine
+    from sidecar.server import ServerConfig
+    from sidecar.service import Sidecar, SidecarConfig
+    from sidecar.weight_sync.negotiation import TransportConfig
+
+    def digest(tensors: dict[str, torch.Tensor]) -> str:
+        h = hashlib.sha256()
+        for n in sorted(tensors):
+            h.update(n.encode())
+            h.update(tensors[n].detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+    policy, lrs, _ = build_policy(policy_dir, "hybrid", lr_mode, seed)
+    config, tensors = load_checkpoint(policy_dir)
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    sidecars, clients = {}, {}
+    for d in dtypes:
+        ckpt = work / f"policy-{d}"
+        save_checkpoint(ckpt, dataclasses.replace(config, torch_dtype=d), tensors)
+        for mode in ("dense", "delta"):
+            engine = TorchEngine.from_checkpoint(ckpt, speculation_k=3)
+            sc = Sidecar(engine, SidecarConfig(server=ServerConfig(port=0), shutdown_grace_s=1.0)).start()
+            sidecars[d, mode] = sc
+            cfg = ClientConfig(transports=TransportConfig(shm=transport == "shm"), delta_pushes=mode == "delta")
+            clients[d, mode] = SidecarClient(sc.address, cfg)
+    rows: dict[tuple[str, str], list[tuple[int, float]]] = defaultdict(list)
+    try:
+
+        def push_all(version: int, order: tuple[str, str]) -> None:
+            exported = dict(policy.export_named_tensors())
+            for d, dt in dtypes.items():
+                state = {n: t.detach().to(dt).contiguous() for n, t in exported.items()}
+                for mode in order:
+                    t0 = time.perf_counter()
+                    r = clients[d, mode].push_weights(state, version)
+                    if version > 1:
+                        rows[d, mode].append((r.bytes_received, time.perf_counter() - t0))
+            last_state.clear()
+            last_state.update(exported)
+
+        last_state: dict[str, torch.Tensor] = {}
+        push_all(1, ("dense", "delta"))  # first contact: both full
+        rewards: list[float] = []
+        for step in rl_steps(policy, steps, seed, rewards):
+            push_all(step + 2, ("dense", "delta") if step % 2 == 0 else ("delta", "dense"))
+        exact = {}
+        for d, dt in dtypes.items():
+            want = digest({n: t.detach().to(dt) for n, t in last_state.items()})
+            engine = sidecars[d, "delta"].scheduler._engine
+            exact[d] = digest({n: p.detach() for n, p in engine.model.named_parameters()}) == want
+    finally:
+        for c in clients.values():
+            c.close()
+        for sc in sidecars.values():
+            sc.stop()
+    out: dict = {"lr_mode": lr_mode, "trunk_lr": lrs[0], "draft_lr": lrs[1], "transport": transport, "exact": exact}
+    for (d, mode), vals in rows.items():
+        out[f"{d}/{mode}/bytes"] = statistics.median(b for b, _ in vals)
+        out[f"{d}/{mode}/seconds"] = statistics.median(t for _, t in vals)
+    return out
+
+
+def render_push(results: list[dict], steps: int) -> str:
+    lines = [
+        f"median over {steps} RL steps (Muon hybrid) of one push to one sidecar, dense and delta side by side",
+        "",
+        "| lr (trunk / draft) | transport | served dtype | dense bytes | delta bytes | ratio | dense s | delta s | "
+        "delta sidecar sha256 = trainer's |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        for d in ("float32", "bfloat16"):
+            db, xb = r[f"{d}/dense/bytes"], r[f"{d}/delta/bytes"]
+            lines.append(
+                f"| {r['lr_mode']} {r['trunk_lr']:.2g} / {r['draft_lr']:.2g} | {r['transport']} | {d} | {db:,.0f} | "
+                f"{xb:,.0f} | {db / xb:.1f}x | {r[f'{d}/dense/seconds']:.3f} | {r[f'{d}/delta/seconds']:.3f} | "
+                f"{'yes' if r['exact'][d] else 'NO'} |"
+            )
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--policy", type=Path, help="demo policy checkpoint (default: run the demo's warm-up first)")
     ap.add_argument("--steps", type=int, default=12, help="RL steps per configuration (the demo runs 12)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("/tmp/measure-weight-change"))
+    ap.add_argument("--push", action="store_true", help="benchmark dense against delta pushes instead")
+    ap.add_argument("--transport", choices=("grpc", "shm"), default="grpc", help="data plane of --push")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # OPTIMIZER:LRMODE, run in a child process
     args = ap.parse_args()
     if args.one:
         opt, mode = args.one.split(":")
-        print(json.dumps(run_one(args.policy, opt, mode, args.steps, args.seed)))
+        if args.push:
+            args.out.mkdir(parents=True, exist_ok=True)
+            print(json.dumps(push_bench(args.policy, mode, args.steps, args.seed, args.transport, args.out)))
+        else:
+            print(json.dumps(run_one(args.policy, opt, mode, args.steps, args.seed)))
         return
     if args.policy is None:
         from trainer.demo import DemoConfig, demo_model_config
@@ -213,16 +330,17 @@ def main() -> None:
         draft_init(args.out / "warm", args.out / "policy", task, tok, cfg.draft_init)
         args.policy = args.out / "policy"
     results = []
-    for opt in ("hybrid", "adamw"):
+    for opt in ("hybrid",) if args.push else ("hybrid", "adamw"):
         for mode in ("demo", "real"):
             # one process per configuration: megatron's parallel state is set up once per process
             cmd = [sys.executable, __file__, "--policy", str(args.policy), "--steps", str(args.steps)]
-            cmd += ["--seed", str(args.seed), "--one", f"{opt}:{mode}"]
+            cmd += ["--seed", str(args.seed), "--one", f"{opt}:{mode}", "--out", str(args.out)]
+            cmd += ["--push", "--transport", args.transport] if args.push else []
             env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
             out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
             results.append(json.loads(out.strip().splitlines()[-1]))
             print(json.dumps(results[-1]), file=sys.stderr)
-    print(render(results, args.steps))
+    print(render_push(results, args.steps) if args.push else render(results, args.steps))
 
 
 def render(results: list[dict], steps: int) -> str:
