@@ -363,3 +363,20 @@ def test_receiver_refuses_a_delta_before_it_holds_a_base() -> None:
     with pytest.raises(DeltaBaseError, match="serves version 0"):
         receiver.receive(iter_push_requests(plan.wire, 4, specs=plan.specs, base_version=3))
     assert WeightSelector.ALL  # the receiver's model specs answer any selector
+
+
+def test_the_run_config_turns_delta_pushes_on_for_every_client(checkpoint: Path) -> None:
+    from trainer.config_io import from_mapping
+    from trainer.orchestration import Orchestrator
+    from trainer.rl_config import RLConfig
+
+    cfg = from_mapping(RLConfig, {"model": "m", "sidecars": {"local": 1, "delta_pushes": True}})
+    assert cfg.sidecars.delta_pushes and not RLConfig(model=Path("m")).sidecars.delta_pushes
+    state = weights(1)
+    with start_sidecar(checkpoint) as sc, Orchestrator([sc.address], delta_pushes=True) as orch:
+        assert all(c.config.delta_pushes for c in orch.clients)
+        orch.push_weights(lambda: iter(state.items()), 1, names=list(state))
+        assert orch.clients[0].delta_base.version == 1  # the next push can be a delta
+        state = sparse_step(state, torch.Generator().manual_seed(7), 0.01)
+        orch.push_weights(lambda: iter(state.items()), 2, names=list(state))
+        assert served(sc) == (2, sha(state))

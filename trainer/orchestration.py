@@ -80,10 +80,14 @@ class Orchestrator:
         call_timeout_s: float = 10.0,
         probe_interval_s: float = 30.0,
         stream_bytes: int = 256 << 20,
+        delta_pushes: bool = False,
     ) -> None:
+        """`delta_pushes`: send weights as sparse deltas where smaller (`ClientConfig.delta_pushes`)."""
         if not addresses:
             raise ValueError("the orchestrator needs at least one sidecar address")
-        config = ClientConfig(timeout_s=call_timeout_s, retries=1, generate_timeout_s=deadline_s)
+        config = ClientConfig(
+            timeout_s=call_timeout_s, retries=1, generate_timeout_s=deadline_s, delta_pushes=delta_pushes
+        )
         self.clients = [SidecarClient(a, config) for a in addresses]
         self.deadline_s = deadline_s
         self.version = 0
@@ -104,6 +108,7 @@ class Orchestrator:
         return [c for c in self.clients if c.address not in self._down]
 
     def _mark_down(self, client: SidecarClient, why: str, events: list[str]) -> None:
+        client.delta_base.forget()  # it may come back with other weights: its rejoin push is full
         if client.address not in self._down:
             self._down.add(client.address)
             self._next_probe[client.address] = time.monotonic() + self.probe_interval_s

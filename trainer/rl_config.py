@@ -97,6 +97,11 @@ class SidecarsConfig:
     """How long a local sidecar may take to print `listening on`."""
     call_timeout_s: float = 10.0
     """Deadline of control calls (health, info, stats)."""
+    delta_pushes: bool = False
+    """Push each tensor as a sparse delta against the sidecar's served version where that is
+    smaller (full on first contact, after a refusal and on rejoin). Off by default: it pays for
+    bfloat16 serving at real-RL update sizes (BENCHMARKS.md, "Sparse delta pushes"); the demo
+    serves float32, where nearly every element changes every step."""
 
     def __post_init__(self) -> None:
         if self.local < 0:

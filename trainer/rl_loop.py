@@ -91,7 +91,12 @@ def sidecar_fleet(cfg: RLConfig, run_dir: Path) -> Iterator[tuple[Orchestrator, 
         else:
             addresses = list(cfg.sidecars.addresses)
         orch = stack.enter_context(
-            Orchestrator(addresses, deadline_s=cfg.rollout.deadline_s, call_timeout_s=cfg.sidecars.call_timeout_s)
+            Orchestrator(
+                addresses,
+                deadline_s=cfg.rollout.deadline_s,
+                call_timeout_s=cfg.sidecars.call_timeout_s,
+                delta_pushes=cfg.sidecars.delta_pushes,
+            )
         )
         yield orch, local
 
