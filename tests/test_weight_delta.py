@@ -26,6 +26,7 @@ import torch
 from hypothesis import given, settings
 
 from sidecar.client import ClientConfig, SidecarCallError, SidecarClient
+from sidecar.engine.torch_engine import TorchEngine
 from sidecar.errors import DeltaBaseError, InvalidRequestError
 from sidecar.service import Sidecar
 from sidecar.types import (
@@ -71,6 +72,7 @@ def sha(tensors: dict[str, torch.Tensor]) -> str:
 
 def served(sc: Sidecar) -> tuple[int, str]:
     engine = sc.scheduler._engine
+    assert isinstance(engine, TorchEngine)
     return engine.weight_version, sha({n: p.detach() for n, p in engine.model.named_parameters()})
 
 

@@ -39,6 +39,7 @@ import sys
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -105,7 +106,7 @@ def build_policy(policy_dir: Path, optimizer: str, lr_mode: str, seed: int):
     from trainer.rl_config import demo_config
 
     demo = demo_config(policy_dir, Path("/dev/null"))
-    route = {"hybrid": {}, "adamw": {"adamw_name_patterns": ("",)}}[optimizer]  # "" matches every name
+    route: dict[str, Any] = {"hybrid": {}, "adamw": {"adamw_name_patterns": ("",)}}[optimizer]  # "" matches every name
 
     def build(trunk_lr: float, draft_lr: float) -> Policy:
         return Policy.from_checkpoint(
@@ -238,8 +239,8 @@ def push_bench(policy_dir: Path, lr_mode: str, steps: int, seed: int, transport:
         ckpt = work / f"policy-{d}"
         save_checkpoint(ckpt, dataclasses.replace(config, torch_dtype=d), tensors)
         for mode in ("dense", "delta"):
-            engine = TorchEngine.from_checkpoint(ckpt, speculation_k=3)
-            sc = Sidecar(engine, SidecarConfig(server=ServerConfig(port=0), shutdown_grace_s=1.0)).start()
+            torch_engine = TorchEngine.from_checkpoint(ckpt, speculation_k=3)
+            sc = Sidecar(torch_engine, SidecarConfig(server=ServerConfig(port=0), shutdown_grace_s=1.0)).start()
             sidecars[d, mode] = sc
             cfg = ClientConfig(transports=TransportConfig(shm=transport == "shm"), delta_pushes=mode == "delta")
             clients[d, mode] = SidecarClient(sc.address, cfg)
@@ -267,6 +268,7 @@ def push_bench(policy_dir: Path, lr_mode: str, steps: int, seed: int, transport:
         for d, dt in dtypes.items():
             want = digest({n: t.detach().to(dt) for n, t in last_state.items()})
             engine = sidecars[d, "delta"].scheduler._engine
+            assert isinstance(engine, TorchEngine)
             exact[d] = digest({n: p.detach() for n, p in engine.model.named_parameters()}) == want
     finally:
         for c in clients.values():

@@ -233,9 +233,15 @@ def tensor_spec_to_pb(spec: TensorSpec) -> weights_pb2.TensorSpec:
     )
 
 
+_DELTA_ENCODING_TO_PB = {
+    DeltaEncoding.INDEX: weights_pb2.DELTA_ENCODING_INDEX,
+    DeltaEncoding.BITMASK: weights_pb2.DELTA_ENCODING_BITMASK,
+}
+
+
 def delta_to_pb(delta: TensorDelta) -> weights_pb2.TensorDelta:
     return weights_pb2.TensorDelta(
-        encoding=int(delta.encoding),  # DeltaEncoding values are the proto's
+        encoding=_DELTA_ENCODING_TO_PB[delta.encoding],
         changed=delta.changed,
         payload_length=delta.payload_length,
         payload_crc32=delta.payload_crc32,
