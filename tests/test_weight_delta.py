@@ -382,3 +382,40 @@ def test_the_run_config_turns_delta_pushes_on_for_every_client(checkpoint: Path)
         state = sparse_step(state, torch.Generator().manual_seed(7), 0.01)
         orch.push_weights(lambda: iter(state.items()), 2, names=list(state))
         assert served(sc) == (2, sha(state))
+
+
+@pytest.mark.parametrize("fault", ["wrong-base", "rebuilt-mismatch"])
+@pytest.mark.parametrize("transport", list(CONFIGS), ids=lambda t: t.value)
+def test_a_refused_delta_on_any_transport_is_followed_by_a_full_push(
+    checkpoint: Path, transport: WeightTransport, fault: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client's delta, damaged before it leaves (a base the sidecar does not serve, or a
+    manifest CRC-32 its rebuilt tensor cannot match), is refused on every data plane; the client
+    then pushes in full and the sidecar serves exactly the client's weights."""
+    import sidecar.client as client_module
+
+    g = torch.Generator().manual_seed(8)
+    state = weights(1)
+    dense = sum(t.numel() * t.element_size() for t in state.values())
+    plans: list[str] = []
+
+    def damaged(pairs: object, base: DeltaBase) -> object:
+        plan = plan_push(pairs, base)  # type: ignore[arg-type]
+        if plan.base_version:
+            plans.append("delta")
+            if fault == "wrong-base":
+                plan.base_version += 5
+            else:
+                i = next(k for k, s in enumerate(plan.specs) if s.delta is not None)
+                plan.specs[i] = dataclasses.replace(plan.specs[i], crc32=plan.specs[i].crc32 ^ 1)
+        else:
+            plans.append("full")
+        return plan
+
+    with start_sidecar(checkpoint) as sc, delta_client(sc.address, transport) as c:
+        c.push_weights(state, version=1)
+        monkeypatch.setattr(client_module, "plan_push", damaged)
+        state = sparse_step(state, g, 0.01)
+        result = c.push_weights(state, version=2)
+        assert plans == ["delta", "full"] and result.bytes_received == dense and result.transport is transport
+        assert served(sc) == (2, sha(state))
