@@ -147,11 +147,22 @@ def test_a_payload_of_the_wrong_length_or_a_dirty_bitmask_is_refused() -> None:
 # --- receiver-level property test (oracle: the sender's own served-dtype copy) ------------------
 
 
-def _receiver(state: dict[str, torch.Tensor], version: list[int]) -> WeightReceiver:
+def _receiver(state: dict[str, torch.Tensor], version: list[int], keep_staging: bool = False) -> WeightReceiver:
     return WeightReceiver(
         model_specs=lambda _sel: [spec_of(n, t) for n, t in state.items()],
         served_version=lambda: version[0],
+        keep_staging=keep_staging,
     )
+
+
+def _corrupt_last_chunk(items: Iterator[PushItem]) -> Iterator[PushItem]:
+    """The push with its last chunk's bytes damaged (a push the receiver must refuse)."""
+    got = list(items)
+    k = max(i for i, it in enumerate(got) if isinstance(it, WeightChunk))
+    chunk = got[k]
+    assert isinstance(chunk, WeightChunk) and len(chunk.data)
+    got[k] = dataclasses.replace(chunk, data=bytes([chunk.data[0] ^ 1]) + bytes(chunk.data[1:]))
+    return iter(got)
 
 
 @settings(max_examples=8, deadline=None)
@@ -159,10 +170,14 @@ def _receiver(state: dict[str, torch.Tensor], version: list[int]) -> WeightRecei
     seed=st.integers(0, 2**16),
     fractions=st.lists(st.sampled_from([0.0, 0.001, 0.01, 0.05, 0.3, 1.0]), min_size=50, max_size=50),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    keep_staging=st.booleans(),
+    failures=st.sets(st.integers(2, 50), max_size=5),
 )
 def test_fifty_delta_pushes_serve_exactly_the_senders_copy(
-    seed: int, fractions: list[float], dtype: torch.dtype
+    seed: int, fractions: list[float], dtype: torch.dtype, keep_staging: bool, failures: set[int]
 ) -> None:
+    """Interleaved with damaged pushes (refused, nothing applied); the sender then forgets its
+    base and pushes in full, as the client does."""
     g = torch.Generator().manual_seed(seed)
     sender_state = {
         "a": torch.randn(64, 48, generator=g).to(dtype),
@@ -171,17 +186,25 @@ def test_fifty_delta_pushes_serve_exactly_the_senders_copy(
     }
     served_state = {n: t.clone() for n, t in sender_state.items()}
     version = [0]
-    receiver = _receiver(served_state, version)
+    receiver = _receiver(served_state, version, keep_staging)
     base = DeltaBase()
     deltas_sent = 0
     for step, fraction in enumerate([0.0, *fractions], 1):
         if step > 1:
             sender_state = sparse_step(sender_state, g, fraction)
+        if step in failures:
+            plan = plan_push(sender_state.items(), base)
+            items = iter_push_requests(plan.wire, step, specs=plan.specs, base_version=plan.base_version)
+            before = sha(served_state)
+            with pytest.raises(InvalidRequestError):
+                receiver.receive(_corrupt_last_chunk(items))
+            assert sha(served_state) == before and version[0] == step - 1
+            base.forget()
         plan = plan_push(sender_state.items(), base)
         deltas_sent += sum(s.delta is not None for s in plan.specs)
         items = iter_push_requests(plan.wire, step, specs=plan.specs, base_version=plan.base_version, chunk_bytes=1000)
         staged = receiver.receive(items)
-        served_state.update(staged.tensors)  # the engine's copy at the swap
+        served_state.update({n: t.clone() for n, t in staged.tensors.items()})  # the engine copies at the swap
         version[0] = staged.version
         receiver.keep(staged)
         base.version, base.tensors = step, plan.full
@@ -209,7 +232,7 @@ def test_fifty_delta_pushes_on_a_live_sidecar_serve_the_senders_copy(
     g = torch.Generator().manual_seed(1)
     state = weights(1)
     dense = sum(t.numel() * t.element_size() for t in state.values())
-    with start_sidecar(checkpoint) as sc, delta_client(sc.address, transport) as c:
+    with start_sidecar(checkpoint, keep_staging=True) as sc, delta_client(sc.address, transport) as c:
         first = c.push_weights(state, version=1)
         assert first.bytes_received == dense and first.transport is transport  # first contact: full
         received = []

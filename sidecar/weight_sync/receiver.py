@@ -402,17 +402,26 @@ class WeightReceiver:
             )
         self._check_deltas(manifest, served)
         kept, self._kept = self._kept, {}
-        return [_StagedTensor(s, _reusable(kept.pop(s.name, None), s)) for s in manifest.tensors]
+        if kept and self._base:
+            # The kept staging buffers are the base's tensors, and full tensors are about to be
+            # received into them: the base (but for this push's delta tensors, rebuilt into
+            # fresh memory first) is void until `keep` takes the applied push as the new one.
+            self._base = {s.name: self._base[s.name] for s in manifest.tensors if s.delta is not None}
+            self._base_version = -1
+        return [
+            _StagedTensor(s, None if s.delta is not None else _reusable(kept.pop(s.name, None), s))
+            for s in manifest.tensors
+        ]
 
     def keep(self, staged: StagedWeights) -> None:
         """After an applied push: keep its tensors as the base of later deltas (when deltas are
-        accepted), or as the next push's staging buffers (keep_staging, without deltas: a base
-        must not be overwritten by a push that may fail)."""
+        accepted) and, with keep_staging, as the next push's staging buffers (that push voids
+        the base it receives full tensors into; see `_check_manifest`)."""
         if self.data_planes.deltas:
             self._base.update(staged.tensors)
             self._base_version = staged.version
-        elif self._keep_staging:
-            self._kept = dict(staged.tensors)
+        if self._keep_staging:
+            self._kept = dict(self._base) if self.data_planes.deltas else dict(staged.tensors)
 
 
 # --- data planes, receiving side ------------------------------------------------------------
