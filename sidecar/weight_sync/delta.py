@@ -176,14 +176,14 @@ def plan_push(named_tensors: Iterable[tuple[str, torch.Tensor]], base: DeltaBase
     for name, tensor in named_tensors:
         t = tensor.detach().to("cpu").contiguous().clone()
         full[name] = t
-        crc = crc32(tensor_bytes(t)) if t.numel() else 0
         old = held.get(name)
         enc = encode_delta(old, t) if old is not None and old.dtype == t.dtype and old.shape == t.shape else None
-        if enc is None:
-            specs.append(TensorSpec(name=name, dtype=t.dtype, shape=tuple(t.shape), crc32=crc))
+        if enc is None:  # in full: its CRC-32 travels with its bytes (computed as they are sent)
+            specs.append(TensorSpec(name=name, dtype=t.dtype, shape=tuple(t.shape)))
             wire.append((name, t))
             continue
         encoding, changed, payload = enc
+        crc = crc32(tensor_bytes(t)) if t.numel() else 0  # of the tensor the sidecar must rebuild
         delta = TensorDelta(
             encoding=encoding,
             changed=changed,
