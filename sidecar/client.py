@@ -1,4 +1,4 @@
-"""The typed Python client of specrl.v1, and a pool over several sidecars.
+"""The typed Python client of specrl.v1 (one sidecar; several as one: `sidecar.fleet`).
 
 Domain types in, domain types out (`sidecar.types`; conversion in `sidecar.protocol.convert`,
 shared with the server). Every call has a deadline. Retries happen only where repeating a call
@@ -18,8 +18,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -82,8 +81,8 @@ class ClientConfig:
     backoff_s: float = 0.1
     """First backoff; doubles per attempt (with jitter) up to max_backoff_s."""
     max_backoff_s: float = 2.0
-    token: str | None = None
-    """Bearer token sent with every call."""
+    token: str | None = field(default=None, repr=False)
+    """Bearer token sent with every call (kept out of repr, so it is never logged)."""
     tls: bool = False
     """Use TLS (implied by root_ca); the system roots verify the server unless root_ca is set."""
     root_ca: Path | None = None
@@ -132,7 +131,7 @@ class SidecarClient:
         self._weights = services.WeightStub(self.channel)
         self._control = services.ControlStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
-        # PushWeights with pre-serialised requests (convert.push_item_to_wire: one copy per chunk).
+        # PushWeights with pre-serialised requests (weight_wire.push_item_to_wire: one copy per chunk).
         self._push = self.channel.stream_unary(
             services.PUSH_WEIGHTS_METHOD,
             request_serializer=None,
@@ -434,145 +433,3 @@ def _in_order(
         yield name, tensor
     if n != len(specs):
         raise ValueError(f"the tensors ended after {n} of the {len(specs)} manifest entries")
-
-
-class SidecarPool:
-    """Several sidecars as one: generation spread over the healthy ones, weights pushed to all.
-
-    Health is checked with `grpc.health.v1` and cached for `health_ttl_s`; a sidecar that fails
-    a call with UNAVAILABLE is marked unhealthy until its next successful check. A Generate
-    shard lost to an UNAVAILABLE sidecar is re-run on another healthy one (its partial samples
-    are dropped, so no sample is duplicated); other errors propagate. Note: with a fixed seed,
-    samples depend on how prompts were split (each shard is its own request).
-    """
-
-    def __init__(
-        self, addresses: Sequence[str], config: ClientConfig | None = None, *, health_ttl_s: float = 5.0
-    ) -> None:
-        if not addresses:
-            raise ValueError("a SidecarPool needs at least one address")
-        self.clients = [SidecarClient(a, config) for a in addresses]
-        self._health_ttl_s = health_ttl_s
-        self._checked: dict[str, tuple[float, bool]] = {}
-        self._lock = threading.Lock()
-
-    def _mark(self, client: SidecarClient, healthy: bool) -> None:
-        with self._lock:
-            self._checked[client.address] = (time.monotonic(), healthy)
-
-    def healthy(self) -> list[SidecarClient]:
-        """The sidecars that report SERVING (cached for health_ttl_s)."""
-        now = time.monotonic()
-        result = []
-        for c in self.clients:
-            with self._lock:
-                cached = self._checked.get(c.address)
-            if cached is None or now - cached[0] > self._health_ttl_s:
-                self._mark(c, c.health())
-                with self._lock:
-                    cached = self._checked[c.address]
-            if cached[1]:
-                result.append(c)
-        return result
-
-    def generate(self, request: GenerationRequest, timeout_s: float | None = None) -> list[Sample]:
-        """All samples of `request`, prompts spread over the healthy sidecars; sorted by
-        (prompt_index, sample_index), with prompt indices of the original request."""
-        rid = request.request_id or f"pool-{time.time_ns():x}"
-        pending: list[list[int]] = [list(range(len(request.prompts)))]
-        results: list[Sample] = []
-        for _attempt in range(len(self.clients)):
-            healthy = self.healthy()
-            if not healthy:
-                raise SidecarCallError(
-                    ",".join(c.address for c in self.clients),
-                    "Generate",
-                    grpc.StatusCode.UNAVAILABLE,
-                    "no healthy sidecar in the pool; start one or check the addresses",
-                )
-            indices = [i for block in pending for i in block]
-            shards = [indices[j :: len(healthy)] for j in range(len(healthy))]
-            work = [(c, s) for c, s in zip(healthy, shards, strict=True) if s]
-            with ThreadPoolExecutor(max_workers=len(work)) as pool:
-                futures = [
-                    pool.submit(self._run_shard, c, request, rid, n, shard, timeout_s)
-                    for n, (c, shard) in enumerate(work)
-                ]
-                pending = []
-                for (c, shard), fut in zip(work, futures, strict=True):
-                    try:
-                        results.extend(fut.result())
-                    except SidecarCallError as e:
-                        if e.code != grpc.StatusCode.UNAVAILABLE:
-                            raise
-                        log.warning("sidecar %s unavailable (%s); re-running its prompts elsewhere", c.address, e)
-                        self._mark(c, False)
-                        pending.append(shard)
-            if not pending:
-                return sorted(results, key=lambda s: (s.prompt_index, s.sample_index))
-        raise SidecarCallError(
-            ",".join(c.address for c in self.clients),
-            "Generate",
-            grpc.StatusCode.UNAVAILABLE,
-            f"{sum(len(p) for p in pending)} prompts could not be served by any sidecar of the pool",
-        )
-
-    @staticmethod
-    def _run_shard(
-        client: SidecarClient,
-        request: GenerationRequest,
-        rid: str,
-        n: int,
-        shard: list[int],
-        timeout_s: float | None,
-    ) -> list[Sample]:
-        sub = replace(request, prompts=[request.prompts[i] for i in shard], request_id=f"{rid}/{n}")
-        samples = client.generate(sub, timeout_s)
-        for s in samples:
-            s.prompt_index = shard[s.prompt_index]
-            s.request_id = rid
-        return samples
-
-    def push_weights(
-        self,
-        named_tensors: Mapping[str, torch.Tensor] | Callable[[], Iterable[tuple[str, torch.Tensor]]],
-        version: int,
-        selector: WeightSelector = WeightSelector.ALL,
-        **kwargs: Any,
-    ) -> dict[str, PushResult]:
-        """Push to every sidecar of the pool (in parallel); raises SidecarCallError naming every
-        sidecar that failed. `named_tensors` is a state dict, or a callable returning a fresh
-        iterable of (name, tensor) pairs for each sidecar."""
-
-        def push(c: SidecarClient) -> PushResult:
-            tensors = named_tensors if isinstance(named_tensors, Mapping) else named_tensors()
-            return c.push_weights(tensors, version, selector, **kwargs)
-
-        with ThreadPoolExecutor(max_workers=len(self.clients)) as pool:
-            futures = {c.address: pool.submit(push, c) for c in self.clients}
-        results: dict[str, PushResult] = {}
-        failures: list[SidecarCallError] = []
-        for address, fut in futures.items():
-            try:
-                results[address] = fut.result()
-            except SidecarCallError as e:
-                failures.append(e)
-        if failures:
-            code = failures[0].code
-            raise SidecarCallError(
-                ",".join(f.address for f in failures),
-                "PushWeights",
-                code,
-                "; ".join(str(f) for f in failures) + f" (succeeded on {sorted(results)})",
-            )
-        return results
-
-    def close(self) -> None:
-        for c in self.clients:
-            c.close()
-
-    def __enter__(self) -> SidecarPool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -1,10 +1,11 @@
 """The scheduler: one thread that owns the engine and merges many Generate streams into batches.
 
-An `Engine` is driven step by step and is not thread-safe, while gRPC serves every call on its
-own thread. The scheduler is the single place where the two meet: RPC threads hand it
-commands (submit, abort, cancel, set k, apply weights) through a queue; its thread runs them
-between two `engine.step()` calls and routes each finished sample to the queue of the stream
-that asked for it. So a weight swap always lands on a step boundary (continuous batching in
+An `Engine` is driven step by step and is not thread-safe, while gRPC serves calls on an
+asyncio event loop (`grpc.aio`, so an open stream holds no thread). The scheduler is the single
+place where the two meet: handlers hand it commands (submit, abort, cancel, set k, apply
+weights) through a queue; its thread runs them between two `engine.step()` calls and routes
+each finished sample to the queue of the stream that asked for it — an `asyncio.Queue` filled
+with `loop.call_soon_threadsafe` for a handler on the loop, a `queue.Queue` for a plain thread. So a weight swap always lands on a step boundary (continuous batching in
 the style of Orca, Yu et al., OSDI 2022, with the swap as one more between-step operation),
 and no token is computed from half-applied weights.
 
@@ -16,7 +17,9 @@ which aborts its sequences in the engine and frees their slots.
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import contextlib
 import itertools
 import logging
 import queue
@@ -72,32 +75,57 @@ class SchedulerConfig:
 _DONE = object()
 
 
-class RequestHandle:
-    """The RPC side of one admitted request: finished samples arrive on its queue."""
+def _unwrap(item: object) -> Sample | None:
+    if item is _DONE:
+        return None
+    if isinstance(item, BaseException):
+        raise item
+    assert isinstance(item, Sample)
+    return item
 
-    def __init__(self, scheduler: Scheduler, request: GenerationRequest) -> None:
+
+class RequestHandle:
+    """The caller's side of one admitted request: finished samples arrive on its queue.
+
+    Without `loop` it is read from a thread with `get`; with `loop` (a handler on that event
+    loop) with `await next()`, and the scheduler thread hands items over through
+    `loop.call_soon_threadsafe`, so waiting costs no thread."""
+
+    def __init__(
+        self, scheduler: Scheduler, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None
+    ) -> None:
         self.request_id = request.request_id
         self.expected = len(request.prompts) * request.samples_per_prompt
         self._scheduler = scheduler
+        self._loop = loop
         # Bounded by construction: at most `expected` samples plus one terminal item.
         self._queue: queue.Queue[Any] = queue.Queue()
+        self._async_queue: asyncio.Queue[Any] = asyncio.Queue()
 
     def get(self, timeout: float) -> Sample | None:
         """The next finished sample; None when all were delivered; raises the request's error;
-        `queue.Empty` when nothing arrived within `timeout` seconds."""
-        item = self._queue.get(timeout=timeout)
-        if item is _DONE:
-            return None
-        if isinstance(item, BaseException):
-            raise item
-        return item
+        `queue.Empty` when nothing arrived within `timeout` seconds (thread callers only)."""
+        if self._loop is not None:
+            raise RuntimeError("this handle delivers to an event loop: use `await handle.next()`")
+        return _unwrap(self._queue.get(timeout=timeout))
+
+    async def next(self) -> Sample | None:
+        """Like `get`, awaited on the handle's event loop, without a timeout (the caller's
+        deadline or cancellation ends the wait)."""
+        if self._loop is None:
+            raise RuntimeError("this handle delivers to a thread: use `handle.get(timeout)`")
+        return _unwrap(await self._async_queue.get())
 
     def cancel(self) -> None:
         """The client went away: abort its sequences and drop their output (idempotent)."""
         self._scheduler._cancel(self.request_id)
 
     def _put(self, item: object) -> None:
-        self._queue.put(item)
+        if self._loop is None:
+            self._queue.put(item)
+            return
+        with contextlib.suppress(RuntimeError):  # a closed loop: the server is gone, nobody listens
+            self._loop.call_soon_threadsafe(self._async_queue.put_nowait, item)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -168,8 +196,10 @@ class Scheduler:
 
     # --- RPC-side API (thread-safe) -------------------------------------------------------
 
-    def submit(self, request: GenerationRequest) -> RequestHandle:
-        """Admit a request (assigning a request_id if empty); its samples arrive on the handle."""
+    def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
+        """Admit a request (assigning a request_id if empty); its samples arrive on the handle
+        (read with `await handle.next()` on `loop` when given, else `handle.get`). Never blocks
+        on the engine: safe to call on an event loop."""
         n = len(request.prompts) * request.samples_per_prompt
         with self._lock:
             if not self._accepting:
@@ -186,7 +216,7 @@ class Scheduler:
                     f"admission queue full: {self._live_sequences} live sequences + {n} would exceed "
                     f"{self.config.max_live_sequences}; retry with backoff or use another sidecar"
                 )
-            handle = RequestHandle(self, request)
+            handle = RequestHandle(self, request, loop)
             self._live[request.request_id] = _Live(handle=handle, request=request)
             self._live_sequences += n
         self._commands.put(lambda: self._admit(request.request_id))
@@ -196,6 +226,10 @@ class Scheduler:
         """Abort a live request: its unfinished samples are delivered as ABORT samples.
         Returns (found, number of samples aborted)."""
         return self._call(lambda: self._do_abort(request_id, deliver=True))
+
+    async def abort_async(self, request_id: str) -> tuple[bool, int]:
+        """`abort` for a handler on an event loop: awaits the step boundary without a thread."""
+        return await self._call_async(lambda: self._do_abort(request_id, deliver=True))
 
     def _cancel(self, request_id: str) -> None:
         with self._lock:
@@ -209,14 +243,17 @@ class Scheduler:
 
     def set_speculation_k(self, k: int) -> int:
         """Set the engine's default k; returns the previous one. ValueError beyond max."""
+        return self._call(lambda: self._do_set_k(k))
 
-        def run() -> int:
-            previous = self._engine.info().speculation_k
-            self._engine.set_speculation_k(k)
-            self._refresh_snapshot(info=True)
-            return previous
+    async def set_speculation_k_async(self, k: int) -> int:
+        """`set_speculation_k` for a handler on an event loop."""
+        return await self._call_async(lambda: self._do_set_k(k))
 
-        return self._call(run)
+    def _do_set_k(self, k: int) -> int:
+        previous = self._engine.info().speculation_k
+        self._engine.set_speculation_k(k)
+        self._refresh_snapshot(info=True)
+        return previous
 
     def pause(self) -> bool:
         was = self._paused.is_set()
@@ -285,8 +322,8 @@ class Scheduler:
 
     # --- scheduler thread -------------------------------------------------------------------
 
-    def _call(self, fn: Callable[[], T], timeout_s: float | None = None, what: str = "command") -> T:
-        """Run `fn` on the scheduler thread between steps and return its result (or raise)."""
+    def _schedule(self, fn: Callable[[], T]) -> Future[T]:
+        """Queue `fn` to run on the scheduler thread between two steps; its future."""
         if not self._thread.is_alive():
             raise ShuttingDownError("the scheduler is not running (the sidecar is stopping); retry elsewhere")
         future: Future[T] = Future()
@@ -300,16 +337,28 @@ class Scheduler:
                 future.set_exception(e)
 
         self._commands.put(run)
+        return future
+
+    def _call(self, fn: Callable[[], T], timeout_s: float | None = None, what: str = "command") -> T:
+        """Run `fn` on the scheduler thread between steps and return its result (or raise)."""
+        future = self._schedule(fn)
         timeout = timeout_s or self.config.command_timeout_s
         try:
             return future.result(timeout=timeout)
         except FutureTimeout:
             if future.cancel():
-                raise ApplyTimeoutError(
-                    f"the {what} did not reach an engine step boundary within {timeout:.0f}s; nothing was "
-                    "changed; retry, or check that the engine is not stuck (GetStats)"
-                ) from None
+                raise _step_timeout(what, timeout) from None
             return future.result()  # it started just now: wait for it
+
+    async def _call_async(self, fn: Callable[[], T], timeout_s: float | None = None, what: str = "command") -> T:
+        """`_call` awaited on an event loop: the wait holds no thread."""
+        future = self._schedule(fn)
+        timeout = timeout_s or self.config.command_timeout_s
+        waiting = asyncio.wrap_future(future)
+        done, _ = await asyncio.wait({waiting}, timeout=timeout)  # does not cancel on timeout
+        if not done and future.cancel():
+            raise _step_timeout(what, timeout)
+        return await waiting
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -447,6 +496,13 @@ class Scheduler:
             )
             s.running = self._engine.num_running()
             self._throughput.append((time.monotonic(), total_generated))
+
+
+def _step_timeout(what: str, timeout: float) -> ApplyTimeoutError:
+    return ApplyTimeoutError(
+        f"the {what} did not reach an engine step boundary within {timeout:.0f}s; nothing was "
+        "changed; retry, or check that the engine is not stuck (GetStats)"
+    )
 
 
 class RequestCancelled(Exception):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hmac
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,8 +98,9 @@ def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
-class TokenAuthInterceptor(grpc.ServerInterceptor):
-    """Refuses every RPC but health checks unless it carries `authorization: Bearer <token>`."""
+class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses every RPC but health checks unless it carries `authorization: Bearer <token>`
+    (an interceptor of the sidecar's `grpc.aio` server)."""
 
     def __init__(self, token: str) -> None:
         if not token:
@@ -115,25 +116,25 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
             return False, "wrong bearer token: check the token the sidecar was started with"
         return True, ""
 
-    def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], Any], handler_call_details: grpc.HandlerCallDetails
-    ) -> Any:
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
         if handler_call_details.method.startswith(HEALTH_PREFIX):
-            return continuation(handler_call_details)
+            return await continuation(handler_call_details)
         ok, why = self._authorised(handler_call_details)
-        if ok:
-            return continuation(handler_call_details)
-        handler = continuation(handler_call_details)
-        if handler is None:  # unknown method: let gRPC answer UNIMPLEMENTED
-            return None
+        handler = await continuation(handler_call_details)
+        if ok or handler is None:  # unknown method: let gRPC answer UNIMPLEMENTED
+            return handler
         return _refusing_handler(handler, why)
 
 
 def _refusing_handler(handler: grpc.RpcMethodHandler, why: str) -> grpc.RpcMethodHandler:
     """A handler of the same kind as `handler` that ends the call UNAUTHENTICATED."""
 
-    def refuse(request_or_iterator: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
+    async def refuse(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
 
     kwargs = {
         "request_deserializer": handler.request_deserializer,

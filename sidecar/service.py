@@ -1,7 +1,10 @@
 """The specrl.v1 servicers: Rollout, Weights and Control, on top of the scheduler.
 
 Each RPC converts its request with `sidecar.protocol.convert`, checks request limits, and
-hands the work to the `Scheduler` (which owns the engine). Every failure leaves as
+hands the work to the `Scheduler` (which owns the engine). Handlers are coroutines of a
+`grpc.aio` server: waiting for samples or for a step boundary awaits (no thread per open
+stream); CPU-heavy synchronous work — staging and checksumming a weight push — runs in a
+worker thread (`asyncio.to_thread`), so the loop always answers health, info, stats and abort. Every failure leaves as
 `context.abort(code, message)` with the status code proto/specrl/v1 documents for it; the
 message says what was wrong and what to do. `status_for` is the one table from specrl's
 exceptions to gRPC codes. A failing request never takes the server down: unexpected
@@ -12,10 +15,12 @@ exceptions become INTERNAL for that call only.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
-import queue
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -28,7 +33,7 @@ from sidecar.protocol import services
 from sidecar.protocol.specrl.v1 import control_pb2, rollout_pb2, weights_pb2
 from sidecar.scheduler import RequestCancelled, Scheduler, SchedulerConfig
 from sidecar.security import SecurityConfig, TokenAuthInterceptor, server_credentials
-from sidecar.server import ServerConfig, create_server
+from sidecar.server import EventLoopThread, ServerConfig, create_server
 from sidecar.types import GenerationRequest, PushItem, PushResult, RequestLimits, SidecarInfo, SidecarStats
 from sidecar.weight_sync.memory import release_freed_memory
 from sidecar.weight_sync.receiver import DataPlaneConfig, WeightReceiver
@@ -68,8 +73,8 @@ def _status_and_message(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return code, str(exc)
 
 
-def _abort(context: grpc.ServicerContext, exc: BaseException) -> NoReturn:
-    context.abort(*_status_and_message(exc))
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> NoReturn:
+    await context.abort(*_status_and_message(exc))
     raise AssertionError("context.abort returned")  # grpc raises; this line documents NoReturn
 
 
@@ -99,41 +104,40 @@ def check_limits(request: GenerationRequest, limits: RequestLimits) -> None:
 class RolloutService(services.RolloutServicer):
     """Generate and Abort."""
 
-    def __init__(self, scheduler: Scheduler, limits: RequestLimits, poll_s: float = 0.25) -> None:
+    def __init__(self, scheduler: Scheduler, limits: RequestLimits) -> None:
         self._scheduler = scheduler
         self._limits = limits
-        self._poll_s = poll_s
 
-    def Generate(self, request: rollout_pb2.GenerateRequest, context: grpc.ServicerContext) -> Iterator[Any]:
+    async def Generate(self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> Any:
         try:
             domain = convert.generation_request_from_pb(request)
             check_limits(domain, self._limits)
-            handle = self._scheduler.submit(domain)
+            handle = self._scheduler.submit(domain, loop=asyncio.get_running_loop())
         except Exception as e:
-            _abort(context, e)
-        if not context.add_callback(handle.cancel):  # the call already ended: free the slots now
-            handle.cancel()
-            return
-        while context.is_active():  # ends when the client leaves (the callback frees its slots)
-            try:
-                sample = handle.get(timeout=self._poll_s)
-            except queue.Empty:
-                continue
-            except RequestCancelled:  # the client left; nobody is listening
-                return
-            except Exception as e:
-                _abort(context, e)
-            if sample is None:
-                return
-            yield rollout_pb2.GenerateResponse(sample=convert.sample_to_pb(sample))
-
-    def Abort(self, request: rollout_pb2.AbortRequest, context: grpc.ServicerContext) -> rollout_pb2.AbortResponse:
-        if not request.request_id:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty; name the Generate call to abort")
+            await _abort(context, e)
         try:
-            found, n = self._scheduler.abort(request.request_id)
+            while True:
+                try:
+                    sample = await handle.next()
+                except RequestCancelled:  # the client left; nobody is listening
+                    return
+                except Exception as e:
+                    await _abort(context, e)
+                if sample is None:
+                    return
+                yield rollout_pb2.GenerateResponse(sample=convert.sample_to_pb(sample))
+        finally:  # the client left (the task was cancelled) or the call ended: free the slots
+            handle.cancel()  # a no-op once the request is finished
+
+    async def Abort(self, request: rollout_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> Any:
+        if not request.request_id:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty; name the Generate call to abort"
+            )
+        try:
+            found, n = await self._scheduler.abort_async(request.request_id)
         except Exception as e:
-            _abort(context, e)
+            await _abort(context, e)
         return rollout_pb2.AbortResponse(found=found, aborted_samples=n)
 
 
@@ -151,23 +155,49 @@ class WeightService(services.WeightServicer):
             data_planes=data_planes,
         )
 
-    def PushWeights(self, request_iterator: Iterator[Any], context: grpc.ServicerContext) -> Any:
+    async def PushWeights(self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+        """Receives on a worker thread that pulls the stream's messages from the loop one at a
+        time (no buffering beyond gRPC's window), so staging and CRCs never block the loop."""
+        ended = threading.Event()
+        context.add_done_callback(lambda _: ended.set())
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+        reader = _StreamReader(request_iterator, asyncio.get_running_loop())
+        try:
+            outcome = await asyncio.to_thread(
+                self._push_and_release,
+                _push_items(iter(reader)),
+                is_active=lambda: not ended.is_set(),
+                time_remaining=lambda: None if deadline is None else max(deadline - time.monotonic(), 0.0),
+            )
+        except asyncio.CancelledError:  # the client went away: the worker sees the stream end and stops
+            ended.set()
+            reader.close()
+            raise
+        if isinstance(outcome, PushResult):
+            return convert.push_result_to_pb(outcome)
+        await context.abort(*outcome)
+
+    def _push_and_release(
+        self, items: Iterator[PushItem], *, is_active: Callable[[], bool], time_remaining: Callable[[], float | None]
+    ) -> PushResult | tuple[grpc.StatusCode, str]:
+        """The whole push, synchronously: its result, or the (status, message) of its failure."""
         failure: tuple[grpc.StatusCode, str] | None = None
         try:
-            result = self._push(request_iterator, context)
+            result = self._push(items, is_active=is_active, time_remaining=time_remaining)
         except Exception as e:
             failure = _status_and_message(e)
-        release_freed_memory()  # the staging tensors died with _push's frame
-        if failure is not None:
-            context.abort(*failure)
-        return convert.push_result_to_pb(result)
+        release_freed_memory()  # the staging tensors died with _push's frame (and the exception)
+        return failure if failure is not None else result
 
-    def _push(self, request_iterator: Iterator[Any], context: grpc.ServicerContext) -> PushResult:
+    def _push(
+        self, items: Iterator[PushItem], *, is_active: Callable[[], bool], time_remaining: Callable[[], float | None]
+    ) -> PushResult:
         with self._receiver.claim():
-            staged = self._receiver.receive(_push_items(request_iterator, context), is_active=context.is_active)
-            if not context.is_active():
+            staged = self._receiver.receive(items, is_active=is_active)
+            if not is_active():
                 raise errors.PushCancelledError("the client went away before the push was applied")
-            previous, apply_s = self._scheduler.apply_weights(staged, timeout_s=context.time_remaining())
+            previous, apply_s = self._scheduler.apply_weights(staged, timeout_s=time_remaining())
             self._receiver.keep(staged)
         log.info("serving weight version %d (was %d; bytes over %s)", staged.version, previous, staged.transport.value)
         return PushResult(
@@ -180,11 +210,13 @@ class WeightService(services.WeightServicer):
             transport=staged.transport,
         )
 
-    def DescribeWeights(self, request: weights_pb2.DescribeWeightsRequest, context: grpc.ServicerContext) -> Any:
+    async def DescribeWeights(
+        self, request: weights_pb2.DescribeWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> Any:
         try:
             selector = convert.selector_from_pb(request.selector)
         except Exception as e:
-            _abort(context, e)
+            await _abort(context, e)
         return convert.describe_weights_to_pb(
             self._scheduler.model_specs(selector),
             self._scheduler.weight_version,
@@ -192,11 +224,16 @@ class WeightService(services.WeightServicer):
             accepts_deltas=self._receiver.data_planes.deltas,
         )
 
-    def PrepareTransport(self, request: weights_pb2.PrepareTransportRequest, context: grpc.ServicerContext) -> Any:
+    async def PrepareTransport(
+        self, request: weights_pb2.PrepareTransportRequest, context: grpc.aio.ServicerContext
+    ) -> Any:
+        """Probing shm or joining a collective group blocks (a join up to its timeout): on a
+        worker thread, never on the event loop."""
         try:
-            answer = self._receiver.prepare_transport(convert.prepare_transport_from_pb(request))
+            prepared = convert.prepare_transport_from_pb(request)
+            answer = await asyncio.to_thread(self._receiver.prepare_transport, prepared)
         except Exception as e:
-            _abort(context, e)
+            await _abort(context, e)
         return convert.prepared_to_pb(answer)
 
     def close(self) -> None:
@@ -204,7 +241,54 @@ class WeightService(services.WeightServicer):
         self._receiver.close()
 
 
-def _push_items(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[PushItem]:
+_END = object()
+
+
+class _StreamReader:
+    """A blocking iterator over an aio request stream, for a worker thread: each `next` reads
+    one message on the loop. A stream that breaks (client gone, server stopping) or a reader
+    closed by the handler raises `PushCancelledError`, so the worker never waits forever."""
+
+    def __init__(self, stream: AsyncIterator[Any], loop: asyncio.AbstractEventLoop) -> None:
+        self._stream = stream
+        self._iterator: AsyncIterator[Any] | None = None  # made on the loop, at the first read
+        self._loop = loop
+        self._pending: concurrent.futures.Future[Any] | None = None
+        self._closed = False
+
+    async def _read(self) -> Any:
+        if self._iterator is None:
+            self._iterator = self._stream.__aiter__()
+        try:
+            return await self._iterator.__anext__()
+        except StopAsyncIteration:
+            return _END
+
+    def __iter__(self) -> Iterator[Any]:
+        while True:
+            try:
+                if self._closed:
+                    raise concurrent.futures.CancelledError()
+                self._pending = asyncio.run_coroutine_threadsafe(self._read(), self._loop)
+                item = self._pending.result()
+            except (grpc.RpcError, concurrent.futures.CancelledError, asyncio.CancelledError, RuntimeError) as e:
+                raise errors.PushCancelledError(
+                    f"the push stream broke mid-way ({type(e).__name__}); nothing was applied, the old weights "
+                    "still serve"
+                ) from None
+            if item is _END:
+                return
+            yield item
+
+    def close(self) -> None:
+        """Stop reading: a pending read is cancelled, later reads fail (thread-safe)."""
+        self._closed = True
+        pending = self._pending
+        if pending is not None:
+            pending.cancel()
+
+
+def _push_items(requests: Iterator[Any]) -> Iterator[PushItem]:
     """The push stream (already domain items, see services.PUSH_WEIGHTS_METHOD); a message that
     could not be read raises its InvalidRequestError, a vanished client PushCancelledError."""
     try:
@@ -249,31 +333,33 @@ class ControlService(services.ControlServicer):
             uptime_seconds=time.monotonic() - self._scheduler.started_at,
         )
 
-    def GetInfo(self, request: control_pb2.GetInfoRequest, context: grpc.ServicerContext) -> Any:
-        return convert.info_to_pb(self.info())
+    async def GetInfo(self, request: control_pb2.GetInfoRequest, context: grpc.aio.ServicerContext) -> Any:
+        return convert.info_to_pb(await asyncio.to_thread(self.info))  # NVML reads may block
 
-    def GetStats(self, request: control_pb2.GetStatsRequest, context: grpc.ServicerContext) -> Any:
+    async def GetStats(self, request: control_pb2.GetStatsRequest, context: grpc.aio.ServicerContext) -> Any:
         return convert.stats_to_pb(self.stats())
 
-    def Pause(self, request: control_pb2.PauseRequest, context: grpc.ServicerContext) -> Any:
+    async def Pause(self, request: control_pb2.PauseRequest, context: grpc.aio.ServicerContext) -> Any:
         return control_pb2.PauseResponse(was_paused=self._scheduler.pause())
 
-    def Resume(self, request: control_pb2.ResumeRequest, context: grpc.ServicerContext) -> Any:
+    async def Resume(self, request: control_pb2.ResumeRequest, context: grpc.aio.ServicerContext) -> Any:
         return control_pb2.ResumeResponse(was_paused=self._scheduler.resume())
 
-    def SetSpeculation(self, request: control_pb2.SetSpeculationRequest, context: grpc.ServicerContext) -> Any:
+    async def SetSpeculation(
+        self, request: control_pb2.SetSpeculationRequest, context: grpc.aio.ServicerContext
+    ) -> Any:
         max_k = self._scheduler.snapshot().info.max_speculation_k
         if request.k > max_k:
-            context.abort(
+            await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"k={request.k} exceeds max_k={max_k}; ask for 0..{max_k} (0 turns speculation off)",
             )
         try:
-            previous = self._scheduler.set_speculation_k(request.k)
+            previous = await self._scheduler.set_speculation_k_async(request.k)
         except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"k={request.k} refused: {e}")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"k={request.k} refused: {e}")
         except Exception as e:
-            _abort(context, e)
+            await _abort(context, e)
         return control_pb2.SetSpeculationResponse(previous_k=previous, k=request.k)
 
 
@@ -330,10 +416,19 @@ class Sidecar:
         )
         servicers = [self.rollout, self.weights, self.control]
         sec = self.config.security
-        interceptors = [TokenAuthInterceptor(sec.token)] if sec.token else []
-        self.server, self.port, self.health = create_server(
-            servicers, self.config.server, credentials=server_credentials(sec), interceptors=interceptors
-        )
+        self._loop = EventLoopThread()
+        try:
+            self.server, self.port, self.health = self._loop.run(
+                create_server(
+                    servicers,
+                    self.config.server,
+                    credentials=server_credentials(sec),
+                    interceptors=[TokenAuthInterceptor(sec.token)] if sec.token else [],
+                )
+            )
+        except BaseException:
+            self._loop.close()
+            raise
         self.metrics = metrics.SidecarMetrics(self.scheduler)
         self.metrics_port: int | None = None
         self._metrics_server: Any = None
@@ -349,7 +444,7 @@ class Sidecar:
             return self
         self._started = True
         self.scheduler.start()
-        self.server.start()
+        self._loop.run(self.server.start())
         if self.config.metrics_port is not None:
             self._metrics_server, self.metrics_port = self.metrics.serve(
                 self.config.metrics_port, self.config.metrics_host
@@ -366,11 +461,19 @@ class Sidecar:
     def stop(self, grace_s: float | None = None) -> None:
         """Flip health to NOT_SERVING, let live calls finish for the grace period, stop."""
         grace = self.config.shutdown_grace_s if grace_s is None else grace_s
-        self.health.enter_graceful_shutdown()  # every service reports NOT_SERVING from now on
-        stopped = self.server.stop(grace)
-        self.scheduler.stop(grace_s=min(grace, 1.0))
-        stopped.wait(grace + 5.0)
-        self.weights.close()
+        if self._loop.loop.is_closed():
+            return
+        self._loop.run(self.health.enter_graceful_shutdown())  # every service reports NOT_SERVING from now on
+        stopped = asyncio.run_coroutine_threadsafe(self.server.stop(grace), self._loop.loop)
+        # Live requests may finish during the first half of the grace period; the rest then end
+        # UNAVAILABLE ("retry elsewhere") while the server still runs, instead of CANCELLED when
+        # the server's grace runs out.
+        self.scheduler.stop(grace_s=grace / 2)
+        try:
+            stopped.result(grace + 5.0)
+        finally:
+            self._loop.close()
+            self.weights.close()  # leave every collective group
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server = None

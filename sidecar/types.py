@@ -8,6 +8,7 @@ edge, in both directions, with one function per message pair.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -38,16 +39,47 @@ class FinishReason(enum.Enum):
     ABORT = "abort"  # aborted; the output holds the tokens generated so far
 
 
+MIN_SAMPLING_TEMPERATURE = 1e-5
+"""The smallest temperature that samples. Below it softmax(logits / T) is numerically a one-hot
+(float32 logits / T overflow to inf at T ~ 1e-38 and give NaN; well before that the distribution
+is argmax up to rounding), so temperatures in (0, 1e-5) are refused rather than silently turned
+into greedy decoding: greedy reports log-probs at T = 1, the caller asked for T, and the two
+disagree. 1e-5 is also the greedy cut-off of vLLM and SGLang, so no engine samples differently."""
+_MIN_TEMPERATURE_FLOAT32 = float(torch.tensor(MIN_SAMPLING_TEMPERATURE, dtype=torch.float32))  # what proto carries
+MAX_SAMPLING_TEMPERATURE = float(torch.finfo(torch.float32).max)
+"""The largest temperature: the largest finite float32 (the engines scale float32 logits)."""
+
+
+def temperature_problem(temperature: object) -> str:
+    """Why `temperature` cannot be served ('' when it can): the one rule of every entry point."""
+    if not isinstance(temperature, int | float) or math.isnan(temperature):
+        return f"temperature must be a number, got {temperature!r}"
+    if temperature == 0.0:
+        return ""
+    if temperature < 0.0 or temperature > MAX_SAMPLING_TEMPERATURE:
+        return (
+            f"temperature must be 0 (greedy) or in [{MIN_SAMPLING_TEMPERATURE:g}, {MAX_SAMPLING_TEMPERATURE:.4g}] "
+            f"(finite, non-negative), got {temperature}"
+        )
+    if temperature < _MIN_TEMPERATURE_FLOAT32:
+        return (
+            f"temperature {temperature:g} is below the smallest sampling temperature {MIN_SAMPLING_TEMPERATURE:g} "
+            "(softmax(logits / T) is numerically one-hot or NaN there); send 0 for greedy decoding or a "
+            f"temperature >= {MIN_SAMPLING_TEMPERATURE:g}"
+        )
+    return ""
+
+
 @dataclass(kw_only=True, slots=True)
 class SamplingParams:
     """How to sample: from softmax(logits / temperature), restricted by top_k then top_p."""
 
     temperature: float = 1.0
-    """Softmax temperature, >= 0; 0 means greedy."""
+    """0 means greedy; otherwise in [MIN_SAMPLING_TEMPERATURE, MAX_SAMPLING_TEMPERATURE]."""
     top_p: float = 1.0
-    """Nucleus mass in (0, 1]; 1 disables."""
+    """Nucleus mass in (0, 1]; 1 disables. The most likely token is always kept."""
     top_k: int = 0
-    """Keep the top_k most likely tokens; 0 disables."""
+    """Keep the top_k most likely tokens; 0 disables; beyond the vocabulary keeps them all."""
     max_new_tokens: int = 256
     """Most tokens generated per sample, > 0."""
     stop_token_ids: tuple[int, ...] = ()
@@ -56,8 +88,9 @@ class SamplingParams:
     """Seed of the request's random stream; None draws a fresh one."""
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        problem = temperature_problem(self.temperature)
+        if problem:
+            raise ValueError(problem)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p}")
         if self.top_k < 0:

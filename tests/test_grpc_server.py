@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from sidecar.protocol import services
 from sidecar.protocol.specrl.v1 import control_pb2
-from sidecar.server import ServerConfig, create_server
+from sidecar.server import EventLoopThread, ServerConfig, create_server
 
 DEADLINE = 10.0
 
@@ -21,22 +21,26 @@ DEADLINE = 10.0
 class EchoControl(services.ControlServicer):
     """A test servicer: answers GetInfo with a fixed weight version, refuses SetSpeculation."""
 
-    def GetInfo(self, request, context):
+    async def GetInfo(self, request, context):
         return control_pb2.GetInfoResponse(weight_version=41, protocol="specrl.v1")
 
-    def SetSpeculation(self, request, context):
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"k={request.k} exceeds max_k=0; this servicer has no draft")
+    async def SetSpeculation(self, request, context):
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT, f"k={request.k} exceeds max_k=0; this servicer has no draft"
+        )
 
 
 @pytest.fixture
 def channel() -> Iterator[grpc.Channel]:
-    server, port, _ = create_server([EchoControl()], ServerConfig(port=0))
-    server.start()
+    loop = EventLoopThread()
+    server, port, _ = loop.run(create_server([EchoControl()], ServerConfig(port=0)))
+    loop.run(server.start())
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             yield ch
     finally:
-        server.stop(grace=1).wait()
+        loop.run(server.stop(grace=1))
+        loop.close()
 
 
 def test_health_reports_serving_overall_and_per_service(channel: grpc.Channel) -> None:
@@ -79,7 +83,9 @@ def test_servicer_answers_and_errors_carry_status_and_message(channel: grpc.Chan
 
 
 def test_registering_a_non_servicer_is_a_clear_error() -> None:
+    loop = EventLoopThread()
     with pytest.raises(TypeError, match="implements no specrl.v1 service"):
-        create_server([object()], ServerConfig())
+        loop.run(create_server([object()], ServerConfig()))
+    loop.close()
     with pytest.raises(ValueError, match="port must be in 0..65535"):
         ServerConfig(port=70000)

@@ -21,11 +21,12 @@ import pytest
 import torch
 
 from muon import HybridOptimizerConfig
+from sidecar.client import ClientConfig
 from sidecar.engine.checkpoint import load_checkpoint
 from sidecar.engine.model import ModelConfig, build_model
-from sidecar.types import SamplingParams
+from sidecar.fleet import Fleet, FleetConfig
+from sidecar.types import GenerationRequest, SamplingParams
 from trainer.local_sidecars import LocalSidecars
-from trainer.orchestration import Orchestrator
 from trainer.rl_config import RLConfig, RolloutConfig, SidecarsConfig, TaskConfig
 from trainer.rl_loop import train
 from trainer.tasks import ArithmeticTask
@@ -149,7 +150,7 @@ def test_a_killed_sidecar_loses_no_sample_and_rejoins_with_current_weights(
     sampling = SamplingParams(temperature=0.0, max_new_tokens=24, stop_token_ids=(TOK.eos_id,))
     with LocalSidecars(checkpoints["policy"], 2, tmp_path / "logs", max_batch_size=2) as local:
         local.start()
-        with Orchestrator(local.addresses, deadline_s=60.0) as orch:
+        with Fleet(local.addresses, FleetConfig(deadline_s=60.0)) as orch:
             # streamed (names given): the rejoin below re-streams the current weights the same way
             orch.push_weights(lambda: state.items(), orch.start_version(), names=list(state))
             victim = orch.clients[0]
@@ -164,7 +165,9 @@ def test_a_killed_sidecar_loses_no_sample_and_rejoins_with_current_weights(
 
             killer = threading.Thread(target=kill_when_busy)
             killer.start()
-            result = orch.generate(prompts, sampling, samples_per_prompt=3, speculation_k=3)
+            result = orch.generate(
+                GenerationRequest(prompts=prompts, sampling=sampling, samples_per_prompt=3, speculation_k=3)
+            )
             killer.join()
 
             keys = [(s.prompt_index, s.sample_index) for s in result.samples]
@@ -181,7 +184,7 @@ def test_a_killed_sidecar_loses_no_sample_and_rejoins_with_current_weights(
             orch.rejoin(events)
             assert any("rejoined" in e for e in events), events
             assert orch.served_versions() == {a: orch.version for a in local.addresses}
-            again = orch.generate(prompts[:4], sampling, samples_per_prompt=1)
+            again = orch.generate(GenerationRequest(prompts=prompts[:4], sampling=sampling))
             assert all(s.weight_version == orch.version for s in again.samples)
 
 
@@ -195,11 +198,12 @@ def test_a_sidecar_that_stops_answering_is_given_up_on_at_the_deadline(
     sampling = SamplingParams(temperature=1.0, max_new_tokens=24, stop_token_ids=(TOK.eos_id,), seed=5)
     with LocalSidecars(checkpoints["policy"], 2, tmp_path / "logs") as local:
         local.start()
-        with Orchestrator(local.addresses, deadline_s=4.0, call_timeout_s=2.0) as orch:
+        config = FleetConfig(deadline_s=4.0, client=ClientConfig(timeout_s=2.0, retries=1))
+        with Fleet(local.addresses, config) as orch:
             orch.push_weights(lambda: state.items(), orch.start_version())
             os.kill(local.pid(0), signal.SIGSTOP)  # alive but silent: no error ever comes back
             try:
-                result = orch.generate(prompts, sampling, samples_per_prompt=2)
+                result = orch.generate(GenerationRequest(prompts=prompts, sampling=sampling, samples_per_prompt=2))
             finally:
                 os.kill(local.pid(0), signal.SIGCONT)
             keys = sorted((s.prompt_index, s.sample_index) for s in result.samples)

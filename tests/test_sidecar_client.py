@@ -1,4 +1,4 @@
-"""The client side: a pool routing around a stopped sidecar, a client built from the .proto
+"""The client side: a fleet routing around a stopped sidecar, a client built from the .proto
 files alone (no specrl import), property-based fuzzing of request messages, and `specrl serve`
 as a real process with graceful shutdown on SIGTERM."""
 
@@ -20,7 +20,8 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sidecar.client import ClientConfig, SidecarCallError, SidecarClient, SidecarPool
+from sidecar.client import ClientConfig, SidecarClient
+from sidecar.fleet import Fleet, FleetConfig, NoLiveSidecarError
 from sidecar.protocol import services
 from sidecar.protocol.specrl.v1 import rollout_pb2, weights_pb2
 from sidecar.service import Sidecar
@@ -59,28 +60,27 @@ def oracle(prompts: list[list[int]], n: int = 8) -> list[list[int]]:
     return [greedy_reference(state, p, n) for p in prompts]
 
 
-def test_the_pool_spreads_prompts_and_routes_around_a_stopped_sidecar(checkpoint: Path) -> None:
+def test_the_fleet_spreads_prompts_and_routes_around_a_stopped_sidecar(checkpoint: Path) -> None:
     a, b = start_sidecar(checkpoint), start_sidecar(checkpoint)
     prompts = [[i + 1, 2 * i + 1] for i in range(6)]
     expected = oracle(prompts)
-    config = ClientConfig(retries=0, timeout_s=5)
+    config = FleetConfig(client=ClientConfig(retries=0, timeout_s=5))
     try:
-        with SidecarPool([a.address, b.address], config, health_ttl_s=0.0) as pool:
-            samples = pool.generate(greedy_request(prompts))
+        with Fleet([a.address, b.address], config) as fleet:
+            samples = fleet.generate(greedy_request(prompts)).samples
             assert [s.token_ids for s in samples] == expected
             assert [s.prompt_index for s in samples] == list(range(6))
             assert all(a.control.stats().total.generated_tokens > 0 for a in (a, b))  # both served
-            assert set(pool.push_weights(weights(0), 1)) == {a.address, b.address}
+            assert set(fleet.push_weights(weights(0), 1).results) == {a.address, b.address}
             b.stop(0.2)
-            assert [c.address for c in pool.healthy()] == [a.address]
-            samples = pool.generate(greedy_request(prompts))
-            assert [s.token_ids for s in samples] == expected
-            with pytest.raises(SidecarCallError) as err:
-                pool.push_weights(weights(0), 2)
-            assert b.address in str(err.value) and a.address in err.value.details  # names who failed and who not
+            result = fleet.generate(greedy_request(prompts))
+            assert [s.token_ids for s in result.samples] == expected
+            assert fleet.down() == [b.address] and any(b.address in e for e in result.events)
+            report = fleet.push_weights(weights(0), 2)  # the live one takes it; the fleet moves on
+            assert set(report.results) == {a.address} and fleet.version == 2
             a.stop(0.2)
-            with pytest.raises(SidecarCallError, match="no healthy sidecar"):
-                pool.generate(greedy_request(prompts))
+            with pytest.raises(NoLiveSidecarError, match="no live sidecar"):
+                fleet.generate(greedy_request(prompts))
     finally:
         a.stop(0.2)
         b.stop(0.2)

@@ -391,14 +391,15 @@ def test_receiver_refuses_a_delta_before_it_holds_a_base() -> None:
 
 
 def test_the_run_config_turns_delta_pushes_on_for_every_client(checkpoint: Path) -> None:
+    from sidecar.fleet import Fleet, FleetConfig
     from trainer.config_io import from_mapping
-    from trainer.orchestration import Orchestrator
     from trainer.rl_config import RLConfig
 
     cfg = from_mapping(RLConfig, {"model": "m", "sidecars": {"local": 1, "delta_pushes": True}})
     assert cfg.sidecars.delta_pushes and not RLConfig(model=Path("m")).sidecars.delta_pushes
     state = weights(1)
-    with start_sidecar(checkpoint) as sc, Orchestrator([sc.address], delta_pushes=True) as orch:
+    fleet_cfg = FleetConfig(client=ClientConfig(delta_pushes=True))
+    with start_sidecar(checkpoint) as sc, Fleet([sc.address], fleet_cfg) as orch:
         assert all(c.config.delta_pushes for c in orch.clients)
         orch.push_weights(lambda: iter(state.items()), 1, names=list(state))
         assert orch.clients[0].delta_base.version == 1  # the next push can be a delta

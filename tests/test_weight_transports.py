@@ -234,7 +234,7 @@ SHM_FAULTS = {  # name: (fault, the item it hits, what the refusal says)
     "closed before the sidecar opened it": (
         lambda region: lambda item: _renamed(item, _closed()),
         WeightManifest,
-        "does not exist here",
+        ("does not exist here", "not the sender's region"),
     ),
     "naming another file": (
         lambda region: lambda item: _renamed(item, f"specrl-{os.getpid()}-0-{region.token}"),
@@ -301,7 +301,9 @@ def test_a_damaged_shm_push_leaves_the_old_weights_serving(sidecar: Sidecar, fau
                 _push_raw(c, _with_fault(items, make_fault(region), when))
         finally:
             region.close()
-        assert message in err.value.details
+        # A closed region's descriptor number may already name another file (then it is refused
+        # as not the region): either way nothing is read from it.
+        assert any(m in err.value.details for m in ((message,) if isinstance(message, str) else message))
         assert err.value.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAVAILABLE)
         assert c.info().weight_version == version and served(c) == before
 

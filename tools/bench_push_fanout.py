@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark (not a test): the trainer's weight fan-out, streamed against gathered, in one run.
 
-`Orchestrator.push_weights` either gathers the whole export into a dict and pushes that to every
+`Fleet.push_weights` either gathers the whole export into a dict and pushes that to every
 sidecar (no `names`), or, given the export order, streams each tensor to all sidecars at once
 (`names`, what the RL loop does). This pushes the same weights to N local `specrl serve`
 processes both ways, alternating, and reports per mode the median wall time and the trainer's
@@ -24,8 +24,8 @@ import torch
 
 from sidecar.engine.checkpoint import load_checkpoint
 from sidecar.engine.model import ModelConfig
+from sidecar.fleet import Fleet
 from trainer.local_sidecars import LocalSidecars
-from trainer.orchestration import Orchestrator
 from trainer.warmup import make_model
 
 
@@ -82,14 +82,14 @@ def main() -> None:
         can_reset = _reset_peak()
         seconds: dict[str, list[float]] = {"gathered": [], "streamed": []}
         extra: dict[str, list[float]] = {"gathered": [], "streamed": []}
-        with LocalSidecars(model, args.sidecars, Path(tmp) / "logs") as local, Orchestrator(local.start()) as orch:
+        with LocalSidecars(model, args.sidecars, Path(tmp) / "logs") as local, Fleet(local.start()) as orch:
             version = orch.start_version()
             for _ in range(args.repeats):
                 for mode in ("gathered", "streamed"):
                     _reset_peak()
                     before = _status_kib("VmRSS")
                     seconds[mode].append(
-                        orch.push_weights(source, version, names=names if mode == "streamed" else None)
+                        orch.push_weights(source, version, names=names if mode == "streamed" else None).seconds
                     )
                     extra[mode].append((_status_kib("VmHWM") - before) / 1024)
                     version += 1

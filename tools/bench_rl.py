@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from sidecar.types import SamplingParams
+from sidecar.fleet import Fleet
+from sidecar.types import GenerationRequest, SamplingParams
 from trainer.demo import DemoConfig, run_demo
 from trainer.local_sidecars import LocalSidecars
-from trainer.orchestration import Orchestrator
 from trainer.rl_config import demo_config
 from trainer.tasks import ArithmeticTask
 from trainer.tokenizer import CharTokenizer
@@ -52,17 +52,20 @@ def k_sweep(
     wall: dict[int, list[float]] = {k: [] for k in [0, *ks]}
     cpu: dict[int, list[float]] = {k: [] for k in [0, *ks]}
     taus: dict[int, list[float]] = {k: [] for k in [0, *ks]}
-    with LocalSidecars(policy, 2, logs) as local, Orchestrator(local.start()) as orch:
+    with LocalSidecars(policy, 2, logs) as local, Fleet(local.start()) as orch:
         pids = [local.pid(i) for i in range(2)]
         warm = SamplingParams(temperature=1.0, max_new_tokens=40, stop_token_ids=(tok.eos_id,), seed=1)
-        orch.generate(prompts, warm, samples)  # warm the processes up
+        orch.generate(GenerationRequest(prompts=prompts, sampling=warm, samples_per_prompt=samples))  # warm up
         orch.speculation_delta()
         for r in range(repeats):
             for k in wall:
                 c0, w = cpu_seconds(pids), 0.0
                 for n in range(rounds):
                     sampling = replace(warm, seed=100 * r + n)
-                    w += orch.generate(prompts, sampling, samples, speculation_k=k).seconds
+                    request = GenerationRequest(
+                        prompts=prompts, sampling=sampling, samples_per_prompt=samples, speculation_k=k
+                    )
+                    w += orch.generate(request).seconds
                 cpu[k].append(cpu_seconds(pids) - c0)
                 wall[k].append(w)
                 taus[k].append(orch.speculation_delta().acceptance_length)

@@ -4,7 +4,8 @@ Each sidecar is a real process (the same binary a cluster runs), bound to loopba
 its address is read from the `listening on HOST:PORT` line it prints once serving, with a
 deadline. Output goes to a log file in the run directory. Teardown is graceful (SIGTERM, which
 `specrl serve` answers by draining), then SIGKILL after a grace period; `restart(i)` brings a
-dead sidecar back on its old port (the orchestrator pushes it the current weights before use).
+dead sidecar back on its old port (the fleet pushes it the current weights before use). With a
+`token`, each sidecar requires it (given in its environment as $SPECRL_TOKEN, never in argv).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sidecar.errors import SpecrlError
+from sidecar.security import TOKEN_ENV
 
 log = logging.getLogger(__name__)
 _LISTENING = re.compile(r"listening on (\S+:\d+)")
@@ -49,6 +51,7 @@ class LocalSidecars:
         max_batch_size: int = 64,
         threads: int = 1,
         startup_timeout_s: float = 120.0,
+        token: str | None = None,
     ) -> None:
         if count < 1:
             raise ValueError(f"count must be >= 1, got {count}")
@@ -59,6 +62,8 @@ class LocalSidecars:
         self.max_batch_size = max_batch_size
         self.threads = threads
         self.startup_timeout_s = startup_timeout_s
+        self._token = token
+        """Bearer token the sidecars require (passed in their environment, never on the command line)."""
         self._procs: list[_Proc | None] = [None] * count
         self._launches = 0
 
@@ -100,6 +105,9 @@ class LocalSidecars:
             "2",
         ]
         env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), MKL_NUM_THREADS=str(self.threads))
+        env.pop(TOKEN_ENV, None)  # exactly the token the trainer sends, not whatever the shell had
+        if self._token is not None:
+            env[TOKEN_ENV] = self._token
         with log_path.open("wb") as out:
             process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         return process, log_path

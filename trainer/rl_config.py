@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Literal
 
 from muon import HybridOptimizerConfig
+from sidecar.client import ClientConfig
+from sidecar.security import read_token
 from trainer.draft import DraftConfig
 from trainer.losses import GRPOConfig
 from trainer.tasks import ArithmeticTask, JsonlTask, Task, load_reward_fn
@@ -82,6 +84,54 @@ class RolloutConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class SidecarSecurityConfig:
+    """The credentials the trainer presents to every sidecar (see `specrl serve --help`).
+
+    The token itself is never a config value (the resolved config is written to the run
+    directory) and is never logged: it is read from `token_file`, or else from $SPECRL_TOKEN.
+    Local sidecars are started with the same token, so a run works whether or not the
+    environment sets one."""
+
+    token_file: Path | None = None
+    """File whose first line is the bearer token; unset: $SPECRL_TOKEN if set, else no token."""
+    tls: bool = False
+    """Reach sidecars over TLS (implied by root_ca); the system roots verify them unless root_ca."""
+    root_ca: Path | None = None
+    """PEM CA bundle that signed the sidecars' certificates."""
+    client_cert: Path | None = None
+    """PEM certificate the trainer presents for mutual TLS (with client_key)."""
+    client_key: Path | None = None
+
+    def __post_init__(self) -> None:
+        if (self.client_cert is None) != (self.client_key is None):
+            raise ValueError(
+                "sidecars.security.client_cert and client_key go together (mutual TLS): set both or neither"
+            )
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.tls or self.root_ca is not None or self.client_cert is not None
+
+    def client_config(self, *, timeout_s: float) -> ClientConfig:
+        """The per-sidecar client settings (token resolved now, from the file or $SPECRL_TOKEN).
+        The files are looked for here, when the run starts, not when the config is built: a
+        config names files on the machine that runs it."""
+        for name in ("token_file", "root_ca", "client_cert", "client_key"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"sidecars.security.{name}: {path} is not a readable file on this machine")
+        return ClientConfig(
+            timeout_s=timeout_s,
+            retries=1,
+            token=read_token(token_file=self.token_file),
+            tls=self.tls,
+            root_ca=self.root_ca,
+            client_cert=self.client_cert,
+            client_key=self.client_key,
+        )
+
+
+@dataclass(kw_only=True, slots=True)
 class SidecarsConfig:
     """Which sidecars serve the rollouts: remote addresses, or local subprocesses."""
 
@@ -102,6 +152,8 @@ class SidecarsConfig:
     smaller (full on first contact, after a refusal and on rejoin). Off by default: it pays for
     bfloat16 serving at real-RL update sizes (BENCHMARKS.md, "Sparse delta pushes"); the demo
     serves float32, where nearly every element changes every step."""
+    security: SidecarSecurityConfig = field(default_factory=SidecarSecurityConfig)
+    """Token and TLS/mTLS settings, used for every sidecar."""
 
     def __post_init__(self) -> None:
         if self.local < 0:
@@ -110,6 +162,11 @@ class SidecarsConfig:
             raise ValueError("give sidecars.addresses or sidecars.local, not both")
         if self.threads < 1:
             raise ValueError(f"sidecars.threads must be >= 1, got {self.threads}")
+        if self.local and self.security.uses_tls:
+            raise ValueError(
+                "local sidecars serve plaintext on loopback; sidecars.security TLS settings apply to "
+                "sidecars.addresses (start TLS sidecars with `specrl serve --tls-cert ...` and list them)"
+            )
 
 
 @dataclass(kw_only=True, slots=True)

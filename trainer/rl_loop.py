@@ -1,7 +1,7 @@
 """The RL loop: generate → score → recompute log-probs → update policy and draft → push weights.
 
 Reads like the algorithm (DESIGN.md "Data flow of one RL step"); every mechanism lives in the
-module named after it: sidecar fan-out and fault handling in `trainer.orchestration`, local
+module named after it: sidecar fan-out and fault handling in `sidecar.fleet`, local
 sidecar processes in `trainer.local_sidecars`, the policy and its optimizers in
 `trainer.policy`, the GRPO/DAPO loss in `trainer.losses`, the run directory in `trainer.run_dir`.
 
@@ -29,11 +29,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from sidecar.types import SamplingParams, SpeculationCounters
+from sidecar.fleet import Fleet, FleetConfig, derive_seed
+from sidecar.types import GenerationRequest, SamplingParams, SpeculationCounters
 from trainer.config_io import write_yaml
 from trainer.local_sidecars import LocalSidecars
 from trainer.losses import sample_advantages
-from trainer.orchestration import Orchestrator
 from trainer.policy import Policy, TrainBatch
 from trainer.rl_config import RLConfig
 from trainer.run_dir import RunDir
@@ -49,7 +49,7 @@ class Run:
 
     cfg: RLConfig
     policy: Policy
-    sidecars: Orchestrator
+    sidecars: Fleet
     task: Task
     tokenizer: Tokenizer
     run_dir: RunDir
@@ -71,9 +71,12 @@ def build_policy(cfg: RLConfig) -> Policy:
 
 
 @contextlib.contextmanager
-def sidecar_fleet(cfg: RLConfig, run_dir: Path) -> Iterator[tuple[Orchestrator, LocalSidecars | None]]:
-    """The run's sidecars: local subprocesses (torn down on exit) or the given addresses."""
+def sidecar_fleet(cfg: RLConfig, run_dir: Path) -> Iterator[tuple[Fleet, LocalSidecars | None]]:
+    """The run's sidecars: local subprocesses (torn down on exit) or the given addresses, all
+    reached with the run's credentials (`sidecars.security`; local sidecars get its token)."""
     local = None
+    client = cfg.sidecars.security.client_config(timeout_s=cfg.sidecars.call_timeout_s)
+    client.delta_pushes = cfg.sidecars.delta_pushes
     if cfg.sidecars.local:
         local = LocalSidecars(
             cfg.model,
@@ -83,6 +86,7 @@ def sidecar_fleet(cfg: RLConfig, run_dir: Path) -> Iterator[tuple[Orchestrator, 
             max_batch_size=cfg.sidecars.max_batch_size,
             threads=cfg.sidecars.threads,
             startup_timeout_s=cfg.sidecars.startup_timeout_s,
+            token=client.token,
         )
     with contextlib.ExitStack() as stack:
         if local is not None:
@@ -90,15 +94,8 @@ def sidecar_fleet(cfg: RLConfig, run_dir: Path) -> Iterator[tuple[Orchestrator, 
             addresses = local.start()
         else:
             addresses = list(cfg.sidecars.addresses)
-        orch = stack.enter_context(
-            Orchestrator(
-                addresses,
-                deadline_s=cfg.rollout.deadline_s,
-                call_timeout_s=cfg.sidecars.call_timeout_s,
-                delta_pushes=cfg.sidecars.delta_pushes,
-            )
-        )
-        yield orch, local
+        fleet = stack.enter_context(Fleet(addresses, FleetConfig(client=client, deadline_s=cfg.rollout.deadline_s)))
+        yield fleet, local
 
 
 def latest_checkpoint(run_dir: RunDir) -> tuple[int, Path] | None:
@@ -116,7 +113,8 @@ def evaluate(run: Run, size: int) -> float:
         temperature=0.0, max_new_tokens=run.cfg.rollout.max_new_tokens, stop_token_ids=(run.tokenizer.eos_id,)
     )
     prompts = [run.tokenizer.encode(p.prompt) for p in problems]
-    samples = run.sidecars.generate(prompts, sampling, 1, run.cfg.rollout.speculation_k).samples
+    request = GenerationRequest(prompts=prompts, sampling=sampling, speculation_k=run.cfg.rollout.speculation_k)
+    samples = run.sidecars.generate(request).samples
     rewards = [run.task.reward(problems[s.prompt_index], run.tokenizer.decode(s.token_ids)) for s in samples]
     return sum(rewards) / len(rewards)
 
@@ -138,24 +136,31 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
         temperature=ro.temperature,
         max_new_tokens=ro.max_new_tokens,
         stop_token_ids=(run.tokenizer.eos_id,),
-        seed=cfg.seed * 7919 + step,
+        seed=derive_seed(cfg.seed, step),  # with the prompt and sample index: each sample's stream
     )
+
+    def rollout_request(k: int) -> GenerationRequest:
+        return GenerationRequest(
+            prompts=prompts, sampling=sampling, samples_per_prompt=ro.samples_per_prompt, speculation_k=k
+        )
+
     metrics: dict[str, float] = {}
 
     # 1. generate across the pool (G samples per prompt), speculatively
     run.sidecars.speculation_delta()  # baseline of the raw counters
     plain_first = ro.measure_plain and step % 2 == 1  # alternate the order of the side-by-side passes
     if plain_first:
-        metrics["time/generation_plain"] = run.sidecars.generate(prompts, sampling, ro.samples_per_prompt, 0).seconds
+        metrics["time/generation_plain"] = run.sidecars.generate(rollout_request(0)).seconds
         run.sidecars.speculation_delta()
-    rollout = run.sidecars.generate(prompts, sampling, ro.samples_per_prompt, ro.speculation_k)
+    rollout = run.sidecars.generate(rollout_request(ro.speculation_k))
     metrics.update(speculation_metrics(run.sidecars.speculation_delta()))
     if ro.measure_plain and not plain_first:
-        metrics["time/generation_plain"] = run.sidecars.generate(prompts, sampling, ro.samples_per_prompt, 0).seconds
+        metrics["time/generation_plain"] = run.sidecars.generate(rollout_request(0)).seconds
     samples = rollout.samples
     metrics["time/generation"] = rollout.seconds
     metrics["rollout/rerouted"] = float(rollout.rerouted)
     metrics["rollout/duplicates"] = float(rollout.duplicates)
+    metrics["rollout/regenerated"] = float(rollout.regenerated)
     metrics["rollout/weight_version"] = float(min(s.weight_version for s in samples))
     metrics["rollout/response_len"] = sum(len(s.token_ids) for s in samples) / len(samples)
 
@@ -192,7 +197,7 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     # 5. push target + draft to every sidecar (version + 1)
     metrics["time/weight_sync"] = run.sidecars.push_weights(
         run.policy.export_named_tensors, names=run.policy.export_names()
-    )
+    ).seconds
     metrics["weights/version"] = float(run.sidecars.version)
 
     rest = metrics["time/logprobs"] + metrics["time/train"] + metrics["time/weight_sync"]

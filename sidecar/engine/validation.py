@@ -7,22 +7,22 @@ serving exactly as before.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
 import torch
 
 from sidecar.engine.model import ModelConfig
 from sidecar.errors import InvalidRequestError, StaleVersionError, UnknownTensorError, WeightMismatchError
-from sidecar.types import GenerationRequest, WeightSelector
+from sidecar.types import GenerationRequest, WeightSelector, temperature_problem
 
 
 def validate_request(request: GenerationRequest, config: ModelConfig, max_speculation_k: int) -> None:
     """Raise InvalidRequestError naming the first problem of `request` for a model of `config`."""
     sp = request.sampling
     # The dataclasses check these on construction; fields may have been reassigned since.
-    if not (isinstance(sp.temperature, int | float) and math.isfinite(sp.temperature) and sp.temperature >= 0):
-        raise InvalidRequestError(f"temperature must be a finite number >= 0 (0 = greedy), got {sp.temperature}")
+    problem = temperature_problem(sp.temperature)
+    if problem:
+        raise InvalidRequestError(problem)
     if not (isinstance(sp.top_p, int | float) and 0.0 < sp.top_p <= 1.0):
         raise InvalidRequestError(f"top_p must be in (0, 1] (1 disables it), got {sp.top_p}")
     if not isinstance(sp.top_k, int) or sp.top_k < 0:

@@ -1,4 +1,4 @@
-"""The trainer's weight fan-out (`Orchestrator.push_weights`) against two real in-process sidecars.
+"""The weight fan-out (`Fleet.push_weights`) against two real in-process sidecars.
 
 Oracles: plain greedy decoding with the full forward pass of the pushed weights (what both
 sidecars must then produce); the version each sidecar reports; and weak references to the
@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from sidecar.client import ClientConfig
+from sidecar.fleet import Fleet, FleetConfig, NoLiveSidecarError
 from sidecar.service import Sidecar
-from sidecar.types import SamplingParams
+from sidecar.types import GenerationRequest, SamplingParams
 from tests.sidecar_fixtures import (
     greedy_reference,
     make_checkpoint,
@@ -23,7 +25,6 @@ from tests.sidecar_fixtures import (
     start_sidecar,
     weights,
 )
-from trainer.orchestration import Orchestrator, RolloutError
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
@@ -63,13 +64,13 @@ class Source:
             del tensor
 
 
-def served(orch: Orchestrator) -> list[list[list[int]]]:
+def served(orch: Fleet) -> list[list[list[int]]]:
     """What each sidecar generates greedily for PROMPTS (one request to each, not spread)."""
     out = []
     for c in orch.clients:
-        sub = Orchestrator([c.address])
+        sub = Fleet([c.address])
         sub.version = orch.version
-        samples = sub.generate(PROMPTS, GREEDY, 1, speculation_k=0).samples
+        samples = sub.generate(GenerationRequest(prompts=PROMPTS, sampling=GREEDY, speculation_k=0)).samples
         out.append([s.token_ids for s in samples])
         sub.close()
     return out
@@ -80,7 +81,7 @@ def test_a_streamed_push_reaches_both_sidecars_and_holds_few_tensors(pair: tuple
     source = Source(seed=1)
     want = [greedy_reference(source.state, p, 6) for p in PROMPTS]
     assert want != [greedy_reference(weights(0), p, 6) for p in PROMPTS]  # the push must show
-    with Orchestrator([a.address, b.address], stream_bytes=1) as orch:  # one queued tensor
+    with Fleet([a.address, b.address], FleetConfig(stream_bytes=1)) as orch:  # one queued tensor
         orch.push_weights(source, 1, names=source.names)
         assert orch.served_versions() == {a.address: 1, b.address: 1}
         assert served(orch) == [want, want]
@@ -96,7 +97,7 @@ def test_a_streamed_push_reaches_both_sidecars_and_holds_few_tensors(pair: tuple
 def test_a_source_that_fails_half_way_changes_no_sidecar(pair: tuple[Sidecar, Sidecar]) -> None:
     a, b = pair
     before = [greedy_reference(weights(0), p, 6) for p in PROMPTS]
-    with Orchestrator([a.address, b.address]) as orch:
+    with Fleet([a.address, b.address]) as orch:
         broken = Source(seed=1, fail_after=len(weights(0)) // 2)
         with pytest.raises(RuntimeError, match="export failed half-way"):
             orch.push_weights(broken, 1, names=broken.names)
@@ -113,7 +114,7 @@ def test_names_that_do_not_match_the_served_model_are_an_error_not_a_dead_fleet(
 ) -> None:
     a, b = pair
     source = Source(seed=1)
-    with Orchestrator([a.address, b.address]) as orch:
+    with Fleet([a.address, b.address]) as orch:
         with pytest.raises(ValueError, match="missing \\['model.norm.weight'\\]"):
             orch.push_weights(source, 1, names=[n for n in source.names if n != "model.norm.weight"])
         assert orch.live() == orch.clients and orch.served_versions() == {a.address: 0, b.address: 0}
@@ -122,11 +123,11 @@ def test_names_that_do_not_match_the_served_model_are_an_error_not_a_dead_fleet(
 def test_a_stopped_sidecar_is_marked_down_and_the_other_takes_the_version(pair: tuple[Sidecar, Sidecar]) -> None:
     a, b = pair
     source = Source(seed=1)
-    with Orchestrator([a.address, b.address], call_timeout_s=2.0) as orch:
+    with Fleet([a.address, b.address], FleetConfig(client=ClientConfig(timeout_s=2.0, retries=1))) as orch:
         b.stop(0.2)
         orch.push_weights(source, 1, names=source.names)
         assert [c.address for c in orch.live()] == [a.address]
         assert orch.served_versions() == {a.address: 1}
         a.stop(0.2)
-        with pytest.raises(RolloutError, match="no sidecar accepted weight version 2"):
+        with pytest.raises(NoLiveSidecarError, match="no sidecar accepted weight version 2"):
             orch.push_weights(Source(seed=2), 2, names=source.names)
