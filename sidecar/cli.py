@@ -90,6 +90,14 @@ def load_engine(engine: str, model: Path, *, device: str, spec_k: int, max_spec_
     "grpc only). A client proves shm (same host) before using it; collective lets a client that may push "
     "weights make this sidecar join its torch.distributed group.",
 )
+@click.option(
+    "--weight-deltas/--no-weight-deltas",
+    default=True,
+    show_default=True,
+    help="Accept sparse delta weight pushes (weights.proto, 'Sparse deltas'). Keeps the last push's tensors "
+    "as the base to rebuild from: no extra memory with --keep-staging (the base is the kept staging), "
+    "else ~1x the model in host memory.",
+)
 @click.option("--grace", type=click.FloatRange(0), default=5.0, show_default=True, help="Shutdown grace seconds.")
 @click.option("--log-level", default="INFO", show_default=True)
 def serve(
@@ -110,6 +118,7 @@ def serve(
     metrics_port: int | None,
     keep_staging: bool,
     weight_transports: str,
+    weight_deltas: bool,
     grace: float,
     log_level: str,
 ) -> None:
@@ -147,7 +156,7 @@ def serve(
             metrics_port=metrics_port,
             metrics_host=host,
             keep_staging=keep_staging and engine == "torch",
-            data_planes=DataPlaneConfig(shm="shm" in offered, collective="collective" in offered),
+            data_planes=DataPlaneConfig(shm="shm" in offered, collective="collective" in offered, deltas=weight_deltas),
             shutdown_grace_s=grace,
         )
     except ValueError as e:

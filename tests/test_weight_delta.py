@@ -443,3 +443,17 @@ def test_a_refused_delta_on_any_transport_is_followed_by_a_full_push(
         result = c.push_weights(state, version=2)
         assert plans == ["delta", "full"] and result.bytes_received == dense and result.transport is transport
         assert served(sc) == (2, sha(state))
+
+
+def test_a_sidecar_that_does_not_accept_deltas_gets_full_pushes(checkpoint: Path) -> None:
+    from sidecar.weight_sync.receiver import DataPlaneConfig
+
+    g = torch.Generator().manual_seed(9)
+    state = weights(1)
+    dense = sum(t.numel() * t.element_size() for t in state.values())
+    with start_sidecar(checkpoint, data_planes=DataPlaneConfig(deltas=False)) as sc, delta_client(sc.address) as c:
+        for v in range(1, 4):
+            state = sparse_step(state, g, 0.01)
+            assert c.push_weights(state, version=v).bytes_received == dense
+            assert c.delta_base.version == 0  # nothing kept for a sidecar that would refuse deltas
+        assert served(sc) == (3, sha(state))
