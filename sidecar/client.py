@@ -330,7 +330,8 @@ class SidecarClient:
             log.warning("sidecar %s refused a delta push (%s); pushing the full tensors", self.address, e.details)
             plan = plan_push(plan.full.items(), self.delta_base)  # no base: every tensor in full
             result = self._push_planned(plan.wire, version, selector, chunk_bytes, plan.specs, timeout_s)
-        if self._accepts_deltas():
+        # A delta it applied says the sidecar accepts them; after a full push, ask (one call).
+        if plan.base_version or self._accepts_deltas():
             self.delta_base.version, self.delta_base.tensors = version, plan.full
         return result
 
