@@ -457,3 +457,33 @@ def test_a_sidecar_that_does_not_accept_deltas_gets_full_pushes(checkpoint: Path
             assert c.push_weights(state, version=v).bytes_received == dense
             assert c.delta_base.version == 0  # nothing kept for a sidecar that would refuse deltas
         assert served(sc) == (3, sha(state))
+
+
+def test_a_delta_for_a_tensor_without_a_base_is_refused() -> None:
+    """The sidecar applied a DRAFT-only push, so it holds a base of the draft tensors only: a
+    delta of a trunk tensor is refused (nothing applied), a delta of a draft tensor is not."""
+    state = {"trunk": torch.randn(30, 30), "mtp.w": torch.randn(30, 30)}
+    version = [0]
+    receiver = WeightReceiver(
+        model_specs=lambda sel: [
+            spec_of(n, t) for n, t in state.items() if sel is not WeightSelector.DRAFT or n.startswith("mtp.")
+        ],
+        served_version=lambda: version[0],
+    )
+    draft = {"mtp.w": state["mtp.w"] + 1}
+    staged = receiver.receive(iter_push_requests(draft, 1, WeightSelector.DRAFT))
+    version[0] = 1
+    receiver.keep(staged)
+    new = {n: t.clone() for n, t in {**state, **draft}.items()}
+    new["trunk"][0, 0] += 1
+    new["mtp.w"][0, 0] += 1
+    plan = plan_push(new.items(), DeltaBase(version=1, tensors={**state, **draft}))
+    assert all(s.delta is not None for s in plan.specs)
+    with pytest.raises(DeltaBaseError, match="no base of tensor 'trunk'"):
+        receiver.receive(iter_push_requests(plan.wire, 2, specs=plan.specs, base_version=1))
+    assert version[0] == 1
+    only_draft = plan_push([("mtp.w", new["mtp.w"])], DeltaBase(version=1, tensors=draft))
+    staged = receiver.receive(
+        iter_push_requests(only_draft.wire, 2, WeightSelector.DRAFT, specs=only_draft.specs, base_version=1)
+    )
+    assert torch.equal(staged.tensors["mtp.w"], new["mtp.w"])
