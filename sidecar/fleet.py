@@ -193,7 +193,8 @@ def send_weight_stream(
     selector: WeightSelector,
     specs: Sequence[TensorSpec],
 ) -> PushResult:
-    """Send one sidecar its tensors (in `specs` order) over the gRPC PushWeights stream."""
+    """Send one sidecar its tensors (in `specs` order): PushWeights is the control plane, the
+    bytes take the data plane negotiated for that sidecar (shm, collective or the stream)."""
     return client.push_weights(tensors, version, selector, specs=specs)
 
 

@@ -63,3 +63,27 @@ def test_the_readme_config_example_is_a_valid_run_config() -> None:
     example = readme.split("```yaml\n", 1)[1].split("```", 1)[0]
     config = from_mapping(RLConfig, yaml.safe_load(example))
     assert config.sidecars.addresses == ["10.0.0.5:50051", "10.0.0.6:50051"] and config.steps == 100
+
+
+def test_weight_sync_keys_set_up_the_data_planes(tmp_path: Path) -> None:
+    """`sidecars.weight_sync` reaches the clients' TransportConfig: shm by default, a
+    collective group only when a host is named, and a bad backend is named."""
+    default = resolve_config(None, ["model=x", "sidecars.local=1"]).sidecars.weight_sync.transport_config()
+    assert default.shm and default.collective is None
+    cfg = resolve_config(
+        None,
+        [
+            "model=x",
+            "sidecars.addresses=['10.0.0.1:50051']",
+            "sidecars.weight_sync.shm=false",
+            "sidecars.weight_sync.collective_host=10.0.0.9",
+            "sidecars.weight_sync.bucket_mib=16",
+        ],
+    )
+    transports = cfg.sidecars.weight_sync.transport_config()
+    assert not transports.shm and transports.collective is not None
+    assert transports.collective.host == "10.0.0.9" and transports.collective.bucket_bytes == 16 << 20
+    with pytest.raises(click.ClickException, match="weight_sync"):
+        resolve_config(
+            None, ["model=x", "sidecars.weight_sync.collective_host=h", "sidecars.weight_sync.collective_backend=mpi"]
+        )

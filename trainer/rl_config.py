@@ -14,6 +14,7 @@ from typing import Literal
 from muon import HybridOptimizerConfig
 from sidecar.client import ClientConfig
 from sidecar.security import read_token
+from sidecar.weight_sync.negotiation import CollectiveConfig, TransportConfig
 from trainer.draft import DraftConfig
 from trainer.losses import GRPOConfig
 from trainer.tasks import ArithmeticTask, JsonlTask, Task, load_reward_fn
@@ -132,6 +133,42 @@ class SidecarSecurityConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class WeightSyncConfig:
+    """How weight pushes reach the sidecars (see README, "Weight sync: data planes"). Local
+    sidecars use shared memory once they prove they share this host; a collective group is
+    set up only when `collective_host` is set; gRPC is always the fallback."""
+
+    shm: bool = True
+    """Use shared memory with sidecars that prove they run on this host."""
+    collective_host: str | None = None
+    """An address of this trainer host that the sidecars can reach: set it to push over a
+    torch.distributed group (rank 0 here, one group per sidecar); unset: no collective."""
+    collective_backend: str = "gloo"
+    """"gloo" (CPU tensors) or "nccl" (GPU tensors)."""
+    collective_timeout_s: float = 30.0
+    """Bound on forming a group and on every broadcast."""
+    bucket_mib: int = 64
+    """Collective bucket size."""
+
+    def __post_init__(self) -> None:
+        self.transport_config()  # validates (ValueError names the field)
+
+    def transport_config(self) -> TransportConfig:
+        collective = None
+        if self.collective_host is not None:
+            try:
+                collective = CollectiveConfig(
+                    host=self.collective_host,
+                    backend=self.collective_backend,
+                    timeout_s=self.collective_timeout_s,
+                    bucket_bytes=self.bucket_mib << 20,
+                )
+            except ValueError as e:
+                raise ValueError(f"sidecars.weight_sync: {e}") from None
+        return TransportConfig(shm=self.shm, collective=collective)
+
+
+@dataclass(kw_only=True, slots=True)
 class SidecarsConfig:
     """Which sidecars serve the rollouts: remote addresses, or local subprocesses."""
 
@@ -154,6 +191,8 @@ class SidecarsConfig:
     serves float32, where nearly every element changes every step."""
     security: SidecarSecurityConfig = field(default_factory=SidecarSecurityConfig)
     """Token and TLS/mTLS settings, used for every sidecar."""
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    """Data planes for weight pushes (shm for proven local sidecars; collective when set up)."""
 
     def __post_init__(self) -> None:
         if self.local < 0:

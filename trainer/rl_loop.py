@@ -18,6 +18,7 @@ same weights, so the speedup is measured side by side in the same run.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import random
 import re
@@ -76,7 +77,9 @@ def sidecar_fleet(cfg: RLConfig, run_dir: Path) -> Iterator[tuple[Fleet, LocalSi
     reached with the run's credentials (`sidecars.security`; local sidecars get its token)."""
     local = None
     client = cfg.sidecars.security.client_config(timeout_s=cfg.sidecars.call_timeout_s)
-    client.delta_pushes = cfg.sidecars.delta_pushes
+    client = dataclasses.replace(
+        client, transports=cfg.sidecars.weight_sync.transport_config(), delta_pushes=cfg.sidecars.delta_pushes
+    )
     if cfg.sidecars.local:
         local = LocalSidecars(
             cfg.model,
