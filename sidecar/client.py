@@ -96,9 +96,9 @@ class ClientConfig:
     delta_pushes: bool = False
     """Send each tensor as a sparse delta against the last push to that sidecar when that is
     smaller (weights.proto, "Sparse deltas"); keeps one served-dtype copy of the pushed tensors
-    per sidecar. Off by default: measured (BENCHMARKS.md, "Sparse delta pushes") to pay only for
-    bfloat16 serving at real-RL update sizes; the demo serves float32, where Muon and AdamW
-    change ~every element each step."""
+    per sidecar. Off by default: measured (BENCHMARKS.md, "Sparse delta pushes"), it saves bytes
+    only for bfloat16 serving at real-RL update sizes (and costs seconds on one host); the demo
+    serves float32, where Muon and AdamW change ~every element each step."""
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "generate_timeout_s", "push_timeout_s", "backoff_s", "max_backoff_s"):

@@ -395,8 +395,8 @@ def test_the_run_config_turns_delta_pushes_on_for_every_client(checkpoint: Path)
     from trainer.config_io import from_mapping
     from trainer.rl_config import RLConfig
 
-    cfg = from_mapping(RLConfig, {"model": "m", "sidecars": {"local": 1, "delta_pushes": True}})
-    assert cfg.sidecars.delta_pushes and not RLConfig(model=Path("m")).sidecars.delta_pushes
+    cfg = from_mapping(RLConfig, {"model": "m", "sidecars": {"local": 1, "weight_sync": {"deltas": True}}})
+    assert cfg.sidecars.weight_sync.deltas and not RLConfig(model=Path("m")).sidecars.weight_sync.deltas
     state = weights(1)
     fleet_cfg = FleetConfig(client=ClientConfig(delta_pushes=True))
     with start_sidecar(checkpoint) as sc, Fleet([sc.address], fleet_cfg) as orch:
