@@ -8,6 +8,7 @@ says otherwise: whoever can push weights owns the model.
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import threading
@@ -16,18 +17,51 @@ from types import FrameType
 
 import click
 
+from sidecar.engine import ENGINE_KINDS
 from sidecar.engine.base import Engine
+from sidecar.serve_config import ServeConfig
 
 log = logging.getLogger("specrl.serve")
 
 SGLANG_UNAVAILABLE = "SGLang engine not available in this build: install specrl[sglang] on a GPU node"
 
 
-def load_engine(engine: str, model: Path, *, device: str, spec_k: int, max_spec_k: int, max_batch_size: int) -> Engine:
+def parse_sglang_args(pairs: tuple[str, ...]) -> dict[str, object]:
+    """``KEY=VALUE`` pairs → SGLang ``ServerArgs`` keywords; VALUE is JSON when it parses, else a string."""
+    out: dict[str, object] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.isidentifier():
+            raise click.BadParameter(
+                f"{pair!r} is not KEY=VALUE with KEY a ServerArgs field, e.g. mem_fraction_static=0.5",
+                param_hint="--sglang-arg",
+            )
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
+
+
+def load_engine(
+    engine: str,
+    model: Path,
+    *,
+    device: str,
+    spec_k: int,
+    max_spec_k: int,
+    max_batch_size: int,
+    sglang_args: dict[str, object] | None = None,
+) -> Engine:
     """The engine serving `model` (an Engine); click.ClickException when it cannot be built."""
     from sidecar.engine import create_engine
     from sidecar.errors import SpecrlError
 
+    if sglang_args and engine != "sglang":
+        raise click.BadParameter(
+            f"--sglang-arg applies to --engine sglang only, not {engine}", param_hint="--sglang-arg"
+        )
+    options: dict[str, object] = {"extra_server_args": sglang_args} if sglang_args else {}
     try:
         return create_engine(
             engine,
@@ -36,6 +70,7 @@ def load_engine(engine: str, model: Path, *, device: str, spec_k: int, max_spec_
             speculation_k=spec_k,
             max_speculation_k=max_spec_k,
             max_batch_size=max_batch_size,
+            **options,
         )
     except ImportError as e:
         raise click.ClickException(f"{SGLANG_UNAVAILABLE} ({e})") from None
@@ -44,47 +79,63 @@ def load_engine(engine: str, model: Path, *, device: str, spec_k: int, max_spec_
         raise click.ClickException(f"cannot start the {engine} engine for {model}: {e}") from None
 
 
+_D = ServeConfig()
+"""Every option's default is the config field's default."""
+
+
 @click.command()
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="YAML/TOML with `specrl serve` settings (fields of sidecar.serve_config.ServeConfig).",
+)
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a field, e.g. port=0.")
+@click.option("--print-config", is_flag=True, help="Print the resolved settings (YAML) and exit.")
 @click.option(
     "--model",
     "model_dir",
-    required=True,
     type=click.Path(exists=True, file_okay=False, path_type=Path),
-    help="Checkpoint directory (config.json + model.safetensors).",
+    help="Checkpoint directory (config.json + model.safetensors); required here or in the config.",
 )
-@click.option("--engine", type=click.Choice(["torch", "sglang"]), default="torch", show_default=True)
-@click.option("--host", default="127.0.0.1", show_default=True, help="Bind address (loopback unless told otherwise).")
-@click.option("--port", type=click.IntRange(0, 65535), default=50051, show_default=True, help="0 picks a free port.")
-@click.option("--spec-k", type=click.IntRange(0), default=3, show_default=True, help="Default draft length (0: off).")
-@click.option("--max-spec-k", type=click.IntRange(0), default=8, show_default=True)
-@click.option("--max-batch-size", type=click.IntRange(1), default=64, show_default=True)
-@click.option("--max-live-sequences", type=click.IntRange(1), default=4096, show_default=True)
-@click.option("--device", default="cpu", show_default=True, help="torch device: cpu, cuda, cuda:1 ...")
-@click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Server PEM chain.")
-@click.option("--tls-key", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Server PEM key.")
+@click.option("--engine", type=click.Choice(ENGINE_KINDS), default=_D.engine, show_default=True)
+@click.option("--host", default=_D.host, show_default=True, help="Bind address (loopback unless told otherwise).")
+@click.option("--port", type=click.IntRange(0, 65535), default=_D.port, show_default=True, help="0 picks a free port.")
+@click.option("--spec-k", type=click.IntRange(0), default=_D.spec_k, show_default=True, help="Default draft length.")
+@click.option("--max-spec-k", type=click.IntRange(0), default=_D.max_spec_k, show_default=True)
+@click.option("--max-batch-size", type=click.IntRange(1), default=_D.max_batch_size, show_default=True)
+@click.option("--max-live-sequences", type=click.IntRange(1), default=_D.max_live_sequences, show_default=True)
+@click.option("--device", default=_D.device, show_default=True, help="torch device: cpu, cuda, cuda:1 ...")
+@click.option(
+    "--tls-cert", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=_D.tls_cert, help="PEM chain."
+)
+@click.option(
+    "--tls-key", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=_D.tls_key, help="PEM key."
+)
 @click.option(
     "--tls-client-ca",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=_D.tls_client_ca,
     help="CA bundle clients must be signed by (mutual TLS).",
 )
 @click.option("--token", default=None, help="Bearer token required on every RPC (or --token-file / $SPECRL_TOKEN).")
-@click.option("--token-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None)
+@click.option("--token-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=_D.token_file)
 @click.option(
     "--metrics-port",
     type=click.IntRange(0, 65535),
-    default=None,
+    default=_D.metrics_port,
     help="Prometheus endpoint port on --host (off unless set).",
 )
 @click.option(
     "--keep-staging/--no-keep-staging",
-    default=True,
+    default=_D.keep_staging,
     show_default=True,
     help="Receive each weight push into the last push's staging memory (torch engine): faster pushes, "
     "but ~1x the model stays resident between pushes (the peak during a push is the same).",
 )
 @click.option(
     "--weight-transports",
-    default="shm,collective",
+    default=_D.weight_transports,
     show_default=True,
     help="Weight data planes offered besides the gRPC stream (comma-separated: shm, collective; '' for "
     "grpc only). A client proves shm (same host) before using it; collective lets a client that may push "
@@ -92,38 +143,81 @@ def load_engine(engine: str, model: Path, *, device: str, spec_k: int, max_spec_
 )
 @click.option(
     "--weight-deltas/--no-weight-deltas",
-    default=True,
+    default=_D.weight_deltas,
     show_default=True,
     help="Accept sparse delta weight pushes (weights.proto, 'Sparse deltas'). Keeps the last push's tensors "
     "as the base to rebuild from: no extra memory with --keep-staging (the base is the kept staging), "
     "else ~1x the model in host memory.",
 )
-@click.option("--grace", type=click.FloatRange(0), default=5.0, show_default=True, help="Shutdown grace seconds.")
-@click.option("--log-level", default="INFO", show_default=True)
+@click.option(
+    "--sglang-arg",
+    "sglang_args",
+    multiple=True,
+    default=_D.sglang_args,
+    metavar="KEY=VALUE",
+    help="Extra SGLang ServerArgs keyword (--engine sglang; repeatable; VALUE parsed as JSON when it can be), "
+    "e.g. --sglang-arg mem_fraction_static=0.5 --sglang-arg max_total_tokens=4096.",
+)
+@click.option("--grace", type=click.FloatRange(0), default=_D.grace, show_default=True, help="Shutdown grace seconds.")
+@click.option("--log-level", default=_D.log_level, show_default=True)
+@click.pass_context
 def serve(
-    model_dir: Path,
-    engine: str,
-    host: str,
-    port: int,
-    spec_k: int,
-    max_spec_k: int,
-    max_batch_size: int,
-    max_live_sequences: int,
-    device: str,
-    tls_cert: Path | None,
-    tls_key: Path | None,
-    tls_client_ca: Path | None,
+    ctx: click.Context,
+    config_file: Path | None,
+    overrides: tuple[str, ...],
+    print_config: bool,
+    model_dir: Path | None,
     token: str | None,
-    token_file: Path | None,
-    metrics_port: int | None,
-    keep_staging: bool,
-    weight_transports: str,
-    weight_deltas: bool,
-    grace: float,
-    log_level: str,
+    **options: object,
 ) -> None:
     """Serve a model over specrl.v1 (a rollout sidecar)."""
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = resolve_serve_config(ctx, config_file, list(overrides), model_dir, options)
+    if print_config:
+        import yaml
+
+        from trainer.config_io import to_mapping
+
+        click.echo(yaml.safe_dump(to_mapping(cfg), sort_keys=False), nl=False)
+        return
+    run_sidecar(cfg, token)
+
+
+def resolve_serve_config(
+    ctx: click.Context,
+    config_file: Path | None,
+    overrides: list[str],
+    model_dir: Path | None,
+    options: dict[str, object],
+) -> ServeConfig:
+    """File, then `--set`, then the options given on the command line (not their defaults)."""
+    from click.core import ParameterSource
+
+    from trainer.config_io import ConfigError, from_mapping, load_file, merge_overrides
+
+    try:
+        data = load_file(config_file) if config_file is not None else {}
+        data = merge_overrides(data, overrides)
+        for name, value in options.items():
+            if ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT):
+                data[name] = (
+                    str(value) if isinstance(value, Path) else list(value) if isinstance(value, tuple) else value
+                )
+        if model_dir is not None:
+            data["model"] = str(model_dir)
+        cfg = from_mapping(ServeConfig, data)
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None
+    if cfg.model is None:
+        raise click.UsageError("no model: pass --model DIR or set model in the --config file")
+    if not cfg.model.is_dir():
+        raise click.ClickException(f"model: checkpoint directory {cfg.model} does not exist")
+    return cfg
+
+
+def run_sidecar(cfg: ServeConfig, token: str | None = None) -> None:
+    """Serve `cfg.model` until SIGTERM/SIGINT."""
+    assert cfg.model is not None
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from sidecar.scheduler import SchedulerConfig
     from sidecar.security import SecurityConfig, read_token
     from sidecar.server import ServerConfig
@@ -134,29 +228,26 @@ def serve(
 
     prefer_mmap_for_large_buffers()  # weight pushes then return their staging memory at once
 
-    offered = {t.strip() for t in weight_transports.split(",") if t.strip()}
-    if offered - {"shm", "collective"}:
-        raise click.BadParameter(
-            f"unknown transport(s) {sorted(offered - {'shm', 'collective'})}; use shm and/or collective "
-            "(grpc is always offered)",
-            param_hint="--weight-transports",
-        )
+    host, grace, engine = cfg.host, cfg.grace, cfg.engine
+    offered = cfg.offered_transports
     try:
         security = SecurityConfig(
-            tls_cert=tls_cert,
-            tls_key=tls_key,
-            tls_client_ca=tls_client_ca,
-            token=read_token(token, token_file),
+            tls_cert=cfg.tls_cert,
+            tls_key=cfg.tls_key,
+            tls_client_ca=cfg.tls_client_ca,
+            token=read_token(token, cfg.token_file),
         )
         config = SidecarConfig(
-            server=ServerConfig(host=host, port=port),
-            scheduler=SchedulerConfig(max_live_sequences=max_live_sequences),
-            limits=RequestLimits(max_samples=min(4096, max_live_sequences)),
+            server=ServerConfig(host=host, port=cfg.port),
+            scheduler=SchedulerConfig(max_live_sequences=cfg.max_live_sequences),
+            limits=RequestLimits(max_samples=min(4096, cfg.max_live_sequences)),
             security=security,
-            metrics_port=metrics_port,
+            metrics_port=cfg.metrics_port,
             metrics_host=host,
-            keep_staging=keep_staging and engine == "torch",
-            data_planes=DataPlaneConfig(shm="shm" in offered, collective="collective" in offered, deltas=weight_deltas),
+            keep_staging=cfg.keep_staging and engine == "torch",
+            data_planes=DataPlaneConfig(
+                shm="shm" in offered, collective="collective" in offered, deltas=cfg.weight_deltas
+            ),
             shutdown_grace_s=grace,
         )
     except ValueError as e:
@@ -164,11 +255,18 @@ def serve(
     if host not in ("127.0.0.1", "::1", "localhost") and security.token is None and security.tls_client_ca is None:
         log.warning("binding %s without a token or mutual TLS: anyone who reaches it can push weights", host)
     eng = load_engine(
-        engine, model_dir, device=device, spec_k=spec_k, max_spec_k=max_spec_k, max_batch_size=max_batch_size
+        engine,
+        cfg.model,
+        device=cfg.device,
+        spec_k=cfg.spec_k,
+        max_spec_k=cfg.max_spec_k,
+        max_batch_size=cfg.max_batch_size,
+        sglang_args=parse_sglang_args(cfg.sglang_args),
     )
     try:
         sidecar = Sidecar(eng, config)
     except OSError as e:
+        eng.close()  # an SGLang engine holds processes of its own
         raise click.ClickException(str(e)) from None
     stop = threading.Event()
 
@@ -182,4 +280,7 @@ def serve(
     click.echo(f"specrl sidecar listening on {sidecar.address}", err=True)
     while not stop.wait(timeout=1.0):  # ends on SIGTERM/SIGINT
         pass
-    sidecar.stop(grace)
+    try:
+        sidecar.stop(grace)
+    finally:
+        eng.close()

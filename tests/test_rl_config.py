@@ -54,14 +54,12 @@ def test_component_checks() -> None:
 
 
 def test_the_readme_config_example_is_a_valid_run_config() -> None:
-    import yaml
-
-    from trainer.config_io import from_mapping
+    from trainer.config_io import from_mapping, yaml_load
     from trainer.rl_config import RLConfig
 
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     example = readme.split("```yaml\n", 1)[1].split("```", 1)[0]
-    config = from_mapping(RLConfig, yaml.safe_load(example))
+    config = from_mapping(RLConfig, yaml_load(example))  # as `specrl train --config` reads it
     assert config.sidecars.addresses == ["10.0.0.5:50051", "10.0.0.6:50051"] and config.steps == 100
 
 
@@ -87,3 +85,53 @@ def test_weight_sync_keys_set_up_the_data_planes(tmp_path: Path) -> None:
         resolve_config(
             None, ["model=x", "sidecars.weight_sync.collective_host=h", "sidecars.weight_sync.collective_backend=mpi"]
         )
+
+
+def _reference_rows() -> dict[str, str]:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    table = readme.split("<!-- config-reference:", 1)[1].split("\n\n", 1)[0]
+    rows = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`"):
+            rows[cells[0].strip("`")] = cells[1]
+    return rows
+
+
+def test_the_readme_config_reference_matches_rlconfig() -> None:
+    """Every RLConfig field is in the README's table (a section as one row or field by field),
+    with the default the code has; no row names a key that does not exist."""
+    import dataclasses
+
+    from trainer.config_io import to_mapping, yaml_load
+
+    rows = _reference_rows()
+    cfg = RLConfig(model=Path("ckpt"))
+    expected: set[str] = set()
+    for f in dataclasses.fields(RLConfig):
+        value = getattr(cfg, f.name)
+        if f.name in rows or not dataclasses.is_dataclass(value):
+            expected.add(f.name)
+            continue
+        expected |= {f"{f.name}.{g.name}" for g in dataclasses.fields(value)}
+    assert set(rows) == expected, (sorted(expected - set(rows)), sorted(set(rows) - expected))
+    for key, default in rows.items():
+        section, _, name = key.partition(".")
+        if default == "(required)":
+            continue
+        if name:
+            field_default = {g.name: g.default for g in dataclasses.fields(getattr(cfg, section))}[name]
+            actual = None if field_default is None else to_mapping(getattr(getattr(cfg, section), name))
+            assert yaml_load(default.strip("`")) == actual, (key, default, actual)
+        elif default.startswith("`"):
+            assert yaml_load(default.strip("`")) == to_mapping(getattr(cfg, key)), (key, default)
+        else:  # a section row: "field `value`" names one default of the section
+            field_name, value = default.split(" ", 1)
+            assert yaml_load(value.strip("`")) == to_mapping(getattr(getattr(cfg, key), field_name)), (key, default)
+
+
+def test_a_partial_section_keeps_the_run_defaults_it_does_not_name() -> None:
+    cfg = resolve_config(None, ["model=x", "optimizer.weight_decay=0.0", "sidecars.devices=[cpu]"])
+    assert cfg.optimizer.lr == RLConfig(model=Path("x")).optimizer.lr == 1e-5  # not HybridOptimizerConfig's 3e-4
+    assert cfg.sidecars.local == 1
+    assert resolve_config(None, ["model=x", "sidecars.addresses=['a:1']"]).sidecars.local == 0

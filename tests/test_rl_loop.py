@@ -224,11 +224,21 @@ def test_specrl_train_command_runs_a_step(checkpoints: dict[str, Path], tmp_path
     config.write_text("rollout: {prompts_per_step: 2, samples_per_prompt: 2, max_new_tokens: 16}\nsteps: 1\n")
     args = ["train", "--config", str(config), "--model", str(checkpoints["policy"]), "--local-sidecars", "1"]
     args += ["--run-dir", str(tmp_path / "run"), "--set", "eval_every=0"]
+    # two updates per rollout batch, in micro-batches of one sample, with a warm-up schedule
+    args += ["--set", "train.mini_batches=2", "--set", "train.micro_batch_rows=1"]
+    args += ["--set", "algorithm.filter_equal_groups=false"]  # so no mini-batch is empty
+    # the KL penalty to the frozen starting policy, and DAPO overlong shaping
+    args += ["--set", "algorithm.kl_coef=0.05", "--set", "reward.overlong_buffer_len=4"]
+    args += ["--set", "train.lr_schedule={warmup_steps: 4}", "--set", "optimizer.lr=4e-4"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     assert "done: 1 steps" in result.output
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     assert row["step"] == 1 and row["weights/version"] == 2.0
+    assert row["train/step"] == row["train/updates"] == 2.0
+    assert row["train/lr"] == pytest.approx(1.5e-4)  # mean of updates 0-1 of a 4-update warm-up to 4e-4
+    assert row["mismatch/logprob_abs_max"] < 1e-4  # from the separate pass, before any update
+    assert row["train/kl"] >= -1e-6 and row["reward/overlong_penalty_mean"] <= 0.0  # k3 >= 0 up to float32
 
 
 @pytest.mark.slow

@@ -26,19 +26,19 @@ from safetensors.torch import load_file
 from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-from sidecar.engine import create_engine
-from sidecar.engine import sglang_names as names
+from sidecar.engine import ENGINE_KINDS, create_engine, engine_class
 from sidecar.engine.checkpoint import draft_tensor_names, load_checkpoint, save_checkpoint, target_tensor_names
 from sidecar.engine.model import ModelConfig, build_model
-from sidecar.engine.sglang_backend import SGLangBackend, SGLangEngineError, sampling_params_dict
-from sidecar.engine.sglang_engine import (
+from sidecar.engine.sglang import names
+from sidecar.engine.sglang.backend import SGLangBackend, SGLangEngineError, sampling_params_dict
+from sidecar.engine.sglang.engine import (
     SGLangEngine,
     SGLangEngineConfig,
     StaleDraftError,
     build_server_args,
     tensor_digest,
 )
-from sidecar.engine.sglang_meta import MetaInfoError, counters_from_meta_info, sample_from_meta_info
+from sidecar.engine.sglang.meta import MetaInfoError, counters_from_meta_info, sample_from_meta_info
 from sidecar.errors import InvalidRequestError, StaleVersionError, UnknownTensorError, WeightMismatchError
 from sidecar.types import FinishReason, GenerationRequest, SamplingParams, WeightSelector
 
@@ -367,11 +367,15 @@ def ckpt(tmp_path: Path, tiny: ModelConfig, tiny_state: dict[str, torch.Tensor])
     return tmp_path / "ckpt"
 
 
-def make_engine(ckpt: Path, backend: RecordingBackend, k: int = 2) -> SGLangEngine:
+def make_engine(ckpt: Path, backend: RecordingBackend, k: int = 2, device: str = "cuda") -> SGLangEngine:
     model, tensors = load_checkpoint(ckpt)
     layout = names.write_sglang_checkpoint(model, tensors, ckpt / "sglang")
     cfg = SGLangEngineConfig(
-        model_path=str(layout.target_dir), draft_model_path=str(layout.draft_dir), speculation_k=k, step_wait_s=0.01
+        model_path=str(layout.target_dir),
+        draft_model_path=str(layout.draft_dir),
+        speculation_k=k,
+        step_wait_s=0.01,
+        device=device,
     )
     digests = {n: tensor_digest(t) for n, t in tensors.items() if n.startswith("mtp.")}
     eng = SGLangEngine(cfg, model, backend=backend, draft_digests=digests)  # type: ignore[arg-type]
@@ -381,6 +385,24 @@ def make_engine(ckpt: Path, backend: RecordingBackend, k: int = 2) -> SGLangEngi
     backend.load("draft", names.to_sglang_draft(draft, hidden_size=model.hidden_size, num_experts=1))
     backend.calls.clear()
     return eng
+
+
+def test_cpu_refuses_what_sglang_cpu_does_not_sample_exactly(ckpt: Path) -> None:
+    """SGLang 0.5.23 on CPU: greedy draft verification; top-p before top-k renormalisation."""
+    eng = make_engine(ckpt, RecordingBackend(k=2), device="cpu")
+    assert eng.info().device_kind == "cpu"
+    with pytest.raises(InvalidRequestError, match="verifies drafts greedily"):
+        eng.validate(GenerationRequest(prompts=[[1]], sampling=SamplingParams(temperature=0.5)))
+    eng.validate(GenerationRequest(prompts=[[1]], sampling=SamplingParams(temperature=0.0)))
+    model, _ = load_checkpoint(ckpt)
+    cfg = SGLangEngineConfig(model_path=str(ckpt), speculative_algorithm=None, speculation_k=0, device="cpu")
+    plain = SGLangEngine(cfg, model, backend=RecordingBackend(k=0))  # type: ignore[arg-type]
+    plain.validate(GenerationRequest(prompts=[[1]], sampling=SamplingParams(temperature=0.5, top_k=5)))
+    with pytest.raises(InvalidRequestError, match="top-p to the probabilities before top-k"):
+        plain.validate(GenerationRequest(prompts=[[1]], sampling=SamplingParams(temperature=0.5, top_k=5, top_p=0.9)))
+    gpu = make_engine(ckpt, RecordingBackend(k=2))
+    gpu.validate(GenerationRequest(prompts=[[1]], sampling=SamplingParams(temperature=0.5, top_k=5, top_p=0.9)))
+    assert gpu.info().device_kind == "cuda"
 
 
 def test_generate_collects_samples(ckpt: Path) -> None:
@@ -533,13 +555,25 @@ def test_eagle_draft_is_pushed_under_its_own_names(ckpt: Path, tmp_path: Path) -
 def test_missing_sglang_says_how_to_install(ckpt: Path) -> None:
     model, _ = load_checkpoint(ckpt)
     cfg = SGLangEngineConfig(model_path=str(ckpt), speculative_algorithm=None, speculation_k=0)
-    with pytest.raises(SGLangEngineError, match=r"install specrl\[sglang\] on a GPU node \(CUDA 13, torch 2.14.1\)"):
+    with pytest.raises(SGLangEngineError, match=r"install specrl\[sglang\] \(SGLang 0.5.23, CUDA 13, torch 2.14.1\)"):
         SGLangEngine(cfg, model)
 
 
 def test_create_engine_dispatch(ckpt: Path) -> None:
+    assert set(ENGINE_KINDS) == {"torch", "sglang"} and engine_class("sglang") is SGLangEngine
     with pytest.raises(ValueError, match="engine kind"):
         create_engine("vllm", ckpt)
-    with pytest.raises(ValueError, match="CUDA"):
-        create_engine("sglang", ckpt, device="cpu")
     assert create_engine("torch", ckpt, device="cpu").info().engine == "torch"
+
+
+def test_device_config() -> None:
+    cpu = build_server_args(
+        SGLangEngineConfig(model_path="/m", speculative_algorithm=None, speculation_k=0, device="cpu")
+    )
+    assert cpu["device"] == "cpu" and cpu["disable_cuda_graph"] is True and "attention_backend" not in cpu
+    gpu1 = build_server_args(
+        SGLangEngineConfig(model_path="/m", speculative_algorithm=None, speculation_k=0, device="cuda:1")
+    )
+    assert gpu1["base_gpu_id"] == 1 and "device" not in gpu1
+    with pytest.raises(ValueError, match="device must be"):
+        SGLangEngineConfig(model_path="/m", speculative_algorithm=None, speculation_k=0, device="tpu")

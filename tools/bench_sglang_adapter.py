@@ -18,8 +18,8 @@ from collections.abc import Callable
 
 import torch
 
-from sidecar.engine.sglang_engine import tensor_digest
-from sidecar.engine.sglang_meta import sample_from_meta_info
+from sidecar.engine.sglang.engine import tensor_digest
+from sidecar.engine.sglang.meta import sample_from_meta_info
 
 
 def median_seconds(fn: Callable[[], object], repeats: int) -> float:

@@ -14,7 +14,7 @@ the sender writes it with pwrite and the sidecar reads it with preadv, so neithe
 Reports medians; goal: shm >= 4 GiB/s or >= 50% of memcpy.
 
 With `--fanout MODEL_DIR` it measures instead what the RL loop's push costs at a small model's
-size (per-push fixed costs, not bytes): the trainer's streamed fan-out (`Orchestrator.push_weights`
+size (per-push fixed costs, not bytes): the trainer's streamed fan-out (`Fleet.push_weights`
 with the export order) of MODEL_DIR's weights to N local `specrl serve` processes, over grpc and
 over shm, alternating, and one client's push with the sidecar's receive/apply split.
 
@@ -102,11 +102,11 @@ def memcpy(state: dict[str, torch.Tensor], out: np.ndarray) -> float:
 
 
 def bench_fanout(model: Path, sidecars: int, repeats: int) -> None:
-    """Small-model push: the orchestrator's streamed fan-out over grpc and shm, alternating."""
+    """Small-model push: the fleet's streamed fan-out over grpc and shm, alternating."""
     from sidecar.engine.checkpoint import load_checkpoint
+    from sidecar.fleet import Fleet
     from sidecar.weight_sync.negotiation import DataPlaneSession
     from trainer.local_sidecars import LocalSidecars
-    from trainer.orchestration import Orchestrator
 
     _, state = load_checkpoint(model)
     size = sum(t.numel() * t.element_size() for t in state.values())
@@ -118,7 +118,7 @@ def bench_fanout(model: Path, sidecars: int, repeats: int) -> None:
     with (
         tempfile.TemporaryDirectory(prefix="bench-fanout-") as tmp,
         LocalSidecars(model, sidecars, Path(tmp) / "logs") as local,
-        Orchestrator(local.start()) as orch,
+        Fleet(local.start()) as orch,
     ):
         sessions = {k: {c.address: DataPlaneSession(config=cfg) for c in orch.clients} for k, cfg in modes.items()}
         version = orch.start_version()
@@ -127,7 +127,7 @@ def bench_fanout(model: Path, sidecars: int, repeats: int) -> None:
                 for c in orch.clients:
                     c.data_plane = sessions[k][c.address]
                     c.negotiate_transport()  # once per mode and sidecar, outside the timed pushes
-                wall[k].append(orch.push_weights(lambda: state.items(), version, names=names))
+                wall[k].append(orch.push_weights(lambda: state.items(), version, names=names).seconds)
                 version += 1
                 c = orch.clients[0]  # one client alone: the sidecar's share
                 started = time.perf_counter()

@@ -101,5 +101,9 @@ def load_policy(policy: Policy, path: Path) -> None:
     policy.optimizer.load_state_dict(state["optimizer"])
     if policy.draft_optimizer is not None:
         policy.draft_optimizer.load_state_dict(state["draft_optimizer"])
+    if state.get("scheduler") is not None:  # checkpoints from before LR schedules have none
+        policy.scheduler.load_state_dict(state["scheduler"])
+    if state.get("draft_scheduler") is not None and policy.draft_scheduler is not None:
+        policy.draft_scheduler.load_state_dict(state["draft_scheduler"])
     policy.step_count = int(state["step"])
     set_rng_state(payload["rng"])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import re
 import tomllib
 import types
 import typing
@@ -22,6 +23,61 @@ from typing import Any, TypeVar
 import yaml
 
 T = TypeVar("T")
+
+
+class _Yaml12Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2 core-schema scalars, as users write them.
+
+    PyYAML resolves plain scalars by YAML 1.1 rules: `3e-4` (no dot) stays a string, `1:30` is
+    the base-60 integer 90, `010` is octal 8 and `on`/`no` are booleans. A config user writes
+    `lr: 3e-4` and means a number; YAML 1.2 (and TOML, and JSON) agree with them.
+    """
+
+
+_YAML11_SCALARS = ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+_Yaml12Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in _YAML11_SCALARS]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+_Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"), list("-+0123456789")
+)
+_Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+    ),
+    list("-+.0123456789"),
+)
+
+
+def _yaml12_bool(loader: yaml.SafeLoader, node: yaml.Node) -> bool:
+    return str(loader.construct_scalar(node)).lower() == "true"
+
+
+def _yaml12_int(loader: yaml.SafeLoader, node: yaml.Node) -> int:
+    text = str(loader.construct_scalar(node))
+    if text.startswith(("0o", "0x")):
+        return int(text, 0)
+    return int(text, 10)
+
+
+def _yaml12_float(loader: yaml.SafeLoader, node: yaml.Node) -> float:
+    text = str(loader.construct_scalar(node)).lower()
+    return float(text.replace(".inf", "inf").replace(".nan", "nan"))
+
+
+_Yaml12Loader.add_constructor("tag:yaml.org,2002:bool", _yaml12_bool)
+_Yaml12Loader.add_constructor("tag:yaml.org,2002:int", _yaml12_int)
+_Yaml12Loader.add_constructor("tag:yaml.org,2002:float", _yaml12_float)
+
+
+def yaml_load(text: str) -> Any:
+    """Parse YAML text with YAML 1.2 core-schema scalars (`3e-4` is a float, `on` a string)."""
+    return yaml.load(text, Loader=_Yaml12Loader)
 
 
 class ConfigError(ValueError):
@@ -36,7 +92,7 @@ def load_file(path: str | Path) -> dict[str, Any]:
     text = path.read_text()
     try:
         if path.suffix in (".yaml", ".yml"):
-            data = yaml.safe_load(text) or {}
+            data = yaml_load(text) or {}
         elif path.suffix == ".toml":
             data = tomllib.loads(text)
         else:
@@ -49,12 +105,12 @@ def load_file(path: str | Path) -> dict[str, Any]:
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """`"a.b.c=value"` -> (["a", "b", "c"], value parsed as YAML: numbers, bools, lists...)."""
+    """`"a.b.c=value"` -> (["a", "b", "c"], value parsed as YAML 1.2: numbers, bools, lists...)."""
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"override {text!r} must look like section.field=value")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = yaml_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     return key.strip().split("."), value
@@ -87,11 +143,56 @@ def from_mapping(cls: type[T], data: Mapping[str, Any], *, path: str = "") -> T:
     if unknown:
         where = path.rstrip(".") or cls.__name__
         raise ConfigError(f"unknown key(s) {unknown} in {where}; known keys: {sorted(fields)}")
-    kwargs = {name: _coerce(hints[name], data[name], f"{path}{name}") for name in fields if name in data}
+    kwargs = {
+        name: _coerce(hints[name], _onto_default(fields[name], data[name]), f"{path}{name}")
+        for name in fields
+        if name in data
+    }
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{path.rstrip('.') or cls.__name__}: {e}") from None
+
+
+def _onto_default(f: dataclasses.Field[Any], value: Any) -> Any:
+    """A partial section overrides the field's *default* section, not a bare one.
+
+    `RLConfig.optimizer` defaults to lr=1e-5; `optimizer: {weight_decay: 0}` must keep that lr
+    rather than fall back to the class's own default (3e-4): what the user did not write keeps
+    the value `--print-config` showed them.
+    """
+    if not isinstance(value, Mapping) or f.default_factory is dataclasses.MISSING:
+        return value
+    default = f.default_factory()
+    if not dataclasses.is_dataclass(default) or isinstance(default, type):
+        return value
+    try:
+        bare = to_mapping(type(default)())
+    except (TypeError, ValueError):  # a section class without a bare default
+        return value
+    ours = to_mapping(default)
+    return _deep_merge(_differences(ours, bare), value)
+
+
+def _differences(ours: dict[str, Any], bare: dict[str, Any]) -> dict[str, Any]:
+    """The keys where the field's default section differs from its class's bare default."""
+    out: dict[str, Any] = {}
+    for key, value in ours.items():
+        if isinstance(value, dict) and isinstance(bare.get(key), dict):
+            if sub := _differences(value, bare[key]):
+                out[key] = sub
+        elif bare.get(key) != value:
+            out[key] = value
+    return out
+
+
+def _deep_merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = (
+            _deep_merge(out[key], value) if isinstance(out.get(key), dict) and isinstance(value, Mapping) else value
+        )
+    return out
 
 
 def to_mapping(config: Any) -> Any:

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 import time
@@ -71,6 +72,9 @@ class DemoReport:
     tau_initialised_draft: float
     eval_reward_before: float
     eval_reward_after: float
+    eval_stderr_before: float
+    eval_stderr_after: float
+    eval_size: int
     steps: list[dict[str, float]]
     seconds: dict[str, float]
 
@@ -80,8 +84,19 @@ class DemoReport:
             f"draft acceptance length τ at k=3 (held-out prompts): untrained {self.tau_untrained_draft:.2f} "
             f"→ in-domain initialised {self.tau_initialised_draft:.2f}"
         )
+        change = self.eval_reward_after - self.eval_reward_before
+        se = math.hypot(self.eval_stderr_before, self.eval_stderr_after)
+        verdict = (
+            "an improvement beyond 2 standard errors"
+            if change > 2 * se
+            else "a worsening beyond 2 standard errors"
+            if change < -2 * se
+            else "within 2 standard errors: not distinguishable from noise"
+        )
         lines.append(
-            f"held-out reward (greedy): before RL {self.eval_reward_before:.3f} → after RL {self.eval_reward_after:.3f}"
+            f"held-out reward (greedy, {self.eval_size} problems): before RL {self.eval_reward_before:.3f} "
+            f"± {self.eval_stderr_before:.3f} → after RL {self.eval_reward_after:.3f} ± {self.eval_stderr_after:.3f} "
+            f"(change {change:+.3f} ± {se:.3f}: {verdict})"
         )
         lines.append("")
         lines.append("step  reward  τ     accept  gen spec s  gen plain s  gen speedup  step s  step speedup")
@@ -133,6 +148,9 @@ def run_demo(out: Path, cfg: DemoConfig | None = None, progress: Progress | None
         tau_initialised_draft=tau_after,
         eval_reward_before=rows[0]["reward/eval_mean"],
         eval_reward_after=rows[-1]["reward/eval_mean"],
+        eval_stderr_before=rows[0]["reward/eval_stderr"],
+        eval_stderr_after=rows[-1]["reward/eval_stderr"],
+        eval_size=rl.eval_size,
         steps=steps,
         seconds=seconds,
     )

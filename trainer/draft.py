@@ -127,6 +127,13 @@ class MTPDraft(nn.Module):
         return cast(MTPLayer, self.layers[min(j, len(self.layers) - 1)])
 
 
+def draft_step_tokens(cfg: DraftConfig, layers: int, mask: Tensor) -> list[float]:  # mask: (B, S-1)
+    """Response tokens each draft step of `draft_loss` is averaged over, for the whole batch."""
+    seq = mask.shape[1] + 1
+    depth = cfg.chain_depth or layers
+    return [float(mask[:, j + 1 : j + 1 + seq - 2 - j].sum()) for j in range(depth) if seq - 2 - j > 0]
+
+
 def draft_loss(
     draft: MTPDraft,
     cfg: DraftConfig,
@@ -137,9 +144,13 @@ def draft_loss(
     embed: Callable[[Tensor], Tensor],  # ids -> trunk embeddings (B, L, H)
     head: Callable[[Tensor], Tensor],  # (B, L, H) -> (B, L, V) the trunk's output head, weight detached
     temperature: float = 1.0,  # the rollout's; both distributions are softmax(logits / T), T = 1 if 0
+    step_tokens: list[float] | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Mean draft loss over response tokens, all draft steps; every trunk input is detached here
-    (`head` must use a detached weight: `trainer.gpt.shared_head`)."""
+    (`head` must use a detached weight: `trainer.gpt.shared_head`).
+
+    `step_tokens`: the whole batch's token count of each draft step (`draft_step_tokens`) when this
+    is one micro-batch of it; the loss and metrics are then this micro-batch's share and sum up."""
     hidden, target_logits = hidden.detach(), target_logits.detach()
 
     def detached_embed(ids: Tensor) -> Tensor:
@@ -162,11 +173,12 @@ def draft_loss(
             per_tok = F.kl_div(logq, logp, reduction="none", log_target=True).sum(-1)  # KL(p || q), (B, n)
         else:
             per_tok = -logq.gather(-1, tokens[:, j + 2 : j + 2 + n, None])[..., 0]
-        loss_j = (per_tok * m).sum() / m.sum().clamp_min(1.0)
+        count = max(step_tokens[j], 1.0) if step_tokens is not None else m.sum().clamp_min(1.0)
+        loss_j = (per_tok * m).sum() / count
         with torch.no_grad():
             agree = (logq.argmax(-1) == target_logits[:, j + 1 : j + 1 + n].argmax(-1)).float()
             metrics[f"draft_loss_{j}"] = float(loss_j)
-            metrics[f"draft_top1_agree_{j}"] = float((agree * m).sum() / m.sum().clamp_min(1.0))
+            metrics[f"draft_top1_agree_{j}"] = float((agree * m).sum() / count)
         total = total + loss_j
     loss = cfg.loss_weight * total / max(len(outs), 1)
     metrics["draft_loss"] = float(loss.detach())

@@ -51,8 +51,11 @@ class LocalSidecars:
         max_batch_size: int = 64,
         threads: int = 1,
         startup_timeout_s: float = 120.0,
+        engine: str = "torch",
+        devices: tuple[str, ...] | list[str] = ("cpu",),
         token: str | None = None,
     ) -> None:
+        """`devices`: one torch device for all sidecars, or one per sidecar."""
         if count < 1:
             raise ValueError(f"count must be >= 1, got {count}")
         self.model = Path(model)
@@ -62,6 +65,8 @@ class LocalSidecars:
         self.max_batch_size = max_batch_size
         self.threads = threads
         self.startup_timeout_s = startup_timeout_s
+        self.engine = engine
+        self.devices = list(devices) or ["cpu"]
         self._token = token
         """Bearer token the sidecars require (passed in their environment, never on the command line)."""
         self._procs: list[_Proc | None] = [None] * count
@@ -103,6 +108,10 @@ class LocalSidecars:
             str(self.max_batch_size),
             "--grace",
             "2",
+            "--engine",
+            self.engine,
+            "--device",
+            self.devices[i % len(self.devices)],
         ]
         env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), MKL_NUM_THREADS=str(self.threads))
         env.pop(TOKEN_ENV, None)  # exactly the token the trainer sends, not whatever the shell had

@@ -129,13 +129,31 @@ class PolicyLossOutput:
     metrics: dict[str, float]
 
 
-def _aggregate(per_token: Tensor, mask: Tensor, token_level: bool) -> Tensor:
+@dataclass(frozen=True, slots=True)
+class BatchTotals:
+    """Counts of a whole batch that the loss of any part of it is divided by.
+
+    Gradient accumulation: when every micro-batch divides by the *whole* batch's counts, the
+    micro-batches' losses (and gradients, and additive metrics) sum to the whole batch's.
+    """
+
+    tokens: float
+    """Response tokens that count in the loss (mask sum)."""
+    samples: float
+    """Samples with at least one such token."""
+
+    @classmethod
+    def of(cls, mask: Tensor) -> BatchTotals:  # mask: (B, T) 0/1
+        return cls(tokens=float(mask.sum()), samples=float((mask.sum(dim=1) > 0).sum()))
+
+
+def _aggregate(per_token: Tensor, mask: Tensor, token_level: bool, totals: BatchTotals) -> Tensor:
     # per_token, mask: (B, T); mask is float 0/1
     if token_level:
-        return (per_token * mask).sum() / mask.sum().clamp_min(1.0)
+        return (per_token * mask).sum() / max(totals.tokens, 1.0)
     per_sample = (per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp_min(1.0)
     present = (mask.sum(dim=1) > 0).to(per_token.dtype)
-    return (per_sample * present).sum() / present.sum().clamp_min(1.0)
+    return (per_sample * present).sum() / max(totals.samples, 1.0)
 
 
 def k3_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:  # both (B, T) -> (B, T)
@@ -151,18 +169,22 @@ def policy_loss(
     mask: Tensor,  # (B, T) 1 on response tokens that count, 0 on prompt/padding/filtered samples
     cfg: GRPOConfig,
     ref_logprobs: Tensor | None = None,  # (B, T) reference policy log-probs, needed if kl_coef > 0
+    totals: BatchTotals | None = None,
 ) -> PolicyLossOutput:
     """The clipped surrogate of GRPO/DAPO, aggregated per `cfg.token_level`.
 
     Per token: -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A), ratio = exp(logp - old).
+    `totals`: the whole batch's counts when this is one micro-batch of it (None: this batch's own);
+    the loss and every metric except `tokens` are then this micro-batch's share, which sum up.
     """
     mask = mask.to(logprobs.dtype)
+    totals = totals or BatchTotals.of(mask)
     adv = advantages.to(logprobs.dtype)[:, None]
     ratio = torch.exp(logprobs - old_logprobs.detach())
     clipped = ratio.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
     per_token = -torch.minimum(ratio * adv, clipped * adv)
-    loss = _aggregate(per_token, mask, cfg.token_level)
-    n = mask.sum().clamp_min(1.0)
+    loss = _aggregate(per_token, mask, cfg.token_level, totals)
+    n = max(totals.tokens, 1.0)
     with torch.no_grad():
         clipped_high = ((ratio > 1.0 + cfg.eps_high) & (adv > 0)).to(mask.dtype)
         clipped_low = ((ratio < 1.0 - cfg.eps_low) & (adv < 0)).to(mask.dtype)
@@ -176,7 +198,7 @@ def policy_loss(
     if cfg.kl_coef > 0.0:
         if ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs ref_logprobs (the reference policy's log-probs); pass them or set 0")
-        kl = _aggregate(k3_kl(logprobs, ref_logprobs.detach()), mask, cfg.token_level)
+        kl = _aggregate(k3_kl(logprobs, ref_logprobs.detach()), mask, cfg.token_level, totals)
         loss = loss + cfg.kl_coef * kl
         metrics["kl"] = float(kl.detach())
     metrics["loss"] = float(loss.detach())

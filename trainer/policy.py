@@ -31,8 +31,9 @@ from torch import Tensor
 from muon import HybridOptimizer, HybridOptimizerConfig, QKVLayout, build_optimizer
 from sidecar.engine.model import ModelConfig
 from trainer import bridge, gpt, platform
-from trainer.draft import DraftConfig, MTPDraft, draft_loss
-from trainer.losses import GRPOConfig, mismatch_metrics, policy_loss
+from trainer.draft import DraftConfig, MTPDraft, draft_loss, draft_step_tokens
+from trainer.losses import BatchTotals, GRPOConfig, mismatch_metrics, policy_loss
+from trainer.schedules import LRScheduleConfig, build_scheduler
 
 
 @dataclass(kw_only=True, slots=True)
@@ -66,6 +67,22 @@ class TrainBatch:
                 )
         if tuple(self.advantages.shape) != (b,):
             raise ValueError(f"advantages must be (B,) = ({b},), got {tuple(self.advantages.shape)}")
+
+    def select(self, rows: Tensor) -> TrainBatch:
+        """The samples at `rows` (1-D int64 indices), every field sliced alike."""
+
+        def pick(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t[rows]
+
+        return TrainBatch(
+            tokens=self.tokens[rows],
+            mask=self.mask[rows],
+            advantages=self.advantages[rows],
+            old_logprobs=pick(self.old_logprobs),
+            rollout_logprobs=pick(self.rollout_logprobs),
+            ref_logprobs=pick(self.ref_logprobs),
+            generated=pick(self.generated),
+        )
 
     @classmethod
     def from_sequences(
@@ -117,10 +134,24 @@ class Policy:
         """The draft head's own optimizer."""
         draft_clip_grad: float = 1.0
         """Max gradient norm of the draft head (its own clip)."""
+        micro_batch_rows: int = 0
+        """Rows per forward/backward; an update accumulates the gradients of all micro-batches, each
+        normalised by the whole batch's counts, so it equals the unsplit update up to float32
+        summation order (tested). 0: the whole batch in one forward."""
+        lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+        """Learning-rate schedule of the trunk optimizer."""
+        draft_lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+        """Learning-rate schedule of the draft optimizer."""
+        total_updates: int = 0
+        """Optimizer updates of the whole run: the span of a schedule whose total_steps is 0."""
 
         def __post_init__(self) -> None:
             if self.tensor_parallel < 1:
                 raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
+            if self.micro_batch_rows < 0:
+                raise ValueError(f"micro_batch_rows must be >= 0 (0: whole batch), got {self.micro_batch_rows}")
+            if self.total_updates < 0:
+                raise ValueError(f"total_updates must be >= 0, got {self.total_updates}")
             if not self.temperature >= 0.0:
                 raise ValueError(f"temperature must be >= 0, got {self.temperature}")
             for name in ("clip_grad", "draft_clip_grad"):
@@ -157,6 +188,13 @@ class Policy:
         self.optimizer = self._build_trunk_optimizer()
         self.draft_optimizer = (
             build_optimizer(self.draft.named_parameters(), cfg.draft_optimizer) if self.draft is not None else None
+        )
+        total = cfg.total_updates or None
+        self.scheduler = build_scheduler(self.optimizer, cfg.lr_schedule, total)
+        self.draft_scheduler = (
+            build_scheduler(self.draft_optimizer, cfg.draft_lr_schedule, total)
+            if self.draft_optimizer is not None
+            else None
         )
 
     @classmethod
@@ -242,32 +280,56 @@ class Policy:
 
     # ---- training ------------------------------------------------------------------------
     def backward(self, batch: TrainBatch) -> dict[str, float]:
-        """Forward both objectives and accumulate their (reduced) gradients; no weight changes."""
+        """Forward both objectives and accumulate their (reduced) gradients; no weight changes.
+
+        With `micro_batch_rows`, the batch goes through in slices of rows whose losses are each
+        divided by the whole batch's token (or sample) counts, so the accumulated gradient is the
+        unsplit batch's; metrics that are shares (losses, clip fractions) are summed."""
         dev = platform.device()
-        tokens = batch.tokens.to(dev)
-        mask = batch.mask.to(dev)
+        mask_all = batch.mask.to(dev)
+        totals = BatchTotals.of(mask_all)
+        train_draft = self.draft is not None and self.cfg.train_draft
+        step_tokens = (
+            draft_step_tokens(self.cfg.draft, len(self.draft.layers), mask_all)
+            if train_draft and self.draft is not None
+            else None
+        )
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        logits, hidden = gpt.forward(self.model, tokens)
-        logp = gpt.token_logprobs(logits[:, :-1], tokens[:, 1:], self.cfg.temperature)
-        old = batch.old_logprobs.to(dev) if batch.old_logprobs is not None else logp.detach()
-        ref = batch.ref_logprobs.to(dev) if batch.ref_logprobs is not None else None
-        out = policy_loss(logp, old, batch.advantages.to(dev), mask, self.cfg.grpo, ref_logprobs=ref)
-        out.loss.backward()
-        metrics = dict(out.metrics)
+        if train_draft and self.draft_optimizer is not None:
+            self.draft_optimizer.zero_grad(set_to_none=True)
+        rows = batch.tokens.shape[0]
+        size = self.cfg.micro_batch_rows or rows
+        metrics: dict[str, float] = {}
+        logps: list[Tensor] = []
+        for start in range(0, rows, size):
+            part = slice(start, min(rows, start + size))
+            tokens = batch.tokens[part].to(dev)
+            mask = mask_all[part]
+            logits, hidden = gpt.forward(self.model, tokens)
+            logp = gpt.token_logprobs(logits[:, :-1], tokens[:, 1:], self.cfg.temperature)
+            old = batch.old_logprobs[part].to(dev) if batch.old_logprobs is not None else logp.detach()
+            ref = batch.ref_logprobs[part].to(dev) if batch.ref_logprobs is not None else None
+            adv = batch.advantages[part].to(dev)
+            out = policy_loss(logp, old, adv, mask, self.cfg.grpo, ref_logprobs=ref, totals=totals)
+            out.loss.backward()
+            _add(metrics, out.metrics)
+            logps.append(logp.detach())
+            if train_draft:
+                _add(metrics, self._draft_backward(tokens, hidden, logits, mask, step_tokens))
         if batch.rollout_logprobs is not None:
-            where = batch.generated.to(dev) if batch.generated is not None else mask
-            metrics.update(mismatch_metrics(logp, batch.rollout_logprobs.to(dev), where))
-        if self.draft is not None and self.cfg.train_draft:
-            metrics.update(self._draft_backward(tokens, hidden, logits, mask))
+            where = batch.generated.to(dev) if batch.generated is not None else mask_all
+            metrics.update(mismatch_metrics(torch.cat(logps), batch.rollout_logprobs.to(dev), where))
         self._reduce_gradients([self.model] + ([self.draft] if self.draft is not None else []))
         return metrics
 
-    def _draft_backward(self, tokens: Tensor, hidden: Tensor, logits: Tensor, mask: Tensor) -> dict[str, float]:
+    def _draft_backward(
+        self, tokens: Tensor, hidden: Tensor, logits: Tensor, mask: Tensor, step_tokens: list[float] | None = None
+    ) -> dict[str, float]:
         # tokens (B, S); hidden (B, S, H); logits (B, S, V/tp); mask (B, S-1). Trunk tensors enter detached.
+        # Gradients accumulate into the draft's .grad (the caller zeroes them once per update).
         assert self.draft is not None and self.draft_optimizer is not None
         self.draft.train()
-        self.draft_optimizer.zero_grad(set_to_none=True)
         dloss, dmetrics = draft_loss(
             self.draft,
             self.cfg.draft,
@@ -278,6 +340,7 @@ class Policy:
             embed=lambda ids: gpt.embed(self.model, ids),
             head=gpt.shared_head(self.model),
             temperature=self.cfg.temperature,
+            step_tokens=step_tokens,
         )
         dloss.backward()
         return dmetrics
@@ -292,10 +355,13 @@ class Policy:
         self.model.eval()
         with torch.no_grad():
             logits, hidden = gpt.forward(self.model, tokens)
+        self.draft_optimizer.zero_grad(set_to_none=True)
         metrics = self._draft_backward(tokens, hidden, logits, mask)
         self._reduce_gradients([self.draft])
         metrics["draft_grad_norm"] = float(self.draft_optimizer.clip_grad_norm_(self.cfg.draft_clip_grad))
         self.draft_optimizer.step()
+        if self.draft_scheduler is not None:
+            self.draft_scheduler.step()
         return metrics
 
     def _reduce_gradients(self, modules: list[torch.nn.Module]) -> None:
@@ -318,11 +384,18 @@ class Policy:
 
     def step(self) -> dict[str, float]:
         """Clip and apply the accumulated gradients (each optimizer with its own clip)."""
-        metrics = {"grad_norm": float(self.optimizer.clip_grad_norm_(self.cfg.clip_grad))}
+        metrics = {
+            "grad_norm": float(self.optimizer.clip_grad_norm_(self.cfg.clip_grad)),
+            "lr": float(self.optimizer.param_groups[0]["lr"]),
+        }
         self.optimizer.step()
+        self.scheduler.step()
         if self.draft is not None and self.cfg.train_draft and self.draft_optimizer is not None:
             metrics["draft_grad_norm"] = float(self.draft_optimizer.clip_grad_norm_(self.cfg.draft_clip_grad))
+            metrics["draft_lr"] = float(self.draft_optimizer.param_groups[0]["lr"])
             self.draft_optimizer.step()
+            if self.draft_scheduler is not None:
+                self.draft_scheduler.step()
         self.step_count += 1
         return metrics
 
@@ -332,6 +405,39 @@ class Policy:
         metrics.update(self.step())
         metrics["step"] = float(self.step_count)
         return metrics
+
+    def train_updates(
+        self, batch: TrainBatch, *, epochs: int = 1, mini_batches: int = 1, seed: int = 0
+    ) -> dict[str, float]:
+        """PPO-style: `epochs` passes over `batch`, each split into `mini_batches` updates (rows
+        shuffled per epoch by `seed`). Every update after the first moves the policy away from the
+        one that sampled, so `batch.old_logprobs` must hold the log-probs of the policy before the
+        first update (`Policy.logprobs`; the loop's separate log-prob pass). Mini-batches without
+        a counted token (all groups filtered) are skipped. Returns the updates' mean metrics."""
+        if epochs < 1 or mini_batches < 1:
+            raise ValueError(f"epochs and mini_batches must be >= 1, got {epochs} and {mini_batches}")
+        rows = batch.tokens.shape[0]
+        if mini_batches > rows:
+            raise ValueError(f"mini_batches={mini_batches} exceeds the batch's {rows} rows")
+        if (epochs > 1 or mini_batches > 1) and batch.old_logprobs is None:
+            raise ValueError("several updates per batch need batch.old_logprobs (the sampling policy's log-probs)")
+        if epochs == 1 and mini_batches == 1:
+            return self.train_step(batch)
+        gen = torch.Generator().manual_seed(seed)
+        sums: dict[str, float] = {}
+        updates = 0
+        for _ in range(epochs):
+            order = torch.randperm(rows, generator=gen)
+            for chunk in order.tensor_split(mini_batches):
+                part = batch.select(chunk)
+                if float(part.mask.sum()) == 0.0:
+                    continue
+                _add(sums, self.train_step(part))
+                updates += 1
+        out = {k: v / updates for k, v in sums.items()} if updates else {}
+        out["updates"] = float(updates)
+        out["step"] = float(self.step_count)
+        return out
 
     # ---- checkpoints ---------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
@@ -353,5 +459,12 @@ class Policy:
             "draft": self.draft.state_dict() if self.draft is not None else None,
             "optimizer": self.optimizer.state_dict(),
             "draft_optimizer": self.draft_optimizer.state_dict() if self.draft_optimizer is not None else None,
+            "scheduler": self.scheduler.state_dict(),
+            "draft_scheduler": self.draft_scheduler.state_dict() if self.draft_scheduler is not None else None,
             "step": self.step_count,
         }
+
+
+def _add(into: dict[str, float], metrics: dict[str, float]) -> None:
+    for key, value in metrics.items():
+        into[key] = into.get(key, 0.0) + value

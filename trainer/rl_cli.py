@@ -14,9 +14,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import click
+import yaml
 from tqdm import tqdm
 
-from trainer.config_io import ConfigError, from_mapping, load_file, merge_overrides
+from trainer.config_io import ConfigError, from_mapping, load_file, merge_overrides, to_mapping
 from trainer.rl_config import RLConfig, TaskConfig
 from trainer.tasks import Task
 from trainer.warmup import DraftInitConfig, Progress, WarmupConfig
@@ -44,6 +45,22 @@ def resolve_config(config: Path | None, overrides: list[str]) -> RLConfig:
         raise click.ClickException(f"{e}; set it in the file or with --set / --model") from None
 
 
+@contextmanager
+def user_errors() -> Iterator[None]:
+    """Expected failures leave as one clear CLI message (exit code 1), not a traceback.
+
+    specrl's own errors (SpecrlError: preflight, rollout, sidecar start, checkpoint mismatch,
+    reward function, weight push) say what was wrong and what to do; so do config errors and an
+    occupied run directory. Anything else is a bug and keeps its traceback.
+    """
+    from sidecar.errors import SpecrlError
+
+    try:
+        yield
+    except (SpecrlError, ConfigError, FileExistsError) as e:
+        raise click.ClickException(f"{type(e).__name__}: {e}") from None
+
+
 @click.command()
 @click.option("--config", "config", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="YAML/TOML.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a field, e.g. steps=20.")
@@ -52,6 +69,7 @@ def resolve_config(config: Path | None, overrides: list[str]) -> RLConfig:
 @click.option("--local-sidecars", type=click.IntRange(1), help="Start N local `specrl serve` processes instead.")
 @click.option("--run-dir", type=click.Path(file_okay=False), help="Run directory (= run_dir).")
 @click.option("--resume", is_flag=True, help="Continue the run in --run-dir from its latest checkpoint.")
+@click.option("--print-config", is_flag=True, help="Print the resolved config (YAML) and exit.")
 @click.option("--log-level", default="WARNING", show_default=True)
 def train(
     config: Path | None,
@@ -61,6 +79,7 @@ def train(
     local_sidecars: int | None,
     run_dir: str | None,
     resume: bool,
+    print_config: bool,
     log_level: str,
 ) -> None:
     """Run RL: generate on the sidecars, train policy and draft, push weights, every step."""
@@ -75,13 +94,15 @@ def train(
     if local_sidecars:
         extra += [f"sidecars.local={local_sidecars}", "sidecars.addresses=[]"]
     cfg = resolve_config(config, extra)
+    if print_config:
+        click.echo(yaml.safe_dump(to_mapping(cfg), sort_keys=False), nl=False)
+        return
+    from trainer.rl_loop import is_leader
     from trainer.rl_loop import train as run_training
 
-    try:
+    with user_errors():
         history = run_training(cfg, resume=resume)
-    except FileExistsError as e:
-        raise click.ClickException(str(e)) from None
-    if history:
+    if history and is_leader():  # under torchrun, rank 0 reports
         last = history[-1]
         click.echo(
             f"done: {len(history)} steps, reward {last['reward/train_mean']:.3f}, "
@@ -103,13 +124,19 @@ def _task(regime: str, digits: int, dataset: Path | None) -> Task:
     return TaskConfig(kind="arithmetic", regime="think" if regime == "think" else "zero", digits=digits).build()
 
 
+_WARMUP = WarmupConfig()
+_DRAFT_INIT = DraftInitConfig()
+"""The commands' option defaults are the configs' defaults (one source of truth)."""
+
+
 @click.command()
 @click.option("--model", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path))
 @_task_options
-@click.option("--steps", type=click.IntRange(1), default=300, show_default=True)
-@click.option("--batch-size", type=click.IntRange(1), default=32, show_default=True)
-@click.option("--lr", type=float, default=3e-3, show_default=True)
+@click.option("--steps", type=click.IntRange(1), default=_WARMUP.steps, show_default=True)
+@click.option("--batch-size", type=click.IntRange(1), default=_WARMUP.batch_size, show_default=True)
+@click.option("--lr", type=float, default=_WARMUP.lr, show_default=True)
+@click.option("--seed", type=int, default=_WARMUP.seed, show_default=True)
 def warmup(
     model: Path,
     out: Path,
@@ -120,13 +147,14 @@ def warmup(
     steps: int,
     batch_size: int,
     lr: float,
+    seed: int,
 ) -> None:
     """Supervised warm-up on the task's reference solutions (so the policy earns reward)."""
     from trainer.tokenizer import load_tokenizer
     from trainer.warmup import supervised_warmup
 
-    cfg = WarmupConfig(steps=steps, batch_size=batch_size, lr=lr)
-    with _bar(steps, "warm-up") as progress:
+    cfg = WarmupConfig(steps=steps, batch_size=batch_size, lr=lr, seed=seed)
+    with user_errors(), _bar(steps, "warm-up") as progress:
         nll = supervised_warmup(model, out, _task(regime, digits, dataset), load_tokenizer(tokenizer), cfg, progress)
     click.echo(f"warm-up: token NLL {nll[0]:.3f} -> {nll[-1]:.3f}; wrote {out}")
 
@@ -135,15 +163,22 @@ def warmup(
 @click.option("--model", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path))
 @_task_options
-@click.option("--prompts", type=click.IntRange(1), default=256, show_default=True, help="Policy completions to fit on.")
-@click.option("--temperature", type=click.FloatRange(0), default=1.0, show_default=True)
-@click.option("--max-new-tokens", type=click.IntRange(1), default=64, show_default=True)
-@click.option("--steps", type=click.IntRange(1), default=200, show_default=True)
-@click.option("--batch-size", type=click.IntRange(1), default=32, show_default=True)
-@click.option("--lr", type=float, default=3e-3, show_default=True)
 @click.option(
-    "--chain-depth", type=click.IntRange(0), default=3, show_default=True, help="Draft steps trained (use >= spec k)."
+    "--prompts", type=click.IntRange(1), default=_DRAFT_INIT.prompts, show_default=True, help="Completions to fit on."
 )
+@click.option("--temperature", type=click.FloatRange(0), default=_DRAFT_INIT.temperature, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(1), default=_DRAFT_INIT.max_new_tokens, show_default=True)
+@click.option("--steps", type=click.IntRange(1), default=_DRAFT_INIT.steps, show_default=True)
+@click.option("--batch-size", type=click.IntRange(1), default=_DRAFT_INIT.batch_size, show_default=True)
+@click.option("--lr", type=float, default=_DRAFT_INIT.lr, show_default=True)
+@click.option(
+    "--chain-depth",
+    type=click.IntRange(0),
+    default=_DRAFT_INIT.chain_depth,
+    show_default=True,
+    help="Draft steps trained (use >= spec k).",
+)
+@click.option("--seed", type=int, default=_DRAFT_INIT.seed, show_default=True)
 def draft_init_cmd(
     model: Path,
     out: Path,
@@ -158,6 +193,7 @@ def draft_init_cmd(
     batch_size: int,
     lr: float,
     chain_depth: int,
+    seed: int,
 ) -> None:
     """Initialise the MTP draft in-domain: fit it on the policy's own completions (trunk frozen)."""
     from trainer.tokenizer import load_tokenizer
@@ -170,8 +206,10 @@ def draft_init_cmd(
         steps=steps,
         batch_size=batch_size,
         lr=lr,
+        chain_depth=chain_depth,
+        seed=seed,
     )
-    with _bar(steps, "draft-init") as progress:
+    with user_errors(), _bar(steps, "draft-init") as progress:
         losses = draft_init(model, out, _task(regime, digits, dataset), load_tokenizer(tokenizer), cfg, progress)
     click.echo(f"draft-init: draft loss {losses[0]:.3f} -> {losses[-1]:.3f}; wrote {out}")
 
@@ -180,7 +218,7 @@ def draft_init_cmd(
 @click.option(
     "--out", type=click.Path(file_okay=False, path_type=Path), help="Where to keep everything (default: temp)."
 )
-@click.option("--rl-steps", type=click.IntRange(1), default=12, show_default=True)
+@click.option("--rl-steps", type=click.IntRange(1), default=12, show_default=True, help="= DemoConfig.rl_steps")
 def demo(out: Path | None, rl_steps: int) -> None:
     """End to end in minutes on a CPU: small model, warm-up, draft-init, two sidecars, RL with
     speculation, and the report (reward before/after, acceptance, speedup vs plain decoding)."""
@@ -199,7 +237,8 @@ def demo(out: Path | None, rl_steps: int) -> None:
                 offset["last"] = step
                 bar(offset["n"] + step, metrics)
 
-            report = run_demo(root, cfg, progress)
+            with user_errors():
+                report = run_demo(root, cfg, progress)
         click.echo(report.render())
         if out is not None:
             click.echo(f"\nrun directory (metrics.jsonl, plots/, checkpoints/): {out / 'run'}")

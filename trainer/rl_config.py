@@ -17,7 +17,9 @@ from sidecar.security import read_token
 from sidecar.weight_sync.negotiation import CollectiveConfig, TransportConfig
 from trainer.draft import DraftConfig
 from trainer.losses import GRPOConfig
+from trainer.schedules import LRScheduleConfig
 from trainer.tasks import ArithmeticTask, JsonlTask, Task, load_reward_fn
+from trainer.trackers import TrackersConfig
 
 
 @dataclass(kw_only=True, slots=True)
@@ -68,6 +70,10 @@ class RolloutConfig:
     speedup measured side by side in the same run. Costs one extra generation per step."""
     deadline_s: float = 300.0
     """A sidecar that has not answered its share by then is given up on and its prompts re-routed."""
+    refill_rounds: int = 2
+    """DAPO dynamic sampling: when `algorithm.filter_equal_groups` drops groups whose rewards are
+    all equal, draw fresh prompts for the missing groups, for at most this many extra generation
+    rounds per step (0: no refill, the step trains on fewer groups). A step left short is reported."""
 
     def __post_init__(self) -> None:
         if self.prompts_per_step < 1:
@@ -82,6 +88,25 @@ class RolloutConfig:
             raise ValueError(f"rollout.temperature must be > 0 for RL sampling, got {self.temperature}")
         if not self.deadline_s > 0:
             raise ValueError(f"rollout.deadline_s must be > 0, got {self.deadline_s}")
+        if self.refill_rounds < 0:
+            raise ValueError(f"rollout.refill_rounds must be >= 0 (0: no refill), got {self.refill_rounds}")
+
+
+@dataclass(kw_only=True, slots=True)
+class RewardConfig:
+    """Shaping added to the task's reward before advantages are computed."""
+
+    overlong_buffer_len: int = 0
+    """DAPO soft overlong punishment: responses longer than rollout.max_new_tokens minus this many
+    tokens lose up to `overlong_penalty`, linearly, reaching it at max_new_tokens (0: off)."""
+    overlong_penalty: float = 1.0
+    """The penalty at (and beyond) rollout.max_new_tokens."""
+
+    def __post_init__(self) -> None:
+        if self.overlong_buffer_len < 0:
+            raise ValueError(f"reward.overlong_buffer_len must be >= 0 (0: off), got {self.overlong_buffer_len}")
+        if not self.overlong_penalty >= 0:
+            raise ValueError(f"reward.overlong_penalty must be >= 0, got {self.overlong_penalty}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -180,8 +205,9 @@ class SidecarsConfig:
 
     addresses: list[str] = field(default_factory=list)
     """HOST:PORT of running sidecars (`specrl serve`)."""
-    local: int = 0
-    """Start this many local `specrl serve` subprocesses on the run's checkpoint (port 0)."""
+    local: int | None = None
+    """Start this many local `specrl serve` subprocesses on the run's checkpoint (port 0); unset:
+    one when no addresses are given, none when they are."""
     max_batch_size: int = 64
     """Engine batch of a local sidecar."""
     threads: int = 1
@@ -190,14 +216,28 @@ class SidecarsConfig:
     """How long a local sidecar may take to print `listening on`."""
     call_timeout_s: float = 10.0
     """Deadline of control calls (health, info, stats)."""
+    engine: Literal["torch", "sglang"] = "torch"
+    """Engine of each local sidecar (`specrl serve --engine`)."""
+    devices: list[str] = field(default_factory=lambda: ["cpu"])
+    """torch device of each local sidecar (`specrl serve --device`): one entry for all of them, or
+    one per sidecar (e.g. ["cuda:0", "cuda:1"])."""
     security: SidecarSecurityConfig = field(default_factory=SidecarSecurityConfig)
     """Token and TLS/mTLS settings, used for every sidecar."""
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     """Data planes for weight pushes (shm for proven local sidecars; collective when set up)."""
 
     def __post_init__(self) -> None:
+        if self.local is None:
+            self.local = 0 if self.addresses else 1
         if self.local < 0:
             raise ValueError(f"sidecars.local must be >= 0, got {self.local}")
+        if not self.devices:
+            raise ValueError('sidecars.devices must name at least one device, e.g. ["cpu"] or ["cuda:0"]')
+        if self.local and len(self.devices) not in (1, self.local):
+            raise ValueError(
+                f"sidecars.devices has {len(self.devices)} entries for {self.local} local sidecars: "
+                "give one device for all of them or one per sidecar"
+            )
         if self.local and self.addresses:
             raise ValueError("give sidecars.addresses or sidecars.local, not both")
         if self.threads < 1:
@@ -207,6 +247,52 @@ class SidecarsConfig:
                 "local sidecars serve plaintext on loopback; sidecars.security TLS settings apply to "
                 "sidecars.addresses (start TLS sidecars with `specrl serve --tls-cert ...` and list them)"
             )
+
+    def device_of(self, i: int) -> str:
+        """The device of local sidecar `i`."""
+        return self.devices[i % len(self.devices)]
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """How the trainer runs the update: parallel layout and gradient clipping."""
+
+    tensor_parallel: int = 1
+    """Tensor-parallel size of the trainer's policy (run under `torchrun --nproc-per-node N`; must
+    divide heads, kv heads, ffn and vocab)."""
+    clip_grad: float = 1.0
+    """Max global gradient norm of the trunk."""
+    draft_clip_grad: float = 1.0
+    """Max gradient norm of the draft head (its own clip)."""
+    micro_batch_rows: int = 0
+    """Samples per forward/backward (gradient accumulation; the update equals the unsplit one up to
+    float32 summation order). 0: each update's whole batch in one forward."""
+    epochs: int = 1
+    """Passes over each rollout batch (PPO epochs)."""
+    mini_batches: int = 1
+    """Updates per pass, each on a shuffled slice of the rollout batch. With epochs x mini_batches
+    > 1 the old log-probs come from a separate forward before the first update (implies
+    `separate_logprob_pass`)."""
+    lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+    """Trunk learning-rate schedule (warm-up, constant/linear/cosine decay), per optimizer update."""
+    draft_lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+    """Draft learning-rate schedule, per optimizer update."""
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel < 1:
+            raise ValueError(f"train.tensor_parallel must be >= 1, got {self.tensor_parallel}")
+        if self.micro_batch_rows < 0:
+            raise ValueError(f"train.micro_batch_rows must be >= 0 (0: whole batch), got {self.micro_batch_rows}")
+        for name in ("epochs", "mini_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def updates_per_batch(self) -> int:
+        return self.epochs * self.mini_batches
+        for name in ("clip_grad", "draft_clip_grad"):
+            if not getattr(self, name) > 0.0:
+                raise ValueError(f"train.{name} must be > 0, got {getattr(self, name)}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -220,6 +306,12 @@ class RLConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: GRPOConfig = field(default_factory=GRPOConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Reward shaping (DAPO overlong punishment)."""
+    reference_model: Path | None = None
+    """Checkpoint of the frozen reference policy that `algorithm.kl_coef > 0` keeps the policy
+    near, held on the trainer (one more trunk in memory, one more forward per step); None: `model`,
+    the checkpoint the run starts from."""
     optimizer: HybridOptimizerConfig = field(default_factory=lambda: HybridOptimizerConfig(lr=1e-5))
     """Trunk optimizer (Muon for hidden matrices, AdamW for the rest)."""
     separate_logprob_pass: bool = False
@@ -232,7 +324,9 @@ class RLConfig:
     """Update the MTP draft head every step on detached hidden states."""
     draft: DraftConfig = field(default_factory=DraftConfig)
     draft_optimizer: HybridOptimizerConfig = field(default_factory=lambda: HybridOptimizerConfig(lr=1e-4))
-    sidecars: SidecarsConfig = field(default_factory=lambda: SidecarsConfig(local=1))
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Parallel layout, gradient clipping (and, see the README, batching and schedules)."""
+    sidecars: SidecarsConfig = field(default_factory=SidecarsConfig)
     steps: int = 10
     eval_every: int = 5
     """Evaluate on the held-out split every this many steps (and before the first); 0: never."""
@@ -242,6 +336,8 @@ class RLConfig:
     """Save a resumable checkpoint every this many steps (0: only at the end)."""
     seed: int = 0
     run_dir: Path = Path("runs/rl")
+    trackers: TrackersConfig = field(default_factory=TrackersConfig)
+    """Optional TensorBoard / Weights & Biases reporting (metrics.jsonl and plots are always written)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "eval_every", "eval_size", "checkpoint_every"):
@@ -249,6 +345,17 @@ class RLConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not self.sidecars.local and not self.sidecars.addresses:
             raise ValueError("no sidecars: set sidecars.local (e.g. 2) or sidecars.addresses (HOST:PORT, ...)")
+        rows = self.rollout.prompts_per_step * self.rollout.samples_per_prompt
+        if self.train.mini_batches > rows:
+            raise ValueError(
+                f"train.mini_batches={self.train.mini_batches} exceeds the {rows} samples of a step "
+                f"(rollout.prompts_per_step x rollout.samples_per_prompt); lower it"
+            )
+        if self.reward.overlong_buffer_len > self.rollout.max_new_tokens:
+            raise ValueError(
+                f"reward.overlong_buffer_len={self.reward.overlong_buffer_len} exceeds rollout.max_new_tokens="
+                f"{self.rollout.max_new_tokens}; the penalty ramp must fit inside the response length"
+            )
 
 
 def demo_config(model: Path, run_dir: Path) -> RLConfig:
@@ -272,7 +379,7 @@ def demo_config(model: Path, run_dir: Path) -> RLConfig:
         sidecars=SidecarsConfig(local=2),
         steps=6,
         eval_every=3,
-        eval_size=64,
+        eval_size=128,
         seed=0,
         run_dir=run_dir,
     )

@@ -20,26 +20,38 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
+import os
 import random
 import re
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
+import torch.distributed as dist
+from torch import Tensor
 from tqdm import tqdm
 
+from sidecar.engine.model import ModelConfig
 from sidecar.fleet import Fleet, FleetConfig, derive_seed
-from sidecar.types import GenerationRequest, SamplingParams, SpeculationCounters
-from trainer.config_io import write_yaml
+from sidecar.types import GenerationRequest, Sample, SamplingParams, SpeculationCounters
+from trainer import platform
+from trainer.config_io import to_mapping, write_yaml
+from trainer.dynamic_sampling import Group, group_samples, select_groups, shaped_rewards
 from trainer.local_sidecars import LocalSidecars
-from trainer.losses import sample_advantages
+from trainer.losses import OverlongConfig, mismatch_metrics, sample_advantages
 from trainer.policy import Policy, TrainBatch
+from trainer.preflight import check_sidecars, preflight
+from trainer.reference import ReferencePolicy
 from trainer.rl_config import RLConfig
 from trainer.run_dir import RunDir
 from trainer.tasks import Problem, Task
-from trainer.tokenizer import Tokenizer, load_tokenizer
+from trainer.tokenizer import Tokenizer
+from trainer.trackers import open_trackers
 
 log = logging.getLogger(__name__)
 
@@ -50,25 +62,48 @@ class Run:
 
     cfg: RLConfig
     policy: Policy
-    sidecars: Fleet
+    sidecars: Fleet | None
+    """The fleet; None on the ranks > 0 of a multi-process run (only rank 0 talks to sidecars)."""
     task: Task
     tokenizer: Tokenizer
     run_dir: RunDir
+    reference: ReferencePolicy | None = None
+    """The frozen reference policy of the KL penalty (when algorithm.kl_coef > 0)."""
+
+    @property
+    def leader(self) -> bool:
+        """Rank 0 (or a single process): generates, rewards, pushes, evaluates and writes the run."""
+        return is_leader()
+
+    @property
+    def fleet(self) -> Fleet:
+        if self.sidecars is None:
+            raise RuntimeError("only rank 0 talks to the sidecars")
+        return self.sidecars
+
+
+def policy_config(cfg: RLConfig) -> Policy.Config:
+    """The policy's config from the run config: every `Policy.Config` field has a run-config key."""
+    return Policy.Config(
+        tensor_parallel=cfg.train.tensor_parallel,
+        seed=cfg.seed,
+        temperature=cfg.rollout.temperature,
+        grpo=cfg.algorithm,
+        optimizer=cfg.optimizer,
+        clip_grad=cfg.train.clip_grad,
+        train_draft=cfg.train_draft,
+        draft=cfg.draft,
+        draft_optimizer=cfg.draft_optimizer,
+        draft_clip_grad=cfg.train.draft_clip_grad,
+        micro_batch_rows=cfg.train.micro_batch_rows,
+        lr_schedule=cfg.train.lr_schedule,
+        draft_lr_schedule=cfg.train.draft_lr_schedule,
+        total_updates=cfg.steps * cfg.train.updates_per_batch,
+    )
 
 
 def build_policy(cfg: RLConfig) -> Policy:
-    return Policy.from_checkpoint(
-        cfg.model,
-        Policy.Config(
-            seed=cfg.seed,
-            temperature=cfg.rollout.temperature,
-            grpo=cfg.algorithm,
-            optimizer=cfg.optimizer,
-            train_draft=cfg.train_draft,
-            draft=cfg.draft,
-            draft_optimizer=cfg.draft_optimizer,
-        ),
-    )
+    return Policy.from_checkpoint(cfg.model, policy_config(cfg))
 
 
 @contextlib.contextmanager
@@ -83,12 +118,14 @@ def sidecar_fleet(cfg: RLConfig, run_dir: Path) -> Iterator[tuple[Fleet, LocalSi
     if cfg.sidecars.local:
         local = LocalSidecars(
             cfg.model,
-            cfg.sidecars.local,
+            int(cfg.sidecars.local),
             run_dir / "logs",
             spec_k=cfg.rollout.speculation_k,
             max_batch_size=cfg.sidecars.max_batch_size,
             threads=cfg.sidecars.threads,
             startup_timeout_s=cfg.sidecars.startup_timeout_s,
+            engine=cfg.sidecars.engine,
+            devices=cfg.sidecars.devices,
             token=client.token,
         )
     with contextlib.ExitStack() as stack:
@@ -101,15 +138,38 @@ def sidecar_fleet(cfg: RLConfig, run_dir: Path) -> Iterator[tuple[Fleet, LocalSi
         yield fleet, local
 
 
-def latest_checkpoint(run_dir: RunDir) -> tuple[int, Path] | None:
-    steps = [
-        (int(m.group(1)), p) for p in run_dir.checkpoints.glob("step_*") if (m := re.match(r"step_(\d+)$", p.name))
-    ]
+def is_leader() -> bool:
+    """Rank 0 of the process group, or a process without one."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+T = TypeVar("T")
+
+
+def share(obj: T) -> T:
+    """Rank 0's `obj` on every rank (a broadcast when several processes train; else `obj`)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        obj = box[0]
+    return obj
+
+
+def logprobs_in_micro_batches(policy: Policy, tokens: Tensor, rows: int) -> Tensor:  # (B, S) -> (B, S-1)
+    """The policy's log-probs of `tokens`, `rows` samples per forward (0: all at once), on CPU."""
+    size = rows or tokens.shape[0]
+    return torch.cat([policy.logprobs(part).cpu() for part in tokens.split(size)])
+
+
+def latest_checkpoint(checkpoints: Path) -> tuple[int, Path] | None:
+    """The newest `step_N` directory under `checkpoints`, with N."""
+    steps = [(int(m.group(1)), p) for p in checkpoints.glob("step_*") if (m := re.match(r"step_(\d+)$", p.name))]
     return max(steps) if steps else None
 
 
-def evaluate(run: Run, size: int) -> float:
-    """Mean reward of greedy completions on a fixed held-out set (same problems every time)."""
+def evaluate(run: Run, size: int) -> tuple[float, float]:
+    """Mean reward of greedy completions on a fixed held-out set (same problems every time), and its
+    standard error (sample std / sqrt(n)): a change smaller than ~2 standard errors is noise."""
     rng = random.Random(1_000_003 + run.cfg.seed)
     problems = [run.task.sample(rng, "eval") for _ in range(size)]
     sampling = SamplingParams(
@@ -117,9 +177,26 @@ def evaluate(run: Run, size: int) -> float:
     )
     prompts = [run.tokenizer.encode(p.prompt) for p in problems]
     request = GenerationRequest(prompts=prompts, sampling=sampling, speculation_k=run.cfg.rollout.speculation_k)
-    samples = run.sidecars.generate(request).samples
+    samples = run.fleet.generate(request).samples
     rewards = [run.task.reward(problems[s.prompt_index], run.tokenizer.decode(s.token_ids)) for s in samples]
-    return sum(rewards) / len(rewards)
+    return mean_and_stderr(rewards)
+
+
+def mean_and_stderr(values: list[float]) -> tuple[float, float]:
+    """Sample mean and its standard error (Bessel-corrected std / sqrt(n); 0 for n < 2)."""
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, 0.0
+    var = sum((v - mean) ** 2 for v in values) / (n - 1)
+    return mean, math.sqrt(var / n)
+
+
+def evaluate_logged(run: Run, progress: bool = False) -> dict[str, float]:
+    """`evaluate` as metrics (reward/eval_mean, reward/eval_stderr), announced as a phase."""
+    with phase(f"evaluating on {run.cfg.eval_size} held-out problems", progress):
+        mean, stderr = evaluate(run, run.cfg.eval_size)
+    return {"reward/eval_mean": mean, "reward/eval_stderr": stderr}
 
 
 def speculation_metrics(c: SpeculationCounters) -> dict[str, float]:
@@ -129,36 +206,127 @@ def speculation_metrics(c: SpeculationCounters) -> dict[str, float]:
     return out
 
 
+def _sampling(run: Run, step: int, round_: int) -> SamplingParams:
+    ro = run.cfg.rollout
+    return SamplingParams(
+        temperature=ro.temperature,
+        max_new_tokens=ro.max_new_tokens,
+        stop_token_ids=(run.tokenizer.eos_id,),
+        seed=derive_seed(run.cfg.seed, step, round_) if round_ else derive_seed(run.cfg.seed, step),
+    )
+
+
+def _score(run: Run, problems: list[Problem], prompts: list[list[int]], samples: list[Sample]) -> list[Group]:
+    """Group the samples by prompt and reward them (task reward + configured overlong shaping)."""
+    cfg = run.cfg
+    overlong = (
+        OverlongConfig(
+            max_len=cfg.rollout.max_new_tokens,
+            buffer_len=cfg.reward.overlong_buffer_len,
+            penalty=cfg.reward.overlong_penalty,
+        )
+        if cfg.reward.overlong_buffer_len
+        else None
+    )
+    groups = []
+    for problem, prompt, group in zip(
+        problems, prompts, group_samples(prompts, samples, cfg.rollout.samples_per_prompt), strict=True
+    ):
+        task = torch.tensor([run.task.reward(problem, run.tokenizer.decode(s.token_ids)) for s in group])
+        lengths = torch.tensor([len(s.token_ids) for s in group])
+        groups.append(
+            Group(prompt=prompt, samples=group, rewards=shaped_rewards(task, lengths, overlong), task_rewards=task)
+        )
+    return groups
+
+
 def rl_step(run: Run, step: int) -> dict[str, float]:
-    """One RL step; returns its metrics."""
+    """One RL step; returns its metrics (on every rank: rank 0's).
+
+    Multi-process (torchrun, tensor parallel): rank 0 generates and rewards, every rank gets the
+    same batch and trains its shard, every rank takes part in the weight export (a collective)
+    while rank 0 streams it to the sidecars."""
+    cfg = run.cfg
+    metrics: dict[str, float] = {}
+    batch = share(collect_batch(run, step, metrics) if run.leader else None)
+    assert batch is not None
+
+    # 3. log-prob recomputation with the trainer's policy (the PPO ratio's denominator): in a
+    #    pass of its own, or (default) taken detached from the training forward of step 4; and
+    #    the frozen reference's log-probs when the KL penalty is on
+    #    (several updates per batch always take the separate pass: after the first update the
+    #    training forward no longer computes the sampling policy's log-probs)
+    t = time.perf_counter()
+    updates = cfg.train.updates_per_batch
+    if cfg.separate_logprob_pass or updates > 1:
+        batch.old_logprobs = logprobs_in_micro_batches(run.policy, batch.tokens, cfg.train.micro_batch_rows)
+    if run.reference is not None:
+        size = cfg.train.micro_batch_rows or batch.tokens.shape[0]
+        batch.ref_logprobs = torch.cat([run.reference.logprobs(part).cpu() for part in batch.tokens.split(size)])
+    metrics["time/logprobs"] = time.perf_counter() - t
+
+    # 4. policy and draft update(s)
+    t = time.perf_counter()
+    trained = run.policy.train_updates(
+        batch, epochs=cfg.train.epochs, mini_batches=cfg.train.mini_batches, seed=cfg.seed * 7919 + step
+    )
+    metrics.update({f"train/{k}": v for k, v in trained.items()})
+    metrics["time/train"] = time.perf_counter() - t
+    if batch.old_logprobs is not None:  # the sampling policy's log-probs, before any update
+        where = batch.generated if batch.generated is not None else batch.mask
+        mismatch = mismatch_metrics(batch.old_logprobs, batch.rollout_logprobs, where)  # type: ignore[arg-type]
+        metrics.update({f"train/{k}": v for k, v in mismatch.items()})
+    metrics["mismatch/logprob_abs_max"] = metrics["train/mismatch_logprob_abs_max"]
+
+    # 5. push target + draft to every sidecar (version + 1); the export gathers tensor-parallel
+    #    shards, so every rank walks it
+    if run.leader:
+        metrics["time/weight_sync"] = run.fleet.push_weights(
+            run.policy.export_named_tensors, names=run.policy.export_names()
+        ).seconds
+        metrics["weights/version"] = float(run.fleet.version)
+    else:
+        for _ in run.policy.export_named_tensors():
+            pass
+        metrics["time/weight_sync"] = 0.0
+
+    # refill rounds count as the same cost on both sides of the step speedup (conservative: they
+    # are speculative here and would be plain without speculation)
+    if run.leader:
+        rest = metrics["time/refill"] + metrics["time/logprobs"] + metrics["time/train"] + metrics["time/weight_sync"]
+        metrics["time/step"] = metrics["time/generation"] + rest
+        metrics["time/generation_share"] = (metrics["time/generation"] + metrics["time/refill"]) / metrics["time/step"]
+        if cfg.rollout.measure_plain:
+            metrics["speedup/generation"] = metrics["time/generation_plain"] / metrics["time/generation"]
+            metrics["speedup/step"] = (metrics["time/generation_plain"] + rest) / metrics["time/step"]
+    shared = share(metrics if run.leader else None)
+    assert shared is not None
+    return shared
+
+
+def collect_batch(run: Run, step: int, metrics: dict[str, float]) -> TrainBatch:
+    """Steps 1-2 (rank 0): generate, reward, refill, and pack the batch; adds their metrics."""
     cfg, ro = run.cfg, run.cfg.rollout
     rng = random.Random(cfg.seed * 1_000_003 + step)
     problems: list[Problem] = [run.task.sample(rng, "train") for _ in range(ro.prompts_per_step)]
     prompts = [run.tokenizer.encode(p.prompt) for p in problems]
-    sampling = SamplingParams(
-        temperature=ro.temperature,
-        max_new_tokens=ro.max_new_tokens,
-        stop_token_ids=(run.tokenizer.eos_id,),
-        seed=derive_seed(cfg.seed, step),  # with the prompt and sample index: each sample's stream
-    )
+    sampling = _sampling(run, step, 0)
 
     def rollout_request(k: int) -> GenerationRequest:
         return GenerationRequest(
             prompts=prompts, sampling=sampling, samples_per_prompt=ro.samples_per_prompt, speculation_k=k
         )
 
-    metrics: dict[str, float] = {}
-
     # 1. generate across the pool (G samples per prompt), speculatively
-    run.sidecars.speculation_delta()  # baseline of the raw counters
+    run.fleet.speculation_delta()  # baseline of the raw counters
     plain_first = ro.measure_plain and step % 2 == 1  # alternate the order of the side-by-side passes
     if plain_first:
-        metrics["time/generation_plain"] = run.sidecars.generate(rollout_request(0)).seconds
-        run.sidecars.speculation_delta()
-    rollout = run.sidecars.generate(rollout_request(ro.speculation_k))
-    metrics.update(speculation_metrics(run.sidecars.speculation_delta()))
+        metrics["time/generation_plain"] = run.fleet.generate(rollout_request(0)).seconds
+        run.fleet.speculation_delta()
+    rollout = run.fleet.generate(rollout_request(ro.speculation_k))
+    counters = run.fleet.speculation_delta()
     if ro.measure_plain and not plain_first:
-        metrics["time/generation_plain"] = run.sidecars.generate(rollout_request(0)).seconds
+        metrics["time/generation_plain"] = run.fleet.generate(rollout_request(0)).seconds
     samples = rollout.samples
     metrics["time/generation"] = rollout.seconds
     metrics["rollout/rerouted"] = float(rollout.rerouted)
@@ -166,88 +334,197 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     metrics["rollout/regenerated"] = float(rollout.regenerated)
     metrics["rollout/weight_version"] = float(min(s.weight_version for s in samples))
     metrics["rollout/response_len"] = sum(len(s.token_ids) for s in samples) / len(samples)
+    events = list(rollout.events)
 
-    # 2. rewards and group-relative advantages
-    rewards = torch.tensor(
-        [run.task.reward(problems[s.prompt_index], run.tokenizer.decode(s.token_ids)) for s in samples]
-    ).view(ro.prompts_per_step, ro.samples_per_prompt)
+    # 2. rewards (with overlong shaping); DAPO dynamic sampling refills groups whose rewards are
+    #    all equal with fresh prompts, for at most rollout.refill_rounds rounds
+    first = _score(run, problems, prompts, samples)
+    metrics["reward/train_mean"] = float(torch.stack([g.task_rewards for g in first]).mean())
+    if cfg.reward.overlong_buffer_len:
+        metrics["reward/overlong_penalty_mean"] = float(torch.stack([g.rewards - g.task_rewards for g in first]).mean())
+    metrics["rollout/kept_fraction_first_round"] = sum(g.informative for g in first) / len(first)
+    refills: list[Group] = []
+    rounds = 0
+    refill_seconds = 0.0
+    while cfg.algorithm.filter_equal_groups and rounds < ro.refill_rounds:
+        missing = ro.prompts_per_step - sum(g.informative for g in first + refills)
+        if missing <= 0:
+            break
+        rounds += 1
+        more = [run.task.sample(rng, "train") for _ in range(missing)]
+        more_prompts = [run.tokenizer.encode(p.prompt) for p in more]
+        run.fleet.speculation_delta()
+        extra = run.fleet.generate(
+            GenerationRequest(
+                prompts=more_prompts,
+                sampling=_sampling(run, step, rounds),
+                samples_per_prompt=ro.samples_per_prompt,
+                speculation_k=ro.speculation_k,
+            )
+        )
+        counters.add(run.fleet.speculation_delta())
+        refill_seconds += extra.seconds
+        events += extra.events
+        refills += _score(run, more, more_prompts, extra.samples)
+    metrics.update(speculation_metrics(counters))
+    chosen = select_groups(first, refills, ro.prompts_per_step, cfg.algorithm.filter_equal_groups)
+    metrics["rollout/refill_rounds"] = float(rounds)
+    metrics["rollout/refilled_groups"] = float(sum(g.informative for g in refills))
+    metrics["rollout/kept_fraction"] = chosen.informative / ro.prompts_per_step
+    metrics["time/refill"] = refill_seconds
+    if cfg.algorithm.filter_equal_groups and ro.refill_rounds and chosen.informative < ro.prompts_per_step:
+        events.append(
+            f"dynamic sampling found {chosen.informative} of {ro.prompts_per_step} informative groups after "
+            f"{rounds} refill round(s); the rest stay masked out (raise rollout.refill_rounds)"
+        )
+    rewards = torch.stack([g.rewards for g in chosen.groups])  # (N, G)
     advantages, keep = sample_advantages(rewards, cfg.algorithm)
-    metrics["reward/train_mean"] = float(rewards.mean())
-    metrics["rollout/kept_fraction"] = float(keep.float().mean())
     batch = TrainBatch.from_sequences(
-        [prompts[s.prompt_index] for s in samples],
-        [s.token_ids for s in samples],
+        [g.prompt for g in chosen.groups for _ in g.samples],
+        [s.token_ids for g in chosen.groups for s in g.samples],
         advantages,
-        rollout_logprobs=[s.logprobs for s in samples],
+        rollout_logprobs=[s.logprobs for g in chosen.groups for s in g.samples],
         pad_id=run.tokenizer.pad_id,
     )
     batch.generated = batch.mask.clone()  # every generated token (the loss then drops filtered groups)
     batch.mask = batch.mask * keep.float()[:, None]
+    if events:
+        log.warning("step %d: %s", step, "; ".join(events))
+    return batch
 
-    # 3. log-prob recomputation with the trainer's policy (the PPO ratio's denominator): in a
-    #    pass of its own, or (default) taken detached from the training forward of step 4
+
+@contextlib.contextmanager
+def phase(desc: str, enabled: bool = True) -> Iterator[None]:
+    """Say that a slow phase started and how long it took (on stderr, between progress bars)."""
+    if enabled:
+        tqdm.write(f"{desc} ...", file=sys.stderr)
     t = time.perf_counter()
-    if cfg.separate_logprob_pass:
-        batch.old_logprobs = run.policy.logprobs(batch.tokens).cpu()
-    metrics["time/logprobs"] = time.perf_counter() - t
+    yield
+    if enabled:
+        tqdm.write(f"{desc}: done in {time.perf_counter() - t:.1f}s", file=sys.stderr)
 
-    # 4. policy and draft update
-    t = time.perf_counter()
-    metrics.update({f"train/{k}": v for k, v in run.policy.train_step(batch).items()})
-    metrics["time/train"] = time.perf_counter() - t
-    metrics["mismatch/logprob_abs_max"] = metrics["train/mismatch_logprob_abs_max"]
 
-    # 5. push target + draft to every sidecar (version + 1)
-    metrics["time/weight_sync"] = run.sidecars.push_weights(
-        run.policy.export_named_tensors, names=run.policy.export_names()
-    ).seconds
-    metrics["weights/version"] = float(run.sidecars.version)
+PLOT_INTERVAL_S = 10.0
+"""Plots are redrawn after a step when this long has passed since the last drawing (a drawing
+costs ~1 s of CPU for all of them), and always on the way out."""
 
-    rest = metrics["time/logprobs"] + metrics["time/train"] + metrics["time/weight_sync"]
-    metrics["time/step"] = metrics["time/generation"] + rest
-    if ro.measure_plain:
-        metrics["speedup/generation"] = metrics["time/generation_plain"] / metrics["time/generation"]
-        metrics["speedup/step"] = (metrics["time/generation_plain"] + rest) / metrics["time/step"]
-    if rollout.events:
-        log.warning("step %d: %s", step, "; ".join(rollout.events))
-    return metrics
+
+def join_torchrun_group() -> None:
+    """Under torchrun (WORLD_SIZE > 1 in the environment), join its process group before the
+    policy would otherwise make a world of one per process."""
+    if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        platform.init_distributed_from_env()
+
+
+def on_leader(fn: Callable[[], T]) -> T | None:
+    """Run `fn` on rank 0 only; if it raises, every rank raises it (nobody waits in a collective
+    for a rank that has already given up)."""
+    result: T | None = None
+    error: BaseException | None = None
+    if is_leader():
+        try:
+            result = fn()
+        except Exception as e:  # handed to every rank below, then raised everywhere
+            error = e
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise error
+    return result
 
 
 def train(cfg: RLConfig, *, resume: bool = False, progress: bool = True) -> list[dict[str, float]]:
-    """Run `cfg` to the end; returns each step's metrics (also in run_dir/metrics.jsonl)."""
-    run_dir = RunDir(cfg.run_dir, resume=resume)
-    write_yaml(cfg, run_dir.config_path)
-    policy = build_policy(cfg)
+    """Run `cfg` to the end; returns each step's metrics (also in run_dir/metrics.jsonl).
+
+    Plots are redrawn as steps finish (at most every PLOT_INTERVAL_S) and once more on the way
+    out, so an interrupted run keeps them; the configured trackers get every row that metrics.jsonl gets. Under torchrun every rank
+    runs this; only rank 0 probes and starts sidecars, pushes weights, evaluates and writes the
+    run directory (the others train their tensor-parallel shard of the same batches)."""
+    join_torchrun_group()
+    leader = is_leader()
+    progress = progress and leader
+    prepared = preflight(cfg, probe_sidecars=False)  # seconds, on every rank: nothing is built yet
+    run_dir = on_leader(lambda: _open_run_dir(cfg, resume, prepared.model_config))
+    with phase("building the policy (Megatron)", progress):
+        policy = build_policy(cfg)
+        reference = None
+        if cfg.algorithm.kl_coef > 0:
+            reference = ReferencePolicy.from_checkpoint(
+                cfg.reference_model or cfg.model,
+                tensor_parallel=cfg.train.tensor_parallel,
+                temperature=cfg.rollout.temperature,
+            )
     start = 0
-    if resume and (found := latest_checkpoint(run_dir)) is not None:
+    if resume and (found := share(latest_checkpoint(cfg.run_dir / "checkpoints") if leader else None)):
         start, path = found
         policy.load(path)
         log.info("resumed from %s (step %d)", path, start)
     history: list[dict[str, float]] = []
-    with sidecar_fleet(cfg, run_dir.root) as (orch, _local):
-        run = Run(
-            cfg=cfg,
-            policy=policy,
-            sidecars=orch,
-            task=cfg.task.build(),
-            tokenizer=load_tokenizer(cfg.tokenizer),
-            run_dir=run_dir,
-        )
-        orch.push_weights(policy.export_named_tensors, orch.start_version(), names=policy.export_names())
-        if cfg.eval_every and start == 0:
-            run_dir.log(0, {"reward/eval_mean": evaluate(run, cfg.eval_size)})
-        bar = tqdm(range(start, cfg.steps), desc="RL steps", disable=not progress, unit="step")
-        for step in bar:
-            metrics = rl_step(run, step)
-            done = step + 1
-            if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
-                metrics["reward/eval_mean"] = evaluate(run, cfg.eval_size)
-            run_dir.log(done, metrics)
-            history.append(metrics)
-            bar.set_postfix(
-                reward=f"{metrics['reward/train_mean']:.2f}", tau=f"{metrics['spec/acceptance_length']:.2f}"
+    fleet = (
+        f"starting {cfg.sidecars.local} local sidecar(s) (engine {cfg.sidecars.engine}, "
+        f"device {', '.join(cfg.sidecars.devices)})"
+        if cfg.sidecars.local
+        else f"connecting to {len(cfg.sidecars.addresses)} sidecar(s)"
+    )
+    try:
+        with contextlib.ExitStack() as stack:
+
+            def start_fleet() -> Fleet:
+                with phase(fleet, progress):
+                    orch, _local = stack.enter_context(sidecar_fleet(cfg, cfg.run_dir))
+                return orch
+
+            orch = on_leader(start_fleet)  # a failed start stops every rank
+            names = policy.export_names()
+            with phase(f"first weight push ({len(names)} tensors to the sidecars)", progress):
+                if orch is not None:
+                    orch.push_weights(policy.export_named_tensors, orch.start_version(), names=names)
+                else:  # ranks > 0: rank 0's push gathers our tensor-parallel shards
+                    for _ in policy.export_named_tensors():
+                        pass
+            run = Run(
+                cfg=cfg,
+                policy=policy,
+                sidecars=orch,
+                task=prepared.task,
+                tokenizer=prepared.tokenizer,
+                run_dir=run_dir,  # type: ignore[arg-type]
+                reference=reference,
             )
-            if (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == cfg.steps:
-                policy.save(run_dir.checkpoints / f"step_{done}")
-        run_dir.plot()
+            if leader and cfg.eval_every and start == 0:
+                run_dir.log(0, evaluate_logged(run, progress))  # type: ignore[union-attr]
+            last_plot = 0.0
+            bar = tqdm(range(start, cfg.steps), desc="RL steps", disable=not progress, unit="step")
+            for step in bar:
+                metrics = rl_step(run, step)
+                done = step + 1
+                if leader and cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
+                    metrics.update(evaluate_logged(run, progress))
+                history.append(metrics)
+                if (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == cfg.steps:
+                    policy.save(cfg.run_dir / "checkpoints" / f"step_{done}")  # collective: every rank
+                if run_dir is not None:
+                    run_dir.log(done, metrics)
+                    if time.monotonic() - last_plot >= PLOT_INTERVAL_S:
+                        run_dir.plot()
+                        last_plot = time.monotonic()
+                bar.set_postfix(
+                    reward=f"{metrics['reward/train_mean']:.2f}", tau=f"{metrics['spec/acceptance_length']:.2f}"
+                )
+    finally:
+        if run_dir is not None:
+            run_dir.close()
+            run_dir.plot()  # also after a failure or an interrupt: the plots show every logged step
     return history
+
+
+def _open_run_dir(cfg: RLConfig, resume: bool, model: ModelConfig) -> RunDir:
+    """Rank 0's run directory with the resolved config and the trackers; probes remote sidecars."""
+    if cfg.sidecars.addresses:
+        check_sidecars(cfg, model)
+    run_dir = RunDir(cfg.run_dir, resume=resume)
+    write_yaml(cfg, run_dir.config_path)
+    run_dir.trackers = open_trackers(cfg.trackers, run_dir.root, to_mapping(cfg))
+    return run_dir

@@ -4,7 +4,8 @@ Layout of `runs/<name>/`:
 
     config.yaml        the resolved run config (reproduces the run)
     metrics.jsonl      one JSON object per step (flat keys such as "reward/mean")
-    plots/*.png        reward, acceptance length, step-time breakdown
+    plots/*.png        reward, acceptance (mean and per draft position), step-time breakdown,
+                       generation share of the step, speedups; redrawn as the run goes
     checkpoints/       model, draft, optimizer and RNG state (see trainer/checkpointing.py)
 
 Metric keys are `group/name`; plots select them by group, so a new metric needs no plotting
@@ -17,22 +18,29 @@ import json
 import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trainer.trackers import Tracker
 
 PLOTS: dict[str, tuple[str, list[str]]] = {
     "reward.png": ("Reward", ["reward/train_mean", "reward/eval_mean"]),
     "acceptance.png": ("Acceptance length τ (tokens per verify step)", ["spec/acceptance_length"]),
+    "acceptance_per_position.png": ("Acceptance rate per draft position", ["spec/accept_pos*"]),
     "step_time.png": (
         "Step time breakdown (s)",
-        ["time/weight_sync", "time/generation", "time/logprobs", "time/train"],
+        ["time/weight_sync", "time/generation", "time/refill", "time/logprobs", "time/train"],
     ),
+    "generation_share.png": ("Generation share of the step time", ["time/generation_share"]),
+    "speedup.png": ("Speedup of speculation vs plain decoding (same run)", ["speedup/generation", "speedup/step"]),
 }
+"""File name -> (title, metric keys); a key ending in "*" stands for every key with that prefix."""
 
 
 class RunDir:
-    """A run's directory on disk."""
+    """A run's directory on disk; `log` also forwards each row to the given trackers."""
 
-    def __init__(self, root: str | Path, *, resume: bool = False) -> None:
+    def __init__(self, root: str | Path, *, resume: bool = False, trackers: list[Tracker] | None = None) -> None:
         self.root = Path(root)
         metrics = self.root / "metrics.jsonl"
         if metrics.exists() and not resume:
@@ -42,6 +50,7 @@ class RunDir:
         (self.root / "plots").mkdir(parents=True, exist_ok=True)
         self.checkpoints.mkdir(exist_ok=True)
         self.metrics_path = metrics
+        self.trackers: list[Tracker] = list(trackers or [])
 
     @property
     def checkpoints(self) -> Path:
@@ -59,6 +68,14 @@ class RunDir:
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(row) + "\n")
             f.flush()
+        for tracker in self.trackers:
+            tracker.log(step, metrics)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        """Close the trackers (metrics.jsonl is flushed after every row)."""
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
 
     def read_metrics(self) -> list[dict[str, Any]]:
         if not self.metrics_path.exists():
@@ -78,8 +95,10 @@ def plot_metrics(rows: Iterable[Mapping[str, Any]], out_dir: Path) -> list[Path]
     import matplotlib.pyplot as plt
 
     rows = list(rows)
+    present = sorted({k for r in rows for k in r})
     written = []
-    for filename, (title, keys) in PLOTS.items():
+    for filename, (title, patterns) in PLOTS.items():
+        keys = [k for p in patterns for k in ([q for q in present if q.startswith(p[:-1])] if p.endswith("*") else [p])]
         series = {
             k: [(r["step"], r[k]) for r in rows if isinstance(r.get(k), int | float) and "step" in r] for k in keys
         }

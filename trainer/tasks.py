@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
 
+from sidecar.errors import SpecrlError
+
 RewardFn = Callable[[str, str, str], float]
 Split = Literal["train", "eval"]
 _ANSWER = re.compile(r"#\s*(-?\d+)\s*$")
@@ -137,6 +139,10 @@ class ArithmeticTask:
         return Problem(prompt=f"{expr}=?\n", answer=str(acc), solution="\n".join(steps) + f"\n#{acc}")
 
 
+class RewardFunctionError(SpecrlError, TypeError):
+    """A user reward function that raised or returned something other than a finite number."""
+
+
 def load_reward_fn(spec: str) -> RewardFn:
     """Import `"package.module:function"` and check it takes (prompt, completion, answer)."""
     module_name, _, attr = spec.partition(":")
@@ -194,7 +200,15 @@ class JsonlTask:
         return rng.choice(pool)
 
     def reward(self, problem: Problem, completion: str) -> float:
-        value = self.reward_fn(problem.prompt, completion, problem.answer)
+        try:
+            value = self.reward_fn(problem.prompt, completion, problem.answer)
+        except Exception as e:  # user code: whatever it raises is reported with its input
+            raise RewardFunctionError(
+                f"reward function {getattr(self.reward_fn, '__qualname__', self.reward_fn)!r} raised "
+                f"{type(e).__name__}: {e} (prompt {problem.prompt[:40]!r}, completion {completion[:40]!r})"
+            ) from e
         if not isinstance(value, int | float) or value != value:
-            raise TypeError(f"reward function returned {value!r} for prompt {problem.prompt[:40]!r}; return a float")
+            raise RewardFunctionError(
+                f"reward function returned {value!r} for prompt {problem.prompt[:40]!r}; return a float"
+            )
         return float(value)

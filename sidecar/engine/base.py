@@ -6,7 +6,7 @@ change k, or swap weights — so a weight update always lands on a step boundary
 token is ever computed from half-applied weights.
 
 Implementations: `sidecar.engine.torch_engine.TorchEngine` (embedded PyTorch, the default,
-CPU and CUDA) and `sidecar.engine.sglang_engine.SGLangEngine` (GPU clusters).
+CPU and CUDA) and `sidecar.engine.sglang.engine.SGLangEngine` (GPU clusters).
 Protobuf never appears here: the server converts at the edge.
 """
 
@@ -102,3 +102,10 @@ class Engine(ABC):
         while len(done) < expected:
             done.extend(s for s in self.step() if s.request_id == request.request_id)
         return sorted(done, key=lambda s: (s.prompt_index, s.sample_index))
+
+    def close(self) -> None:
+        """Release what the engine holds outside this process (SGLang: its scheduler processes).
+
+        The embedded engine holds nothing of the kind; `specrl serve` calls this on shutdown.
+        """
+        return None

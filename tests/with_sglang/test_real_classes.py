@@ -11,8 +11,8 @@ What is checked here, against the installed package rather than our reading of i
 - every Engine / TokenizerManager method the adapter calls exists with the parameters it passes,
   and every request struct has the fields it sets (selector literals included);
 - the tensor serializer round-trips, SGLang's SamplingParams accepts our sampling dicts;
-- the meta_info keys and formulas `sglang_meta` relies on, and the weight-loader name rules
-  `sglang_names.runtime_parameter` encodes, are present in the installed source.
+- the meta_info keys and formulas `sidecar.engine.sglang.meta` relies on, and the weight-loader name rules
+  `names.runtime_parameter` encodes, are present in the installed source.
 
 Not checked here (needs a GPU): anything that runs a forward pass — see test_gpu.py.
 """
@@ -31,10 +31,10 @@ from typing import Any
 import pytest
 import torch
 
-from sidecar.engine import sglang_names as names
 from sidecar.engine.model import ModelConfig, build_model
-from sidecar.engine.sglang_backend import SGLangBackend, sampling_params_dict
-from sidecar.engine.sglang_engine import SGLANG_VERSION, SGLangEngineConfig, build_server_args
+from sidecar.engine.sglang import names
+from sidecar.engine.sglang.backend import SGLangBackend, sampling_params_dict
+from sidecar.engine.sglang.engine import SGLANG_VERSION, SGLangEngineConfig, build_server_args
 from sidecar.types import SamplingParams
 
 K = 3
@@ -305,7 +305,7 @@ def test_meta_info_built_by_sglangs_own_code(resolved: Any, seed: int) -> None:
         compute_weight_version_spans,
     )
 
-    from sidecar.engine.sglang_meta import sample_from_meta_info
+    from sidecar.engine.sglang.meta import sample_from_meta_info
     from sidecar.types import FinishReason
 
     rng = random.Random(seed)

@@ -4,7 +4,7 @@ SGLang's ``Qwen3ForCausalLM`` (target) and ``Qwen3MoeForCausalLMMTP`` (draft) ar
 from SGLang's own ModelConfig of the directories `write_sglang_checkpoint` writes, then:
 - their ``load_weights`` consume our tensor names and fill EVERY parameter with the right values
   (fused q/k/v and gate/up, the MoE experts of the shim, the MTP fusion tensors);
-- SGLang's ``WeightChecker`` checksum keys are exactly `sglang_names.runtime_parameter`'s names;
+- SGLang's ``WeightChecker`` checksum keys are exactly `names.runtime_parameter`'s names;
 - `SGLangEngine.update_weights` runs against these real loaders and real checksums (a
   `LoaderBackend` does what SGLang's model runner does for ``update_weights_from_tensor``:
   ``model.load_weights(named_tensors)``): a correct push passes the stale-draft proof, and a
@@ -27,11 +27,11 @@ from typing import Any
 import pytest
 import torch
 
-from sidecar.engine import sglang_names as names
 from sidecar.engine.checkpoint import load_checkpoint, save_checkpoint
 from sidecar.engine.model import ModelConfig, build_model
-from sidecar.engine.sglang_backend import SHARED_WITH_TARGET, _merge_checksums
-from sidecar.engine.sglang_engine import (
+from sidecar.engine.sglang import names
+from sidecar.engine.sglang.backend import SHARED_WITH_TARGET, _merge_checksums
+from sidecar.engine.sglang.engine import (
     SGLangEngine,
     SGLangEngineConfig,
     StaleDraftError,

@@ -1,4 +1,4 @@
-"""The SGLang engine: specrl's step-driven `Engine` over `sglang.Engine` (pinned 0.5.23, GPU).
+"""The SGLang engine: specrl's step-driven `Engine` over `sglang.Engine` (pinned 0.5.23; GPU, or CPU).
 
 SGLang serves speculative decoding itself (NEXTN for a model's built-in MTP layer, EAGLE /
 EAGLE3 for a separate draft; Leviathan et al. 2023, https://arxiv.org/abs/2211.17192; Li et
@@ -25,6 +25,11 @@ cache) → end_weight_update → draft checksum proof → continue_generation. R
 running requests back in SGLang's queue and drops their KV, so tokens after the push are
 computed with the new weights (SGLang reports the split in ``meta_info["weight_versions"]``).
 
+Sampling on CPU. SGLang 0.5.23 verifies drafts greedily on CPU whatever the temperature
+(``speculative/eagle_utils.py``, ``_verify_uses_greedy``), and its PyTorch sampler applies top-p
+before top-k renormalisation; `validate` refuses the requests whose samples would therefore not
+follow specrl's distribution (tests/with_sglang/test_sglang_sampling.py shows both).
+
 What SGLang can and cannot guarantee. specrl validates names, dtypes, shapes and the version
 BEFORE calling SGLang, so those errors leave everything untouched (the ABC's all-or-nothing
 contract). Past that point SGLang loads tensors in place, one runner after the other: a failure
@@ -43,6 +48,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -51,12 +57,12 @@ from typing import Any
 
 import torch
 
-from sidecar.engine import sglang_names as names
 from sidecar.engine.base import Engine
 from sidecar.engine.checkpoint import draft_tensor_shapes, load_checkpoint, target_tensor_shapes
 from sidecar.engine.model import ModelConfig
-from sidecar.engine.sglang_backend import SGLangBackend, SGLangEngineError, sampling_params_dict
-from sidecar.engine.sglang_meta import sample_from_meta_info
+from sidecar.engine.sglang import names
+from sidecar.engine.sglang.backend import SGLangBackend, SGLangEngineError, import_sglang, sampling_params_dict
+from sidecar.engine.sglang.meta import sample_from_meta_info
 from sidecar.engine.validation import check_weights, validate_request
 from sidecar.errors import InvalidRequestError
 from sidecar.types import (
@@ -90,7 +96,7 @@ class SGLangEngineConfig:
     """How to launch SGLang; `build_server_args` turns it into ``ServerArgs`` keywords."""
 
     model_path: str
-    """Target directory in SGLang's layout (see `sglang_names.write_sglang_checkpoint`)."""
+    """Target directory in SGLang's layout (see `names.write_sglang_checkpoint`)."""
     speculative_algorithm: str | None = "NEXTN"
     """NEXTN (the model's MTP layer, via the draft directory), EAGLE, EAGLE3, or None (no draft)."""
     speculation_k: int = 3
@@ -110,7 +116,9 @@ class SGLangEngineConfig:
     context_length: int | None = None
     """Override of the model context (None: max_position_embeddings)."""
     disable_cuda_graph: bool = False
-    """True skips CUDA-graph capture (faster start, slower decode; handy in tests)."""
+    """True skips CUDA-graph capture (faster start, slower decode; handy in tests). Always on for CPU."""
+    device: str = "cuda"
+    """"cuda", "cuda:N" (SGLang's ``base_gpu_id`` = N) or "cpu" (SGLang's CPU engine, see `build_server_args`)."""
     rejection_sampling: bool = False
     """SGLang's ``speculative_use_rejection_sampling`` (sampled drafts + min(1, p/q)). False
     keeps SGLang's default target-only verification of greedy drafts, which is also lossless."""
@@ -138,12 +146,14 @@ class SGLangEngineConfig:
             if not self.draft_model_path:
                 raise ValueError(
                     f"draft_model_path is required with {self.speculative_algorithm}; for NEXTN use the draft "
-                    "directory of sglang_names.write_sglang_checkpoint"
+                    "directory of names.write_sglang_checkpoint"
                 )
         elif self.speculation_k != 0:
             raise ValueError(f"speculation_k must be 0 without a speculative algorithm, got {self.speculation_k}")
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if not (self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device)):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1) or None, got {self.mem_fraction_static}")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
@@ -158,7 +168,8 @@ def build_server_args(config: SGLangEngineConfig) -> dict[str, Any]:
     """Keyword arguments of ``sglang.Engine(**kw)`` (= ``ServerArgs(**kw)``) for `config`.
 
     Fixed choices: token ids in and out (``skip_tokenizer_init``), weight version "0" until the
-    first push, top-k 1 chain drafting with ``speculative_num_draft_tokens = k + 1``.
+    first push, top-k 1 chain drafting with ``speculative_num_draft_tokens = k + 1``. On
+    ``device="cpu"`` CUDA graphs are off and SGLang chooses its CPU attention backend.
     """
     args: dict[str, Any] = {
         "model_path": config.model_path,
@@ -171,6 +182,12 @@ def build_server_args(config: SGLangEngineConfig) -> dict[str, Any]:
         "disable_cuda_graph": config.disable_cuda_graph,
         "log_level": "error",
     }
+    if config.device == "cpu":
+        # SGLang's CPU engine (also needs SGLANG_USE_CPU_ENGINE=1, set by SGLangBackend.launch);
+        # SGLang picks its CPU attention backend itself (intel_amx on x86).
+        args.update(device="cpu", disable_cuda_graph=True)
+    elif config.device.startswith("cuda:"):
+        args["base_gpu_id"] = int(config.device.split(":", 1)[1])
     if config.mem_fraction_static is not None:
         args["mem_fraction_static"] = config.mem_fraction_static
     if config.max_running_requests is not None:
@@ -260,8 +277,7 @@ class SGLangEngine(Engine):
         `max_speculation_k` is ignored (the engine reports max = k); `max_batch_size` becomes
         ``max_running_requests``; `options` go to `SGLangEngineConfig`.
         """
-        if not device.startswith("cuda"):
-            raise ValueError(f"the SGLang engine runs on CUDA devices, got device={device!r}; use --engine torch")
+        import_sglang(device)  # fail before writing SGLang's directories next to the checkpoint
         if max_speculation_k is not None and max_speculation_k != speculation_k:
             log.info(
                 "SGLang fixes k at launch: serving k=%d, max_speculation_k=%d ignored", speculation_k, max_speculation_k
@@ -277,6 +293,7 @@ class SGLangEngine(Engine):
             draft_model_path=str(layout.draft_dir) if spec else None,
             max_running_requests=max_batch_size,
             served_name=Path(path).name,
+            device=device,
             **options,
         )
         _, draft = names.split_contract(model, tensors)
@@ -315,7 +332,7 @@ class SGLangEngine(Engine):
             ),
             engine="sglang",
             engine_version=SGLANG_VERSION,
-            device_kind="cuda",
+            device_kind="cpu" if self.config.device == "cpu" else "cuda",
             device_name=self._backend.device_name(),
             speculation_method="mtp" if self._k else "",
             speculation_k=self._k,
@@ -356,6 +373,20 @@ class SGLangEngine(Engine):
     # ---- Engine: requests -------------------------------------------------------------------
     def validate(self, request: GenerationRequest) -> None:
         validate_request(request, self.model, self._k)
+        if self._k and self.config.device == "cpu" and request.sampling.temperature > 0:
+            raise InvalidRequestError(
+                f"temperature={request.sampling.temperature} with speculation is refused on CPU: SGLang 0.5.23 "
+                "verifies drafts greedily there (sglang/srt/speculative/eagle_utils.py, _verify_uses_greedy), so "
+                "its samples would not follow the target distribution; use temperature 0, serve with --spec-k 0, "
+                "or run on a GPU"
+            )
+        sp = request.sampling
+        if self.config.device == "cpu" and sp.temperature > 0 and sp.top_k > 0 and sp.top_p < 1.0:
+            raise InvalidRequestError(
+                f"top_k={sp.top_k} together with top_p={sp.top_p} is refused on CPU: SGLang's PyTorch sampler applies "
+                "top-p to the probabilities before top-k renormalisation (sglang/srt/layers/sampler.py), specrl "
+                "after it, so the served distribution would differ; use one of the two"
+            )
         if request.speculation_k is not None and request.speculation_k != self._k:
             raise InvalidRequestError(
                 f"speculation_k={request.speculation_k} is not available: SGLang drafts exactly k={self._k} tokens "
@@ -477,7 +508,7 @@ class SGLangEngine(Engine):
                 b.push(named, selector=role, weight_version=str(version) if last else None, flush_cache=last)
             b.end()
             if before is not None:
-                self._prove_draft_changed(before, b.draft_checksums(), changed)
+                self._prove_draft_changed(before, b.draft_checksums(), changed, digests)
             b.resume()
         except Exception as e:
             self._broken |= roles
@@ -503,21 +534,32 @@ class SGLangEngine(Engine):
         before: Mapping[str, str],
         after: Mapping[str, str],
         changed: list[str],
+        digests: Mapping[str, str],
     ) -> None:
-        """Raise StaleDraftError unless SGLang's draft checksums show the pushed change."""
+        """Raise StaleDraftError unless SGLang's draft checksums show the pushed change.
+
+        Tensors SGLang did load are recorded as served (`_draft_digest`) even when the push
+        fails, so that retrying the same push proves only what is still missing (SGLang loads
+        in place: what it loaded before the failure stays loaded).
+        """
         if not self._contract_draft:
             if before == after:
                 raise StaleDraftError("SGLang's draft checksums are unchanged after pushing new draft tensors")
             return
-        want: set[str] = set()
-        for n in changed:
-            for sg in names.draft_names(n, num_experts=self.config.tp_size):
-                want.add(names.runtime_parameter(sg, draft=True))
+        params = {
+            n: {names.runtime_parameter(sg, draft=True) for sg in names.draft_names(n, num_experts=self.config.tp_size)}
+            for n in changed
+        }
+        loaded = [
+            n for n, ps in params.items() if all(p in before and p in after and before[p] != after[p] for p in ps)
+        ]
+        self._draft_digest.update({n: digests[n] for n in loaded})
+        want = set().union(*params.values()) if params else set()
         missing = sorted(p for p in want if p not in after or p not in before)
         if missing:
             raise StaleDraftError(
                 f"SGLang reports no checksum for draft parameter(s) {missing[:3]}; the name mapping does not match "
-                f"the served {names.DRAFT_CLASS} (sglang_names.runtime_parameter)"
+                f"the served {names.DRAFT_CLASS} (names.runtime_parameter)"
             )
         stale = sorted(p for p in want if before[p] == after[p])
         if stale:

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import os
+import sys
 from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any
 
@@ -32,7 +34,10 @@ from sidecar.engine.torch_engine import sequence_seed
 from sidecar.errors import SpecrlError
 from sidecar.types import SamplingParams
 
-INSTALL_HINT = "install specrl[sglang] on a GPU node (CUDA 13, torch 2.14.1): pip install 'specrl[sglang]'"
+INSTALL_HINT = (
+    "install specrl[sglang] (SGLang 0.5.23, CUDA 13, torch 2.14.1): pip install 'specrl[sglang]'; on a CPU-only "
+    "machine SGLang also needs its CPU build of sgl-kernel (tools/sglang-env sets up the test environment)"
+)
 SHARED_WITH_TARGET = ("embed_tokens", "lm_head")
 """Draft parameters that are the target's own tensors (set_embed_and_head): not draft-owned."""
 
@@ -41,8 +46,24 @@ class SGLangEngineError(SpecrlError, RuntimeError):
     """SGLang is missing, refused a call, or is unusable after a failed weight push."""
 
 
-def import_sglang() -> Any:
-    """The ``sglang`` module, or SGLangEngineError with the install hint."""
+CPU_ENGINE_SWITCH = "SGLANG_USE_CPU_ENGINE"
+"""SGLang's own switch for its CPU engine (``sglang.srt.utils.common.is_cpu``), read once at import."""
+
+
+def import_sglang(device: str = "cuda") -> Any:
+    """The ``sglang`` module, or SGLangEngineError with the install hint.
+
+    For ``device="cpu"`` SGLang's CPU switch must be on before SGLang is first imported (its
+    modules cache ``is_cpu()`` at import time), so it is set here, in this process and the
+    scheduler processes SGLang spawns from it.
+    """
+    if device == "cpu":
+        if "sglang" in sys.modules and os.environ.get(CPU_ENGINE_SWITCH) != "1":
+            raise SGLangEngineError(
+                f"SGLang was imported in this process before {CPU_ENGINE_SWITCH}=1 was set, so it cannot run "
+                f"on CPU here; set {CPU_ENGINE_SWITCH}=1 in the environment before starting the process"
+            )
+        os.environ[CPU_ENGINE_SWITCH] = "1"
     try:
         return importlib.import_module("sglang")
     except ImportError as e:
@@ -85,9 +106,10 @@ def _merge_checksums(ranks: Sequence[Mapping[str, Any]]) -> dict[str, str]:
 class SGLangBackend:
     """A started ``sglang.Engine`` and the handful of calls specrl makes on it."""
 
-    def __init__(self, engine: Any, *, tp_size: int) -> None:
+    def __init__(self, engine: Any, *, tp_size: int, device: str = "cuda") -> None:
         self._engine = engine
         self._tp_size = tp_size
+        self._device = device
         self._loop: asyncio.AbstractEventLoop = engine.loop
         io = importlib.import_module("sglang.srt.managers.io_struct")
         self._io = io
@@ -96,8 +118,9 @@ class SGLangBackend:
     @classmethod
     def launch(cls, server_args: Mapping[str, Any]) -> SGLangBackend:
         """Start SGLang (scheduler and detokenizer processes; minutes on a large model)."""
-        sglang = import_sglang()
-        return cls(sglang.Engine(**server_args), tp_size=int(server_args.get("tp_size", 1)))
+        device = str(server_args.get("device") or "cuda")
+        sglang = import_sglang(device)
+        return cls(sglang.Engine(**server_args), tp_size=int(server_args.get("tp_size", 1)), device=device)
 
     # ---- generation ------------------------------------------------------------------------
     def start_generate(self, rid: str, input_ids: list[int], params: dict[str, Any]) -> asyncio.Task[Any]:
@@ -158,6 +181,9 @@ class SGLangBackend:
 
     # ---- misc --------------------------------------------------------------------------------
     def device_name(self) -> str:
+        """The accelerator SGLang runs on: the GPU's name, or "cpu"."""
+        if self._device == "cpu":
+            return "cpu"
         return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cuda"
 
     def shutdown(self) -> None:

@@ -1,0 +1,85 @@
+"""`specrl serve`'s settings as one typed config: a YAML/TOML file, `--set key=value`, or options.
+
+The command's options only select and override these fields (as `specrl train` does for
+`RLConfig`), and every option's default is the field's default, so a sidecar started from a file
+and one started from flags behave the same. The bearer token itself is not a field (a secret does
+not belong in a file that gets copied around): give `token_file`, `--token` or `$SPECRL_TOKEN`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+
+@dataclass(kw_only=True, slots=True)
+class ServeConfig:
+    """One rollout sidecar."""
+
+    model: Path | None = None
+    """Checkpoint directory (config.json + model.safetensors); required."""
+    engine: Literal["torch", "sglang"] = "torch"
+    host: str = "127.0.0.1"
+    """Bind address (loopback unless told otherwise: whoever can push weights owns the model)."""
+    port: int = 50051
+    """0 picks a free port (printed as `listening on HOST:PORT`)."""
+    spec_k: int = 3
+    """Default draft length (0: plain decoding)."""
+    max_spec_k: int = 8
+    max_batch_size: int = 64
+    max_live_sequences: int = 4096
+    device: str = "cpu"
+    """torch device: cpu, cuda, cuda:1 ..."""
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None
+    """CA bundle clients must be signed by (mutual TLS)."""
+    token_file: Path | None = None
+    """File holding the bearer token required on every RPC."""
+    metrics_port: int | None = None
+    """Prometheus endpoint port on `host` (None: off)."""
+    keep_staging: bool = True
+    """Receive each weight push into the last push's staging memory (torch engine): faster pushes,
+    but ~1x the model stays resident between pushes (the peak during a push is the same)."""
+    weight_transports: str = "shm,collective"
+    """Weight data planes offered besides the gRPC stream (comma-separated: shm, collective; ''
+    for grpc only). A client proves shm (same host) before using it; collective lets a client that
+    may push weights make this sidecar join its torch.distributed group."""
+    weight_deltas: bool = True
+    """Accept sparse delta weight pushes (weights.proto, "Sparse deltas"). The last push's tensors
+    stay as the base to rebuild from: no extra memory with keep_staging (the base is the kept
+    staging), else ~1x the model in host memory."""
+    sglang_args: tuple[str, ...] = ()
+    """Extra SGLang `ServerArgs` keywords as KEY=VALUE (engine sglang; VALUE parsed as JSON when
+    it can be), e.g. mem_fraction_static=0.5."""
+    grace: float = 5.0
+    """Shutdown grace seconds."""
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535 (0 = free), got {self.port}")
+        for name in ("spec_k", "max_spec_k"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.spec_k > self.max_spec_k:
+            raise ValueError(f"spec_k={self.spec_k} exceeds max_spec_k={self.max_spec_k}; raise max_spec_k")
+        for name in ("max_batch_size", "max_live_sequences"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in 0..65535 or unset (off), got {self.metrics_port}")
+        unknown = self.offered_transports - {"shm", "collective"}
+        if unknown:
+            raise ValueError(
+                f"weight_transports: unknown transport(s) {sorted(unknown)}; use shm and/or collective "
+                "(grpc is always offered)"
+            )
+        if self.grace < 0:
+            raise ValueError(f"grace must be >= 0, got {self.grace}")
+
+    @property
+    def offered_transports(self) -> set[str]:
+        """The data planes named in `weight_transports` (grpc is always offered besides them)."""
+        return {t.strip() for t in self.weight_transports.split(",") if t.strip()}

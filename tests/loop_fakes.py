@@ -1,0 +1,91 @@
+"""In-memory stand-ins for the RL loop's fleet, policy and task, whose behaviour follows a rule
+the tests can apply as an oracle: problem n is informative iff n % 3 == 0."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sidecar.fleet import FleetResult, PushReport
+from sidecar.types import FinishReason, GenerationRequest, Sample, SpeculationCounters
+from trainer.policy import TrainBatch
+from trainer.tasks import Problem
+from trainer.tokenizer import CharTokenizer
+
+TOK = CharTokenizer()
+
+
+class RuleTask:
+    """Problem n is informative iff n % 3 == 0: its samples 1.. answer "b" (reward 1), sample 0 "a"."""
+
+    name = "rule"
+
+    def sample(self, rng: random.Random, split: str = "train") -> Problem:
+        return Problem(prompt=f"q{rng.randrange(1000)}", answer="b")
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        return float(int(problem.prompt[1:]) % 3 == 0 and completion == "b")
+
+
+@dataclass
+class FakeFleet:
+    asked: list[str] = field(default_factory=list)
+    calls: int = 0
+    version: int = 1
+    clients: list[str] = field(default_factory=lambda: ["fake:1"])
+    fail_on_call: int = 0
+    """Raise `failure` on this generate call (1-based; 0: never)."""
+    failure: Callable[[], BaseException] = KeyboardInterrupt
+
+    def start_version(self) -> int:
+        return self.version + 1
+
+    def generate(self, request: GenerationRequest) -> FleetResult:
+        prompts, samples_per_prompt = request.prompts, request.samples_per_prompt
+        self.calls += 1
+        if self.calls == self.fail_on_call:
+            raise self.failure()
+        self.asked += [TOK.decode(p) for p in prompts]
+        samples = [
+            Sample(
+                request_id="r",
+                prompt_index=i,
+                sample_index=j,
+                token_ids=TOK.encode("a" if j == 0 else "b"),
+                logprobs=[-0.5],
+                finish_reason=FinishReason.STOP,
+                weight_version=1,
+                last_weight_version=1,
+            )
+            for i in range(len(prompts))
+            for j in range(samples_per_prompt)
+        ]
+        return FleetResult(samples=samples, seconds=0.01)
+
+    def speculation_delta(self) -> SpeculationCounters:
+        return SpeculationCounters()
+
+    def push_weights(self, *args: Any, **kw: Any) -> PushReport:
+        self.version += 1
+        return PushReport(version=self.version, results={}, seconds=0.0)
+
+
+@dataclass
+class RecordingPolicy:
+    batches: list[TrainBatch] = field(default_factory=list)
+
+    def train_updates(self, batch: TrainBatch, **kw: Any) -> dict[str, float]:
+        self.batches.append(batch)
+        return {"mismatch_logprob_abs_max": 0.0}
+
+    def export_named_tensors(self) -> list[Any]:
+        return []
+
+    def export_names(self) -> list[str]:
+        return []
+
+    def save(self, path: Path) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)

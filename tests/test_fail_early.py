@@ -1,0 +1,302 @@
+"""A bad run fails early and clearly: config values parse as users write them, cross-field and
+model checks run at load time before anything expensive, and every expected error reaches the
+user as one CLI message (exit code 1, no traceback). CLI option defaults are the configs' own.
+
+Oracles: the value a user means (3e-4 is a number), the field each CLI option sets, and what the
+process did *not* do (no run directory, no sidecar log) when a check fails first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from sidecar.serve_config import ServeConfig
+from tests.sidecar_fixtures import start_sidecar
+from trainer.cli import main
+from trainer.config_io import from_mapping, merge_overrides, parse_override, yaml_load
+from trainer.rl_cli import resolve_config
+from trainer.rl_config import RLConfig, SidecarsConfig
+from trainer.tasks import JsonlTask, Problem, RewardFunctionError
+from trainer.warmup import DraftInitConfig, WarmupConfig
+
+
+def _cli(args: list[str]) -> tuple[int, str]:
+    result = CliRunner().invoke(main, args)
+    return result.exit_code, result.output
+
+
+# ---- values parse as users write them --------------------------------------------------------
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("3e-4", 3e-4), ("1E5", 1e5), ("-2.5e-3", -2.5e-3), (".5", 0.5), ("10", 10), ("0x1f", 31), ("true", True)],
+)
+def test_numbers_parse_as_yaml_1_2(text: str, value: object) -> None:
+    assert parse_override(f"a={text}") == (["a"], value)
+    assert yaml_load(f"a: {text}") == {"a": value}
+
+
+@pytest.mark.parametrize("text", ["on", "no", "yes", "off", "1:30", "0777x"])
+def test_yaml_1_1_oddities_stay_strings(text: str) -> None:
+    # YAML 1.1 would make these booleans and the base-60 integer 90
+    assert yaml_load(f"a: {text}") == {"a": text}
+
+
+def test_lr_3e_minus_4_is_accepted_from_overrides_and_files(tmp_path: Path) -> None:
+    cfg = resolve_config(None, ["model=ckpt", "optimizer.lr=3e-4", "draft_optimizer.lr=1e-3"])
+    assert cfg.optimizer.lr == pytest.approx(3e-4) and cfg.draft_optimizer.lr == pytest.approx(1e-3)
+    f = tmp_path / "run.yaml"
+    f.write_text("model: ckpt\noptimizer: {lr: 3e-4}\nalgorithm: {std_eps: 1e-6}\n")
+    cfg = resolve_config(f, [])
+    assert cfg.optimizer.lr == pytest.approx(3e-4) and cfg.algorithm.std_eps == pytest.approx(1e-6)
+
+
+# ---- cross-field checks and reachability of every policy knob --------------------------------
+def test_a_reference_model_of_another_shape_is_rejected_before_anything_starts(
+    tmp_path: Path, jsonl_run: tuple[Path, Path]
+) -> None:
+    ckpt, data = jsonl_run
+    other = _checkpoint(tmp_path / "other", num_hidden_layers=1)
+    args = _train_args(ckpt, data, tmp_path / "run", "--local-sidecars", "1", "--set", "algorithm.kl_coef=0.1")
+    code, out = _cli([*args, "--set", f"reference_model={other}"])
+    assert code == 1 and "reference_model" in out and "Traceback" not in out, out
+    assert not (tmp_path / "run").exists()
+
+
+def test_local_sidecar_devices_must_fit_their_count() -> None:
+    with pytest.raises(ValueError, match="devices"):
+        SidecarsConfig(local=3, devices=["cuda:0", "cuda:1"])
+    assert SidecarsConfig(local=2, devices=["cuda:0", "cuda:1"]).device_of(1) == "cuda:1"
+    assert SidecarsConfig(local=2, devices=["cuda:0"]).device_of(1) == "cuda:0"
+
+
+def test_every_policy_config_field_is_reachable_from_the_run_config() -> None:
+    from trainer.policy import Policy
+    from trainer.rl_loop import policy_config
+
+    overrides = [
+        "model=ckpt",
+        "train.tensor_parallel=2",
+        "seed=7",
+        "rollout.temperature=0.7",
+        "algorithm.eps_low=0.1",
+        "optimizer.lr=2e-3",
+        "train.clip_grad=0.5",
+        "train_draft=false",
+        "draft.chain_depth=5",
+        "draft_optimizer.lr=5e-3",
+        "train.draft_clip_grad=0.25",
+        "train.micro_batch_rows=4",
+        "train.lr_schedule.warmup_steps=3",
+        "train.draft_lr_schedule.decay=cosine",
+        "train.epochs=2",  # total_updates = steps x epochs x mini_batches
+    ]
+    got = policy_config(resolve_config(None, overrides))
+    default = Policy.Config()
+    unreachable = [
+        f.name for f in dataclasses.fields(Policy.Config) if getattr(got, f.name) == getattr(default, f.name)
+    ]
+    assert not unreachable, f"Policy.Config fields not set from the run config: {unreachable}"
+
+
+def test_print_config_round_trips() -> None:
+    code, out = _cli(
+        ["train", "--model", ".", "--set", "optimizer.lr=3e-4", "--set", "train.clip_grad=0.5", "--print-config"]
+    )
+    assert code == 0, out
+    again = from_mapping(RLConfig, yaml.safe_load(out))
+    assert again == resolve_config(None, ["model=.", "optimizer.lr=3e-4", "train.clip_grad=0.5"])
+
+
+# ---- CLI defaults are the configs' defaults --------------------------------------------------
+@pytest.mark.parametrize(("command", "config"), [("warmup", WarmupConfig()), ("draft-init", DraftInitConfig())])
+def test_training_command_defaults_equal_their_configs(command: str, config: object) -> None:
+    cmd = main.commands[command]
+    fields = {f.name for f in dataclasses.fields(config)}  # type: ignore[arg-type]
+    options = {p.name: p.default for p in cmd.params if p.name in fields}
+    assert set(options) == fields, f"config fields without an option: {fields - set(options)}"
+    assert options == {name: getattr(config, name) for name in options}
+
+
+def test_serve_defaults_equal_serve_config_and_demo_steps_equal_demo_config() -> None:
+    cfg = ServeConfig()
+    params = {p.name: p.default for p in main.commands["serve"].params}
+    fields = {f.name for f in dataclasses.fields(ServeConfig)} - {"model"}
+    assert fields <= set(params)
+    assert {n: params[n] for n in fields} == {n: getattr(cfg, n) for n in fields}
+    from trainer.demo import DemoConfig
+
+    assert {p.name: p.default for p in main.commands["demo"].params}["rl_steps"] == DemoConfig().rl_steps
+
+
+def test_serve_takes_config_file_then_set_then_options(tmp_path: Path) -> None:
+    f = tmp_path / "serve.yaml"
+    f.write_text(f"model: {tmp_path}\nport: 7000\nspec_k: 2\ndevice: cuda:1\nkeep_staging: false\n")
+    code, out = _cli(
+        [
+            "serve",
+            "--config",
+            str(f),
+            "--set",
+            "port=0",
+            "--set",
+            "max_batch_size=16",
+            "--spec-k",
+            "4",
+            "--print-config",
+        ]
+    )
+    assert code == 0, out
+    got = yaml.safe_load(out)
+    assert got["port"] == 0 and got["spec_k"] == 4 and got["max_batch_size"] == 16
+    assert got["device"] == "cuda:1" and got["keep_staging"] is False and got["grace"] == ServeConfig().grace
+    code, out = _cli(["serve", "--set", "no_such=1", "--model", str(tmp_path)])
+    assert code != 0 and "no_such" in out and "Traceback" not in out
+
+
+# ---- checks before anything expensive, and one clear message ---------------------------------
+def _reward_module(tmp_path: Path, body: str) -> str:
+    (tmp_path / "my_rewards.py").write_text(textwrap.dedent(body))
+    return "my_rewards:score"
+
+
+@pytest.fixture
+def jsonl_run(tmp_path: Path) -> tuple[Path, Path]:
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(40)))
+    return _checkpoint(tmp_path / "ckpt"), data
+
+
+def _checkpoint(path: Path, **shape: int) -> Path:
+    """A tiny random model whose vocabulary holds the built-in character tokenizer's."""
+    from sidecar.engine.checkpoint import model_state_dict, save_checkpoint
+    from sidecar.engine.model import ModelConfig, build_model
+
+    config = ModelConfig.tiny(**{"vocab_size": 128, "max_position_embeddings": 256, **shape})
+    save_checkpoint(path, config, model_state_dict(build_model(config, seed=0)))
+    return path
+
+
+def _train_args(ckpt: Path, data: Path, run_dir: Path, *extra: str) -> list[str]:
+    args = ["train", "--model", str(ckpt), "--run-dir", str(run_dir), "--set", "task.kind=jsonl"]
+    return [*args, "--set", f"task.path={data}", "--set", "rollout.max_new_tokens=8", *extra]
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ("def score(prompt, completion, answer):\n    return 1.0 / 0\n", "ZeroDivisionError"),
+        ("def score(prompt, completion, answer):\n    return 'high'\n", "return a float"),
+        ("def score(prompt, completion):\n    return 1.0\n", "must accept"),
+        ("x = 1\n", "cannot import"),
+    ],
+)
+def test_a_bad_reward_function_fails_before_megatron_and_sidecars(
+    tmp_path: Path, jsonl_run: tuple[Path, Path], body: str, needle: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("my_rewards", None)
+    spec = _reward_module(tmp_path, body)
+    ckpt, data = jsonl_run
+    run_dir = tmp_path / "run"
+    code, out = _cli(_train_args(ckpt, data, run_dir, "--set", f"task.reward_fn={spec}", "--local-sidecars", "1"))
+    assert code == 1 and needle in out and "Traceback" not in out, out
+    assert "reward" in out
+    assert not run_dir.exists()  # nothing was started: no run directory, no sidecar logs
+
+
+def test_an_unreachable_sidecar_is_named_before_anything_starts(tmp_path: Path, jsonl_run: tuple[Path, Path]) -> None:
+    ckpt, data = jsonl_run
+    code, out = _cli(
+        _train_args(ckpt, data, tmp_path / "run", "--sidecar", "127.0.0.1:1", "--set", "sidecars.call_timeout_s=2")
+    )
+    assert code == 1 and "127.0.0.1:1" in out and "not reachable" in out and "Traceback" not in out, out
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_sidecar_serving_another_model_is_a_clear_mismatch(tmp_path: Path, jsonl_run: tuple[Path, Path]) -> None:
+    ckpt, data = jsonl_run
+    with start_sidecar(_checkpoint(tmp_path / "other", num_hidden_layers=1)) as sidecar:
+        code, out = _cli(_train_args(ckpt, data, tmp_path / "run", "--sidecar", sidecar.address))
+    assert code == 1 and "different model shape" in out and "Traceback" not in out, out
+
+
+def test_prompts_plus_new_tokens_must_fit_the_model(tmp_path: Path, jsonl_run: tuple[Path, Path]) -> None:
+    ckpt, data = jsonl_run
+    code, out = _cli(
+        _train_args(ckpt, data, tmp_path / "run", "--local-sidecars", "1", "--set", "rollout.max_new_tokens=4000")
+    )
+    assert code == 1 and "max_position_embeddings" in out and "rollout.max_new_tokens" in out, out
+
+
+def test_a_reward_function_failing_mid_run_names_its_input() -> None:
+    def flaky(prompt: str, completion: str, answer: str) -> float:
+        raise KeyError("judge")
+
+    task = JsonlTask.__new__(JsonlTask)
+    task.reward_fn = flaky
+    with pytest.raises(RewardFunctionError, match=r"KeyError.*'1\+1='"):
+        task.reward(Problem(prompt="1+1=", answer="2"), "3")
+
+
+def test_a_local_sidecar_that_cannot_start_is_one_message(tmp_path: Path, jsonl_run: tuple[Path, Path]) -> None:
+    """Engine and device reach the local `specrl serve` processes; a failed start is not a traceback."""
+    ckpt, data = jsonl_run
+    args = _train_args(
+        ckpt, data, tmp_path / "run", "--local-sidecars", "1", "--set", "sidecars.devices=[nosuchdevice]"
+    )
+    code, out = _cli([*args, "--set", "steps=1", "--set", "eval_every=0", "--set", "sidecars.startup_timeout_s=60"])
+    assert code == 1 and "SidecarStartError" in out and "Traceback (most recent call last)" not in out.split("log")[0]
+    log_text = "".join(p.read_text() for p in (tmp_path / "run" / "logs").glob("sidecar0.*.log"))
+    assert "nosuchdevice" in log_text
+
+
+def test_merge_overrides_keeps_strings_that_look_like_nothing() -> None:
+    assert merge_overrides({}, ["run_dir=on", "tokenizer=no"]) == {"run_dir": "on", "tokenizer": "no"}
+
+
+def _expected_errors() -> list[Exception]:
+    from sidecar.fleet import NoLiveSidecarError
+    from trainer.bridge import CheckpointMismatchError
+    from trainer.config_io import ConfigError
+    from trainer.local_sidecars import SidecarStartError
+    from trainer.preflight import PreflightError
+
+    return [
+        NoLiveSidecarError("no live sidecar"),
+        SidecarStartError("exited"),
+        CheckpointMismatchError("shapes"),
+        RewardFunctionError("raised"),
+        ConfigError("bad key"),
+        PreflightError("bad config"),
+        FileExistsError("run dir taken"),
+    ]
+
+
+@pytest.mark.parametrize("error", _expected_errors(), ids=lambda e: type(e).__name__)
+def test_every_expected_error_is_one_cli_message(error: Exception) -> None:
+    import click
+
+    from trainer.rl_cli import user_errors
+
+    @click.command()
+    def fails() -> None:
+        with user_errors():
+            raise error
+
+    result = CliRunner().invoke(fails, [])
+    assert result.exit_code == 1 and result.output == f"Error: {type(error).__name__}: {error}\n"
+
+
+def test_a_bug_keeps_its_traceback() -> None:
+    from trainer.rl_cli import user_errors
+
+    with pytest.raises(ZeroDivisionError), user_errors():
+        _ = 1 / 0

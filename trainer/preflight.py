@@ -1,0 +1,180 @@
+"""Checks that run before anything expensive: a bad run config fails in a second, not after minutes.
+
+Megatron takes seconds to build and local sidecars tens of seconds to start; a typo in a reward
+function's name, a tokenizer that does not fit the model, or an unreachable sidecar used to
+surface only after that (as a traceback). `preflight(cfg)` builds everything cheap first — the
+model's config.json, the tokenizer, the task with its reward function (imported *and called* on a
+real problem), the parallel layout — and asks remote sidecars for their model, so that each
+problem is one `PreflightError` naming the key to change.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from sidecar.engine.model import ModelConfig
+from sidecar.errors import SpecrlError
+from trainer.rl_config import RLConfig
+from trainer.tasks import Task
+from trainer.tokenizer import Tokenizer, load_tokenizer
+from trainer.trackers import check_trackers
+
+
+class PreflightError(SpecrlError):
+    """The run config cannot work; the message names the key and the fix."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Prepared:
+    """What preflight built and checked (the loop uses these instead of building them again)."""
+
+    model_config: ModelConfig
+    tokenizer: Tokenizer
+    task: Task
+
+
+def preflight(cfg: RLConfig, *, probe_sidecars: bool = True) -> Prepared:
+    """Check `cfg` against the model, tokenizer, task and (remote) sidecars; raise PreflightError."""
+    model_config = read_model_config(cfg.model)
+    tokenizer = _tokenizer(cfg, model_config)
+    task = _task(cfg, tokenizer, model_config)
+    _parallel_layout(cfg, model_config)
+    if cfg.algorithm.kl_coef > 0 and cfg.reference_model is not None:
+        reference = read_model_config(cfg.reference_model)
+        if reference != model_config:
+            raise PreflightError(
+                f"reference_model={cfg.reference_model} has a different model config than model={cfg.model}; "
+                "the KL penalty compares the two token by token: give a checkpoint of the same model"
+            )
+    problems = check_trackers(cfg.trackers)
+    if problems:
+        raise PreflightError("; ".join(problems))
+    if probe_sidecars and cfg.sidecars.addresses:
+        check_sidecars(cfg, model_config)
+    return Prepared(model_config=model_config, tokenizer=tokenizer, task=task)
+
+
+def read_model_config(path: Path) -> ModelConfig:
+    """The checkpoint's ModelConfig from config.json alone (the weights are read later, once)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise PreflightError(f"model: checkpoint directory {path} does not exist; set model=DIR (or --model)")
+    config_path = path / "config.json"
+    try:
+        raw = json.loads(config_path.read_text())
+        config = ModelConfig.from_hf_dict(raw)
+    except FileNotFoundError:
+        raise PreflightError(f"model: {config_path} is missing; a checkpoint needs config.json") from None
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
+        raise PreflightError(f"model: {config_path} is not a valid model config ({e!r})") from None
+    if not any(path.glob("*.safetensors")):
+        raise PreflightError(f"model: {path} holds no *.safetensors weights")
+    return config
+
+
+def _tokenizer(cfg: RLConfig, model: ModelConfig) -> Tokenizer:
+    try:
+        tokenizer = load_tokenizer(cfg.tokenizer)
+    except (OSError, ValueError, KeyError) as e:
+        raise PreflightError(f"tokenizer={cfg.tokenizer!r} cannot be loaded: {e}") from None
+    if tokenizer.vocab_size > model.vocab_size:
+        raise PreflightError(
+            f"tokenizer={cfg.tokenizer!r} has {tokenizer.vocab_size} tokens but the model's vocab_size is "
+            f"{model.vocab_size}: use the model's own tokenizer"
+        )
+    return tokenizer
+
+
+def _task(cfg: RLConfig, tokenizer: Tokenizer, model: ModelConfig) -> Task:
+    try:
+        task = cfg.task.build()
+    except (OSError, ValueError, TypeError) as e:
+        raise PreflightError(f"task: {e}") from None
+    rng = random.Random(cfg.seed)
+    longest = 0
+    for split in ("train", "eval"):
+        for _ in range(8):
+            try:
+                problem = task.sample(rng, split)
+            except (RuntimeError, ValueError) as e:
+                raise PreflightError(f"task: cannot draw a {split} problem ({e}); check task.eval_fraction") from None
+            longest = max(longest, len(tokenizer.encode(problem.prompt)))
+            for completion in ("", problem.answer, f"#### {problem.answer}"):
+                try:
+                    value = task.reward(problem, completion)
+                except Exception as e:  # user code: whatever it raises is reported
+                    where = f"task.reward_fn={cfg.task.reward_fn!r}" if cfg.task.reward_fn else "the task's reward"
+                    raise PreflightError(
+                        f"{where} failed on a dry call (prompt {problem.prompt[:40]!r}, completion "
+                        f"{completion[:40]!r}): {type(e).__name__}: {e}"
+                    ) from None
+                if not math.isfinite(value):
+                    raise PreflightError(f"task.reward_fn returned {value} on a dry call; return a finite float")
+    need = longest + cfg.rollout.max_new_tokens
+    if need > model.max_position_embeddings:
+        raise PreflightError(
+            f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} plus prompts of up to {longest} tokens exceeds "
+            f"the model's max_position_embeddings={model.max_position_embeddings}; lower rollout.max_new_tokens"
+        )
+    return task
+
+
+def _parallel_layout(cfg: RLConfig, model: ModelConfig) -> None:
+    tp = cfg.train.tensor_parallel
+    sizes = {
+        "num_attention_heads": model.num_attention_heads,
+        "num_key_value_heads": model.num_key_value_heads,
+        "intermediate_size": model.intermediate_size,
+        "vocab_size": model.vocab_size,
+    }
+    bad = {k: v for k, v in sizes.items() if v % tp}
+    if bad:
+        raise PreflightError(f"train.tensor_parallel={tp} must divide the model's {bad}; choose a divisor")
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() != tp:
+        raise PreflightError(
+            f"train.tensor_parallel={tp} but {dist.get_world_size()} processes: the RL loop runs tensor parallel "
+            "only (data-parallel batch sharding is not implemented); launch as many processes as "
+            "train.tensor_parallel"
+        )
+
+
+def check_sidecars(cfg: RLConfig, model: ModelConfig) -> None:
+    """Each remote sidecar answers GetInfo within sidecars.call_timeout_s and serves this model's shape."""
+    from dataclasses import replace
+
+    from sidecar.client import SidecarCallError, SidecarClient
+
+    try:  # the run's own credentials (token, TLS), so a secured sidecar answers the probe
+        client_config = replace(cfg.sidecars.security.client_config(timeout_s=cfg.sidecars.call_timeout_s), retries=0)
+    except ValueError as e:
+        raise PreflightError(str(e)) from None
+    for address in cfg.sidecars.addresses:
+        client = SidecarClient(address, client_config)
+        try:
+            info = client.info()
+        except SidecarCallError as e:
+            raise PreflightError(
+                f"sidecar {address} (sidecars.addresses) is not reachable: {e}; start it with `specrl serve` "
+                "or fix the address"
+            ) from None
+        finally:
+            client.close()
+        served = info.engine.model
+        ours = {
+            "vocab_size": model.vocab_size,
+            "hidden_size": model.hidden_size,
+            "num_layers": model.num_hidden_layers,
+            "num_mtp_layers": model.num_nextn_predict_layers,
+        }
+        theirs = {k: getattr(served, k) for k in ours}
+        if theirs != ours:
+            raise PreflightError(
+                f"sidecar {address} serves a different model shape {theirs} than model={cfg.model} {ours}; "
+                "serve the run's checkpoint there"
+            )
