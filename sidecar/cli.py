@@ -177,6 +177,14 @@ _D = ServeConfig()
     "weights make this sidecar join its torch.distributed group.",
 )
 @click.option(
+    "--weight-deltas/--no-weight-deltas",
+    default=_D.weight_deltas,
+    show_default=True,
+    help="Accept sparse delta weight pushes (weights.proto, 'Sparse deltas'). Keeps the last push's tensors "
+    "as the base to rebuild from: no extra memory with --keep-staging (the base is the kept staging), "
+    "else ~1x the model in host memory.",
+)
+@click.option(
     "--sglang-arg",
     "sglang_args",
     multiple=True,
@@ -272,7 +280,9 @@ def run_sidecar(cfg: ServeConfig, token: str | None = None) -> None:
             metrics_port=cfg.metrics_port,
             metrics_host=host,
             keep_staging=cfg.keep_staging and engine == "torch",
-            data_planes=DataPlaneConfig(shm="shm" in offered, collective="collective" in offered),
+            data_planes=DataPlaneConfig(
+                shm="shm" in offered, collective="collective" in offered, deltas=cfg.weight_deltas
+            ),
             shutdown_grace_s=grace,
         )
     except ValueError as e:

@@ -26,6 +26,11 @@ class StaleVersionError(SpecrlError, ValueError):
     """A weight version that is not newer than the served one (FAILED_PRECONDITION)."""
 
 
+class DeltaBaseError(SpecrlError, ValueError):
+    """A delta push whose base is not what the sidecar serves or holds (FAILED_PRECONDITION):
+    nothing applied; the sender pushes the full tensors instead."""
+
+
 class CheckpointError(SpecrlError, ValueError):
     """A checkpoint directory that cannot be loaded (missing or malformed files)."""
 

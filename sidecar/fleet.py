@@ -240,6 +240,9 @@ class Fleet:
         return [c.address for c in self.clients if c.address in self._down]
 
     def _mark_down(self, client: SidecarClient, why: str, events: list[str]) -> None:
+        base = getattr(client, "delta_base", None)  # (test doubles of a client have none)
+        if base is not None:
+            base.forget()  # it may come back with other weights: its rejoin push goes in full
         if client.address not in self._down:
             self._down.add(client.address)
             self._next_probe[client.address] = time.monotonic() + self.config.probe_interval_s

@@ -47,6 +47,10 @@ class ServeConfig:
     """Weight data planes offered besides the gRPC stream (comma-separated: shm, collective; ''
     for grpc only). A client proves shm (same host) before using it; collective lets a client that
     may push weights make this sidecar join its torch.distributed group."""
+    weight_deltas: bool = True
+    """Accept sparse delta weight pushes (weights.proto, "Sparse deltas"). The last push's tensors
+    stay as the base to rebuild from: no extra memory with keep_staging (the base is the kept
+    staging), else ~1x the model in host memory."""
     sglang_args: tuple[str, ...] = ()
     """Extra SGLang `ServerArgs` keywords as KEY=VALUE (engine sglang; VALUE parsed as JSON when
     it can be), e.g. mem_fraction_static=0.5."""

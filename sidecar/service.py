@@ -52,6 +52,7 @@ _STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (errors.UnknownTensorError, grpc.StatusCode.NOT_FOUND),
     (errors.WeightMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.StaleVersionError, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.DeltaBaseError, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.ServedVersionTooOldError, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (errors.OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -253,7 +254,9 @@ class WeightService(services.WeightServicer):
                     specs = [replace(s, crc32=crcs[s.name]) for s in specs]
         except Exception as e:
             await _abort(context, e)
-        return convert.describe_weights_to_pb(specs, version, self._receiver.data_planes.offered)
+        return convert.describe_weights_to_pb(
+            specs, version, self._receiver.data_planes.offered, accepts_deltas=self._receiver.data_planes.deltas
+        )
 
     async def PrepareTransport(
         self, request: weights_pb2.PrepareTransportRequest, context: grpc.aio.ServicerContext

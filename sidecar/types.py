@@ -259,6 +259,26 @@ class Sample:
     counters: SpeculationCounters = field(default_factory=SpeculationCounters)
 
 
+class DeltaEncoding(enum.IntEnum):
+    """How a sparse delta names its changed positions (sidecar.weight_sync.delta)."""
+
+    INDEX = 1
+    BITMASK = 2
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class TensorDelta:
+    """A manifest tensor sent as a sparse delta against the push's base version."""
+
+    encoding: DeltaEncoding
+    changed: int
+    """Number of elements whose bit pattern changed."""
+    payload_length: int
+    """Bytes of the payload on the data plane (instead of the tensor's byte_length)."""
+    payload_crc32: int = 0
+    """CRC-32 of the payload bytes."""
+
+
 @dataclass(kw_only=True, slots=True)
 class TensorSpec:
     """A named tensor's layout, as a weight push announces it."""
@@ -267,7 +287,15 @@ class TensorSpec:
     dtype: torch.dtype
     shape: tuple[int, ...]
     crc32: int = 0
-    """CRC-32 (zlib) of the tensor's C-contiguous little-endian bytes; 0 when unknown."""
+    """CRC-32 (zlib) of the tensor's C-contiguous little-endian bytes; 0 when unknown. For a
+    delta: of the reconstructed tensor, required."""
+    delta: TensorDelta | None = None
+    """Set when the bytes on the data plane are a sparse delta (see WeightManifest.base_version)."""
+
+    @property
+    def wire_length(self) -> int:
+        """Bytes of this tensor on the data plane: the delta payload's, or the whole tensor's."""
+        return self.delta.payload_length if self.delta is not None else self.byte_length
 
     @property
     def byte_length(self) -> int:
@@ -411,6 +439,8 @@ class WeightManifest:
     tensors: list[TensorSpec]
     data_plane: ShmPlacement | CollectivePlacement | None = None
     """Where the bytes travel; None: WeightChunk items on the stream."""
+    base_version: int = 0
+    """The served version the push's delta tensors were computed against (0: no deltas)."""
 
     @property
     def transport(self) -> WeightTransport:

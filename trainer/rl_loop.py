@@ -112,7 +112,9 @@ def sidecar_fleet(cfg: RLConfig, run_dir: Path) -> Iterator[tuple[Fleet, LocalSi
     reached with the run's credentials (`sidecars.security`; local sidecars get its token)."""
     local = None
     client = cfg.sidecars.security.client_config(timeout_s=cfg.sidecars.call_timeout_s)
-    client = dataclasses.replace(client, transports=cfg.sidecars.weight_sync.transport_config())
+    client = dataclasses.replace(
+        client, transports=cfg.sidecars.weight_sync.transport_config(), delta_pushes=cfg.sidecars.weight_sync.deltas
+    )
     if cfg.sidecars.local:
         local = LocalSidecars(
             cfg.model,

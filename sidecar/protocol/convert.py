@@ -15,6 +15,7 @@ from sidecar.protocol.specrl.v1 import common_pb2, control_pb2, rollout_pb2, wei
 from sidecar.types import (
     CollectivePlacement,
     CollectiveRendezvous,
+    DeltaEncoding,
     EngineInfo,
     FinishReason,
     GenerationRequest,
@@ -36,6 +37,7 @@ from sidecar.types import (
     SidecarStats,
     SpeculationCounters,
     SpeculationStatus,
+    TensorDelta,
     TensorSpec,
     VersionStats,
     WeightChunk,
@@ -285,13 +287,47 @@ def tensor_spec_to_pb(spec: TensorSpec) -> weights_pb2.TensorSpec:
         shape=list(spec.shape),
         byte_length=spec.byte_length,
         crc32=spec.crc32,
+        delta=delta_to_pb(spec.delta) if spec.delta is not None else None,
+    )
+
+
+_DELTA_ENCODING_TO_PB = {
+    DeltaEncoding.INDEX: weights_pb2.DELTA_ENCODING_INDEX,
+    DeltaEncoding.BITMASK: weights_pb2.DELTA_ENCODING_BITMASK,
+}
+
+
+def delta_to_pb(delta: TensorDelta) -> weights_pb2.TensorDelta:
+    return weights_pb2.TensorDelta(
+        encoding=_DELTA_ENCODING_TO_PB[delta.encoding],
+        changed=delta.changed,
+        payload_length=delta.payload_length,
+        payload_crc32=delta.payload_crc32,
+    )
+
+
+def delta_from_pb(name: str, msg: weights_pb2.TensorDelta) -> TensorDelta:
+    try:
+        encoding = DeltaEncoding(msg.encoding)
+    except ValueError:
+        raise InvalidRequestError(
+            f"tensor {name!r}: delta encoding {msg.encoding} is not INDEX (1) or BITMASK (2)"
+        ) from None
+    return TensorDelta(
+        encoding=encoding, changed=msg.changed, payload_length=msg.payload_length, payload_crc32=msg.payload_crc32
     )
 
 
 def tensor_spec_from_pb(msg: weights_pb2.TensorSpec) -> TensorSpec:
     if not msg.name:
         raise InvalidRequestError("a manifest tensor has an empty name; name every tensor")
-    spec = TensorSpec(name=msg.name, dtype=dtype_from_pb(msg.dtype), shape=tuple(msg.shape), crc32=msg.crc32)
+    spec = TensorSpec(
+        name=msg.name,
+        dtype=dtype_from_pb(msg.dtype),
+        shape=tuple(msg.shape),
+        crc32=msg.crc32,
+        delta=delta_from_pb(msg.name, msg.delta) if msg.HasField("delta") else None,
+    )
     if spec.byte_length != msg.byte_length:
         raise InvalidRequestError(
             f"tensor {msg.name!r}: byte_length {msg.byte_length} does not match shape {list(msg.shape)} "
@@ -305,6 +341,7 @@ def manifest_to_pb(manifest: WeightManifest) -> weights_pb2.WeightManifest:
         version=manifest.version,
         selector=selector_to_pb(manifest.selector),
         tensors=[tensor_spec_to_pb(t) for t in manifest.tensors],
+        base_version=manifest.base_version,
     )
     where = manifest.data_plane
     if isinstance(where, ShmPlacement):
@@ -331,6 +368,7 @@ def manifest_from_pb(m: weights_pb2.WeightManifest) -> WeightManifest:
         selector=selector_from_pb(m.selector),
         tensors=[tensor_spec_from_pb(t) for t in m.tensors],
         data_plane=data_plane,
+        base_version=m.base_version,
     )
 
 
@@ -465,12 +503,16 @@ def push_result_from_pb(msg: weights_pb2.PushWeightsResponse) -> PushResult:
 
 
 def describe_weights_to_pb(
-    specs: list[TensorSpec], weight_version: int, transports: list[WeightTransport] | None = None
+    specs: list[TensorSpec],
+    weight_version: int,
+    transports: list[WeightTransport] | None = None,
+    accepts_deltas: bool = False,
 ) -> weights_pb2.DescribeWeightsResponse:
     return weights_pb2.DescribeWeightsResponse(
         tensors=[tensor_spec_to_pb(s) for s in specs],  # crc32: 0 unless the served values were checksummed
         weight_version=weight_version,
         transports=[transport_to_pb(t) for t in transports or [WeightTransport.GRPC]],
+        accepts_deltas=accepts_deltas,
     )
 
 

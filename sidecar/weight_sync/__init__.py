@@ -11,5 +11,7 @@ Follow one tensor, in one direction:
    each tensor into a buffer of its final dtype and shape and verifies its CRC-32 (`checksum`).
 5. `sidecar.scheduler.Scheduler.apply_weights` swaps the verified tensors into the engine at a
    step boundary (`Engine.update_weights`).
+`delta` holds sparse deltas (a tensor's changed served-dtype elements against the sidecar's
+served version: `plan_push` on the sender, `apply_delta` in the receiver's staging).
 `memory` holds the allocator tuning a receiving process uses; `tensors` the byte view of a tensor.
 """

@@ -42,7 +42,7 @@ def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int) -> list[list[in
     current: list[int] = []
     size = 0
     for i, spec in enumerate(specs):
-        n = spec.byte_length
+        n = spec.wire_length
         if current and size + n > bucket_bytes:
             buckets.append(current)
             current, size = [], 0

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from sidecar.errors import (
+    DeltaBaseError,
     InvalidRequestError,
     PushCancelledError,
     PushInProgressError,
@@ -60,6 +61,7 @@ from sidecar.types import (
 )
 from sidecar.weight_sync import collective, shm
 from sidecar.weight_sync.checksum import crc32, crc32_combine
+from sidecar.weight_sync.delta import apply_delta
 from sidecar.weight_sync.shm import DEFAULT_PROC_DIR
 from sidecar.weight_sync.tensors import tensor_bytes
 
@@ -78,6 +80,9 @@ class DataPlaneConfig:
     play a sidecar on another host)."""
     collective: bool = True
     """Offer `collective` (join a torch.distributed group a sender sets up)."""
+    deltas: bool = True
+    """Accept sparse delta tensors (whatever the plane): the receiver keeps the tensors of the
+    last applied push as the base to rebuild from, ~1x the model in host memory."""
 
     def __post_init__(self) -> None:
         self.proc_dir = Path(self.proc_dir)
@@ -119,7 +124,10 @@ class _StagedTensor:
 
     def bytes_view(self) -> np.ndarray:
         if self.buffer is None:
-            self.buffer = torch.empty(self.spec.shape, dtype=self.spec.dtype)
+            if self.spec.delta is not None:  # the payload; the tensor is rebuilt at the commit
+                self.buffer = torch.empty(self.spec.wire_length, dtype=torch.uint8)
+            else:
+                self.buffer = torch.empty(self.spec.shape, dtype=self.spec.dtype)
         if self.view is None:
             self.view = tensor_bytes(self.buffer)
         return self.view
@@ -129,8 +137,9 @@ class _StagedTensor:
         self.received += len(data)
 
     def finished(self) -> torch.Tensor:
-        if self.buffer is None:  # a zero-byte tensor gets no bytes
-            self.buffer = torch.empty(self.spec.shape, dtype=self.spec.dtype)
+        if self.buffer is None:  # a zero-byte tensor (or payload) gets no bytes
+            self.bytes_view()
+        assert self.buffer is not None
         return self.buffer
 
 
@@ -167,6 +176,10 @@ class WeightReceiver:
         self._keep_staging = keep_staging
         self._kept: dict[str, torch.Tensor] = {}
         self.data_planes = data_planes or DataPlaneConfig()
+        # The tensors of the last applied push and the version it made served: what a delta
+        # is rebuilt from (only while that version is still the served one).
+        self._base: dict[str, torch.Tensor] = {}
+        self._base_version = 0
         self.groups = collective.GroupRegistry()
 
     # --- data planes ------------------------------------------------------------------------
@@ -228,7 +241,7 @@ class WeightReceiver:
         bytes_received = 0
         commit: WeightCommit | None = None
         # Bound the loop: one-byte chunks, a commit and one stray message at worst.
-        max_items = sum(t.spec.byte_length for t in staged) + len(staged) + 2
+        max_items = sum(t.spec.wire_length for t in staged) + len(staged) + 2
         # Checksumming and copying (which release the GIL) run on a staging thread while this
         # one waits for the next message; at most _IN_FLIGHT pieces are held at a time.
         in_flight: collections.deque[Future[None]] = collections.deque()
@@ -278,9 +291,9 @@ class WeightReceiver:
                 f"the commit counts {commit.chunk_count} chunks but {chunk_count} arrived; chunks were lost, push again"
             )
         for i, t in enumerate(staged):
-            if t.received != t.spec.byte_length:
+            if t.received != t.spec.wire_length:
                 raise InvalidRequestError(
-                    f"tensor {i} {t.spec.name!r} got {t.received} of {t.spec.byte_length} bytes at the commit; "
+                    f"tensor {i} {t.spec.name!r} got {t.received} of {t.spec.wire_length} bytes at the commit; "
                     "send every byte of every manifest tensor"
                 )
             if t.spec.byte_length == 0 and t.spec.crc32 != 0:
@@ -288,11 +301,51 @@ class WeightReceiver:
         return StagedWeights(
             version=first.version,
             selector=first.selector,
-            tensors={t.spec.name: t.finished() for t in staged},
+            tensors={t.spec.name: self._rebuilt(t) for t in staged},
             bytes_received=bytes_received,
             receive_seconds=time.perf_counter() - started,
             transport=first.transport,
         )
+
+    def _rebuilt(self, t: _StagedTensor) -> torch.Tensor:
+        """A full tensor's staging buffer; a delta's tensor rebuilt from the base, bit-exact
+        against the manifest's CRC-32 of the reconstructed tensor or refused."""
+        if t.spec.delta is None:
+            return t.finished()
+        rebuilt = apply_delta(self._base[t.spec.name], t.spec.delta, t.bytes_view(), t.spec.name)
+        got = crc32(tensor_bytes(rebuilt)) if rebuilt.numel() else 0
+        if got != t.spec.crc32:
+            raise DeltaBaseError(
+                f"tensor {t.spec.name!r} rebuilt from its delta has CRC-32 {got:#010x}, not the manifest's "
+                f"{t.spec.crc32:#010x}: the delta or the base it was computed on differs from this sidecar's; "
+                "nothing applied, push the full tensors"
+            )
+        return rebuilt
+
+    def _check_deltas(self, manifest: WeightManifest, served: int) -> None:
+        """DeltaBaseError unless every delta tensor can be rebuilt from a base this sidecar holds
+        for exactly the manifest's base_version, which must be the served version."""
+        deltas = [s for s in manifest.tensors if s.delta is not None]
+        if not deltas:
+            return
+        if not self.data_planes.deltas:
+            raise DeltaBaseError("this sidecar does not accept delta tensors; push the full tensors")
+        if manifest.base_version != served:
+            raise DeltaBaseError(
+                f"the deltas were computed against version {manifest.base_version} but this sidecar serves "
+                f"version {served}; nothing applied, push the full tensors"
+            )
+        if self._base_version != served:
+            raise DeltaBaseError(
+                f"this sidecar holds no base for version {served} (it serves weights it did not receive as a push "
+                "since it started); push the full tensors"
+            )
+        for s in deltas:
+            base = self._base.get(s.name)
+            if base is None or base.dtype != s.dtype or tuple(base.shape) != tuple(s.shape):
+                raise DeltaBaseError(
+                    f"this sidecar holds no base of tensor {s.name!r} for version {served}; push it in full"
+                )
 
     def _open_plane(self, manifest: WeightManifest, staged: list[_StagedTensor]) -> _Plane:
         where = manifest.data_plane
@@ -347,13 +400,28 @@ class WeightReceiver:
                 f"the manifest lacks {len(missing)} tensor(s) of the {manifest.selector.name} selector: {shown}; "
                 "a push must replace the whole selected part"
             )
+        self._check_deltas(manifest, served)
         kept, self._kept = self._kept, {}
-        return [_StagedTensor(s, _reusable(kept.pop(s.name, None), s)) for s in manifest.tensors]
+        if kept and self._base:
+            # The kept staging buffers are the base's tensors, and full tensors are about to be
+            # received into them: the base (but for this push's delta tensors, rebuilt into
+            # fresh memory first) is void until `keep` takes the applied push as the new one.
+            self._base = {s.name: self._base[s.name] for s in manifest.tensors if s.delta is not None}
+            self._base_version = -1
+        return [
+            _StagedTensor(s, None if s.delta is not None else _reusable(kept.pop(s.name, None), s))
+            for s in manifest.tensors
+        ]
 
     def keep(self, staged: StagedWeights) -> None:
-        """Take an applied push's tensors back for the next push (a no-op unless keep_staging)."""
+        """After an applied push: keep its tensors as the base of later deltas (when deltas are
+        accepted) and, with keep_staging, as the next push's staging buffers (that push voids
+        the base it receives full tensors into; see `_check_manifest`)."""
+        if self.data_planes.deltas:
+            self._base.update(staged.tensors)
+            self._base_version = staged.version
         if self._keep_staging:
-            self._kept = dict(staged.tensors)
+            self._kept = dict(self._base) if self.data_planes.deltas else dict(staged.tensors)
 
 
 # --- data planes, receiving side ------------------------------------------------------------
@@ -418,9 +486,9 @@ class _PlacedPlane(_Plane):
                     f"placed message {number} goes beyond the {len(self.staged)} manifest tensors"
                 )
             t = self.staged[p.tensor_index]
-            if p.byte_length != t.spec.byte_length:
+            if p.byte_length != t.spec.wire_length:
                 raise InvalidRequestError(
-                    f"placed tensor {t.spec.name!r} has byte_length {p.byte_length}, the manifest {t.spec.byte_length}"
+                    f"placed tensor {t.spec.name!r} has byte_length {p.byte_length}, the manifest {t.spec.wire_length}"
                 )
             self.check_arrived(p.tensor_index, number)
             self.next_tensor += 1
@@ -505,7 +573,7 @@ class _CollectivePlane(_PlacedPlane):
 def receive_bucket(group: collective.CollectiveGroup, bucket: list[_StagedTensor], what: str) -> None:
     """Receive one bucket's broadcast into the staging buffers: a lone tensor straight into its
     buffer (CPU groups), several through one packed buffer."""
-    total = sum(t.spec.byte_length for t in bucket)
+    total = sum(t.spec.wire_length for t in bucket)
     if total == 0:
         return
     device = group.device
@@ -517,7 +585,7 @@ def receive_bucket(group: collective.CollectiveGroup, bucket: list[_StagedTensor
     host = packed.cpu().numpy()
     at = 0
     for t in bucket:
-        n = t.spec.byte_length
+        n = t.spec.wire_length
         if n:
             t.bytes_view()[:] = host[at : at + n]
         at += n
@@ -543,13 +611,13 @@ def _accept_chunk(staged: list[_StagedTensor], chunk: WeightChunk, number: int) 
             f"chunk {number} of tensor {t.spec.name!r} starts at byte {chunk.offset} but {t.scheduled} bytes "
             "were received so far; send each tensor's chunks in order"
         )
-    if t.scheduled + len(chunk.data) > t.spec.byte_length:
+    if t.scheduled + len(chunk.data) > t.spec.wire_length:
         raise InvalidRequestError(
             f"chunk {number} runs past the end of tensor {t.spec.name!r} "
-            f"({t.scheduled} + {len(chunk.data)} > {t.spec.byte_length} bytes)"
+            f"({t.scheduled} + {len(chunk.data)} > {t.spec.wire_length} bytes)"
         )
     t.scheduled += len(chunk.data)
-    if chunk.tensor_crc32 is not None and t.scheduled != t.spec.byte_length:
+    if chunk.tensor_crc32 is not None and t.scheduled != t.spec.wire_length:
         raise InvalidRequestError(
             f"chunk {number} carries tensor_crc32 but is not the last chunk of tensor {t.spec.name!r}"
         )
@@ -566,8 +634,11 @@ def _verify_and_copy(t: _StagedTensor, chunk: WeightChunk, number: int) -> None:
         )
     t.write(chunk.offset, chunk.data)
     t.crc = crc32_combine(t.crc, crc, len(chunk.data))
-    if t.received == t.spec.byte_length:
-        want = chunk.tensor_crc32 if chunk.tensor_crc32 is not None else t.spec.crc32
+    if t.received == t.spec.wire_length:
+        if chunk.tensor_crc32 is not None:
+            want = chunk.tensor_crc32
+        else:
+            want = t.spec.delta.payload_crc32 if t.spec.delta is not None else t.spec.crc32
         if t.crc != want:
             raise InvalidRequestError(
                 f"tensor {t.spec.name!r} has CRC-32 {t.crc:#010x} but was announced with {want:#010x}; "

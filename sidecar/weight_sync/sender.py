@@ -61,7 +61,7 @@ class ShmSender:
         offsets, total = [], 0
         for s in specs:
             offsets.append(total)
-            total += s.byte_length
+            total += s.wire_length
         self.region.ensure(total)
         batch: list[PlacedTensor] = []
         size = 0
@@ -135,6 +135,7 @@ def iter_push_requests(
     *,
     specs: Sequence[TensorSpec] | None = None,
     data_plane: DataPlaneSender | None = None,
+    base_version: int = 0,
 ) -> Iterator[PushItem]:
     """The items of one push: manifest, the bytes (chunks, or placed tensors on `data_plane`),
     commit.
@@ -142,6 +143,8 @@ def iter_push_requests(
     `named_tensors` is a mapping (a state dict) or an iterable of (name, tensor) pairs consumed
     lazily, one tensor in memory at a time; an iterable needs `specs` (the manifest, in the
     order the tensors will come; `SidecarClient.describe_weights` gives it).
+    A spec with `delta` set (`delta.plan_push`) takes its payload (a flat uint8 tensor) in place
+    of the tensor, and `base_version` names the version the deltas were computed against.
     """
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
@@ -158,12 +161,24 @@ def iter_push_requests(
             "streaming an iterable of tensors needs specs= (the manifest, e.g. from describe_weights); "
             "or pass a mapping of name to tensor"
         )
-    manifest_specs = [TensorSpec(name=s.name, dtype=s.dtype, shape=tuple(s.shape)) for s in specs]
+    manifest_specs = [
+        TensorSpec(
+            name=s.name,
+            dtype=s.dtype,
+            shape=tuple(s.shape),
+            crc32=s.crc32 if s.delta is not None else 0,  # a delta's: of the reconstructed tensor
+            delta=s.delta,
+        )
+        for s in specs
+    ]
+    if base_version == 0 and any(s.delta is not None for s in manifest_specs):
+        raise ValueError("a push with delta tensors needs base_version= (the version they were computed against)")
     yield WeightManifest(
         version=version,
         selector=selector,
         tensors=manifest_specs,
         data_plane=data_plane.placement if data_plane is not None else None,
+        base_version=base_version,
     )
     checked = _checked(pairs, manifest_specs)
     body = _chunks(checked, chunk_bytes) if data_plane is None else data_plane.place(checked, manifest_specs)
@@ -184,10 +199,11 @@ def _checked(
         if index >= len(specs):
             raise ValueError(f"tensor {name!r} is beyond the {len(specs)} tensors of the manifest")
         spec = specs[index]
-        if name != spec.name or tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
+        dtype, shape = (torch.uint8, (spec.wire_length,)) if spec.delta is not None else (spec.dtype, spec.shape)
+        if name != spec.name or tensor.dtype != dtype or tuple(tensor.shape) != shape:
             raise ValueError(
                 f"tensor {index} is {name!r} {tensor.dtype} {list(tensor.shape)} but the manifest announced "
-                f"{spec.name!r} {spec.dtype} {list(spec.shape)}"
+                f"{spec.name!r} {dtype} {list(shape)}"
             )
         yield index, tensor
     if index + 1 != len(specs):

@@ -25,49 +25,53 @@ _sym_db = _symbol_database.Default()
 from sidecar.protocol.specrl.v1 import common_pb2 as specrl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specrl/v1/weights.proto\x12\tspecrl.v1\x1a\x16specrl/v1/common.proto\"\x1e\n\x0cShmPlacement\x12\x0e\n\x06region\x18\x01 \x01(\t\"=\n\x13\x43ollectivePlacement\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62ucket_bytes\x18\x02 \x01(\x04\"X\n\x0cPlacedTensor\x12\x14\n\x0ctensor_index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x13\n\x0b\x62yte_length\x18\x03 \x01(\x04\x12\r\n\x05\x63rc32\x18\x04 \x01(\x07\"8\n\x0cWeightPlaced\x12(\n\x07tensors\x18\x01 \x03(\x0b\x32\x17.specrl.v1.PlacedTensor\"\x1a\n\x08ShmProbe\x12\x0e\n\x06region\x18\x01 \x01(\t\"\x90\x01\n\x14\x43ollectiveRendezvous\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x0c\n\x04port\x18\x04 \x01(\r\x12\x0c\n\x04rank\x18\x05 \x01(\r\x12\x12\n\nworld_size\x18\x06 \x01(\r\x12\x17\n\x0ftimeout_seconds\x18\x07 \x01(\x01\"\x81\x01\n\x17PrepareTransportRequest\x12\"\n\x03shm\x18\x01 \x01(\x0b\x32\x13.specrl.v1.ShmProbeH\x00\x12\x35\n\ncollective\x18\x02 \x01(\x0b\x32\x1f.specrl.v1.CollectiveRendezvousH\x00\x42\x0b\n\ttransport\"?\n\x18PrepareTransportResponse\x12\x11\n\tshm_nonce\x18\x01 \x01(\x0c\x12\x10\n\x08group_id\x18\x02 \x01(\t\"n\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1f\n\x05\x64type\x18\x02 \x01(\x0e\x32\x10.specrl.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x13\n\x0b\x62yte_length\x18\x04 \x01(\x04\x12\r\n\x05\x63rc32\x18\x05 \x01(\x07\"\xe2\x01\n\x0eWeightManifest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12+\n\x08selector\x18\x02 \x01(\x0e\x32\x19.specrl.v1.WeightSelector\x12&\n\x07tensors\x18\x03 \x03(\x0b\x32\x15.specrl.v1.TensorSpec\x12&\n\x03shm\x18\x04 \x01(\x0b\x32\x17.specrl.v1.ShmPlacementH\x00\x12\x34\n\ncollective\x18\x05 \x01(\x0b\x32\x1e.specrl.v1.CollectivePlacementH\x00\x42\x0c\n\ndata_plane\"|\n\x0bWeightChunk\x12\x14\n\x0ctensor_index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x04 \x01(\x07\x12\x19\n\x0ctensor_crc32\x18\x05 \x01(\x07H\x00\x88\x01\x01\x42\x0f\n\r_tensor_crc32\"#\n\x0cWeightCommit\x12\x13\n\x0b\x63hunk_count\x18\x01 \x01(\x04\"\xca\x01\n\x12PushWeightsRequest\x12-\n\x08manifest\x18\x01 \x01(\x0b\x32\x19.specrl.v1.WeightManifestH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.specrl.v1.WeightChunkH\x00\x12)\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x17.specrl.v1.WeightCommitH\x00\x12)\n\x06placed\x18\x04 \x01(\x0b\x32\x17.specrl.v1.WeightPlacedH\x00\x42\x06\n\x04item\"\xd0\x01\n\x13PushWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x18\n\x10previous_version\x18\x02 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x03 \x01(\x04\x12\x17\n\x0ftensors_updated\x18\x04 \x01(\r\x12\x17\n\x0freceive_seconds\x18\x05 \x01(\x01\x12\x15\n\rapply_seconds\x18\x06 \x01(\x01\x12-\n\ttransport\x18\x07 \x01(\x0e\x32\x1a.specrl.v1.WeightTransport\"`\n\x16\x44\x65scribeWeightsRequest\x12+\n\x08selector\x18\x01 \x01(\x0e\x32\x19.specrl.v1.WeightSelector\x12\x19\n\x11include_checksums\x18\x02 \x01(\x08\"\x89\x01\n\x17\x44\x65scribeWeightsResponse\x12&\n\x07tensors\x18\x01 \x03(\x0b\x32\x15.specrl.v1.TensorSpec\x12\x16\n\x0eweight_version\x18\x02 \x01(\x04\x12.\n\ntransports\x18\x03 \x03(\x0e\x32\x1a.specrl.v1.WeightTransport*\x89\x01\n\x0fWeightTransport\x12 \n\x1cWEIGHT_TRANSPORT_UNSPECIFIED\x10\x00\x12\x19\n\x15WEIGHT_TRANSPORT_GRPC\x10\x01\x12\x18\n\x14WEIGHT_TRANSPORT_SHM\x10\x02\x12\x1f\n\x1bWEIGHT_TRANSPORT_COLLECTIVE\x10\x03*\\\n\x05\x44Type\x12\x16\n\x12\x44_TYPE_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x44_TYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44_TYPE_FLOAT16\x10\x02\x12\x13\n\x0f\x44_TYPE_BFLOAT16\x10\x03\x32\x96\x02\n\rWeightService\x12N\n\x0bPushWeights\x12\x1d.specrl.v1.PushWeightsRequest\x1a\x1e.specrl.v1.PushWeightsResponse(\x01\x12X\n\x0f\x44\x65scribeWeights\x12!.specrl.v1.DescribeWeightsRequest\x1a\".specrl.v1.DescribeWeightsResponse\x12[\n\x10PrepareTransport\x12\".specrl.v1.PrepareTransportRequest\x1a#.specrl.v1.PrepareTransportResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specrl/v1/weights.proto\x12\tspecrl.v1\x1a\x16specrl/v1/common.proto\"y\n\x0bTensorDelta\x12*\n\x08\x65ncoding\x18\x01 \x01(\x0e\x32\x18.specrl.v1.DeltaEncoding\x12\x0f\n\x07\x63hanged\x18\x02 \x01(\x04\x12\x16\n\x0epayload_length\x18\x03 \x01(\x04\x12\x15\n\rpayload_crc32\x18\x04 \x01(\x07\"\x1e\n\x0cShmPlacement\x12\x0e\n\x06region\x18\x01 \x01(\t\"=\n\x13\x43ollectivePlacement\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62ucket_bytes\x18\x02 \x01(\x04\"X\n\x0cPlacedTensor\x12\x14\n\x0ctensor_index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x13\n\x0b\x62yte_length\x18\x03 \x01(\x04\x12\r\n\x05\x63rc32\x18\x04 \x01(\x07\"8\n\x0cWeightPlaced\x12(\n\x07tensors\x18\x01 \x03(\x0b\x32\x17.specrl.v1.PlacedTensor\"\x1a\n\x08ShmProbe\x12\x0e\n\x06region\x18\x01 \x01(\t\"\x90\x01\n\x14\x43ollectiveRendezvous\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x0c\n\x04port\x18\x04 \x01(\r\x12\x0c\n\x04rank\x18\x05 \x01(\r\x12\x12\n\nworld_size\x18\x06 \x01(\r\x12\x17\n\x0ftimeout_seconds\x18\x07 \x01(\x01\"\x81\x01\n\x17PrepareTransportRequest\x12\"\n\x03shm\x18\x01 \x01(\x0b\x32\x13.specrl.v1.ShmProbeH\x00\x12\x35\n\ncollective\x18\x02 \x01(\x0b\x32\x1f.specrl.v1.CollectiveRendezvousH\x00\x42\x0b\n\ttransport\"?\n\x18PrepareTransportResponse\x12\x11\n\tshm_nonce\x18\x01 \x01(\x0c\x12\x10\n\x08group_id\x18\x02 \x01(\t\"\x95\x01\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1f\n\x05\x64type\x18\x02 \x01(\x0e\x32\x10.specrl.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x13\n\x0b\x62yte_length\x18\x04 \x01(\x04\x12\r\n\x05\x63rc32\x18\x05 \x01(\x07\x12%\n\x05\x64\x65lta\x18\x06 \x01(\x0b\x32\x16.specrl.v1.TensorDelta\"\xf8\x01\n\x0eWeightManifest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12+\n\x08selector\x18\x02 \x01(\x0e\x32\x19.specrl.v1.WeightSelector\x12&\n\x07tensors\x18\x03 \x03(\x0b\x32\x15.specrl.v1.TensorSpec\x12&\n\x03shm\x18\x04 \x01(\x0b\x32\x17.specrl.v1.ShmPlacementH\x00\x12\x34\n\ncollective\x18\x05 \x01(\x0b\x32\x1e.specrl.v1.CollectivePlacementH\x00\x12\x14\n\x0c\x62\x61se_version\x18\x06 \x01(\x04\x42\x0c\n\ndata_plane\"|\n\x0bWeightChunk\x12\x14\n\x0ctensor_index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x04 \x01(\x07\x12\x19\n\x0ctensor_crc32\x18\x05 \x01(\x07H\x00\x88\x01\x01\x42\x0f\n\r_tensor_crc32\"#\n\x0cWeightCommit\x12\x13\n\x0b\x63hunk_count\x18\x01 \x01(\x04\"\xca\x01\n\x12PushWeightsRequest\x12-\n\x08manifest\x18\x01 \x01(\x0b\x32\x19.specrl.v1.WeightManifestH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.specrl.v1.WeightChunkH\x00\x12)\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x17.specrl.v1.WeightCommitH\x00\x12)\n\x06placed\x18\x04 \x01(\x0b\x32\x17.specrl.v1.WeightPlacedH\x00\x42\x06\n\x04item\"\xd0\x01\n\x13PushWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x18\n\x10previous_version\x18\x02 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x03 \x01(\x04\x12\x17\n\x0ftensors_updated\x18\x04 \x01(\r\x12\x17\n\x0freceive_seconds\x18\x05 \x01(\x01\x12\x15\n\rapply_seconds\x18\x06 \x01(\x01\x12-\n\ttransport\x18\x07 \x01(\x0e\x32\x1a.specrl.v1.WeightTransport\"`\n\x16\x44\x65scribeWeightsRequest\x12+\n\x08selector\x18\x01 \x01(\x0e\x32\x19.specrl.v1.WeightSelector\x12\x19\n\x11include_checksums\x18\x02 \x01(\x08\"\xa1\x01\n\x17\x44\x65scribeWeightsResponse\x12&\n\x07tensors\x18\x01 \x03(\x0b\x32\x15.specrl.v1.TensorSpec\x12\x16\n\x0eweight_version\x18\x02 \x01(\x04\x12.\n\ntransports\x18\x03 \x03(\x0e\x32\x1a.specrl.v1.WeightTransport\x12\x16\n\x0e\x61\x63\x63\x65pts_deltas\x18\x04 \x01(\x08*e\n\rDeltaEncoding\x12\x1e\n\x1a\x44\x45LTA_ENCODING_UNSPECIFIED\x10\x00\x12\x18\n\x14\x44\x45LTA_ENCODING_INDEX\x10\x01\x12\x1a\n\x16\x44\x45LTA_ENCODING_BITMASK\x10\x02*\x89\x01\n\x0fWeightTransport\x12 \n\x1cWEIGHT_TRANSPORT_UNSPECIFIED\x10\x00\x12\x19\n\x15WEIGHT_TRANSPORT_GRPC\x10\x01\x12\x18\n\x14WEIGHT_TRANSPORT_SHM\x10\x02\x12\x1f\n\x1bWEIGHT_TRANSPORT_COLLECTIVE\x10\x03*\\\n\x05\x44Type\x12\x16\n\x12\x44_TYPE_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x44_TYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44_TYPE_FLOAT16\x10\x02\x12\x13\n\x0f\x44_TYPE_BFLOAT16\x10\x03\x32\x96\x02\n\rWeightService\x12N\n\x0bPushWeights\x12\x1d.specrl.v1.PushWeightsRequest\x1a\x1e.specrl.v1.PushWeightsResponse(\x01\x12X\n\x0f\x44\x65scribeWeights\x12!.specrl.v1.DescribeWeightsRequest\x1a\".specrl.v1.DescribeWeightsResponse\x12[\n\x10PrepareTransport\x12\".specrl.v1.PrepareTransportRequest\x1a#.specrl.v1.PrepareTransportResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specrl.v1.weights_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WEIGHTTRANSPORT']._serialized_start=1836
-  _globals['_WEIGHTTRANSPORT']._serialized_end=1973
-  _globals['_DTYPE']._serialized_start=1975
-  _globals['_DTYPE']._serialized_end=2067
-  _globals['_SHMPLACEMENT']._serialized_start=62
-  _globals['_SHMPLACEMENT']._serialized_end=92
-  _globals['_COLLECTIVEPLACEMENT']._serialized_start=94
-  _globals['_COLLECTIVEPLACEMENT']._serialized_end=155
-  _globals['_PLACEDTENSOR']._serialized_start=157
-  _globals['_PLACEDTENSOR']._serialized_end=245
-  _globals['_WEIGHTPLACED']._serialized_start=247
-  _globals['_WEIGHTPLACED']._serialized_end=303
-  _globals['_SHMPROBE']._serialized_start=305
-  _globals['_SHMPROBE']._serialized_end=331
-  _globals['_COLLECTIVERENDEZVOUS']._serialized_start=334
-  _globals['_COLLECTIVERENDEZVOUS']._serialized_end=478
-  _globals['_PREPARETRANSPORTREQUEST']._serialized_start=481
-  _globals['_PREPARETRANSPORTREQUEST']._serialized_end=610
-  _globals['_PREPARETRANSPORTRESPONSE']._serialized_start=612
-  _globals['_PREPARETRANSPORTRESPONSE']._serialized_end=675
-  _globals['_TENSORSPEC']._serialized_start=677
-  _globals['_TENSORSPEC']._serialized_end=787
-  _globals['_WEIGHTMANIFEST']._serialized_start=790
-  _globals['_WEIGHTMANIFEST']._serialized_end=1016
-  _globals['_WEIGHTCHUNK']._serialized_start=1018
-  _globals['_WEIGHTCHUNK']._serialized_end=1142
-  _globals['_WEIGHTCOMMIT']._serialized_start=1144
-  _globals['_WEIGHTCOMMIT']._serialized_end=1179
-  _globals['_PUSHWEIGHTSREQUEST']._serialized_start=1182
-  _globals['_PUSHWEIGHTSREQUEST']._serialized_end=1384
-  _globals['_PUSHWEIGHTSRESPONSE']._serialized_start=1387
-  _globals['_PUSHWEIGHTSRESPONSE']._serialized_end=1595
-  _globals['_DESCRIBEWEIGHTSREQUEST']._serialized_start=1597
-  _globals['_DESCRIBEWEIGHTSREQUEST']._serialized_end=1693
-  _globals['_DESCRIBEWEIGHTSRESPONSE']._serialized_start=1696
-  _globals['_DESCRIBEWEIGHTSRESPONSE']._serialized_end=1833
-  _globals['_WEIGHTSERVICE']._serialized_start=2070
-  _globals['_WEIGHTSERVICE']._serialized_end=2348
+  _globals['_DELTAENCODING']._serialized_start=2044
+  _globals['_DELTAENCODING']._serialized_end=2145
+  _globals['_WEIGHTTRANSPORT']._serialized_start=2148
+  _globals['_WEIGHTTRANSPORT']._serialized_end=2285
+  _globals['_DTYPE']._serialized_start=2287
+  _globals['_DTYPE']._serialized_end=2379
+  _globals['_TENSORDELTA']._serialized_start=62
+  _globals['_TENSORDELTA']._serialized_end=183
+  _globals['_SHMPLACEMENT']._serialized_start=185
+  _globals['_SHMPLACEMENT']._serialized_end=215
+  _globals['_COLLECTIVEPLACEMENT']._serialized_start=217
+  _globals['_COLLECTIVEPLACEMENT']._serialized_end=278
+  _globals['_PLACEDTENSOR']._serialized_start=280
+  _globals['_PLACEDTENSOR']._serialized_end=368
+  _globals['_WEIGHTPLACED']._serialized_start=370
+  _globals['_WEIGHTPLACED']._serialized_end=426
+  _globals['_SHMPROBE']._serialized_start=428
+  _globals['_SHMPROBE']._serialized_end=454
+  _globals['_COLLECTIVERENDEZVOUS']._serialized_start=457
+  _globals['_COLLECTIVERENDEZVOUS']._serialized_end=601
+  _globals['_PREPARETRANSPORTREQUEST']._serialized_start=604
+  _globals['_PREPARETRANSPORTREQUEST']._serialized_end=733
+  _globals['_PREPARETRANSPORTRESPONSE']._serialized_start=735
+  _globals['_PREPARETRANSPORTRESPONSE']._serialized_end=798
+  _globals['_TENSORSPEC']._serialized_start=801
+  _globals['_TENSORSPEC']._serialized_end=950
+  _globals['_WEIGHTMANIFEST']._serialized_start=953
+  _globals['_WEIGHTMANIFEST']._serialized_end=1201
+  _globals['_WEIGHTCHUNK']._serialized_start=1203
+  _globals['_WEIGHTCHUNK']._serialized_end=1327
+  _globals['_WEIGHTCOMMIT']._serialized_start=1329
+  _globals['_WEIGHTCOMMIT']._serialized_end=1364
+  _globals['_PUSHWEIGHTSREQUEST']._serialized_start=1367
+  _globals['_PUSHWEIGHTSREQUEST']._serialized_end=1569
+  _globals['_PUSHWEIGHTSRESPONSE']._serialized_start=1572
+  _globals['_PUSHWEIGHTSRESPONSE']._serialized_end=1780
+  _globals['_DESCRIBEWEIGHTSREQUEST']._serialized_start=1782
+  _globals['_DESCRIBEWEIGHTSREQUEST']._serialized_end=1878
+  _globals['_DESCRIBEWEIGHTSRESPONSE']._serialized_start=1881
+  _globals['_DESCRIBEWEIGHTSRESPONSE']._serialized_end=2042
+  _globals['_WEIGHTSERVICE']._serialized_start=2382
+  _globals['_WEIGHTSERVICE']._serialized_end=2660
 # @@protoc_insertion_point(module_scope)

@@ -8,6 +8,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class DeltaEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DELTA_ENCODING_UNSPECIFIED: _ClassVar[DeltaEncoding]
+    DELTA_ENCODING_INDEX: _ClassVar[DeltaEncoding]
+    DELTA_ENCODING_BITMASK: _ClassVar[DeltaEncoding]
+
 class WeightTransport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     WEIGHT_TRANSPORT_UNSPECIFIED: _ClassVar[WeightTransport]
@@ -21,6 +27,9 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     D_TYPE_FLOAT32: _ClassVar[DType]
     D_TYPE_FLOAT16: _ClassVar[DType]
     D_TYPE_BFLOAT16: _ClassVar[DType]
+DELTA_ENCODING_UNSPECIFIED: DeltaEncoding
+DELTA_ENCODING_INDEX: DeltaEncoding
+DELTA_ENCODING_BITMASK: DeltaEncoding
 WEIGHT_TRANSPORT_UNSPECIFIED: WeightTransport
 WEIGHT_TRANSPORT_GRPC: WeightTransport
 WEIGHT_TRANSPORT_SHM: WeightTransport
@@ -29,6 +38,18 @@ D_TYPE_UNSPECIFIED: DType
 D_TYPE_FLOAT32: DType
 D_TYPE_FLOAT16: DType
 D_TYPE_BFLOAT16: DType
+
+class TensorDelta(_message.Message):
+    __slots__ = ("encoding", "changed", "payload_length", "payload_crc32")
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_CRC32_FIELD_NUMBER: _ClassVar[int]
+    encoding: DeltaEncoding
+    changed: int
+    payload_length: int
+    payload_crc32: int
+    def __init__(self, encoding: _Optional[_Union[DeltaEncoding, str]] = ..., changed: _Optional[int] = ..., payload_length: _Optional[int] = ..., payload_crc32: _Optional[int] = ...) -> None: ...
 
 class ShmPlacement(_message.Message):
     __slots__ = ("region",)
@@ -103,32 +124,36 @@ class PrepareTransportResponse(_message.Message):
     def __init__(self, shm_nonce: _Optional[bytes] = ..., group_id: _Optional[str] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "byte_length", "crc32")
+    __slots__ = ("name", "dtype", "shape", "byte_length", "crc32", "delta")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     BYTE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     byte_length: int
     crc32: int
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., byte_length: _Optional[int] = ..., crc32: _Optional[int] = ...) -> None: ...
+    delta: TensorDelta
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., byte_length: _Optional[int] = ..., crc32: _Optional[int] = ..., delta: _Optional[_Union[TensorDelta, _Mapping]] = ...) -> None: ...
 
 class WeightManifest(_message.Message):
-    __slots__ = ("version", "selector", "tensors", "shm", "collective")
+    __slots__ = ("version", "selector", "tensors", "shm", "collective", "base_version")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SELECTOR_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     version: int
     selector: _common_pb2.WeightSelector
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     shm: ShmPlacement
     collective: CollectivePlacement
-    def __init__(self, version: _Optional[int] = ..., selector: _Optional[_Union[_common_pb2.WeightSelector, str]] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., shm: _Optional[_Union[ShmPlacement, _Mapping]] = ..., collective: _Optional[_Union[CollectivePlacement, _Mapping]] = ...) -> None: ...
+    base_version: int
+    def __init__(self, version: _Optional[int] = ..., selector: _Optional[_Union[_common_pb2.WeightSelector, str]] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., shm: _Optional[_Union[ShmPlacement, _Mapping]] = ..., collective: _Optional[_Union[CollectivePlacement, _Mapping]] = ..., base_version: _Optional[int] = ...) -> None: ...
 
 class WeightChunk(_message.Message):
     __slots__ = ("tensor_index", "offset", "data", "crc32", "tensor_crc32")
@@ -189,11 +214,13 @@ class DescribeWeightsRequest(_message.Message):
     def __init__(self, selector: _Optional[_Union[_common_pb2.WeightSelector, str]] = ..., include_checksums: _Optional[bool] = ...) -> None: ...
 
 class DescribeWeightsResponse(_message.Message):
-    __slots__ = ("tensors", "weight_version", "transports")
+    __slots__ = ("tensors", "weight_version", "transports", "accepts_deltas")
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTS_DELTAS_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     weight_version: int
     transports: _containers.RepeatedScalarFieldContainer[WeightTransport]
-    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., weight_version: _Optional[int] = ..., transports: _Optional[_Iterable[_Union[WeightTransport, str]]] = ...) -> None: ...
+    accepts_deltas: bool
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., weight_version: _Optional[int] = ..., transports: _Optional[_Iterable[_Union[WeightTransport, str]]] = ..., accepts_deltas: _Optional[bool] = ...) -> None: ...

@@ -81,7 +81,12 @@ class WeightServiceServicer:
         NOT_FOUND            a manifest tensor name the model does not have.
         FAILED_PRECONDITION  dtype or shape differs from the model's tensor; the
         manifest lacks tensors of the selected part; the
-        version is not greater than the served version.
+        version is not greater than the served version; a
+        delta push whose base_version is not the served
+        version, names a tensor the sidecar holds no base
+        of, or whose rebuilt tensor does not match its
+        TensorSpec.crc32 (see "Sparse deltas": push the
+        full tensors).
         ABORTED              another push is in progress; retry after it ends.
         CANCELLED            the client went away mid-stream.
         UNAVAILABLE          the manifest's data plane is not offered or not

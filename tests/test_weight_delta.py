@@ -1,0 +1,488 @@
+"""Sparse delta pushes (weights.proto, "Sparse deltas"): a delta is bit-exact or refused.
+
+- the codec rebuilds exactly what was encoded and refuses malformed payloads;
+- a property test against the sender's own served-dtype copy as the oracle: random sequences of
+  sparse changes pushed as deltas give exactly the sender's tensors (sha256), receiver-level;
+- on a live sidecar, per transport: 50 consecutive delta pushes serve exactly the sender's
+  copy (sha256 of the engine's parameters), with far fewer bytes received than dense;
+- every bad input (wrong base, positions out of range / unsorted / repeated, a rebuilt tensor
+  that does not match the manifest CRC-32, a dropped or reordered part, a tensor the sidecar
+  lacks) leaves the served weights and version exactly as they were; the client then pushes
+  in full.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+
+from sidecar.client import ClientConfig, SidecarCallError, SidecarClient
+from sidecar.engine.torch_engine import TorchEngine
+from sidecar.errors import DeltaBaseError, InvalidRequestError
+from sidecar.service import Sidecar
+from sidecar.types import (
+    DeltaEncoding,
+    PushItem,
+    TensorDelta,
+    WeightChunk,
+    WeightManifest,
+    WeightSelector,
+    WeightTransport,
+)
+from sidecar.weight_sync.checksum import crc32
+from sidecar.weight_sync.delta import DeltaBase, apply_delta, encode_delta, plan_push
+from sidecar.weight_sync.negotiation import CollectiveConfig, TransportConfig
+from sidecar.weight_sync.receiver import WeightReceiver
+from sidecar.weight_sync.sender import iter_push_requests
+from sidecar.weight_sync.tensors import spec_of, tensor_bytes
+from tests.sidecar_fixtures import (
+    make_checkpoint,
+    single_torch_thread,  # noqa: F401  (a fixture, used by pytestmark)
+    start_sidecar,
+    weights,
+)
+from tests.test_weight_transports import _push_raw
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
+GLOO = CollectiveConfig(host="127.0.0.1", timeout_s=20.0, bucket_bytes=64 << 10)
+CONFIGS = {
+    WeightTransport.GRPC: TransportConfig(shm=False),
+    WeightTransport.SHM: TransportConfig(),
+    WeightTransport.COLLECTIVE: TransportConfig(shm=False, collective=GLOO),
+}
+
+
+def sha(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(tensor_bytes(tensors[name]).tobytes())
+    return h.hexdigest()
+
+
+def served(sc: Sidecar) -> tuple[int, str]:
+    engine = sc.scheduler._engine
+    assert isinstance(engine, TorchEngine)
+    return engine.weight_version, sha({n: p.detach() for n, p in engine.model.named_parameters()})
+
+
+def sparse_step(state: dict[str, torch.Tensor], gen: torch.Generator, fraction: float) -> dict[str, torch.Tensor]:
+    """A copy of `state` with about `fraction` of each tensor's elements nudged."""
+    out = {}
+    for name, t in state.items():
+        t = t.clone()
+        flat = t.view(-1)
+        n = max(1, int(flat.numel() * fraction))
+        where = torch.randint(0, flat.numel(), (n,), generator=gen)
+        flat[where] += 0.01
+        out[name] = t
+    return out
+
+
+# --- codec ------------------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    numel=st.integers(1, 300),
+    changed=st.sets(st.integers(0, 299), max_size=300),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_a_delta_rebuilds_exactly_the_new_tensor(numel: int, changed: set[int], dtype: torch.dtype, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(numel, generator=g).to(dtype)
+    new = base.clone()
+    at = torch.tensor(sorted(i for i in changed if i < numel), dtype=torch.long)
+    if at.numel():
+        new[at] = torch.randn(at.numel(), generator=g).to(dtype) + 5
+    enc = encode_delta(base, new)
+    if enc is None:  # the dense bytes are no larger: sent in full
+        return
+    encoding, n, payload = enc
+    spec = TensorDelta(encoding=encoding, changed=n, payload_length=payload.nbytes)
+    rebuilt = apply_delta(base, spec, payload, "t")
+    assert tensor_bytes(rebuilt).tobytes() == tensor_bytes(new).tobytes()
+
+
+def _index_payload(positions: list[int], values: torch.Tensor) -> tuple[TensorDelta, np.ndarray]:
+    payload = np.concatenate([np.array(positions, dtype="<u4").view(np.uint8), tensor_bytes(values.contiguous())])
+    return TensorDelta(encoding=DeltaEncoding.INDEX, changed=len(positions), payload_length=payload.nbytes), payload
+
+
+@pytest.mark.parametrize(
+    ("positions", "message"),
+    [([3, 100], "position 100"), ([5, 2], "unsorted"), ([4, 4], "repeated")],
+    ids=["out-of-range", "unsorted", "duplicated"],
+)
+def test_malformed_positions_are_refused(positions: list[int], message: str) -> None:
+    base = torch.zeros(10)
+    spec, payload = _index_payload(positions, torch.ones(len(positions)))
+    with pytest.raises(InvalidRequestError, match=message):
+        apply_delta(base, spec, payload, "t")
+
+
+def test_a_payload_of_the_wrong_length_or_a_dirty_bitmask_is_refused() -> None:
+    base = torch.zeros(10)
+    spec, payload = _index_payload([1, 2], torch.ones(2))
+    with pytest.raises(InvalidRequestError, match="bytes but INDEX"):
+        apply_delta(base, spec, payload[:-1], "t")
+    mask = np.array([0b0000_0010, 0b1000_0000], dtype=np.uint8)  # bit 15: past the 10 elements
+    bad = np.concatenate([mask, tensor_bytes(torch.ones(2))])
+    spec = TensorDelta(encoding=DeltaEncoding.BITMASK, changed=2, payload_length=bad.nbytes)
+    with pytest.raises(InvalidRequestError, match="padding bits"):
+        apply_delta(base, spec, bad, "t")
+
+
+# --- receiver-level property test (oracle: the sender's own served-dtype copy) ------------------
+
+
+def _receiver(state: dict[str, torch.Tensor], version: list[int], keep_staging: bool = False) -> WeightReceiver:
+    return WeightReceiver(
+        model_specs=lambda _sel: [spec_of(n, t) for n, t in state.items()],
+        served_version=lambda: version[0],
+        keep_staging=keep_staging,
+    )
+
+
+def _corrupt_last_chunk(items: Iterator[PushItem]) -> Iterator[PushItem]:
+    """The push with its last chunk's bytes damaged (a push the receiver must refuse)."""
+    got = list(items)
+    k = max(i for i, it in enumerate(got) if isinstance(it, WeightChunk))
+    chunk = got[k]
+    assert isinstance(chunk, WeightChunk) and len(chunk.data)
+    got[k] = dataclasses.replace(chunk, data=bytes([chunk.data[0] ^ 1]) + bytes(chunk.data[1:]))
+    return iter(got)
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    fractions=st.lists(st.sampled_from([0.0, 0.001, 0.01, 0.05, 0.3, 1.0]), min_size=50, max_size=50),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    keep_staging=st.booleans(),
+    failures=st.sets(st.integers(2, 50), max_size=5),
+)
+def test_fifty_delta_pushes_serve_exactly_the_senders_copy(
+    seed: int, fractions: list[float], dtype: torch.dtype, keep_staging: bool, failures: set[int]
+) -> None:
+    """Interleaved with damaged pushes (refused, nothing applied); the sender then forgets its
+    base and pushes in full, as the client does."""
+    g = torch.Generator().manual_seed(seed)
+    sender_state = {
+        "a": torch.randn(64, 48, generator=g).to(dtype),
+        "b": torch.randn(48, generator=g).to(dtype),
+        "c": torch.randn(7, 3, 5, generator=g).to(dtype),
+    }
+    served_state = {n: t.clone() for n, t in sender_state.items()}
+    version = [0]
+    receiver = _receiver(served_state, version, keep_staging)
+    base = DeltaBase()
+    deltas_sent = 0
+    for step, fraction in enumerate([0.0, *fractions], 1):
+        if step > 1:
+            sender_state = sparse_step(sender_state, g, fraction)
+        if step in failures:
+            plan = plan_push(sender_state.items(), base)
+            items = iter_push_requests(plan.wire, step, specs=plan.specs, base_version=plan.base_version)
+            before = sha(served_state)
+            with pytest.raises(InvalidRequestError):
+                receiver.receive(_corrupt_last_chunk(items))
+            assert sha(served_state) == before and version[0] == step - 1
+            base.forget()
+        plan = plan_push(sender_state.items(), base)
+        deltas_sent += sum(s.delta is not None for s in plan.specs)
+        items = iter_push_requests(plan.wire, step, specs=plan.specs, base_version=plan.base_version, chunk_bytes=1000)
+        staged = receiver.receive(items)
+        served_state.update({n: t.clone() for n, t in staged.tensors.items()})  # the engine copies at the swap
+        version[0] = staged.version
+        receiver.keep(staged)
+        base.version, base.tensors = step, plan.full
+    assert deltas_sent > 0  # the property covered deltas, not only full pushes
+    assert version[0] == 51
+    assert sha(served_state) == sha(sender_state)
+
+
+# --- live sidecar ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", seed=0)
+
+
+def delta_client(address: str, transport: WeightTransport = WeightTransport.GRPC) -> SidecarClient:
+    return SidecarClient(address, ClientConfig(transports=CONFIGS[transport], timeout_s=30.0, delta_pushes=True))
+
+
+@pytest.mark.parametrize("transport", list(CONFIGS), ids=lambda t: t.value)
+def test_fifty_delta_pushes_on_a_live_sidecar_serve_the_senders_copy(
+    checkpoint: Path, transport: WeightTransport
+) -> None:
+    g = torch.Generator().manual_seed(1)
+    state = weights(1)
+    dense = sum(t.numel() * t.element_size() for t in state.values())
+    with start_sidecar(checkpoint, keep_staging=True) as sc, delta_client(sc.address, transport) as c:
+        first = c.push_weights(state, version=1)
+        assert first.bytes_received == dense and first.transport is transport  # first contact: full
+        received = []
+        for v in range(2, 52):
+            state = sparse_step(state, g, 0.002)
+            result = c.push_weights(state, version=v)
+            assert result.transport is transport
+            received.append(result.bytes_received)
+        assert served(sc) == (51, sha(state))
+        assert max(received) * 10 <= dense  # every delta push moved >= 10x fewer bytes
+        # asked for a full push: full bytes, same result
+        state = sparse_step(state, g, 0.002)
+        assert c.push_weights(state, version=52, full=True).bytes_received == dense
+        assert served(sc) == (52, sha(state))
+
+
+@pytest.fixture
+def based(checkpoint: Path) -> Iterator[tuple[Sidecar, SidecarClient, dict[str, torch.Tensor]]]:
+    """A sidecar serving version 1 that the client pushed (so it holds a base), and the state."""
+    state = weights(1)
+    with start_sidecar(checkpoint) as sc, delta_client(sc.address) as c:
+        c.push_weights(state, version=1)
+        yield sc, c, state
+
+
+def _delta_items(c: SidecarClient, new: dict[str, torch.Tensor], version: int, base_version: int) -> list[PushItem]:
+    plan = plan_push(new.items(), c.delta_base)
+    assert all(s.delta is not None for s in plan.specs if s.byte_length > 64)
+    return list(iter_push_requests(plan.wire, version, specs=plan.specs, base_version=base_version, chunk_bytes=256))
+
+
+def _refused(sc: Sidecar, c: SidecarClient, items: list[PushItem], code: grpc.StatusCode, message: str) -> None:
+    before = served(sc)
+    with pytest.raises(SidecarCallError) as err:
+        _push_raw(c, iter(items))
+    assert err.value.code == code, err.value.details
+    assert message in err.value.details
+    assert served(sc) == before  # weights and version exactly as they were
+
+
+def _tensor_index(items: list[PushItem], name_part: str) -> int:
+    manifest = items[0]
+    assert isinstance(manifest, WeightManifest)
+    return next(i for i, s in enumerate(manifest.tensors) if name_part in s.name and s.delta is not None)
+
+
+def _with_manifest(items: list[PushItem], **changes: object) -> list[PushItem]:
+    manifest = items[0]
+    assert isinstance(manifest, WeightManifest)
+    return [dataclasses.replace(manifest, **changes), *items[1:]]  # type: ignore[arg-type]
+
+
+def _with_spec(items: list[PushItem], index: int, **changes: object) -> list[PushItem]:
+    manifest = items[0]
+    assert isinstance(manifest, WeightManifest)
+    tensors = list(manifest.tensors)
+    tensors[index] = dataclasses.replace(tensors[index], **changes)  # type: ignore[arg-type]
+    return _with_manifest(items, tensors=tensors)
+
+
+def test_a_delta_against_the_wrong_base_is_refused(based: tuple[Sidecar, SidecarClient, dict]) -> None:
+    sc, c, state = based
+    g = torch.Generator().manual_seed(2)
+    items = _delta_items(c, sparse_step(state, g, 0.01), 2, base_version=1)
+    _refused(sc, c, _with_manifest(items, base_version=7), grpc.StatusCode.FAILED_PRECONDITION, "against version 7")
+
+
+@pytest.mark.parametrize(
+    ("fault", "message"),
+    [("out-of-range", "but the tensor has"), ("unsorted", "unsorted"), ("duplicated", "repeated")],
+)
+def test_bad_positions_are_refused(based: tuple[Sidecar, SidecarClient, dict], fault: str, message: str) -> None:
+    sc, c, state = based
+    name = next(n for n, t in state.items() if t.numel() > 1000)
+    t = state[name]
+    at = {"out-of-range": [1, t.numel()], "unsorted": [9, 3], "duplicated": [4, 4]}[fault]
+    new_values = torch.ones(2, dtype=t.dtype)
+    delta, payload = _index_payload(at, new_values)
+    rebuilt = t.clone().view(-1)
+    specs = [spec_of(n, x) for n, x in state.items()]
+    i = next(k for k, s in enumerate(specs) if s.name == name)
+    specs[i] = dataclasses.replace(
+        specs[i],
+        crc32=crc32(tensor_bytes(rebuilt)),
+        delta=dataclasses.replace(delta, payload_crc32=crc32(payload)),
+    )
+    wire = [(n, torch.from_numpy(payload) if n == name else x) for n, x in state.items()]
+    items = list(iter_push_requests(wire, 2, specs=specs, base_version=1))
+    _refused(sc, c, items, grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def test_a_rebuilt_tensor_that_does_not_match_the_manifest_is_refused(
+    based: tuple[Sidecar, SidecarClient, dict],
+) -> None:
+    sc, c, state = based
+    items = _delta_items(c, sparse_step(state, torch.Generator().manual_seed(3), 0.01), 2, base_version=1)
+    i = _tensor_index(items, "mlp")
+    spec = items[0].tensors[i]  # type: ignore[union-attr]
+    _refused(sc, c, _with_spec(items, i, crc32=spec.crc32 ^ 1), grpc.StatusCode.FAILED_PRECONDITION, "rebuilt")
+
+
+@pytest.mark.parametrize("fault", ["dropped", "reordered"])
+def test_a_dropped_or_reordered_part_is_refused(based: tuple[Sidecar, SidecarClient, dict], fault: str) -> None:
+    sc, c, state = based
+    items = _delta_items(c, sparse_step(state, torch.Generator().manual_seed(4), 0.05), 2, base_version=1)
+    chunks = [k for k, it in enumerate(items) if isinstance(it, WeightChunk)]
+    same = next(k for k in chunks if k + 1 in chunks and items[k].tensor_index == items[k + 1].tensor_index)  # type: ignore[union-attr]
+    if fault == "dropped":
+        items = items[:same] + items[same + 1 :]
+        message = "starts at byte"
+    else:
+        items[same], items[same + 1] = items[same + 1], items[same]
+        message = "starts at byte"
+    _refused(sc, c, items, grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def test_a_delta_for_a_tensor_the_sidecar_lacks_is_refused(based: tuple[Sidecar, SidecarClient, dict]) -> None:
+    sc, c, state = based
+    items = _delta_items(c, sparse_step(state, torch.Generator().manual_seed(5), 0.01), 2, base_version=1)
+    i = _tensor_index(items, "mlp")
+    _refused(
+        sc, c, _with_spec(items, i, name="model.layers.0.mlp.not_here.weight"), grpc.StatusCode.NOT_FOUND, "no tensor"
+    )
+
+
+def test_a_sidecar_without_a_base_refuses_and_the_client_pushes_in_full(checkpoint: Path) -> None:
+    """A delta client whose base went stale (another sender pushed in between) is refused and
+    sends the full tensors at once; the sidecar serves exactly the client's weights."""
+    g = torch.Generator().manual_seed(6)
+    state = weights(1)
+    dense = sum(t.numel() * t.element_size() for t in state.values())
+    with start_sidecar(checkpoint) as sc, delta_client(sc.address) as c, delta_client(sc.address) as other:
+        c.push_weights(state, version=1)
+        other.push_weights(weights(2), version=2)
+        state = sparse_step(state, g, 0.01)
+        result = c.push_weights(state, version=3)  # its base (version 1) is not served: refused, then full
+        assert result.bytes_received == dense
+        assert served(sc) == (3, sha(state))
+        state = sparse_step(state, g, 0.01)
+        assert c.push_weights(state, version=4).bytes_received < dense // 10  # deltas again
+        assert served(sc) == (4, sha(state))
+
+
+def test_receiver_refuses_a_delta_before_it_holds_a_base() -> None:
+    state = {"w": torch.randn(40, 40)}
+    receiver = _receiver({n: t.clone() for n, t in state.items()}, [0])
+    new = {"w": state["w"].clone()}
+    new["w"][0, 0] += 1
+    plan = plan_push(new.items(), DeltaBase(version=0, tensors=state))
+    assert plan.specs[0].delta is None  # no base version: the sender sends it in full
+    plan = plan_push(new.items(), DeltaBase(version=3, tensors=state))
+    assert plan.specs[0].delta is not None
+    with pytest.raises(DeltaBaseError, match="serves version 0"):
+        receiver.receive(iter_push_requests(plan.wire, 4, specs=plan.specs, base_version=3))
+
+
+def test_the_run_config_turns_delta_pushes_on_for_every_client(checkpoint: Path) -> None:
+    from sidecar.fleet import Fleet, FleetConfig
+    from trainer.config_io import from_mapping
+    from trainer.rl_config import RLConfig
+
+    cfg = from_mapping(RLConfig, {"model": "m", "sidecars": {"local": 1, "weight_sync": {"deltas": True}}})
+    assert cfg.sidecars.weight_sync.deltas and not RLConfig(model=Path("m")).sidecars.weight_sync.deltas
+    state = weights(1)
+    fleet_cfg = FleetConfig(client=ClientConfig(delta_pushes=True))
+    with start_sidecar(checkpoint) as sc, Fleet([sc.address], fleet_cfg) as orch:
+        assert all(c.config.delta_pushes for c in orch.clients)
+        orch.push_weights(lambda: iter(state.items()), 1, names=list(state))
+        assert orch.clients[0].delta_base.version == 1  # the next push can be a delta
+        state = sparse_step(state, torch.Generator().manual_seed(7), 0.01)
+        orch.push_weights(lambda: iter(state.items()), 2, names=list(state))
+        assert served(sc) == (2, sha(state))
+
+
+@pytest.mark.parametrize("fault", ["wrong-base", "rebuilt-mismatch"])
+@pytest.mark.parametrize("transport", list(CONFIGS), ids=lambda t: t.value)
+def test_a_refused_delta_on_any_transport_is_followed_by_a_full_push(
+    checkpoint: Path, transport: WeightTransport, fault: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client's delta, damaged before it leaves (a base the sidecar does not serve, or a
+    manifest CRC-32 its rebuilt tensor cannot match), is refused on every data plane; the client
+    then pushes in full and the sidecar serves exactly the client's weights."""
+    import sidecar.client as client_module
+
+    g = torch.Generator().manual_seed(8)
+    state = weights(1)
+    dense = sum(t.numel() * t.element_size() for t in state.values())
+    plans: list[str] = []
+
+    def damaged(pairs: object, base: DeltaBase) -> object:
+        plan = plan_push(pairs, base)  # type: ignore[arg-type]
+        if plan.base_version:
+            plans.append("delta")
+            if fault == "wrong-base":
+                plan.base_version += 5
+            else:
+                i = next(k for k, s in enumerate(plan.specs) if s.delta is not None)
+                plan.specs[i] = dataclasses.replace(plan.specs[i], crc32=plan.specs[i].crc32 ^ 1)
+        else:
+            plans.append("full")
+        return plan
+
+    with start_sidecar(checkpoint) as sc, delta_client(sc.address, transport) as c:
+        c.push_weights(state, version=1)
+        monkeypatch.setattr(client_module, "plan_push", damaged)
+        state = sparse_step(state, g, 0.01)
+        result = c.push_weights(state, version=2)
+        assert plans == ["delta", "full"] and result.bytes_received == dense and result.transport is transport
+        assert served(sc) == (2, sha(state))
+
+
+def test_a_sidecar_that_does_not_accept_deltas_gets_full_pushes(checkpoint: Path) -> None:
+    from sidecar.weight_sync.receiver import DataPlaneConfig
+
+    g = torch.Generator().manual_seed(9)
+    state = weights(1)
+    dense = sum(t.numel() * t.element_size() for t in state.values())
+    with start_sidecar(checkpoint, data_planes=DataPlaneConfig(deltas=False)) as sc, delta_client(sc.address) as c:
+        for v in range(1, 4):
+            state = sparse_step(state, g, 0.01)
+            assert c.push_weights(state, version=v).bytes_received == dense
+            assert c.delta_base.version == 0  # nothing kept for a sidecar that would refuse deltas
+        assert served(sc) == (3, sha(state))
+
+
+def test_a_delta_for_a_tensor_without_a_base_is_refused() -> None:
+    """The sidecar applied a DRAFT-only push, so it holds a base of the draft tensors only: a
+    delta of a trunk tensor is refused (nothing applied), a delta of a draft tensor is not."""
+    state = {"trunk": torch.randn(30, 30), "mtp.w": torch.randn(30, 30)}
+    version = [0]
+    receiver = WeightReceiver(
+        model_specs=lambda sel: [
+            spec_of(n, t) for n, t in state.items() if sel is not WeightSelector.DRAFT or n.startswith("mtp.")
+        ],
+        served_version=lambda: version[0],
+    )
+    draft = {"mtp.w": state["mtp.w"] + 1}
+    staged = receiver.receive(iter_push_requests(draft, 1, WeightSelector.DRAFT))
+    version[0] = 1
+    receiver.keep(staged)
+    new = {n: t.clone() for n, t in {**state, **draft}.items()}
+    new["trunk"][0, 0] += 1
+    new["mtp.w"][0, 0] += 1
+    plan = plan_push(new.items(), DeltaBase(version=1, tensors={**state, **draft}))
+    assert all(s.delta is not None for s in plan.specs)
+    with pytest.raises(DeltaBaseError, match="no base of tensor 'trunk'"):
+        receiver.receive(iter_push_requests(plan.wire, 2, specs=plan.specs, base_version=1))
+    assert version[0] == 1
+    only_draft = plan_push([("mtp.w", new["mtp.w"])], DeltaBase(version=1, tensors=draft))
+    staged = receiver.receive(
+        iter_push_requests(only_draft.wire, 2, WeightSelector.DRAFT, specs=only_draft.specs, base_version=1)
+    )
+    assert torch.equal(staged.tensors["mtp.w"], new["mtp.w"])
