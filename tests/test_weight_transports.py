@@ -381,8 +381,9 @@ def _models(draw: st.DrawFn) -> dict[str, torch.Tensor]:
 def test_shm_receiver_returns_exactly_the_pushed_tensors_or_refuses(
     model: dict[str, torch.Tensor], batch_bytes: int, fault: str, at: int
 ) -> None:
-    """Oracle: an undamaged push stages bit-identical tensors; any damage to the placed
-    stream or the region raises InvalidRequestError (never a wrong model)."""
+    """Oracle: an undamaged push stages bit-identical tensors; a damaged one raises
+    InvalidRequestError or (when the damage reads the very same bytes) stages bit-identical
+    tensors: never a wrong model."""
     specs = [spec_of(n, t) for n, t in model.items()]
     receiver = WeightReceiver(model_specs=lambda selector: specs, served_version=lambda: 0)
     region = shm.ShmRegion()
@@ -393,15 +394,18 @@ def test_shm_receiver_returns_exactly_the_pushed_tensors_or_refuses(
         if damaged is not None:
             items = [items[0], WeightPlaced(tensors=damaged), items[-1]]
             items[-1].chunk_count = 1  # type: ignore[union-attr]
-        if damaged is None or (damaged == placed and fault != "flip"):
+        undamaged = damaged is None or (damaged == placed and fault != "flip")
+        try:
             staged = receiver.receive(iter(items))
-            for name, tensor in model.items():
-                got = staged.tensors[name]
-                assert got.dtype == tensor.dtype and got.shape == tensor.shape
-                assert tensor_bytes(got).tobytes() == tensor_bytes(tensor).tobytes()
-        else:
-            with pytest.raises(InvalidRequestError):
-                receiver.receive(iter(items))
+        except InvalidRequestError:
+            assert not undamaged, "an undamaged push was refused"
+            return
+        # Accepted: it must be exactly the pushed model. (Damage that reads identical bytes, e.g.
+        # an offset shifted by one inside a run of zeros, is no damage and may be accepted.)
+        for name, tensor in model.items():
+            got = staged.tensors[name]
+            assert got.dtype == tensor.dtype and got.shape == tensor.shape
+            assert tensor_bytes(got).tobytes() == tensor_bytes(tensor).tobytes()
     finally:
         region.close()
 
