@@ -28,15 +28,14 @@ import argparse
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from bench_sidecar import Served  # tools/ is sys.path[0] when run as a script
 
 from sidecar.client import ClientConfig, SidecarClient
 from sidecar.engine.checkpoint import model_state_dict, save_checkpoint
@@ -45,39 +44,6 @@ from sidecar.weight_sync.negotiation import CollectiveConfig, TransportConfig
 from sidecar.weight_sync.tensors import tensor_bytes
 
 MiB, GiB = 1 << 20, 1 << 30
-
-
-class Sidecar:
-    """`specrl serve` in a subprocess; its address from the 'listening on' line."""
-
-    def __init__(self, args: list[str]) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        self.proc = subprocess.Popen(args, stderr=subprocess.PIPE, text=True, env=env)
-        self.lines: list[str] = []
-        ready = threading.Event()
-        self.address = ""
-
-        def drain() -> None:
-            assert self.proc.stderr is not None
-            for line in self.proc.stderr:
-                self.lines.append(line)
-                if "listening on" in line and not ready.is_set():
-                    self.address = line.rsplit(" ", 1)[-1].strip()
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=drain, daemon=True).start()
-        if not ready.wait(600) or not self.address:
-            self.stop()
-            raise RuntimeError("sidecar did not start:\n" + "".join(self.lines[-20:]))
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
 
 
 def peak_rss(pid: int | str) -> int:
@@ -154,6 +120,7 @@ def main() -> None:
     parser.add_argument("--bucket-mib", type=int, default=64, help="collective bucket size")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # the sidecar subprocess too
     if args.fanout is not None:
         bench_fanout(args.fanout, args.sidecars, args.repeats)
         return
@@ -183,7 +150,7 @@ def main() -> None:
         ckpt = Path(tmp) / "model"
         save_checkpoint(ckpt, config, state)
         specrl = str(Path(sys.executable).parent / "specrl")
-        sidecar = Sidecar(
+        sidecar = Served(
             [specrl, "serve", "--model", str(ckpt), "--port", "0", "--log-level", "WARNING", "--keep-staging"]
         )
         seconds: dict[str, list[float]] = {k: [] for k in ["memcpy", *transports]}
