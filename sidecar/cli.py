@@ -210,7 +210,7 @@ def serve(
     if print_config:
         import yaml
 
-        from trainer.config_io import to_mapping
+        from sidecar.config_io import to_mapping
 
         click.echo(yaml.safe_dump(to_mapping(cfg), sort_keys=False), nl=False)
         return
@@ -227,7 +227,7 @@ def resolve_serve_config(
     """File, then `--set`, then the options given on the command line (not their defaults)."""
     from click.core import ParameterSource
 
-    from trainer.config_io import ConfigError, from_mapping, load_file, merge_overrides
+    from sidecar.config_io import ConfigError, from_mapping, load_file, merge_overrides
 
     try:
         data = load_file(config_file) if config_file is not None else {}

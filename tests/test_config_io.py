@@ -8,7 +8,7 @@ from typing import Literal
 
 import pytest
 
-from trainer.config_io import ConfigError, from_mapping, load_file, merge_overrides, to_mapping, write_yaml
+from sidecar.config_io import ConfigError, from_mapping, load_file, merge_overrides, to_mapping, write_yaml
 
 
 @dataclass(kw_only=True, slots=True)

@@ -18,10 +18,10 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from sidecar.config_io import from_mapping, merge_overrides, parse_override, yaml_load
 from sidecar.serve_config import ServeConfig
 from tests.sidecar_fixtures import start_sidecar
 from trainer.cli import main
-from trainer.config_io import from_mapping, merge_overrides, parse_override, yaml_load
 from trainer.rl_cli import resolve_config
 from trainer.rl_config import RLConfig, SidecarsConfig
 from trainer.tasks import JsonlTask, Problem, RewardFunctionError
@@ -263,9 +263,9 @@ def test_merge_overrides_keeps_strings_that_look_like_nothing() -> None:
 
 
 def _expected_errors() -> list[Exception]:
+    from sidecar.config_io import ConfigError
     from sidecar.fleet import NoLiveSidecarError
     from trainer.bridge import CheckpointMismatchError
-    from trainer.config_io import ConfigError
     from trainer.local_sidecars import SidecarStartError
     from trainer.preflight import PreflightError
 

@@ -54,7 +54,7 @@ def test_component_checks() -> None:
 
 
 def test_the_readme_config_example_is_a_valid_run_config() -> None:
-    from trainer.config_io import from_mapping, yaml_load
+    from sidecar.config_io import from_mapping, yaml_load
     from trainer.rl_config import RLConfig
 
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
@@ -103,7 +103,7 @@ def test_the_readme_config_reference_matches_rlconfig() -> None:
     with the default the code has; no row names a key that does not exist."""
     import dataclasses
 
-    from trainer.config_io import to_mapping, yaml_load
+    from sidecar.config_io import to_mapping, yaml_load
 
     rows = _reference_rows()
     cfg = RLConfig(model=Path("ckpt"))

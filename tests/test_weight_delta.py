@@ -390,8 +390,8 @@ def test_receiver_refuses_a_delta_before_it_holds_a_base() -> None:
 
 
 def test_the_run_config_turns_delta_pushes_on_for_every_client(checkpoint: Path) -> None:
+    from sidecar.config_io import from_mapping
     from sidecar.fleet import Fleet, FleetConfig
-    from trainer.config_io import from_mapping
     from trainer.rl_config import RLConfig
 
     cfg = from_mapping(RLConfig, {"model": "m", "sidecars": {"local": 1, "weight_sync": {"deltas": True}}})

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.config_io import from_mapping, merge_overrides, to_mapping
+from sidecar.config_io import from_mapping, merge_overrides, to_mapping
 from trainer.demo import DemoConfig, demo_model_config
 from trainer.rl_config import RLConfig, demo_config
 from trainer.rl_loop import train

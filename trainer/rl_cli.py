@@ -17,7 +17,7 @@ import click
 import yaml
 from tqdm import tqdm
 
-from trainer.config_io import ConfigError, from_mapping, load_file, merge_overrides, to_mapping
+from sidecar.config_io import ConfigError, from_mapping, load_file, merge_overrides, to_mapping
 from trainer.rl_config import RLConfig, TaskConfig
 from trainer.tasks import Task
 from trainer.warmup import DraftInitConfig, Progress, WarmupConfig

@@ -1,7 +1,7 @@
 """The root configuration of an RL run, composed of the components' own small configs.
 
 A run is a function returning an `RLConfig` (`demo_config()` is the built-in one); YAML/TOML
-files and `--set a.b=v` overrides only select and override fields (`trainer.config_io`), and the
+files and `--set a.b=v` overrides only select and override fields (`sidecar.config_io`), and the
 resolved config is written to the run directory so the run can be reproduced from it alone.
 """
 

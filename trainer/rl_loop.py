@@ -36,11 +36,11 @@ import torch.distributed as dist
 from torch import Tensor
 from tqdm import tqdm
 
+from sidecar.config_io import to_mapping, write_yaml
 from sidecar.engine.model import ModelConfig
 from sidecar.fleet import Fleet, FleetConfig, derive_seed
 from sidecar.types import GenerationRequest, Sample, SamplingParams, SpeculationCounters
 from trainer import platform
-from trainer.config_io import to_mapping, write_yaml
 from trainer.dynamic_sampling import Group, group_samples, select_groups, shaped_rewards
 from trainer.local_sidecars import LocalSidecars
 from trainer.losses import OverlongConfig, mismatch_metrics, sample_advantages

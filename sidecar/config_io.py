@@ -5,6 +5,9 @@ STYLE.md). Files and command-line overrides only *select and override* values: e
 name an existing field, every value must fit the field's type, and the message of any
 mismatch names the dotted key and what was expected. The resolved config is written back to
 the run directory, so a run can be reproduced from it alone.
+
+It lives in `sidecar` because both the trainer's run config and `specrl serve`'s `ServeConfig`
+are read through it, and the sidecar package must not depend on the trainer.
 """
 
 from __future__ import annotations
