@@ -123,6 +123,11 @@ class SidecarClient:
         options = [
             ("grpc.max_send_message_length", c.max_message_mib * MiB),
             ("grpc.max_receive_message_length", c.max_message_mib * MiB),
+            # A client owns its connections: without this, gRPC shares subchannels between channels
+            # to the same address, and a new client for a restarted sidecar inherits the dead
+            # connection's reconnect back-off (calls fail at once with the stale "connection
+            # refused" until it expires), which defeats the fleet's fresh-channel rejoin.
+            ("grpc.use_local_subchannel_pool", 1),
         ]
         if c.tls or c.root_ca is not None or c.client_cert is not None:
             creds = channel_credentials(root_ca=c.root_ca, client_cert=c.client_cert, client_key=c.client_key)

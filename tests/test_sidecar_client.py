@@ -268,3 +268,27 @@ def test_specrl_serve_runs_and_stops_gracefully_on_sigterm(checkpoint: Path) -> 
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_a_new_client_reaches_a_restarted_sidecar_at_once(checkpoint: Path) -> None:
+    """A client made after a sidecar came back on its old port connects at once: it does not
+    inherit the reconnect back-off of an earlier client's failed connection to that address
+    (gRPC shares subchannels between channels unless told not to), which the fleet's rejoin
+    relies on."""
+    from sidecar.engine.torch_engine import TorchEngine
+    from sidecar.server import ServerConfig
+    from sidecar.service import SidecarConfig
+
+    first = start_sidecar(checkpoint)
+    address, port = first.address, first.port
+    first.stop(0.0)
+    config = ClientConfig(timeout_s=2.0, retries=0)
+    engine = TorchEngine.from_checkpoint(checkpoint, speculation_k=2)  # the slow part, before the race
+    with SidecarClient(address, config) as old:
+        assert not old.health()  # connection refused: this address's connection now backs off
+        again = Sidecar(engine, SidecarConfig(server=ServerConfig(port=port), shutdown_grace_s=0.5)).start()
+        try:
+            with SidecarClient(address, config) as fresh:
+                assert fresh.health()
+        finally:
+            again.stop(0.0)
