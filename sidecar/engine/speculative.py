@@ -2,11 +2,13 @@
 
 Per row, with n tokens so far (x_0 .. x_{n-1}, the last one not yet seen by the target):
 the target's KV cache holds positions 0..n-2, and its final-normed hidden states h_t are known
-up to t = n-2. The MTP layer's cache holds its own positions 0..m-1 (m <= n-1); the hidden
-states h_m .. h_{n-2} it has not consumed yet are the row's *pending* hidden states.
+up to t = n-2. The MTP layer's cache holds its own earlier positions; the hidden states
+h_m .. h_{n-2} it has not consumed yet are the row's *pending* hidden states (a row that skipped
+drafting for many rounds keeps only the latest of them, so its MTP cache may have a gap).
 
 1. **Draft** (`draft`): refresh each MTP layer's cache over the pending positions t (inputs
-   h_t and x_{t+1}); the output at t = n-2 gives q_1, the draft distribution of x_n. Chain:
+   h_t and x_{t+1}, rotary position t + 1); the output at t = n-2 gives q_1, the draft
+   distribution of x_n. Chain:
    draft step d >= 1 feeds the previous MTP output back in as h together with the token just
    drafted, in MTP layer min(d, L-1), at rotary position n-1+d; each step's distribution is
    filtered exactly like the target's (sampling.filtered_probs) and sampled with the row's
@@ -43,6 +45,12 @@ class DraftInput:
     """(B, S, hidden) the pending h_t, right-padded."""
     num_refresh: list[int]
     """Pending positions per row (>= 1 on rows that draft; 0 on rows that do not)."""
+    refresh_positions: Tensor
+    """(B, S) int64 the MTP position t of each pending entry (its rotary position is t + 1).
+    Pending positions are consecutive and end at n - 2, but need not start right after the MTP
+    cache's last entry: a row that did not draft for a while refreshes only its latest positions
+    (the MTP layer then attends to its older entries and these; the draft distribution q is
+    whatever it computes, so acceptance stays exact)."""
     next_position: Tensor
     """(B,) int64 n - 1: index of each row's last token (the first chain step's rotary position is n)."""
     num_draft: Tensor
@@ -91,7 +99,7 @@ def draft(
     out0: Tensor | None = None
     for j, cache in enumerate(caches):
         plan = cache.plan(inp.num_refresh, width=width)
-        out = model.mtp_step(j, inp.refresh_tokens, inp.refresh_hidden, cache, plan)
+        out = model.mtp_step(j, inp.refresh_tokens, inp.refresh_hidden, cache, plan, inp.refresh_positions + 1)
         cache.commit(plan)
         if j == 0:
             out0 = out

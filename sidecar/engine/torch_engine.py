@@ -21,8 +21,10 @@ with the old weights) and continue with the new ones (`Sample.last_weight_versio
 Adaptive k (`set_speculation_auto`): sequences that do not pin k take, in each decode step, the
 k chosen by `speculation_policy.SpeculationPolicy` from the engine's own measurements (seconds of
 the draft phase and of the whole step, per batch size; per-position acceptance). Such sequences
-keep their MTP inputs pending while k = 0, so drafting can resume at any step; k changing between
-rounds never changes what is accepted (each round is an exact rejection-sampling round), so
+keep their latest `CATCH_UP_POSITIONS` MTP inputs pending while k = 0, so drafting can resume at
+any step at the cost of an ordinary draft phase (older skipped positions are never fed to the MTP
+layer: its cache keeps a gap there, which can only lower acceptance, never exactness); k changing
+between rounds never changes what is accepted (each round is an exact rejection-sampling round), so
 outputs stay lossless. At temperature > 0 a sequence's tokens then depend on the k chosen per
 round (k decides how many uniforms a round draws), which depends on measured timings: auto mode
 is exactly distributed but not bit-reproducible across runs; pin k for bit-reproducible samples.
@@ -76,10 +78,12 @@ from sidecar.types import (
 )
 from sidecar.weight_sync.tensors import tensor_crc32
 
-DORMANT_AFTER = 128
-"""An auto sequence that has not drafted for this many rounds stops feeding its draft (its
-pending MTP inputs are dropped) and finishes with plain decoding: the controller keeps choosing
-k = 0 for its batch, and keeping the MTP inputs would cost memory and, on resuming, a long refresh."""
+CATCH_UP_POSITIONS = 8
+"""Most pending MTP inputs an auto sequence keeps while the controller chooses k = 0. Resuming
+then refreshes at most this many positions (a steady drafting round refreshes a + 1 <= k + 1),
+so the price of keeping a draft alive through plain rounds is bounded by one ordinary draft
+phase instead of growing with the idle stretch (measured in BENCHMARKS.md, "Adaptive
+speculation": resuming after 30-40 plain rounds used to refresh every skipped position)."""
 
 
 def cost_clock(device: torch.device) -> Callable[[], float]:
@@ -115,7 +119,6 @@ class _Sequence:
     first_version: int = -1
     last_version: int = -1
     pending: list[Tensor] | None = None  # chunks of (n, hidden) trunk states the MTP layers have not consumed
-    idle_rounds: int = 0  # consecutive rounds without drafting (auto rows)
 
     @property
     def drafts(self) -> bool:
@@ -510,11 +513,13 @@ class TorchEngine(Engine):
             num_refresh = [s.num_pending if k else 0 for s, k in zip(seqs, k_eff, strict=True)]
             width = max(num_refresh)
             ref_tokens = torch.zeros(b, width, dtype=torch.int64)
+            ref_positions = torch.zeros(b, width, dtype=torch.int64)
             ref_hidden = torch.zeros(b, width, self.config.hidden_size, dtype=self.config.dtype, device=dev)
             for i, (s, n) in enumerate(zip(seqs, num_refresh, strict=True)):
                 if n:
                     assert s.pending is not None
                     ref_tokens[i, :n] = torch.tensor(s.last_tokens(n))
+                    ref_positions[i, :n] = torch.arange(s.length - 1 - n, s.length - 1)  # t of h_t
                     ref_hidden[i, :n] = torch.cat(s.pending)
                     consumed[i] = True
             out = draft(
@@ -524,6 +529,7 @@ class TorchEngine(Engine):
                     refresh_tokens=ref_tokens.to(dev),
                     refresh_hidden=ref_hidden,
                     num_refresh=num_refresh,
+                    refresh_positions=ref_positions.to(dev),
                     next_position=torch.tensor([s.length - 1 for s in seqs], device=dev),
                     num_draft=num_draft,
                     uniforms=u[:, :kmax],
@@ -561,10 +567,12 @@ class TorchEngine(Engine):
                 continue
             if s.drafts and self.num_mtp and s.pending is not None:
                 new_pending = vout.hidden[i, : a + 1]
-                s.pending = [new_pending] if consumed[i] else [*s.pending, new_pending]
-                s.idle_rounds = 0 if consumed[i] else s.idle_rounds + 1
-                if s.auto and s.idle_rounds >= DORMANT_AFTER:
-                    s.pending, s.auto, s.k = None, False, 0  # finishes with plain decoding
+                if consumed[i]:
+                    s.pending = [new_pending]
+                else:  # a round without drafting: keep only the latest positions (see CATCH_UP_POSITIONS)
+                    s.pending = [*s.pending, new_pending]
+                    while len(s.pending) > 1 and s.num_pending - s.pending[0].shape[0] >= CATCH_UP_POSITIONS:
+                        s.pending.pop(0)
             keep.append(i)
         self._cache.truncate([n + a + 1 for n, a in zip(old_lengths, num_accepted, strict=True)])
         self._keep_rows(keep)

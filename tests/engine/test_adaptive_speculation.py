@@ -14,7 +14,7 @@ from test_speculative_greedy import NEW, PROMPTS, naive_greedy
 
 from sidecar.engine.model import ModelConfig, Qwen3WithMTP
 from sidecar.engine.speculation_policy import SpeculationPolicyConfig
-from sidecar.engine.torch_engine import TorchEngine
+from sidecar.engine.torch_engine import CATCH_UP_POSITIONS, TorchEngine
 from sidecar.types import GenerationRequest, SamplingParams, WeightSelector
 
 
@@ -32,7 +32,7 @@ def run_all(engine: TorchEngine, prompts: list[list[int]], new: int = NEW) -> li
 
 
 @pytest.mark.parametrize("draft", ["random", "aligned"])
-@pytest.mark.parametrize("cycle", [[3, 0, 1, 0, 0, 2, 5], [0, 0, 4, 1]])
+@pytest.mark.parametrize("cycle", [[3, 0, 1, 0, 0, 2, 5], [0, 0, 4, 1], [0] * (CATCH_UP_POSITIONS + 3) + [3, 2]])
 def test_greedy_output_is_plain_while_k_switches_every_step(request, draft: str, cycle: list[int]) -> None:
     model: Qwen3WithMTP = request.getfixturevalue(f"{draft}_model")
     engine = TorchEngine(model, speculation_k=3)
@@ -40,6 +40,29 @@ def test_greedy_output_is_plain_while_k_switches_every_step(request, draft: str,
     assert run_all(engine, PROMPTS) == [naive_greedy(model, p, NEW) for p in PROMPTS]
     c = engine.stats()[0].counters
     assert c.drafted_tokens > 0 and c.verify_steps > c.generated_tokens / 6
+
+
+def test_rows_that_skip_drafting_keep_a_bounded_catch_up(aligned_model) -> None:
+    """Plain rounds of an auto row leave at most CATCH_UP_POSITIONS (+ one round's) MTP inputs to
+    refresh when drafting resumes, and the resumed draft still proposes the target's tokens."""
+    idle = 3 * CATCH_UP_POSITIONS
+    engine = TorchEngine(aligned_model, speculation_k=3)
+    engine.set_speculation_policy(SwitchingPolicy([0] * idle + [3]))
+    engine.submit(
+        GenerationRequest(
+            prompts=[[5, 6, 7]], sampling=SamplingParams(temperature=0.0, max_new_tokens=64), request_id="r"
+        )
+    )
+    engine.step()  # admission
+    widths = []
+    for _ in range(idle):
+        engine.step()
+        widths.append(engine._running[0].num_pending)
+    assert widths[:3] == [2, 3, 4] and max(widths) == CATCH_UP_POSITIONS
+    before = engine.stats()[0].counters.accepted_tokens
+    engine.step()  # drafts 3 after the gap
+    assert engine._running[0].num_pending <= 4
+    assert engine.stats()[0].counters.accepted_tokens - before >= 2  # the aligned draft is still right
 
 
 def test_greedy_output_is_plain_under_the_real_controller_and_rows_joining_late(aligned_model) -> None:

@@ -28,6 +28,7 @@ import pytest
 import torch
 from engine_fixtures import aligned_draft_model, hf_probs
 
+from sidecar.engine import torch_engine
 from sidecar.engine.acceptance_rules import WRONG_RULES, AcceptanceRule
 from sidecar.engine.model import ModelConfig, Qwen3WithMTP
 from sidecar.engine.speculation_policy import SpeculationDecision, SpeculationPolicy, SpeculationPolicyConfig
@@ -107,8 +108,13 @@ class SwitchingPolicy(SpeculationPolicy):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cycle", [[2, 0, 1], [1, 0, 2, 3]])
-def test_k_switching_mid_sequence_keeps_the_exact_distribution(model: Qwen3WithMTP, cycle: list[int]) -> None:
+@pytest.mark.parametrize(("cycle", "catch_up"), [([2, 0, 1], 8), ([1, 0, 2, 3], 8), ([0, 2], 1)])
+def test_k_switching_mid_sequence_keeps_the_exact_distribution(
+    model: Qwen3WithMTP, cycle: list[int], catch_up: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """catch_up 1: a plain round drops the older pending MTP input, so the next draft refreshes
+    one position past a gap in the MTP cache (what automatic k does after long plain stretches)."""
+    monkeypatch.setattr(torch_engine, "CATCH_UP_POSITIONS", catch_up)
     sp = SamplingParams(temperature=1.0, max_new_tokens=4, seed=4)
     exact = exact_joint(model, sp)
     engine = TorchEngine(model, max_batch_size=1000)
