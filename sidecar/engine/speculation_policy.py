@@ -12,16 +12,23 @@ engine step, not a constant (DESIGN.md, "Speculation policy"):
     cost(B, k) = verify(B, k + 1) + draft(B, k)                        (seconds, measured)
 
 - **Costs** are measured online by the engine (`observe_step`: seconds of the draft phase and of
-  the whole decode step, per batch-size bucket and k) and kept as exponential moving averages.
-  A width never measured in a bucket is interpolated / extrapolated linearly from the measured
-  ones; with one measured width only, it takes the nearest measured bucket's cost relative to
-  plain (else a prior slope); the draft cost is linear in k.
+  the whole decode step, per batch-size bucket and k); the estimate of each (bucket, width) is
+  the median of its last `cost_window` measurements (a garbage collection or a growing cache
+  makes one step several times slower; an average would carry that for many steps). A width
+  measured fewer than `min_cost_samples` times in a bucket is not trusted alone: it is
+  interpolated / extrapolated linearly from the bucket's trusted widths, or, with plain the only
+  trusted one, taken from the nearest measured bucket's cost relative to plain (else a prior
+  slope); the draft cost is linear in k.
 - **Acceptance** per draft position is a discounted count of the rounds that reached the
   position and of those that accepted it (`observe_acceptance`), so it follows a drifting draft;
   a weight push (`on_weight_version`) multiplies the counts by `version_discount`: the old
   version's acceptance stays a prior worth about one engine step, the new version's rounds take over
   within ~4 engine steps of a push that changes acceptance (measured in BENCHMARKS.md,
   "Adaptive speculation").
+- **Margin**: k > 0 is chosen only when it predicts at least `min_gain` more tokens per second
+  than plain decoding. Near break-even the prediction is within its own noise, and a draft that
+  is kept for nothing costs what the model does not price (the MTP prefill of the prompt at
+  admission, a catch-up refresh when drafting resumes): plain wins the ties.
 - **Exploration**: plain decoding (k = 0) is measured first in every bucket (it is the baseline
   of the guard); then every `probe_every` steps (the interval doubling up to `max_probe_every`
   while the best k stays the same) the controller runs the least recently measured of
@@ -42,6 +49,8 @@ injected costs and acceptance.
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -51,8 +60,14 @@ class SpeculationPolicyConfig:
 
     max_k: int
     """Largest k the controller may choose (the 'auto' mode's maximum)."""
-    cost_halflife: float = 8.0
-    """Observations after which an old cost measurement weighs half (EMA)."""
+    cost_window: int = 9
+    """Measurements per (batch bucket, width) whose median is the cost estimate."""
+    min_cost_samples: int = 2
+    """Measurements before a width's own cost is trusted over one predicted from the bucket's
+    other widths or the nearest bucket (one step's time on a shared machine can be far off)."""
+    min_gain: float = 0.03
+    """Relative gain over plain decoding that a k > 0 must predict to be chosen (ties go to plain;
+    see the module docstring, "Margin")."""
     acceptance_halflife: float = 64.0
     """Engine steps after which old acceptance evidence weighs half (tracks a drifting draft)."""
     version_discount: float = 0.01
@@ -91,10 +106,10 @@ class SpeculationPolicyConfig:
     def __post_init__(self) -> None:
         if self.max_k < 0:
             raise ValueError(f"max_k must be >= 0, got {self.max_k}")
-        for name in ("cost_halflife", "acceptance_halflife", "prior_strength", "cost_bias"):
+        for name in ("acceptance_halflife", "prior_strength", "cost_bias"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("version_discount", "prior_verify_slope", "prior_draft_cost"):
+        for name in ("version_discount", "prior_verify_slope", "prior_draft_cost", "min_gain"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 < self.prior_acceptance < 1:
@@ -102,6 +117,8 @@ class SpeculationPolicyConfig:
         if not 0 < self.guard_ratio <= 1:
             raise ValueError(f"guard_ratio must be in (0, 1], got {self.guard_ratio}")
         for name in (
+            "cost_window",
+            "min_cost_samples",
             "probe_every",
             "max_probe_every",
             "guard_rows",
@@ -143,8 +160,22 @@ def batch_bucket(batch: int) -> int:
     return int(edge)
 
 
-def _ema(old: float | None, new: float, weight: float) -> float:
-    return new if old is None else old + weight * (new - old)
+class _Samples:
+    """The last few measurements of one cost; the estimate is their median."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, window: int) -> None:
+        self.values: deque[float] = deque(maxlen=window)
+
+    def add(self, value: float) -> None:
+        self.values.append(value)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def median(self) -> float:
+        return statistics.median(self.values)
 
 
 class AcceptanceEstimate:
@@ -197,10 +228,12 @@ class AcceptanceEstimate:
 class _Bucket:
     """Cost estimates and guard state of one batch-size bucket."""
 
-    verify: dict[int, float] = field(default_factory=dict)
-    """width k+1 -> EMA seconds of the decode step without its draft phase."""
-    draft_per_token: float | None = None
-    """EMA seconds of one draft token (draft phase seconds / k)."""
+    window: int
+    min_samples: int
+    verify_samples: dict[int, _Samples] = field(default_factory=dict)
+    """width k+1 -> seconds of the decode step without its draft phase."""
+    draft_samples: _Samples | None = None
+    """seconds of one draft token (draft phase seconds / k)."""
     last_measured: dict[int, int] = field(default_factory=dict)
     """k -> step count when last measured."""
     steps: int = 0
@@ -209,8 +242,25 @@ class _Bucket:
     last_probe_best: int = -1
     backoff_until: int = 0
     backoff_len: int = 0
-    window: list[tuple[int, float, float]] = field(default_factory=list)
+    guard_window: list[tuple[int, float, float]] = field(default_factory=list)
     """Recent model-chosen k > 0 steps: (rows, tokens per row, seconds)."""
+
+    @property
+    def verify(self) -> dict[int, float]:
+        """Trusted widths (measured at least `min_samples` times; plain once) -> median seconds."""
+        return {w: v.median() for w, v in self.verify_samples.items() if len(v) >= (1 if w == 1 else self.min_samples)}
+
+    @property
+    def draft_per_token(self) -> float | None:
+        d = self.draft_samples
+        return d.median() if d is not None and len(d) >= self.min_samples else None
+
+    def observe(self, width: int, verify_seconds: float, draft_per_token: float | None) -> None:
+        self.verify_samples.setdefault(width, _Samples(self.window)).add(verify_seconds)
+        if draft_per_token is not None:
+            if self.draft_samples is None:
+                self.draft_samples = _Samples(self.window)
+            self.draft_samples.add(draft_per_token)
 
 
 class SpeculationPolicy:
@@ -220,7 +270,6 @@ class SpeculationPolicy:
         self.config = config
         self.acceptance = AcceptanceEstimate(config)
         self._buckets: dict[int, _Bucket] = {}
-        self._cost_w = 1.0 - 0.5 ** (1.0 / config.cost_halflife)
         self.trips = 0
         self.last = SpeculationDecision(
             k=0, reason="off" if not config.max_k else "probe", batch_size=0, detail="no decode step yet"
@@ -229,20 +278,25 @@ class SpeculationPolicy:
 
     # ---- predictions ------------------------------------------------------------------------
     def _bucket(self, batch: int) -> _Bucket:
-        return self._buckets.setdefault(batch_bucket(batch), _Bucket())
+        edge = batch_bucket(batch)
+        if edge not in self._buckets:
+            self._buckets[edge] = _Bucket(window=self.config.cost_window, min_samples=self.config.min_cost_samples)
+        return self._buckets[edge]
 
     def predicted_seconds(self, batch: int, k: int) -> float | None:
         """Predicted seconds of one decode step with k drafts at this batch (None before plain is measured)."""
         b = self._bucket(batch)
-        plain = b.verify.get(1)
+        verify_costs = b.verify
+        plain = verify_costs.get(1)
         if plain is None:
             return None
         near = self._nearest_measured(batch)
-        verify = self._verify_seconds(b, k + 1, plain, near)
+        verify = self._verify_seconds(verify_costs, k + 1, plain, near.verify if near is not None else None)
+        near_draft = near.draft_per_token if near is not None else None
         if b.draft_per_token is not None:
             per_token = b.draft_per_token
-        elif near is not None and near.draft_per_token is not None:  # the same share of a plain step
-            per_token = near.draft_per_token / near.verify[1] * plain
+        elif near is not None and near_draft is not None:  # the same share of a plain step
+            per_token = near_draft / near.verify[1] * plain
         else:
             per_token = self.config.prior_draft_cost * plain
         draft = k * per_token
@@ -256,27 +310,30 @@ class SpeculationPolicy:
         measured = [
             (abs(math.log(edge / own)), edge)
             for edge, other in self._buckets.items()
-            if edge != own and 1 in other.verify and len(other.verify) >= 2
+            if edge != own and len(other.verify) >= 2 and 1 in other.verify
         ]
         return self._buckets[min(measured)[1]] if measured else None
 
-    def _verify_seconds(self, b: _Bucket, width: int, plain: float, near: _Bucket | None = None) -> float:
-        if width in b.verify:
-            return b.verify[width]
-        widths = sorted(b.verify)
+    def _verify_seconds(
+        self, costs: dict[int, float], width: int, plain: float, near: dict[int, float] | None = None
+    ) -> float:
+        """Seconds of a width-`width` verify from a bucket's trusted costs (width -> seconds)."""
+        if width in costs:
+            return costs[width]
+        widths = sorted(costs)
         lower = [w for w in widths if w < width]
         upper = [w for w in widths if w > width]
         if lower and upper:  # interpolate between the neighbours
             w0, w1 = lower[-1], upper[0]
             t = (width - w0) / (w1 - w0)
-            return b.verify[w0] + t * (b.verify[w1] - b.verify[w0])
+            return costs[w0] + t * (costs[w1] - costs[w0])
         if len(widths) >= 2:  # extrapolate with the slope of the two nearest widths (never negative)
             w0, w1 = (widths[-2], widths[-1]) if lower else (widths[0], widths[1])
-            slope = max((b.verify[w1] - b.verify[w0]) / (w1 - w0), 0.0)
+            slope = max((costs[w1] - costs[w0]) / (w1 - w0), 0.0)
             anchor = w1 if lower else w0
-            return max(b.verify[anchor] + slope * (width - anchor), 0.0)
+            return max(costs[anchor] + slope * (width - anchor), 0.0)
         if near is not None:  # the nearest measured batch size's cost relative to its plain step
-            return plain * self._verify_seconds(near, width, near.verify[1]) / near.verify[1]
+            return plain * self._verify_seconds(near, width, near[1]) / near[1]
         return plain * (1.0 + self.config.prior_verify_slope * (width - 1))
 
     def expected_rates(self, batch: int) -> list[float] | None:
@@ -313,7 +370,7 @@ class SpeculationPolicy:
                 k=0, reason="probe", batch_size=batch, detail=f"measuring plain decoding at batch {batch}"
             )
             return self.last
-        best = max(range(len(rates)), key=lambda k: (rates[k], -k))
+        best = self._best(rates)
         speedup = rates[best] / rates[0]
         if b.steps - b.last_probe_step >= (b.probe_interval or cfg.probe_every):
             stable = best == b.last_probe_best
@@ -352,7 +409,12 @@ class SpeculationPolicy:
         rates = self.expected_rates(batch)
         if rates is None or b.draft_per_token is None:
             return True  # not measured yet
-        return max(range(len(rates)), key=lambda k: (rates[k], -k)) > 0
+        return self._best(rates) > 0
+
+    def _best(self, rates: list[float]) -> int:
+        """The k of the highest predicted rate; a k > 0 must beat plain by `min_gain` (ties: smaller k)."""
+        best = max(range(len(rates)), key=lambda k: (rates[k], -k))
+        return best if rates[best] >= (1.0 + self.config.min_gain) * rates[0] else 0
 
     # ---- observations -----------------------------------------------------------------------
     def observe_step(
@@ -364,20 +426,18 @@ class SpeculationPolicy:
         if batch < 1 or step_seconds <= 0 or draft_seconds < 0 or draft_seconds > step_seconds:
             return  # nothing measurable (clock resolution, empty step)
         b = self._bucket(batch)
-        b.verify[k + 1] = _ema(b.verify.get(k + 1), step_seconds - draft_seconds, self._cost_w)
-        if k > 0:
-            b.draft_per_token = _ema(b.draft_per_token, draft_seconds / k, self._cost_w)
+        b.observe(k + 1, step_seconds - draft_seconds, draft_seconds / k if k > 0 else None)
         b.last_measured[k] = b.steps
         if not (chosen and k > 0 and self.last.reason == "model"):
             return
-        b.window.append((batch, tokens / batch, step_seconds))
-        rows = sum(n for n, _, _ in b.window)
-        if len(b.window) < self.config.guard_min_steps or rows < self.config.guard_rows:
+        b.guard_window.append((batch, tokens / batch, step_seconds))
+        rows = sum(n for n, _, _ in b.guard_window)
+        if len(b.guard_window) < self.config.guard_min_steps or rows < self.config.guard_rows:
             return
         plain = b.verify.get(1)
-        realised = sum(t for _, t, _ in b.window) / sum(s for _, _, s in b.window)
-        steps = len(b.window)
-        b.window.clear()
+        realised = sum(t for _, t, _ in b.guard_window) / sum(s for _, _, s in b.guard_window)
+        steps = len(b.guard_window)
+        b.guard_window.clear()
         if plain is None:
             return
         ratio = realised * plain  # realised tokens/s per row over plain's (1 token per row per plain step)
