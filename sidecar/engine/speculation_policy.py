@@ -14,11 +14,13 @@ engine step, not a constant (DESIGN.md, "Speculation policy"):
 - **Costs** are measured online by the engine (`observe_step`: seconds of the draft phase and of
   the whole decode step, per batch-size bucket and k); the estimate of each (bucket, width) is
   the median of its last `cost_window` measurements (a garbage collection or a growing cache
-  makes one step several times slower; an average would carry that for many steps). The verify
-  cost of a bucket is a line in the width through plain's cost, its slope fitted to all other
-  widths' medians weighted by their counts (`_Bucket.verify_line`), so no width's prediction rests on its own one or two noisy
-  steps; until k > 0 is measured `min_cost_samples` times, the bucket takes the nearest measured
-  bucket's slope relative to plain (else a prior slope). The draft cost is linear in k.
+  makes one step several times slower; an average would carry that for many steps). A width
+  measured fewer than `min_cost_samples` times in a bucket is not trusted alone: it is
+  interpolated / extrapolated linearly from the bucket's trusted widths, or, with plain the only
+  trusted one, taken from the nearest measured bucket's cost relative to plain (else a prior
+  slope); the draft cost is linear in k. (A line fitted through all widths was tried: on a
+  CPU the verify cost is concave in the width — the first draft adds the speculative sampling
+  work — so the line overpriced long drafts and batch 1 chose k = 2 where k = 3 was best.)
 - **Acceptance** per draft position is a discounted count of the rounds that reached the
   position and of those that accepted it (`observe_acceptance`), so it follows a drifting draft;
   a weight push (`on_weight_version`) multiplies the counts by `version_discount`: the old
@@ -65,7 +67,7 @@ class SpeculationPolicyConfig:
     """Largest k the controller may choose (the 'auto' mode's maximum)."""
     cost_window: int = 9
     """Measurements per (batch bucket, width) whose median is the cost estimate."""
-    min_cost_samples: int = 2
+    min_cost_samples: int = 3
     """Measurements before a width's own cost is trusted over one predicted from the bucket's
     other widths or the nearest bucket (one step's time on a shared machine can be far off)."""
     min_gain: float = 0.10
@@ -252,22 +254,10 @@ class _Bucket:
     guard_window: list[tuple[int, float, float]] = field(default_factory=list)
     """Recent model-chosen k > 0 steps: (rows, tokens per row, seconds)."""
 
-    def verify_line(self) -> tuple[float, float | None] | None:
-        """(plain step seconds, seconds per extra verified token): plain's own median, and the
-        slope of the line through it fitted by least squares to the median cost of every other
-        measured width, each weighted by its number of measurements. Every width's prediction
-        then rests on all of the bucket's k > 0 measurements, not on its own one or two noisy
-        steps (a verify's cost is close to linear in its width: compute-bound CPUs ~linear, GPUs
-        flat at small widths). None before plain is measured; slope None while fewer than
-        `min_samples` measurements of k > 0 exist."""
-        if 1 not in self.verify_samples:
-            return None
-        plain = self.verify_samples[1].median()
-        points = [(w - 1, v.median(), len(v)) for w, v in self.verify_samples.items() if w > 1]
-        if sum(n for _, _, n in points) < self.min_samples:
-            return plain, None
-        slope = sum(n * x * (c - plain) for x, c, n in points) / sum(n * x * x for x, _, n in points)
-        return plain, max(slope, 0.0)
+    @property
+    def verify(self) -> dict[int, float]:
+        """Trusted widths (measured at least `min_samples` times; plain once) -> median seconds."""
+        return {w: v.median() for w, v in self.verify_samples.items() if len(v) >= (1 if w == 1 else self.min_samples)}
 
     @property
     def draft_per_token(self) -> float | None:
@@ -305,37 +295,55 @@ class SpeculationPolicy:
     def predicted_seconds(self, batch: int, k: int) -> float | None:
         """Predicted seconds of one decode step with k drafts at this batch (None before plain is measured)."""
         b = self._bucket(batch)
-        line = b.verify_line()
-        if line is None:
+        verify_costs = b.verify
+        plain = verify_costs.get(1)
+        if plain is None:
             return None
-        plain, slope = line
         near = self._nearest_measured(batch)
-        near_line = near.verify_line() if near is not None else None
-        if slope is None:  # the nearest measured batch size's slope relative to its plain step
-            if near_line is not None and near_line[1] is not None:
-                slope = near_line[1] / near_line[0] * plain
-            else:
-                slope = self.config.prior_verify_slope * plain
-        verify = plain + slope * k
+        verify = self._verify_seconds(verify_costs, k + 1, plain, near.verify if near is not None else None)
+        near_draft = near.draft_per_token if near is not None else None
         if b.draft_per_token is not None:
             per_token = b.draft_per_token
-        elif near is not None and near_line is not None and near.draft_per_token is not None:
-            per_token = near.draft_per_token / near_line[0] * plain  # the same share of a plain step
+        elif near is not None and near_draft is not None:  # the same share of a plain step
+            per_token = near_draft / near.verify[1] * plain
         else:
             per_token = self.config.prior_draft_cost * plain
-        seconds = verify + k * per_token
+        draft = k * per_token
+        seconds = verify + draft
         return seconds * self.config.cost_bias if k > 0 else seconds
 
     def _nearest_measured(self, batch: int) -> _Bucket | None:
-        """The nearest other bucket with plain and k > 0 measured (its relative costs are the
+        """The nearest other bucket with plain and some k > 0 measured (its relative costs are the
         best guess for a bucket that has not measured them yet)."""
         own = batch_bucket(batch)
-        measured = []
-        for edge, other in self._buckets.items():
-            line = other.verify_line() if edge != own else None
-            if line is not None and line[1] is not None:
-                measured.append((abs(math.log(edge / own)), edge))
+        measured = [
+            (abs(math.log(edge / own)), edge)
+            for edge, other in self._buckets.items()
+            if edge != own and len(other.verify) >= 2 and 1 in other.verify
+        ]
         return self._buckets[min(measured)[1]] if measured else None
+
+    def _verify_seconds(
+        self, costs: dict[int, float], width: int, plain: float, near: dict[int, float] | None = None
+    ) -> float:
+        """Seconds of a width-`width` verify from a bucket's trusted costs (width -> seconds)."""
+        if width in costs:
+            return costs[width]
+        widths = sorted(costs)
+        lower = [w for w in widths if w < width]
+        upper = [w for w in widths if w > width]
+        if lower and upper:  # interpolate between the neighbours
+            w0, w1 = lower[-1], upper[0]
+            t = (width - w0) / (w1 - w0)
+            return costs[w0] + t * (costs[w1] - costs[w0])
+        if len(widths) >= 2:  # extrapolate with the slope of the two nearest widths (never negative)
+            w0, w1 = (widths[-2], widths[-1]) if lower else (widths[0], widths[1])
+            slope = max((costs[w1] - costs[w0]) / (w1 - w0), 0.0)
+            anchor = w1 if lower else w0
+            return max(costs[anchor] + slope * (width - anchor), 0.0)
+        if near is not None:  # the nearest measured batch size's cost relative to its plain step
+            return plain * self._verify_seconds(near, width, near[1]) / near[1]
+        return plain * (1.0 + self.config.prior_verify_slope * (width - 1))
 
     def expected_rates(self, batch: int) -> list[float] | None:
         """Predicted tokens per second per row for k = 0..max_k (None before plain is measured)."""
@@ -438,8 +446,7 @@ class SpeculationPolicy:
         rows = sum(n for n, _, _ in b.guard_window)
         if len(b.guard_window) < self.config.guard_min_steps or rows < self.config.guard_rows:
             return
-        line = b.verify_line()
-        plain = line[0] if line is not None else None
+        plain = b.verify.get(1)
         realised = sum(t for _, t, _ in b.guard_window) / sum(s for _, _, s in b.guard_window)
         steps = len(b.guard_window)
         b.guard_window.clear()
