@@ -38,7 +38,8 @@ engine step, not a constant (DESIGN.md, "Speculation policy"):
   of the guard); then every `probe_every` steps (the interval doubling up to `max_probe_every`
   while the best k stays the same) the controller runs the least recently measured of
   {best - 1, best + 1, 0} once, so costs and acceptance of the neighbours stay fresh. Rows that
-  join a batch whose measured best is plain carry no draft at all (`may_draft`).
+  join a batch where every k > 0 is predicted slower than plain carry no draft at all
+  (`may_draft`).
 - **Guard**: the model can be wrong (stale acceptance after a push, a cost that moved, a bug).
   Over the last `guard_rows` row-rounds (at least `guard_min_steps` steps) of model-chosen
   steps with k > 0 in a bucket, the realised tokens
@@ -412,13 +413,17 @@ class SpeculationPolicy:
 
     def may_draft(self, batch: int) -> bool:
         """False when sequences joining a batch of this size should not keep a draft at all: the
-        bucket's measured costs and acceptance say plain decoding is best. (A guard back-off does
-        not count: it is temporary, and the sequences may draft once it ends.)"""
+        bucket's measured costs and acceptance say every k > 0 is slower than plain decoding.
+        A sequence admitted without a draft never drafts, so between break-even and the margin
+        (`min_gain`) it keeps its draft and each step decides: the draft's upkeep is small (the MTP
+        prefill of the prompt; plain rounds keep a bounded catch-up), while one noisy prediction
+        at admission would otherwise decide a whole generation. (A guard back-off does not count
+        either: it is temporary.)"""
         b = self._bucket(batch)
         rates = self.expected_rates(batch)
         if rates is None or b.draft_per_token is None:
             return True  # not measured yet
-        return self._best(rates) > 0
+        return max(rates[1:]) >= rates[0]
 
     def _best(self, rates: list[float]) -> int:
         """The k of the highest predicted rate, where a k > 0 must beat plain by `min_gain` and the
