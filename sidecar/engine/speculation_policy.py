@@ -17,8 +17,8 @@ engine step, not a constant (DESIGN.md, "Speculation policy"):
   makes one step several times slower; an average would carry that for many steps). A width
   measured fewer than `min_cost_samples` times in a bucket is not trusted alone: it is
   interpolated / extrapolated linearly from the bucket's trusted widths, or, with plain the only
-  trusted one, taken from the nearest measured bucket's cost relative to plain (else a prior
-  slope); the draft cost is linear in k. (A line fitted through all widths was tried: on a
+  trusted one, taken from the nearest measured bucket's cost relative to plain (else from the
+  bucket's own few measurements, else a prior slope); the draft cost is linear in k. (A line fitted through all widths was tried: on a
   CPU the verify cost is concave in the width — the first draft adds the speculative sampling
   work — so the line overpriced long drafts and batch 1 chose k = 2 where k = 3 was best.)
 - **Acceptance** per draft position is a discounted count of the rounds that reached the
@@ -265,6 +265,12 @@ class _Bucket:
         d = self.draft_samples
         return d.median() if d is not None and len(d) >= self.min_samples else None
 
+    def untrusted(self) -> tuple[dict[int, float], float | None]:
+        """Medians of every measured width and of the draft cost, however few the measurements
+        (better than a prior when nothing trusted is known)."""
+        d = self.draft_samples
+        return {w: v.median() for w, v in self.verify_samples.items()}, d.median() if d is not None else None
+
     def observe(self, width: int, verify_seconds: float, draft_per_token: float | None) -> None:
         self.verify_samples.setdefault(width, _Samples(self.window)).add(verify_seconds)
         if draft_per_token is not None:
@@ -301,10 +307,13 @@ class SpeculationPolicy:
         if plain is None:
             return None
         near = self._nearest_measured(batch)
+        own_draft = b.draft_per_token
+        if near is None and len(verify_costs) < 2:  # no trusted k > 0 anywhere: own few measurements, not priors
+            verify_costs, own_draft = b.untrusted()
         verify = self._verify_seconds(verify_costs, k + 1, plain, near.verify if near is not None else None)
         near_draft = near.draft_per_token if near is not None else None
-        if b.draft_per_token is not None:
-            per_token = b.draft_per_token
+        if own_draft is not None:
+            per_token = own_draft
         elif near is not None and near_draft is not None:  # the same share of a plain step
             per_token = near_draft / near.verify[1] * plain
         else:
@@ -421,8 +430,9 @@ class SpeculationPolicy:
         either: it is temporary.)"""
         b = self._bucket(batch)
         rates = self.expected_rates(batch)
-        if rates is None or b.draft_per_token is None:
-            return True  # not measured yet
+        measured = any(w > 1 for w in b.verify_samples) or self._nearest_measured(batch) is not None
+        if rates is None or not measured:
+            return True  # k > 0 not measured yet
         return max(rates[1:]) >= rates[0]
 
     def _best(self, rates: list[float]) -> int:
