@@ -38,8 +38,8 @@ engine step, not a constant (DESIGN.md, "Speculation policy"):
   of the guard); then every `probe_every` steps (the interval doubling up to `max_probe_every`
   while the best k stays the same) the controller runs the least recently measured of
   {best - 1, best + 1, 0} once, so costs and acceptance of the neighbours stay fresh. Rows that
-  join a batch where every k > 0 is predicted slower than plain carry no draft at all
-  (`may_draft`).
+  join a batch where every k > 0 was measured slower than plain carry no draft at all
+  (`may_draft`; every `probe_every`-th such admission keeps its draft to re-measure).
 - **Guard**: the model can be wrong (stale acceptance after a push, a cost that moved, a bug).
   Over the last `guard_rows` row-rounds (at least `guard_min_steps` steps) of model-chosen
   steps with k > 0 in a bucket, the realised tokens
@@ -252,6 +252,8 @@ class _Bucket:
     last_probe_best: int = -1
     backoff_until: int = 0
     backoff_len: int = 0
+    refusals: int = 0
+    """Consecutive admissions refused a draft (`may_draft`)."""
     guard_window: list[tuple[int, float, float]] = field(default_factory=list)
     """Recent model-chosen k > 0 steps: (rows, tokens per row, seconds)."""
 
@@ -427,13 +429,23 @@ class SpeculationPolicy:
         (`min_gain`) it keeps its draft and each step decides: the draft's upkeep is small (the MTP
         prefill of the prompt; plain rounds keep a bounded catch-up), while one noisy prediction
         at admission would otherwise decide a whole generation. (A guard back-off does not count
-        either: it is temporary.)"""
+        either: it is temporary.) Only the bucket's own measurements of k > 0 can refuse a draft
+        (another batch size's relative costs may be far off, and a refused bucket would never
+        measure its own), and every `probe_every`-th refusal in a row is turned into an
+        admission with a draft, so a bucket that once measured plain best can learn that this
+        changed (a weight push that improved the draft, a machine less loaded)."""
         b = self._bucket(batch)
         rates = self.expected_rates(batch)
-        measured = any(w > 1 for w in b.verify_samples) or self._nearest_measured(batch) is not None
-        if rates is None or not measured:
-            return True  # k > 0 not measured yet
-        return max(rates[1:]) >= rates[0]
+        if rates is None or not any(w > 1 for w in b.verify_samples):
+            return True  # k > 0 not measured here yet
+        if max(rates[1:]) >= rates[0]:
+            b.refusals = 0
+            return True
+        b.refusals += 1
+        if b.refusals >= self.config.probe_every:
+            b.refusals = 0
+            return True
+        return False
 
     def _best(self, rates: list[float]) -> int:
         """The k of the highest predicted rate, where a k > 0 must beat plain by `min_gain` and the

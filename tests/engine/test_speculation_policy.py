@@ -307,3 +307,16 @@ def test_without_a_measured_neighbour_a_bucket_trusts_its_own_few_measurements_o
     policy.observe_step(batch=64, k=1, draft_seconds=0.020, step_seconds=0.160, tokens=96, chosen=False)
     assert policy.predicted_seconds(64, 1) == pytest.approx(0.160)
     assert policy.decide(64).k == 0 and not policy.may_draft(64)  # 1.5 tokens / 1.6 plain steps: a loss
+
+
+def test_only_own_measurements_refuse_a_draft_and_refused_buckets_re_measure_now_and_then() -> None:
+    policy = SpeculationPolicy(SpeculationPolicyConfig(max_k=1, probe_every=4, prior_strength=1e-9))
+    feed_acceptance(policy, [0.5])
+    feed_costs(policy, 1, verify=[0.010, 0.020], draft=0.005)  # batch 1: k = 1 costs 2.5 plain steps
+    for _ in range(3):
+        policy.observe_step(batch=4, k=0, draft_seconds=0.0, step_seconds=0.020, tokens=4)
+    assert policy.expected_rates(4)[1] < policy.expected_rates(4)[0]  # borrowed from batch 1: a loss
+    assert policy.may_draft(4)  # ... but batch 4 has not measured k > 0 itself
+    policy.observe_step(batch=4, k=1, draft_seconds=0.004, step_seconds=0.040, tokens=6, chosen=False)
+    answers = [policy.may_draft(4) for _ in range(8)]  # measured itself: a loss
+    assert answers == [False, False, False, True] * 2  # every 4th refusal keeps its draft
