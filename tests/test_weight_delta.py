@@ -233,7 +233,7 @@ def test_fifty_delta_pushes_on_a_live_sidecar_serve_the_senders_copy(
     g = torch.Generator().manual_seed(1)
     state = weights(1)
     dense = sum(t.numel() * t.element_size() for t in state.values())
-    with start_sidecar(checkpoint, keep_staging=True) as sc, delta_client(sc.address, transport) as c:
+    with start_sidecar(checkpoint) as sc, delta_client(sc.address, transport) as c:
         first = c.push_weights(state, version=1)
         assert first.bytes_received == dense and first.transport is transport  # first contact: full
         received = []
@@ -401,13 +401,15 @@ def _refused_and_still_serving(live: Live, items: Iterator[PushItem], code: grpc
     assert err.value.code == code, err.value.details
     assert message in err.value.details, err.value.details
     assert served(sc) == before and c.info().weight_version == version
-    assert _open_regions() == regions  # the sidecar closed and unmapped the sender's region
-    assert not sc.weights._receiver.groups._groups  # a failed collective push leaves no group behind
+    assert all(a <= b for a, b in zip(_open_regions(), regions, strict=True))  # nothing left open or mapped
+    groups = sc.weights._receiver.groups
+    assert not groups._groups  # the failed push's collective group is out of use, as on the sender
     # The sidecar keeps serving: it takes the next push, as a delta against the version it kept.
     live.state = sparse_step(live.state, live.gen, 0.01)
     result = c.push_weights(live.state, version=version + 1)
     assert result.transport is live.transport and result.bytes_received * 10 <= live.dense
     assert served(sc) == (version + 1, sha(live.state))
+    assert not groups._retired and len(groups._groups) == (live.transport is WeightTransport.COLLECTIVE)
 
 
 @pytest.mark.parametrize("fault", list(PLAN_FAULTS))

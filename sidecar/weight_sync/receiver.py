@@ -181,6 +181,7 @@ class WeightReceiver:
         self._base: dict[str, torch.Tensor] = {}
         self._base_version = 0
         self.groups = collective.GroupRegistry()
+        self._push_group: str | None = None  # the collective group the claimed push names
 
     # --- data planes ------------------------------------------------------------------------
 
@@ -220,7 +221,19 @@ class WeightReceiver:
                 "another weight push is being received or applied; retry after it finishes "
                 "(pushes to one sidecar are serialised)"
             )
-        return _PushClaim(self._lock)
+        self._push_group = None
+        return _PushClaim(self._lock, self._push_ended)
+
+    def _push_ended(self, failed: bool) -> None:
+        """A claimed push that failed (refused, broken, cancelled, or not applied) retires the
+        collective group it named, as the sender drops its end after any failed push: the
+        bucket broadcasts of a push that stopped part-way, or that was refused before the
+        sidecar took them, leave the two ends out of step, and a group neither end uses again
+        would hold its sockets and threads until the sidecar stops. The sender's next push
+        over collective prepares a new group (which closes the retired one)."""
+        group, self._push_group = self._push_group, None
+        if failed and group is not None:
+            self.groups.retire(group)
 
     def receive(self, items: Iterator[PushItem], *, is_active: Callable[[], bool] = lambda: True) -> StagedWeights:
         """Consume a whole push stream (manifest, chunks or placed tensors, commit, end of stream)
@@ -234,6 +247,8 @@ class WeightReceiver:
             raise InvalidRequestError(
                 f"the first message of a push was a {_kind(first)}, not the manifest; send the manifest first"
             )
+        if isinstance(first.data_plane, CollectivePlacement):
+            self._push_group = first.data_plane.group_id
         started = time.perf_counter()
         staged = self._check_manifest(first)
         plane = self._open_plane(first, staged)
@@ -647,16 +662,21 @@ def _verify_and_copy(t: _StagedTensor, chunk: WeightChunk, number: int) -> None:
 
 
 class _PushClaim:
-    """Context manager releasing the receiver's push lock."""
+    """Context manager around one push: tells the receiver whether the push failed (an
+    exception left the block), then releases its push lock."""
 
-    def __init__(self, lock: threading.Lock) -> None:
+    def __init__(self, lock: threading.Lock, ended: Callable[[bool], None]) -> None:
         self._lock = lock
+        self._ended = ended
 
     def __enter__(self) -> _PushClaim:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self._lock.release()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        try:
+            self._ended(exc_type is not None)
+        finally:
+            self._lock.release()
 
 
 def _kind(item: PushItem) -> str:
