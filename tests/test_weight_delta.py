@@ -271,7 +271,8 @@ def live(request: pytest.FixtureRequest, checkpoint: Path) -> Iterator[Live]:
     transport: WeightTransport = request.param
     state = weights(1)
     dense = sum(t.numel() * t.element_size() for t in state.values())
-    with start_sidecar(checkpoint) as sc, delta_client(sc.address, transport) as c:
+    # keep_staging: specrl serve's default (the base's buffers are the next push's staging)
+    with start_sidecar(checkpoint, keep_staging=True) as sc, delta_client(sc.address, transport) as c:
         assert c.push_weights(state, version=1).transport is transport
         yield Live(transport=transport, sc=sc, c=c, state=state, gen=torch.Generator().manual_seed(2), dense=dense)
 
