@@ -417,16 +417,17 @@ class WeightReceiver:
             )
         self._check_deltas(manifest, served)
         kept, self._kept = self._kept, {}
-        if kept and self._base:
-            # The kept staging buffers are the base's tensors, and full tensors are about to be
-            # received into them: the base (but for this push's delta tensors, rebuilt into
-            # fresh memory first) is void until `keep` takes the applied push as the new one.
+        reuse = {
+            s.name: b for s in manifest.tensors if s.delta is None and (b := _reusable(kept.get(s.name), s)) is not None
+        }
+        if any(self._base.get(n) is b for n, b in reuse.items()):
+            # Full tensors are about to be received into kept buffers that are the base's
+            # tensors: the base (but for this push's delta tensors, rebuilt into fresh memory
+            # first) is void until `keep` takes the applied push as the new one. A push of deltas
+            # only writes no base buffer, so refusing it leaves the base whole.
             self._base = {s.name: self._base[s.name] for s in manifest.tensors if s.delta is not None}
             self._base_version = -1
-        return [
-            _StagedTensor(s, None if s.delta is not None else _reusable(kept.pop(s.name, None), s))
-            for s in manifest.tensors
-        ]
+        return [_StagedTensor(s, reuse.get(s.name)) for s in manifest.tensors]
 
     def keep(self, staged: StagedWeights) -> None:
         """After an applied push: keep its tensors as the base of later deltas (when deltas are
