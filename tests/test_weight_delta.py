@@ -6,9 +6,11 @@
 - on a live sidecar, per transport: 50 consecutive delta pushes serve exactly the sender's
   copy (sha256 of the engine's parameters), with far fewer bytes received than dense;
 - every bad input (wrong base, positions out of range / unsorted / repeated, a rebuilt tensor
-  that does not match the manifest CRC-32, a dropped or reordered part, a tensor the sidecar
-  lacks) leaves the served weights and version exactly as they were; the client then pushes
-  in full.
+  that does not match the manifest CRC-32, a dropped, reordered or missing last part, a tensor
+  the sidecar lacks), on every transport, is refused with its status and message and leaves the
+  served weights and version exactly as they were, no region or group behind, and the base
+  whole: the next push is applied as a delta;
+- a refused delta push from the client is followed by a full push, on every transport.
 """
 
 from __future__ import annotations
