@@ -447,3 +447,99 @@ def test_buckets_cover_every_tensor_once_in_order() -> None:
         assert [i for b in buckets for i in b] == list(range(len(specs)))
         for b in buckets:
             assert len(b) == 1 or sum(specs[i].byte_length for i in b) <= size
+
+
+# --- the receiver keeps a sender's region mapped between pushes -----------------------------
+
+
+def _receive_over(receiver: WeightReceiver, region: shm.ShmRegion, model: dict[str, torch.Tensor], version: int):
+    return receiver.receive(iter(iter_push_requests(model, version, data_plane=ShmSender(region))))
+
+
+def test_a_second_push_over_the_same_region_reuses_its_mapping() -> None:
+    """Mapping a large region costs as much as copying it: a receiver keeps it for the next push
+    of the same sender, and what it stages from the kept mapping is the new push's bytes."""
+    model = weights(1)
+    specs = [spec_of(n, t) for n, t in model.items()]
+    receiver = WeightReceiver(model_specs=lambda selector: specs, served_version=lambda: 0)
+    region = shm.ShmRegion()
+    try:
+        _receive_over(receiver, region, model, 1)
+        assert receiver.regions.kept == [region.name]
+        (kept,) = receiver.regions._kept.values()
+        second = weights(2)
+        staged = _receive_over(receiver, region, second, 2)
+        assert receiver.regions._kept[region.name] is kept  # the same reader, not reopened
+        for name, tensor in second.items():
+            assert tensor_bytes(staged.tensors[name]).tobytes() == tensor_bytes(tensor).tobytes()
+    finally:
+        receiver.close()
+        region.close()
+    assert receiver.regions.kept == []
+
+
+@pytest.mark.parametrize("change", ["closed by the sender", "made readable by others"])
+def test_a_kept_region_is_checked_again_before_it_is_reused(change: str) -> None:
+    model = weights(1)
+    specs = [spec_of(n, t) for n, t in model.items()]
+    receiver = WeightReceiver(model_specs=lambda selector: specs, served_version=lambda: 0)
+    region = shm.ShmRegion()
+    try:
+        _receive_over(receiver, region, model, 1)
+        assert receiver.regions.kept == [region.name]
+        items = list(iter_push_requests(weights(2), 2, data_plane=ShmSender(region)))
+        if change == "closed by the sender":
+            region.close()
+        else:
+            os.chmod(region.path, 0o644)
+        with pytest.raises(TransportUnavailableError, match="does not exist|not a private"):
+            receiver.receive(iter(items))
+        assert receiver.regions.kept == []  # the stale reader was closed, not kept
+    finally:
+        receiver.close()
+        region.close()
+
+
+def test_a_failed_push_does_not_keep_its_region_and_idle_regions_are_released() -> None:
+    model = weights(1)
+    specs = [spec_of(n, t) for n, t in model.items()]
+    receiver = WeightReceiver(
+        model_specs=lambda selector: specs,
+        served_version=lambda: 0,
+        data_planes=DataPlaneConfig(shm_keep_mapped_s=0.2),
+    )
+    region = shm.ShmRegion()
+    try:
+        items = list(iter_push_requests(model, 1, data_plane=ShmSender(region)))
+        region.write(0, torch.full((8,), 7, dtype=torch.uint8).numpy())  # rewritten after its checksum
+        with pytest.raises(InvalidRequestError, match="CRC-32"):
+            receiver.receive(iter(items))
+        assert receiver.regions.kept == []
+        _receive_over(receiver, region, model, 1)
+        assert receiver.regions.kept == [region.name]
+        for _ in range(100):  # released by the idle timer (0.2 s), not by the next push
+            if not receiver.regions.kept:
+                break
+            threading.Event().wait(0.05)
+        assert receiver.regions.kept == []
+    finally:
+        receiver.close()
+        region.close()
+
+
+def test_keeping_regions_mapped_can_be_turned_off() -> None:
+    model = weights(1)
+    specs = [spec_of(n, t) for n, t in model.items()]
+    receiver = WeightReceiver(
+        model_specs=lambda selector: specs,
+        served_version=lambda: 0,
+        data_planes=DataPlaneConfig(shm_keep_mapped_s=0),
+    )
+    region = shm.ShmRegion()
+    try:
+        _receive_over(receiver, region, model, 1)
+        assert receiver.regions.kept == []
+    finally:
+        region.close()
+    with pytest.raises(ValueError, match="shm_keep_mapped_s"):
+        DataPlaneConfig(shm_keep_mapped_s=-1)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +78,9 @@ class DataPlaneConfig:
     proc_dir: Path = DEFAULT_PROC_DIR
     """Where the senders' region descriptors are found (/proc; a test points it elsewhere to
     play a sidecar on another host)."""
+    shm_keep_mapped_s: float = 60.0
+    """Keep a sender's region mapped this long after a push (mapping costs ~0.1 s per GiB; the
+    next push reuses it). 0: map and unmap at every push."""
     collective: bool = True
     """Offer `collective` (join a torch.distributed group a sender sets up)."""
     deltas: bool = True
@@ -86,6 +89,8 @@ class DataPlaneConfig:
 
     def __post_init__(self) -> None:
         self.proc_dir = Path(self.proc_dir)
+        if not self.shm_keep_mapped_s >= 0:
+            raise ValueError(f"shm_keep_mapped_s must be >= 0 seconds, got {self.shm_keep_mapped_s}")
 
     @property
     def offered(self) -> list[WeightTransport]:
@@ -165,22 +170,24 @@ class WeightReceiver:
         keep_staging: bool = False,
         data_planes: DataPlaneConfig | None = None,
     ) -> None:
-        """`keep_staging`: keep the staging tensors after an applied push and receive the next
-        push into them: no fresh memory to fault in (the largest single cost of a push on a
-        small machine), at the price of ~1x the model staying resident between pushes (the
-        peak is the same). Only for engines whose `update_weights` copies what it is given,
-        as TorchEngine does."""
+        """`keep_staging`: keep the buffers an applied push leaves free (the engine's displaced
+        tensors, or the staged ones where it copied them) and receive the next push into them:
+        no fresh memory to fault in (the largest single cost of a push on a small machine), at
+        the price of ~1x the model staying resident between pushes (the peak is the same).
+        Only for engines whose `adopt_weights` hands back buffers that nothing else holds, as
+        TorchEngine's does."""
         self._model_specs = model_specs
         self._served_version = served_version
         self._lock = threading.Lock()
         self._keep_staging = keep_staging
-        self._kept: dict[str, torch.Tensor] = {}
+        self._spare: dict[str, torch.Tensor] = {}  # buffers nothing serves: the next push's staging
         self.data_planes = data_planes or DataPlaneConfig()
         # The tensors of the last applied push and the version it made served: what a delta
         # is rebuilt from (only while that version is still the served one).
         self._base: dict[str, torch.Tensor] = {}
         self._base_version = 0
         self.groups = collective.GroupRegistry()
+        self.regions = shm.MappedRegions(self.data_planes.proc_dir, self.data_planes.shm_keep_mapped_s)
         self._push_group: str | None = None  # the collective group the claimed push names
 
     # --- data planes ------------------------------------------------------------------------
@@ -211,6 +218,7 @@ class WeightReceiver:
 
     def close(self) -> None:
         self.groups.close()
+        self.regions.close()
 
     # --- one push ---------------------------------------------------------------------------
 
@@ -260,6 +268,7 @@ class WeightReceiver:
         # Checksumming and copying (which release the GIL) run on a staging thread while this
         # one waits for the next message; at most _IN_FLIGHT pieces are held at a time.
         in_flight: collections.deque[Future[None]] = collections.deque()
+        received = False
         try:
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="specrl-stage") as stager:
                 try:
@@ -291,11 +300,12 @@ class WeightReceiver:
                         )
                     while in_flight:
                         in_flight.popleft().result()
+                    received = True
                 finally:
                     for f in in_flight:
                         f.cancel()
         finally:
-            plane.close()
+            plane.close(ok=received)
         if commit is None:
             raise InvalidRequestError(
                 f"the push stream ended after {chunk_count} chunks without a commit (truncated); "
@@ -369,7 +379,7 @@ class WeightReceiver:
         if isinstance(where, ShmPlacement):
             if not self.data_planes.shm:
                 raise TransportUnavailableError("this sidecar does not offer the shm transport; push over grpc")
-            return _ShmPlane(staged, shm.ShmReader(where.region, self.data_planes.proc_dir))
+            return _ShmPlane(staged, self.regions, self.regions.acquire(where.region))
         if not self.data_planes.collective:
             raise TransportUnavailableError("this sidecar does not offer the collective transport; push over grpc")
         return _CollectivePlane(staged, self.groups, where)
@@ -416,28 +426,33 @@ class WeightReceiver:
                 "a push must replace the whole selected part"
             )
         self._check_deltas(manifest, served)
-        kept, self._kept = self._kept, {}
-        reuse = {
-            s.name: b for s in manifest.tensors if s.delta is None and (b := _reusable(kept.get(s.name), s)) is not None
-        }
+        reuse: dict[str, torch.Tensor] = {}
+        for s in manifest.tensors:
+            buffer = _reusable(self._spare.get(s.name), s) if s.delta is None else None
+            if buffer is not None:
+                reuse[s.name] = self._spare.pop(s.name)
         if any(self._base.get(n) is b for n, b in reuse.items()):
-            # Full tensors are about to be received into kept buffers that are the base's
-            # tensors: the base (but for this push's delta tensors, rebuilt into fresh memory
-            # first) is void until `keep` takes the applied push as the new one. A push of deltas
-            # only writes no base buffer, so refusing it leaves the base whole.
+            # An engine that copies what it is given leaves the base's tensors as the spare
+            # buffers, and full tensors are about to be received into them: the base (but for
+            # this push's delta tensors, rebuilt into fresh memory first) is void until `keep`
+            # takes the applied push as the new one. (An engine that adopts the staged tensors
+            # hands back the displaced ones instead, and the base stays whole.)
             self._base = {s.name: self._base[s.name] for s in manifest.tensors if s.delta is not None}
             self._base_version = -1
         return [_StagedTensor(s, reuse.get(s.name)) for s in manifest.tensors]
 
-    def keep(self, staged: StagedWeights) -> None:
+    def keep(self, staged: StagedWeights, free: Mapping[str, torch.Tensor] | None = None) -> None:
         """After an applied push: keep its tensors as the base of later deltas (when deltas are
-        accepted) and, with keep_staging, as the next push's staging buffers (that push voids
-        the base it receives full tensors into; see `_check_manifest`)."""
+        accepted; they are what the engine now serves, or an exact copy of it) and, with
+        keep_staging, `free` as the next push's staging buffers: what the engine handed back
+        (`Engine.adopt_weights`), by default the staged tensors themselves (an engine that
+        copies; the next push then voids the base it receives full tensors into, see
+        `_check_manifest`)."""
         if self.data_planes.deltas:
             self._base.update(staged.tensors)
             self._base_version = staged.version
         if self._keep_staging:
-            self._kept = dict(self._base) if self.data_planes.deltas else dict(staged.tensors)
+            self._spare.update(staged.tensors if free is None else free)
 
 
 # --- data planes, receiving side ------------------------------------------------------------
@@ -456,8 +471,8 @@ class _Plane:
     def accept(self, item: WeightChunk | WeightPlaced, number: int) -> Callable[[], None]:
         raise NotImplementedError
 
-    def close(self) -> None:
-        """Release what the push opened."""
+    def close(self, ok: bool) -> None:
+        """Release what the push opened (`ok`: every byte arrived and checked)."""
 
 
 class _StreamPlane(_Plane):
@@ -527,8 +542,9 @@ class _PlacedPlane(_Plane):
 class _ShmPlane(_PlacedPlane):
     transport = "shm"
 
-    def __init__(self, staged: list[_StagedTensor], reader: shm.ShmReader) -> None:
+    def __init__(self, staged: list[_StagedTensor], regions: shm.MappedRegions, reader: shm.ShmReader) -> None:
         super().__init__(staged)
+        self.regions = regions
         self.reader = reader
 
     def stage(self, t: _StagedTensor, item: PlacedTensor) -> None:
@@ -536,8 +552,8 @@ class _ShmPlane(_PlacedPlane):
         t.received = item.byte_length
         _check_tensor_crc(t, crc, item.crc32)
 
-    def close(self) -> None:
-        self.reader.close()
+    def close(self, ok: bool) -> None:
+        self.regions.release(self.reader, keep=ok)
 
 
 class _CollectivePlane(_PlacedPlane):
@@ -581,7 +597,7 @@ class _CollectivePlane(_PlacedPlane):
         t.received = item.byte_length
         _check_tensor_crc(t, crc32(t.bytes_view()) if item.byte_length else 0, item.crc32)
 
-    def close(self) -> None:
+    def close(self, ok: bool) -> None:
         if self.failed:  # a broadcast that failed leaves the group unusable: rebuild it
             self.groups.drop(self.group.group_id)
 

@@ -161,6 +161,29 @@ def iter_push_requests(
             "streaming an iterable of tensors needs specs= (the manifest, e.g. from describe_weights); "
             "or pass a mapping of name to tensor"
         )
+    manifest = push_manifest(
+        specs, version, selector, data_plane.placement if data_plane is not None else None, base_version
+    )
+    manifest_specs = manifest.tensors
+    yield manifest
+    checked = checked_pairs(pairs, manifest_specs)
+    body = _chunks(checked, chunk_bytes) if data_plane is None else data_plane.place(checked, manifest_specs)
+    count = 0
+    for item in body:
+        yield item
+        count += 1
+    yield WeightCommit(chunk_count=count)
+
+
+def push_manifest(
+    specs: Sequence[TensorSpec],
+    version: int,
+    selector: WeightSelector = WeightSelector.ALL,
+    placement: ShmPlacement | CollectivePlacement | None = None,
+    base_version: int = 0,
+) -> WeightManifest:
+    """The manifest of a push of `specs` (a full tensor's CRC-32 travels with its bytes; a
+    delta's, of the reconstructed tensor, in the manifest)."""
     manifest_specs = [
         TensorSpec(
             name=s.name,
@@ -173,23 +196,23 @@ def iter_push_requests(
     ]
     if base_version == 0 and any(s.delta is not None for s in manifest_specs):
         raise ValueError("a push with delta tensors needs base_version= (the version they were computed against)")
-    yield WeightManifest(
-        version=version,
-        selector=selector,
-        tensors=manifest_specs,
-        data_plane=data_plane.placement if data_plane is not None else None,
-        base_version=base_version,
+    return WeightManifest(
+        version=version, selector=selector, tensors=manifest_specs, data_plane=placement, base_version=base_version
     )
-    checked = _checked(pairs, manifest_specs)
-    body = _chunks(checked, chunk_bytes) if data_plane is None else data_plane.place(checked, manifest_specs)
+
+
+def placed_push(manifest: WeightManifest, placed: Iterable[WeightPlaced]) -> Iterator[PushItem]:
+    """The items of a push whose tensors were already placed on the manifest's data plane (by
+    one writer for several sidecars): the manifest, the placements, the commit."""
+    yield manifest
     count = 0
-    for item in body:
+    for item in placed:
         yield item
         count += 1
     yield WeightCommit(chunk_count=count)
 
 
-def _checked(
+def checked_pairs(
     pairs: Iterable[tuple[str, torch.Tensor]], specs: Sequence[TensorSpec]
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """(index, tensor) in manifest order; ValueError for a tensor that is not its spec's, or a
