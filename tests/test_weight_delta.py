@@ -273,7 +273,7 @@ def live(request: pytest.FixtureRequest, checkpoint: Path) -> Iterator[Live]:
     transport: WeightTransport = request.param
     state = weights(1)
     dense = sum(t.numel() * t.element_size() for t in state.values())
-    # keep_staging: specrl serve's default (the base's buffers are the next push's staging)
+    # keep_staging: as specrl serve runs it (pushes are staged into buffers the last one freed)
     with start_sidecar(checkpoint, keep_staging=True) as sc, delta_client(sc.address, transport) as c:
         assert c.push_weights(state, version=1).transport is transport
         yield Live(transport=transport, sc=sc, c=c, state=state, gen=torch.Generator().manual_seed(2), dense=dense)
