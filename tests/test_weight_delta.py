@@ -267,6 +267,9 @@ class Live:
     gen: torch.Generator
     dense: int
 
+    def __repr__(self) -> str:  # hypothesis prints its arguments
+        return f"Live({self.transport.value}, version {self.c.delta_base.version})"
+
 
 @pytest.fixture(scope="module", params=list(CONFIGS), ids=lambda t: t.value)
 def live(request: pytest.FixtureRequest, checkpoint: Path) -> Iterator[Live]:
@@ -392,26 +395,64 @@ def _open_regions() -> tuple[int, int]:
     return fds, maps
 
 
-def _refused_and_still_serving(live: Live, items: Iterator[PushItem], code: grpc.StatusCode, message: str) -> None:
-    """Push `items`: refused with `code` and `message`; the served weights and version are
-    exactly as they were, nothing is left open, and the next (delta) push is applied."""
+def _faulty_push(live: Live, fault: str) -> tuple[Iterator[PushItem], grpc.StatusCode, str]:
+    """The client's next delta push with `fault` (a key of PLAN_FAULTS or PART_FAULTS), placed on
+    its negotiated data plane as the client places it; the status and message it must get."""
+    c = live.c
+    c.negotiate_transport()
+    plan = _delta_plan(live)
+    code, message = grpc.StatusCode.INVALID_ARGUMENT, ""
+    if fault in PLAN_FAULTS:
+        damage, code, message = PLAN_FAULTS[fault]
+        damage(plan)
+        message = message.format(wrong=plan.base_version)
+    items = iter_push_requests(
+        plan.wire,
+        c.delta_base.version + 1,
+        specs=plan.specs,
+        base_version=plan.base_version,
+        chunk_bytes=256,
+        data_plane=c.data_plane.sender,
+    )
+    if fault in PART_FAULTS:
+        if live.transport is WeightTransport.GRPC:
+            items, message = _chunk_fault(items, fault), PART_FAULTS[fault]["chunk"]
+        else:
+            items, message = _placed_fault(items, fault), PART_FAULTS[fault]["placed"]
+    return items, code, message
+
+
+def _refused(live: Live, fault: str) -> None:
+    """The faulty push is refused with its status and message; the served weights and version
+    are exactly as they were, and the sidecar left no region open or mapped and no group usable."""
     sc, c = live.sc, live.c
+    kept = sc.weights._receiver.regions  # regions the sidecar keeps mapped on purpose (bounded, expire)
+    kept.close()
     before, regions = served(sc), _open_regions()
-    version = before[0]
-    assert c.info().weight_version == version == c.delta_base.version
+    assert c.info().weight_version == before[0] == c.delta_base.version
+    items, code, message = _faulty_push(live, fault)
     with pytest.raises(SidecarCallError) as err:
         c.push_items(items, plane=c.data_plane.sender)
     assert err.value.code == code, err.value.details
     assert message in err.value.details, err.value.details
-    assert served(sc) == before and c.info().weight_version == version
-    assert all(a <= b for a, b in zip(_open_regions(), regions, strict=True))  # nothing left open or mapped
+    assert served(sc) == before and c.info().weight_version == before[0]
+    kept.close()
+    assert all(a <= b for a, b in zip(_open_regions(), regions, strict=True))  # nothing else left open or mapped
     groups = sc.weights._receiver.groups
     assert not groups._groups  # the failed push's collective group is out of use, as on the sender
-    # The sidecar keeps serving: it takes the next push, as a delta against the version it kept.
+    assert len(groups._retired) <= 1  # and closed once the sender prepares its next group
+
+
+def _applied(live: Live) -> None:
+    """The sidecar keeps serving: it takes the next push as a delta against the version it
+    kept, and serves exactly the client's copy."""
+    sc, c = live.sc, live.c
+    version = served(sc)[0]
     live.state = sparse_step(live.state, live.gen, 0.01)
     result = c.push_weights(live.state, version=version + 1)
     assert result.transport is live.transport and result.bytes_received * 10 <= live.dense
     assert served(sc) == (version + 1, sha(live.state))
+    groups = sc.weights._receiver.groups
     assert not groups._retired and len(groups._groups) == (live.transport is WeightTransport.COLLECTIVE)
 
 
@@ -419,41 +460,30 @@ def _refused_and_still_serving(live: Live, items: Iterator[PushItem], code: grpc
 def test_a_bad_delta_is_refused_on_every_transport(live: Live, fault: str) -> None:
     """Wrong base, positions out of range / unsorted / repeated, a rebuilt tensor that does not
     match the manifest's CRC-32, a tensor the sidecar does not have: each placed on the data
-    plane as the client would place it."""
-    damage, code, message = PLAN_FAULTS[fault]
-    c = live.c
-    c.negotiate_transport()
-    plan = _delta_plan(live)
-    damage(plan)
-    items = iter_push_requests(
-        plan.wire,
-        c.delta_base.version + 1,
-        specs=plan.specs,
-        base_version=plan.base_version,
-        chunk_bytes=256,
-        data_plane=c.data_plane.sender,
-    )
-    _refused_and_still_serving(live, items, code, message.format(wrong=plan.base_version))
+    plane as the client would place it, then a good push."""
+    _refused(live, fault)
+    _applied(live)
 
 
 @pytest.mark.parametrize("fault", list(PART_FAULTS))
 def test_a_dropped_or_reordered_part_is_refused_on_every_transport(live: Live, fault: str) -> None:
-    c = live.c
-    c.negotiate_transport()
-    plan = _delta_plan(live)
-    items = iter_push_requests(
-        plan.wire,
-        c.delta_base.version + 1,
-        specs=plan.specs,
-        base_version=plan.base_version,
-        chunk_bytes=256,
-        data_plane=c.data_plane.sender,
-    )
-    if live.transport is WeightTransport.GRPC:
-        items, message = _chunk_fault(items, fault), PART_FAULTS[fault]["chunk"]
-    else:
-        items, message = _placed_fault(items, fault), PART_FAULTS[fault]["placed"]
-    _refused_and_still_serving(live, items, grpc.StatusCode.INVALID_ARGUMENT, message)
+    """Parts are the stream's chunks on grpc and the placed tensors on shm and collective."""
+    _refused(live, fault)
+    _applied(live)
+
+
+@settings(max_examples=3, deadline=None)
+@given(steps=st.lists(st.sampled_from(["good", *PLAN_FAULTS, *PART_FAULTS]), min_size=2, max_size=4))
+def test_any_run_of_bad_and_good_pushes_serves_the_last_good_one(live: Live, steps: list[str]) -> None:
+    """Oracle: the client's copy of its last applied push. Refusals back to back (each on a
+    freshly prepared data plane) and good pushes in any order: the sidecar always serves the
+    oracle's weights and version and takes every good push as a delta."""
+    for step in steps:
+        if step == "good":
+            _applied(live)
+        else:
+            _refused(live, step)
+        assert served(live.sc) == (live.c.delta_base.version, sha(live.state))
 
 
 def test_a_sidecar_without_a_base_refuses_and_the_client_pushes_in_full(checkpoint: Path) -> None:
