@@ -324,6 +324,25 @@ def test_region_names_outside_the_namespace_are_refused(sidecar: Sidecar, name: 
         assert c.info().weight_version == version
 
 
+def test_a_push_refused_while_another_is_in_progress_ends_its_collective_group(sidecar: Sidecar) -> None:
+    """The client drops its group after the ABORTED push, so the sidecar's end must go too
+    (as after any failed push), not stay registered until the sidecar stops."""
+    receiver = sidecar.weights._receiver
+    with client(sidecar.address, CONFIGS[WeightTransport.COLLECTIVE]) as c:
+        version = c.info().weight_version
+        assert c.push_weights(weights(5), version=version + 1).transport is WeightTransport.COLLECTIVE
+        plane = c.data_plane.sender
+        assert plane is not None and not isinstance(plane, ShmSender)
+        group_id = plane.group.group_id
+        with receiver.claim(), pytest.raises(SidecarCallError) as err:  # another push is being received
+            c.push_weights(weights(6), version=version + 2)
+        assert err.value.code == grpc.StatusCode.ABORTED
+        assert group_id not in receiver.groups._groups
+        assert c.push_weights(weights(6), version=version + 2).transport is WeightTransport.COLLECTIVE
+        assert_serves(c, version + 2, 6)
+        assert group_id not in receiver.groups._groups and not receiver.groups._retired
+
+
 @pytest.mark.parametrize("transport", [WeightTransport.SHM, WeightTransport.COLLECTIVE], ids=lambda t: t.value)
 def test_two_senders_at_once_serve_one_complete_model(checkpoint: Path, transport: WeightTransport) -> None:
     """Two clients (each with its own region or group) push different models at the same
