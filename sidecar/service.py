@@ -225,7 +225,7 @@ class WeightService(services.WeightServicer):
     def _push(
         self, items: Iterator[PushItem], *, is_active: Callable[[], bool], time_remaining: Callable[[], float | None]
     ) -> PushResult:
-        with self._receiver.claim():
+        with self._receiver.claim(items):
             staged = self._receiver.receive(items, is_active=is_active)
             if not is_active():
                 raise errors.PushCancelledError("the client went away before the push was applied")

@@ -38,6 +38,7 @@ from sidecar.errors import (
     InvalidRequestError,
     PushCancelledError,
     PushInProgressError,
+    SpecrlError,
     StaleVersionError,
     TransportUnavailableError,
     UnknownTensorError,
@@ -222,15 +223,27 @@ class WeightReceiver:
 
     # --- one push ---------------------------------------------------------------------------
 
-    def claim(self) -> _PushClaim:
-        """Reserve the receiver for one push; PushInProgressError if another one holds it."""
+    def claim(self, items: Iterator[PushItem] | None = None) -> _PushClaim:
+        """Reserve the receiver for the push `items`; PushInProgressError if another one holds
+        it. A push refused so still ends the collective group its manifest names (read for
+        that alone), as the sender drops its end after the refusal (see `_push_ended`)."""
         if not self._lock.acquire(blocking=False):
+            if items is not None:
+                self._retire_group_of(items)
             raise PushInProgressError(
                 "another weight push is being received or applied; retry after it finishes "
                 "(pushes to one sidecar are serialised)"
             )
         self._push_group = None
         return _PushClaim(self._lock, self._push_ended)
+
+    def _retire_group_of(self, items: Iterator[PushItem]) -> None:
+        try:
+            first = next(items, None)
+        except SpecrlError:  # a stream that broke names no group
+            return
+        if isinstance(first, WeightManifest) and isinstance(first.data_plane, CollectivePlacement):
+            self.groups.retire(first.data_plane.group_id)
 
     def _push_ended(self, failed: bool) -> None:
         """A claimed push that failed (refused, broken, cancelled, or not applied) retires the
