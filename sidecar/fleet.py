@@ -69,7 +69,7 @@ from sidecar.types import (
     WeightSelector,
     WeightTransport,
 )
-from sidecar.weight_sync.sender import ShmSender, checked_pairs, placed_push, push_manifest
+from sidecar.weight_sync.sender import ShmSender, checked_pairs, framed_push, push_manifest
 from sidecar.weight_sync.shm import ShmRegion
 
 log = logging.getLogger(__name__)
@@ -400,7 +400,7 @@ class Fleet:
                 sender = ShmSender(self._region)
                 manifest = push_manifest(specs, version, selector, sender.placement)
                 for c in sharing:  # a failure drops the client's own (proven) plane: it negotiates again
-                    items = placed_push(manifest, iter(feeds[c]))  # type: ignore[arg-type]
+                    items = framed_push(manifest, iter(feeds[c]))  # type: ignore[arg-type]
                     futures[c] = pool.submit(c.push_items, items, plane=c.data_plane.sender)
             streamed = [c for c in clients if c not in sharing]
             for c in streamed:

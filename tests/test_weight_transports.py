@@ -7,6 +7,7 @@ version serving."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Iterator
@@ -475,15 +476,29 @@ def _receive_over(receiver: WeightReceiver, region: shm.ShmRegion, model: dict[s
     return receiver.receive(iter(iter_push_requests(model, version, data_plane=ShmSender(region))))
 
 
+@contextlib.contextmanager
+def _receiver_and_region(**planes: object) -> Iterator[tuple[WeightReceiver, shm.ShmRegion]]:
+    """A receiver for `weights(...)`-shaped pushes (DataPlaneConfig `planes`) and a sender's
+    region, both closed afterwards."""
+    specs = [spec_of(n, t) for n, t in weights(1).items()]
+    receiver = WeightReceiver(
+        model_specs=lambda selector: specs,
+        served_version=lambda: 0,
+        data_planes=DataPlaneConfig(**planes),  # type: ignore[arg-type]
+    )
+    region = shm.ShmRegion()
+    try:
+        yield receiver, region
+    finally:
+        receiver.close()
+        region.close()
+
+
 def test_a_second_push_over_the_same_region_reuses_its_mapping() -> None:
     """Mapping a large region costs as much as copying it: a receiver keeps it for the next push
     of the same sender, and what it stages from the kept mapping is the new push's bytes."""
-    model = weights(1)
-    specs = [spec_of(n, t) for n, t in model.items()]
-    receiver = WeightReceiver(model_specs=lambda selector: specs, served_version=lambda: 0)
-    region = shm.ShmRegion()
-    try:
-        _receive_over(receiver, region, model, 1)
+    with _receiver_and_region() as (receiver, region):
+        _receive_over(receiver, region, weights(1), 1)
         assert receiver.regions.kept == [region.name]
         (kept,) = receiver.regions._kept.values()
         second = weights(2)
@@ -491,20 +506,13 @@ def test_a_second_push_over_the_same_region_reuses_its_mapping() -> None:
         assert receiver.regions._kept[region.name] is kept  # the same reader, not reopened
         for name, tensor in second.items():
             assert tensor_bytes(staged.tensors[name]).tobytes() == tensor_bytes(tensor).tobytes()
-    finally:
-        receiver.close()
-        region.close()
     assert receiver.regions.kept == []
 
 
 @pytest.mark.parametrize("change", ["closed by the sender", "made readable by others"])
 def test_a_kept_region_is_checked_again_before_it_is_reused(change: str) -> None:
-    model = weights(1)
-    specs = [spec_of(n, t) for n, t in model.items()]
-    receiver = WeightReceiver(model_specs=lambda selector: specs, served_version=lambda: 0)
-    region = shm.ShmRegion()
-    try:
-        _receive_over(receiver, region, model, 1)
+    with _receiver_and_region() as (receiver, region):
+        _receive_over(receiver, region, weights(1), 1)
         assert receiver.regions.kept == [region.name]
         items = list(iter_push_requests(weights(2), 2, data_plane=ShmSender(region)))
         if change == "closed by the sender":
@@ -514,51 +522,27 @@ def test_a_kept_region_is_checked_again_before_it_is_reused(change: str) -> None
         with pytest.raises(TransportUnavailableError, match="does not exist|not a private"):
             receiver.receive(iter(items))
         assert receiver.regions.kept == []  # the stale reader was closed, not kept
-    finally:
-        receiver.close()
-        region.close()
 
 
 def test_a_failed_push_does_not_keep_its_region_and_idle_regions_are_released() -> None:
-    model = weights(1)
-    specs = [spec_of(n, t) for n, t in model.items()]
-    receiver = WeightReceiver(
-        model_specs=lambda selector: specs,
-        served_version=lambda: 0,
-        data_planes=DataPlaneConfig(shm_keep_mapped_s=0.2),
-    )
-    region = shm.ShmRegion()
-    try:
-        items = list(iter_push_requests(model, 1, data_plane=ShmSender(region)))
+    with _receiver_and_region(shm_keep_mapped_s=0.2) as (receiver, region):
+        items = list(iter_push_requests(weights(1), 1, data_plane=ShmSender(region)))
         region.write(0, torch.full((8,), 7, dtype=torch.uint8).numpy())  # rewritten after its checksum
         with pytest.raises(InvalidRequestError, match="CRC-32"):
             receiver.receive(iter(items))
         assert receiver.regions.kept == []
-        _receive_over(receiver, region, model, 1)
+        _receive_over(receiver, region, weights(1), 1)
         assert receiver.regions.kept == [region.name]
         for _ in range(100):  # released by the idle timer (0.2 s), not by the next push
             if not receiver.regions.kept:
                 break
             threading.Event().wait(0.05)
         assert receiver.regions.kept == []
-    finally:
-        receiver.close()
-        region.close()
 
 
 def test_keeping_regions_mapped_can_be_turned_off() -> None:
-    model = weights(1)
-    specs = [spec_of(n, t) for n, t in model.items()]
-    receiver = WeightReceiver(
-        model_specs=lambda selector: specs,
-        served_version=lambda: 0,
-        data_planes=DataPlaneConfig(shm_keep_mapped_s=0),
-    )
-    region = shm.ShmRegion()
-    try:
-        _receive_over(receiver, region, model, 1)
+    with _receiver_and_region(shm_keep_mapped_s=0) as (receiver, region):
+        _receive_over(receiver, region, weights(1), 1)
         assert receiver.regions.kept == []
-    finally:
-        region.close()
     with pytest.raises(ValueError, match="shm_keep_mapped_s"):
         DataPlaneConfig(shm_keep_mapped_s=-1)

@@ -653,15 +653,7 @@ class TorchEngine(Engine):
         return {name: tensor_crc32(params[name]) for name in self._selected_shapes(selector)}
 
     def update_weights(self, tensors: Mapping[str, torch.Tensor], selector: WeightSelector, version: int) -> None:
-        check_weights(
-            tensors,
-            selector=selector,
-            version=version,
-            served_version=self._version,
-            expected=self._selected_shapes(selector),
-            all_names=set(self._selected_shapes(WeightSelector.ALL)),
-            dtype=self.config.dtype,
-        )
+        self._check_update(tensors, selector, version)
         self._swap_in(tensors, adopt=False)
         self._served(version)
 
@@ -672,6 +664,12 @@ class TorchEngine(Engine):
         dtype and shape, contiguous, and a parameter that shares its storage with nothing
         else); copy the rest. Returns the displaced storages (and the copied-from tensors),
         which nothing here holds any more."""
+        self._check_update(tensors, selector, version)
+        free = self._swap_in(tensors, adopt=True)
+        self._served(version)
+        return free
+
+    def _check_update(self, tensors: Mapping[str, torch.Tensor], selector: WeightSelector, version: int) -> None:
         check_weights(
             tensors,
             selector=selector,
@@ -681,9 +679,6 @@ class TorchEngine(Engine):
             all_names=set(self._selected_shapes(WeightSelector.ALL)),
             dtype=self.config.dtype,
         )
-        free = self._swap_in(tensors, adopt=True)
-        self._served(version)
-        return free
 
     def _swap_in(self, tensors: Mapping[str, torch.Tensor], *, adopt: bool) -> dict[str, torch.Tensor]:
         params = dict(self.model.named_parameters())

@@ -6,7 +6,7 @@ Follow one tensor, in one direction:
    and a commit; `negotiation.DataPlaneSession` picked that plane for this sidecar
    (`shm` if same host is proven, `collective` if the run sets a group up, else `grpc`).
    (`sidecar.fleet.Fleet` places a push once in one region for all its `shm` sidecars:
-   `sender.push_manifest` + `ShmSender.place` + `sender.placed_push`.)
+   `sender.push_manifest` + `ShmSender.place` + `sender.framed_push`.)
 3. The bytes travel: `grpc` as `WeightChunk` messages encoded by `sidecar.protocol.weight_wire`,
    `shm` through a region (`shm`), `collective` by broadcast (`collective`).
 4. `receiver.WeightReceiver` (behind `WeightService.PushWeights`) checks the manifest, stages

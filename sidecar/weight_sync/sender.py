@@ -164,15 +164,9 @@ def iter_push_requests(
     manifest = push_manifest(
         specs, version, selector, data_plane.placement if data_plane is not None else None, base_version
     )
-    manifest_specs = manifest.tensors
-    yield manifest
-    checked = checked_pairs(pairs, manifest_specs)
-    body = _chunks(checked, chunk_bytes) if data_plane is None else data_plane.place(checked, manifest_specs)
-    count = 0
-    for item in body:
-        yield item
-        count += 1
-    yield WeightCommit(chunk_count=count)
+    checked = checked_pairs(pairs, manifest.tensors)  # generators: nothing runs before the manifest is sent
+    body = _chunks(checked, chunk_bytes) if data_plane is None else data_plane.place(checked, manifest.tensors)
+    yield from framed_push(manifest, body)
 
 
 def push_manifest(
@@ -201,12 +195,12 @@ def push_manifest(
     )
 
 
-def placed_push(manifest: WeightManifest, placed: Iterable[WeightPlaced]) -> Iterator[PushItem]:
-    """The items of a push whose tensors were already placed on the manifest's data plane (by
-    one writer for several sidecars): the manifest, the placements, the commit."""
+def framed_push(manifest: WeightManifest, body: Iterable[WeightChunk | WeightPlaced]) -> Iterator[PushItem]:
+    """A push's items: the manifest, the body (chunks, or placements on the manifest's data
+    plane, e.g. written once by one writer for several sidecars), the commit counting them."""
     yield manifest
     count = 0
-    for item in placed:
+    for item in body:
         yield item
         count += 1
     yield WeightCommit(chunk_count=count)
