@@ -165,8 +165,9 @@ _D = ServeConfig()
     "--keep-staging/--no-keep-staging",
     default=_D.keep_staging,
     show_default=True,
-    help="Receive each weight push into the last push's staging memory (torch engine): faster pushes, "
-    "but ~1x the model stays resident between pushes (the peak during a push is the same).",
+    help="Receive each weight push into the memory the last push left free (torch engine: the tensors the "
+    "served ones replaced): faster pushes, but ~1x the model stays resident between pushes (the peak during "
+    "a push is the same).",
 )
 @click.option(
     "--weight-transports",
@@ -180,9 +181,9 @@ _D = ServeConfig()
     "--weight-deltas/--no-weight-deltas",
     default=_D.weight_deltas,
     show_default=True,
-    help="Accept sparse delta weight pushes (weights.proto, 'Sparse deltas'). Keeps the last push's tensors "
-    "as the base to rebuild from: no extra memory with --keep-staging (the base is the kept staging), "
-    "else ~1x the model in host memory.",
+    help="Accept sparse delta weight pushes (weights.proto, 'Sparse deltas'). Deltas are rebuilt from the "
+    "served tensors themselves (torch engine: no extra memory); an engine that copies what it is pushed "
+    "(sglang) keeps the last push's tensors as the base, ~1x the model in host memory.",
 )
 @click.option(
     "--sglang-arg",

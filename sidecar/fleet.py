@@ -33,7 +33,10 @@ already held come back identical and are dropped, counted in `regenerated`).
 Weights: `push_weights` exports each tensor once and offers it to every live sidecar's push
 stream, each queue bounded by `stream_bytes` (one tensor always fits), so the trainer never holds
 a second copy of the model. Sending one sidecar its stream is `send_weight_stream`, a single
-replaceable step (a faster transport plugs in there). Every Generate carries
+replaceable step (a faster transport plugs in there). Local sidecars (shm negotiated) instead
+all read one shared-memory region that the fleet writes once per push: one copy and one CRC-32
+per tensor for all of them, and one placement message per 64 MiB instead of a hand-off per
+tensor and sidecar. Every Generate carries
 `min_weight_version` = the fleet's version, so a stale sidecar refuses rather than sampling old
 weights.
 """
@@ -64,7 +67,10 @@ from sidecar.types import (
     SpeculationCounters,
     TensorSpec,
     WeightSelector,
+    WeightTransport,
 )
+from sidecar.weight_sync.sender import ShmSender, checked_pairs, framed_push, push_manifest
+from sidecar.weight_sync.shm import ShmRegion
 
 log = logging.getLogger(__name__)
 Code = grpc.StatusCode
@@ -124,6 +130,9 @@ class FleetConfig:
     """How often a down sidecar is probed for rejoining (a hung one costs a call deadline)."""
     stream_bytes: int = 256 << 20
     """Bytes of tensors a weight push may queue per sidecar ahead of its stream."""
+    share_shm: bool = True
+    """Local sidecars (shm negotiated, full pushes) read one shared-memory region the fleet writes
+    once per push, instead of one region per sidecar written by each sidecar's stream."""
     max_streams_per_sidecar: int = 32
     """Generate calls (one per prompt) open at once per live sidecar; the rest wait their turn."""
     busy_backoff_s: float = 0.5
@@ -229,6 +238,8 @@ class Fleet:
         self._busy_until: dict[str, float] = {}
         self._busy_backoff: dict[str, float] = {}
         self._counters: dict[str, tuple[float, SpeculationCounters]] = {}
+        self._region: ShmRegion | None = None  # written once per push for every local sidecar
+        self._pushing = threading.Lock()  # one push at a time uses that region
 
     # ---- fleet state -------------------------------------------------------------------------
     def live(self) -> list[SidecarClient]:
@@ -379,16 +390,38 @@ class Fleet:
             if not clients:
                 return {}, failures
             self._specs = {key: specs}
+        sharing = self._sharing_region(clients)
         feeds = {c: _Feed(self.config.stream_bytes) for c in clients}
         results: dict[SidecarClient, PushResult] = {}
-        with ThreadPoolExecutor(max_workers=max(1, len(clients))) as pool:
-            futures = {c: pool.submit(self.send, c, iter(feeds[c]), version, selector, specs) for c in clients}
+        with self._pushing, ThreadPoolExecutor(max_workers=max(1, len(clients))) as pool:
+            futures: dict[SidecarClient, Future[PushResult]] = {}
+            if sharing:
+                assert self._region is not None
+                sender = ShmSender(self._region)
+                manifest = push_manifest(specs, version, selector, sender.placement)
+                for c in sharing:  # a failure drops the client's own (proven) plane: it negotiates again
+                    items = framed_push(manifest, iter(feeds[c]))  # type: ignore[arg-type]
+                    futures[c] = pool.submit(c.push_items, items, plane=c.data_plane.sender)
+            streamed = [c for c in clients if c not in sharing]
+            for c in streamed:
+                futures[c] = pool.submit(self.send, c, iter(feeds[c]), version, selector, specs)
             source_error: BaseException | None = None
-            try:
+
+            def exported() -> Iterator[tuple[str, torch.Tensor]]:
                 for name, tensor in weights():
                     nbytes = tensor.numel() * tensor.element_size()
-                    for c, feed in feeds.items():
-                        feed.offer((name, tensor), nbytes, futures[c])
+                    for c in streamed:
+                        feeds[c].offer((name, tensor), nbytes, futures[c])
+                    yield name, tensor
+
+            try:
+                if sharing:  # each tensor written (and checksummed) once, for every local sidecar
+                    for placed in sender.place(checked_pairs(exported(), manifest.tensors), manifest.tensors):
+                        for c in sharing:
+                            feeds[c].offer(placed, 0, futures[c])
+                else:
+                    for _ in exported():
+                        pass
             except BaseException as e:  # the caller's own failure: end every stream without a commit
                 source_error = e
             for c, feed in feeds.items():
@@ -409,6 +442,21 @@ class Fleet:
                     )
                 # anything else (the caller's tensors did not match their specs) propagates
         return results, failures
+
+    def _sharing_region(self, clients: list[SidecarClient]) -> list[SidecarClient]:
+        """The sidecars that take this push from one shared-memory region the fleet writes once
+        (each tensor copied and checksummed once, not once per sidecar): those whose negotiated
+        plane is shm, that take full pushes, when the fleet sends with the default step. Each of
+        them proved it can read this process's memory files (its own probe), so it can read the
+        fleet's region too."""
+        if self.send is not send_weight_stream or not self.config.share_shm:
+            return []
+        sharing = [
+            c for c in clients if not c.config.delta_pushes and c.negotiate_transport().transport is WeightTransport.SHM
+        ]
+        if sharing and self._region is None:
+            self._region = ShmRegion()
+        return sharing
 
     def _specs_in_order(
         self, clients: list[SidecarClient], names: Sequence[str], selector: WeightSelector
@@ -623,6 +671,9 @@ class Fleet:
     def close(self) -> None:
         for c in self.clients:
             c.close()
+        if self._region is not None:
+            self._region.close()
+            self._region = None
 
     def __enter__(self) -> Fleet:
         return self

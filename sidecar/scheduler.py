@@ -32,6 +32,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import torch
+
 from sidecar.engine.base import Engine
 from sidecar.errors import (
     ApplyTimeoutError,
@@ -285,20 +287,24 @@ class Scheduler:
         self._commands.put(lambda: None)  # wake the loop
         return was
 
-    def apply_weights(self, staged: StagedWeights, timeout_s: float | None = None) -> tuple[int, float]:
+    def apply_weights(
+        self, staged: StagedWeights, timeout_s: float | None = None
+    ) -> tuple[int, float, dict[str, torch.Tensor]]:
         """Swap verified weights in at the next step boundary; returns (previous version, seconds
-        spent including the wait). Raises the engine's StaleVersionError / UnknownTensorError /
-        WeightMismatchError (nothing applied), or ApplyTimeoutError if no step boundary came."""
+        spent including the wait, the buffers the receiver may stage the next push into: the
+        engine adopts the staged tensors where it can and hands back what they displaced).
+        Raises the engine's StaleVersionError / UnknownTensorError / WeightMismatchError
+        (nothing applied), or ApplyTimeoutError if no step boundary came."""
         started = time.perf_counter()
 
-        def run() -> int:
+        def run() -> tuple[int, dict[str, torch.Tensor]]:
             previous = self._engine.weight_version
-            self._engine.update_weights(staged.tensors, staged.selector, staged.version)
+            free = self._engine.adopt_weights(staged.tensors, staged.selector, staged.version)
             self._refresh_snapshot(info=True)
-            return previous
+            return previous, free
 
-        previous = self._call(run, timeout_s or self.config.apply_timeout_s, what="weight update")
-        return previous, time.perf_counter() - started
+        previous, free = self._call(run, timeout_s or self.config.apply_timeout_s, what="weight update")
+        return previous, time.perf_counter() - started, free
 
     def score(self, request: ScoreRequest) -> ScoreResult:
         """Score on the scheduler thread between two engine steps: one weight version throughout."""

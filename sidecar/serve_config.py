@@ -41,16 +41,17 @@ class ServeConfig:
     metrics_port: int | None = None
     """Prometheus endpoint port on `host` (None: off)."""
     keep_staging: bool = True
-    """Receive each weight push into the last push's staging memory (torch engine): faster pushes,
-    but ~1x the model stays resident between pushes (the peak during a push is the same)."""
+    """Receive each weight push into the memory the last push left free (torch engine: the tensors
+    the served ones replaced): faster pushes, but ~1x the model stays resident between pushes (the
+    peak during a push is the same)."""
     weight_transports: str = "shm,collective"
     """Weight data planes offered besides the gRPC stream (comma-separated: shm, collective; ''
     for grpc only). A client proves shm (same host) before using it; collective lets a client that
     may push weights make this sidecar join its torch.distributed group."""
     weight_deltas: bool = True
-    """Accept sparse delta weight pushes (weights.proto, "Sparse deltas"). The last push's tensors
-    stay as the base to rebuild from: no extra memory with keep_staging (the base is the kept
-    staging), else ~1x the model in host memory."""
+    """Accept sparse delta weight pushes (weights.proto, "Sparse deltas"). Deltas are rebuilt from
+    the served tensors themselves (torch engine: no extra memory); an engine that copies what it is
+    pushed (SGLang) keeps the last push's tensors as the base, ~1x the model in host memory."""
     sglang_args: tuple[str, ...] = ()
     """Extra SGLang `ServerArgs` keywords as KEY=VALUE (engine sglang; VALUE parsed as JSON when
     it can be), e.g. mem_fraction_static=0.5."""

@@ -225,12 +225,12 @@ class WeightService(services.WeightServicer):
     def _push(
         self, items: Iterator[PushItem], *, is_active: Callable[[], bool], time_remaining: Callable[[], float | None]
     ) -> PushResult:
-        with self._receiver.claim():
+        with self._receiver.claim(items):
             staged = self._receiver.receive(items, is_active=is_active)
             if not is_active():
                 raise errors.PushCancelledError("the client went away before the push was applied")
-            previous, apply_s = self._scheduler.apply_weights(staged, timeout_s=time_remaining())
-            self._receiver.keep(staged)
+            previous, apply_s, free = self._scheduler.apply_weights(staged, timeout_s=time_remaining())
+            self._receiver.keep(staged, free)
         log.info("serving weight version %d (was %d; bytes over %s)", staged.version, previous, staged.transport.value)
         return PushResult(
             version=staged.version,

@@ -302,7 +302,7 @@ class TensorSpec:
         numel = 1
         for d in self.shape:
             numel *= d
-        return numel * torch.empty((), dtype=self.dtype).element_size()
+        return numel * self.dtype.itemsize  # not torch.empty(...).element_size(): ~4 µs a call, per tensor, per push
 
 
 @dataclass(kw_only=True, slots=True)

@@ -11,13 +11,16 @@ import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from sidecar.client import ClientConfig
 from sidecar.fleet import Fleet, FleetConfig, NoLiveSidecarError
 from sidecar.service import Sidecar
-from sidecar.types import GenerationRequest, SamplingParams
+from sidecar.types import GenerationRequest, SamplingParams, WeightTransport
+from sidecar.weight_sync.receiver import DataPlaneConfig
+from sidecar.weight_sync.shm import ShmRegion
 from tests.sidecar_fixtures import (
     greedy_reference,
     make_checkpoint,
@@ -131,3 +134,73 @@ def test_a_stopped_sidecar_is_marked_down_and_the_other_takes_the_version(pair: 
         a.stop(0.2)
         with pytest.raises(NoLiveSidecarError, match="no sidecar accepted weight version 2"):
             orch.push_weights(Source(seed=2), 2, names=source.names)
+
+
+def _count_region_writes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record the region each ShmRegion.write goes to (the sender's copy + CRC of one tensor)."""
+    writes: list[str] = []
+    original = ShmRegion.write
+
+    def counting(self: ShmRegion, offset: int, data: np.ndarray) -> int:
+        writes.append(self.name)
+        return original(self, offset, data)
+
+    monkeypatch.setattr(ShmRegion, "write", counting)
+    return writes
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["shared region", "a region per sidecar"])
+def test_local_sidecars_read_one_region_the_fleet_writes_once(
+    pair: tuple[Sidecar, Sidecar], share: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, b = pair
+    writes = _count_region_writes(monkeypatch)
+    source = Source(seed=1)
+    tensors = sum(1 for t in source.state.values() if t.numel())
+    with Fleet([a.address, b.address], FleetConfig(share_shm=share)) as orch:
+        report = orch.push_weights(source, 1, names=source.names)  # negotiates: a probe region each
+        assert {r.transport for r in report.results.values()} == {WeightTransport.SHM}
+        assert served(orch) == [[greedy_reference(source.state, p, 6) for p in PROMPTS]] * 2
+        writes.clear()
+        second = Source(seed=2)
+        orch.push_weights(second, 2, names=second.names)
+        assert served(orch) == [[greedy_reference(second.state, p, 6) for p in PROMPTS]] * 2
+        if share:  # each tensor copied and checksummed once for both sidecars, which both read it
+            assert orch._region is not None and writes == [orch._region.name] * tensors
+            assert a.weights._receiver.regions.kept == b.weights._receiver.regions.kept == [orch._region.name]
+        else:  # once per sidecar, into its own region
+            assert len(writes) == 2 * tensors and len(set(writes)) == 2
+
+
+def test_a_fleet_of_local_and_stream_only_sidecars_serves_one_model(tmp_path: Path) -> None:
+    checkpoint = make_checkpoint(tmp_path / "ckpt", seed=0)
+    local, remote = start_sidecar(checkpoint), start_sidecar(checkpoint, data_planes=DataPlaneConfig(shm=False))
+    try:
+        with Fleet([local.address, remote.address]) as orch:
+            for version, seed in ((1, 1), (2, 2)):
+                source = Source(seed=seed)
+                report = orch.push_weights(source, version, names=source.names)
+                assert report.results[local.address].transport is WeightTransport.SHM
+                assert report.results[remote.address].transport is WeightTransport.GRPC
+                assert served(orch) == [[greedy_reference(source.state, p, 6) for p in PROMPTS]] * 2
+    finally:
+        local.stop(0.2)
+        remote.stop(0.2)
+
+
+def test_a_tensor_that_is_not_its_spec_commits_on_no_sidecar(pair: tuple[Sidecar, Sidecar]) -> None:
+    a, b = pair
+    source = Source(seed=1)
+    bad = source.names[len(source.names) // 2]
+
+    def wrong() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in source():
+            yield name, (tensor.double() if name == bad else tensor)
+
+    with Fleet([a.address, b.address]) as orch:
+        with pytest.raises(ValueError, match="manifest announced"):
+            orch.push_weights(wrong, 1, names=source.names)
+        assert orch.live() == orch.clients and orch.served_versions() == {a.address: 0, b.address: 0}
+        good = Source(seed=1)
+        orch.push_weights(good, 1, names=good.names)
+        assert served(orch) == [[greedy_reference(good.state, p, 6) for p in PROMPTS]] * 2

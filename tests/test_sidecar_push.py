@@ -173,8 +173,12 @@ def test_kept_staging_buffers_never_leak_into_the_served_model(checkpoint: Path)
         for version, seed in ((1, 1), (2, 2)):
             c.push_weights(weights(seed), version)
             assert [s.token_ids for s in c.generate(greedy_request())] == oracle(seed)
-        kept = {n: t.data_ptr() for n, t in sc.weights._receiver._kept.items()}
+        kept = {n: t.data_ptr() for n, t in sc.weights._receiver._spare.items()}
         assert len(kept) == len(weights(0))  # the next push reuses these buffers
+        # The engine serves the staged tensors themselves (no copy at the swap) and handed back
+        # the ones they replaced: no spare buffer is a served parameter's storage.
+        served_ptrs = {p.data_ptr() for p in sc.scheduler._engine.model.parameters()}
+        assert not served_ptrs & set(kept.values())
         specs, _ = c.describe_weights()
         w0 = weights(0)
         half = ((s.name, w0[s.name] if i < len(specs) // 2 else torch.zeros(1)) for i, s in enumerate(specs))

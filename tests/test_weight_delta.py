@@ -6,16 +6,19 @@
 - on a live sidecar, per transport: 50 consecutive delta pushes serve exactly the sender's
   copy (sha256 of the engine's parameters), with far fewer bytes received than dense;
 - every bad input (wrong base, positions out of range / unsorted / repeated, a rebuilt tensor
-  that does not match the manifest CRC-32, a dropped or reordered part, a tensor the sidecar
-  lacks) leaves the served weights and version exactly as they were; the client then pushes
-  in full.
+  that does not match the manifest CRC-32, a dropped, reordered or missing last part, a tensor
+  the sidecar lacks), on every transport, is refused with its status and message and leaves the
+  served weights and version exactly as they were, no region or group behind, and the base
+  whole: the next push is applied as a delta;
+- a refused delta push from the client is followed by a full push, on every transport.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Iterator
+import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -34,12 +37,13 @@ from sidecar.types import (
     PushItem,
     TensorDelta,
     WeightChunk,
-    WeightManifest,
+    WeightCommit,
+    WeightPlaced,
     WeightSelector,
     WeightTransport,
 )
 from sidecar.weight_sync.checksum import crc32
-from sidecar.weight_sync.delta import DeltaBase, apply_delta, encode_delta, plan_push
+from sidecar.weight_sync.delta import DeltaBase, PlannedPush, apply_delta, encode_delta, plan_push
 from sidecar.weight_sync.negotiation import CollectiveConfig, TransportConfig
 from sidecar.weight_sync.receiver import WeightReceiver
 from sidecar.weight_sync.sender import iter_push_requests
@@ -50,7 +54,6 @@ from tests.sidecar_fixtures import (
     start_sidecar,
     weights,
 )
-from tests.test_weight_transports import _push_raw
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -232,7 +235,7 @@ def test_fifty_delta_pushes_on_a_live_sidecar_serve_the_senders_copy(
     g = torch.Generator().manual_seed(1)
     state = weights(1)
     dense = sum(t.numel() * t.element_size() for t in state.values())
-    with start_sidecar(checkpoint, keep_staging=True) as sc, delta_client(sc.address, transport) as c:
+    with start_sidecar(checkpoint) as sc, delta_client(sc.address, transport) as c:
         first = c.push_weights(state, version=1)
         assert first.bytes_received == dense and first.transport is transport  # first contact: full
         received = []
@@ -249,113 +252,238 @@ def test_fifty_delta_pushes_on_a_live_sidecar_serve_the_senders_copy(
         assert served(sc) == (52, sha(state))
 
 
-@pytest.fixture
-def based(checkpoint: Path) -> Iterator[tuple[Sidecar, SidecarClient, dict[str, torch.Tensor]]]:
-    """A sidecar serving version 1 that the client pushed (so it holds a base), and the state."""
+# --- bad input, on every transport -------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Live:
+    """A sidecar shared by the bad-input cases of one transport. It serves `state`, which `c`
+    pushed (so the sidecar holds a base and `c` sends deltas); each case ends with a good push."""
+
+    transport: WeightTransport
+    sc: Sidecar
+    c: SidecarClient
+    state: dict[str, torch.Tensor]
+    gen: torch.Generator
+    dense: int
+
+    def __repr__(self) -> str:  # hypothesis prints its arguments
+        return f"Live({self.transport.value}, version {self.c.delta_base.version})"
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS), ids=lambda t: t.value)
+def live(request: pytest.FixtureRequest, checkpoint: Path) -> Iterator[Live]:
+    transport: WeightTransport = request.param
     state = weights(1)
-    with start_sidecar(checkpoint) as sc, delta_client(sc.address) as c:
-        c.push_weights(state, version=1)
-        yield sc, c, state
+    dense = sum(t.numel() * t.element_size() for t in state.values())
+    # keep_staging: as specrl serve runs it (pushes are staged into buffers the last one freed)
+    with start_sidecar(checkpoint, keep_staging=True) as sc, delta_client(sc.address, transport) as c:
+        assert c.push_weights(state, version=1).transport is transport
+        yield Live(transport=transport, sc=sc, c=c, state=state, gen=torch.Generator().manual_seed(2), dense=dense)
 
 
-def _delta_items(c: SidecarClient, new: dict[str, torch.Tensor], version: int, base_version: int) -> list[PushItem]:
-    plan = plan_push(new.items(), c.delta_base)
+def _delta_plan(live: Live) -> PlannedPush:
+    """The client's own delta push of a sparse step (every sizeable tensor a delta)."""
+    plan = plan_push(sparse_step(live.state, live.gen, 0.05).items(), live.c.delta_base)
+    assert plan.base_version == live.c.delta_base.version
     assert all(s.delta is not None for s in plan.specs if s.byte_length > 64)
-    return list(iter_push_requests(plan.wire, version, specs=plan.specs, base_version=base_version, chunk_bytes=256))
+    return plan
 
 
-def _refused(sc: Sidecar, c: SidecarClient, items: list[PushItem], code: grpc.StatusCode, message: str) -> None:
-    before = served(sc)
-    with pytest.raises(SidecarCallError) as err:
-        _push_raw(c, iter(items))
-    assert err.value.code == code, err.value.details
-    assert message in err.value.details
-    assert served(sc) == before  # weights and version exactly as they were
+def _bad_positions(kind: str) -> Callable[[PlannedPush], None]:
+    """Replace the first sizeable delta's payload by an INDEX payload with malformed positions
+    (its checksums consistent, so only the positions are wrong)."""
+
+    def damage(plan: PlannedPush) -> None:
+        i = next(k for k, s in enumerate(plan.specs) if s.delta is not None and s.byte_length > 4000)
+        numel = plan.specs[i].byte_length // plan.specs[i].dtype.itemsize
+        at = {"out of range": [1, numel], "unsorted": [9, 3], "duplicated": [4, 4]}[kind]
+        payload = np.concatenate(
+            [np.array(at, dtype="<u4").view(np.uint8), tensor_bytes(torch.ones(2, dtype=plan.specs[i].dtype))]
+        )
+        delta = TensorDelta(
+            encoding=DeltaEncoding.INDEX, changed=2, payload_length=payload.nbytes, payload_crc32=crc32(payload)
+        )
+        plan.specs[i] = dataclasses.replace(plan.specs[i], delta=delta)
+        plan.wire[i] = (plan.wire[i][0], torch.from_numpy(payload))
+
+    return damage
 
 
-def _tensor_index(items: list[PushItem], name_part: str) -> int:
-    manifest = items[0]
-    assert isinstance(manifest, WeightManifest)
-    return next(i for i, s in enumerate(manifest.tensors) if name_part in s.name and s.delta is not None)
+def _wrong_base(plan: PlannedPush) -> None:
+    plan.base_version += 7
 
 
-def _with_manifest(items: list[PushItem], **changes: object) -> list[PushItem]:
-    manifest = items[0]
-    assert isinstance(manifest, WeightManifest)
-    return [dataclasses.replace(manifest, **changes), *items[1:]]  # type: ignore[arg-type]
+def _rebuilt_mismatch(plan: PlannedPush) -> None:
+    i = next(k for k, s in enumerate(plan.specs) if s.delta is not None and "mlp" in s.name)
+    plan.specs[i] = dataclasses.replace(plan.specs[i], crc32=plan.specs[i].crc32 ^ 1)
 
 
-def _with_spec(items: list[PushItem], index: int, **changes: object) -> list[PushItem]:
-    manifest = items[0]
-    assert isinstance(manifest, WeightManifest)
-    tensors = list(manifest.tensors)
-    tensors[index] = dataclasses.replace(tensors[index], **changes)  # type: ignore[arg-type]
-    return _with_manifest(items, tensors=tensors)
+def _unknown_tensor(plan: PlannedPush) -> None:
+    i = next(k for k, s in enumerate(plan.specs) if s.delta is not None and "mlp" in s.name)
+    plan.specs[i] = dataclasses.replace(plan.specs[i], name="model.layers.0.mlp.not_here.weight")
+    plan.wire[i] = ("model.layers.0.mlp.not_here.weight", plan.wire[i][1])
 
 
-def test_a_delta_against_the_wrong_base_is_refused(based: tuple[Sidecar, SidecarClient, dict]) -> None:
-    sc, c, state = based
-    g = torch.Generator().manual_seed(2)
-    items = _delta_items(c, sparse_step(state, g, 0.01), 2, base_version=1)
-    _refused(sc, c, _with_manifest(items, base_version=7), grpc.StatusCode.FAILED_PRECONDITION, "against version 7")
+PLAN_FAULTS: dict[str, tuple[Callable[[PlannedPush], None], grpc.StatusCode, str]] = {
+    # name: (damage to the planned push, status, what the refusal says)
+    "wrong base": (_wrong_base, grpc.StatusCode.FAILED_PRECONDITION, "computed against version {wrong} but this"),
+    "out of range": (_bad_positions("out of range"), grpc.StatusCode.INVALID_ARGUMENT, "but the tensor has 4096 el"),
+    "unsorted": (_bad_positions("unsorted"), grpc.StatusCode.INVALID_ARGUMENT, "unsorted positions (9 then 3"),
+    "duplicated": (_bad_positions("duplicated"), grpc.StatusCode.INVALID_ARGUMENT, "repeated positions (4 then 4"),
+    "rebuilt mismatch": (_rebuilt_mismatch, grpc.StatusCode.FAILED_PRECONDITION, "rebuilt from its delta has CRC"),
+    "unknown tensor": (_unknown_tensor, grpc.StatusCode.NOT_FOUND, "no tensor 'model.layers.0.mlp.not_here.weight'"),
+}
+
+PART_FAULTS: dict[str, dict[str, str]] = {
+    # name: what the refusal says when the parts are the stream's chunks / a data plane's placed tensors
+    "dropped": {"chunk": "starts at byte", "placed": "names tensor 1 but tensor 0 is next"},
+    "reordered": {"chunk": "starts at byte", "placed": "names tensor 1 but tensor 0 is next"},
+    "last dropped": {"chunk": "chunks but", "placed": "bytes at the commit"},
+}
 
 
-@pytest.mark.parametrize(
-    ("fault", "message"),
-    [("out-of-range", "but the tensor has"), ("unsorted", "unsorted"), ("duplicated", "repeated")],
-)
-def test_bad_positions_are_refused(based: tuple[Sidecar, SidecarClient, dict], fault: str, message: str) -> None:
-    sc, c, state = based
-    name = next(n for n, t in state.items() if t.numel() > 1000)
-    t = state[name]
-    at = {"out-of-range": [1, t.numel()], "unsorted": [9, 3], "duplicated": [4, 4]}[fault]
-    new_values = torch.ones(2, dtype=t.dtype)
-    delta, payload = _index_payload(at, new_values)
-    rebuilt = t.clone().view(-1)
-    specs = [spec_of(n, x) for n, x in state.items()]
-    i = next(k for k, s in enumerate(specs) if s.name == name)
-    specs[i] = dataclasses.replace(
-        specs[i],
-        crc32=crc32(tensor_bytes(rebuilt)),
-        delta=dataclasses.replace(delta, payload_crc32=crc32(payload)),
-    )
-    wire = [(n, torch.from_numpy(payload) if n == name else x) for n, x in state.items()]
-    items = list(iter_push_requests(wire, 2, specs=specs, base_version=1))
-    _refused(sc, c, items, grpc.StatusCode.INVALID_ARGUMENT, message)
-
-
-def test_a_rebuilt_tensor_that_does_not_match_the_manifest_is_refused(
-    based: tuple[Sidecar, SidecarClient, dict],
-) -> None:
-    sc, c, state = based
-    items = _delta_items(c, sparse_step(state, torch.Generator().manual_seed(3), 0.01), 2, base_version=1)
-    i = _tensor_index(items, "mlp")
-    spec = items[0].tensors[i]  # type: ignore[union-attr]
-    _refused(sc, c, _with_spec(items, i, crc32=spec.crc32 ^ 1), grpc.StatusCode.FAILED_PRECONDITION, "rebuilt")
-
-
-@pytest.mark.parametrize("fault", ["dropped", "reordered"])
-def test_a_dropped_or_reordered_part_is_refused(based: tuple[Sidecar, SidecarClient, dict], fault: str) -> None:
-    sc, c, state = based
-    items = _delta_items(c, sparse_step(state, torch.Generator().manual_seed(4), 0.05), 2, base_version=1)
-    chunks = [k for k, it in enumerate(items) if isinstance(it, WeightChunk)]
-    same = next(k for k in chunks if k + 1 in chunks and items[k].tensor_index == items[k + 1].tensor_index)  # type: ignore[union-attr]
+def _chunk_fault(items: Iterator[PushItem], fault: str) -> Iterator[PushItem]:
+    """grpc: the parts are chunks; drop or swap two chunks of one tensor, or drop the last."""
+    got = list(items)
+    chunks = [k for k, it in enumerate(got) if isinstance(it, WeightChunk)]
+    if fault == "last dropped":
+        del got[chunks[-1]]
+        return iter(got)
+    k = next(k for k in chunks if k + 1 in chunks and got[k].tensor_index == got[k + 1].tensor_index)  # type: ignore[union-attr]
     if fault == "dropped":
-        items = items[:same] + items[same + 1 :]
-        message = "starts at byte"
+        del got[k]
     else:
-        items[same], items[same + 1] = items[same + 1], items[same]
-        message = "starts at byte"
-    _refused(sc, c, items, grpc.StatusCode.INVALID_ARGUMENT, message)
+        got[k], got[k + 1] = got[k + 1], got[k]
+    return iter(got)
 
 
-def test_a_delta_for_a_tensor_the_sidecar_lacks_is_refused(based: tuple[Sidecar, SidecarClient, dict]) -> None:
-    sc, c, state = based
-    items = _delta_items(c, sparse_step(state, torch.Generator().manual_seed(5), 0.01), 2, base_version=1)
-    i = _tensor_index(items, "mlp")
-    _refused(
-        sc, c, _with_spec(items, i, name="model.layers.0.mlp.not_here.weight"), grpc.StatusCode.NOT_FOUND, "no tensor"
+def _placed_fault(items: Iterator[PushItem], fault: str) -> Iterator[PushItem]:
+    """shm and collective: the parts are placed tensors; drop or swap the first two, or drop the
+    last. Lazy (one item held back at most), so a collective sender broadcasts as it would."""
+    held: WeightPlaced | None = None
+    first = True
+    for item in items:
+        if isinstance(item, WeightPlaced):
+            parts = list(item.tensors)
+            if first and fault != "last dropped":
+                assert len(parts) >= 2
+                parts = parts[1:] if fault == "dropped" else [parts[1], parts[0], *parts[2:]]
+            first = False
+            if held is not None:
+                yield held
+            held = WeightPlaced(tensors=parts)
+            continue
+        if held is not None:
+            if isinstance(item, WeightCommit) and fault == "last dropped":
+                held = WeightPlaced(tensors=held.tensors[:-1])
+            yield held
+            held = None
+        yield item
+
+
+def _open_regions() -> tuple[int, int]:
+    """(descriptors, mappings) of specrl shared-memory regions in this process (the client's
+    region and any the in-process sidecar still has open)."""
+    fds = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:specrl-")
+        except OSError:
+            continue
+    maps = sum("/memfd:specrl-" in line for line in Path("/proc/self/maps").read_text().splitlines())
+    return fds, maps
+
+
+def _faulty_push(live: Live, fault: str) -> tuple[Iterator[PushItem], grpc.StatusCode, str]:
+    """The client's next delta push with `fault` (a key of PLAN_FAULTS or PART_FAULTS), placed on
+    its negotiated data plane as the client places it; the status and message it must get."""
+    c = live.c
+    c.negotiate_transport()
+    plan = _delta_plan(live)
+    code, message = grpc.StatusCode.INVALID_ARGUMENT, ""
+    if fault in PLAN_FAULTS:
+        damage, code, message = PLAN_FAULTS[fault]
+        damage(plan)
+        message = message.format(wrong=plan.base_version)
+    items = iter_push_requests(
+        plan.wire,
+        c.delta_base.version + 1,
+        specs=plan.specs,
+        base_version=plan.base_version,
+        chunk_bytes=256,
+        data_plane=c.data_plane.sender,
     )
+    if fault in PART_FAULTS:
+        if live.transport is WeightTransport.GRPC:
+            items, message = _chunk_fault(items, fault), PART_FAULTS[fault]["chunk"]
+        else:
+            items, message = _placed_fault(items, fault), PART_FAULTS[fault]["placed"]
+    return items, code, message
+
+
+def _refused(live: Live, fault: str) -> None:
+    """The faulty push is refused with its status and message; the served weights and version
+    are exactly as they were, and the sidecar left no region open or mapped and no group usable."""
+    sc, c = live.sc, live.c
+    kept = sc.weights._receiver.regions  # regions the sidecar keeps mapped on purpose (bounded, expire)
+    kept.close()
+    before, regions = served(sc), _open_regions()
+    assert c.info().weight_version == before[0] == c.delta_base.version
+    items, code, message = _faulty_push(live, fault)
+    with pytest.raises(SidecarCallError) as err:
+        c.push_items(items, plane=c.data_plane.sender)
+    assert err.value.code == code, err.value.details
+    assert message in err.value.details, err.value.details
+    assert served(sc) == before and c.info().weight_version == before[0]
+    kept.close()
+    assert all(a <= b for a, b in zip(_open_regions(), regions, strict=True))  # nothing else left open or mapped
+    groups = sc.weights._receiver.groups
+    assert not groups._groups  # the failed push's collective group is out of use, as on the sender
+    assert len(groups._retired) <= 1  # and closed once the sender prepares its next group
+
+
+def _applied(live: Live) -> None:
+    """The sidecar keeps serving: it takes the next push as a delta against the version it
+    kept, and serves exactly the client's copy."""
+    sc, c = live.sc, live.c
+    version = served(sc)[0]
+    live.state = sparse_step(live.state, live.gen, 0.01)
+    result = c.push_weights(live.state, version=version + 1)
+    assert result.transport is live.transport and result.bytes_received * 10 <= live.dense
+    assert served(sc) == (version + 1, sha(live.state))
+    groups = sc.weights._receiver.groups
+    assert not groups._retired and len(groups._groups) == (live.transport is WeightTransport.COLLECTIVE)
+
+
+@pytest.mark.parametrize("fault", list(PLAN_FAULTS))
+def test_a_bad_delta_is_refused_on_every_transport(live: Live, fault: str) -> None:
+    """Wrong base, positions out of range / unsorted / repeated, a rebuilt tensor that does not
+    match the manifest's CRC-32, a tensor the sidecar does not have: each placed on the data
+    plane as the client would place it, then a good push."""
+    _refused(live, fault)
+    _applied(live)
+
+
+@pytest.mark.parametrize("fault", list(PART_FAULTS))
+def test_a_dropped_or_reordered_part_is_refused_on_every_transport(live: Live, fault: str) -> None:
+    """Parts are the stream's chunks on grpc and the placed tensors on shm and collective."""
+    _refused(live, fault)
+    _applied(live)
+
+
+@settings(max_examples=3, deadline=None)
+@given(steps=st.lists(st.sampled_from(["good", *PLAN_FAULTS, *PART_FAULTS]), min_size=2, max_size=4))
+def test_any_run_of_bad_and_good_pushes_serves_the_last_good_one(live: Live, steps: list[str]) -> None:
+    """Oracle: the client's copy of its last applied push. Refusals back to back (each on a
+    freshly prepared data plane) and good pushes in any order: the sidecar always serves the
+    oracle's weights and version and takes every good push as a delta."""
+    for step in steps:
+        if step == "good":
+            _applied(live)
+        else:
+            _refused(live, step)
+        assert served(live.sc) == (live.c.delta_base.version, sha(live.state))
 
 
 def test_a_sidecar_without_a_base_refuses_and_the_client_pushes_in_full(checkpoint: Path) -> None:

@@ -7,6 +7,7 @@ version serving."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Iterator
@@ -324,6 +325,25 @@ def test_region_names_outside_the_namespace_are_refused(sidecar: Sidecar, name: 
         assert c.info().weight_version == version
 
 
+def test_a_push_refused_while_another_is_in_progress_ends_its_collective_group(sidecar: Sidecar) -> None:
+    """The client drops its group after the ABORTED push, so the sidecar's end must go too
+    (as after any failed push), not stay registered until the sidecar stops."""
+    receiver = sidecar.weights._receiver
+    with client(sidecar.address, CONFIGS[WeightTransport.COLLECTIVE]) as c:
+        version = c.info().weight_version
+        assert c.push_weights(weights(5), version=version + 1).transport is WeightTransport.COLLECTIVE
+        plane = c.data_plane.sender
+        assert plane is not None and not isinstance(plane, ShmSender)
+        group_id = plane.group.group_id
+        with receiver.claim(), pytest.raises(SidecarCallError) as err:  # another push is being received
+            c.push_weights(weights(6), version=version + 2)
+        assert err.value.code == grpc.StatusCode.ABORTED
+        assert group_id not in receiver.groups._groups
+        assert c.push_weights(weights(6), version=version + 2).transport is WeightTransport.COLLECTIVE
+        assert_serves(c, version + 2, 6)
+        assert group_id not in receiver.groups._groups and not receiver.groups._retired
+
+
 @pytest.mark.parametrize("transport", [WeightTransport.SHM, WeightTransport.COLLECTIVE], ids=lambda t: t.value)
 def test_two_senders_at_once_serve_one_complete_model(checkpoint: Path, transport: WeightTransport) -> None:
     """Two clients (each with its own region or group) push different models at the same
@@ -447,3 +467,82 @@ def test_buckets_cover_every_tensor_once_in_order() -> None:
         assert [i for b in buckets for i in b] == list(range(len(specs)))
         for b in buckets:
             assert len(b) == 1 or sum(specs[i].byte_length for i in b) <= size
+
+
+# --- the receiver keeps a sender's region mapped between pushes -----------------------------
+
+
+def _receive_over(receiver: WeightReceiver, region: shm.ShmRegion, model: dict[str, torch.Tensor], version: int):
+    return receiver.receive(iter(iter_push_requests(model, version, data_plane=ShmSender(region))))
+
+
+@contextlib.contextmanager
+def _receiver_and_region(**planes: object) -> Iterator[tuple[WeightReceiver, shm.ShmRegion]]:
+    """A receiver for `weights(...)`-shaped pushes (DataPlaneConfig `planes`) and a sender's
+    region, both closed afterwards."""
+    specs = [spec_of(n, t) for n, t in weights(1).items()]
+    receiver = WeightReceiver(
+        model_specs=lambda selector: specs,
+        served_version=lambda: 0,
+        data_planes=DataPlaneConfig(**planes),  # type: ignore[arg-type]
+    )
+    region = shm.ShmRegion()
+    try:
+        yield receiver, region
+    finally:
+        receiver.close()
+        region.close()
+
+
+def test_a_second_push_over_the_same_region_reuses_its_mapping() -> None:
+    """Mapping a large region costs as much as copying it: a receiver keeps it for the next push
+    of the same sender, and what it stages from the kept mapping is the new push's bytes."""
+    with _receiver_and_region() as (receiver, region):
+        _receive_over(receiver, region, weights(1), 1)
+        assert receiver.regions.kept == [region.name]
+        (kept,) = receiver.regions._kept.values()
+        second = weights(2)
+        staged = _receive_over(receiver, region, second, 2)
+        assert receiver.regions._kept[region.name] is kept  # the same reader, not reopened
+        for name, tensor in second.items():
+            assert tensor_bytes(staged.tensors[name]).tobytes() == tensor_bytes(tensor).tobytes()
+    assert receiver.regions.kept == []
+
+
+@pytest.mark.parametrize("change", ["closed by the sender", "made readable by others"])
+def test_a_kept_region_is_checked_again_before_it_is_reused(change: str) -> None:
+    with _receiver_and_region() as (receiver, region):
+        _receive_over(receiver, region, weights(1), 1)
+        assert receiver.regions.kept == [region.name]
+        items = list(iter_push_requests(weights(2), 2, data_plane=ShmSender(region)))
+        if change == "closed by the sender":
+            region.close()
+        else:
+            os.chmod(region.path, 0o644)
+        with pytest.raises(TransportUnavailableError, match="does not exist|not a private"):
+            receiver.receive(iter(items))
+        assert receiver.regions.kept == []  # the stale reader was closed, not kept
+
+
+def test_a_failed_push_does_not_keep_its_region_and_idle_regions_are_released() -> None:
+    with _receiver_and_region(shm_keep_mapped_s=0.2) as (receiver, region):
+        items = list(iter_push_requests(weights(1), 1, data_plane=ShmSender(region)))
+        region.write(0, torch.full((8,), 7, dtype=torch.uint8).numpy())  # rewritten after its checksum
+        with pytest.raises(InvalidRequestError, match="CRC-32"):
+            receiver.receive(iter(items))
+        assert receiver.regions.kept == []
+        _receive_over(receiver, region, weights(1), 1)
+        assert receiver.regions.kept == [region.name]
+        for _ in range(100):  # released by the idle timer (0.2 s), not by the next push
+            if not receiver.regions.kept:
+                break
+            threading.Event().wait(0.05)
+        assert receiver.regions.kept == []
+
+
+def test_keeping_regions_mapped_can_be_turned_off() -> None:
+    with _receiver_and_region(shm_keep_mapped_s=0) as (receiver, region):
+        _receive_over(receiver, region, weights(1), 1)
+        assert receiver.regions.kept == []
+    with pytest.raises(ValueError, match="shm_keep_mapped_s"):
+        DataPlaneConfig(shm_keep_mapped_s=-1)

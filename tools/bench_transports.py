@@ -9,8 +9,8 @@ as a new version 2. over the gRPC stream, 3. through shared memory, 4. over a tw
 group on loopback; each push is timed from the call to the sidecar serving the new version
 (so it includes the receiver's checksum and the atomic swap into the engine's parameters).
 Peak RSS of both processes per push: VmHWM from /proc/<pid>/status after resetting it through
-/proc/<pid>/clear_refs (the region in /dev/shm is shared memory, counted where it is mapped:
-the sender writes it with pwrite and the sidecar reads it with preadv, so neither maps it).
+/proc/<pid>/clear_refs (the shm region is a memfd both processes map: its pages count in each
+process's RSS, one physical copy).
 Reports medians; goal: shm >= 4 GiB/s or >= 50% of memcpy.
 
 With `--fanout MODEL_DIR` it measures instead what the RL loop's push costs at a small model's

@@ -105,6 +105,17 @@ class Engine(ABC):
         weights. Called only between steps.
         """
 
+    def adopt_weights(
+        self, tensors: Mapping[str, torch.Tensor], selector: WeightSelector, version: int
+    ) -> dict[str, torch.Tensor]:
+        """`update_weights`, allowed to take `tensors` over as the served weights instead of
+        copying them (a 1 GiB copy is ~0.1 s on a CPU core; a weight receiver stages tensors
+        that nothing else holds). Returns the buffers the caller may now overwrite: the ones
+        it displaced, or, for an engine that copies (this default), `tensors` themselves.
+        The same checks, all-or-nothing, before anything changes."""
+        self.update_weights(tensors, selector, version)
+        return dict(tensors)
+
     def weight_checksums(self, selector: WeightSelector) -> dict[str, int] | None:
         """CRC-32 of each served tensor of `selector` (naming-contract names; the bytes a push of
         it would carry), or None when the engine cannot read its weights back. Called between

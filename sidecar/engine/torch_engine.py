@@ -661,6 +661,23 @@ class TorchEngine(Engine):
         return {name: tensor_crc32(params[name]) for name in self._selected_shapes(selector)}
 
     def update_weights(self, tensors: Mapping[str, torch.Tensor], selector: WeightSelector, version: int) -> None:
+        self._check_update(tensors, selector, version)
+        self._swap_in(tensors, adopt=False)
+        self._served(version)
+
+    def adopt_weights(
+        self, tensors: Mapping[str, torch.Tensor], selector: WeightSelector, version: int
+    ) -> dict[str, torch.Tensor]:
+        """Serve `tensors` themselves where they can be the parameters' storage (same device,
+        dtype and shape, contiguous, and a parameter that shares its storage with nothing
+        else); copy the rest. Returns the displaced storages (and the copied-from tensors),
+        which nothing here holds any more."""
+        self._check_update(tensors, selector, version)
+        free = self._swap_in(tensors, adopt=True)
+        self._served(version)
+        return free
+
+    def _check_update(self, tensors: Mapping[str, torch.Tensor], selector: WeightSelector, version: int) -> None:
         check_weights(
             tensors,
             selector=selector,
@@ -670,10 +687,40 @@ class TorchEngine(Engine):
             all_names=set(self._selected_shapes(WeightSelector.ALL)),
             dtype=self.config.dtype,
         )
+
+    def _swap_in(self, tensors: Mapping[str, torch.Tensor], *, adopt: bool) -> dict[str, torch.Tensor]:
         params = dict(self.model.named_parameters())
+        shared = self._shared_storages() if adopt else set()
+        free: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for name, t in tensors.items():
-                params[name].copy_(t)
+                p = params[name]
+                if (
+                    adopt
+                    and t.device == p.device
+                    and t.dtype == p.dtype
+                    and t.shape == p.shape
+                    and t.is_contiguous()
+                    and p.is_contiguous()
+                    and p.untyped_storage().data_ptr() not in shared
+                ):
+                    free[name], p.data = p.data, t
+                else:
+                    p.copy_(t)
+                    free[name] = t
+        return free
+
+    def _shared_storages(self) -> set[int]:
+        """Storages that more than one parameter or buffer uses: those are copied into, never
+        swapped, so what shares them keeps sharing them."""
+        seen: set[int] = set()
+        shared: set[int] = set()
+        for t in [*self.model.parameters(), *self.model.buffers()]:
+            ptr = t.untyped_storage().data_ptr()
+            (shared if ptr in seen else seen).add(ptr)
+        return shared
+
+    def _served(self, version: int) -> None:
         self._version = version
         self._stats.setdefault(version, VersionStats(weight_version=version))
         if self._policy is not None:

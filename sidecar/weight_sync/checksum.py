@@ -1,7 +1,7 @@
 """CRC-32 of tensor bytes, and combining the CRC-32s of consecutive pieces.
 
-The checksum is CRC-32 with the zlib polynomial (`zlib.crc32`, or ISA-L's identical and ~10x
-faster `isal_zlib.crc32` when the optional `fast` extra is installed). A tensor's checksum is
+The checksum is CRC-32 with the zlib polynomial: ISA-L's `isal_zlib.crc32` (a dependency; ~10x
+faster than zlib's, identical values), or `zlib.crc32` where isal cannot be imported. A tensor's checksum is
 not recomputed over its bytes when they arrive in pieces: it is combined from the piece
 checksums the receiver computes anyway (`crc32_combine`, zlib's GF(2) operator method, which
 Python's zlib does not expose), so each byte is checksummed once on each side.
@@ -16,13 +16,15 @@ import numpy as np
 
 try:  # ISA-L's SIMD CRC-32: the same polynomial and values as zlib's, ~10x faster
     from isal.isal_zlib import crc32
-except ImportError:  # the optional `fast` extra is not installed
+except ImportError:  # isal has no build for this platform
     from zlib import crc32
 
 __all__ = ["copy_and_checksum", "crc32", "crc32_combine"]
 
-_BLOCK = 1 << 20
-"""Copy-then-checksum block: small enough that the checksum reads the block from cache."""
+_BLOCK = 256 << 10
+"""Copy-then-checksum block: small enough that the checksum reads the block back from L2 (the copy
+touches twice the block). Measured on the project's EPYC VM with ISA-L, 1 GiB fused copy+CRC:
+0.100 s with 256 KiB blocks against 0.112-0.120 s with 1 MiB, and 0.081 s for a bare copy."""
 
 _CRC_POLY = 0xEDB88320
 

@@ -157,18 +157,33 @@ def serve_store(host: str, world_size: int, timeout_s: float) -> dist.TCPStore:
 
 
 class GroupRegistry:
-    """The groups a sidecar has joined, by id (thread-safe). A group that failed is dropped."""
+    """The groups a sidecar has joined, by id (thread-safe). A group whose broadcast failed is
+    dropped; one whose push failed otherwise is retired."""
 
     def __init__(self) -> None:
         self._groups: dict[str, CollectiveGroup] = {}
+        self._retired: list[CollectiveGroup] = []
         self._lock = threading.Lock()
 
     def add(self, group: CollectiveGroup) -> None:
+        """Register a joined group; this closes the retired groups (their senders have moved on
+        to this new group, or away)."""
         with self._lock:
             old = self._groups.pop(group.group_id, None)
             self._groups[group.group_id] = group
-        if old is not None:
-            old.close()
+            done, self._retired = self._retired, []
+        for g in [*done, *([old] if old is not None else [])]:
+            g.close()
+
+    def retire(self, group_id: str) -> None:
+        """Take a group out of use now (a push naming it gets UNAVAILABLE) and close it at the
+        next `add` or `close`: after a failed push, whose sender drops its end once it has the
+        sidecar's verdict. Closing this end at once would reset a bucket the sender may still be
+        broadcasting, and the sender would report that transport error instead of the verdict."""
+        with self._lock:
+            group = self._groups.pop(group_id, None)
+            if group is not None:
+                self._retired.append(group)
 
     def get(self, group_id: str) -> CollectiveGroup:
         with self._lock:
@@ -188,6 +203,7 @@ class GroupRegistry:
 
     def close(self) -> None:
         with self._lock:
-            groups, self._groups = list(self._groups.values()), {}
+            groups, self._groups = [*self._groups.values(), *self._retired], {}
+            self._retired = []
         for g in groups:
             g.close()

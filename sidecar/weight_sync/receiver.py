@@ -25,7 +25,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +38,7 @@ from sidecar.errors import (
     InvalidRequestError,
     PushCancelledError,
     PushInProgressError,
+    SpecrlError,
     StaleVersionError,
     TransportUnavailableError,
     UnknownTensorError,
@@ -78,6 +79,9 @@ class DataPlaneConfig:
     proc_dir: Path = DEFAULT_PROC_DIR
     """Where the senders' region descriptors are found (/proc; a test points it elsewhere to
     play a sidecar on another host)."""
+    shm_keep_mapped_s: float = 60.0
+    """Keep a sender's region mapped this long after a push (mapping costs ~0.1 s per GiB; the
+    next push reuses it). 0: map and unmap at every push."""
     collective: bool = True
     """Offer `collective` (join a torch.distributed group a sender sets up)."""
     deltas: bool = True
@@ -86,6 +90,8 @@ class DataPlaneConfig:
 
     def __post_init__(self) -> None:
         self.proc_dir = Path(self.proc_dir)
+        if not self.shm_keep_mapped_s >= 0:
+            raise ValueError(f"shm_keep_mapped_s must be >= 0 seconds, got {self.shm_keep_mapped_s}")
 
     @property
     def offered(self) -> list[WeightTransport]:
@@ -165,22 +171,25 @@ class WeightReceiver:
         keep_staging: bool = False,
         data_planes: DataPlaneConfig | None = None,
     ) -> None:
-        """`keep_staging`: keep the staging tensors after an applied push and receive the next
-        push into them: no fresh memory to fault in (the largest single cost of a push on a
-        small machine), at the price of ~1x the model staying resident between pushes (the
-        peak is the same). Only for engines whose `update_weights` copies what it is given,
-        as TorchEngine does."""
+        """`keep_staging`: keep the buffers an applied push leaves free (the engine's displaced
+        tensors, or the staged ones where it copied them) and receive the next push into them:
+        no fresh memory to fault in (the largest single cost of a push on a small machine), at
+        the price of ~1x the model staying resident between pushes (the peak is the same).
+        Only for engines whose `adopt_weights` hands back buffers that nothing else holds, as
+        TorchEngine's does."""
         self._model_specs = model_specs
         self._served_version = served_version
         self._lock = threading.Lock()
         self._keep_staging = keep_staging
-        self._kept: dict[str, torch.Tensor] = {}
+        self._spare: dict[str, torch.Tensor] = {}  # buffers nothing serves: the next push's staging
         self.data_planes = data_planes or DataPlaneConfig()
         # The tensors of the last applied push and the version it made served: what a delta
         # is rebuilt from (only while that version is still the served one).
         self._base: dict[str, torch.Tensor] = {}
         self._base_version = 0
         self.groups = collective.GroupRegistry()
+        self.regions = shm.MappedRegions(self.data_planes.proc_dir, self.data_planes.shm_keep_mapped_s)
+        self._push_group: str | None = None  # the collective group the claimed push names
 
     # --- data planes ------------------------------------------------------------------------
 
@@ -210,17 +219,42 @@ class WeightReceiver:
 
     def close(self) -> None:
         self.groups.close()
+        self.regions.close()
 
     # --- one push ---------------------------------------------------------------------------
 
-    def claim(self) -> _PushClaim:
-        """Reserve the receiver for one push; PushInProgressError if another one holds it."""
+    def claim(self, items: Iterator[PushItem] | None = None) -> _PushClaim:
+        """Reserve the receiver for the push `items`; PushInProgressError if another one holds
+        it. A push refused so still ends the collective group its manifest names (read for
+        that alone), as the sender drops its end after the refusal (see `_push_ended`)."""
         if not self._lock.acquire(blocking=False):
+            if items is not None:
+                self._retire_group_of(items)
             raise PushInProgressError(
                 "another weight push is being received or applied; retry after it finishes "
                 "(pushes to one sidecar are serialised)"
             )
-        return _PushClaim(self._lock)
+        self._push_group = None
+        return _PushClaim(self._lock, self._push_ended)
+
+    def _retire_group_of(self, items: Iterator[PushItem]) -> None:
+        try:
+            first = next(items, None)
+        except SpecrlError:  # a stream that broke names no group
+            return
+        if isinstance(first, WeightManifest) and isinstance(first.data_plane, CollectivePlacement):
+            self.groups.retire(first.data_plane.group_id)
+
+    def _push_ended(self, failed: bool) -> None:
+        """A claimed push that failed (refused, broken, cancelled, or not applied) retires the
+        collective group it named, as the sender drops its end after any failed push: the
+        bucket broadcasts of a push that stopped part-way, or that was refused before the
+        sidecar took them, leave the two ends out of step, and a group neither end uses again
+        would hold its sockets and threads until the sidecar stops. The sender's next push
+        over collective prepares a new group (which closes the retired one)."""
+        group, self._push_group = self._push_group, None
+        if failed and group is not None:
+            self.groups.retire(group)
 
     def receive(self, items: Iterator[PushItem], *, is_active: Callable[[], bool] = lambda: True) -> StagedWeights:
         """Consume a whole push stream (manifest, chunks or placed tensors, commit, end of stream)
@@ -234,6 +268,8 @@ class WeightReceiver:
             raise InvalidRequestError(
                 f"the first message of a push was a {_kind(first)}, not the manifest; send the manifest first"
             )
+        if isinstance(first.data_plane, CollectivePlacement):
+            self._push_group = first.data_plane.group_id
         started = time.perf_counter()
         staged = self._check_manifest(first)
         plane = self._open_plane(first, staged)
@@ -245,6 +281,7 @@ class WeightReceiver:
         # Checksumming and copying (which release the GIL) run on a staging thread while this
         # one waits for the next message; at most _IN_FLIGHT pieces are held at a time.
         in_flight: collections.deque[Future[None]] = collections.deque()
+        received = False
         try:
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="specrl-stage") as stager:
                 try:
@@ -276,11 +313,12 @@ class WeightReceiver:
                         )
                     while in_flight:
                         in_flight.popleft().result()
+                    received = True
                 finally:
                     for f in in_flight:
                         f.cancel()
         finally:
-            plane.close()
+            plane.close(ok=received)
         if commit is None:
             raise InvalidRequestError(
                 f"the push stream ended after {chunk_count} chunks without a commit (truncated); "
@@ -354,7 +392,7 @@ class WeightReceiver:
         if isinstance(where, ShmPlacement):
             if not self.data_planes.shm:
                 raise TransportUnavailableError("this sidecar does not offer the shm transport; push over grpc")
-            return _ShmPlane(staged, shm.ShmReader(where.region, self.data_planes.proc_dir))
+            return _ShmPlane(staged, self.regions, self.regions.acquire(where.region))
         if not self.data_planes.collective:
             raise TransportUnavailableError("this sidecar does not offer the collective transport; push over grpc")
         return _CollectivePlane(staged, self.groups, where)
@@ -401,27 +439,33 @@ class WeightReceiver:
                 "a push must replace the whole selected part"
             )
         self._check_deltas(manifest, served)
-        kept, self._kept = self._kept, {}
-        if kept and self._base:
-            # The kept staging buffers are the base's tensors, and full tensors are about to be
-            # received into them: the base (but for this push's delta tensors, rebuilt into
-            # fresh memory first) is void until `keep` takes the applied push as the new one.
+        reuse: dict[str, torch.Tensor] = {}
+        for s in manifest.tensors:
+            buffer = _reusable(self._spare.get(s.name), s) if s.delta is None else None
+            if buffer is not None:
+                reuse[s.name] = self._spare.pop(s.name)
+        if any(self._base.get(n) is b for n, b in reuse.items()):
+            # An engine that copies what it is given leaves the base's tensors as the spare
+            # buffers, and full tensors are about to be received into them: the base (but for
+            # this push's delta tensors, rebuilt into fresh memory first) is void until `keep`
+            # takes the applied push as the new one. (An engine that adopts the staged tensors
+            # hands back the displaced ones instead, and the base stays whole.)
             self._base = {s.name: self._base[s.name] for s in manifest.tensors if s.delta is not None}
             self._base_version = -1
-        return [
-            _StagedTensor(s, None if s.delta is not None else _reusable(kept.pop(s.name, None), s))
-            for s in manifest.tensors
-        ]
+        return [_StagedTensor(s, reuse.get(s.name)) for s in manifest.tensors]
 
-    def keep(self, staged: StagedWeights) -> None:
+    def keep(self, staged: StagedWeights, free: Mapping[str, torch.Tensor] | None = None) -> None:
         """After an applied push: keep its tensors as the base of later deltas (when deltas are
-        accepted) and, with keep_staging, as the next push's staging buffers (that push voids
-        the base it receives full tensors into; see `_check_manifest`)."""
+        accepted; they are what the engine now serves, or an exact copy of it) and, with
+        keep_staging, `free` as the next push's staging buffers: what the engine handed back
+        (`Engine.adopt_weights`), by default the staged tensors themselves (an engine that
+        copies; the next push then voids the base it receives full tensors into, see
+        `_check_manifest`)."""
         if self.data_planes.deltas:
             self._base.update(staged.tensors)
             self._base_version = staged.version
         if self._keep_staging:
-            self._kept = dict(self._base) if self.data_planes.deltas else dict(staged.tensors)
+            self._spare.update(staged.tensors if free is None else free)
 
 
 # --- data planes, receiving side ------------------------------------------------------------
@@ -440,8 +484,8 @@ class _Plane:
     def accept(self, item: WeightChunk | WeightPlaced, number: int) -> Callable[[], None]:
         raise NotImplementedError
 
-    def close(self) -> None:
-        """Release what the push opened."""
+    def close(self, ok: bool) -> None:
+        """Release what the push opened (`ok`: every byte arrived and checked)."""
 
 
 class _StreamPlane(_Plane):
@@ -511,8 +555,9 @@ class _PlacedPlane(_Plane):
 class _ShmPlane(_PlacedPlane):
     transport = "shm"
 
-    def __init__(self, staged: list[_StagedTensor], reader: shm.ShmReader) -> None:
+    def __init__(self, staged: list[_StagedTensor], regions: shm.MappedRegions, reader: shm.ShmReader) -> None:
         super().__init__(staged)
+        self.regions = regions
         self.reader = reader
 
     def stage(self, t: _StagedTensor, item: PlacedTensor) -> None:
@@ -520,8 +565,8 @@ class _ShmPlane(_PlacedPlane):
         t.received = item.byte_length
         _check_tensor_crc(t, crc, item.crc32)
 
-    def close(self) -> None:
-        self.reader.close()
+    def close(self, ok: bool) -> None:
+        self.regions.release(self.reader, keep=ok)
 
 
 class _CollectivePlane(_PlacedPlane):
@@ -565,7 +610,7 @@ class _CollectivePlane(_PlacedPlane):
         t.received = item.byte_length
         _check_tensor_crc(t, crc32(t.bytes_view()) if item.byte_length else 0, item.crc32)
 
-    def close(self) -> None:
+    def close(self, ok: bool) -> None:
         if self.failed:  # a broadcast that failed leaves the group unusable: rebuild it
             self.groups.drop(self.group.group_id)
 
@@ -647,16 +692,21 @@ def _verify_and_copy(t: _StagedTensor, chunk: WeightChunk, number: int) -> None:
 
 
 class _PushClaim:
-    """Context manager releasing the receiver's push lock."""
+    """Context manager around one push: tells the receiver whether the push failed (an
+    exception left the block), then releases its push lock."""
 
-    def __init__(self, lock: threading.Lock) -> None:
+    def __init__(self, lock: threading.Lock, ended: Callable[[bool], None]) -> None:
         self._lock = lock
+        self._ended = ended
 
     def __enter__(self) -> _PushClaim:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self._lock.release()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        try:
+            self._ended(exc_type is not None)
+        finally:
+            self._lock.release()
 
 
 def _kind(item: PushItem) -> str:

@@ -161,6 +161,23 @@ def iter_push_requests(
             "streaming an iterable of tensors needs specs= (the manifest, e.g. from describe_weights); "
             "or pass a mapping of name to tensor"
         )
+    manifest = push_manifest(
+        specs, version, selector, data_plane.placement if data_plane is not None else None, base_version
+    )
+    checked = checked_pairs(pairs, manifest.tensors)  # generators: nothing runs before the manifest is sent
+    body = _chunks(checked, chunk_bytes) if data_plane is None else data_plane.place(checked, manifest.tensors)
+    yield from framed_push(manifest, body)
+
+
+def push_manifest(
+    specs: Sequence[TensorSpec],
+    version: int,
+    selector: WeightSelector = WeightSelector.ALL,
+    placement: ShmPlacement | CollectivePlacement | None = None,
+    base_version: int = 0,
+) -> WeightManifest:
+    """The manifest of a push of `specs` (a full tensor's CRC-32 travels with its bytes; a
+    delta's, of the reconstructed tensor, in the manifest)."""
     manifest_specs = [
         TensorSpec(
             name=s.name,
@@ -173,15 +190,15 @@ def iter_push_requests(
     ]
     if base_version == 0 and any(s.delta is not None for s in manifest_specs):
         raise ValueError("a push with delta tensors needs base_version= (the version they were computed against)")
-    yield WeightManifest(
-        version=version,
-        selector=selector,
-        tensors=manifest_specs,
-        data_plane=data_plane.placement if data_plane is not None else None,
-        base_version=base_version,
+    return WeightManifest(
+        version=version, selector=selector, tensors=manifest_specs, data_plane=placement, base_version=base_version
     )
-    checked = _checked(pairs, manifest_specs)
-    body = _chunks(checked, chunk_bytes) if data_plane is None else data_plane.place(checked, manifest_specs)
+
+
+def framed_push(manifest: WeightManifest, body: Iterable[WeightChunk | WeightPlaced]) -> Iterator[PushItem]:
+    """A push's items: the manifest, the body (chunks, or placements on the manifest's data
+    plane, e.g. written once by one writer for several sidecars), the commit counting them."""
+    yield manifest
     count = 0
     for item in body:
         yield item
@@ -189,7 +206,7 @@ def iter_push_requests(
     yield WeightCommit(chunk_count=count)
 
 
-def _checked(
+def checked_pairs(
     pairs: Iterable[tuple[str, torch.Tensor]], specs: Sequence[TensorSpec]
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """(index, tensor) in manifest order; ValueError for a tensor that is not its spec's, or a

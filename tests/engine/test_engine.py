@@ -187,6 +187,44 @@ def test_failed_updates_change_nothing() -> None:
     assert greedy(engine) == before
 
 
+def test_failed_adoptions_change_nothing() -> None:
+    engine = TorchEngine(fresh())
+    before = greedy(engine)
+    storages = {n: p.data_ptr() for n, p in engine.model.named_parameters()}
+    for tensors, selector, version, error, message in bad_updates(engine):
+        with pytest.raises(error, match=message):
+            engine.adopt_weights(tensors, selector, version)
+        assert engine.weight_version == 0
+    assert {n: p.data_ptr() for n, p in engine.model.named_parameters()} == storages
+    assert greedy(engine) == before
+
+
+def test_adopted_tensors_become_the_served_parameters_and_the_displaced_ones_come_back() -> None:
+    """The swap takes the staged tensors over (no copy) and hands back what they replaced,
+    which nothing serves any more; the model is then exactly the pushed one."""
+    engine, other = TorchEngine(fresh()), fresh(seed=22)
+    new = {n: t.clone() for n, t in model_state_dict(other).items()}
+    old = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    old_ptrs = {n: p.data_ptr() for n, p in engine.model.named_parameters()}
+    free = engine.adopt_weights(new, WeightSelector.ALL, version=1)
+    params = dict(engine.model.named_parameters())
+    assert all(params[n].data_ptr() == t.data_ptr() for n, t in new.items())
+    assert {n: t.data_ptr() for n, t in free.items()} == old_ptrs
+    assert all(torch.equal(free[n], old[n]) for n in old)
+    assert engine.weight_version == 1 and greedy(engine) == greedy(TorchEngine(other))
+
+
+def test_a_parameter_that_shares_its_storage_is_copied_into_not_replaced() -> None:
+    engine = TorchEngine(fresh())
+    name = "model.norm.weight"
+    p = dict(engine.model.named_parameters())[name]
+    engine.model.register_buffer("alias_of_norm", p.data)  # something else reads that storage
+    new = {n: t.clone() for n, t in model_state_dict(fresh(seed=22)).items()}
+    free = engine.adopt_weights(new, WeightSelector.ALL, version=1)
+    assert p.data_ptr() == engine.model.alias_of_norm.data_ptr() != new[name].data_ptr()
+    assert free[name] is new[name] and torch.equal(engine.model.alias_of_norm, new[name])
+
+
 SMALL = SamplingParams(max_new_tokens=5)
 BAD_REQUESTS = [
     (lambda: GenerationRequest(prompts=[[1, 2]]), "prompts", [[]], "prompts\\[0\\] is empty"),
