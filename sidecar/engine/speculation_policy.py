@@ -429,15 +429,15 @@ class SpeculationPolicy:
         (`min_gain`) it keeps its draft and each step decides: the draft's upkeep is small (the MTP
         prefill of the prompt; plain rounds keep a bounded catch-up), while one noisy prediction
         at admission would otherwise decide a whole generation. (A guard back-off does not count
-        either: it is temporary.) Only the bucket's own measurements of k > 0 can refuse a draft
-        (another batch size's relative costs may be far off, and a refused bucket would never
-        measure its own), and every `probe_every`-th refusal in a row is turned into an
+        either: it is temporary.) Only the bucket's own trusted measurements of k > 0 (at least
+        `min_cost_samples`) can refuse a draft (another batch size's relative costs or one
+        noisy step may be far off, and a refused bucket would never measure again), and every `probe_every`-th refusal in a row is turned into an
         admission with a draft, so a bucket that once measured plain best can learn that this
         changed (a weight push that improved the draft, a machine less loaded)."""
         b = self._bucket(batch)
         rates = self.expected_rates(batch)
-        if rates is None or not any(w > 1 for w in b.verify_samples):
-            return True  # k > 0 not measured here yet
+        if rates is None or len(b.verify) < 2:
+            return True  # k > 0 not measured here (min_cost_samples times) yet
         if max(rates[1:]) >= rates[0]:
             b.refusals = 0
             return True
