@@ -32,8 +32,7 @@ engine step, not a constant (DESIGN.md, "Speculation policy"):
   costs what a per-step model does not see: the MTP prefill of the prompt at admission, a
   catch-up refresh when drafting resumes, and stragglers — acceptance differs between rows, so
   rows of a batch that would finish together under plain decoding finish at different steps
-  and the batch's last steps run with few rows, at a worse cost per token. Plain wins the ties,
-  and among k > 0 the shortest draft within `shorter_within` of the best predicted rate.
+  and the batch's last steps run with few rows, at a worse cost per token. Plain wins the ties.
 - **Exploration**: plain decoding (k = 0) is measured first in every bucket (it is the baseline
   of the guard); then every `probe_every` steps (the interval doubling up to `max_probe_every`
   while the best k stays the same) the controller runs the least recently measured of
@@ -75,9 +74,6 @@ class SpeculationPolicyConfig:
     """Relative gain over plain decoding that a k > 0 must predict to be chosen (ties go to plain;
     see the module docstring, "Margin"). Measured (BENCHMARKS.md, "Adaptive speculation"): at
     greedy batch 4, k = 1 gained ~1.04x per step and lost 4-8% end to end."""
-    shorter_within: float = 0.03
-    """The smallest k whose predicted rate is within this fraction of the best k's is chosen:
-    stragglers and draft work grow with k, so near-ties go to the shorter draft."""
     acceptance_halflife: float = 64.0
     """Engine steps after which old acceptance evidence weighs half (tracks a drifting draft)."""
     version_discount: float = 0.01
@@ -119,7 +115,7 @@ class SpeculationPolicyConfig:
         for name in ("acceptance_halflife", "prior_strength", "cost_bias"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("version_discount", "prior_verify_slope", "prior_draft_cost", "min_gain", "shorter_within"):
+        for name in ("version_discount", "prior_verify_slope", "prior_draft_cost", "min_gain"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 < self.prior_acceptance < 1:
@@ -448,12 +444,9 @@ class SpeculationPolicy:
         return False
 
     def _best(self, rates: list[float]) -> int:
-        """The k of the highest predicted rate, where a k > 0 must beat plain by `min_gain` and the
-        smallest k within `shorter_within` of the best rate is taken."""
+        """The k of the highest predicted rate; a k > 0 must beat plain by `min_gain` (ties: smaller k)."""
         best = max(range(len(rates)), key=lambda k: (rates[k], -k))
-        if rates[best] < (1.0 + self.config.min_gain) * rates[0]:
-            return 0
-        return min(k for k in range(1, best + 1) if rates[k] * (1.0 + self.config.shorter_within) >= rates[best])
+        return best if rates[best] >= (1.0 + self.config.min_gain) * rates[0] else 0
 
     # ---- observations -----------------------------------------------------------------------
     def observe_step(

@@ -52,18 +52,15 @@ def feed_costs(policy: SpeculationPolicy, batch: int, verify: list[float], draft
 
 
 def oracle_best(
-    alphas: list[float], verify: list[float], draft: float, min_gain: float = 0.10, shorter_within: float = 0.03
+    alphas: list[float], verify: list[float], draft: float, min_gain: float = 0.10
 ) -> tuple[int, list[float]]:
-    """argmax_k E[tokens | k] / cost(k), where a k > 0 must beat plain by min_gain, and the
-    smallest k within shorter_within of the best rate is taken."""
+    """argmax_k E[tokens | k] / cost(k), where a k > 0 must beat plain by min_gain."""
     rates = []
     for k in range(len(verify)):
         expected = 1 + sum(math.prod(alphas[: i + 1]) for i in range(k))
         rates.append(expected / (verify[k] + k * draft))
-    top = max(rates)
-    if top < (1 + min_gain) * rates[0]:
-        return 0, rates
-    return next(k for k in range(1, len(rates)) if rates[k] * (1 + shorter_within) >= top), rates
+    best = max(range(len(rates)), key=lambda k: (rates[k], -k))
+    return (best if rates[best] >= (1 + min_gain) * rates[0] else 0), rates
 
 
 def exact_config(**kw) -> SpeculationPolicyConfig:
@@ -97,9 +94,9 @@ def test_gpu_like_costs_and_a_good_draft_choose_a_long_draft_cpu_like_costs_choo
 def test_decision_is_the_closed_form_argmax(alphas: list[float], slope: float, draft_ratio: float, batch: int) -> None:
     verify = [0.01 * (1 + slope * k) for k in range(K + 1)]
     best, rates = oracle_best(alphas, verify, 0.01 * draft_ratio)
-    top = max(rates)
-    assume(abs(top / rates[0] - 1.10) > 0.01)  # not on the margin's edge (counts are rounded to whole rows)
-    assume(all(abs(r * 1.03 / top - 1) > 0.01 for r in rates))  # ... nor on the near-tie edge
+    ranked = sorted(rates, reverse=True)
+    assume(ranked[0] > 1.02 * ranked[1])  # a clear winner (counts are rounded to whole rows)
+    assume(abs(ranked[0] / rates[0] - 1.10) > 0.01)  # ... and not on the margin's edge
     policy = SpeculationPolicy(exact_config())
     feed_acceptance(policy, alphas)
     feed_costs(policy, batch, verify, 0.01 * draft_ratio)
@@ -277,21 +274,6 @@ def test_a_width_measured_once_is_taken_from_the_nearest_bucket() -> None:
     assert policy.predicted_seconds(16, 2) == pytest.approx(0.020 * 1.4 + 2 * 0.004)  # borrowed, not 10-32 ms
     policy.observe_step(batch=16, k=2, draft_seconds=0.008, step_seconds=0.036, tokens=16, chosen=False)
     assert policy.predicted_seconds(16, 2) == pytest.approx(0.028 + 2 * 0.004)  # own medians of 3
-
-
-@pytest.mark.parametrize(("edge", "chosen"), [(1.02, 1), (1.05, 2)])
-def test_a_longer_draft_must_beat_the_shorter_one_by_more_than_a_near_tie(edge: float, chosen: int) -> None:
-    """Costs set so that k = 2 predicts `edge` x the tokens/s of k = 1 (both well above plain)."""
-    policy = SpeculationPolicy(SpeculationPolicyConfig(max_k=2, prior_strength=1e-9, acceptance_halflife=1e9))
-    feed_acceptance(policy, [0.9, 0.9])
-    tau1, tau2 = 1.9, 1 + 0.9 + 0.81
-    # verify 10 ms + s per extra token, draft 1 ms per token; c = s + 1 ms solves
-    # tau2 / (10 + 2c) = edge * tau1 / (10 + c)
-    c = (10 * tau2 - 10 * edge * tau1) / (2 * edge * tau1 - tau2)
-    feed_costs(policy, 4, verify=[0.010 + 0.001 * (c - 1) * k for k in range(3)], draft=0.001)
-    rates = policy.expected_rates(4)
-    assert rates[2] / rates[1] == pytest.approx(edge, rel=1e-3) and rates[1] > 1.1 * rates[0]
-    assert policy.decide(4).k == chosen
 
 
 def test_without_a_measured_neighbour_a_bucket_trusts_its_own_few_measurements_over_the_priors() -> None:
