@@ -1,7 +1,8 @@
 """The adaptive k controller as pure logic: injected costs and acceptance, no engine, no clock.
 
 Oracle for the decisions: the closed form E[tokens | k] / cost(k), with E = 1 + sum_i prod_{j<=i}
-alpha_j and cost = verify(k + 1) + k * draft, computed here from the injected numbers.
+alpha_j and cost = verify(k + 1) + k * draft, computed here from the injected numbers; a k > 0 is
+chosen only when it beats plain decoding by the margin (min_gain, 10%).
 """
 
 from __future__ import annotations
