@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_engine import BENCH_CONFIG, build_bench_checkpoint
+from bench_engine import BENCH_CONFIG, ensure_bench_checkpoint
 
 from sidecar.engine.speculation_policy import (
     SpeculationDecision,
@@ -83,9 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    if not (args.model / "config.json").is_file():
-        torch.manual_seed(0)
-        build_bench_checkpoint(args.model, 0)
+    ensure_bench_checkpoint(args.model)
     batches = [int(b) for b in args.batches.split(",")]
     ks = [int(k) for k in args.ks.split(",")]
     news = [int(n) for n in args.new_tokens.split(",")]

@@ -65,6 +65,13 @@ BENCH_CONFIG = ModelConfig(
 RESIDUAL_SCALE = 0.08
 
 
+def ensure_bench_checkpoint(path: Path, fit_steps: int = 0) -> None:
+    """Build the bench checkpoint at `path` (seed 0) unless one is already there."""
+    if not (path / "config.json").is_file():
+        torch.manual_seed(0)
+        build_bench_checkpoint(path, fit_steps)
+
+
 def build_bench_checkpoint(path: Path, fit_steps: int) -> None:
     """The synthetic target and its MTP draft (bigram init, optionally self-distilled; see the module docstring)."""
     model = build_model(BENCH_CONFIG, seed=0)
@@ -196,9 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: a shared 2-core box thrashes with 2)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    if not (args.model / "config.json").is_file():
-        torch.manual_seed(0)
-        build_bench_checkpoint(args.model, args.fit_steps)
+    ensure_bench_checkpoint(args.model, args.fit_steps)
     batches = [int(b) for b in args.batches.split(",")]
     ks = [int(k) for k in args.ks.split(",")]
     news = [int(n) for n in args.new_tokens.split(",")]

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_adaptive import run
-from bench_engine import BENCH_CONFIG, build_bench_checkpoint
+from bench_engine import BENCH_CONFIG, ensure_bench_checkpoint
 
 from sidecar.engine import torch_engine
 from sidecar.types import SamplingParams
@@ -41,9 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=4)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    if not (args.model / "config.json").is_file():
-        torch.manual_seed(0)
-        build_bench_checkpoint(args.model, 0)
+    ensure_bench_checkpoint(args.model)
     clock = time.thread_time
     phases: dict[tuple[int, int], list[tuple[float, float]]] = defaultdict(list)  # (rows, k) -> (draft, verify)
     steps: dict[tuple[int, int], list[float]] = defaultdict(list)  # (rows, k) -> whole decode step
@@ -86,11 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     print("| rows | k | steps | draft ms | verify ms | whole step ms |")
     print("|---|---|---|---|---|---|")
     for (b, k), v in sorted(steps.items(), key=lambda kv: (-kv[0][0], kv[0][1])):
-        ph = phases[(b, k)]
-        print(
-            f"| {b} | {k} | {len(v)} | {1e3 * statistics.median(d for d, _ in ph):.2f} | "
-            f"{1e3 * statistics.median(x for _, x in ph):.2f} | {1e3 * statistics.median(v):.2f} |"
-        )
+        ph = phases[(b, k)]  # empty where every step at this width ended in its prefill (very short runs)
+        draft = f"{1e3 * statistics.median(d for d, _ in ph):.2f}" if ph else "-"
+        verify = f"{1e3 * statistics.median(x for _, x in ph):.2f}" if ph else "-"
+        print(f"| {b} | {k} | {len(v)} | {draft} | {verify} | {1e3 * statistics.median(v):.2f} |")
     plain = statistics.median(total[0])
     print(
         "\nend to end (CPU s, median): "
