@@ -669,9 +669,9 @@ class TorchEngine(Engine):
         self, tensors: Mapping[str, torch.Tensor], selector: WeightSelector, version: int
     ) -> dict[str, torch.Tensor]:
         """Serve `tensors` themselves where they can be the parameters' storage (same device,
-        dtype and shape, contiguous, and a parameter that shares its storage with nothing
-        else); copy the rest. Returns the displaced storages (and the copied-from tensors),
-        which nothing here holds any more."""
+        contiguous, and a parameter that shares its storage with nothing else); copy the rest.
+        Returns the displaced storages (and the copied-from tensors), which nothing here holds
+        any more."""
         self._check_update(tensors, selector, version)
         free = self._swap_in(tensors, adopt=True)
         self._served(version)
@@ -695,11 +695,10 @@ class TorchEngine(Engine):
         with torch.no_grad():
             for name, t in tensors.items():
                 p = params[name]
+                # dtype and shape are the parameter's already (`_check_update`)
                 if (
                     adopt
                     and t.device == p.device
-                    and t.dtype == p.dtype
-                    and t.shape == p.shape
                     and t.is_contiguous()
                     and p.is_contiguous()
                     and p.untyped_storage().data_ptr() not in shared

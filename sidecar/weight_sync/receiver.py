@@ -193,16 +193,20 @@ class WeightReceiver:
 
     # --- data planes ------------------------------------------------------------------------
 
+    def _require(self, transport: WeightTransport) -> None:
+        if transport not in self.data_planes.offered:
+            raise TransportUnavailableError(
+                f"this sidecar does not offer the {transport.value} transport; push over grpc"
+            )
+
     def prepare_transport(self, request: ShmProbe | CollectiveRendezvous) -> PreparedTransport:
         """PrepareTransport: read a probe region back, or join a collective group (blocking,
         bounded by the request's timeout). TransportUnavailableError if that transport is not
         offered or cannot be set up here."""
         if isinstance(request, ShmProbe):
-            if not self.data_planes.shm:
-                raise TransportUnavailableError("this sidecar does not offer the shm transport; push over grpc")
+            self._require(WeightTransport.SHM)
             return PreparedTransport(shm_nonce=shm.read_probe(request.region, self.data_planes.proc_dir))
-        if not self.data_planes.collective:
-            raise TransportUnavailableError("this sidecar does not offer the collective transport; push over grpc")
+        self._require(WeightTransport.COLLECTIVE)
         if request.rank == 0:
             raise InvalidRequestError("rank 0 is the sender's; give the sidecar a rank from 1 to world_size-1")
         group = collective.join_group(
@@ -390,11 +394,9 @@ class WeightReceiver:
         if where is None:
             return _StreamPlane(staged)
         if isinstance(where, ShmPlacement):
-            if not self.data_planes.shm:
-                raise TransportUnavailableError("this sidecar does not offer the shm transport; push over grpc")
+            self._require(WeightTransport.SHM)
             return _ShmPlane(staged, self.regions, self.regions.acquire(where.region))
-        if not self.data_planes.collective:
-            raise TransportUnavailableError("this sidecar does not offer the collective transport; push over grpc")
+        self._require(WeightTransport.COLLECTIVE)
         return _CollectivePlane(staged, self.groups, where)
 
     def _check_manifest(self, manifest: WeightManifest) -> list[_StagedTensor]:
@@ -439,11 +441,11 @@ class WeightReceiver:
                 "a push must replace the whole selected part"
             )
         self._check_deltas(manifest, served)
-        reuse: dict[str, torch.Tensor] = {}
-        for s in manifest.tensors:
-            buffer = _reusable(self._spare.get(s.name), s) if s.delta is None else None
-            if buffer is not None:
-                reuse[s.name] = self._spare.pop(s.name)
+        reuse = {
+            s.name: self._spare.pop(s.name)
+            for s in manifest.tensors
+            if s.delta is None and _reusable(self._spare.get(s.name), s) is not None
+        }
         if any(self._base.get(n) is b for n, b in reuse.items()):
             # An engine that copies what it is given leaves the base's tensors as the spare
             # buffers, and full tensors are about to be received into them: the base (but for
