@@ -7,8 +7,11 @@
 The model is `tools/bench_engine.py`'s (built into --model on first use: a Qwen3-shaped 12-layer
 target with its "bigram" MTP draft). For each temperature and batch size B, the same prompts are
 generated with k = 0 (plain), each static k (pinned per request) and automatic mode, the
-configurations interleaved and their order rotated per repeat; medians of process CPU seconds
-(robust to other tenants of a shared machine) over `--repeats`.
+configurations interleaved and their order rotated per repeat; process CPU seconds (robust to
+other tenants of a shared machine); each speedup is the median over `--repeats` of the ratio
+within one repeat (paired: the configurations of a repeat ran next to each other), auto's with the
+range of its per-repeat ratios; "auto / best static" pairs auto with the faster of plain and the
+best static k in each repeat.
 
 Automatic mode runs on its own engine over the same model (so it learns only from its own steps,
 never from the static runs), one engine per temperature, kept across batch sizes like a
@@ -51,8 +54,8 @@ class CountingPolicy(SpeculationPolicy):
         super().__init__(config)
         self.counts: Counter[tuple[int, str]] = Counter()
 
-    def decide(self, batch: int) -> SpeculationDecision:
-        d = super().decide(batch)
+    def decide(self, batch: int, tokens_left: int | None = None) -> SpeculationDecision:
+        d = super().decide(batch, tokens_left)
         self.counts[(d.k, d.reason)] += 1
         return d
 
@@ -96,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     header = (
         "| T | B | plain tok/s | "
         + " | ".join(f"k={k}" for k in ks)
-        + " | auto | auto / best static | auto first pass | auto tau | auto's k (share of steps) |"
+        + " | auto (range) | auto / best static | auto first pass | auto tau | auto's k (share of steps) |"
     )
     lines = [header, "|---" * (8 + len(ks)) + "|"]
     print(header, flush=True)
@@ -129,8 +132,15 @@ def main(argv: list[str] | None = None) -> int:
                     times[c].append(seconds)
                     if c == "auto":
                         auto_counters.add(counters)
+            # paired: each repeat's configurations ran next to each other, so per-repeat ratios
+            # cancel the machine's drift between repeats; medians over the repeats
+            speedup = {c: statistics.median(p / t for p, t in zip(times[0], times[c], strict=True)) for c in configs}
             rate = {c: tokens / statistics.median(times[c]) for c in configs}
-            best = max(ks, key=lambda k: rate[k])
+            best = max(ks, key=lambda k: speedup[k])
+            against_best = statistics.median(
+                min(p, b) / a for p, b, a in zip(times[0], times[best], times["auto"], strict=True)
+            )
+            spread = [p / a for p, a in zip(times[0], times["auto"], strict=True)]
             steps = sum(policy.counts.values())
             by_k: Counter[int] = Counter()
             for (k, _), n in policy.counts.items():
@@ -142,8 +152,9 @@ def main(argv: list[str] | None = None) -> int:
                 share, why = "k=0 throughout", "rows admitted without a draft: measured plain is best"
             row = (
                 f"| {temperature:g} | {batch} | {rate[0]:.1f} | "
-                + " | ".join(f"{rate[k] / rate[0]:.2f}x" for k in ks)
-                + f" | **{rate['auto'] / rate[0]:.2f}x** | {rate['auto'] / max(rate[best], rate[0]):.2f} (best: k={best if rate[best] > rate[0] else 0}) "
+                + " | ".join(f"{speedup[k]:.2f}x" for k in ks)
+                + f" | **{speedup['auto']:.2f}x** ({min(spread):.2f}-{max(spread):.2f}) "
+                f"| {against_best:.2f} (best: k={best if speedup[best] > 1 else 0}) "
                 f"| {tokens / first_seconds / rate[0]:.2f}x | {auto_counters.acceptance_length:.2f} | {share} ({why}) |"
             )
             lines.append(row)

@@ -5,11 +5,12 @@ acceptance (BENCHMARKS.md, "Embedded engine": every static k from 1 to 7 lost 25
 >= 16 on a CPU, while k = 3 won 1.5x on the demo's 8-row batches). So k is a decision made per
 engine step, not a constant (DESIGN.md, "Speculation policy"):
 
-    choose k in {0..K} maximising   E[tokens per row | k] / cost(B, k)
-    E[tokens per row | k] = 1 + sum_{i=1..k} prod_{j<=i} alpha_j       (alpha_j: acceptance of
-                                                                       draft position j given
-                                                                       all before it accepted)
+    choose k in {0..K} maximising   E[tokens per row | k] / (cost(B, k) * stragglers(B, k, r))
+    E[tokens per row | k] = 1 + sum_{i=1..k} (1 - h)^i prod_{j<=i} alpha_j
+                            (alpha_j: acceptance of draft position j given all before it
+                            accepted; h: the rate of stop tokens, after which nothing is emitted)
     cost(B, k) = verify(B, k + 1) + draft(B, k)                        (seconds, measured)
+    stragglers(B, k, r) = 1 + z_B' sigma_k / sqrt(r E[tokens | k])   (1 for k = 0; see below)
 
 - **Costs** are measured online by the engine (`observe_step`: seconds of the draft phase and of
   the whole decode step, per batch-size bucket and k); the estimate of each (bucket, width) is
@@ -18,27 +19,43 @@ engine step, not a constant (DESIGN.md, "Speculation policy"):
   measured fewer than `min_cost_samples` times in a bucket is not trusted alone: it is
   interpolated / extrapolated linearly from the bucket's trusted widths, or, with plain the only
   trusted one, taken from the nearest measured bucket's cost relative to plain (else from the
-  bucket's own few measurements, else a prior slope); the draft cost is linear in k. (A line fitted through all widths was tried: on a
-  CPU the verify cost is concave in the width — the first draft adds the speculative sampling
-  work — so the line overpriced long drafts and batch 1 chose k = 2 where k = 3 was best.)
+  bucket's own few measurements, else a prior slope). The draft phase is measured per k the
+  same way (it has a fixed part — the refresh of the MTP cache and the first draft head — so a
+  cost per token would overprice long drafts from short ones), from steady drafting steps only:
+  a step that resumes drafting after plain rounds also refreshes the skipped positions (the
+  engine reports it as `catch_up`), a one-off cost of switching that had made batch 1 price
+  k = 3 23% above its steady cost and refuse every draft. (A line fitted through all widths was
+  tried: on a CPU the verify cost is concave in the width — the first draft adds the speculative
+  sampling work — so the line overpriced long drafts and batch 1 chose k = 2 where k = 3 was best.)
 - **Acceptance** per draft position is a discounted count of the rounds that reached the
   position and of those that accepted it (`observe_acceptance`), so it follows a drifting draft;
   a weight push (`on_weight_version`) multiplies the counts by `version_discount`: the old
   version's acceptance stays a prior worth about one engine step, the new version's rounds take over
   within ~4 engine steps of a push that changes acceptance (measured in BENCHMARKS.md,
   "Adaptive speculation").
+- **Stragglers**: acceptance differs between rows, so rows of a batch that would finish
+  together under plain decoding finish at different steps under speculation, and the batch runs
+  until its slowest row is done. When no request waits for a finished row's place (the engine
+  passes `tokens_left`, the most tokens a row may still emit), a k > 0 step is priced by the
+  expected excess of the slowest row's steps (`straggler_factor`: a normal approximation of the
+  steps to emit r tokens, checked against a simulated batch in the tests). It is what made k = 1
+  lose 4-8% end to end at greedy batch 4 while it gained 4% per step, and it ends a batch on
+  plain decoding when few tokens are left. With a queue (continuous batching) it is 1.
 - **Margin**: k > 0 is chosen only when it predicts at least `min_gain` more tokens per second
-  than plain decoding. Near break-even the prediction is within its own noise, and speculation
-  costs what a per-step model does not see: the MTP prefill of the prompt at admission, a
-  catch-up refresh when drafting resumes, and stragglers — acceptance differs between rows, so
-  rows of a batch that would finish together under plain decoding finish at different steps
-  and the batch's last steps run with few rows, at a worse cost per token. Plain wins the ties.
+  than plain decoding: near break-even the prediction is within its own noise, and the MTP
+  prefill of the prompt at admission and a catch-up refresh when drafting resumes are not in
+  the per-step model. Plain wins the ties.
 - **Exploration**: plain decoding (k = 0) is measured first in every bucket (it is the baseline
   of the guard); then every `probe_every` steps (the interval doubling up to `max_probe_every`
   while the best k stays the same) the controller runs the least recently measured of
-  {best - 1, best + 1, 0} once, so costs and acceptance of the neighbours stay fresh. Rows that
-  join a batch where every k > 0 was measured slower than plain carry no draft at all
-  (`may_draft`; every `probe_every`-th such admission keeps its draft to re-measure).
+  {best - 1, best + 1, 0} once, so costs and acceptance of the neighbours stay fresh. A
+  neighbour measured fewer than `min_cost_samples` times in the bucket goes first, every
+  `probe_every // 4` steps, so that a new batch size trusts its own costs within its first few
+  dozen steps (at batch 64 the doubling interval had taken 7 generations of 16 tokens to measure
+  k = 1 three times, and until then every row kept a draft it never used). Rows that
+  join a batch where every k > 0 was measured slower than plain by more than the margin carry
+  no draft at all (`may_draft`; every `probe_every`-th such admission keeps its draft to
+  re-measure).
 - **Guard**: the model can be wrong (stale acceptance after a push, a cost that moved, a bug).
   Over the last `guard_rows` row-rounds (at least `guard_min_steps` steps) of model-chosen
   steps with k > 0 in a bucket, the realised tokens
@@ -53,6 +70,7 @@ injected costs and acceptance.
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from collections import deque
@@ -70,10 +88,12 @@ class SpeculationPolicyConfig:
     min_cost_samples: int = 3
     """Measurements before a width's own cost is trusted over one predicted from the bucket's
     other widths or the nearest bucket (one step's time on a shared machine can be far off)."""
-    min_gain: float = 0.10
-    """Relative gain over plain decoding that a k > 0 must predict to be chosen (ties go to plain;
-    see the module docstring, "Margin"). Measured (BENCHMARKS.md, "Adaptive speculation"): at
-    greedy batch 4, k = 1 gained ~1.04x per step and lost 4-8% end to end."""
+    min_gain: float = 0.05
+    """Relative gain over plain decoding that a k > 0 must predict to be chosen, and relative loss
+    below which rows joining the batch are refused a draft (see the module docstring, "Margin").
+    It covers the model's noise only: the stragglers that a 10% margin used to stand for (at
+    greedy batch 4, k = 1 gained ~1.04x per step and lost 4-8% end to end) are priced by
+    `SpeculationPolicy.straggler_factor`."""
     acceptance_halflife: float = 64.0
     """Engine steps after which old acceptance evidence weighs half (tracks a drifting draft)."""
     version_discount: float = 0.01
@@ -191,6 +211,8 @@ class AcceptanceEstimate:
         self.config = config
         self.reached = [0.0] * config.max_k  # rounds that drafted position i with all before it accepted
         self.accepted = [0.0] * config.max_k  # ... of which position i was accepted
+        self.emitted = 0.0  # tokens emitted (discounted, every decode step)
+        self.ended = 0.0  # ... of which ended their sequence (a stop token, not the length cap)
         self._decay = 0.5 ** (1.0 / config.acceptance_halflife)
 
     def observe(self, drafted: list[int], accepted: list[int]) -> None:
@@ -221,13 +243,38 @@ class AcceptanceEstimate:
             prior = alpha
         return out
 
-    def expected_tokens(self, k: int) -> float:
-        """E[tokens emitted per row per step] with k drafts: 1 (bonus / plain) + expected accepted."""
-        total, run = 1.0, 1.0
+    def observe_ends(self, emitted: int, ended: int) -> None:
+        """One decode step emitted `emitted` tokens, `ended` of which were a stop token."""
+        if not 0 <= ended <= emitted:
+            raise ValueError(f"ended {ended} must be in [0, emitted {emitted}]")
+        self.emitted = self.emitted * self._decay + emitted
+        self.ended = self.ended * self._decay + ended
+
+    def end_rate(self) -> float:
+        """P(an emitted token ends its sequence): a draft token after it is never emitted."""
+        return self.ended / (self.emitted + self.config.prior_strength)
+
+    def _reach(self, k: int) -> list[float]:
+        """P(draft position i = 1..k is accepted) = prod_{j<=i} alpha_j."""
+        out, run = [], 1.0
         for alpha in self.rates()[:k]:
             run *= alpha
-            total += run
-        return total
+            out.append(run)
+        return out
+
+    def expected_tokens(self, k: int) -> float:
+        """E[tokens emitted per row per step] with k drafts: 1 (bonus / plain) + the accepted
+        drafts that come before the sequence's end (token i is emitted only if none of the i
+        before it ended the sequence: survival (1 - end_rate)^i)."""
+        survive = 1.0 - self.end_rate()
+        return 1.0 + sum(p * survive ** (i + 1) for i, p in enumerate(self._reach(k)))
+
+    def token_variance(self, k: int) -> float:
+        """Var[tokens per row per step] with k drafts (the number accepted, A = sum_i I_i with
+        nested indicators: E[A^2] = sum_i (2i - 1) P(A >= i))."""
+        reach = self._reach(k)
+        mean = sum(reach)
+        return max(sum((2 * i + 1) * p for i, p in enumerate(reach)) - mean * mean, 0.0)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -238,8 +285,10 @@ class _Bucket:
     min_samples: int
     verify_samples: dict[int, _Samples] = field(default_factory=dict)
     """width k+1 -> seconds of the decode step without its draft phase."""
-    draft_samples: _Samples | None = None
-    """seconds of one draft token (draft phase seconds / k)."""
+    draft_samples: dict[int, _Samples] = field(default_factory=dict)
+    """k -> seconds of the draft phase of a steady drafting step (one that refreshed no more
+    positions than the previous step's drafts leave: a step resuming after plain rounds also
+    catches up the skipped positions, a one-off cost of switching, not of drafting)."""
     last_measured: dict[int, int] = field(default_factory=dict)
     """k -> step count when last measured."""
     steps: int = 0
@@ -259,22 +308,58 @@ class _Bucket:
         return {w: v.median() for w, v in self.verify_samples.items() if len(v) >= (1 if w == 1 else self.min_samples)}
 
     @property
-    def draft_per_token(self) -> float | None:
-        d = self.draft_samples
-        return d.median() if d is not None and len(d) >= self.min_samples else None
+    def draft(self) -> dict[int, float]:
+        """Trusted draft phases (k measured at least `min_samples` times) -> median seconds."""
+        return {k: v.median() for k, v in self.draft_samples.items() if len(v) >= self.min_samples}
 
-    def untrusted(self) -> tuple[dict[int, float], float | None]:
-        """Medians of every measured width and of the draft cost, however few the measurements
+    def untrusted(self) -> tuple[dict[int, float], dict[int, float]]:
+        """Medians of every measured width and draft length, however few the measurements
         (better than a prior when nothing trusted is known)."""
-        d = self.draft_samples
-        return {w: v.median() for w, v in self.verify_samples.items()}, d.median() if d is not None else None
+        return (
+            {w: v.median() for w, v in self.verify_samples.items()},
+            {k: v.median() for k, v in self.draft_samples.items()},
+        )
 
-    def observe(self, width: int, verify_seconds: float, draft_per_token: float | None) -> None:
+    def measured(self, k: int) -> int:
+        """Steps of k drafts whose cost this bucket has measured (up to its window)."""
+        v = self.verify_samples.get(k + 1)
+        return len(v) if v is not None else 0
+
+    def observe(self, width: int, verify_seconds: float, draft_seconds: float | None) -> None:
         self.verify_samples.setdefault(width, _Samples(self.window)).add(verify_seconds)
-        if draft_per_token is not None:
-            if self.draft_samples is None:
-                self.draft_samples = _Samples(self.window)
-            self.draft_samples.add(draft_per_token)
+        if draft_seconds is not None:
+            self.draft_samples.setdefault(width - 1, _Samples(self.window)).add(draft_seconds)
+
+
+def _interpolate(costs: dict[int, float], x: int) -> float:
+    """A cost at `x` from measured points (x -> seconds; `x` among them or at least two): linear
+    between the neighbours, beyond them with the slope of the two nearest (never negative)."""
+    if x in costs:
+        return costs[x]
+    xs = sorted(costs)
+    lower = [w for w in xs if w < x]
+    upper = [w for w in xs if w > x]
+    if lower and upper:
+        w0, w1 = lower[-1], upper[0]
+        return costs[w0] + (x - w0) / (w1 - w0) * (costs[w1] - costs[w0])
+    w0, w1 = (xs[-2], xs[-1]) if lower else (xs[0], xs[1])
+    slope = max((costs[w1] - costs[w0]) / (w1 - w0), 0.0)
+    anchor = w1 if lower else w0
+    return max(costs[anchor] + slope * (x - anchor), 0.0)
+
+
+@functools.lru_cache(maxsize=256)
+def expected_max_of_normals(n: int) -> float:
+    """E[max of n independent standard normals] (0 for n = 1; ~1.03 for 4, ~2.34 for 64), by
+    numerical integration of x * n * phi(x) * Phi(x)^(n-1)."""
+    if n <= 1:
+        return 0.0
+    h, total = 0.005, 0.0
+    for i in range(-2000, 2001):
+        x = i * h
+        phi = math.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+        total += x * n * phi * (0.5 * (1 + math.erf(x / math.sqrt(2)))) ** (n - 1)
+    return total * h
 
 
 class SpeculationPolicy:
@@ -305,20 +390,19 @@ class SpeculationPolicy:
         if plain is None:
             return None
         near = self._nearest_measured(batch)
-        own_draft = b.draft_per_token
+        own_draft = b.draft
         if near is None and len(verify_costs) < 2:  # no trusted k > 0 anywhere: own few measurements, not priors
             verify_costs, own_draft = b.untrusted()
         verify = self._verify_seconds(verify_costs, k + 1, plain, near.verify if near is not None else None)
-        near_draft = near.draft_per_token if near is not None else None
-        if own_draft is not None:
-            per_token = own_draft
-        elif near is not None and near_draft is not None:  # the same share of a plain step
-            per_token = near_draft / near.verify[1] * plain
+        if k == 0:
+            return verify
+        if own_draft:  # the draft phase of k, from the measured k (a draft of 0 tokens costs nothing)
+            draft = _interpolate({0: 0.0, **own_draft}, k)
+        elif near is not None and near.draft:  # the same share of a plain step as at the nearest batch
+            draft = _interpolate({0: 0.0, **near.draft}, k) / near.verify[1] * plain
         else:
-            per_token = self.config.prior_draft_cost * plain
-        draft = k * per_token
-        seconds = verify + draft
-        return seconds * self.config.cost_bias if k > 0 else seconds
+            draft = k * self.config.prior_draft_cost * plain
+        return (verify + draft) * self.config.cost_bias
 
     def _nearest_measured(self, batch: int) -> _Bucket | None:
         """The nearest other bucket with plain and some k > 0 measured (its relative costs are the
@@ -335,37 +419,52 @@ class SpeculationPolicy:
         self, costs: dict[int, float], width: int, plain: float, near: dict[int, float] | None = None
     ) -> float:
         """Seconds of a width-`width` verify from a bucket's trusted costs (width -> seconds)."""
-        if width in costs:
-            return costs[width]
-        widths = sorted(costs)
-        lower = [w for w in widths if w < width]
-        upper = [w for w in widths if w > width]
-        if lower and upper:  # interpolate between the neighbours
-            w0, w1 = lower[-1], upper[0]
-            t = (width - w0) / (w1 - w0)
-            return costs[w0] + t * (costs[w1] - costs[w0])
-        if len(widths) >= 2:  # extrapolate with the slope of the two nearest widths (never negative)
-            w0, w1 = (widths[-2], widths[-1]) if lower else (widths[0], widths[1])
-            slope = max((costs[w1] - costs[w0]) / (w1 - w0), 0.0)
-            anchor = w1 if lower else w0
-            return max(costs[anchor] + slope * (width - anchor), 0.0)
+        if width in costs or len(costs) >= 2:
+            return _interpolate(costs, width)
         if near is not None:  # the nearest measured batch size's cost relative to its plain step
             return plain * self._verify_seconds(near, width, near[1]) / near[1]
         return plain * (1.0 + self.config.prior_verify_slope * (width - 1))
 
-    def expected_rates(self, batch: int) -> list[float] | None:
-        """Predicted tokens per second per row for k = 0..max_k (None before plain is measured)."""
+    def straggler_factor(self, batch: int, k: int, tokens_left: int | None) -> float:
+        """Expected time to finish the batch with k drafts over (its steps x its step cost).
+
+        Under plain decoding rows with the same tokens left finish at the same step; under
+        speculation each row's steps to emit r tokens vary (about normal, mean r / mu, variance
+        r sigma^2 / mu^3 for per-step tokens of mean mu and variance sigma^2), and the batch runs
+        until its slowest row is done: E[max of B] adds ~z_B sigma / sqrt(r mu) of the steps
+        (z_B = `expected_max_of_normals(B)`). Only rows that reach the length cap together count
+        in B: with a stop-token rate h, B (1 - h)^r of them are expected to (the others end at
+        their own stop token, at different steps under plain decoding too, and the longest of them
+        sets the batch's end either way). 1 at batch 1, for k = 0, and with `tokens_left` None
+        (rows that finish early are replaced from the queue: throughput, not the batch's end, is
+        what counts)."""
+        if k == 0 or batch < 2 or tokens_left is None:
+            return 1.0
+        r = max(tokens_left, 1)
+        together = max(1, round(batch * (1.0 - self.acceptance.end_rate()) ** r))
+        mu = self.acceptance.expected_tokens(k)
+        sigma = math.sqrt(self.acceptance.token_variance(k))
+        return 1.0 + expected_max_of_normals(together) * sigma / math.sqrt(r * mu)
+
+    def expected_rates(self, batch: int, tokens_left: int | None = None) -> list[float] | None:
+        """Predicted tokens per second per row for k = 0..max_k (None before plain is measured).
+        `tokens_left`: the most tokens a row of the batch may still emit when nothing waits to
+        take a finished row's place (then no row drafts more than it may emit, and k > 0 pays
+        for the batch's stragglers: `straggler_factor`); None while requests wait."""
         out = []
         for k in range(self.config.max_k + 1):
-            seconds = self.predicted_seconds(batch, k)
+            drafts = k if tokens_left is None else min(k, max(tokens_left - 1, 0))
+            seconds = self.predicted_seconds(batch, drafts)
             if seconds is None:
                 return None
-            out.append(self.acceptance.expected_tokens(k) / seconds)
+            factor = self.straggler_factor(batch, drafts, tokens_left)
+            out.append(self.acceptance.expected_tokens(drafts) / (seconds * factor))
         return out
 
     # ---- decisions --------------------------------------------------------------------------
-    def decide(self, batch: int) -> SpeculationDecision:
-        """k for the next decode step of a batch of `batch` rows."""
+    def decide(self, batch: int, tokens_left: int | None = None) -> SpeculationDecision:
+        """k for the next decode step of a batch of `batch` rows (`tokens_left`: see
+        `expected_rates`)."""
         cfg = self.config
         if cfg.max_k == 0:
             self.last = SpeculationDecision(k=0, reason="off", batch_size=batch, detail="max k is 0")
@@ -381,7 +480,7 @@ class SpeculationPolicy:
                 f"{b.backoff_until - b.steps + 1} more steps at batch {batch}",
             )
             return self.last
-        rates = self.expected_rates(batch)
+        rates = self.expected_rates(batch, tokens_left)
         if rates is None:
             self.last = SpeculationDecision(
                 k=0, reason="probe", batch_size=batch, detail=f"measuring plain decoding at batch {batch}"
@@ -389,22 +488,30 @@ class SpeculationPolicy:
             return self.last
         best = self._best(rates)
         speedup = rates[best] / rates[0]
-        if b.steps - b.last_probe_step >= (b.probe_interval or cfg.probe_every):
-            stable = best == b.last_probe_best
-            b.probe_interval = min(2 * b.probe_interval, cfg.max_probe_every) if stable else cfg.probe_every
-            b.last_probe_step, b.last_probe_best = b.steps, best
-            options = [k for k in (best - 1, best + 1, 0) if 0 <= k <= cfg.max_k and k != best]
-            if options:
-                probe = min(options, key=lambda k: (b.last_measured.get(k, -1), k))
+        options = [k for k in (best - 1, best + 1, 0) if 0 <= k <= cfg.max_k and k != best]
+        if options:
+            # neighbours not yet measured min_cost_samples times first (their costs are not trusted:
+            # borrowed or interpolated), each every probe_every // 4 steps until they are
+            probe = min(options, key=lambda k: (b.measured(k) >= cfg.min_cost_samples, b.last_measured.get(k, -1), k))
+            learning = b.measured(probe) < cfg.min_cost_samples
+            interval = max(cfg.probe_every // 4, 1) if learning else (b.probe_interval or cfg.probe_every)
+            if b.steps - b.last_probe_step >= interval:
+                if not learning:
+                    stable = best == b.last_probe_best
+                    b.probe_interval = min(2 * b.probe_interval, cfg.max_probe_every) if stable else cfg.probe_every
+                    b.last_probe_best = best
+                b.last_probe_step = b.steps
                 self.last = SpeculationDecision(
                     k=probe,
                     reason="probe",
                     batch_size=batch,
                     expected_speedup=rates[probe] / rates[0],
-                    detail=f"re-measuring k={probe} next to the best k={best} at batch {batch}",
+                    detail=f"{'measuring' if learning else 're-measuring'} k={probe} next to the best "
+                    f"k={best} at batch {batch}",
                 )
                 return self.last
         tau = self.acceptance.expected_tokens(best)
+        stragglers = self.straggler_factor(batch, best, tokens_left)
         self.last = SpeculationDecision(
             k=best,
             reason="model",
@@ -413,28 +520,32 @@ class SpeculationPolicy:
             detail=(
                 f"k={best} predicts {speedup:.2f}x plain at batch {batch} (tau {tau:.2f}; "
                 f"step {1e3 * (self.predicted_seconds(batch, best) or 0.0):.2f} ms vs plain "
-                f"{1e3 * (self.predicted_seconds(batch, 0) or 0.0):.2f} ms)"
+                f"{1e3 * (self.predicted_seconds(batch, 0) or 0.0):.2f} ms"
+                + (f"; stragglers x{stragglers:.2f}" if stragglers > 1 else "")
+                + ")"
             ),
         )
         return self.last
 
-    def may_draft(self, batch: int) -> bool:
+    def may_draft(self, batch: int, tokens_left: int | None = None) -> bool:
         """False when sequences joining a batch of this size should not keep a draft at all: the
-        bucket's measured costs and acceptance say every k > 0 is slower than plain decoding.
-        A sequence admitted without a draft never drafts, so between break-even and the margin
-        (`min_gain`) it keeps its draft and each step decides: the draft's upkeep is small (the MTP
-        prefill of the prompt; plain rounds keep a bounded catch-up), while one noisy prediction
-        at admission would otherwise decide a whole generation. (A guard back-off does not count
-        either: it is temporary.) Only the bucket's own trusted measurements of k > 0 (at least
-        `min_cost_samples`) can refuse a draft (another batch size's relative costs or one
-        noisy step may be far off, and a refused bucket would never measure again), and every `probe_every`-th refusal in a row is turned into an
-        admission with a draft, so a bucket that once measured plain best can learn that this
-        changed (a weight push that improved the draft, a machine less loaded)."""
+        bucket's measured costs and acceptance say every k > 0 is slower than plain decoding by
+        more than the margin (`min_gain`). A sequence admitted without a draft never drafts, so
+        short of a clear loss it keeps its draft and each step decides: the draft's upkeep is
+        small (the MTP prefill of the prompt; plain rounds keep a bounded catch-up), while one
+        noisy prediction at admission would otherwise decide a whole generation (it did at batch
+        1, temperature 1: every row refused, 0.90x of static k = 3). A guard back-off does not
+        count either: it is temporary. Only the bucket's own trusted measurements of k > 0 (at
+        least `min_cost_samples`) can refuse a draft (another batch size's relative costs or one
+        noisy step may be far off, and a refused bucket would never measure again), and every
+        `probe_every`-th refusal in a row is turned into an admission with a draft, so a bucket
+        that once measured plain best can learn that this changed (a weight push that improved
+        the draft, a machine less loaded)."""
         b = self._bucket(batch)
-        rates = self.expected_rates(batch)
+        rates = self.expected_rates(batch, tokens_left)
         if rates is None or len(b.verify) < 2:
             return True  # k > 0 not measured here (min_cost_samples times) yet
-        if max(rates[1:]) >= rates[0]:
+        if max(rates[1:]) >= (1.0 - self.config.min_gain) * rates[0]:
             b.refusals = 0
             return True
         b.refusals += 1
@@ -450,15 +561,27 @@ class SpeculationPolicy:
 
     # ---- observations -----------------------------------------------------------------------
     def observe_step(
-        self, *, batch: int, k: int, draft_seconds: float, step_seconds: float, tokens: int, chosen: bool = True
+        self,
+        *,
+        batch: int,
+        k: int,
+        draft_seconds: float,
+        step_seconds: float,
+        tokens: int,
+        chosen: bool = True,
+        catch_up: bool = False,
+        ended: int = 0,
     ) -> None:
         """A decode step ran: `k` drafts (the widest row), the draft phase took `draft_seconds` of
-        its `step_seconds`, and `tokens` were emitted over `batch` rows. `chosen`: the step's k came
-        from this controller's 'model' decision (only those feed the guard)."""
+        its `step_seconds`, and `tokens` were emitted over `batch` rows, `ended` of them a stop
+        token. `chosen`: the step's k came from this controller's 'model' decision (only those
+        feed the guard). `catch_up`: the draft phase also refreshed positions skipped by plain
+        rounds (its cost is not that of steady drafting: only the verify is recorded)."""
+        self.acceptance.observe_ends(tokens, ended)
         if batch < 1 or step_seconds <= 0 or draft_seconds < 0 or draft_seconds > step_seconds:
             return  # nothing measurable (clock resolution, empty step)
         b = self._bucket(batch)
-        b.observe(k + 1, step_seconds - draft_seconds, draft_seconds / k if k > 0 else None)
+        b.observe(k + 1, step_seconds - draft_seconds, draft_seconds if k > 0 and not catch_up else None)
         b.last_measured[k] = b.steps
         if not (chosen and k > 0 and self.last.reason == "model"):
             return

@@ -204,6 +204,7 @@ class TorchEngine(Engine):
         self._auto = False  # new requests that do not pin k get the controller's k
         self._policy_config = policy
         self._policy: SpeculationPolicy | None = None  # kept while auto rows may still run
+        self._last_kmax = 0  # drafts of the previous decode step (a larger refresh is a catch-up)
         self.set_speculation_k(self._k)
         self._clock = clock or cost_clock(self.device)
         if auto_speculation:
@@ -436,7 +437,9 @@ class TorchEngine(Engine):
     def _admit(self) -> list[Sample]:
         """Prefill queued sequences in one target forward and emit each one's first token."""
         new = [self._queue.popleft() for _ in range(min(len(self._queue), self.max_batch_size - len(self._running)))]
-        if self._policy is not None and not self._policy.may_draft(len(self._running) + len(new)):
+        if self._policy is not None and not self._policy.may_draft(
+            len(self._running) + len(new), self._tokens_left([*self._running, *new])
+        ):
             for s in new:  # the controller has measured that this batch decodes best without a draft
                 if s.auto:
                     s.auto, s.k = False, 0
@@ -494,7 +497,7 @@ class TorchEngine(Engine):
         rows = self._rows
         started = self._clock()
         policy = self._policy if any(s.auto for s in seqs) else None
-        decision: SpeculationDecision | None = policy.decide(b) if policy is not None else None
+        decision: SpeculationDecision | None = policy.decide(b, self._tokens_left(seqs)) if policy is not None else None
         auto_k = decision.k if decision is not None else 0
         k_eff = [
             min(auto_k if s.auto else s.k, s.params.max_new_tokens - len(s.output) - 1) if s.pending is not None else 0
@@ -509,9 +512,11 @@ class TorchEngine(Engine):
         num_draft = torch.tensor(k_eff, dtype=torch.int64, device=dev)
         last = torch.tensor([s.last_tokens(1)[0] for s in seqs], dtype=torch.int64)
         consumed = [False] * b
+        catch_up = False
         if kmax > 0:
             num_refresh = [s.num_pending if k else 0 for s, k in zip(seqs, k_eff, strict=True)]
             width = max(num_refresh)
+            catch_up = width > self._last_kmax + 1  # positions skipped by plain rounds (see CATCH_UP_POSITIONS)
             ref_tokens = torch.zeros(b, width, dtype=torch.int64)
             ref_positions = torch.zeros(b, width, dtype=torch.int64)
             ref_hidden = torch.zeros(b, width, self.config.hidden_size, dtype=self.config.dtype, device=dev)
@@ -554,6 +559,7 @@ class TorchEngine(Engine):
         num_accepted, emitted_l, logprobs_l = acc.num_accepted.tolist(), emitted.tolist(), logprobs.tolist()
 
         finished, keep = [], []
+        emitted_total = ended = 0
         for i, s in enumerate(seqs):
             a, before = num_accepted[i], len(s.output)
             reason = None
@@ -562,7 +568,9 @@ class TorchEngine(Engine):
                 if reason is not None:
                     break
             self._count(s, drafted=k_eff[i], accepted=a, generated=len(s.output) - before)
+            emitted_total += len(s.output) - before
             if reason is not None:
+                ended += reason is FinishReason.STOP
                 finished.append(self._finish(s, reason))
                 continue
             if s.drafts and self.num_mtp and s.pending is not None:
@@ -585,10 +593,20 @@ class TorchEngine(Engine):
                 k=kmax,
                 draft_seconds=drafted_at - started,
                 step_seconds=self._clock() - started,
-                tokens=sum(a + 1 for a in num_accepted),
+                tokens=emitted_total,
                 chosen=kmax == auto_k,
+                catch_up=catch_up,
+                ended=ended,
             )
+        self._last_kmax = kmax
         return finished
+
+    def _tokens_left(self, seqs: list[_Sequence]) -> int | None:
+        """The most tokens a row may still emit, when no queued request waits for a finished
+        row's place (None otherwise: the controller then maximises throughput, not the batch's end)."""
+        if self._queue or not seqs:
+            return None
+        return max(s.params.max_new_tokens - len(s.output) for s in seqs)
 
     # ---- scoring -----------------------------------------------------------------------------
     _SCORE_TOKENS = 8192

@@ -65,6 +65,45 @@ def test_rows_that_skip_drafting_keep_a_bounded_catch_up(aligned_model) -> None:
     assert engine.stats()[0].counters.accepted_tokens - before >= 2  # the aligned draft is still right
 
 
+class RecordingPolicy(SwitchingPolicy):
+    """Scripted k, recording what the engine reports of each step."""
+
+    def __init__(self, cycle: list[int]) -> None:
+        super().__init__(cycle)
+        self.steps: list[dict] = []
+
+    def observe_step(self, **kw) -> None:
+        self.steps.append(kw)
+        super().observe_step(**kw)
+
+
+def test_the_engine_reports_catch_up_steps_and_stop_tokens(aligned_model) -> None:
+    """A drafting step after plain rounds refreshes the skipped positions too: the engine says so
+    (its draft phase is not steady drafting's cost); a sequence that emits its stop token counts
+    as ended (the length cap does not)."""
+    policy = RecordingPolicy([3, 3, 0, 0, 3, 3, 0, 1])
+    engine = TorchEngine(aligned_model, speculation_k=3)
+    engine.set_speculation_policy(policy)
+    expected = naive_greedy(aligned_model, PROMPTS[0], 40)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=40)
+    engine.submit(GenerationRequest(prompts=[PROMPTS[0]], sampling=sp, request_id="r"))
+    while engine.has_work():
+        engine.step()
+    flags = [(st["k"], st["catch_up"]) for st in policy.steps]
+    assert flags[:8] == [(3, False), (3, False), (0, False), (0, False), (3, True), (3, False), (0, False), (1, True)]
+    assert sum(st["tokens"] for st in policy.steps) == 40 - 1  # the first token comes from the prefill
+    assert all(st["ended"] == 0 for st in policy.steps)  # finished on the length cap
+    stop = expected[4]
+    policy = RecordingPolicy([2])
+    engine = TorchEngine(aligned_model, speculation_k=3)
+    engine.set_speculation_policy(policy)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=[stop])
+    engine.submit(GenerationRequest(prompts=[PROMPTS[0]], sampling=sp, request_id="r"))
+    while engine.has_work():
+        engine.step()
+    assert [st["ended"] for st in policy.steps][-1] == 1 and sum(st["ended"] for st in policy.steps) == 1
+
+
 def test_greedy_output_is_plain_under_the_real_controller_and_rows_joining_late(aligned_model) -> None:
     engine = TorchEngine(aligned_model, speculation_k=4, auto_speculation=True, max_batch_size=2)
     assert engine.speculation_auto and engine.info().speculation_status.auto
