@@ -53,8 +53,7 @@ engine step, not a constant (DESIGN.md, "Speculation policy"):
   `probe_every // 4` steps, so that a new batch size trusts its own costs within its first few
   dozen steps (at batch 64 the doubling interval had taken 7 generations of 16 tokens to measure
   k = 1 three times, and until then every row kept a draft it never used). Rows that
-  join a batch where every k > 0 was measured slower than plain by more than the margin carry
-  no draft at all (`may_draft`; every `probe_every`-th such admission keeps its draft to
+  join a batch where every k > 0 was measured slower than plain carry no draft at all (`may_draft`; every `probe_every`-th such admission keeps its draft to
   re-measure).
 - **Guard**: the model can be wrong (stale acceptance after a push, a cost that moved, a bug).
   Over the last `guard_rows` row-rounds (at least `guard_min_steps` steps) of model-chosen
@@ -89,8 +88,8 @@ class SpeculationPolicyConfig:
     """Measurements before a width's own cost is trusted over one predicted from the bucket's
     other widths or the nearest bucket (one step's time on a shared machine can be far off)."""
     min_gain: float = 0.05
-    """Relative gain over plain decoding that a k > 0 must predict to be chosen, and relative loss
-    below which rows joining the batch are refused a draft (see the module docstring, "Margin").
+    """Relative gain over plain decoding that a k > 0 must predict to be chosen (see the module
+    docstring, "Margin").
     It covers the model's noise only: the stragglers that a 10% margin used to stand for (at
     greedy batch 4, k = 1 gained ~1.04x per step and lost 4-8% end to end) are priced by
     `SpeculationPolicy.straggler_factor`."""
@@ -189,19 +188,23 @@ def batch_bucket(batch: int) -> int:
 class _Samples:
     """The last few measurements of one cost; the estimate is their median."""
 
-    __slots__ = ("values",)
+    __slots__ = ("_median", "values")
 
     def __init__(self, window: int) -> None:
         self.values: deque[float] = deque(maxlen=window)
+        self._median: float | None = None
 
     def add(self, value: float) -> None:
         self.values.append(value)
+        self._median = None
 
     def __len__(self) -> int:
         return len(self.values)
 
     def median(self) -> float:
-        return statistics.median(self.values)
+        if self._median is None:  # decide() reads every estimate each engine step: compute once
+            self._median = statistics.median(self.values)
+        return self._median
 
 
 class AcceptanceEstimate:
@@ -214,9 +217,11 @@ class AcceptanceEstimate:
         self.emitted = 0.0  # tokens emitted (discounted, every decode step)
         self.ended = 0.0  # ... of which ended their sequence (a stop token, not the length cap)
         self._decay = 0.5 ** (1.0 / config.acceptance_halflife)
+        self._rates: list[float] | None = None  # rates() until the counts change
 
     def observe(self, drafted: list[int], accepted: list[int]) -> None:
         """One engine step: per row, drafts proposed and drafts accepted (accepted <= drafted)."""
+        self._rates = None
         for i in range(len(self.reached)):
             self.reached[i] *= self._decay
             self.accepted[i] *= self._decay
@@ -232,16 +237,19 @@ class AcceptanceEstimate:
         """Scale all evidence by `factor` (a weight push: the old version becomes a weak prior)."""
         self.reached = [r * factor for r in self.reached]
         self.accepted = [a * factor for a in self.accepted]
+        self._rates = None
 
     def rates(self) -> list[float]:
         """alpha_i per draft position (posterior means; unseen positions inherit the previous one)."""
-        out, prior = [], self.config.prior_acceptance
-        n0 = self.config.prior_strength
-        for r, a in zip(self.reached, self.accepted, strict=True):
-            alpha = (a + n0 * prior) / (r + n0)
-            out.append(alpha)
-            prior = alpha
-        return out
+        if self._rates is None:
+            out, prior = [], self.config.prior_acceptance
+            n0 = self.config.prior_strength
+            for r, a in zip(self.reached, self.accepted, strict=True):
+                alpha = (a + n0 * prior) / (r + n0)
+                out.append(alpha)
+                prior = alpha
+            self._rates = out
+        return list(self._rates)
 
     def observe_ends(self, emitted: int, ended: int) -> None:
         """One decode step emitted `emitted` tokens, `ended` of which were a stop token."""
@@ -254,20 +262,21 @@ class AcceptanceEstimate:
         """P(an emitted token ends its sequence): a draft token after it is never emitted."""
         return self.ended / (self.emitted + self.config.prior_strength)
 
-    def _reach(self, k: int) -> list[float]:
-        """P(draft position i = 1..k is accepted) = prod_{j<=i} alpha_j."""
+    def _reach(self, k: int, scale: float = 1.0) -> list[float]:
+        """P(draft position i = 1..k is accepted) = prod_{j<=i} alpha_j (each alpha_j x `scale`,
+        at most 1: a row accepting more or less than the average)."""
         out, run = [], 1.0
         for alpha in self.rates()[:k]:
-            run *= alpha
+            run *= min(alpha * scale, 1.0)
             out.append(run)
         return out
 
-    def expected_tokens(self, k: int) -> float:
+    def expected_tokens(self, k: int, scale: float = 1.0) -> float:
         """E[tokens emitted per row per step] with k drafts: 1 (bonus / plain) + the accepted
         drafts that come before the sequence's end (token i is emitted only if none of the i
-        before it ended the sequence: survival (1 - end_rate)^i)."""
+        before it ended the sequence: survival (1 - end_rate)^i). `scale`: see `_reach`."""
         survive = 1.0 - self.end_rate()
-        return 1.0 + sum(p * survive ** (i + 1) for i, p in enumerate(self._reach(k)))
+        return 1.0 + sum(p * survive ** (i + 1) for i, p in enumerate(self._reach(k, scale)))
 
     def token_variance(self, k: int) -> float:
         """Var[tokens per row per step] with k drafts (the number accepted, A = sum_i I_i with
@@ -301,16 +310,27 @@ class _Bucket:
     """Consecutive admissions refused a draft (`may_draft`)."""
     guard_window: list[tuple[int, float, float]] = field(default_factory=list)
     """Recent model-chosen k > 0 steps: (rows, tokens per row, seconds)."""
+    _trusted: tuple[dict[int, float], dict[int, float]] | None = None
+    """(verify, draft) until the next observation (decide() reads them every engine step)."""
+
+    def _trusted_costs(self) -> tuple[dict[int, float], dict[int, float]]:
+        if self._trusted is None:
+            n = self.min_samples
+            self._trusted = (
+                {w: v.median() for w, v in self.verify_samples.items() if len(v) >= (1 if w == 1 else n)},
+                {k: v.median() for k, v in self.draft_samples.items() if len(v) >= n},
+            )
+        return self._trusted
 
     @property
     def verify(self) -> dict[int, float]:
         """Trusted widths (measured at least `min_samples` times; plain once) -> median seconds."""
-        return {w: v.median() for w, v in self.verify_samples.items() if len(v) >= (1 if w == 1 else self.min_samples)}
+        return self._trusted_costs()[0]
 
     @property
     def draft(self) -> dict[int, float]:
         """Trusted draft phases (k measured at least `min_samples` times) -> median seconds."""
-        return {k: v.median() for k, v in self.draft_samples.items() if len(v) >= self.min_samples}
+        return self._trusted_costs()[1]
 
     def untrusted(self) -> tuple[dict[int, float], dict[int, float]]:
         """Medians of every measured width and draft length, however few the measurements
@@ -326,6 +346,7 @@ class _Bucket:
         return len(v) if v is not None else 0
 
     def observe(self, width: int, verify_seconds: float, draft_seconds: float | None) -> None:
+        self._trusted = None
         self.verify_samples.setdefault(width, _Samples(self.window)).add(verify_seconds)
         if draft_seconds is not None:
             self.draft_samples.setdefault(width - 1, _Samples(self.window)).add(draft_seconds)
@@ -362,6 +383,21 @@ def expected_max_of_normals(n: int) -> float:
     return total * h
 
 
+def acceptance_spread(rows: list[tuple[int, int]]) -> float:
+    """Relative standard deviation of acceptance between rows, from each row's (drafts proposed at
+    position 1, of which accepted): the variance of the rows' rates less what their finite counts
+    explain (binomial: a(1 - a) / n), over the mean rate. 0 with fewer than two rows of 4+ drafts."""
+    rated = [(a / n, n) for n, a in rows if n >= 4]
+    if len(rated) < 2:
+        return 0.0
+    mean = sum(r for r, _ in rated) / len(rated)
+    if mean <= 0:
+        return 0.0
+    observed = sum((r - mean) ** 2 for r, _ in rated) / (len(rated) - 1)
+    noise = sum(r * (1 - r) / n for r, n in rated) / len(rated)
+    return math.sqrt(max(observed - noise, 0.0)) / mean
+
+
 class SpeculationPolicy:
     """The per-step k controller; see the module docstring."""
 
@@ -369,6 +405,8 @@ class SpeculationPolicy:
         self.config = config
         self.acceptance = AcceptanceEstimate(config)
         self._buckets: dict[int, _Bucket] = {}
+        self._observations = 0  # steps observed (cached derived estimates are valid for one count)
+        self._near_cache: dict[int, tuple[int, _Bucket | None]] = {}
         self.trips = 0
         self.last = SpeculationDecision(
             k=0, reason="off" if not config.max_k else "probe", batch_size=0, detail="no decode step yet"
@@ -408,6 +446,14 @@ class SpeculationPolicy:
         """The nearest other bucket with plain and some k > 0 measured (its relative costs are the
         best guess for a bucket that has not measured them yet)."""
         own = batch_bucket(batch)
+        cached = self._near_cache.get(own)
+        if cached is not None and cached[0] == self._observations:
+            return cached[1]
+        near = self._find_nearest(own)
+        self._near_cache[own] = (self._observations, near)
+        return near
+
+    def _find_nearest(self, own: int) -> _Bucket | None:
         measured = [
             (abs(math.log(edge / own)), edge)
             for edge, other in self._buckets.items()
@@ -425,7 +471,7 @@ class SpeculationPolicy:
             return plain * self._verify_seconds(near, width, near[1]) / near[1]
         return plain * (1.0 + self.config.prior_verify_slope * (width - 1))
 
-    def straggler_factor(self, batch: int, k: int, tokens_left: int | None) -> float:
+    def straggler_factor(self, batch: int, k: int, tokens_left: int | None, acceptance_spread: float = 0.0) -> float:
         """Expected time to finish the batch with k drafts over (its steps x its step cost).
 
         Under plain decoding rows with the same tokens left finish at the same step; under
@@ -435,36 +481,48 @@ class SpeculationPolicy:
         (z_B = `expected_max_of_normals(B)`). Only rows that reach the length cap together count
         in B: with a stop-token rate h, B (1 - h)^r of them are expected to (the others end at
         their own stop token, at different steps under plain decoding too, and the longest of them
-        sets the batch's end either way). 1 at batch 1, for k = 0, and with `tokens_left` None
-        (rows that finish early are replaced from the queue: throughput, not the batch's end, is
-        what counts)."""
+        sets the batch's end either way). Rows also differ in acceptance itself (a prompt the
+        draft predicts well, one it does not: greedy batch 4 on the bench model had 33% more steps
+        after its first row finished under k = 1 than its random acceptance explains), which does
+        not average out over the steps: with `acceptance_spread` the relative standard deviation
+        of the rows' acceptance (module function `acceptance_spread`), their tokens per step vary
+        by cv_mu and the relative variance of a row's steps is sigma^2 / (r mu) + cv_mu^2. 1 at batch 1, for
+        k = 0, and with `tokens_left` None (rows that finish early are replaced from the queue:
+        throughput, not the batch's end, is what counts)."""
         if k == 0 or batch < 2 or tokens_left is None:
             return 1.0
         r = max(tokens_left, 1)
         together = max(1, round(batch * (1.0 - self.acceptance.end_rate()) ** r))
         mu = self.acceptance.expected_tokens(k)
-        sigma = math.sqrt(self.acceptance.token_variance(k))
-        return 1.0 + expected_max_of_normals(together) * sigma / math.sqrt(r * mu)
+        variance = self.acceptance.token_variance(k) / (r * mu)
+        if acceptance_spread > 0:
+            hi = self.acceptance.expected_tokens(k, scale=1.0 + acceptance_spread)
+            lo = self.acceptance.expected_tokens(k, scale=max(1.0 - acceptance_spread, 0.0))
+            variance += ((hi - lo) / (2 * mu)) ** 2
+        return 1.0 + expected_max_of_normals(together) * math.sqrt(variance)
 
-    def expected_rates(self, batch: int, tokens_left: int | None = None) -> list[float] | None:
+    def expected_rates(
+        self, batch: int, tokens_left: int | None = None, acceptance_spread: float = 0.0
+    ) -> list[float] | None:
         """Predicted tokens per second per row for k = 0..max_k (None before plain is measured).
         `tokens_left`: the most tokens a row of the batch may still emit when nothing waits to
         take a finished row's place (then no row drafts more than it may emit, and k > 0 pays
-        for the batch's stragglers: `straggler_factor`); None while requests wait."""
+        for the batch's stragglers: `straggler_factor`, with `acceptance_spread`); None while
+        requests wait."""
         out = []
         for k in range(self.config.max_k + 1):
             drafts = k if tokens_left is None else min(k, max(tokens_left - 1, 0))
             seconds = self.predicted_seconds(batch, drafts)
             if seconds is None:
                 return None
-            factor = self.straggler_factor(batch, drafts, tokens_left)
+            factor = self.straggler_factor(batch, drafts, tokens_left, acceptance_spread)
             out.append(self.acceptance.expected_tokens(drafts) / (seconds * factor))
         return out
 
     # ---- decisions --------------------------------------------------------------------------
-    def decide(self, batch: int, tokens_left: int | None = None) -> SpeculationDecision:
-        """k for the next decode step of a batch of `batch` rows (`tokens_left`: see
-        `expected_rates`)."""
+    def decide(self, batch: int, tokens_left: int | None = None, acceptance_spread: float = 0.0) -> SpeculationDecision:
+        """k for the next decode step of a batch of `batch` rows (`tokens_left`,
+        `acceptance_spread`: see `expected_rates`)."""
         cfg = self.config
         if cfg.max_k == 0:
             self.last = SpeculationDecision(k=0, reason="off", batch_size=batch, detail="max k is 0")
@@ -480,7 +538,7 @@ class SpeculationPolicy:
                 f"{b.backoff_until - b.steps + 1} more steps at batch {batch}",
             )
             return self.last
-        rates = self.expected_rates(batch, tokens_left)
+        rates = self.expected_rates(batch, tokens_left, acceptance_spread)
         if rates is None:
             self.last = SpeculationDecision(
                 k=0, reason="probe", batch_size=batch, detail=f"measuring plain decoding at batch {batch}"
@@ -511,7 +569,7 @@ class SpeculationPolicy:
                 )
                 return self.last
         tau = self.acceptance.expected_tokens(best)
-        stragglers = self.straggler_factor(batch, best, tokens_left)
+        stragglers = self.straggler_factor(batch, best, tokens_left, acceptance_spread)
         self.last = SpeculationDecision(
             k=best,
             reason="model",
@@ -529,13 +587,13 @@ class SpeculationPolicy:
 
     def may_draft(self, batch: int, tokens_left: int | None = None) -> bool:
         """False when sequences joining a batch of this size should not keep a draft at all: the
-        bucket's measured costs and acceptance say every k > 0 is slower than plain decoding by
-        more than the margin (`min_gain`). A sequence admitted without a draft never drafts, so
-        short of a clear loss it keeps its draft and each step decides: the draft's upkeep is
-        small (the MTP prefill of the prompt; plain rounds keep a bounded catch-up), while one
-        noisy prediction at admission would otherwise decide a whole generation (it did at batch
-        1, temperature 1: every row refused, 0.90x of static k = 3). A guard back-off does not
-        count either: it is temporary. Only the bucket's own trusted measurements of k > 0 (at
+        bucket's measured costs and acceptance say every k > 0 is slower than plain decoding. A
+        sequence admitted without a draft never drafts, so between break-even and the margin
+        (`min_gain`) it keeps its draft and each step decides. The draft's upkeep is what a
+        refusal saves: the MTP prefill of the prompt and the pending inputs of plain rounds,
+        1.5-2.5% of a generation of 32 tokens at batch 16 on the bench model (BENCHMARKS.md,
+        "Adaptive speculation"). A guard back-off does not count: it is temporary. Only the
+        bucket's own trusted measurements of k > 0 (at
         least `min_cost_samples`) can refuse a draft (another batch size's relative costs or one
         noisy step may be far off, and a refused bucket would never measure again), and every
         `probe_every`-th refusal in a row is turned into an admission with a draft, so a bucket
@@ -545,7 +603,7 @@ class SpeculationPolicy:
         rates = self.expected_rates(batch, tokens_left)
         if rates is None or len(b.verify) < 2:
             return True  # k > 0 not measured here (min_cost_samples times) yet
-        if max(rates[1:]) >= (1.0 - self.config.min_gain) * rates[0]:
+        if max(rates[1:]) >= rates[0]:
             b.refusals = 0
             return True
         b.refusals += 1
@@ -581,6 +639,7 @@ class SpeculationPolicy:
         if batch < 1 or step_seconds <= 0 or draft_seconds < 0 or draft_seconds > step_seconds:
             return  # nothing measurable (clock resolution, empty step)
         b = self._bucket(batch)
+        self._observations += 1
         b.observe(k + 1, step_seconds - draft_seconds, draft_seconds if k > 0 and not catch_up else None)
         b.last_measured[k] = b.steps
         if not (chosen and k > 0 and self.last.reason == "model"):

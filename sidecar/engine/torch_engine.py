@@ -58,7 +58,12 @@ from sidecar.engine.sampling import (
     sample_from,
     token_logprobs,
 )
-from sidecar.engine.speculation_policy import SpeculationDecision, SpeculationPolicy, SpeculationPolicyConfig
+from sidecar.engine.speculation_policy import (
+    SpeculationDecision,
+    SpeculationPolicy,
+    SpeculationPolicyConfig,
+    acceptance_spread,
+)
 from sidecar.engine.speculative import DraftInput, VerifyInput, draft, verify
 from sidecar.engine.validation import check_weights, validate_request
 from sidecar.errors import InvalidRequestError
@@ -149,6 +154,11 @@ class _Sequence:
         if len(self.output) >= self.params.max_new_tokens:
             return FinishReason.LENGTH
         return None
+
+    def position_one(self) -> tuple[int, int]:
+        """(drafts proposed at position 1, of which accepted) so far."""
+        drafted, accepted = self.counters.drafted_per_position, self.counters.accepted_per_position
+        return (drafted[0] if drafted else 0, accepted[0] if accepted else 0)
 
     def to_sample(self, reason: FinishReason) -> Sample:
         return Sample(
@@ -497,7 +507,10 @@ class TorchEngine(Engine):
         rows = self._rows
         started = self._clock()
         policy = self._policy if any(s.auto for s in seqs) else None
-        decision: SpeculationDecision | None = policy.decide(b, self._tokens_left(seqs)) if policy is not None else None
+        decision: SpeculationDecision | None = None
+        if policy is not None:
+            spread = acceptance_spread([s.position_one() for s in seqs])
+            decision = policy.decide(b, self._tokens_left(seqs), spread)
         auto_k = decision.k if decision is not None else 0
         k_eff = [
             min(auto_k if s.auto else s.k, s.params.max_new_tokens - len(s.output) - 1) if s.pending is not None else 0

@@ -19,6 +19,7 @@ from sidecar.engine.speculation_policy import (
     AcceptanceEstimate,
     SpeculationPolicy,
     SpeculationPolicyConfig,
+    acceptance_spread,
     batch_bucket,
 )
 
@@ -267,15 +268,15 @@ def test_one_slow_step_does_not_move_the_cost_estimate() -> None:
 
 @pytest.mark.parametrize(
     ("gain", "drafts", "keeps_draft"),
-    [(0.85, False, False), (0.95, False, True), (1.08, False, True), (1.12, True, True), (1.3, True, True)],
+    [(0.95, False, False), (1.02, False, True), (1.04, False, True), (1.06, True, True), (1.3, True, True)],
 )
 def test_k_above_zero_must_beat_plain_by_the_margin(gain: float, drafts: bool, keeps_draft: bool) -> None:
     """Costs set so that k = 1 (the only k > 0) predicts `gain` x plain's tokens per second. Rows
-    joining the batch keep their draft unless k > 0 is predicted to lose by more than the margin
-    (within the margin each step decides: refusing a draft is for a row's whole generation)."""
+    joining the batch keep their draft unless k > 0 is predicted to lose (between break-even and
+    the margin each step decides: refusing a draft is for a row's whole generation)."""
     alpha = 0.5
     policy = SpeculationPolicy(
-        SpeculationPolicyConfig(max_k=1, prior_strength=1e-9, acceptance_halflife=1e9, min_gain=0.10)
+        SpeculationPolicyConfig(max_k=1, prior_strength=1e-9, acceptance_halflife=1e9, min_gain=0.05)
     )
     feed_acceptance(policy, [alpha])
     step1 = 0.010 * (1 + alpha) / gain  # tokens/s of k = 1: (1 + alpha) / step1 = gain / 0.010
@@ -330,19 +331,24 @@ def test_only_own_measurements_refuse_a_draft_and_refused_buckets_re_measure_now
     assert answers == [False, False, False, True] * 2  # every 4th refusal keeps its draft
 
 
-def simulated_finish_steps(alphas: list[float], k: int, tokens: int, batch: int, trials: int, seed: int) -> float:
+def simulated_finish_steps(
+    alphas: list[float], k: int, tokens: int, batch: int, trials: int, seed: int, spread: float = 0.0
+) -> float:
     """Monte Carlo oracle: mean over trials of the steps until the slowest of `batch` rows has
     emitted `tokens` tokens, each step emitting 1 + the accepted prefix of k drafts (drafts capped
-    by the tokens a row has left, as the engine does)."""
+    by the tokens a row has left, as the engine does). `spread`: each row's acceptance is the
+    given one x (1 + spread x a standard normal draw), within [0.02, 0.98]."""
     rng = random.Random(seed)
     total = 0
     for _ in range(trials):
         slowest = 0
         for _ in range(batch):
+            scale = 1.0 + spread * rng.gauss(0.0, 1.0)
+            row = [min(max(a * scale, 0.02), 0.98) for a in alphas] if spread else alphas
             done = steps = 0
             while done < tokens:
                 a = 0
-                while a < min(k, tokens - done - 1) and rng.random() < alphas[a]:
+                while a < min(k, tokens - done - 1) and rng.random() < row[a]:
                     a += 1
                 done, steps = done + a + 1, steps + 1
             slowest = max(slowest, steps)
@@ -368,6 +374,36 @@ def test_the_straggler_factor_matches_a_simulated_batch(alpha: float, k: int, ba
     assert predicted == pytest.approx(simulated, rel=0.1)  # without the factor: 12-35% short
     assert policy.straggler_factor(1, k, tokens) == 1.0 == policy.straggler_factor(batch, k, None)
     assert policy.straggler_factor(batch, k, tokens) > 1.0
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    alpha=st.floats(0.4, 0.7),
+    spread=st.floats(0.1, 0.3),
+    k=st.integers(1, 3),
+    batch=st.sampled_from([4, 16]),
+)
+def test_rows_that_accept_differently_are_stragglers_too(alpha: float, spread: float, k: int, batch: int) -> None:
+    """Rows whose acceptance differs (relative sd `spread`) finish further apart than rows that
+    only draw their acceptance at random: the factor with the spread matches the simulated batch,
+    the factor without it falls short."""
+    policy = SpeculationPolicy(exact_config())
+    feed_acceptance(policy, [alpha] * K)
+    steps = 48 / policy.acceptance.expected_tokens(k)
+    simulated = simulated_finish_steps([alpha] * K, k, 48, batch, trials=300, seed=k + batch, spread=spread)
+    predicted = steps * policy.straggler_factor(batch, k, 48, spread)
+    assert predicted == pytest.approx(simulated, rel=0.1)
+    assert abs(steps * policy.straggler_factor(batch, k, 48) - simulated) > abs(predicted - simulated)
+
+
+def test_the_acceptance_spread_removes_what_finite_counts_explain() -> None:
+    rng = random.Random(1)
+    same = [(20, sum(rng.random() < 0.6 for _ in range(20))) for _ in range(16)]
+    assert acceptance_spread(same) < 0.1  # binomial noise alone (sd ~0.11 at n = 20) is not a spread
+    two = [(400, sum(rng.random() < (0.3 if i % 2 else 0.9) for _ in range(400))) for i in range(8)]
+    assert acceptance_spread(two) == pytest.approx(0.32 / 0.6, rel=0.1)  # sample sd 0.32 over mean 0.6
+    assert acceptance_spread([(3, 0), (3, 3)]) == 0.0  # too few drafts per row to say
+    assert acceptance_spread([(100, 50)]) == 0.0
 
 
 def test_stragglers_make_a_batch_without_a_queue_end_on_plain_decoding() -> None:
