@@ -48,13 +48,18 @@ engine step, not a constant (DESIGN.md, "Speculation policy"):
 - **Exploration**: plain decoding (k = 0) is measured first in every bucket (it is the baseline
   of the guard); then every `probe_every` steps (the interval doubling up to `max_probe_every`
   while the best k stays the same) the controller runs the least recently measured of
-  {best - 1, best + 1, 0} once, so costs and acceptance of the neighbours stay fresh. A
-  neighbour measured fewer than `min_cost_samples` times in the bucket goes first, every
-  `probe_every // 4` steps, so that a new batch size trusts its own costs within its first few
-  dozen steps (at batch 64 the doubling interval had taken 7 generations of 16 tokens to measure
-  k = 1 three times, and until then every row kept a draft it never used). Rows that
-  join a batch where every k > 0 was measured slower than plain carry no draft at all (`may_draft`; every `probe_every`-th such admission keeps its draft to
-  re-measure).
+  {best - 1, best + 1, 0, the best k > 0} once, so costs and acceptance of the neighbours stay
+  fresh. The last one lets a bucket at plain decoding re-measure the draft length that would
+  win, not only k = 1: in one grid run a batch-1 bucket's k = 3 estimate came out ~15% dearer
+  than the same steps cost with k pinned (34.5 ms against 30 ms; one configuration's passes vary
+  by up to 25% from minute to minute on the shared CPU box), it went to plain and, probing only
+  k = 1 (a loss there), never came back: 0.88x of static k = 3. A neighbour measured fewer
+  than `min_cost_samples` times in the bucket goes first, every `probe_every // 4` steps, so
+  that a new batch size trusts its own costs within its first few dozen steps (at batch 64 the
+  doubling interval had taken 7 generations of 16 tokens to measure k = 1 three times, and
+  until then every row kept a draft it never used). Rows that join a batch where every k > 0
+  was measured slower than plain carry no draft at all (`may_draft`; every `probe_every`-th
+  such admission keeps its draft to re-measure).
 - **Guard**: the model can be wrong (stale acceptance after a push, a cost that moved, a bug).
   Over the last `guard_rows` row-rounds (at least `guard_min_steps` steps) of model-chosen
   steps with k > 0 in a bucket, the realised tokens
@@ -546,7 +551,8 @@ class SpeculationPolicy:
             return self.last
         best = self._best(rates)
         speedup = rates[best] / rates[0]
-        options = [k for k in (best - 1, best + 1, 0) if 0 <= k <= cfg.max_k and k != best]
+        challenger = max(range(1, cfg.max_k + 1), key=lambda k: (rates[k], -k))  # the best k > 0
+        options = sorted({k for k in (best - 1, best + 1, 0, challenger) if 0 <= k <= cfg.max_k and k != best})
         if options:
             # neighbours not yet measured min_cost_samples times first (their costs are not trusted:
             # borrowed or interpolated), each every probe_every // 4 steps until they are

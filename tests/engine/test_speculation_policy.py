@@ -153,6 +153,26 @@ def test_a_new_batch_size_measures_its_neighbours_quickly_then_refuses_drafts_wh
     assert not policy.may_draft(64)
 
 
+def test_a_bucket_at_plain_re_measures_the_best_draft_length_not_only_k_1() -> None:
+    """k = 3 was measured in a slow minute (0.91x plain), k = 1 loses for real (0.84x): at plain,
+    the controller still probes k = 3 (the best k > 0) and returns to it once it measures fast."""
+    policy = SpeculationPolicy(exact_config(probe_every=4, max_probe_every=16))
+    feed_acceptance(policy, [0.6] * K)
+    feed_costs(policy, 1, verify=[0.010, 0.018, 0.025, 0.021, 0.035, 0.040], draft=0.001)
+    assert policy.decide(1).k == 0
+    true_seconds = {0: 0.010, 1: 0.019, 2: 0.027, 3: 0.016, 4: 0.037, 5: 0.042}
+    decisions = []
+    for _ in range(80):
+        d = policy.decide(1)
+        decisions.append(d)
+        t = true_seconds[d.k]
+        policy.observe_step(batch=1, k=d.k, draft_seconds=0.001 * d.k, step_seconds=t, tokens=1, chosen=False)
+    assert any(d.k == 3 and d.reason == "probe" for d in decisions)
+    assert [d.k for d in decisions[-10:] if d.reason == "model"] == [3] * len(
+        [d for d in decisions[-10:] if d.reason == "model"]
+    )
+
+
 def run_against(policy: SpeculationPolicy, true_seconds, alphas: list[float], batch: int, steps: int):
     """Drive the controller against 'true' hardware: step k takes true_seconds(k) and emits the
     expected tokens. Returns (tokens, seconds, decisions)."""
