@@ -48,8 +48,10 @@ engine step, not a constant (DESIGN.md, "Speculation policy"):
 - **Exploration**: plain decoding (k = 0) is measured first in every bucket (it is the baseline
   of the guard); then every `probe_every` steps (the interval doubling up to `max_probe_every`
   while the best k stays the same) the controller runs the least recently measured of
-  {best - 1, best + 1, 0, the best k > 0} once, so costs and acceptance of the neighbours stay
-  fresh. The last one lets a bucket at plain decoding re-measure the draft length that would
+  {best - 1, best + 1, 0, the best k > 0} for `min_cost_samples` steps in a row (the first of
+  them after plain rounds is a catch-up, the others measure steady drafting; with a median of
+  the last `cost_window` = 5 they replace what the last probe measured), so costs and acceptance
+  of the neighbours stay fresh. The last one lets a bucket at plain decoding re-measure the draft length that would
   win, not only k = 1: in one grid run a batch-1 bucket's k = 3 estimate came out ~15% dearer
   than the same steps cost with k pinned (34.5 ms against 30 ms; one configuration's passes vary
   by up to 25% from minute to minute on the shared CPU box), it went to plain and, probing only
@@ -87,14 +89,17 @@ class SpeculationPolicyConfig:
 
     max_k: int
     """Largest k the controller may choose (the 'auto' mode's maximum)."""
-    cost_window: int = 9
-    """Measurements per (batch bucket, width) whose median is the cost estimate."""
+    cost_window: int = 5
+    """Measurements per (batch bucket, width) whose median is the cost estimate (one probe's
+    `min_cost_samples` fresh steps are the majority: a width the controller does not choose is
+    measured only by probes, and one measured in a slow minute must not stay dear for long)."""
     min_cost_samples: int = 3
     """Measurements before a width's own cost is trusted over one predicted from the bucket's
     other widths or the nearest bucket (one step's time on a shared machine can be far off)."""
-    min_gain: float = 0.05
-    """Relative gain over plain decoding that a k > 0 must predict to be chosen (see the module
-    docstring, "Margin").
+    min_gain: float = 0.03
+    """Relative gain over plain decoding that a k > 0 must predict to be chosen, and the relative
+    loss below which joining rows are refused a draft (see the module docstring, "Margin";
+    `SpeculationPolicy.may_draft`).
     It covers the model's noise only: the stragglers that a 10% margin used to stand for (at
     greedy batch 4, k = 1 gained ~1.04x per step and lost 4-8% end to end) are priced by
     `SpeculationPolicy.straggler_factor`."""
@@ -311,6 +316,8 @@ class _Bucket:
     last_probe_best: int = -1
     backoff_until: int = 0
     backoff_len: int = 0
+    burst: tuple[int, int] = (0, 0)
+    """(k, steps left) of the probe being run (a probe is `min_cost_samples` steps in a row)."""
     refusals: int = 0
     """Consecutive admissions refused a draft (`may_draft`)."""
     guard_window: list[tuple[int, float, float]] = field(default_factory=list)
@@ -549,6 +556,17 @@ class SpeculationPolicy:
                 k=0, reason="probe", batch_size=batch, detail=f"measuring plain decoding at batch {batch}"
             )
             return self.last
+        burst_k, burst_left = b.burst
+        if burst_left > 0:
+            b.burst = (burst_k, burst_left - 1)
+            self.last = SpeculationDecision(
+                k=burst_k,
+                reason="probe",
+                batch_size=batch,
+                expected_speedup=rates[burst_k] / rates[0],
+                detail=f"measuring k={burst_k} at batch {batch} ({cfg.min_cost_samples} steps in a row)",
+            )
+            return self.last
         best = self._best(rates)
         speedup = rates[best] / rates[0]
         challenger = max(range(1, cfg.max_k + 1), key=lambda k: (rates[k], -k))  # the best k > 0
@@ -565,6 +583,7 @@ class SpeculationPolicy:
                     b.probe_interval = min(2 * b.probe_interval, cfg.max_probe_every) if stable else cfg.probe_every
                     b.last_probe_best = best
                 b.last_probe_step = b.steps
+                b.burst = (probe, cfg.min_cost_samples - 1)
                 self.last = SpeculationDecision(
                     k=probe,
                     reason="probe",
@@ -593,12 +612,15 @@ class SpeculationPolicy:
 
     def may_draft(self, batch: int, tokens_left: int | None = None) -> bool:
         """False when sequences joining a batch of this size should not keep a draft at all: the
-        bucket's measured costs and acceptance say every k > 0 is slower than plain decoding. A
-        sequence admitted without a draft never drafts, so between break-even and the margin
-        (`min_gain`) it keeps its draft and each step decides. The draft's upkeep is what a
-        refusal saves: the MTP prefill of the prompt and the pending inputs of plain rounds,
-        1.5-2.5% of a generation of 32 tokens at batch 16 on the bench model (BENCHMARKS.md,
-        "Adaptive speculation"). A guard back-off does not count: it is temporary. Only the
+        bucket's measured costs and acceptance say every k > 0 is slower than plain decoding by
+        more than the margin (`min_gain`). A sequence admitted without a draft never drafts for
+        its whole generation, so within the margin it keeps its draft and each step decides. The
+        draft's upkeep is what a refusal saves: the MTP prefill of the prompt and the pending
+        inputs of plain rounds, 1.5-2.5% of a generation of 32 tokens at batch 16 on the bench
+        model (BENCHMARKS.md, "Adaptive speculation"); what a wrong refusal costs is every gain
+        of the generation (at temperature 1, batch 1, where k = 3 gains ~8% and the estimate
+        scatters around it, a refusal at break-even turned drafting off for the whole grid
+        cell). A guard back-off does not count: it is temporary. Only the
         bucket's own trusted measurements of k > 0 (at
         least `min_cost_samples`) can refuse a draft (another batch size's relative costs or one
         noisy step may be far off, and a refused bucket would never measure again), and every
@@ -609,7 +631,7 @@ class SpeculationPolicy:
         rates = self.expected_rates(batch, tokens_left)
         if rates is None or len(b.verify) < 2:
             return True  # k > 0 not measured here (min_cost_samples times) yet
-        if max(rates[1:]) >= rates[0]:
+        if max(rates[1:]) >= (1.0 - self.config.min_gain) * rates[0]:
             b.refusals = 0
             return True
         b.refusals += 1
