@@ -54,8 +54,8 @@ class CountingPolicy(SpeculationPolicy):
         super().__init__(config)
         self.counts: Counter[tuple[int, str]] = Counter()
 
-    def decide(self, batch: int, tokens_left: int | None = None, acceptance_spread: float = 0.0) -> SpeculationDecision:
-        d = super().decide(batch, tokens_left, acceptance_spread)
+    def decide(self, batch: int, tokens_left: int | None = None) -> SpeculationDecision:
+        d = super().decide(batch, tokens_left)
         self.counts[(d.k, d.reason)] += 1
         return d
 

@@ -113,6 +113,9 @@ class SpeculationPolicyConfig:
     step's worth. Measured (BENCHMARKS.md, "Adaptive speculation"): an RL push moves tau by less
     than one step's sampling noise, so the old version is a good prior, while a push that breaks
     the draft must show within a few steps."""
+    spread_rows: int = 64
+    """Finished rows whose acceptance at draft position 1 estimates how much rows differ
+    (`AcceptanceEstimate.spread`; the four rows of one batch are too few: see its docstring)."""
     prior_acceptance: float = 0.6
     """Acceptance assumed at draft position 1 before any evidence (later positions: the previous
     position's estimate)."""
@@ -156,6 +159,7 @@ class SpeculationPolicyConfig:
         for name in (
             "cost_window",
             "min_cost_samples",
+            "spread_rows",
             "probe_every",
             "max_probe_every",
             "guard_rows",
@@ -230,6 +234,9 @@ class AcceptanceEstimate:
         self.ended = 0.0  # ... of which ended their sequence (a stop token, not the length cap)
         self._decay = 0.5 ** (1.0 / config.acceptance_halflife)
         self._rates: list[float] | None = None  # rates() until the counts change
+        self.finished_rows: deque[tuple[int, int]] = deque(maxlen=config.spread_rows)
+        """(drafts proposed at position 1, of which accepted) of the last finished rows."""
+        self._spread: float | None = None  # spread() until a row finishes
 
     def observe(self, drafted: list[int], accepted: list[int]) -> None:
         """One engine step: per row, drafts proposed and drafts accepted (accepted <= drafted)."""
@@ -262,6 +269,28 @@ class AcceptanceEstimate:
                 prior = alpha
             self._rates = out
         return list(self._rates)
+
+    def observe_row(self, drafted: int, accepted: int) -> None:
+        """A row finished having proposed `drafted` drafts at position 1, `accepted` of them accepted."""
+        if not 0 <= accepted <= drafted:
+            raise ValueError(f"accepted {accepted} must be in [0, drafted {drafted}]")
+        self.finished_rows.append((drafted, accepted))
+        self._spread = None
+
+    def spread(self) -> float:
+        """Relative standard deviation of acceptance between rows (`acceptance_spread`) over the
+        last `spread_rows` finished rows: how much the prompts of this workload differ for the
+        draft. Pooled over finished rows rather than taken from the batch's own running rows:
+        with four rows of a few dozen drafts each the estimate swings between 0 and ~0.4 from one
+        batch to the next where rows do not differ at all (`acceptance_spread`), and each swing
+        re-priced k for the batch's remaining steps (at temperature 1, batch 4 on the bench
+        model the per-batch estimate averaged 0.10-0.13 and kept k = 1, the best static k, out of
+        half the steps: auto 1.05-1.13x plain against 1.13-1.16x pooled, paired in one run;
+        BENCHMARKS.md, "Adaptive speculation"). Kept across weight pushes: it describes the
+        prompts more than the draft."""
+        if self._spread is None:
+            self._spread = acceptance_spread(list(self.finished_rows))
+        return self._spread
 
     def observe_ends(self, emitted: int, ended: int) -> None:
         """One decode step emitted `emitted` tokens, `ended` of which were a stop token."""
@@ -401,7 +430,13 @@ def expected_max_of_normals(n: int) -> float:
 def acceptance_spread(rows: list[tuple[int, int]]) -> float:
     """Relative standard deviation of acceptance between rows, from each row's (drafts proposed at
     position 1, of which accepted): the variance of the rows' rates less what their finite counts
-    explain (binomial: a(1 - a) / n), over the mean rate. 0 with fewer than two rows of 4+ drafts."""
+    explain (binomial: a(1 - a) / n, estimated without bias by r(1 - r) / (n - 1) from a row's
+    rate r), over the mean rate. 0 with fewer than two rows of 4+ drafts.
+
+    The variance is the quantity that matters (`SpeculationPolicy.straggler_factor` adds it) and
+    its estimate is unbiased but for the truncation at 0; its square root is not: with no true
+    spread, 64 rows of 8-24 drafts at acceptance 0.6 still give ~0.1 (the sampling noise of the
+    observed variance), 4 rows give anything from 0 to 0.4 from one batch to the next."""
     rated = [(a / n, n) for n, a in rows if n >= 4]
     if len(rated) < 2:
         return 0.0
@@ -409,7 +444,7 @@ def acceptance_spread(rows: list[tuple[int, int]]) -> float:
     if mean <= 0:
         return 0.0
     observed = sum((r - mean) ** 2 for r, _ in rated) / (len(rated) - 1)
-    noise = sum(r * (1 - r) / n for r, n in rated) / len(rated)
+    noise = sum(r * (1 - r) / (n - 1) for r, n in rated) / len(rated)
     return math.sqrt(max(observed - noise, 0.0)) / mean
 
 
@@ -486,7 +521,9 @@ class SpeculationPolicy:
             return plain * self._verify_seconds(near, width, near[1]) / near[1]
         return plain * (1.0 + self.config.prior_verify_slope * (width - 1))
 
-    def straggler_factor(self, batch: int, k: int, tokens_left: int | None, acceptance_spread: float = 0.0) -> float:
+    def straggler_factor(
+        self, batch: int, k: int, tokens_left: int | None, acceptance_spread: float | None = None
+    ) -> float:
         """Expected time to finish the batch with k drafts over (its steps x its step cost).
 
         Under plain decoding rows with the same tokens left finish at the same step; under
@@ -500,12 +537,15 @@ class SpeculationPolicy:
         draft predicts well, one it does not: greedy batch 4 on the bench model had 33% more steps
         after its first row finished under k = 1 than its random acceptance explains), which does
         not average out over the steps: with `acceptance_spread` the relative standard deviation
-        of the rows' acceptance (module function `acceptance_spread`), their tokens per step vary
+        of the rows' acceptance (module function `acceptance_spread`; None: the finished rows'
+        pooled `AcceptanceEstimate.spread`), their tokens per step vary
         by cv_mu and the relative variance of a row's steps is sigma^2 / (r mu) + cv_mu^2. 1 at batch 1, for
         k = 0, and with `tokens_left` None (rows that finish early are replaced from the queue:
         throughput, not the batch's end, is what counts)."""
         if k == 0 or batch < 2 or tokens_left is None:
             return 1.0
+        if acceptance_spread is None:
+            acceptance_spread = self.acceptance.spread()
         r = max(tokens_left, 1)
         together = max(1, round(batch * (1.0 - self.acceptance.end_rate()) ** r))
         mu = self.acceptance.expected_tokens(k)
@@ -516,28 +556,24 @@ class SpeculationPolicy:
             variance += ((hi - lo) / (2 * mu)) ** 2
         return 1.0 + expected_max_of_normals(together) * math.sqrt(variance)
 
-    def expected_rates(
-        self, batch: int, tokens_left: int | None = None, acceptance_spread: float = 0.0
-    ) -> list[float] | None:
+    def expected_rates(self, batch: int, tokens_left: int | None = None) -> list[float] | None:
         """Predicted tokens per second per row for k = 0..max_k (None before plain is measured).
         `tokens_left`: the most tokens a row of the batch may still emit when nothing waits to
         take a finished row's place (then no row drafts more than it may emit, and k > 0 pays
-        for the batch's stragglers: `straggler_factor`, with `acceptance_spread`); None while
-        requests wait."""
+        for the batch's stragglers: `straggler_factor`); None while requests wait."""
         out = []
         for k in range(self.config.max_k + 1):
             drafts = k if tokens_left is None else min(k, max(tokens_left - 1, 0))
             seconds = self.predicted_seconds(batch, drafts)
             if seconds is None:
                 return None
-            factor = self.straggler_factor(batch, drafts, tokens_left, acceptance_spread)
+            factor = self.straggler_factor(batch, drafts, tokens_left)
             out.append(self.acceptance.expected_tokens(drafts) / (seconds * factor))
         return out
 
     # ---- decisions --------------------------------------------------------------------------
-    def decide(self, batch: int, tokens_left: int | None = None, acceptance_spread: float = 0.0) -> SpeculationDecision:
-        """k for the next decode step of a batch of `batch` rows (`tokens_left`,
-        `acceptance_spread`: see `expected_rates`)."""
+    def decide(self, batch: int, tokens_left: int | None = None) -> SpeculationDecision:
+        """k for the next decode step of a batch of `batch` rows (`tokens_left`: see `expected_rates`)."""
         cfg = self.config
         if cfg.max_k == 0:
             self.last = SpeculationDecision(k=0, reason="off", batch_size=batch, detail="max k is 0")
@@ -553,7 +589,7 @@ class SpeculationPolicy:
                 f"{b.backoff_until - b.steps + 1} more steps at batch {batch}",
             )
             return self.last
-        rates = self.expected_rates(batch, tokens_left, acceptance_spread)
+        rates = self.expected_rates(batch, tokens_left)
         if rates is None:
             self.last = SpeculationDecision(
                 k=0, reason="probe", batch_size=batch, detail=f"measuring plain decoding at batch {batch}"
@@ -597,7 +633,7 @@ class SpeculationPolicy:
                 )
                 return self.last
         tau = self.acceptance.expected_tokens(best)
-        stragglers = self.straggler_factor(batch, best, tokens_left, acceptance_spread)
+        stragglers = self.straggler_factor(batch, best, tokens_left)
         self.last = SpeculationDecision(
             k=best,
             reason="model",
@@ -702,6 +738,11 @@ class SpeculationPolicy:
     def observe_acceptance(self, drafted: list[int], accepted: list[int]) -> None:
         """Per row of a decode step: drafts verified and drafts accepted."""
         self.acceptance.observe(drafted, accepted)
+
+    def observe_finished_row(self, drafted: int, accepted: int) -> None:
+        """A row finished: its drafts proposed at position 1 and how many were accepted (how much
+        rows differ in acceptance: `AcceptanceEstimate.spread`)."""
+        self.acceptance.observe_row(drafted, accepted)
 
     def on_weight_version(self) -> None:
         """A weight push landed: the old version's acceptance becomes a weak prior."""

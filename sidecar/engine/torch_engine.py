@@ -62,7 +62,6 @@ from sidecar.engine.speculation_policy import (
     SpeculationDecision,
     SpeculationPolicy,
     SpeculationPolicyConfig,
-    acceptance_spread,
 )
 from sidecar.engine.speculative import DraftInput, VerifyInput, draft, verify
 from sidecar.engine.validation import check_weights, validate_request
@@ -509,8 +508,7 @@ class TorchEngine(Engine):
         policy = self._policy if any(s.auto for s in seqs) else None
         decision: SpeculationDecision | None = None
         if policy is not None:
-            spread = acceptance_spread([s.position_one() for s in seqs])
-            decision = policy.decide(b, self._tokens_left(seqs), spread)
+            decision = policy.decide(b, self._tokens_left(seqs))
         auto_k = decision.k if decision is not None else 0
         k_eff = [
             min(auto_k if s.auto else s.k, s.params.max_new_tokens - len(s.output) - 1) if s.pending is not None else 0
@@ -585,6 +583,8 @@ class TorchEngine(Engine):
             if reason is not None:
                 ended += reason is FinishReason.STOP
                 finished.append(self._finish(s, reason))
+                if policy is not None:
+                    policy.observe_finished_row(*s.position_one())
                 continue
             if s.drafts and self.num_mtp and s.pending is not None:
                 new_pending = vout.hidden[i, : a + 1]

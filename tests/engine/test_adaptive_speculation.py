@@ -104,6 +104,23 @@ def test_the_engine_reports_catch_up_steps_and_stop_tokens(aligned_model) -> Non
     assert [st["ended"] for st in policy.steps][-1] == 1 and sum(st["ended"] for st in policy.steps) == 1
 
 
+def test_every_finished_row_tells_the_controller_how_it_accepted(aligned_model) -> None:
+    """Rows finishing in the controller's batch report their position-1 counts (the pooled
+    spread of acceptance between rows), the same counts their samples carry."""
+    policy = RecordingPolicy([2, 0, 3, 1])
+    engine = TorchEngine(aligned_model, speculation_k=3, max_batch_size=2)
+    engine.set_speculation_policy(policy)
+    samples = []
+    for i, p in enumerate(PROMPTS[:3]):
+        sp = SamplingParams(temperature=1.0, max_new_tokens=10 + 6 * i, seed=i)
+        engine.submit(GenerationRequest(prompts=[p], sampling=sp, request_id=f"r{i}"))
+    while engine.has_work():
+        samples += engine.step()
+    counts = sorted((s.counters.drafted_per_position[0], s.counters.accepted_per_position[0]) for s in samples)
+    assert len(samples) == 3 and sorted(policy.acceptance.finished_rows) == counts
+    assert all(n > 0 for n, _ in counts)  # every row drafted
+
+
 def test_greedy_output_is_plain_under_the_real_controller_and_rows_joining_late(aligned_model) -> None:
     engine = TorchEngine(aligned_model, speculation_k=4, auto_speculation=True, max_batch_size=2)
     assert engine.speculation_auto and engine.info().speculation_status.auto

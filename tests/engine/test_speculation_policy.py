@@ -429,6 +429,51 @@ def test_the_acceptance_spread_removes_what_finite_counts_explain() -> None:
     assert acceptance_spread([(100, 50)]) == 0.0
 
 
+def finished_rows(alpha: float, spread: float, rows: int, seed: int) -> list[tuple[int, int]]:
+    """(position-1 drafts, accepted) of finished rows whose acceptance is alpha x (1 + spread x a
+    standard normal draw), each with 8-24 drafts (a generation of a few dozen tokens)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(rows):
+        a = min(max(alpha * (1.0 + spread * rng.gauss(0.0, 1.0)), 0.02), 0.98)
+        n = rng.randint(8, 24)
+        out.append((n, sum(rng.random() < a for _ in range(n))))
+    return out
+
+
+@settings(max_examples=10, deadline=None)
+@given(alpha=st.floats(0.4, 0.7), spread=st.sampled_from([0.0, 0.15, 0.3]), seed=st.integers(0, 10**6))
+def test_the_straggler_price_comes_from_the_finished_rows_pooled(alpha: float, spread: float, seed: int) -> None:
+    """The spread is estimated from the last `spread_rows` finished rows, not from the batch's own
+    few rows: priced with the pooled estimate, the batch's expected end matches a simulated batch
+    of rows that differ by the true spread; one batch's four rows would swing the estimate (and
+    the price of every k) from one batch to the next."""
+    policy = SpeculationPolicy(exact_config())
+    feed_acceptance(policy, [alpha] * K)
+    rows = finished_rows(alpha, spread, 200, seed)
+    for n, a in rows:
+        policy.observe_finished_row(n, a)
+    pool = rows[-policy.config.spread_rows :]
+    assert list(policy.acceptance.finished_rows) == pool
+    assert policy.acceptance.spread() == acceptance_spread(pool)
+    steps = 48 / policy.acceptance.expected_tokens(2)
+    simulated = simulated_finish_steps([alpha] * K, 2, 48, 4, trials=300, seed=seed, spread=spread)
+    assert steps * policy.straggler_factor(4, 2, 48) == pytest.approx(simulated, rel=0.1)
+    batches = [acceptance_spread(rows[i : i + 4]) for i in range(0, 200, 4)]
+    assert max(batches) - min(batches) > 0.2  # what a per-batch estimate would have swung by
+
+
+def test_finished_rows_are_checked_and_only_the_last_ones_kept() -> None:
+    policy = SpeculationPolicy(exact_config(spread_rows=3))
+    with pytest.raises(ValueError, match="accepted 5 must be in"):
+        policy.observe_finished_row(4, 5)
+    assert policy.acceptance.spread() == 0.0  # no rows yet: no spread
+    for row in [(20, 18), (20, 2), (20, 10), (20, 10)]:
+        policy.observe_finished_row(*row)
+    assert list(policy.acceptance.finished_rows) == [(20, 2), (20, 10), (20, 10)]
+    assert policy.acceptance.spread() == acceptance_spread([(20, 2), (20, 10), (20, 10)]) > 0
+
+
 def test_stragglers_make_a_batch_without_a_queue_end_on_plain_decoding() -> None:
     """k = 1 gains 8% per step. Batch 1 takes it to the end; a batch of 16 with 48 tokens left
     takes it too in a continuous batch (a queue refills finished rows: tokens_left None) but not
