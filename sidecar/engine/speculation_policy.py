@@ -114,8 +114,8 @@ class SpeculationPolicyConfig:
     than one step's sampling noise, so the old version is a good prior, while a push that breaks
     the draft must show within a few steps."""
     spread_rows: int = 64
-    """Finished rows whose acceptance at draft position 1 estimates how much rows differ
-    (`AcceptanceEstimate.spread`; the four rows of one batch are too few: see its docstring)."""
+    """Finished rows (of `MIN_ROW_DRAFTS`+ drafts) whose acceptance at draft position 1 estimates
+    how much rows differ (`AcceptanceEstimate.spread`; the four rows of one batch are too few)."""
     prior_acceptance: float = 0.6
     """Acceptance assumed at draft position 1 before any evidence (later positions: the previous
     position's estimate)."""
@@ -271,9 +271,13 @@ class AcceptanceEstimate:
         return list(self._rates)
 
     def observe_row(self, drafted: int, accepted: int) -> None:
-        """A row finished having proposed `drafted` drafts at position 1, `accepted` of them accepted."""
+        """A row finished having proposed `drafted` drafts at position 1, `accepted` of them
+        accepted. Rows with fewer than `MIN_ROW_DRAFTS` drafts (a row admitted without a draft, one
+        that ran at plain) are not kept: they would push informative rows out of the pool."""
         if not 0 <= accepted <= drafted:
             raise ValueError(f"accepted {accepted} must be in [0, drafted {drafted}]")
+        if drafted < MIN_ROW_DRAFTS:
+            return
         self.finished_rows.append((drafted, accepted))
         self._spread = None
 
@@ -285,8 +289,8 @@ class AcceptanceEstimate:
         batch to the next where rows do not differ at all (`acceptance_spread`), and each swing
         re-priced k for the batch's remaining steps (at temperature 1, batch 4 on the bench
         model the per-batch estimate averaged 0.10-0.13 and kept k = 1, the best static k, out of
-        half the steps: auto 1.05-1.13x plain against 1.13-1.16x pooled, paired in one run;
-        BENCHMARKS.md, "Adaptive speculation"). Kept across weight pushes: it describes the
+        half the steps: auto 1.05-1.13x plain against 1.13-1.16x pooled, in paired A/B runs;
+        BENCHMARKS.md, "Adaptive speculation", fourth session). Kept across weight pushes: it describes the
         prompts more than the draft."""
         if self._spread is None:
             self._spread = acceptance_spread(list(self.finished_rows))
@@ -427,17 +431,21 @@ def expected_max_of_normals(n: int) -> float:
     return total * h
 
 
+MIN_ROW_DRAFTS = 4
+"""Drafts at position 1 below which a row's acceptance rate says too little to count in a spread."""
+
+
 def acceptance_spread(rows: list[tuple[int, int]]) -> float:
     """Relative standard deviation of acceptance between rows, from each row's (drafts proposed at
     position 1, of which accepted): the variance of the rows' rates less what their finite counts
     explain (binomial: a(1 - a) / n, estimated without bias by r(1 - r) / (n - 1) from a row's
-    rate r), over the mean rate. 0 with fewer than two rows of 4+ drafts.
+    rate r), over the mean rate. 0 with fewer than two rows of `MIN_ROW_DRAFTS`+ drafts.
 
     The variance is the quantity that matters (`SpeculationPolicy.straggler_factor` adds it) and
     its estimate is unbiased but for the truncation at 0; its square root is not: with no true
     spread, 64 rows of 8-24 drafts at acceptance 0.6 still give ~0.1 (the sampling noise of the
     observed variance), 4 rows give anything from 0 to 0.4 from one batch to the next."""
-    rated = [(a / n, n) for n, a in rows if n >= 4]
+    rated = [(a / n, n) for n, a in rows if n >= MIN_ROW_DRAFTS]
     if len(rated) < 2:
         return 0.0
     mean = sum(r for r, _ in rated) / len(rated)
@@ -521,9 +529,7 @@ class SpeculationPolicy:
             return plain * self._verify_seconds(near, width, near[1]) / near[1]
         return plain * (1.0 + self.config.prior_verify_slope * (width - 1))
 
-    def straggler_factor(
-        self, batch: int, k: int, tokens_left: int | None, acceptance_spread: float | None = None
-    ) -> float:
+    def straggler_factor(self, batch: int, k: int, tokens_left: int | None, spread: float | None = None) -> float:
         """Expected time to finish the batch with k drafts over (its steps x its step cost).
 
         Under plain decoding rows with the same tokens left finish at the same step; under
@@ -536,23 +542,23 @@ class SpeculationPolicy:
         sets the batch's end either way). Rows also differ in acceptance itself (a prompt the
         draft predicts well, one it does not: greedy batch 4 on the bench model had 33% more steps
         after its first row finished under k = 1 than its random acceptance explains), which does
-        not average out over the steps: with `acceptance_spread` the relative standard deviation
-        of the rows' acceptance (module function `acceptance_spread`; None: the finished rows'
-        pooled `AcceptanceEstimate.spread`), their tokens per step vary
+        not average out over the steps: with `spread` the relative standard deviation of the
+        rows' acceptance (module function `acceptance_spread`; None: the finished rows' pooled
+        `AcceptanceEstimate.spread`), their tokens per step vary
         by cv_mu and the relative variance of a row's steps is sigma^2 / (r mu) + cv_mu^2. 1 at batch 1, for
         k = 0, and with `tokens_left` None (rows that finish early are replaced from the queue:
         throughput, not the batch's end, is what counts)."""
         if k == 0 or batch < 2 or tokens_left is None:
             return 1.0
-        if acceptance_spread is None:
-            acceptance_spread = self.acceptance.spread()
+        if spread is None:
+            spread = self.acceptance.spread()
         r = max(tokens_left, 1)
         together = max(1, round(batch * (1.0 - self.acceptance.end_rate()) ** r))
         mu = self.acceptance.expected_tokens(k)
         variance = self.acceptance.token_variance(k) / (r * mu)
-        if acceptance_spread > 0:
-            hi = self.acceptance.expected_tokens(k, scale=1.0 + acceptance_spread)
-            lo = self.acceptance.expected_tokens(k, scale=max(1.0 - acceptance_spread, 0.0))
+        if spread > 0:
+            hi = self.acceptance.expected_tokens(k, scale=1.0 + spread)
+            lo = self.acceptance.expected_tokens(k, scale=max(1.0 - spread, 0.0))
             variance += ((hi - lo) / (2 * mu)) ** 2
         return 1.0 + expected_max_of_normals(together) * math.sqrt(variance)
 

@@ -58,11 +58,7 @@ from sidecar.engine.sampling import (
     sample_from,
     token_logprobs,
 )
-from sidecar.engine.speculation_policy import (
-    SpeculationDecision,
-    SpeculationPolicy,
-    SpeculationPolicyConfig,
-)
+from sidecar.engine.speculation_policy import SpeculationDecision, SpeculationPolicy, SpeculationPolicyConfig
 from sidecar.engine.speculative import DraftInput, VerifyInput, draft, verify
 from sidecar.engine.validation import check_weights, validate_request
 from sidecar.errors import InvalidRequestError
@@ -506,9 +502,7 @@ class TorchEngine(Engine):
         rows = self._rows
         started = self._clock()
         policy = self._policy if any(s.auto for s in seqs) else None
-        decision: SpeculationDecision | None = None
-        if policy is not None:
-            decision = policy.decide(b, self._tokens_left(seqs))
+        decision: SpeculationDecision | None = policy.decide(b, self._tokens_left(seqs)) if policy is not None else None
         auto_k = decision.k if decision is not None else 0
         k_eff = [
             min(auto_k if s.auto else s.k, s.params.max_new_tokens - len(s.output) - 1) if s.pending is not None else 0

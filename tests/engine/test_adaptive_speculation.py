@@ -13,7 +13,7 @@ from test_speculative_distribution import SwitchingPolicy
 from test_speculative_greedy import NEW, PROMPTS, naive_greedy
 
 from sidecar.engine.model import ModelConfig, Qwen3WithMTP
-from sidecar.engine.speculation_policy import SpeculationPolicyConfig
+from sidecar.engine.speculation_policy import MIN_ROW_DRAFTS, SpeculationPolicyConfig
 from sidecar.engine.torch_engine import CATCH_UP_POSITIONS, TorchEngine
 from sidecar.types import GenerationRequest, SamplingParams, WeightSelector
 
@@ -117,8 +117,8 @@ def test_every_finished_row_tells_the_controller_how_it_accepted(aligned_model) 
     while engine.has_work():
         samples += engine.step()
     counts = sorted((s.counters.drafted_per_position[0], s.counters.accepted_per_position[0]) for s in samples)
-    assert len(samples) == 3 and sorted(policy.acceptance.finished_rows) == counts
-    assert all(n > 0 for n, _ in counts)  # every row drafted
+    kept = [c for c in counts if c[0] >= MIN_ROW_DRAFTS]  # fewer drafts say too little to be kept
+    assert len(samples) == 3 and kept and sorted(policy.acceptance.finished_rows) == kept
 
 
 def test_greedy_output_is_plain_under_the_real_controller_and_rows_joining_late(aligned_model) -> None:

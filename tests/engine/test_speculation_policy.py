@@ -468,10 +468,12 @@ def test_finished_rows_are_checked_and_only_the_last_ones_kept() -> None:
     with pytest.raises(ValueError, match="accepted 5 must be in"):
         policy.observe_finished_row(4, 5)
     assert policy.acceptance.spread() == 0.0  # no rows yet: no spread
-    for row in [(20, 18), (20, 2), (20, 10), (20, 10)]:
+    for row in [(20, 18), (20, 2), (0, 0), (3, 1), (20, 10), (20, 10)]:  # too few drafts: not kept
         policy.observe_finished_row(*row)
     assert list(policy.acceptance.finished_rows) == [(20, 2), (20, 10), (20, 10)]
     assert policy.acceptance.spread() == acceptance_spread([(20, 2), (20, 10), (20, 10)]) > 0
+    policy.on_weight_version()  # the prompts' spread outlives a push (the acceptance counts do not)
+    assert list(policy.acceptance.finished_rows) == [(20, 2), (20, 10), (20, 10)]
 
 
 def test_stragglers_make_a_batch_without_a_queue_end_on_plain_decoding() -> None:

@@ -101,7 +101,7 @@ class SwitchingPolicy(SpeculationPolicy):
         super().__init__(SpeculationPolicyConfig(max_k=max(cycle), **config))
         self.cycle, self.calls = cycle, 0
 
-    def decide(self, batch: int, *_: object) -> SpeculationDecision:
+    def decide(self, batch: int, tokens_left: int | None = None) -> SpeculationDecision:
         self.last = SpeculationDecision(k=self.cycle[self.calls % len(self.cycle)], reason="probe", batch_size=batch)
         self.calls += 1
         return self.last
