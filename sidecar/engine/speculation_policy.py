@@ -28,7 +28,8 @@ engine step, not a constant (DESIGN.md, "Speculation policy"):
   tried: on a CPU the verify cost is concave in the width — the first draft adds the speculative
   sampling work — so the line overpriced long drafts and batch 1 chose k = 2 where k = 3 was best.)
 - **Acceptance** per draft position is a discounted count of the rounds that reached the
-  position and of those that accepted it (`observe_acceptance`), so it follows a drifting draft;
+  position and of those that accepted it (`observe_acceptance`), so it follows a drifting draft
+  (the counts age by verify rounds: a plain step neither adds evidence nor ages it);
   a weight push (`on_weight_version`) multiplies the counts by `version_discount`: the old
   version's acceptance stays a prior worth about one engine step, the new version's rounds take over
   within ~4 engine steps of a push that changes acceptance (measured in BENCHMARKS.md,
@@ -53,17 +54,27 @@ engine step, not a constant (DESIGN.md, "Speculation policy"):
   {best - 1, best + 1, 0, the best k > 0} for `min_cost_samples` steps in a row (the first of
   them after plain rounds is a catch-up, the others measure steady drafting; with a median of
   the last `cost_window` = 5 they replace what the last probe measured), so costs and acceptance
-  of the neighbours stay fresh. The last one lets a bucket at plain decoding re-measure the draft length that would
-  win, not only k = 1: in one grid run a batch-1 bucket's k = 3 estimate came out ~15% dearer
-  than the same steps cost with k pinned (34.5 ms against 30 ms; one configuration's passes vary
-  by up to 25% from minute to minute on the shared CPU box), it went to plain and, probing only
-  k = 1 (a loss there), never came back: 0.88x of static k = 3. A neighbour measured fewer
-  than `min_cost_samples` times in the bucket goes first, every `probe_every // 4` steps, so
-  that a new batch size trusts its own costs within its first few dozen steps (at batch 64 the
-  doubling interval had taken 7 generations of 16 tokens to measure k = 1 three times, and
-  until then every row kept a draft it never used). Rows that join a batch where every k > 0
-  was measured slower than plain carry no draft at all (`may_draft`; every `probe_every`-th
-  such admission keeps its draft to re-measure).
+  of the neighbours stay fresh. The last one lets a bucket at plain decoding re-measure the
+  draft length that would win, not only k = 1.
+  A bucket at plain decoding does not wait the doubled interval for a k > 0 that it predicts
+  near break-even: its options (k = 1 and the best k > 0, in turn) come `probe_every` steps after
+  the last probe while predicted within `min_gain` of plain, later in proportion to their
+  predicted loss beyond that (`plain_probe_interval`), so each such probe costs about
+  3 x min_gain / probe_every of the throughput (~0.6%). The
+  asymmetry is the shape of the rate: flat near the best k > 0 (on the RL workload static k = 3-6
+  are within 3% of each other), where probing more often buys little (tried: loss-scaled
+  intervals for every option raised probes to 13-15% of the steps, and auto fell to 0.92-0.96x
+  of the best static k on the RL workload in three sweeps), but a cliff between k = 0 and the
+  best k > 0, where an estimate taken in a slow stretch costs the whole gain: at temperature 1,
+  batch 1 (k = 3 gains 5-15%; its cost moves by 10-25% with the box's load for minutes at a
+  time) such a bucket stayed at plain with k = 3 predicted within 3% of it for up to ~1,300
+  steps, 0.88-0.91x of static k = 3 in grid runs (BENCHMARKS.md, "Adaptive speculation", fifth
+  session). A neighbour measured fewer than `min_cost_samples` times in the bucket goes first,
+  every `learn_every` steps, so that a new batch size trusts its own costs within its first
+  few dozen steps (at batch 64 the doubling interval had taken 7 generations of 16 tokens to
+  measure k = 1 three times, and until then every row kept a draft it never used). Rows that
+  join a batch where every k > 0 was measured slower than plain carry no draft at all
+  (`may_draft`; every `refuse_every`-th such admission keeps its draft to re-measure).
 - **Guard**: the model can be wrong (stale acceptance after a push, a cost that moved, a bug).
   Over the last `guard_rows` row-rounds (at least `guard_min_steps` steps) of model-chosen
   steps with k > 0 in a bucket, the realised tokens
@@ -105,12 +116,20 @@ class SpeculationPolicyConfig:
     It covers the model's noise only: the stragglers that a 10% margin used to stand for (at
     greedy batch 4, k = 1 gained ~1.04x per step and lost 4-8% end to end) are priced by
     `SpeculationPolicy.straggler_factor`."""
-    acceptance_halflife: float = 64.0
-    """Engine steps after which old acceptance evidence weighs half (tracks a drifting draft)."""
+    acceptance_halflife: float = 256.0
+    """Verify rounds (rows that drafted, summed over steps) after which old acceptance evidence
+    weighs half (tracks a drifting draft). Counted in rounds, not engine steps: a plain step brings
+    no evidence and ages none, and batch 1 keeps as much evidence as batch 4. Aged per step (64),
+    batch 1 kept ~92 rounds, a standard error of ~0.05 on an acceptance of 0.5 and ~5% on tau:
+    enough to take a 9% gain of k = 3 to plain for ~23% of the steps with exact costs (simulated:
+    `test_acceptance_noise_at_batch_1_does_not_send_a_winning_k_to_plain`; 0.6% at 256 rounds),
+    and a stretch at plain forgot the draft's rounds and drifted to the prior. 256 rounds (~370
+    of evidence) halve the error; batch 4 keeps what it had (64 steps). The rate of stop tokens
+    ages by emitted tokens alike."""
     version_discount: float = 0.01
     """Weight kept by the previous weight version's acceptance counts after a push: at the
-    steady-state evidence of ~92 rounds per row (acceptance_halflife / ln 2) about one engine
-    step's worth. Measured (BENCHMARKS.md, "Adaptive speculation"): an RL push moves tau by less
+    steady-state evidence of ~370 rounds (acceptance_halflife / ln 2) about one engine step's
+    worth at batch 4. Measured (BENCHMARKS.md, "Adaptive speculation"): an RL push moves tau by less
     than one step's sampling noise, so the old version is a good prior, while a push that breaks
     the draft must show within a few steps."""
     spread_rows: int = 64
@@ -127,8 +146,18 @@ class SpeculationPolicyConfig:
     """Cost of one draft step as a fraction of a plain step until a draft is measured."""
     probe_every: int = 16
     """Steps between probes of a neighbouring k (per bucket); the interval doubles while probes
-    do not change the best k, up to `max_probe_every` (a probe of a worse k costs throughput)."""
+    do not change the best k, up to `max_probe_every` (a probe of a worse k costs throughput).
+    From a bucket at plain decoding a k > 0 predicted within `min_gain` of plain is probed every
+    `probe_every` steps, one predicted to lose more less often, in proportion to its loss
+    (`SpeculationPolicy.plain_probe_interval`). A k not yet measured `min_cost_samples` times in
+    the bucket is probed every `learn_every` steps instead."""
     max_probe_every: int = 256
+    learn_every: int = 4
+    """Steps between probes while a bucket learns its options' costs (a new batch size), and the
+    least spacing of any two probes."""
+    refuse_every: int = 16
+    """Every `refuse_every`-th admission in a row that `SpeculationPolicy.may_draft` would refuse a
+    draft keeps it (so that a bucket at plain can measure that this changed)."""
     guard_rows: int = 96
     """Row-rounds (sum of batch sizes) of model-chosen k > 0 steps whose realised rate the guard
     compares with plain decoding: acceptance is random, so one row's few steps say little."""
@@ -162,6 +191,8 @@ class SpeculationPolicyConfig:
             "spread_rows",
             "probe_every",
             "max_probe_every",
+            "learn_every",
+            "refuse_every",
             "guard_rows",
             "guard_min_steps",
             "backoff_steps",
@@ -230,7 +261,7 @@ class AcceptanceEstimate:
         self.config = config
         self.reached = [0.0] * config.max_k  # rounds that drafted position i with all before it accepted
         self.accepted = [0.0] * config.max_k  # ... of which position i was accepted
-        self.emitted = 0.0  # tokens emitted (discounted, every decode step)
+        self.emitted = 0.0  # tokens emitted (discounted)
         self.ended = 0.0  # ... of which ended their sequence (a stop token, not the length cap)
         self._decay = 0.5 ** (1.0 / config.acceptance_halflife)
         self._rates: list[float] | None = None  # rates() until the counts change
@@ -241,12 +272,14 @@ class AcceptanceEstimate:
     def observe(self, drafted: list[int], accepted: list[int]) -> None:
         """One engine step: per row, drafts proposed and drafts accepted (accepted <= drafted)."""
         self._rates = None
-        for i in range(len(self.reached)):
-            self.reached[i] *= self._decay
-            self.accepted[i] *= self._decay
         for k, a in zip(drafted, accepted, strict=True):
             if not 0 <= a <= k:
                 raise ValueError(f"accepted {a} must be in [0, drafted {k}]")
+        age = self._decay ** sum(1 for k in drafted if k > 0)  # by the rounds that replace it
+        for i in range(len(self.reached)):
+            self.reached[i] *= age
+            self.accepted[i] *= age
+        for k, a in zip(drafted, accepted, strict=True):
             for i in range(min(a + 1, k, len(self.reached))):
                 self.reached[i] += 1.0
                 if i < a:
@@ -300,8 +333,9 @@ class AcceptanceEstimate:
         """One decode step emitted `emitted` tokens, `ended` of which were a stop token."""
         if not 0 <= ended <= emitted:
             raise ValueError(f"ended {ended} must be in [0, emitted {emitted}]")
-        self.emitted = self.emitted * self._decay + emitted
-        self.ended = self.ended * self._decay + ended
+        age = self._decay**emitted  # like acceptance: by the tokens that replace the evidence
+        self.emitted = self.emitted * age + emitted
+        self.ended = self.ended * age + ended
 
     def end_rate(self) -> float:
         """P(an emitted token ends its sequence): a draft token after it is never emitted."""
@@ -614,30 +648,20 @@ class SpeculationPolicy:
             return self.last
         best = self._best(rates)
         speedup = rates[best] / rates[0]
-        challenger = max(range(1, cfg.max_k + 1), key=lambda k: (rates[k], -k))  # the best k > 0
-        options = sorted({k for k in (best - 1, best + 1, 0, challenger) if 0 <= k <= cfg.max_k and k != best})
-        if options:
-            # neighbours not yet measured min_cost_samples times first (their costs are not trusted:
-            # borrowed or interpolated), each every probe_every // 4 steps until they are
-            probe = min(options, key=lambda k: (b.measured(k) >= cfg.min_cost_samples, b.last_measured.get(k, -1), k))
-            learning = b.measured(probe) < cfg.min_cost_samples
-            interval = max(cfg.probe_every // 4, 1) if learning else (b.probe_interval or cfg.probe_every)
-            if b.steps - b.last_probe_step >= interval:
-                if not learning:  # the interval doubles unless the last probe made its k the best
-                    stable = best != b.last_probe_k and b.probe_interval > 0
-                    b.probe_interval = min(2 * b.probe_interval, cfg.max_probe_every) if stable else cfg.probe_every
-                    b.last_probe_k = probe
-                b.last_probe_step = b.steps
-                b.burst = (probe, cfg.min_cost_samples - 1)
-                self.last = SpeculationDecision(
-                    k=probe,
-                    reason="probe",
-                    batch_size=batch,
-                    expected_speedup=rates[probe] / rates[0],
-                    detail=f"{'measuring' if learning else 're-measuring'} k={probe} next to the best "
-                    f"k={best} at batch {batch}",
-                )
-                return self.last
+        due = self._due_probe(b, rates, best)
+        if due is not None:
+            probe, learning = due
+            b.last_probe_step = b.steps
+            b.burst = (probe, cfg.min_cost_samples - 1)
+            self.last = SpeculationDecision(
+                k=probe,
+                reason="probe",
+                batch_size=batch,
+                expected_speedup=rates[probe] / rates[0],
+                detail=f"{'measuring' if learning else 're-measuring'} k={probe} against the best "
+                f"k={best} at batch {batch} (predicted {rates[probe] / rates[best]:.2f}x of it)",
+            )
+            return self.last
         tau = self.acceptance.expected_tokens(best)
         stragglers = self.straggler_factor(batch, best, tokens_left)
         self.last = SpeculationDecision(
@@ -655,6 +679,49 @@ class SpeculationPolicy:
         )
         return self.last
 
+    def plain_probe_interval(self, rates: list[float], k: int) -> float:
+        """Steps between probes of `k` > 0 from a bucket at plain decoding (`rates`: predicted
+        tokens/s per k): `probe_every` while k is predicted within `min_gain` of plain, longer in
+        proportion to its predicted loss beyond that, at most `max_probe_every` (see the module
+        docstring, "Exploration")."""
+        cfg = self.config
+        loss = max(1.0 - rates[k] / rates[0], 0.0)
+        if loss <= cfg.min_gain:
+            return float(cfg.probe_every)
+        if cfg.min_gain == 0:
+            return float(cfg.max_probe_every)
+        return min(cfg.probe_every * loss / cfg.min_gain, float(cfg.max_probe_every))
+
+    def _due_probe(self, b: _Bucket, rates: list[float], best: int) -> tuple[int, bool] | None:
+        """(k, still learning its cost) of the probe to start now in bucket `b`, or None.
+
+        The options are the best's neighbours, plain decoding and the best k > 0, least recently
+        measured first. One not yet measured `min_cost_samples` times goes first, every
+        `learn_every` steps (its cost is borrowed or interpolated, not its own). Otherwise a probe
+        starts when the bucket's probe interval has passed since the last one: `probe_every`,
+        doubling up to `max_probe_every` while probes leave the best k alone; from a bucket at
+        plain, no later than `plain_probe_interval` of the k probed."""
+        cfg = self.config
+        challenger = max(range(1, cfg.max_k + 1), key=lambda k: (rates[k], -k))
+        options = sorted({k for k in (best - 1, best + 1, 0, challenger) if 0 <= k <= cfg.max_k and k != best})
+        if not options:
+            return None
+        probe = min(options, key=lambda k: (b.measured(k) >= cfg.min_cost_samples, b.last_measured.get(k, -1), k))
+        learning = b.measured(probe) < cfg.min_cost_samples
+        if learning:
+            interval = float(cfg.learn_every)
+        else:
+            interval = float(b.probe_interval or cfg.probe_every)
+            if best == 0:
+                interval = min(interval, self.plain_probe_interval(rates, probe))
+        if b.steps - b.last_probe_step < interval:
+            return None
+        if not learning:  # the interval doubles unless the last probe made its k the best
+            stable = best != b.last_probe_k and b.probe_interval > 0
+            b.probe_interval = min(2 * b.probe_interval, cfg.max_probe_every) if stable else cfg.probe_every
+            b.last_probe_k = probe
+        return probe, learning
+
     def may_draft(self, batch: int, tokens_left: int | None = None) -> bool:
         """False when sequences joining a batch of this size should not keep a draft at all: the
         bucket's measured costs and acceptance say every k > 0 is slower than plain decoding by
@@ -669,7 +736,7 @@ class SpeculationPolicy:
         bucket's own trusted measurements of k > 0 (at
         least `min_cost_samples`) can refuse a draft (another batch size's relative costs or one
         noisy step may be far off, and a refused bucket would never measure again), and every
-        `probe_every`-th refusal in a row is turned into an admission with a draft, so a bucket
+        `refuse_every`-th refusal in a row is turned into an admission with a draft, so a bucket
         that once measured plain best can learn that this changed (a weight push that improved
         the draft, a machine less loaded)."""
         b = self._bucket(batch)
@@ -680,7 +747,7 @@ class SpeculationPolicy:
             b.refusals = 0
             return True
         b.refusals += 1
-        if b.refusals >= self.config.probe_every:
+        if b.refusals >= self.config.refuse_every:
             b.refusals = 0
             return True
         return False

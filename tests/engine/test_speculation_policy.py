@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import statistics
 
 import pytest
 from hypothesis import assume, given, settings
@@ -136,12 +137,39 @@ def test_probes_revisit_neighbours_and_back_off_while_nothing_changes() -> None:
     assert gaps[0] == 4 and gaps[-1] == 16  # the probe interval doubles while the best k stays
 
 
+def test_a_bucket_at_plain_probes_a_k_as_often_as_its_predicted_loss_allows() -> None:
+    """At plain decoding, a k > 0 predicted within the margin of plain is re-measured every
+    `probe_every` steps, one predicted to lose more less often, in proportion to its loss (up to
+    `max_probe_every`): not after the interval that doubled while nothing changed."""
+    policy = SpeculationPolicy(exact_config(probe_every=16, max_probe_every=256))
+    feed_acceptance(policy, [0.5] * K)
+    verify = [0.010, 0.0157, 0.01768, 0.0208, 0.0228, 0.0246]  # k = 1: 4.5% below plain; k = 2: 1%
+    feed_costs(policy, 1, verify=verify, draft=0.0)
+    rates = policy.expected_rates(1)
+    assert policy.decide(1).k == 0
+    losses = {k: 1 - rates[k] / rates[0] for k in (1, 2)}
+    assert 0 < losses[2] < MARGIN < losses[1] < 2 * MARGIN
+    decisions = []
+    for _ in range(2000):
+        d = policy.decide(1)
+        decisions.append(d)
+        policy.observe_step(batch=1, k=d.k, draft_seconds=0.0, step_seconds=verify[d.k], tokens=1, chosen=False)
+    starts = [i for i, d in enumerate(decisions) if d.reason == "probe" and decisions[i - 1].reason != "probe"]
+    assert {decisions[i].k for i in starts} == {1, 2}  # best + 1 and the best k > 0
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
+    # the two alternate, each within its own loss-scaled interval (k = 1's ~24 steps): never the
+    # doubled 256
+    assert max(gaps) <= policy.plain_probe_interval(rates, 1) + 1
+    assert policy.plain_probe_interval(rates, 2) == 16
+    assert policy.plain_probe_interval(rates, 1) == pytest.approx(16 * losses[1] / MARGIN)
+
+
 def test_a_new_batch_size_measures_its_neighbours_quickly_then_refuses_drafts_where_they_lose() -> None:
     """Batch 64 on a CPU: k = 1 costs 1.6 plain steps for 1.5 tokens, as batch 16 measured. The
     controller decides plain from batch 16's relative costs, but probes k = 1 after
-    probe_every // 4 steps (not at the doubling interval) for min_cost_samples steps in a row,
+    learn_every steps (not at its loss-scaled interval) for min_cost_samples steps in a row,
     after which rows joining a batch of 64 are refused a draft."""
-    policy = SpeculationPolicy(exact_config(probe_every=16))
+    policy = SpeculationPolicy(exact_config(probe_every=16, learn_every=4))
     feed_acceptance(policy, [0.5] * K)
     feed_costs(policy, 16, verify=[0.025 * (1 + 0.5 * k) for k in range(K + 1)], draft=0.0025)
     decisions = []
@@ -173,6 +201,76 @@ def test_a_bucket_at_plain_re_measures_the_best_draft_length_not_only_k_1() -> N
     assert [d.k for d in decisions[-10:] if d.reason == "model"] == [3] * len(
         [d for d in decisions[-10:] if d.reason == "model"]
     )
+
+
+def test_a_slow_stretch_does_not_keep_a_long_running_bucket_at_plain() -> None:
+    """Temperature 1, batch 1 on the CPU box: k = 3 gains ~9%, and the box's load moves its cost
+    by 10-25% for minutes. A stretch where k = 3 measures 10% dearer puts the bucket at plain with
+    k = 3 predicted within the margin of it, a near tie: it is re-measured within `probe_every`
+    steps, not after the long interval that the bucket's many uneventful probes had reached
+    (that kept such buckets at plain for up to ~1,300 steps: 0.88-0.91x of static k = 3)."""
+    policy = SpeculationPolicy(SpeculationPolicyConfig(max_k=3, prior_strength=1e-9))
+    feed_acceptance(policy, [0.5, 0.6, 0.5])  # tau(3) = 1.95
+    true = {0: 0.016, 1: 0.024, 2: 0.029, 3: 0.0285}  # k = 3: 1.95 tokens for 1.78 plain steps, 1.09x
+    for k in range(4):  # the bucket has learned every width's cost
+        for _ in range(3):
+            policy.observe_step(batch=1, k=k, draft_seconds=0.25 * true[k] * (k > 0), step_seconds=true[k], tokens=1)
+
+    rng = random.Random(0)
+
+    def step(slow: float = 1.0) -> int:
+        d = policy.decide(1)
+        accepted = 0
+        while accepted < d.k and rng.random() < [0.5, 0.6, 0.5][accepted]:
+            accepted += 1
+        t = true[d.k] * (slow if d.k else 1.0)
+        policy.observe_acceptance([d.k], [accepted])
+        policy.observe_step(batch=1, k=d.k, draft_seconds=0.25 * t if d.k else 0.0, step_seconds=t, tokens=1 + accepted)
+        return d.k
+
+    for _ in range(3000):  # a long quiet run at k = 3
+        step()
+    assert policy.decide(1).k == 3
+    while step(slow=1.1) == 3 or policy.last.reason != "model":  # 10% dearer until the model leaves k = 3
+        pass
+    after = [step() for _ in range(2 * policy.config.probe_every)]
+    assert after[-10:] == [3] * 10, after
+
+
+@pytest.mark.parametrize(("halflife", "plain_share"), [(None, (0.0, 0.03)), (64.0, (0.10, 0.5))])
+def test_acceptance_noise_at_batch_1_does_not_send_a_winning_k_to_plain(halflife, plain_share) -> None:
+    """Batch 1, k = 3 a true 9% gain over plain, costs exact: only the acceptance estimate's own
+    sampling noise can move the decision. With the default half-life (256 rounds) the bucket stays
+    at k = 3; with 64 rounds (what batch 1 had when evidence aged per engine step) the noise takes
+    it to plain for a large share of the steps."""
+    config = SpeculationPolicyConfig(max_k=3, prior_strength=1e-9)
+    if halflife is not None:
+        config = SpeculationPolicyConfig(max_k=3, prior_strength=1e-9, acceptance_halflife=halflife)
+    alphas = [0.5, 0.6, 0.5]  # tau(3) = 1.95
+    true = {0: 0.016, 1: 0.024, 2: 0.029, 3: 0.0285}  # k = 3: 1.95 tokens for 1.78 plain steps
+    shares = []
+    for seed in range(3):
+        policy = SpeculationPolicy(config)
+        feed_acceptance(policy, alphas)
+        for k in range(4):
+            for _ in range(3):
+                policy.observe_step(
+                    batch=1, k=k, draft_seconds=0.25 * true[k] * (k > 0), step_seconds=true[k], tokens=1
+                )
+        rng = random.Random(seed)
+        plain = 0
+        for i in range(2500):
+            d = policy.decide(1)
+            accepted = 0
+            while accepted < d.k and rng.random() < alphas[accepted]:
+                accepted += 1
+            policy.observe_acceptance([d.k], [accepted])
+            t = true[d.k]
+            policy.observe_step(batch=1, k=d.k, draft_seconds=0.25 * t * (d.k > 0), step_seconds=t, tokens=1 + accepted)
+            plain += i >= 500 and d.k == 0
+        shares.append(plain / 2000)
+    low, high = plain_share
+    assert low <= statistics.mean(shares) <= high, shares
 
 
 def run_against(policy: SpeculationPolicy, true_seconds, alphas: list[float], batch: int, steps: int):
@@ -241,6 +339,33 @@ def test_acceptance_counts_are_conditional_per_position() -> None:
     assert est.accepted == pytest.approx([3, 2, 1, 0])
     with pytest.raises(ValueError, match="accepted 4"):
         est.observe([3], [4])
+
+
+def test_acceptance_evidence_ages_by_rounds_not_by_steps() -> None:
+    """The half-life counts verify rounds: a stretch at plain decoding (no row drafts) leaves the
+    estimate where the draft's last rounds put it (aged per step, it forgot them and drifted to
+    the prior), and a step of 8 drafting rows ages the evidence as much as 8 steps of one row
+    (aged per step, batch 1 kept an eighth of batch 8's evidence)."""
+    config = SpeculationPolicyConfig(max_k=2, acceptance_halflife=64.0)
+    one, eight = AcceptanceEstimate(config), AcceptanceEstimate(config)
+    for est in (one, eight):
+        est.observe([2] * 64, [2] * 16 + [0] * 48)
+    before = (list(one.reached), list(one.accepted), one.rates())
+    for _ in range(500):  # plain steps: rows without drafts
+        one.observe([0, 0], [0, 0])
+        one.observe([], [])
+    assert (one.reached, one.accepted, one.rates()) == before
+    assert one.rates()[0] == pytest.approx(0.25, abs=0.02)  # not pulled to the prior (0.6)
+    for _ in range(8):
+        one.observe([2, 0], [2, 0])
+    eight.observe([2] * 8, [2] * 8)
+    age = 0.5 ** (1 / 64)
+    # the old evidence aged alike (the new rounds differ only by their order: a step's 8 count in full)
+    assert [r - sum(age**i for i in range(8)) for r in one.reached] == pytest.approx([r - 8 for r in eight.reached])
+    assert one.accepted[1] - sum(age**i for i in range(8)) == pytest.approx(eight.accepted[1] - 8)
+    for _ in range(56):  # 64 rounds in all since the first 64: those now weigh half
+        eight.observe([2], [2])
+    assert eight.reached[0] == pytest.approx(64 * 0.5 + 8 * age**56 + sum(age**i for i in range(56)))
 
 
 def test_batch_buckets_are_narrow_and_monotonic() -> None:
@@ -339,7 +464,7 @@ def test_without_a_measured_neighbour_a_bucket_trusts_its_own_few_measurements_o
 
 
 def test_only_own_measurements_refuse_a_draft_and_refused_buckets_re_measure_now_and_then() -> None:
-    policy = SpeculationPolicy(SpeculationPolicyConfig(max_k=1, probe_every=4, prior_strength=1e-9))
+    policy = SpeculationPolicy(SpeculationPolicyConfig(max_k=1, refuse_every=4, prior_strength=1e-9))
     feed_acceptance(policy, [0.5])
     feed_costs(policy, 1, verify=[0.010, 0.020], draft=0.005)  # batch 1: k = 1 costs 2.5 plain steps
     for _ in range(3):
