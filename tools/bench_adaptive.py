@@ -11,7 +11,12 @@ configurations interleaved and their order rotated per repeat; process CPU secon
 other tenants of a shared machine); each speedup is the median over `--repeats` of the ratio
 within one repeat (paired: the configurations of a repeat ran next to each other), auto's with the
 range of its per-repeat ratios; "auto / best static" pairs auto with the faster of plain and the
-best static k in each repeat.
+best static k in each repeat. Each repeat samples with its own seed (4, 5, ...; the learning
+pass 3), the same for every configuration: at temperature > 0 a pinned k reproduces its
+sequences from the seed, so with one seed for all repeats a static k's figure rode on two fixed
+sequences' acceptance (at temperature 1, batch 1, static k = 3 had tau 1.96 on seed 3 and
+1.96-2.67 on seeds 4-10), while automatic mode's sequences change with its k choices
+(BENCHMARKS.md, "Adaptive speculation", fifth session).
 
 Automatic mode runs on its own engine over the same model (so it learns only from its own steps,
 never from the static runs), one engine per temperature, kept across batch sizes like a
@@ -125,9 +130,10 @@ def main(argv: list[str] | None = None) -> int:
             auto_counters = SpeculationCounters()
             for r in range(args.repeats):
                 order = configs[r % len(configs) :] + configs[: r % len(configs)]
+                sp_r = SamplingParams(temperature=temperature, max_new_tokens=new, seed=sp.seed + 1 + r)
                 for c in order:
                     seconds, counters = run(
-                        auto if c == "auto" else static, prompts, sp, None if c == "auto" else int(c)
+                        auto if c == "auto" else static, prompts, sp_r, None if c == "auto" else int(c)
                     )
                     times[c].append(seconds)
                     if c == "auto":
