@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import BENCH_CONFIG, ensure_bench_checkpoint
 
 from sidecar.engine.speculation_policy import (
+    RowState,
     SpeculationDecision,
     SpeculationPolicy,
     SpeculationPolicyConfig,
@@ -59,8 +60,10 @@ class CountingPolicy(SpeculationPolicy):
         super().__init__(config)
         self.counts: Counter[tuple[int, str]] = Counter()
 
-    def decide(self, batch: int, tokens_left: int | None = None) -> SpeculationDecision:
-        d = super().decide(batch, tokens_left)
+    def decide(
+        self, batch: int, tokens_left: int | None = None, rows: list[RowState] | None = None
+    ) -> SpeculationDecision:
+        d = super().decide(batch, tokens_left, rows)
         self.counts[(d.k, d.reason)] += 1
         return d
 

@@ -27,8 +27,8 @@ for discount in (1.0, 0.05, 0.01, 0.0):
     engine = TorchEngine.from_checkpoint(MODEL, speculation_k=3, max_speculation_k=3, max_batch_size=8)
 
     class Fixed(SpeculationPolicy):
-        def decide(self, batch, tokens_left=None):
-            d = super().decide(batch, tokens_left)
+        def decide(self, batch, tokens_left=None, rows=None):
+            d = super().decide(batch, tokens_left, rows)
             d.k = 3
             return d
 

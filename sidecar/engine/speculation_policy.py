@@ -94,6 +94,9 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from sidecar.engine.stop_hazard import StopHazard
 
 
 @dataclass(kw_only=True, slots=True)
@@ -135,6 +138,11 @@ class SpeculationPolicyConfig:
     spread_rows: int = 64
     """Finished rows (of `MIN_ROW_DRAFTS`+ drafts) whose acceptance at draft position 1 estimates
     how much rows differ (`AcceptanceEstimate.spread`; the four rows of one batch are too few)."""
+    stop_prior_tokens: float = 8.0
+    """Emitted tokens' worth of the overall stop-token rate behind the rate at each output
+    position (`StopHazard`): a position seen less than that leans on the overall rate (a few
+    rows' worth; 32 had held the rate where the RL workload's rows end at ~0.5 of its ~0.9 for
+    the first generations)."""
     prior_acceptance: float = 0.6
     """Acceptance assumed at draft position 1 before any evidence (later positions: the previous
     position's estimate)."""
@@ -175,7 +183,7 @@ class SpeculationPolicyConfig:
     def __post_init__(self) -> None:
         if self.max_k < 0:
             raise ValueError(f"max_k must be >= 0, got {self.max_k}")
-        for name in ("acceptance_halflife", "prior_strength", "cost_bias"):
+        for name in ("acceptance_halflife", "prior_strength", "stop_prior_tokens", "cost_bias"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("version_discount", "prior_verify_slope", "prior_draft_cost", "min_gain"):
@@ -200,6 +208,19 @@ class SpeculationPolicyConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+class RowState(NamedTuple):
+    """What the controller knows of one row of a batch."""
+
+    length: int
+    """Tokens of output so far (where a stop token is likely: `StopHazard`)."""
+    drafted: int = 0
+    """Drafts the row has proposed at position 1 so far ..."""
+    accepted: int = 0
+    """... of which accepted (how well the draft predicts this row)."""
+    left: int | None = None
+    """Tokens the row may still emit (its length cap; None: the batch's `tokens_left`)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -261,8 +282,10 @@ class AcceptanceEstimate:
         self.config = config
         self.reached = [0.0] * config.max_k  # rounds that drafted position i with all before it accepted
         self.accepted = [0.0] * config.max_k  # ... of which position i was accepted
-        self.emitted = 0.0  # tokens emitted (discounted)
-        self.ended = 0.0  # ... of which ended their sequence (a stop token, not the length cap)
+        self.stops = StopHazard(
+            halflife=config.acceptance_halflife, prior_tokens=config.stop_prior_tokens, rate_prior=config.prior_strength
+        )
+        """Where rows emit their stop token (ages by emitted tokens, like acceptance by rounds)."""
         self._decay = 0.5 ** (1.0 / config.acceptance_halflife)
         self._rates: list[float] | None = None  # rates() until the counts change
         self.finished_rows: deque[tuple[int, int]] = deque(maxlen=config.spread_rows)
@@ -329,17 +352,67 @@ class AcceptanceEstimate:
             self._spread = acceptance_spread(list(self.finished_rows))
         return self._spread
 
-    def observe_ends(self, emitted: int, ended: int) -> None:
-        """One decode step emitted `emitted` tokens, `ended` of which were a stop token."""
-        if not 0 <= ended <= emitted:
-            raise ValueError(f"ended {ended} must be in [0, emitted {emitted}]")
-        age = self._decay**emitted  # like acceptance: by the tokens that replace the evidence
-        self.emitted = self.emitted * age + emitted
-        self.ended = self.ended * age + ended
+    def observe_ends(self, emitted: int, ended: int, rows: list[tuple[int, int, bool]] | None = None) -> None:
+        """One decode step emitted `emitted` tokens, `ended` of which were a stop token; `rows`, if
+        known: per row (output length before the step, tokens emitted, ended by a stop token)."""
+        if rows is None:
+            self.stops.observe(emitted, ended)
+            return
+        if sum(n for _, n, _ in rows) != emitted or sum(1 for *_, stopped in rows if stopped) != ended:
+            raise ValueError(f"rows {rows} do not add up to {emitted} tokens emitted, {ended} ended")
+        self.stops.observe_rows(rows)
 
     def end_rate(self) -> float:
-        """P(an emitted token ends its sequence): a draft token after it is never emitted."""
-        return self.ended / (self.emitted + self.config.prior_strength)
+        """P(an emitted token ends its sequence), over all positions (`stops` has it by position)."""
+        return self.stops.rate()
+
+    def survival(self, upto: int) -> list[float]:
+        """[P(a step's first j tokens hold no stop token) for j = 1..upto] at the overall rate
+        ((1 - end_rate)^j, the same at every position)."""
+        survive = 1.0 - self.end_rate()
+        return [survive ** (j + 1) for j in range(upto)]
+
+    def row_prior_strength(self) -> float | None:
+        """Rounds at draft position 1 that the sidecar's acceptance is worth as the prior of one
+        row's: the Beta prior whose variance is the measured spread between rows
+        (`spread`: alpha (1 - alpha) / (strength + 1) = (spread x alpha)^2); None when rows are
+        not measured to differ (every row is the sidecar's average)."""
+        alpha, spread = self.rates()[0] if self.reached else 0.0, self.spread()
+        if spread <= 0 or not 0 < alpha < 1:
+            return None
+        return max(alpha * (1 - alpha) / (spread * alpha) ** 2 - 1, 1.0)
+
+    def batch_tokens(self, rows: list[RowState] | None, upto: int) -> list[float]:
+        """[E[tokens emitted per row per step] with k drafts, k = 0..upto], averaged over `rows`.
+
+        Each row's acceptance is the sidecar's scaled by what its own drafts at position 1 say
+        (posterior mean under `row_prior_strength`), and its stop tokens come where rows end by
+        output position (`StopHazard.at`). Why per row: in a batch that runs until its last row
+        ends, the rows left at the end are the ones the draft predicts worst (they need the most
+        steps), and the sidecar's average had predicted them 1.5-1.8 tokens per row and step
+        more than they emitted on the RL workload (BENCHMARKS.md, "Adaptive speculation", sixth
+        session). None: every row at the sidecar's average and the overall stop-token rate."""
+        if rows is None:
+            return [1.0] + [self.expected_tokens(k) for k in range(1, upto + 1)]
+        alphas = self.rates()[:upto]
+        strength = self.row_prior_strength() if alphas else None
+        hazard: dict[int, float] = {}
+        total = [0.0] * (upto + 1)
+        for row in rows:
+            scale = 1.0
+            if strength is not None:
+                scale = (row.accepted + strength * alphas[0]) / (row.drafted + strength) / alphas[0]
+            reach = survive = tokens = 1.0
+            total[0] += 1.0
+            for j, alpha in enumerate(alphas):
+                position = row.length + j
+                if position not in hazard:
+                    hazard[position] = self.stops.at(position)
+                reach *= min(alpha * scale, 1.0)
+                survive *= 1.0 - hazard[position]
+                tokens += reach * survive
+                total[j + 1] += tokens
+        return [t / max(len(rows), 1) for t in total]
 
     def _reach(self, k: int, scale: float = 1.0) -> list[float]:
         """P(draft position i = 1..k is accepted) = prod_{j<=i} alpha_j (each alpha_j x `scale`,
@@ -350,12 +423,14 @@ class AcceptanceEstimate:
             out.append(run)
         return out
 
-    def expected_tokens(self, k: int, scale: float = 1.0) -> float:
+    def expected_tokens(self, k: int, scale: float = 1.0, survival: list[float] | None = None) -> float:
         """E[tokens emitted per row per step] with k drafts: 1 (bonus / plain) + the accepted
         drafts that come before the sequence's end (token i is emitted only if none of the i
-        before it ended the sequence: survival (1 - end_rate)^i). `scale`: see `_reach`."""
-        survive = 1.0 - self.end_rate()
-        return 1.0 + sum(p * survive ** (i + 1) for i, p in enumerate(self._reach(k, scale)))
+        before it ended the sequence: `survival`[i - 1], at least k long; None: (1 - end_rate)^i).
+        `scale`: see `_reach`."""
+        if survival is None:
+            survival = self.survival(k)
+        return 1.0 + sum(p * s for p, s in zip(self._reach(k, scale), survival, strict=False))
 
     def token_variance(self, k: int) -> float:
         """Var[tokens per row per step] with k drafts (the number accepted, A = sum_i I_i with
@@ -399,8 +474,10 @@ class _Bucket:
         if self._trusted is None:
             n = self.min_samples
             self._trusted = (
-                {w: v.median() for w, v in self.verify_samples.items() if len(v) >= (1 if w == 1 else n)},
-                {k: v.median() for k, v in self.draft_samples.items() if len(v) >= n},
+                nondecreasing(
+                    {w: v.median() for w, v in self.verify_samples.items() if len(v) >= (1 if w == 1 else n)}
+                ),
+                nondecreasing({k: v.median() for k, v in self.draft_samples.items() if len(v) >= n}),
             )
         return self._trusted
 
@@ -432,6 +509,26 @@ class _Bucket:
         self.verify_samples.setdefault(width, _Samples(self.window)).add(verify_seconds)
         if draft_seconds is not None:
             self.draft_samples.setdefault(width - 1, _Samples(self.window)).add(draft_seconds)
+
+
+def nondecreasing(costs: dict[int, float]) -> dict[int, float]:
+    """The closest non-decreasing costs (least squares; pool adjacent violators): a wider verify
+    or a longer draft never costs less, so where the medians say so (a slow minute while one width
+    was measured: on the RL workload bucket 8's verify medians read 26.7 ms for width 6 and 24.1 ms
+    for width 7) each pooled block takes its mean, and the controller does not choose the longer
+    draft for a cost that is noise."""
+    blocks: list[list[float]] = []  # [sum, count] per pooled block, in width order
+    for w in sorted(costs):
+        blocks.append([costs[w], 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    out, widths = {}, iter(sorted(costs))
+    for total, count in blocks:
+        for _ in range(int(count)):
+            out[next(widths)] = total / count
+    return out
 
 
 def _interpolate(costs: dict[int, float], x: int) -> float:
@@ -563,63 +660,107 @@ class SpeculationPolicy:
             return plain * self._verify_seconds(near, width, near[1]) / near[1]
         return plain * (1.0 + self.config.prior_verify_slope * (width - 1))
 
-    def straggler_factor(self, batch: int, k: int, tokens_left: int | None, spread: float | None = None) -> float:
+    def straggler_factor(
+        self,
+        batch: int,
+        k: int,
+        tokens_left: int | None,
+        spread: float | None = None,
+        rows: list[RowState] | None = None,
+    ) -> float:
         """Expected time to finish the batch with k drafts over (its steps x its step cost).
 
         Under plain decoding rows with the same tokens left finish at the same step; under
         speculation each row's steps to emit r tokens vary (about normal, mean r / mu, variance
         r sigma^2 / mu^3 for per-step tokens of mean mu and variance sigma^2), and the batch runs
         until its slowest row is done: E[max of B] adds ~z_B sigma / sqrt(r mu) of the steps
-        (z_B = `expected_max_of_normals(B)`). Only rows that reach the length cap together count
-        in B: with a stop-token rate h, B (1 - h)^r of them are expected to (the others end at
-        their own stop token, at different steps under plain decoding too, and the longest of them
-        sets the batch's end either way). Rows also differ in acceptance itself (a prompt the
+        (z_B = `expected_max_of_normals(B)`). Rows also differ in acceptance itself (a prompt the
         draft predicts well, one it does not: greedy batch 4 on the bench model had 33% more steps
         after its first row finished under k = 1 than its random acceptance explains), which does
         not average out over the steps: with `spread` the relative standard deviation of the
         rows' acceptance (module function `acceptance_spread`; None: the finished rows' pooled
-        `AcceptanceEstimate.spread`), their tokens per step vary
-        by cv_mu, the relative variance of a row's steps is sigma^2 / (r mu) + cv_mu^2, and every
-        row takes 1 + cv_mu^2 times the steps of a row at the mean acceptance on average (the
-        steps r / mu are convex in mu: without this term the price ran 3.6% short of a simulated
-        batch at spread 0.3, and the pooled estimate's own shortfall took it past 10%). 1 at batch 1, for
-        k = 0, and with `tokens_left` None (rows that finish early are replaced from the queue:
-        throughput, not the batch's end, is what counts)."""
+        `AcceptanceEstimate.spread`), their tokens per step vary by cv_mu, the relative variance
+        of a row's steps is sigma^2 / (r mu) + cv_mu^2, and every row takes 1 + cv_mu^2 times the
+        steps of a row at the mean acceptance on average (the steps r / mu are convex in mu:
+        without this term the price ran 3.6% short of a simulated batch at spread 0.3, and the
+        pooled estimate's own shortfall took it past 10%).
+
+        How many tokens each row still emits is itself random where rows end at a stop token.
+        With the `rows`' output lengths and caps, each row's remaining tokens R have a mean and
+        variance from where rows end (`StopHazard.remaining`), pooled over the batch (mean m,
+        variance s^2, the spread of the rows' means included); the batch's end is ~ m + z_B s
+        tokens away under plain decoding and m (1 + cv_mu^2) + z_B sqrt(s^2 + m sigma^2 / mu +
+        cv_mu^2 m^2) under speculation (mu, sigma^2 of a running row: no stop truncation), and the
+        factor is their ratio. Rows that all reach the cap (s = 0) get the formula above; rows
+        whose ends scatter widely (large s) make speculation's noise small beside it; rows that
+        end by stop tokens within a token of each other (the RL workload's answers) count as
+        together as rows at the cap. (Before this, only rows expected to reach the cap counted, B
+        (1 - h)^r with the overall stop-token rate h: on the RL workload that was 1 row, no price,
+        and automatic mode chose k = 6 where its longer tail cost more than the batch's steps
+        gained; without `rows` it still does.) 1 at batch 1, for k = 0, and with `tokens_left`
+        None (rows that finish early are replaced from the queue: throughput, not the batch's
+        end, is what counts)."""
         if k == 0 or batch < 2 or tokens_left is None:
             return 1.0
+        acceptance = self.acceptance
         if spread is None:
-            spread = self.acceptance.spread()
-        r = max(tokens_left, 1)
-        together = max(1, round(batch * (1.0 - self.acceptance.end_rate()) ** r))
-        mu = self.acceptance.expected_tokens(k)
-        variance = self.acceptance.token_variance(k) / (r * mu)
+            spread = acceptance.spread()
+        running = None if rows is None else [1.0] * k  # with rows, R counts up to the stop token
+        mu = acceptance.expected_tokens(k, survival=running)
         between = 0.0  # cv_mu^2: the rows' tokens per step vary by cv_mu between rows
         if spread > 0:
-            hi = self.acceptance.expected_tokens(k, scale=1.0 + spread)
-            lo = self.acceptance.expected_tokens(k, scale=max(1.0 - spread, 0.0))
+            hi = acceptance.expected_tokens(k, scale=1.0 + spread, survival=running)
+            lo = acceptance.expected_tokens(k, scale=max(1.0 - spread, 0.0), survival=running)
             between = ((hi - lo) / (2 * mu)) ** 2
-        # a row's steps r / mu_row average r / mu x (1 + cv_mu^2) (1/x is convex), and the
-        # slowest of `together` rows adds z_B standard deviations
-        return 1.0 + between + expected_max_of_normals(together) * math.sqrt(variance + between)
+        if rows is None:
+            r = max(tokens_left, 1)
+            together = max(1, round(batch * (1.0 - acceptance.end_rate()) ** r))
+            variance = acceptance.token_variance(k) / (r * mu)
+            # a row's steps r / mu_row average r / mu x (1 + cv_mu^2) (1/x is convex), and the
+            # slowest of `together` rows adds z_B standard deviations
+            return 1.0 + between + expected_max_of_normals(together) * math.sqrt(variance + between)
+        m, s2 = self._remaining_tokens(rows, tokens_left)
+        z = expected_max_of_normals(len(rows))
+        plain = m + z * math.sqrt(s2)
+        spec = m * (1.0 + between) + z * math.sqrt(s2 + m * acceptance.token_variance(k) / mu + between * m * m)
+        return spec / plain
 
-    def expected_rates(self, batch: int, tokens_left: int | None = None) -> list[float] | None:
+    def _remaining_tokens(self, rows: list[RowState], tokens_left: int) -> tuple[float, float]:
+        """(mean, variance) of the tokens a row of the batch still emits, pooled over `rows`
+        (`StopHazard.remaining`; a row without its own cap has `tokens_left`)."""
+        moments = [
+            self.acceptance.stops.remaining(row.length, tokens_left if row.left is None else row.left) for row in rows
+        ]
+        mean = sum(m for m, _ in moments) / len(moments)
+        variance = sum(v + (m - mean) ** 2 for m, v in moments) / len(moments)
+        return max(mean, 1.0), variance
+
+    def expected_rates(
+        self, batch: int, tokens_left: int | None = None, rows: list[RowState] | None = None
+    ) -> list[float] | None:
         """Predicted tokens per second per row for k = 0..max_k (None before plain is measured).
         `tokens_left`: the most tokens a row of the batch may still emit when nothing waits to
         take a finished row's place (then no row drafts more than it may emit, and k > 0 pays
-        for the batch's stragglers: `straggler_factor`); None while requests wait."""
+        for the batch's stragglers: `straggler_factor`); None while requests wait. `rows`: the
+        batch's rows (each one's acceptance so far and output length:
+        `AcceptanceEstimate.batch_tokens`); None: every row at the sidecar's average."""
         out = []
+        tokens = self.acceptance.batch_tokens(rows, self.config.max_k)
         for k in range(self.config.max_k + 1):
             drafts = k if tokens_left is None else min(k, max(tokens_left - 1, 0))
             seconds = self.predicted_seconds(batch, drafts)
             if seconds is None:
                 return None
-            factor = self.straggler_factor(batch, drafts, tokens_left)
-            out.append(self.acceptance.expected_tokens(drafts) / (seconds * factor))
+            factor = self.straggler_factor(batch, drafts, tokens_left, rows=rows)
+            out.append(tokens[drafts] / (seconds * factor))
         return out
 
     # ---- decisions --------------------------------------------------------------------------
-    def decide(self, batch: int, tokens_left: int | None = None) -> SpeculationDecision:
-        """k for the next decode step of a batch of `batch` rows (`tokens_left`: see `expected_rates`)."""
+    def decide(
+        self, batch: int, tokens_left: int | None = None, rows: list[RowState] | None = None
+    ) -> SpeculationDecision:
+        """k for the next decode step of a batch of `batch` rows (`tokens_left`, `rows`: see
+        `expected_rates`)."""
         cfg = self.config
         if cfg.max_k == 0:
             self.last = SpeculationDecision(k=0, reason="off", batch_size=batch, detail="max k is 0")
@@ -635,7 +776,7 @@ class SpeculationPolicy:
                 f"{b.backoff_until - b.steps + 1} more steps at batch {batch}",
             )
             return self.last
-        rates = self.expected_rates(batch, tokens_left)
+        rates = self.expected_rates(batch, tokens_left, rows)
         if rates is None:
             self.last = SpeculationDecision(
                 k=0, reason="probe", batch_size=batch, detail=f"measuring plain decoding at batch {batch}"
@@ -666,8 +807,8 @@ class SpeculationPolicy:
                 f"k={best} at batch {batch} (predicted {rates[probe] / rates[best]:.2f}x of it)",
             )
             return self.last
-        tau = self.acceptance.expected_tokens(best)
-        stragglers = self.straggler_factor(batch, best, tokens_left)
+        tau = self.acceptance.batch_tokens(rows, best)[best]
+        stragglers = self.straggler_factor(batch, best, tokens_left, rows=rows)
         self.last = SpeculationDecision(
             k=best,
             reason="model",
@@ -720,15 +861,17 @@ class SpeculationPolicy:
                 interval = min(interval, self.plain_probe_interval(rates, probe))
         if b.steps - b.last_probe_step < interval:
             return None
-        if not learning:  # the interval doubles unless the last probe made its k the best
-            stable = best != b.last_probe_k and b.probe_interval > 0
+        if not learning:  # the interval doubles unless the last probe made its k the best by the margin
+            runner_up = max(r for k, r in enumerate(rates) if k != best)
+            moved = best == b.last_probe_k and rates[best] >= (1.0 + cfg.min_gain) * runner_up
+            stable = not moved and b.probe_interval > 0
             b.probe_interval = min(2 * b.probe_interval, cfg.max_probe_every) if stable else cfg.probe_every
             b.last_probe_k = probe
-        b.last_probe_step = b.steps
+        b.last_probe_step = b.steps + cfg.min_cost_samples - 1  # intervals count from the burst's last step
         b.burst = (probe, cfg.min_cost_samples - 1)  # this step and the next ones
         return probe, learning
 
-    def may_draft(self, batch: int, tokens_left: int | None = None) -> bool:
+    def may_draft(self, batch: int, tokens_left: int | None = None, rows: list[RowState] | None = None) -> bool:
         """False when sequences joining a batch of this size should not keep a draft at all: the
         bucket's measured costs and acceptance say every k > 0 is slower than plain decoding by
         more than the margin (`min_gain`). A sequence admitted without a draft never drafts for
@@ -746,7 +889,7 @@ class SpeculationPolicy:
         that once measured plain best can learn that this changed (a weight push that improved
         the draft, a machine less loaded)."""
         b = self._bucket(batch)
-        rates = self.expected_rates(batch, tokens_left)
+        rates = self.expected_rates(batch, tokens_left, rows)
         if rates is None or len(b.verify) < 2:
             return True  # k > 0 not measured here (min_cost_samples times) yet
         if max(rates[1:]) >= (1.0 - self.config.min_gain) * rates[0]:
@@ -775,13 +918,16 @@ class SpeculationPolicy:
         chosen: bool = True,
         catch_up: bool = False,
         ended: int = 0,
+        rows: list[tuple[int, int, bool]] | None = None,
     ) -> None:
         """A decode step ran: `k` drafts (the widest row), the draft phase took `draft_seconds` of
         its `step_seconds`, and `tokens` were emitted over `batch` rows, `ended` of them a stop
         token. `chosen`: the step's k came from this controller's 'model' decision (only those
         feed the guard). `catch_up`: the draft phase also refreshed positions skipped by plain
-        rounds (its cost is not that of steady drafting: only the verify is recorded)."""
-        self.acceptance.observe_ends(tokens, ended)
+        rounds (its cost is not that of steady drafting: only the verify is recorded). `rows`: per
+        row (output length before the step, tokens emitted, ended by a stop token), where the
+        rows end (`StopHazard`); None: only the overall rate is learnt."""
+        self.acceptance.observe_ends(tokens, ended, rows)
         if batch < 1 or step_seconds <= 0 or draft_seconds < 0 or draft_seconds > step_seconds:
             return  # nothing measurable (clock resolution, empty step)
         b = self._bucket(batch)
@@ -791,8 +937,8 @@ class SpeculationPolicy:
         if not (chosen and k > 0 and self.last.reason == "model"):
             return
         b.guard_window.append((batch, tokens / batch, step_seconds))
-        rows = sum(n for n, _, _ in b.guard_window)
-        if len(b.guard_window) < self.config.guard_min_steps or rows < self.config.guard_rows:
+        row_rounds = sum(n for n, _, _ in b.guard_window)
+        if len(b.guard_window) < self.config.guard_min_steps or row_rounds < self.config.guard_rows:
             return
         plain = b.verify.get(1)
         realised = sum(t for _, t, _ in b.guard_window) / sum(s for _, _, s in b.guard_window)
@@ -808,7 +954,7 @@ class SpeculationPolicy:
             b.backoff_until = b.steps + b.backoff_len
             self.trips += 1
             self._pending_reason = (
-                f"realised {ratio:.2f}x plain over {steps} steps ({rows} row-rounds) at batch {batch} "
+                f"realised {ratio:.2f}x plain over {steps} steps ({row_rounds} row-rounds) at batch {batch} "
                 f"(model predicted {self.last.expected_speedup:.2f}x)"
             )
         else:

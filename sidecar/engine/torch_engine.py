@@ -58,7 +58,12 @@ from sidecar.engine.sampling import (
     sample_from,
     token_logprobs,
 )
-from sidecar.engine.speculation_policy import SpeculationDecision, SpeculationPolicy, SpeculationPolicyConfig
+from sidecar.engine.speculation_policy import (
+    RowState,
+    SpeculationDecision,
+    SpeculationPolicy,
+    SpeculationPolicyConfig,
+)
 from sidecar.engine.speculative import DraftInput, VerifyInput, draft, verify
 from sidecar.engine.validation import check_weights, validate_request
 from sidecar.errors import InvalidRequestError
@@ -443,7 +448,9 @@ class TorchEngine(Engine):
         """Prefill queued sequences in one target forward and emit each one's first token."""
         new = [self._queue.popleft() for _ in range(min(len(self._queue), self.max_batch_size - len(self._running)))]
         if self._policy is not None and not self._policy.may_draft(
-            len(self._running) + len(new), self._tokens_left([*self._running, *new])
+            len(self._running) + len(new),
+            self._tokens_left([*self._running, *new]),
+            [self._row_state(s) for s in [*self._running, *new]],
         ):
             for s in new:  # the controller has measured that this batch decodes best without a draft
                 if s.auto:
@@ -502,7 +509,11 @@ class TorchEngine(Engine):
         rows = self._rows
         started = self._clock()
         policy = self._policy if any(s.auto for s in seqs) else None
-        decision: SpeculationDecision | None = policy.decide(b, self._tokens_left(seqs)) if policy is not None else None
+        decision: SpeculationDecision | None = (
+            policy.decide(b, self._tokens_left(seqs), [self._row_state(s) for s in seqs])
+            if policy is not None
+            else None
+        )
         auto_k = decision.k if decision is not None else 0
         k_eff = [
             min(auto_k if s.auto else s.k, s.params.max_new_tokens - len(s.output) - 1) if s.pending is not None else 0
@@ -565,6 +576,8 @@ class TorchEngine(Engine):
 
         finished, keep = [], []
         emitted_total = ended = 0
+        ends: list[tuple[int, int, bool]] = []  # per row: output length before the step, emitted, stopped
+        evidence: tuple[list[int], list[int]] = ([], [])  # per drafting row: drafts before its end, accepted
         for i, s in enumerate(seqs):
             a, before = num_accepted[i], len(s.output)
             reason = None
@@ -573,7 +586,11 @@ class TorchEngine(Engine):
                 if reason is not None:
                     break
             self._count(s, drafted=k_eff[i], accepted=a, generated=len(s.output) - before)
+            if k_eff[i]:  # an accepted stop token ends the row: the drafts after it say nothing
+                evidence[0].append(min(k_eff[i], len(s.output) - before))
+                evidence[1].append(min(a, len(s.output) - before))
             emitted_total += len(s.output) - before
+            ends.append((before, len(s.output) - before, reason is FinishReason.STOP))
             if reason is not None:
                 ended += reason is FinishReason.STOP
                 finished.append(self._finish(s, reason))
@@ -592,9 +609,7 @@ class TorchEngine(Engine):
         self._cache.truncate([n + a + 1 for n, a in zip(old_lengths, num_accepted, strict=True)])
         self._keep_rows(keep)
         if policy is not None:  # the controller learns from the steps it decided
-            policy.observe_acceptance(
-                [k for k in k_eff if k], [a for a, k in zip(num_accepted, k_eff, strict=True) if k]
-            )
+            policy.observe_acceptance(*evidence)
             policy.observe_step(
                 batch=b,
                 k=kmax,
@@ -604,9 +619,15 @@ class TorchEngine(Engine):
                 chosen=kmax == auto_k,
                 catch_up=catch_up,
                 ended=ended,
+                rows=ends,
             )
         self._last_kmax = kmax
         return finished
+
+    @staticmethod
+    def _row_state(s: _Sequence) -> RowState:
+        """What the controller knows of a row: output length, position-1 acceptance, tokens left."""
+        return RowState(len(s.output), *s.position_one(), left=s.params.max_new_tokens - len(s.output))
 
     def _tokens_left(self, seqs: list[_Sequence]) -> int | None:
         """The most tokens a row may still emit, when no queued request waits for a finished

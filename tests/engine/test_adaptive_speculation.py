@@ -71,10 +71,15 @@ class RecordingPolicy(SwitchingPolicy):
     def __init__(self, cycle: list[int]) -> None:
         super().__init__(cycle)
         self.steps: list[dict] = []
+        self.evidence: list[tuple[list[int], list[int]]] = []  # observe_acceptance's, per step
 
     def observe_step(self, **kw) -> None:
         self.steps.append(kw)
         super().observe_step(**kw)
+
+    def observe_acceptance(self, drafted: list[int], accepted: list[int]) -> None:
+        self.evidence.append((drafted, accepted))
+        super().observe_acceptance(drafted, accepted)
 
 
 def test_the_engine_reports_catch_up_steps_and_stop_tokens(aligned_model) -> None:
@@ -102,6 +107,32 @@ def test_the_engine_reports_catch_up_steps_and_stop_tokens(aligned_model) -> Non
     while engine.has_work():
         engine.step()
     assert [st["ended"] for st in policy.steps][-1] == 1 and sum(st["ended"] for st in policy.steps) == 1
+
+
+def test_drafts_after_an_accepted_stop_token_are_not_acceptance_evidence(aligned_model) -> None:
+    """A row whose accepted draft is its stop token ends there; the drafts verified after it are
+    never emitted, and whether the target agrees with them after the end says nothing about the
+    draft (on the RL workload they had pulled position 3's estimate from ~0.73 to ~0.66). The
+    engine reports each row's emitted tokens and where it ended, and the evidence stops at the
+    end."""
+    expected = naive_greedy(aligned_model, PROMPTS[0], 12)
+    stop = expected[2]  # the first step's second draft: the aligned draft proposes it, and one more
+    policy = RecordingPolicy([3])
+    engine = TorchEngine(aligned_model, speculation_k=3)
+    engine.set_speculation_policy(policy)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=[stop])
+    engine.submit(GenerationRequest(prompts=[PROMPTS[0]], sampling=sp, request_id="r"))
+    while engine.has_work():
+        engine.step()
+    end = expected.index(stop)
+    assert end in (1, 2) and policy.steps[-1]["rows"][-1][2]
+    assert sum(n for st in policy.steps for _, n, _ in st["rows"]) == end  # the prefill emitted token 0
+    last_start, last_emitted, _ = policy.steps[-1]["rows"][0]
+    assert last_start + last_emitted == end + 1 and last_emitted < 3  # ended on an accepted draft
+    for (drafted, accepted), st in zip(policy.evidence, policy.steps, strict=True):
+        emitted = [n for _, n, _ in st["rows"]]
+        assert all(d <= n and a <= d for d, a, n in zip(drafted, accepted, emitted, strict=True))
+    assert policy.evidence[-1] == ([last_emitted], [last_emitted])  # every draft up to the stop accepted
 
 
 def test_every_finished_row_tells_the_controller_how_it_accepted(aligned_model) -> None:

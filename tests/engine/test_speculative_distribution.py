@@ -31,7 +31,12 @@ from engine_fixtures import aligned_draft_model, hf_probs
 from sidecar.engine import torch_engine
 from sidecar.engine.acceptance_rules import WRONG_RULES, AcceptanceRule
 from sidecar.engine.model import ModelConfig, Qwen3WithMTP
-from sidecar.engine.speculation_policy import SpeculationDecision, SpeculationPolicy, SpeculationPolicyConfig
+from sidecar.engine.speculation_policy import (
+    RowState,
+    SpeculationDecision,
+    SpeculationPolicy,
+    SpeculationPolicyConfig,
+)
 from sidecar.engine.torch_engine import TorchEngine
 from sidecar.losslessness.statistics import pooled_chi_square_pvalue as chi_square_pvalue
 from sidecar.types import GenerationRequest, SamplingParams
@@ -101,7 +106,9 @@ class SwitchingPolicy(SpeculationPolicy):
         super().__init__(SpeculationPolicyConfig(max_k=max(cycle), **config))
         self.cycle, self.calls = cycle, 0
 
-    def decide(self, batch: int, tokens_left: int | None = None) -> SpeculationDecision:
+    def decide(
+        self, batch: int, tokens_left: int | None = None, rows: list[RowState] | None = None
+    ) -> SpeculationDecision:
         self.last = SpeculationDecision(k=self.cycle[self.calls % len(self.cycle)], reason="probe", batch_size=batch)
         self.calls += 1
         return self.last

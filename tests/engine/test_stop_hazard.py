@@ -1,0 +1,96 @@
+"""Where rows emit their stop token (`StopHazard`): learnt by output position, shrunk towards the
+overall rate where a position has little evidence, aged by the tokens that replace it."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sidecar.engine.stop_hazard import EXACT_POSITIONS, StopHazard
+
+
+def rows_ending_at(end: int, rows: int, step: int = 3) -> list[list[tuple[int, int, bool]]]:
+    """Decode steps of `rows` rows that each emit `step` tokens a step and a stop token at output
+    position `end` (the last step emits up to it)."""
+    steps, start = [], 0
+    while start <= end:
+        n = min(step, end + 1 - start)
+        steps.append([(start, n, start + n - 1 == end)] * rows)
+        start += n
+    return steps
+
+
+def test_the_rate_is_learnt_where_rows_end() -> None:
+    hazard = StopHazard(halflife=256.0, prior_tokens=8.0, rate_prior=2.0)
+    for _ in range(20):
+        for step in rows_ending_at(20, rows=8):
+            hazard.observe_rows(step)
+    assert hazard.at(20) > 0.9  # every row that got to position 20 stopped there
+    assert hazard.at(5) < 0.01 and hazard.at(19) < 0.01  # none stopped before
+    assert 1 / 21 < hazard.rate() < 1.25 / 21  # the memoryless rate spreads it out (the stop tokens,
+    # emitted last in each generation, are the freshest evidence)
+    assert hazard.at(30) == pytest.approx(hazard.rate())  # never seen: the overall rate
+    assert hazard.survival(10, 5) > 0.95 and hazard.survival(18, 5) < 0.1
+    assert hazard.survival(7, 0) == 1.0
+
+
+def test_a_position_seen_little_leans_on_the_overall_rate() -> None:
+    hazard = StopHazard(halflife=1e12, prior_tokens=8.0, rate_prior=2.0)  # no ageing: exact counts
+    hazard.observe_rows([(0, 40, False)] * 10 + [(0, 10, True)])
+    rate = hazard.rate()
+    assert rate == pytest.approx(1 / (410 + 2))
+    # position 9: 11 tokens seen, one a stop token, against 8 tokens' worth of the overall rate
+    assert hazard.at(9) == pytest.approx((1 + 8 * rate) / (11 + 8))
+    assert hazard.observe_rows([]) is None and hazard.at(9) == pytest.approx((1 + 8 * hazard.rate()) / (11 + 8))
+
+
+def test_positions_past_the_exact_bins_share_growing_bins() -> None:
+    hazard = StopHazard(halflife=1e9, prior_tokens=1.0, rate_prior=1.0)
+    far = 10 * EXACT_POSITIONS
+    hazard.observe_rows([(far, 4, True)])  # positions far .. far + 3, a stop at the last
+    assert hazard.at(far) == hazard.at(far + 3)  # one bin (~1/8 of the position wide)
+    assert hazard.at(far) > hazard.at(EXACT_POSITIONS - 1)  # which holds the stop token
+    assert 0.0 < hazard.survival(far - 2, 6) < 1.0
+
+
+def test_a_bin_ages_by_the_tokens_that_replace_it() -> None:
+    """Evidence at one position is not aged by tokens emitted elsewhere: a length distribution
+    seen once is kept until rows come back to those positions (a per-token global decay had left
+    the positions where the RL workload's rows end ~1.5 generations of evidence)."""
+    hazard = StopHazard(halflife=16.0, prior_tokens=1.0, rate_prior=1.0)
+    hazard.observe_rows([(0, 6, True)] * 4)  # 4 rows stop at position 5
+    before = hazard.at(5)
+    hazard.observe_rows([(0, 5, False)] * 50)  # many tokens, none at position 5
+    assert hazard.at(5) > 0.7 * before
+    hazard.observe_rows([(5, 1, False)] * 64)  # rows now get past position 5
+    assert hazard.at(5) < 0.2 * before
+
+
+def test_bad_rows_are_refused() -> None:
+    hazard = StopHazard(halflife=16.0, prior_tokens=1.0, rate_prior=1.0)
+    for row in [(-1, 2, False), (0, -1, False), (3, 0, True)]:
+        with pytest.raises(ValueError, match="bad row"):
+            hazard.observe_rows([row])
+    with pytest.raises(ValueError, match="must be > 0"):
+        StopHazard(halflife=0.0, prior_tokens=1.0, rate_prior=1.0)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    lengths=st.lists(st.integers(min_value=1, max_value=3 * EXACT_POSITIONS), min_size=1, max_size=20),
+    seed=st.integers(0, 2**16),
+)
+def test_survival_multiplies_the_positions_hazards(lengths: list[int], seed: int) -> None:
+    """Oracle: P(no stop token over n positions) = the product of (1 - hazard) at each position."""
+    hazard = StopHazard(halflife=64.0, prior_tokens=4.0, rate_prior=2.0)
+    rng = random.Random(seed)
+    for end in lengths:
+        for step in rows_ending_at(end - 1, rows=1, step=rng.randint(1, 4)):
+            hazard.observe_rows(step)
+    start, n = rng.randint(0, 2 * EXACT_POSITIONS), rng.randint(1, 40)
+    oracle = math.prod(1.0 - hazard.at(p) for p in range(start, start + n))
+    assert hazard.survival(start, n) == pytest.approx(oracle, rel=1e-9, abs=1e-12)
