@@ -5,12 +5,13 @@ acceptance (BENCHMARKS.md, "Embedded engine": every static k from 1 to 7 lost 25
 >= 16 on a CPU, while k = 3 won 1.5x on the demo's 8-row batches). So k is a decision made per
 engine step, not a constant (DESIGN.md, "Speculation policy"):
 
-    choose k in {0..K} maximising   E[tokens per row | k] / (cost(B, k) * stragglers(B, k, r))
-    E[tokens per row | k] = 1 + sum_{i=1..k} (1 - h)^i prod_{j<=i} alpha_j
+    choose k in {0..K} maximising   E[tokens per row | k] / (cost(B, k) * stragglers(B, k, rows))
+    E[tokens per row | k] = mean over the rows of 1 + sum_{i=1..k} S_i prod_{j<=i} alpha_j
                             (alpha_j: acceptance of draft position j given all before it
-                            accepted; h: the rate of stop tokens, after which nothing is emitted)
+                            accepted; S_i: P(none of the step's first i tokens is a stop
+                            token) at the row's output position, after which nothing is emitted)
     cost(B, k) = verify(B, k + 1) + draft(B, k)                        (seconds, measured)
-    stragglers(B, k, r) = 1 + z_B' sigma_k / sqrt(r E[tokens | k])   (1 for k = 0; see below)
+    stragglers(B, k, rows) ~ 1 + z_B sigma_k / sqrt(r E[tokens | k])   (1 for k = 0; see below)
 
 - **Costs** are measured online by the engine (`observe_step`: seconds of the draft phase and of
   the whole decode step, per batch-size bucket and k); the estimate of each (bucket, width) is
@@ -33,13 +34,19 @@ engine step, not a constant (DESIGN.md, "Speculation policy"):
   a weight push (`on_weight_version`) multiplies the counts by `version_discount`: the old
   version's acceptance stays a prior worth about one engine step, the new version's rounds take over
   within ~4 engine steps of a push that changes acceptance (measured in BENCHMARKS.md,
-  "Adaptive speculation").
+  "Adaptive speculation"). Drafts verified after an accepted stop token are not evidence (the
+  row ended; the engine cuts each row's report at its end).
+- **Rows** (`RowState`, passed by the engine each step: output length and tokens left): a row's
+  stop tokens come where rows end by output position (`StopHazard`,
+  `AcceptanceEstimate.batch_tokens`). It matters where a batch runs until its last row: an RL
+  batch's answers end within a few tokens of each other (BENCHMARKS.md, "Adaptive speculation",
+  sixth session).
 - **Stragglers**: acceptance differs between rows, so rows of a batch that would finish
   together under plain decoding finish at different steps under speculation, and the batch runs
   until its slowest row is done. When no request waits for a finished row's place (the engine
   passes `tokens_left`, the most tokens a row may still emit), a k > 0 step is priced by the
   expected excess of the slowest row's steps (`straggler_factor`: a normal approximation of the
-  steps to emit r tokens, checked against a simulated batch in the tests). It is what made k = 1
+  steps to emit the rows' remaining tokens, checked against a simulated batch in the tests). It is what made k = 1
   lose 4-8% end to end at greedy batch 4 while it gained 4% per step, and it ends a batch on
   plain decoding when few tokens are left. With a queue (continuous batching) it is 1.
 - **Margin**: k > 0 is chosen only when it predicts at least `min_gain` more tokens per second
@@ -47,10 +54,11 @@ engine step, not a constant (DESIGN.md, "Speculation policy"):
   prefill of the prompt at admission and a catch-up refresh when drafting resumes are not in
   the per-step model. Plain wins the ties.
 - **Exploration**: plain decoding (k = 0) is measured first in every bucket (it is the baseline
-  of the guard); then every `probe_every` steps (the interval doubling up to `max_probe_every`
-  unless the last probe made its k the best: near a tie the best k flips between neighbours
-  without any probe's help, and resetting on every flip had made probes 15-24% of the steps
-  at batch 4-16) the controller runs the least recently measured of
+  of the guard); then every `probe_every` steps after the last probe's last step (the interval
+  doubling up to `max_probe_every` unless the last probe made its k the best by `min_gain`:
+  near a tie the best k flips between neighbours with or without a probe's help, and resetting
+  on every flip had made probes 15-24% of the steps at batch 4-16, ~27% of the RL workload's
+  batch-4 bucket) the controller runs the least recently measured of
   {best - 1, best + 1, 0, the best k > 0} for `min_cost_samples` steps in a row (the first of
   them after plain rounds is a catch-up, the others measure steady drafting; with a median of
   the last `cost_window` = 5 they replace what the last probe measured), so costs and acceptance
@@ -215,10 +223,6 @@ class RowState(NamedTuple):
 
     length: int
     """Tokens of output so far (where a stop token is likely: `StopHazard`)."""
-    drafted: int = 0
-    """Drafts the row has proposed at position 1 so far ..."""
-    accepted: int = 0
-    """... of which accepted (how well the draft predicts this row)."""
     left: int | None = None
     """Tokens the row may still emit (its length cap; None: the batch's `tokens_left`)."""
 
@@ -372,43 +376,29 @@ class AcceptanceEstimate:
         survive = 1.0 - self.end_rate()
         return [survive ** (j + 1) for j in range(upto)]
 
-    def row_prior_strength(self) -> float | None:
-        """Rounds at draft position 1 that the sidecar's acceptance is worth as the prior of one
-        row's: the Beta prior whose variance is the measured spread between rows
-        (`spread`: alpha (1 - alpha) / (strength + 1) = (spread x alpha)^2); None when rows are
-        not measured to differ (every row is the sidecar's average)."""
-        alpha, spread = self.rates()[0] if self.reached else 0.0, self.spread()
-        if spread <= 0 or not 0 < alpha < 1:
-            return None
-        return max(alpha * (1 - alpha) / (spread * alpha) ** 2 - 1, 1.0)
-
     def batch_tokens(self, rows: list[RowState] | None, upto: int) -> list[float]:
         """[E[tokens emitted per row per step] with k drafts, k = 0..upto], averaged over `rows`.
 
-        Each row's acceptance is the sidecar's scaled by what its own drafts at position 1 say
-        (posterior mean under `row_prior_strength`), and its stop tokens come where rows end by
-        output position (`StopHazard.at`). Why per row: in a batch that runs until its last row
-        ends, the rows left at the end are the ones the draft predicts worst (they need the most
-        steps), and the sidecar's average had predicted them 1.5-1.8 tokens per row and step
-        more than they emitted on the RL workload (BENCHMARKS.md, "Adaptive speculation", sixth
-        session). None: every row at the sidecar's average and the overall stop-token rate."""
+        Each row's stop tokens come where rows end by output position (`StopHazard.at`): the RL
+        workload's answers end within a few tokens of each other, and the memoryless rate had
+        predicted the rows near that end ~1.8 tokens per row and step more than they emitted
+        (BENCHMARKS.md, "Adaptive speculation", sixth session). (Scaling each row's acceptance by
+        its own record was tried and dropped: a row with a bad first few drafts was priced below
+        plain, drafted no more, and so never showed otherwise — greedy batch 1 ran 60% of its
+        steps at plain.) None: the overall stop-token rate at every position."""
         if rows is None:
             return [1.0] + [self.expected_tokens(k) for k in range(1, upto + 1)]
         alphas = self.rates()[:upto]
-        strength = self.row_prior_strength() if alphas else None
         hazard: dict[int, float] = {}
         total = [0.0] * (upto + 1)
         for row in rows:
-            scale = 1.0
-            if strength is not None:
-                scale = (row.accepted + strength * alphas[0]) / (row.drafted + strength) / alphas[0]
             reach = survive = tokens = 1.0
             total[0] += 1.0
             for j, alpha in enumerate(alphas):
                 position = row.length + j
                 if position not in hazard:
                     hazard[position] = self.stops.at(position)
-                reach *= min(alpha * scale, 1.0)
+                reach *= alpha
                 survive *= 1.0 - hazard[position]
                 tokens += reach * survive
                 total[j + 1] += tokens
@@ -474,10 +464,8 @@ class _Bucket:
         if self._trusted is None:
             n = self.min_samples
             self._trusted = (
-                nondecreasing(
-                    {w: v.median() for w, v in self.verify_samples.items() if len(v) >= (1 if w == 1 else n)}
-                ),
-                nondecreasing({k: v.median() for k, v in self.draft_samples.items() if len(v) >= n}),
+                {w: v.median() for w, v in self.verify_samples.items() if len(v) >= (1 if w == 1 else n)},
+                {k: v.median() for k, v in self.draft_samples.items() if len(v) >= n},
             )
         return self._trusted
 
@@ -509,26 +497,6 @@ class _Bucket:
         self.verify_samples.setdefault(width, _Samples(self.window)).add(verify_seconds)
         if draft_seconds is not None:
             self.draft_samples.setdefault(width - 1, _Samples(self.window)).add(draft_seconds)
-
-
-def nondecreasing(costs: dict[int, float]) -> dict[int, float]:
-    """The closest non-decreasing costs (least squares; pool adjacent violators): a wider verify
-    or a longer draft never costs less, so where the medians say so (a slow minute while one width
-    was measured: on the RL workload bucket 8's verify medians read 26.7 ms for width 6 and 24.1 ms
-    for width 7) each pooled block takes its mean, and the controller does not choose the longer
-    draft for a cost that is noise."""
-    blocks: list[list[float]] = []  # [sum, count] per pooled block, in width order
-    for w in sorted(costs):
-        blocks.append([costs[w], 1.0])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            total, count = blocks.pop()
-            blocks[-1][0] += total
-            blocks[-1][1] += count
-    out, widths = {}, iter(sorted(costs))
-    for total, count in blocks:
-        for _ in range(int(count)):
-            out[next(widths)] = total / count
-    return out
 
 
 def _interpolate(costs: dict[int, float], x: int) -> float:
@@ -844,8 +812,10 @@ class SpeculationPolicy:
         measured first. One not yet measured `min_cost_samples` times goes first, every
         `learn_every` steps (its cost is borrowed or interpolated, not its own). Otherwise a probe
         starts when the bucket's probe interval has passed since the last one: `probe_every`,
-        doubling up to `max_probe_every` while probes leave the best k alone; from a bucket at
-        plain, no later than `plain_probe_interval` of the k probed."""
+        doubling up to `max_probe_every` unless a probe made its k the best by `min_gain`; from a
+        bucket at plain, no later than `plain_probe_interval` of the k probed. Intervals count
+        from a probe's last step (bursts of 3 starting every 4 steps had left a bucket that
+        learns — a batch size seen a few steps per generation — one step in four its own)."""
         cfg = self.config
         challenger = max(range(1, cfg.max_k + 1), key=lambda k: (rates[k], -k))
         options = sorted({k for k in (best - 1, best + 1, 0, challenger) if 0 <= k <= cfg.max_k and k != best})

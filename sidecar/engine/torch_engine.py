@@ -626,8 +626,8 @@ class TorchEngine(Engine):
 
     @staticmethod
     def _row_state(s: _Sequence) -> RowState:
-        """What the controller knows of a row: output length, position-1 acceptance, tokens left."""
-        return RowState(len(s.output), *s.position_one(), left=s.params.max_new_tokens - len(s.output))
+        """What the controller knows of a row: its output length and the tokens it may still emit."""
+        return RowState(len(s.output), left=s.params.max_new_tokens - len(s.output))
 
     def _tokens_left(self, seqs: list[_Sequence]) -> int | None:
         """The most tokens a row may still emit, when no queued request waits for a finished

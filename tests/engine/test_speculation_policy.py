@@ -23,7 +23,6 @@ from sidecar.engine.speculation_policy import (
     SpeculationPolicyConfig,
     acceptance_spread,
     batch_bucket,
-    nondecreasing,
 )
 
 K = 5
@@ -702,33 +701,6 @@ def test_rows_where_sequences_end_draft_short_rows_far_from_it_long() -> None:
     assert memoryless is not None and max(range(K + 1), key=memoryless.__getitem__) == K
 
 
-def test_a_row_the_draft_predicts_badly_is_priced_by_its_own_acceptance() -> None:
-    """The rows left at the end of a batch are the ones that needed the most steps: those the
-    draft predicts worst. Each row's acceptance is the sidecar's scaled by its own drafts at
-    position 1, shrunk by the measured spread between rows (a Beta prior whose variance is
-    that spread); with no measured spread every row is the average."""
-    policy = SpeculationPolicy(exact_config())
-    feed_acceptance(policy, [0.8] * K)
-    alpha = policy.acceptance.rates()[0]
-    average = policy.acceptance.batch_tokens([RowState(10, 20, 4)], K)
-    assert policy.acceptance.row_prior_strength() is None  # no spread measured
-    assert average == pytest.approx([1.0] + [policy.acceptance.expected_tokens(k) for k in range(1, K + 1)])
-    for drafted, accepted in [(20, 19), (20, 10), (20, 17), (20, 12)] * 8:  # rows differ
-        policy.observe_finished_row(drafted, accepted)
-    spread = policy.acceptance.spread()
-    strength = policy.acceptance.row_prior_strength()
-    assert spread > 0.1 and strength == pytest.approx(alpha * (1 - alpha) / (spread * alpha) ** 2 - 1)
-    poor, good = RowState(10, 20, 4), RowState(10, 20, 19)
-    scale = (4 + strength * alpha) / (20 + strength) / alpha
-    assert policy.acceptance.batch_tokens([poor], K)[3] == pytest.approx(policy.acceptance.expected_tokens(3, scale))
-    assert policy.acceptance.batch_tokens([poor], K)[3] < average[3] < policy.acceptance.batch_tokens([good], K)[3]
-    both = policy.acceptance.batch_tokens([poor, good], K)
-    assert both == pytest.approx(
-        [(p + g) / 2 for p, g in zip(*(policy.acceptance.batch_tokens([r], K) for r in (poor, good)), strict=True)]
-    )
-    assert policy.acceptance.batch_tokens([RowState(10)], K) == pytest.approx(average)  # no drafts yet: the prior
-
-
 def test_a_bucket_learning_its_costs_decides_by_its_model_between_probes() -> None:
     """A batch size seen a few steps per generation (the end of an RL batch, as rows finish) learns
     its options' costs with probes of `min_cost_samples` steps in a row; `learn_every` steps of its
@@ -751,45 +723,6 @@ def test_a_bucket_learning_its_costs_decides_by_its_model_between_probes() -> No
     # (plain's first step aside) a burst starts learn_every steps after the last one's last step
     assert all(b - a >= 3 + 4 - 1 for a, b in itertools.pairwise(starts[1:]))
     assert len(probes) <= 1 + 3 * len(starts)
-
-
-@settings(max_examples=50, deadline=None)
-@given(st.dictionaries(st.integers(1, 8), st.floats(0.001, 0.1), min_size=1, max_size=8))
-def test_costs_are_fitted_non_decreasing_in_the_width(costs: dict[int, float]) -> None:
-    """Oracle: the least-squares non-decreasing fit (brute force over the pooled blocks' means is
-    what PAVA finds; checked here by its defining properties): non-decreasing, the same total,
-    and unchanged where the medians already were."""
-    fitted = nondecreasing(costs)
-    widths = sorted(costs)
-    assert sorted(fitted) == widths
-    assert all(fitted[a] <= fitted[b] + 1e-15 for a, b in itertools.pairwise(widths))
-    assert sum(fitted.values()) == pytest.approx(sum(costs.values()))
-    if all(costs[a] <= costs[b] for a, b in itertools.pairwise(widths)):
-        assert fitted == pytest.approx(costs)
-    # a pooled block's value is its members' mean, and no better non-decreasing fit exists
-    # among fits that pool one more adjacent pair
-    error = sum((fitted[w] - costs[w]) ** 2 for w in widths)
-    for i in range(len(widths) - 1):
-        merged = dict(fitted)
-        pair = widths[i : i + 2]
-        mean = sum(costs[w] for w in pair) / 2
-        if all(fitted[w] == fitted[pair[0]] for w in pair):
-            continue
-        for w in pair:
-            merged[w] = mean
-        if all(merged[a] <= merged[b] for a, b in itertools.pairwise(widths)):
-            assert sum((merged[w] - costs[w]) ** 2 for w in widths) >= error - 1e-15
-
-
-def test_a_wider_step_measured_cheaper_than_a_narrower_one_is_not_chosen_for_it() -> None:
-    """Bucket medians that say a longer draft costs less than a shorter one are noise (a slow
-    minute while the shorter one was measured): the fitted costs pool them, so the controller
-    does not pick k = 5 over k = 4 for a cost the hardware cannot have."""
-    policy = SpeculationPolicy(exact_config())
-    feed_acceptance(policy, [0.8, 0.8, 0.8, 0.8, 0.3])
-    feed_costs(policy, 8, verify=[0.010, 0.0125, 0.014, 0.0155, 0.020, 0.0165], draft=0.0005)
-    assert policy.predicted_seconds(8, 4) == pytest.approx(policy.predicted_seconds(8, 5) - 0.0005)
-    assert policy.decide(8).k == 3  # raw medians: k = 5's 0.0165 + 0.0025 beats k = 3 and k = 4
 
 
 def test_a_probe_that_wins_a_near_tie_does_not_reset_the_probe_interval() -> None:
