@@ -82,6 +82,18 @@ class RecordingPolicy(SwitchingPolicy):
         super().observe_acceptance(drafted, accepted)
 
 
+def run_to_stop(model: Qwen3WithMTP, cycle: list[int], stop: int) -> RecordingPolicy:
+    """PROMPTS[0] greedily under scripted k, up to 12 tokens or `stop`; the policy's record."""
+    policy = RecordingPolicy(cycle)
+    engine = TorchEngine(model, speculation_k=3)
+    engine.set_speculation_policy(policy)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=[stop])
+    engine.submit(GenerationRequest(prompts=[PROMPTS[0]], sampling=sp, request_id="r"))
+    while engine.has_work():
+        engine.step()
+    return policy
+
+
 def test_the_engine_reports_catch_up_steps_and_stop_tokens(aligned_model) -> None:
     """A drafting step after plain rounds refreshes the skipped positions too: the engine says so
     (its draft phase is not steady drafting's cost); a sequence that emits its stop token counts
@@ -98,14 +110,7 @@ def test_the_engine_reports_catch_up_steps_and_stop_tokens(aligned_model) -> Non
     assert flags[:8] == [(3, False), (3, False), (0, False), (0, False), (3, True), (3, False), (0, False), (1, True)]
     assert sum(st["tokens"] for st in policy.steps) == 40 - 1  # the first token comes from the prefill
     assert all(st["ended"] == 0 for st in policy.steps)  # finished on the length cap
-    stop = expected[4]
-    policy = RecordingPolicy([2])
-    engine = TorchEngine(aligned_model, speculation_k=3)
-    engine.set_speculation_policy(policy)
-    sp = SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=[stop])
-    engine.submit(GenerationRequest(prompts=[PROMPTS[0]], sampling=sp, request_id="r"))
-    while engine.has_work():
-        engine.step()
+    policy = run_to_stop(aligned_model, [2], stop=expected[4])
     assert [st["ended"] for st in policy.steps][-1] == 1 and sum(st["ended"] for st in policy.steps) == 1
 
 
@@ -117,13 +122,7 @@ def test_drafts_after_an_accepted_stop_token_are_not_acceptance_evidence(aligned
     end."""
     expected = naive_greedy(aligned_model, PROMPTS[0], 12)
     stop = expected[2]  # the first step's second draft: the aligned draft proposes it, and one more
-    policy = RecordingPolicy([3])
-    engine = TorchEngine(aligned_model, speculation_k=3)
-    engine.set_speculation_policy(policy)
-    sp = SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=[stop])
-    engine.submit(GenerationRequest(prompts=[PROMPTS[0]], sampling=sp, request_id="r"))
-    while engine.has_work():
-        engine.step()
+    policy = run_to_stop(aligned_model, [3], stop=stop)
     end = expected.index(stop)
     assert end in (1, 2) and policy.steps[-1]["rows"][-1][2]
     assert sum(n for st in policy.steps for _, n, _ in st["rows"]) == end  # the prefill emitted token 0

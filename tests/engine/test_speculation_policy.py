@@ -57,6 +57,23 @@ def feed_costs(policy: SpeculationPolicy, batch: int, verify: list[float], draft
             )
 
 
+def drive(policy: SpeculationPolicy, batch: int, verify: list[float], draft: float, steps: int) -> list:
+    """`steps` decisions at `batch`, each observed at its true cost (verify[k] + k * draft)."""
+    decisions = []
+    for _ in range(steps):
+        d = policy.decide(batch)
+        decisions.append(d)
+        policy.observe_step(
+            batch=batch,
+            k=d.k,
+            draft_seconds=draft * d.k,
+            step_seconds=verify[d.k] + draft * d.k,
+            tokens=batch,
+            chosen=False,
+        )
+    return decisions
+
+
 def oracle_best(
     alphas: list[float], verify: list[float], draft: float, min_gain: float = MARGIN
 ) -> tuple[int, list[float]]:
@@ -193,13 +210,7 @@ def test_a_bucket_at_plain_re_measures_the_best_draft_length_not_only_k_1() -> N
     feed_acceptance(policy, [0.5, 0.7, 0.95, 0.3, 0.3])
     feed_costs(policy, 1, verify=[0.010, 0.016, 0.019, 0.022, 0.030, 0.035], draft=0.0005)
     assert policy.decide(1).k == 0
-    true_verify = {0: 0.010, 1: 0.016, 2: 0.019, 3: 0.019, 4: 0.030, 5: 0.035}
-    decisions = []
-    for _ in range(80):
-        d = policy.decide(1)
-        decisions.append(d)
-        t = true_verify[d.k] + 0.0005 * d.k
-        policy.observe_step(batch=1, k=d.k, draft_seconds=0.0005 * d.k, step_seconds=t, tokens=1, chosen=False)
+    decisions = drive(policy, 1, [0.010, 0.016, 0.019, 0.019, 0.030, 0.035], draft=0.0005, steps=80)
     assert any(d.k == 3 and d.reason == "probe" for d in decisions)
     assert [d.k for d in decisions[-10:] if d.reason == "model"] == [3] * len(
         [d for d in decisions[-10:] if d.reason == "model"]
@@ -738,12 +749,7 @@ def test_a_probe_that_wins_a_near_tie_does_not_reset_the_probe_interval() -> Non
     fed[3] *= 1.015  # k = 3 was measured a little slow: k = 4 leads by ~0.7%; k = 3 truly does
     feed_costs(policy, 8, verify=fed, draft=0.0005)
     assert policy.decide(8).k == 4
-    decisions = []
-    for _ in range(200):
-        d = policy.decide(8)
-        decisions.append(d)
-        t = true_verify[d.k] + 0.0005 * d.k
-        policy.observe_step(batch=8, k=d.k, draft_seconds=0.0005 * d.k, step_seconds=t, tokens=8, chosen=False)
+    decisions = drive(policy, 8, true_verify, draft=0.0005, steps=200)
     probes = [i for i, d in enumerate(decisions) if d.reason == "probe"]
     starts = [i for i in probes if i - 1 not in probes]
     won = next(i for i in starts if decisions[i].k == 3)
