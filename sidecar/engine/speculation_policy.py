@@ -635,6 +635,7 @@ class SpeculationPolicy:
         tokens_left: int | None,
         spread: float | None = None,
         rows: list[RowState] | None = None,
+        remaining: tuple[float, float] | None = None,
     ) -> float:
         """Expected time to finish the batch with k drafts over (its steps x its step cost).
 
@@ -660,34 +661,35 @@ class SpeculationPolicy:
         tokens away under plain decoding and m (1 + cv_mu^2) + z_B sqrt(s^2 + m sigma^2 / mu +
         cv_mu^2 m^2) under speculation (mu, sigma^2 of a running row: no stop truncation), and the
         factor is their ratio. Rows that all reach the cap (s = 0) get the formula above; rows
-        whose ends scatter widely (large s) make speculation's noise small beside it; rows that
-        end by stop tokens within a token of each other (the RL workload's answers) count as
-        together as rows at the cap. (Before this, only rows expected to reach the cap counted, B
-        (1 - h)^r with the overall stop-token rate h: on the RL workload that was 1 row, no price,
-        and automatic mode chose k = 6 where its longer tail cost more than the batch's steps
-        gained; without `rows` it still does.) 1 at batch 1, for k = 0, and with `tokens_left`
+        whose ends scatter widely (large s) make speculation's noise small beside it. Rows that
+        end by stop tokens at one position should be priced like rows at the cap, but are not
+        yet: `StopHazard`'s prior keeps a few % of rows going past that position at the overall
+        rate up to the cap, a rare long tail whose variance swamps s, and the price comes out
+        8-23% short of a simulated batch — about what the overall rate alone gives (without
+        `rows`: B (1 - h)^r rows expected to reach the cap, ~1 on the RL workload). 1 at batch 1, for k = 0, and with `tokens_left`
         None (rows that finish early are replaced from the queue: throughput, not the batch's
-        end, is what counts)."""
+        end, is what counts). `remaining`: `_remaining_tokens(rows, tokens_left)` if the caller
+        has it (the same for every k)."""
         if k == 0 or batch < 2 or tokens_left is None:
             return 1.0
         acceptance = self.acceptance
         if spread is None:
             spread = acceptance.spread()
-        running = None if rows is None else [1.0] * k  # with rows, R counts up to the stop token
+        running = [1.0] * k if rows else None  # with rows, R counts up to the stop token
         mu = acceptance.expected_tokens(k, survival=running)
         between = 0.0  # cv_mu^2: the rows' tokens per step vary by cv_mu between rows
         if spread > 0:
             hi = acceptance.expected_tokens(k, scale=1.0 + spread, survival=running)
             lo = acceptance.expected_tokens(k, scale=max(1.0 - spread, 0.0), survival=running)
             between = ((hi - lo) / (2 * mu)) ** 2
-        if rows is None:
+        if not rows:
             r = max(tokens_left, 1)
             together = max(1, round(batch * (1.0 - acceptance.end_rate()) ** r))
             variance = acceptance.token_variance(k) / (r * mu)
             # a row's steps r / mu_row average r / mu x (1 + cv_mu^2) (1/x is convex), and the
             # slowest of `together` rows adds z_B standard deviations
             return 1.0 + between + expected_max_of_normals(together) * math.sqrt(variance + between)
-        m, s2 = self._remaining_tokens(rows, tokens_left)
+        m, s2 = remaining if remaining is not None else self._remaining_tokens(rows, tokens_left)
         z = expected_max_of_normals(len(rows))
         plain = m + z * math.sqrt(s2)
         spec = m * (1.0 + between) + z * math.sqrt(s2 + m * acceptance.token_variance(k) / mu + between * m * m)
@@ -714,12 +716,13 @@ class SpeculationPolicy:
         `AcceptanceEstimate.batch_tokens`); None: every row at the sidecar's average."""
         out = []
         tokens = self.acceptance.batch_tokens(rows, self.config.max_k)
+        remaining = self._remaining_tokens(rows, tokens_left) if rows and tokens_left is not None else None
         for k in range(self.config.max_k + 1):
             drafts = k if tokens_left is None else min(k, max(tokens_left - 1, 0))
             seconds = self.predicted_seconds(batch, drafts)
             if seconds is None:
                 return None
-            factor = self.straggler_factor(batch, drafts, tokens_left, rows=rows)
+            factor = self.straggler_factor(batch, drafts, tokens_left, rows=rows, remaining=remaining)
             out.append(tokens[drafts] / (seconds * factor))
         return out
 

@@ -18,7 +18,6 @@ growing by 1/8), shrunk towards the overall rate where a bin has little evidence
 from __future__ import annotations
 
 import bisect
-import math
 
 REMAINING_REFRESH = 16
 """Observations (decode steps) for which `StopHazard.remaining`'s table per length cap is kept."""
@@ -54,7 +53,6 @@ class StopHazard:
         """Tokens emitted (discounted; ages by emitted tokens, like the acceptance evidence)."""
         self.ended = 0.0
         """... of which ended their sequence (a stop token, not the length cap)."""
-        self._cumulative: list[float] | None = None  # log-survival at each bin start, until the next observation
         self._observations = 0
         self._remaining: dict[int, tuple[int, int, list[float], list[float]]] = {}
         """cap -> (observations when built, lowest position, means, second moments) (`remaining`)."""
@@ -74,7 +72,6 @@ class StopHazard:
         age = self._decay**emitted
         self.emitted = self.emitted * age + emitted
         self.ended = self.ended * age + ended
-        self._cumulative = None
         self._observations += 1
 
     def observe_rows(self, rows: list[tuple[int, int, bool]]) -> None:
@@ -100,25 +97,6 @@ class StopHazard:
         rate, shrunk towards the overall rate by `prior_tokens`."""
         i = self._bin(position)
         return (self._ended[i] + self.prior_tokens * self.rate()) / (self._emitted[i] + self.prior_tokens)
-
-    def _log_survival_to(self, position: int) -> float:
-        """log P(no stop token at output positions 0 .. position - 1)."""
-        self._bin(position)  # grows the bins to cover it
-        if self._cumulative is None or len(self._cumulative) != len(self._starts):
-            out, total = [0.0], 0.0
-            for i in range(len(self._starts) - 1):
-                total += (self._starts[i + 1] - self._starts[i]) * math.log1p(-min(self.at(self._starts[i]), 1 - 1e-9))
-                out.append(total)
-            self._cumulative = out
-        i = bisect.bisect_right(self._starts, position) - 1
-        start = self._starts[i]
-        return self._cumulative[i] + (position - start) * math.log1p(-min(self.at(start), 1 - 1e-9))
-
-    def survival(self, position: int, tokens: int) -> float:
-        """P(a row at output length `position` emits `tokens` more tokens without a stop token)."""
-        if tokens <= 0:
-            return 1.0
-        return math.exp(self._log_survival_to(position + tokens) - self._log_survival_to(position))
 
     def remaining(self, position: int, left: int) -> tuple[float, float]:
         """(mean, variance) of the tokens a row at output `position` still emits, its stop token

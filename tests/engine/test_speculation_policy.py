@@ -412,11 +412,28 @@ def test_batch_buckets_are_narrow_and_monotonic() -> None:
         ({"max_k": 3, "probe_every": 0}, "probe_every"),
         ({"max_k": 3, "learn_every": 0}, "learn_every"),
         ({"max_k": 3, "refuse_every": 0}, "refuse_every"),
+        ({"max_k": 3, "stop_prior_tokens": 0.0}, "stop_prior_tokens"),
     ],
 )
 def test_bad_config_names_the_field(kw, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SpeculationPolicyConfig(**kw)
+
+
+def test_per_row_ends_that_do_not_add_up_are_refused_and_change_nothing() -> None:
+    """The engine reports a step's tokens and stop tokens twice (totals and per row): when they
+    disagree the step is refused before any estimate moves."""
+    policy = SpeculationPolicy(exact_config())
+    policy.observe_step(batch=2, k=0, draft_seconds=0.0, step_seconds=0.01, tokens=2, rows=[(0, 1, False)] * 2)
+    before = (policy.acceptance.stops.emitted, policy.acceptance.stops.at(3), policy._bucket(2).measured(0))
+    for tokens, ended, rows in [(3, 0, [(1, 1, False)] * 2), (2, 0, [(1, 1, True), (1, 1, False)])]:
+        with pytest.raises(ValueError, match="do not add up"):
+            policy.observe_step(
+                batch=2, k=0, draft_seconds=0.0, step_seconds=0.01, tokens=tokens, ended=ended, rows=rows
+            )
+    with pytest.raises(ValueError, match="bad row"):
+        policy.observe_step(batch=1, k=0, draft_seconds=0.0, step_seconds=0.01, tokens=0, ended=1, rows=[(3, 0, True)])
+    assert (policy.acceptance.stops.emitted, policy.acceptance.stops.at(3), policy._bucket(2).measured(0)) == before
 
 
 def test_a_new_batch_size_borrows_the_nearest_measured_relative_costs() -> None:
@@ -757,3 +774,47 @@ def test_a_probe_that_wins_a_near_tie_does_not_reset_the_probe_interval() -> Non
     gaps = [b - a for a, b in itertools.pairwise(starts)]
     assert gaps == sorted(gaps)  # ... and the interval still doubled: 4, 8, 16, ... (+ a burst)
     assert gaps[-1] == 64 + 2
+
+
+def learn_ends(policy: SpeculationPolicy, end: int, rows: int = 8, generations: int = 40) -> None:
+    """Rows that emit 2 tokens a step and their stop token at output position `end`."""
+    for _ in range(generations):
+        for start in range(0, end + 1, 2):
+            n = min(2, end + 1 - start)
+            stopped = start + n - 1 == end
+            policy.observe_step(
+                batch=rows,
+                k=1,
+                draft_seconds=0.0,
+                step_seconds=0.0,
+                tokens=rows * n,
+                ended=rows * stopped,
+                rows=[(start, n, stopped)] * rows,
+            )
+
+
+@settings(max_examples=10, deadline=None)
+@given(alpha=st.floats(0.3, 0.85), k=st.integers(1, 4), batch=st.sampled_from([2, 4, 16]), left=st.integers(8, 64))
+def test_rows_that_all_reach_the_cap_get_the_cap_price(alpha: float, k: int, batch: int, left: int) -> None:
+    """With no stop token ever seen, every row emits exactly its tokens left: the price with the
+    rows' lengths is the length-cap formula (checked against simulated batches above), whatever
+    the rows' positions."""
+    policy = SpeculationPolicy(exact_config())
+    feed_acceptance(policy, [alpha] * K)
+    policy.observe_step(
+        batch=batch, k=1, draft_seconds=0.0, step_seconds=0.0, tokens=batch, rows=[(0, 1, False)] * batch
+    )
+    rows = [RowState(length=5 + i, left=left) for i in range(batch)]
+    assert policy._remaining_tokens(rows, left) == (left, 0.0)
+    assert policy.straggler_factor(batch, k, left, rows=rows) == pytest.approx(policy.straggler_factor(batch, k, left))
+
+
+def test_rows_whose_ends_scatter_pay_little_for_stragglers() -> None:
+    """Where plain decoding's rows already end far apart (ends spread over many positions), the
+    slowest row under speculation adds little beside that spread: the price nears 1."""
+    policy = SpeculationPolicy(exact_config())
+    feed_acceptance(policy, [0.6] * K)
+    for end in range(10, 200, 7):
+        learn_ends(policy, end=end, rows=1, generations=3)
+    rows = [RowState(length=10, left=300)] * 8
+    assert 1.0 < policy.straggler_factor(8, 3, 300, rows=rows) < 1.05 < policy.straggler_factor(8, 3, 50)

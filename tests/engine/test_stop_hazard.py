@@ -3,7 +3,6 @@ overall rate where a position has little evidence, aged by the tokens that repla
 
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
@@ -34,8 +33,10 @@ def test_the_rate_is_learnt_where_rows_end() -> None:
     assert 1 / 21 < hazard.rate() < 1.25 / 21  # the memoryless rate spreads it out (the stop tokens,
     # emitted last in each generation, are the freshest evidence)
     assert hazard.at(30) == pytest.approx(hazard.rate())  # never seen: the overall rate
-    assert hazard.survival(10, 5) > 0.95 and hazard.survival(18, 5) < 0.1
-    assert hazard.survival(7, 0) == 1.0
+    mean, _ = hazard.remaining(10, 30)  # positions 10 .. 20, the stop token included
+    assert 11 <= mean < 12  # (at(20) < 1: the prior's ~5% go on past 20, at the overall rate)
+    assert hazard.remaining(22, 30)[0] > 10  # past the end nothing was seen: the overall rate
+    assert hazard.remaining(7, 0) == (0.0, 0.0)
 
 
 def test_a_position_seen_little_leans_on_the_overall_rate() -> None:
@@ -54,7 +55,7 @@ def test_positions_past_the_exact_bins_share_growing_bins() -> None:
     hazard.observe_rows([(far, 4, True)])  # positions far .. far + 3, a stop at the last
     assert hazard.at(far) == hazard.at(far + 3)  # one bin (~1/8 of the position wide)
     assert hazard.at(far) > hazard.at(EXACT_POSITIONS - 1)  # which holds the stop token
-    assert 0.0 < hazard.survival(far - 2, 6) < 1.0
+    assert hazard.remaining(far - 2, 6)[0] < 6  # some rows stop before the cap
 
 
 def test_a_bin_ages_by_the_tokens_that_replace_it() -> None:
@@ -84,13 +85,22 @@ def test_bad_rows_are_refused() -> None:
     lengths=st.lists(st.integers(min_value=1, max_value=3 * EXACT_POSITIONS), min_size=1, max_size=20),
     seed=st.integers(0, 2**16),
 )
-def test_survival_multiplies_the_positions_hazards(lengths: list[int], seed: int) -> None:
-    """Oracle: P(no stop token over n positions) = the product of (1 - hazard) at each position."""
+def test_remaining_tokens_follow_the_hazards(lengths: list[int], seed: int) -> None:
+    """Oracle: the distribution of R = the tokens a row at `start` still emits, at most `left`,
+    enumerated forwards from the per-position hazards (P(R = j) = P(no stop before the j-th
+    token) x h at it, the cap taking what is left), against `remaining`'s backward recursion."""
     hazard = StopHazard(halflife=64.0, prior_tokens=4.0, rate_prior=2.0)
     rng = random.Random(seed)
     for end in lengths:
         for step in rows_ending_at(end - 1, rows=1, step=rng.randint(1, 4)):
             hazard.observe_rows(step)
-    start, n = rng.randint(0, 2 * EXACT_POSITIONS), rng.randint(1, 40)
-    oracle = math.prod(1.0 - hazard.at(p) for p in range(start, start + n))
-    assert hazard.survival(start, n) == pytest.approx(oracle, rel=1e-9, abs=1e-12)
+    start, left = rng.randint(0, 2 * EXACT_POSITIONS), rng.randint(1, 40)
+    alive, mean, second = 1.0, 0.0, 0.0
+    for j in range(1, left + 1):
+        h = hazard.at(start + j - 1) if j < left else 1.0  # the cap ends the row at its last token
+        mean += j * alive * h
+        second += j * j * alive * h
+        alive *= 1.0 - h
+    got_mean, got_variance = hazard.remaining(start, left)
+    assert got_mean == pytest.approx(mean, rel=1e-9)
+    assert got_variance == pytest.approx(second - mean * mean, rel=1e-6, abs=1e-9)
