@@ -424,15 +424,20 @@ class SidecarClient:
                 sender_failure.append(e)
                 raise
 
+        drawn = _StoppableRequests(requests())
         try:
-            msg = self._push(requests(), timeout=timeout_s or self.config.push_timeout_s, metadata=self._metadata)
+            msg = self._push(drawn, timeout=timeout_s or self.config.push_timeout_s, metadata=self._metadata)
         except grpc.RpcError as e:
             error = self._error("PushWeights", e)
-            if plane is not None and (
+            dropped = plane is not None and (
                 isinstance(plane, CollectiveSender)  # a failed broadcast sequence leaves the group out of step
                 or error.code == grpc.StatusCode.UNAVAILABLE  # the plane (or the sidecar) is gone: negotiate again
                 or any(isinstance(f, TransportUnavailableError) for f in sender_failure)
-            ):
+            )
+            # gRPC draws requests on its own thread, which may be placing a tensor as the call
+            # ends: a plane kept for the next push must not be written once this one returns.
+            drawn.stop(wait=plane is not None and not dropped)
+            if dropped:
                 self.data_plane.drop(str(sender_failure[0]) if sender_failure else error.details)
             if sender_failure:
                 failure = sender_failure[0]
@@ -455,6 +460,33 @@ class SidecarClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _StoppableRequests:
+    """A push's requests as gRPC draws them (on its own thread), which the caller can stop:
+    after `stop` nothing more is drawn, and with `wait` the draw in progress, if any, has
+    finished (a tensor being written into a data plane that the next push reuses)."""
+
+    def __init__(self, requests: Iterator[bytes]) -> None:
+        self._requests = requests
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    def __iter__(self) -> _StoppableRequests:
+        return self
+
+    def __next__(self) -> bytes:
+        with self._lock:
+            if self._stopped:
+                raise StopIteration
+            return next(self._requests)
+
+    def stop(self, *, wait: bool) -> None:
+        if wait:
+            with self._lock:
+                self._stopped = True
+        else:  # a draw that may block (a broadcast to a peer that left, a caller's queue) is abandoned
+            self._stopped = True
 
 
 def _in_order(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -307,6 +308,35 @@ def test_a_damaged_shm_push_leaves_the_old_weights_serving(sidecar: Sidecar, fau
         assert any(m in err.value.details for m in ((message,) if isinstance(message, str) else message))
         assert err.value.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAVAILABLE)
         assert c.info().weight_version == version and served(c) == before
+
+
+def test_a_refused_push_places_nothing_in_the_region_after_it_returns(sidecar: Sidecar) -> None:
+    """gRPC draws a push's items on its own thread, so a tensor may be being placed in the
+    region when the sidecar refuses the push. That draw finishes, and nothing more is drawn,
+    before push_items returns: the next push reuses the region (CI once saw a full push that
+    followed a refused delta fail its CRC-32 check, the region rewritten under it)."""
+    receiver = sidecar.weights._receiver
+    drawn_at: list[float] = []
+
+    def slow(items: Iterator[PushItem]) -> Iterator[PushItem]:
+        for i, item in enumerate(items):
+            if i:  # the manifest goes at once, and the sidecar refuses it while the next item is placed
+                time.sleep(0.3)
+                drawn_at.append(time.monotonic())
+            yield item
+
+    with client(sidecar.address, TransportConfig()) as c:
+        version = c.info().weight_version
+        assert c.push_weights(weights(5), version=version + 1).transport is WeightTransport.SHM
+        plane = c.data_plane.sender
+        with receiver.claim(), pytest.raises(SidecarCallError) as err:  # another push is being received
+            c.push_items(slow(iter_push_requests(weights(6), version + 2, data_plane=plane)), plane=plane)
+        returned = time.monotonic()
+        assert err.value.code == grpc.StatusCode.ABORTED
+        time.sleep(0.6)
+        assert len(drawn_at) == 1 and drawn_at[0] <= returned
+        assert c.push_weights(weights(6), version=version + 2).transport is WeightTransport.SHM
+        assert_serves(c, version + 2, 6)
 
 
 @pytest.mark.parametrize(
