@@ -422,6 +422,23 @@ class AcceptanceEstimate:
             survival = self.survival(k)
         return 1.0 + sum(p * s for p, s in zip(self._reach(k, scale), survival, strict=False))
 
+    def tokens_by_k(self, upto: int, scale: float = 1.0, survival: list[float] | None = None) -> list[float]:
+        """[`expected_tokens`(k, scale, survival) for k = 0..upto], in one pass."""
+        if survival is None:
+            survival = self.survival(upto)
+        out = [1.0]
+        for p, s in zip(self._reach(upto, scale), survival, strict=False):
+            out.append(out[-1] + p * s)
+        return out + [out[-1]] * (upto + 1 - len(out))
+
+    def variances_by_k(self, upto: int) -> list[float]:
+        """[`token_variance`(k) for k = 0..upto], in one pass."""
+        out, mean, second = [0.0], 0.0, 0.0
+        for i, p in enumerate(self._reach(upto)):
+            mean, second = mean + p, second + (2 * i + 1) * p
+            out.append(max(second - mean * mean, 0.0))
+        return out + [out[-1]] * (upto + 1 - len(out))
+
     def token_variance(self, k: int) -> float:
         """Var[tokens per row per step] with k drafts (the number accepted, A = sum_i I_i with
         nested indicators: E[A^2] = sum_i (2i - 1) P(A >= i))."""
@@ -569,6 +586,8 @@ class SpeculationPolicy:
             k=0, reason="off" if not config.max_k else "probe", batch_size=0, detail="no decode step yet"
         )
         self._pending_reason = ""
+        self._priced: list[tuple[float, float, float]] = []
+        """(tokens per row, step seconds, straggler factor) per k of the last `expected_rates`."""
 
     # ---- predictions ------------------------------------------------------------------------
     def _bucket(self, batch: int) -> _Bucket:
@@ -579,6 +598,11 @@ class SpeculationPolicy:
 
     def predicted_seconds(self, batch: int, k: int) -> float | None:
         """Predicted seconds of one decode step with k drafts at this batch (None before plain is measured)."""
+        seconds = self.predicted_steps(batch, [k])
+        return None if seconds is None else seconds[0]
+
+    def predicted_steps(self, batch: int, ks: list[int]) -> list[float] | None:
+        """`predicted_seconds` of each k of `ks`, the bucket's costs looked up once."""
         b = self._bucket(batch)
         verify_costs = b.verify
         plain = verify_costs.get(1)
@@ -588,16 +612,21 @@ class SpeculationPolicy:
         own_draft = b.draft
         if near is None and len(verify_costs) < 2:  # no trusted k > 0 anywhere: own few measurements, not priors
             verify_costs, own_draft = b.untrusted()
-        verify = self._verify_seconds(verify_costs, k + 1, plain, near.verify if near is not None else None)
-        if k == 0:
-            return verify
-        if own_draft:  # the draft phase of k, from the measured k (a draft of 0 tokens costs nothing)
-            draft = _interpolate({0: 0.0, **own_draft}, k)
-        elif near is not None and near.draft:  # the same share of a plain step as at the nearest batch
-            draft = _interpolate({0: 0.0, **near.draft}, k) / near.verify[1] * plain
-        else:
-            draft = k * self.config.prior_draft_cost * plain
-        return (verify + draft) * self.config.cost_bias
+        near_verify = near.verify if near is not None else None
+        out = []
+        for k in ks:
+            verify = self._verify_seconds(verify_costs, k + 1, plain, near_verify)
+            if k == 0:
+                out.append(verify)
+                continue
+            if own_draft:  # the draft phase of k, from the measured k (a draft of 0 tokens costs nothing)
+                draft = _interpolate({0: 0.0, **own_draft}, k)
+            elif near is not None and near.draft:  # the same share of a plain step as at the nearest batch
+                draft = _interpolate({0: 0.0, **near.draft}, k) / near.verify[1] * plain
+            else:
+                draft = k * self.config.prior_draft_cost * plain
+            out.append((verify + draft) * self.config.cost_bias)
+        return out
 
     def _nearest_measured(self, batch: int) -> _Bucket | None:
         """The nearest other bucket with plain and some k > 0 measured (its relative costs are the
@@ -635,7 +664,6 @@ class SpeculationPolicy:
         tokens_left: int | None,
         spread: float | None = None,
         rows: list[RowState] | None = None,
-        remaining: tuple[float, float] | None = None,
     ) -> float:
         """Expected time to finish the batch with k drafts over (its steps x its step cost).
 
@@ -668,32 +696,52 @@ class SpeculationPolicy:
         8-23% short of a simulated batch — about what the overall rate alone gives (without
         `rows`: B (1 - h)^r rows expected to reach the cap, ~1 on the RL workload). 1 at batch 1, for k = 0, and with `tokens_left`
         None (rows that finish early are replaced from the queue: throughput, not the batch's
-        end, is what counts). `remaining`: `_remaining_tokens(rows, tokens_left)` if the caller
-        has it (the same for every k)."""
-        if k == 0 or batch < 2 or tokens_left is None:
-            return 1.0
+        end, is what counts)."""
+        return self.straggler_factors(batch, [k], tokens_left, spread, rows)[0]
+
+    def straggler_factors(
+        self,
+        batch: int,
+        ks: list[int],
+        tokens_left: int | None,
+        spread: float | None = None,
+        rows: list[RowState] | None = None,
+    ) -> list[float]:
+        """`straggler_factor` for each k of `ks`, the per-k moments and the rows' remaining
+        tokens computed once for all of them (this runs every decode step)."""
+        if batch < 2 or tokens_left is None or not any(ks):
+            return [1.0] * len(ks)
         acceptance = self.acceptance
         if spread is None:
             spread = acceptance.spread()
-        running = [1.0] * k if rows else None  # with rows, R counts up to the stop token
-        mu = acceptance.expected_tokens(k, survival=running)
-        between = 0.0  # cv_mu^2: the rows' tokens per step vary by cv_mu between rows
-        if spread > 0:
-            hi = acceptance.expected_tokens(k, scale=1.0 + spread, survival=running)
-            lo = acceptance.expected_tokens(k, scale=max(1.0 - spread, 0.0), survival=running)
-            between = ((hi - lo) / (2 * mu)) ** 2
+        upto = max(ks)
+        running = [1.0] * upto if rows else None  # with rows, R counts up to the stop token
+        mus = acceptance.tokens_by_k(upto, survival=running)
+        variances = acceptance.variances_by_k(upto)
+        if spread > 0:  # cv_mu^2: the rows' tokens per step vary by cv_mu between rows
+            his = acceptance.tokens_by_k(upto, scale=1.0 + spread, survival=running)
+            los = acceptance.tokens_by_k(upto, scale=max(1.0 - spread, 0.0), survival=running)
+            betweens = [((hi - lo) / (2 * mu)) ** 2 for hi, lo, mu in zip(his, los, mus, strict=True)]
+        else:
+            betweens = [0.0] * (upto + 1)
+        out = []
         if not rows:
             r = max(tokens_left, 1)
-            together = max(1, round(batch * (1.0 - acceptance.end_rate()) ** r))
-            variance = acceptance.token_variance(k) / (r * mu)
-            # a row's steps r / mu_row average r / mu x (1 + cv_mu^2) (1/x is convex), and the
-            # slowest of `together` rows adds z_B standard deviations
-            return 1.0 + between + expected_max_of_normals(together) * math.sqrt(variance + between)
-        m, s2 = remaining if remaining is not None else self._remaining_tokens(rows, tokens_left)
+            z = expected_max_of_normals(max(1, round(batch * (1.0 - acceptance.end_rate()) ** r)))
+            for k in ks:
+                # a row's steps r / mu_row average r / mu x (1 + cv_mu^2) (1/x is convex), and the
+                # slowest of the rows expected to reach the cap adds z_B standard deviations
+                mu, between = mus[k], betweens[k]
+                out.append(1.0 if k == 0 else 1.0 + between + z * math.sqrt(variances[k] / (r * mu) + between))
+            return out
+        m, s2 = self._remaining_tokens(rows, tokens_left)
         z = expected_max_of_normals(len(rows))
         plain = m + z * math.sqrt(s2)
-        spec = m * (1.0 + between) + z * math.sqrt(s2 + m * acceptance.token_variance(k) / mu + between * m * m)
-        return spec / plain
+        for k in ks:
+            mu, between = mus[k], betweens[k]
+            spec = m * (1.0 + between) + z * math.sqrt(s2 + m * variances[k] / mu + between * m * m)
+            out.append(1.0 if k == 0 else spec / plain)
+        return out
 
     def _remaining_tokens(self, rows: list[RowState], tokens_left: int) -> tuple[float, float]:
         """(mean, variance) of the tokens a row of the batch still emits, pooled over `rows`
@@ -714,17 +762,14 @@ class SpeculationPolicy:
         for the batch's stragglers: `straggler_factor`); None while requests wait. `rows`: the
         batch's rows (each one's acceptance so far and output length:
         `AcceptanceEstimate.batch_tokens`); None: every row at the sidecar's average."""
-        out = []
         tokens = self.acceptance.batch_tokens(rows, self.config.max_k)
-        remaining = self._remaining_tokens(rows, tokens_left) if rows and tokens_left is not None else None
-        for k in range(self.config.max_k + 1):
-            drafts = k if tokens_left is None else min(k, max(tokens_left - 1, 0))
-            seconds = self.predicted_seconds(batch, drafts)
-            if seconds is None:
-                return None
-            factor = self.straggler_factor(batch, drafts, tokens_left, rows=rows, remaining=remaining)
-            out.append(tokens[drafts] / (seconds * factor))
-        return out
+        drafts = [k if tokens_left is None else min(k, max(tokens_left - 1, 0)) for k in range(self.config.max_k + 1)]
+        seconds = self.predicted_steps(batch, drafts)
+        if seconds is None:
+            return None
+        factors = self.straggler_factors(batch, drafts, tokens_left, rows=rows)
+        self._priced = [(tokens[d], t, f) for d, t, f in zip(drafts, seconds, factors, strict=True)]
+        return [t / (secs * f) for t, secs, f in self._priced]
 
     # ---- decisions --------------------------------------------------------------------------
     def decide(
@@ -778,8 +823,7 @@ class SpeculationPolicy:
                 f"k={best} at batch {batch} (predicted {rates[probe] / rates[best]:.2f}x of it)",
             )
             return self.last
-        tau = self.acceptance.batch_tokens(rows, best)[best]
-        stragglers = self.straggler_factor(batch, best, tokens_left, rows=rows)
+        tau, step, stragglers = self._priced[best]  # what expected_rates priced k at
         self.last = SpeculationDecision(
             k=best,
             reason="model",
@@ -787,8 +831,7 @@ class SpeculationPolicy:
             expected_speedup=speedup,
             detail=(
                 f"k={best} predicts {speedup:.2f}x plain at batch {batch} (tau {tau:.2f}; "
-                f"step {1e3 * (self.predicted_seconds(batch, best) or 0.0):.2f} ms vs plain "
-                f"{1e3 * (self.predicted_seconds(batch, 0) or 0.0):.2f} ms"
+                f"step {1e3 * step:.2f} ms vs plain {1e3 * self._priced[0][1]:.2f} ms"
                 + (f"; stragglers x{stragglers:.2f}" if stragglers > 1 else "")
                 + ")"
             ),

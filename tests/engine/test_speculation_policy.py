@@ -23,6 +23,7 @@ from sidecar.engine.speculation_policy import (
     SpeculationPolicyConfig,
     acceptance_spread,
     batch_bucket,
+    expected_max_of_normals,
 )
 
 K = 5
@@ -818,3 +819,63 @@ def test_rows_whose_ends_scatter_pay_little_for_stragglers() -> None:
         learn_ends(policy, end=end, rows=1, generations=3)
     rows = [RowState(length=10, left=300)] * 8
     assert 1.0 < policy.straggler_factor(8, 3, 300, rows=rows) < 1.05 < policy.straggler_factor(8, 3, 50)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    alphas=st.lists(st.floats(0.05, 0.95), min_size=K, max_size=K),
+    spread=st.sampled_from([0.0, 0.2]),
+    batch=st.sampled_from([1, 4, 16]),
+    left=st.sampled_from([None, 3, 40]),
+    ends=st.booleans(),
+)
+def test_the_prices_of_every_k_at_once_are_each_ks_own(
+    alphas: list[float], spread: float, batch: int, left: int | None, ends: bool
+) -> None:
+    """`expected_rates` prices every k in one pass (it runs every decode step): per-k moments
+    from running prefix sums, the rows' remaining tokens once. Oracle: each k priced on its own."""
+    policy = SpeculationPolicy(exact_config())
+    feed_acceptance(policy, alphas)
+    for n, a in finished_rows(0.6, spread, 40, seed=3):
+        policy.observe_finished_row(n, a)
+    if ends:
+        learn_ends(policy, end=25, rows=4, generations=3)
+    a = policy.acceptance
+    for scale in (1.0, 1.0 + spread, 0.5):
+        for survival in (None, [1.0] * K):
+            assert a.tokens_by_k(K, scale, survival) == pytest.approx(
+                [a.expected_tokens(k, scale, survival) for k in range(K + 1)], rel=1e-12
+            )
+    assert a.variances_by_k(K) == pytest.approx([a.token_variance(k) for k in range(K + 1)], rel=1e-12, abs=1e-12)
+    rows = [RowState(length=3 + i, left=None if left is None else left + i) for i in range(batch)] if ends else None
+    ks = [0, 3, 1, K, 3]
+    assert policy.straggler_factors(batch, ks, left, rows=rows) == pytest.approx(
+        [policy.straggler_factor(batch, k, left, rows=rows) for k in ks], rel=1e-12
+    )
+    assert policy.straggler_factors(batch, ks, left, rows=rows) == pytest.approx(
+        [_one_k_factor(policy, batch, k, left, rows) for k in ks], rel=1e-9
+    )
+
+
+def _one_k_factor(
+    policy: SpeculationPolicy, batch: int, k: int, left: int | None, rows: list[RowState] | None
+) -> float:
+    """The straggler factor of one k from `expected_tokens` and `token_variance` (the formula
+    of `straggler_factor`'s docstring, written out)."""
+    if k == 0 or batch < 2 or left is None:
+        return 1.0
+    a, spread = policy.acceptance, policy.acceptance.spread()
+    running = [1.0] * k if rows else None
+    mu = a.expected_tokens(k, survival=running)
+    hi = a.expected_tokens(k, scale=1.0 + spread, survival=running)
+    lo = a.expected_tokens(k, scale=max(1.0 - spread, 0.0), survival=running)
+    between = ((hi - lo) / (2 * mu)) ** 2
+    if not rows:
+        together = max(1, round(batch * (1.0 - a.end_rate()) ** left))
+        return (
+            1.0 + between + expected_max_of_normals(together) * math.sqrt(a.token_variance(k) / (left * mu) + between)
+        )
+    m, s2 = policy._remaining_tokens(rows, left)
+    z = expected_max_of_normals(len(rows))
+    spec = m * (1.0 + between) + z * math.sqrt(s2 + m * a.token_variance(k) / mu + between * m * m)
+    return spec / (m + z * math.sqrt(s2))
