@@ -1,0 +1,332 @@
+"""Replay the adaptive speculation controller against a modelled engine: decisions without timing noise.
+
+On the project's shared 2-core box the in-process A/B of the controller swings by +-3% between two
+runs of the same code even at 30 repeats (BENCHMARKS.md, "Adaptive speculation", seventh
+session), the size of every effect left to find. Here the engine is a model: each decode step
+costs a fixed time per (batch, k) measured once on the real engine (`--measure`), times seeded
+log-normal noise; drafts are accepted with per-position rates scaled per row by the rows' spread;
+rows end at their request's answer length, the RL demo's arrival pattern (one Generate per
+prompt, a step apart) included. The real `SpeculationPolicy` decides every step and observes
+what the modelled step did, exactly as the engine reports it, and each configuration (static k
+and auto) runs the same seeded workload: auto's time against the best static k's is then a
+property of the controller's logic under a known truth, repeatable to the last digit.
+
+What it leaves out: the engine's own bookkeeping per step, the catch-up cost after plain
+rounds beyond one draft step, acceptance that drifts (one fixed draft), and costs that move
+with the box's load over minutes.
+
+    .venv/bin/python tools/sim_adaptive.py --measure /tmp/i16a/rl/policy --costs /tmp/costs.json
+    .venv/bin/python tools/sim_adaptive.py --costs /tmp/costs.json --generations 400
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import statistics
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import click
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sidecar.engine.speculation_policy import (
+    RowState,
+    SpeculationDecision,
+    SpeculationPolicy,
+    SpeculationPolicyConfig,
+)
+
+Costs = dict[int, dict[int, tuple[float, float]]]
+"""batch -> k -> (draft seconds, verify seconds) of one decode step."""
+
+
+@dataclass
+class Workload:
+    """One generation: `requests` requests of `rows` samples each, the i-th submitted `lag` steps
+    after the one before (the fleet's one Generate per prompt), its rows' stop token at output
+    position `ends[i]` (with probability `other_end` anywhere up to the cap instead)."""
+
+    alphas: list[float]
+    """P(draft position i accepted | position i - 1 was), i = 1..max k."""
+    spread: float = 0.15
+    """Relative standard deviation of a row's acceptance (a row's rates are alphas x (1 + spread x N(0, 1)))."""
+    ends: list[int] = field(default_factory=lambda: [20, 21])
+    rows: int = 4
+    lag: int = 1
+    max_new_tokens: int = 40
+    other_end: float = 0.01
+
+
+@dataclass
+class _Row:
+    end: int
+    scale: float
+    length: int = 0
+    drafted_one: int = 0
+    accepted_one: int = 0
+
+
+def simulate(
+    costs: Costs,
+    work: Workload,
+    k: int | None,
+    policy: SpeculationPolicy,
+    generations: int,
+    seed: int,
+    noise: float,
+    drift: float = 0.0,
+    drift_steps: float = 200.0,
+) -> tuple[float, int]:
+    """(seconds, decode steps) of `generations` generations with static `k` (None: `policy` decides).
+    Each step's cost is the table's x exp(`noise` N(0, 1)) x exp(x), x the box's load: an AR(1)
+    process of standard deviation `drift` and time constant `drift_steps` steps, the same for
+    every width (another process taking the cores for a minute slows every step)."""
+    rng = random.Random(seed)
+    load = random.Random(seed + 10**6)  # the same load for every configuration
+    rho = math.exp(-1.0 / drift_steps)
+    max_k = max(costs[min(costs)])
+    seconds, steps, last_k, x = 0.0, 0, 0, 0.0
+    for _ in range(generations):
+        waiting = [
+            [
+                _Row(
+                    end=end if rng.random() >= work.other_end else rng.randrange(work.max_new_tokens),
+                    scale=max(1.0 + work.spread * rng.gauss(0.0, 1.0), 0.0),
+                )
+                for _ in range(work.rows)
+            ]
+            for end in work.ends
+        ]
+        running: list[_Row] = []
+        step = 0
+        while running or waiting:
+            if waiting and step % work.lag == 0:
+                running += waiting.pop(0)
+            step += 1
+            if not running:
+                continue
+            b = len(running)
+            left = [work.max_new_tokens - r.length for r in running]
+            tokens_left = max(left)  # the next request is not queued yet: it comes a step later
+            if k is None:
+                chosen = policy.decide(
+                    b, tokens_left, [RowState(r.length, lf) for r, lf in zip(running, left, strict=True)]
+                ).k
+            else:
+                chosen = k
+            k_eff = [min(chosen, lf - 1) for lf in left]
+            kmax = max(k_eff)
+            draft_s, verify_s = costs[_nearest(costs, b)][min(kmax, max_k)]
+            catch_up = kmax > last_k + 1 and last_k == 0
+            x = rho * x + math.sqrt(1.0 - rho * rho) * drift * load.gauss(0.0, 1.0)
+            draft_s = (draft_s + (costs[_nearest(costs, b)][1][0] if catch_up else 0.0)) * math.exp(
+                noise * rng.gauss(0.0, 1.0) + x
+            )
+            verify_s *= math.exp(noise * rng.gauss(0.0, 1.0) + x)
+            ends, drafted, accepted, finished = [], [], [], []
+            emitted_total = ended = 0
+            for row, ke, lf in zip(running, k_eff, left, strict=True):
+                a = 0
+                while a < ke and rng.random() < min(max(work.alphas[a] * row.scale, 0.02), 0.98):
+                    a += 1
+                n = min(a + 1, lf)
+                stopped = row.length <= row.end < row.length + n
+                if stopped:
+                    n = row.end - row.length + 1
+                if ke:
+                    drafted.append(min(ke, n))
+                    accepted.append(min(a, n))
+                    row.drafted_one += 1
+                    row.accepted_one += a > 0
+                ends.append((row.length, n, stopped))
+                row.length += n
+                emitted_total += n
+                ended += stopped
+                if stopped or row.length >= work.max_new_tokens:
+                    finished.append(row)
+            if k is None:
+                policy.observe_acceptance(drafted, accepted)
+                policy.observe_step(
+                    batch=b,
+                    k=kmax,
+                    draft_seconds=draft_s if kmax else 0.0,
+                    step_seconds=draft_s * (kmax > 0) + verify_s,
+                    tokens=emitted_total,
+                    chosen=True,
+                    catch_up=catch_up,
+                    ended=ended,
+                    rows=ends,
+                )
+                for row in finished:
+                    policy.observe_finished_row(row.drafted_one, row.accepted_one)
+            running = [r for r in running if r not in finished]
+            seconds += draft_s * (kmax > 0) + verify_s
+            steps += 1
+            last_k = kmax
+    return seconds, steps
+
+
+def _nearest(costs: Costs, batch: int) -> int:
+    return min(costs, key=lambda b: (abs(b - batch), b))
+
+
+class _Recording(SpeculationPolicy):
+    """The controller as it is, counting its decisions by (batch, k, reason)."""
+
+    def __init__(self, config: SpeculationPolicyConfig) -> None:
+        super().__init__(config)
+        self.decisions: Counter[tuple[int, int, str]] = Counter()
+
+    def decide(self, batch: int, tokens_left: int | None = None, rows: list[RowState] | None = None):
+        d = super().decide(batch, tokens_left, rows)
+        self.decisions[(batch, d.k, d.reason)] += 1
+        return d
+
+
+class _Forced(SpeculationPolicy):
+    """Decides a fixed k and records what the engine reports of each step."""
+
+    def __init__(self, max_k: int) -> None:
+        super().__init__(SpeculationPolicyConfig(max_k=max_k))
+        self.k = 0
+        self.samples: dict[tuple[int, int], list[tuple[float, float]]] = {}
+
+    def decide(self, batch: int, tokens_left: int | None = None, rows: list[RowState] | None = None):
+        self.last = SpeculationDecision(k=self.k, reason="model", batch_size=batch)
+        return self.last
+
+    def observe_step(self, *, batch: int, k: int, draft_seconds: float, step_seconds: float, **_: object) -> None:
+        self.samples.setdefault((batch, k), []).append((draft_seconds, step_seconds - draft_seconds))
+
+
+def measure(model: Path, batches: list[int], max_k: int, steps: int, rounds: int) -> Costs:
+    """(draft, verify) seconds per decode step of the real engine, per batch and k: the median over
+    `rounds` passes (each the median of `steps` steps), so that one slow moment of the box does not
+    become the modelled engine's truth."""
+    import torch
+
+    from sidecar.engine.torch_engine import TorchEngine
+    from sidecar.types import GenerationRequest, SamplingParams
+
+    torch.set_num_threads(1)
+    engine = TorchEngine.from_checkpoint(str(model), speculation_k=max_k, max_speculation_k=max_k, max_batch_size=64)
+    policy = _Forced(max_k)
+    engine.set_speculation_policy(policy)
+    passes: dict[tuple[int, int], list[tuple[float, float]]] = {}
+    for r in range(rounds):
+        for b in batches:
+            for k in range(max_k + 1):
+                policy.k = k
+                policy.samples.clear()
+                params = SamplingParams(temperature=1.0, max_new_tokens=(steps + 4) * (k + 1), seed=r)
+                engine.submit(
+                    GenerationRequest(
+                        prompts=[[3, 4, 5, 6]], sampling=params, samples_per_prompt=b, request_id=f"m{r}-{b}-{k}"
+                    )
+                )
+                while engine.has_work():
+                    engine.step()
+                got = policy.samples.get((b, k), [])[2:]  # the first steps warm up (and catch up)
+                passes.setdefault((b, k), []).append(
+                    (statistics.median(d for d, _ in got) if k else 0.0, statistics.median(v for _, v in got))
+                )
+        click.echo(f"measured round {r + 1} of {rounds}", err=True)
+    out: Costs = {}
+    for (b, k), got in sorted(passes.items()):
+        out.setdefault(b, {})[k] = (statistics.median(d for d, _ in got), statistics.median(v for _, v in got))
+        click.echo(f"batch {b} k={k}: draft {1e3 * out[b][k][0]:.2f} ms, verify {1e3 * out[b][k][1]:.2f} ms", err=True)
+    return out
+
+
+def _setting(text: str) -> tuple[str, int | float]:
+    name, _, value = text.partition("=")
+    if not value:
+        raise click.BadParameter(f"{text!r} is not NAME=VALUE")
+    return name, int(value) if value.lstrip("-").isdigit() else float(value)
+
+
+@click.command()
+@click.option("--costs", "costs_path", type=click.Path(path_type=Path), required=True, help="Cost table (JSON).")
+@click.option(
+    "--measure", "model", type=click.Path(path_type=Path), help="Measure the cost table on this checkpoint first."
+)
+@click.option("--max-k", default=6, show_default=True)
+@click.option("--generations", default=400, show_default=True, help="Generations per configuration and seed.")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--seeds", default=1, show_default=True, help="Seeds seed .. seed + seeds - 1, each a whole replay.")
+@click.option("--noise", default=0.05, show_default=True, help="Log-normal sd of each step's measured cost.")
+@click.option("--drift", default=0.0, show_default=True, help="Sd of the box's load (log cost, every width alike).")
+@click.option("--drift-steps", default=200.0, show_default=True, help="Time constant of the load, in steps.")
+@click.option("--alphas", default="0.88,0.88,0.78,0.83,0.9,0.65", show_default=True)
+@click.option("--spread", default=0.15, show_default=True)
+@click.option("--ends", default="20,21", show_default=True, help="Stop-token position of each request's rows.")
+@click.option("--rows", default=4, show_default=True, help="Rows per request.")
+@click.option("--lag", default=1, show_default=True, help="Steps between requests.")
+@click.option(
+    "--set", "overrides", multiple=True, help="A controller setting for auto, NAME=VALUE (SpeculationPolicyConfig)."
+)
+def main(
+    costs_path: Path,
+    model: Path | None,
+    max_k: int,
+    generations: int,
+    seed: int,
+    seeds: int,
+    noise: float,
+    drift: float,
+    drift_steps: float,
+    overrides: tuple[str, ...],
+    **w,
+) -> None:
+    """Static k = 0..max k and auto on one modelled workload; auto against the best static k."""
+    if model is not None:
+        rows = w["rows"] * len(w["ends"].split(","))
+        table = measure(model, list(range(1, rows + 1)), max_k, steps=12, rounds=3)
+        costs_path.write_text(json.dumps({b: {k: list(v) for k, v in t.items()} for b, t in table.items()}, indent=1))
+    costs: Costs = {
+        int(b): {int(k): (v[0], v[1]) for k, v in t.items()} for b, t in json.loads(costs_path.read_text()).items()
+    }
+    work = Workload(
+        alphas=[float(a) for a in w["alphas"].split(",")],
+        spread=w["spread"],
+        ends=[int(e) for e in w["ends"].split(",")],
+        rows=w["rows"],
+        lag=w["lag"],
+    )
+    k_top = min(max_k, len(work.alphas))
+    settings = dict(_setting(o) for o in overrides)
+    try:
+        SpeculationPolicyConfig(max_k=k_top, **settings)
+    except (TypeError, ValueError) as e:
+        raise click.BadParameter(str(e), param_hint="--set") from None
+    ratios = []
+    for s in range(seed, seed + seeds):
+        results = {}
+        for k in range(k_top + 1):
+            static = SpeculationPolicy(SpeculationPolicyConfig(max_k=k_top))
+            results[f"k={k}"] = simulate(costs, work, k, static, generations, s, noise, drift, drift_steps)
+        policy = _Recording(SpeculationPolicyConfig(max_k=k_top, **settings))
+        results["auto"] = simulate(costs, work, None, policy, generations, s, noise, drift, drift_steps)
+        plain = results["k=0"][0]
+        best = min((v[0], name) for name, v in results.items() if name != "auto")
+        ratios.append(best[0] / results["auto"][0])
+        if s == seed:
+            for name, (secs, n) in results.items():
+                click.echo(f"{name:>5}: {secs:8.3f} s {n:6d} steps  {plain / secs:5.3f}x plain")
+            click.echo("auto's decisions by batch (k and reason: m model, p probe, g guard):")
+            for b in sorted({b for b, _, _ in policy.decisions}):
+                shares = {f"{k}{r[0]}": n for (bb, k, r), n in sorted(policy.decisions.items()) if bb == b}
+                click.echo(f"  {b}: {shares}")
+        click.echo(f"seed {s}: auto / best static ({best[1]}) {ratios[-1]:.3f}")
+    if seeds > 1:
+        se = statistics.stdev(ratios) / math.sqrt(len(ratios))
+        click.echo(f"auto / best static over {seeds} seeds: {statistics.mean(ratios):.4f} +- {se:.4f} (standard error)")
+
+
+if __name__ == "__main__":
+    main()
