@@ -650,9 +650,20 @@ class SpeculationPolicy:
     def _verify_seconds(
         self, costs: dict[int, float], width: int, plain: float, near: dict[int, float] | None = None
     ) -> float:
-        """Seconds of a width-`width` verify from a bucket's trusted costs (width -> seconds)."""
+        """Seconds of a width-`width` verify from a bucket's trusted costs (width -> seconds).
+
+        Beyond the widths the bucket measured, the cheaper of its own extrapolation and the
+        nearest measured batch size's cost relative to its plain step (`near`): an estimate too
+        cheap is corrected by the steps that choose it, one too dear is never measured again.
+        Extrapolating from the bucket's own last two widths alone had one slow reading of k = 2
+        at batch 8 price every longer draft out (the engine model of `tools/sim_adaptive.py`
+        ran k = 1 there for 784 steps and never tried k = 3, the best; BENCHMARKS.md, "Adaptive
+        speculation", seventh session)."""
         if width in costs or len(costs) >= 2:
-            return _interpolate(costs, width)
+            own = _interpolate(costs, width)
+            if near is not None and width > max(costs) and len(near) >= 2:
+                return min(own, plain * _interpolate(near, width) / near[1])
+            return own
         if near is not None:  # the nearest measured batch size's cost relative to its plain step
             return plain * self._verify_seconds(near, width, near[1]) / near[1]
         return plain * (1.0 + self.config.prior_verify_slope * (width - 1))

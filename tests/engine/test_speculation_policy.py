@@ -879,3 +879,29 @@ def _one_k_factor(
     z = expected_max_of_normals(len(rows))
     spec = m * (1.0 + between) + z * math.sqrt(s2 + m * a.token_variance(k) / mu + between * m * m)
     return spec / (m + z * math.sqrt(s2))
+
+
+def test_a_dear_width_does_not_price_every_longer_draft_out() -> None:
+    """Batch 8 measured k = 0..2, and k = 2 dear (a slow width, or one slow reading); batch 4
+    measured every k on a smooth line. Widths batch 8 has not measured are priced at the
+    cheaper of its own extrapolation (from the dear k = 2: every longer draft dearer still) and
+    batch 4's cost relative to its plain step, so it tries k = 3 and keeps the longer drafts
+    that win. Extrapolating from its own two last widths alone, it ran k <= 2 for good."""
+    policy = SpeculationPolicy(exact_config())
+    alphas = [0.8] * K
+    feed_acceptance(policy, alphas)
+    smooth = [0.010 + 0.0015 * (w > 0) + 0.001 * w for w in range(K + 1)]
+    truth = list(smooth)
+    truth[2] = 0.020  # k = 2 at batch 8 costs twice what the line says
+    feed_costs(policy, 4, verify=smooth, draft=0.0005)
+    for k in range(3):
+        for _ in range(3):
+            policy.observe_step(
+                batch=8, k=k, draft_seconds=k * 0.0005, step_seconds=truth[k] + k * 0.0005, tokens=8, chosen=False
+            )
+    best, _ = oracle_best(alphas, truth, 0.0005)
+    assert best >= 3
+    decisions = drive(policy, 8, truth, draft=0.0005, steps=120)
+    assert any(d.k >= 3 for d in decisions[:10])  # tried at once (the cheap estimate is checked by using it)
+    late = [d.k for d in decisions[-60:] if d.reason == "model"]
+    assert sum(k >= 3 for k in late) > 0.9 * len(late)
