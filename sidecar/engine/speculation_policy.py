@@ -18,9 +18,11 @@ engine step, not a constant (DESIGN.md, "Speculation policy"):
   the median of its last `cost_window` measurements (a garbage collection or a growing cache
   makes one step several times slower; an average would carry that for many steps). A width
   measured fewer than `min_cost_samples` times in a bucket is not trusted alone: it is
-  interpolated / extrapolated linearly from the bucket's trusted widths, or, with plain the only
-  trusted one, taken from the nearest measured bucket's cost relative to plain (else from the
-  bucket's own few measurements, else a prior slope). The draft phase is measured per k the
+  interpolated / extrapolated linearly from the bucket's trusted widths (beyond the widest, the
+  cheaper of that and the nearest measured bucket's cost relative to plain: a dear width must
+  not price every longer draft out unmeasured), or, with plain the only trusted one, taken from
+  the nearest measured bucket's cost relative to plain (else from the bucket's own few
+  measurements, else a prior slope). The draft phase is measured per k the
   same way (it has a fixed part — the refresh of the MTP cache and the first draft head — so a
   cost per token would overprice long drafts from short ones), from steady drafting steps only:
   a step that resumes drafting after plain rounds also refreshes the skipped positions (the
