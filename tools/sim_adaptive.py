@@ -69,6 +69,8 @@ class _Row:
     length: int = 0
     drafted_one: int = 0
     accepted_one: int = 0
+    drafts: bool = True
+    """False: admitted without a draft (`SpeculationPolicy.may_draft`), plain for its whole generation."""
 
 
 def simulate(
@@ -106,20 +108,32 @@ def simulate(
         step = 0
         while running or waiting:
             if waiting and step % work.lag == 0:
-                running += waiting.pop(0)
+                new = waiting.pop(0)
+                if k is None:  # the engine asks at admission whether the new rows keep a draft
+                    rows_now = [*running, *new]
+                    lefts = [work.max_new_tokens - r.length for r in rows_now]
+                    if not policy.may_draft(
+                        len(rows_now),
+                        max(lefts),
+                        [RowState(r.length, lf) for r, lf in zip(rows_now, lefts, strict=True)],
+                    ):
+                        for r in new:
+                            r.drafts = False
+                running += new
             step += 1
             if not running:
                 continue
             b = len(running)
             left = [work.max_new_tokens - r.length for r in running]
             tokens_left = max(left)  # the next request is not queued yet: it comes a step later
-            if k is None:
+            consulted = k is None and any(r.drafts for r in running)  # the engine's rule
+            if consulted:
                 chosen = policy.decide(
                     b, tokens_left, [RowState(r.length, lf) for r, lf in zip(running, left, strict=True)]
                 ).k
             else:
-                chosen = k
-            k_eff = [min(chosen, lf - 1) for lf in left]
+                chosen = k or 0
+            k_eff = [min(chosen, lf - 1) if r.drafts else 0 for r, lf in zip(running, left, strict=True)]
             kmax = max(k_eff)
             draft_s, verify_s = costs[_nearest(costs, b)][min(kmax, max_k)]
             catch_up = kmax > last_k + 1 and last_k == 0
@@ -149,7 +163,7 @@ def simulate(
                 ended += stopped
                 if stopped or row.length >= work.max_new_tokens:
                     finished.append(row)
-            if k is None:
+            if consulted:
                 policy.observe_acceptance(drafted, accepted)
                 policy.observe_step(
                     batch=b,
@@ -267,6 +281,7 @@ def _setting(text: str) -> tuple[str, int | float]:
 @click.option("--ends", default="20,21", show_default=True, help="Stop-token position of each request's rows.")
 @click.option("--rows", default=4, show_default=True, help="Rows per request.")
 @click.option("--lag", default=1, show_default=True, help="Steps between requests.")
+@click.option("--max-new-tokens", default=40, show_default=True, help="Each row's length cap.")
 @click.option(
     "--set", "overrides", multiple=True, help="A controller setting for auto, NAME=VALUE (SpeculationPolicyConfig)."
 )
@@ -297,6 +312,7 @@ def main(
         ends=[int(e) for e in w["ends"].split(",")],
         rows=w["rows"],
         lag=w["lag"],
+        max_new_tokens=w["max_new_tokens"],
     )
     k_top = min(max_k, len(work.alphas))
     settings = dict(_setting(o) for o in overrides)
