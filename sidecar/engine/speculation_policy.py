@@ -518,6 +518,11 @@ class _Bucket:
             self.draft_samples.setdefault(width - 1, _Samples(self.window)).add(draft_seconds)
 
 
+def _rates(priced: list[tuple[float, float, float]]) -> list[float]:
+    """Tokens per second per row from (tokens per row, step seconds, straggler factor) per k."""
+    return [tokens / (seconds * factor) for tokens, seconds, factor in priced]
+
+
 def _interpolate(costs: dict[int, float], x: int) -> float:
     """A cost at `x` from measured points (x -> seconds; `x` among them or at least two): linear
     between the neighbours, beyond them with the slope of the two nearest (never negative)."""
@@ -588,8 +593,6 @@ class SpeculationPolicy:
             k=0, reason="off" if not config.max_k else "probe", batch_size=0, detail="no decode step yet"
         )
         self._pending_reason = ""
-        self._priced: list[tuple[float, float, float]] = []
-        """(tokens per row, step seconds, straggler factor) per k of the last `expected_rates`."""
 
     # ---- predictions ------------------------------------------------------------------------
     def _bucket(self, batch: int) -> _Bucket:
@@ -707,9 +710,11 @@ class SpeculationPolicy:
         yet: `StopHazard`'s prior keeps a few % of rows going past that position at the overall
         rate up to the cap, a rare long tail whose variance swamps s, and the price comes out
         8-23% short of a simulated batch — about what the overall rate alone gives (without
-        `rows`: B (1 - h)^r rows expected to reach the cap, ~1 on the RL workload). 1 at batch 1, for k = 0, and with `tokens_left`
-        None (rows that finish early are replaced from the queue: throughput, not the batch's
-        end, is what counts)."""
+        `rows`: B (1 - h)^r rows expected to reach the cap, ~1 on the RL workload; an exact
+        E[max] under the same hazard was tried and did not change the decisions: BENCHMARKS.md,
+        "Adaptive speculation", seventh session). 1 at batch 1, for k = 0, and with
+        `tokens_left` None (rows that finish early are replaced from the queue: throughput, not
+        the batch's end, is what counts)."""
         return self.straggler_factors(batch, [k], tokens_left, spread, rows)[0]
 
     def straggler_factors(
@@ -775,14 +780,21 @@ class SpeculationPolicy:
         for the batch's stragglers: `straggler_factor`); None while requests wait. `rows`: the
         batch's rows (each one's acceptance so far and output length:
         `AcceptanceEstimate.batch_tokens`); None: every row at the sidecar's average."""
+        priced = self._price(batch, tokens_left, rows)
+        return None if priced is None else _rates(priced)
+
+    def _price(
+        self, batch: int, tokens_left: int | None, rows: list[RowState] | None
+    ) -> list[tuple[float, float, float]] | None:
+        """(tokens per row, step seconds, straggler factor) per k = 0..max_k, every k in one pass
+        (this runs every decode step); None before plain is measured."""
         tokens = self.acceptance.batch_tokens(rows, self.config.max_k)
         drafts = [k if tokens_left is None else min(k, max(tokens_left - 1, 0)) for k in range(self.config.max_k + 1)]
         seconds = self.predicted_steps(batch, drafts)
         if seconds is None:
             return None
         factors = self.straggler_factors(batch, drafts, tokens_left, rows=rows)
-        self._priced = [(tokens[d], t, f) for d, t, f in zip(drafts, seconds, factors, strict=True)]
-        return [t / (secs * f) for t, secs, f in self._priced]
+        return [(tokens[d], t, f) for d, t, f in zip(drafts, seconds, factors, strict=True)]
 
     # ---- decisions --------------------------------------------------------------------------
     def decide(
@@ -805,12 +817,13 @@ class SpeculationPolicy:
                 f"{b.backoff_until - b.steps + 1} more steps at batch {batch}",
             )
             return self.last
-        rates = self.expected_rates(batch, tokens_left, rows)
-        if rates is None:
+        priced = self._price(batch, tokens_left, rows)
+        if priced is None:
             self.last = SpeculationDecision(
                 k=0, reason="probe", batch_size=batch, detail=f"measuring plain decoding at batch {batch}"
             )
             return self.last
+        rates = _rates(priced)
         burst_k, burst_left = b.burst
         if burst_left > 0:
             b.burst = (burst_k, burst_left - 1)
@@ -836,7 +849,7 @@ class SpeculationPolicy:
                 f"k={best} at batch {batch} (predicted {rates[probe] / rates[best]:.2f}x of it)",
             )
             return self.last
-        tau, step, stragglers = self._priced[best]  # what expected_rates priced k at
+        tau, step, stragglers = priced[best]
         self.last = SpeculationDecision(
             k=best,
             reason="model",
@@ -844,7 +857,7 @@ class SpeculationPolicy:
             expected_speedup=speedup,
             detail=(
                 f"k={best} predicts {speedup:.2f}x plain at batch {batch} (tau {tau:.2f}; "
-                f"step {1e3 * step:.2f} ms vs plain {1e3 * self._priced[0][1]:.2f} ms"
+                f"step {1e3 * step:.2f} ms vs plain {1e3 * priced[0][1]:.2f} ms"
                 + (f"; stragglers x{stragglers:.2f}" if stragglers > 1 else "")
                 + ")"
             ),
