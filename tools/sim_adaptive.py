@@ -76,18 +76,19 @@ class _Row:
 def simulate(
     costs: Costs,
     work: Workload,
-    k: int | None,
-    policy: SpeculationPolicy,
+    decider: int | SpeculationPolicy,
     generations: int,
     seed: int,
     noise: float,
     drift: float = 0.0,
     drift_steps: float = 200.0,
 ) -> tuple[float, int]:
-    """(seconds, decode steps) of `generations` generations with static `k` (None: `policy` decides).
+    """(seconds, decode steps) of `generations` generations with `decider`: a static k, or the
+    controller deciding every step.
     Each step's cost is the table's x exp(`noise` N(0, 1)) x exp(x), x the box's load: an AR(1)
     process of standard deviation `drift` and time constant `drift_steps` steps, the same for
     every width (another process taking the cores for a minute slows every step)."""
+    k, policy = (decider, None) if isinstance(decider, int) else (None, decider)
     rng = random.Random(seed)
     load = random.Random(seed + 10**6)  # the same load for every configuration
     rho = math.exp(-1.0 / drift_steps)
@@ -109,7 +110,7 @@ def simulate(
         while running or waiting:
             if waiting and step % work.lag == 0:
                 new = waiting.pop(0)
-                if k is None:  # the engine asks at admission whether the new rows keep a draft
+                if policy is not None:  # the engine asks at admission whether the new rows keep a draft
                     rows_now = [*running, *new]
                     lefts = [work.max_new_tokens - r.length for r in rows_now]
                     if not policy.may_draft(
@@ -126,7 +127,7 @@ def simulate(
             b = len(running)
             left = [work.max_new_tokens - r.length for r in running]
             tokens_left = max(left)  # the next request is not queued yet: it comes a step later
-            consulted = k is None and any(r.drafts for r in running)  # the engine's rule
+            consulted = policy is not None and any(r.drafts for r in running)  # the engine's rule
             if consulted:
                 chosen = policy.decide(
                     b, tokens_left, [RowState(r.length, lf) for r, lf in zip(running, left, strict=True)]
@@ -299,6 +300,10 @@ def main(
     **w,
 ) -> None:
     """Static k = 0..max k and auto on one modelled workload; auto against the best static k."""
+    if model is None and not costs_path.is_file():
+        raise click.BadParameter(
+            f"{costs_path} does not exist; measure it first with --measure CHECKPOINT", param_hint="--costs"
+        )
     if model is not None:
         rows = w["rows"] * len(w["ends"].split(","))
         table = measure(model, list(range(1, rows + 1)), max_k, steps=12, rounds=3)
@@ -324,10 +329,9 @@ def main(
     for s in range(seed, seed + seeds):
         results = {}
         for k in range(k_top + 1):
-            static = SpeculationPolicy(SpeculationPolicyConfig(max_k=k_top))
-            results[f"k={k}"] = simulate(costs, work, k, static, generations, s, noise, drift, drift_steps)
+            results[f"k={k}"] = simulate(costs, work, k, generations, s, noise, drift, drift_steps)
         policy = _Recording(SpeculationPolicyConfig(max_k=k_top, **settings))
-        results["auto"] = simulate(costs, work, None, policy, generations, s, noise, drift, drift_steps)
+        results["auto"] = simulate(costs, work, policy, generations, s, noise, drift, drift_steps)
         plain = results["k=0"][0]
         best = min((v[0], name) for name, v in results.items() if name != "auto")
         ratios.append(best[0] / results["auto"][0])
