@@ -11,9 +11,11 @@ what the modelled step did, exactly as the engine reports it, and each configura
 and auto) runs the same seeded workload: auto's time against the best static k's is then a
 property of the controller's logic under a known truth, repeatable to the last digit.
 
-What it leaves out: the engine's own bookkeeping per step, the catch-up cost after plain
-rounds beyond one draft step, acceptance that drifts (one fixed draft), and costs that move
-with the box's load over minutes.
+Rows admitted with a draft pay its prefill (`--prefill-per-token`, measured with the cost table),
+which is what a refusal at admission (`SpeculationPolicy.may_draft`) saves. What it leaves out:
+the engine's own bookkeeping per step, the catch-up cost after plain rounds beyond one draft
+step, and acceptance that drifts (one fixed draft); costs that move with the box's load over
+minutes only with `--drift`.
 
     .venv/bin/python tools/sim_adaptive.py --measure /tmp/i16a/rl/policy --costs /tmp/costs.json
     .venv/bin/python tools/sim_adaptive.py --costs /tmp/costs.json --generations 400
@@ -43,6 +45,8 @@ from sidecar.engine.speculation_policy import (
 
 Costs = dict[int, dict[int, tuple[float, float]]]
 """batch -> k -> (draft seconds, verify seconds) of one decode step."""
+PREFILL_KEY = "prefill_per_token"
+"""The cost table's entry for the draft's prefill at admission (seconds per prompt token)."""
 
 
 @dataclass
@@ -60,6 +64,10 @@ class Workload:
     lag: int = 1
     max_new_tokens: int = 40
     other_end: float = 0.01
+    prompt_tokens: int = 16
+    """Each row's prompt: the draft's prefill at admission covers all but its last token."""
+    prefill_per_token: float = 0.0
+    """Seconds of the draft's prefill per prompt token (rows admitted with a draft pay it)."""
 
 
 @dataclass
@@ -110,6 +118,7 @@ def simulate(
         while running or waiting:
             if waiting and step % work.lag == 0:
                 new = waiting.pop(0)
+                prefill_tokens = len(new) * (work.prompt_tokens - 1)
                 if policy is not None:  # the engine asks at admission whether the new rows keep a draft
                     rows_now = [*running, *new]
                     lefts = [work.max_new_tokens - r.length for r in rows_now]
@@ -117,9 +126,16 @@ def simulate(
                         len(rows_now),
                         max(lefts),
                         [RowState(r.length, lf) for r, lf in zip(rows_now, lefts, strict=True)],
+                        joining=len(new),
+                        prompt_tokens=prefill_tokens,
                     ):
                         for r in new:
                             r.drafts = False
+                if work.prefill_per_token and (k or policy is not None) and new[0].drafts:
+                    prefill = prefill_tokens * work.prefill_per_token * math.exp(x)  # the load, not step noise
+                    seconds += prefill
+                    if policy is not None:
+                        policy.observe_draft_prefill(prefill_tokens, prefill)
                 running += new
             step += 1
             if not running:
@@ -210,6 +226,7 @@ class _Forced(SpeculationPolicy):
         super().__init__(SpeculationPolicyConfig(max_k=max_k))
         self.k = 0
         self.samples: dict[tuple[int, int], list[tuple[float, float]]] = {}
+        self.prefill_samples: list[float] = []
 
     def decide(self, batch: int, tokens_left: int | None = None, rows: list[RowState] | None = None):
         self.last = SpeculationDecision(k=self.k, reason="model", batch_size=batch)
@@ -218,11 +235,17 @@ class _Forced(SpeculationPolicy):
     def observe_step(self, *, batch: int, k: int, draft_seconds: float, step_seconds: float, **_: object) -> None:
         self.samples.setdefault((batch, k), []).append((draft_seconds, step_seconds - draft_seconds))
 
+    def observe_draft_prefill(self, tokens: int, seconds: float) -> None:
+        self.prefill_samples.append(seconds / tokens)
 
-def measure(model: Path, batches: list[int], max_k: int, steps: int, rounds: int) -> Costs:
+
+def measure(
+    model: Path, batches: list[int], max_k: int, steps: int, rounds: int, prompt_tokens: int = 16
+) -> tuple[Costs, float]:
     """(draft, verify) seconds per decode step of the real engine, per batch and k: the median over
     `rounds` passes (each the median of `steps` steps), so that one slow moment of the box does not
-    become the modelled engine's truth."""
+    become the modelled engine's truth; and the draft's prefill at admission, seconds per prompt
+    token (the median over every batch size and round, prompts of `prompt_tokens`)."""
     import torch
 
     from sidecar.engine.torch_engine import TorchEngine
@@ -246,6 +269,14 @@ def measure(model: Path, batches: list[int], max_k: int, steps: int, rounds: int
                 )
                 while engine.has_work():
                     engine.step()
+                if k == 1:  # the draft's prefill of a prompt of the workload's length
+                    engine.generate(
+                        GenerationRequest(
+                            prompts=[list(range(3, 3 + prompt_tokens))],
+                            sampling=SamplingParams(temperature=1.0, max_new_tokens=2, seed=r),
+                            samples_per_prompt=b,
+                        )
+                    )
                 got = policy.samples.get((b, k), [])[2:]  # the first steps warm up (and catch up)
                 passes.setdefault((b, k), []).append(
                     (statistics.median(d for d, _ in got) if k else 0.0, statistics.median(v for _, v in got))
@@ -255,7 +286,9 @@ def measure(model: Path, batches: list[int], max_k: int, steps: int, rounds: int
     for (b, k), got in sorted(passes.items()):
         out.setdefault(b, {})[k] = (statistics.median(d for d, _ in got), statistics.median(v for _, v in got))
         click.echo(f"batch {b} k={k}: draft {1e3 * out[b][k][0]:.2f} ms, verify {1e3 * out[b][k][1]:.2f} ms", err=True)
-    return out
+    prefill = statistics.median(policy.prefill_samples)
+    click.echo(f"draft prefill: {1e6 * prefill:.1f} us per prompt token", err=True)
+    return out, prefill
 
 
 def _setting(text: str) -> tuple[str, int | float]:
@@ -283,6 +316,12 @@ def _setting(text: str) -> tuple[str, int | float]:
 @click.option("--rows", default=4, show_default=True, help="Rows per request.")
 @click.option("--lag", default=1, show_default=True, help="Steps between requests.")
 @click.option("--max-new-tokens", default=40, show_default=True, help="Each row's length cap.")
+@click.option("--prompt-tokens", default=16, show_default=True, help="Each row's prompt length.")
+@click.option(
+    "--prefill-per-token",
+    type=float,
+    help="Seconds of the draft's prefill per prompt token [default: the cost table's, else 0: not modelled].",
+)
 @click.option(
     "--set", "overrides", multiple=True, help="A controller setting for auto, NAME=VALUE (SpeculationPolicyConfig)."
 )
@@ -306,11 +345,12 @@ def main(
         )
     if model is not None:
         rows = w["rows"] * len(w["ends"].split(","))
-        table = measure(model, list(range(1, rows + 1)), max_k, steps=12, rounds=3)
-        costs_path.write_text(json.dumps({b: {k: list(v) for k, v in t.items()} for b, t in table.items()}, indent=1))
-    costs: Costs = {
-        int(b): {int(k): (v[0], v[1]) for k, v in t.items()} for b, t in json.loads(costs_path.read_text()).items()
-    }
+        table, prefill = measure(model, list(range(1, rows + 1)), max_k, 12, 3, w["prompt_tokens"])
+        saved = {PREFILL_KEY: prefill, **{b: {k: list(v) for k, v in t.items()} for b, t in table.items()}}
+        costs_path.write_text(json.dumps(saved, indent=1))
+    loaded = json.loads(costs_path.read_text())
+    table_prefill = loaded.pop(PREFILL_KEY, 0.0)
+    costs: Costs = {int(b): {int(k): (v[0], v[1]) for k, v in t.items()} for b, t in loaded.items()}
     work = Workload(
         alphas=[float(a) for a in w["alphas"].split(",")],
         spread=w["spread"],
@@ -318,6 +358,8 @@ def main(
         rows=w["rows"],
         lag=w["lag"],
         max_new_tokens=w["max_new_tokens"],
+        prompt_tokens=w["prompt_tokens"],
+        prefill_per_token=table_prefill if w["prefill_per_token"] is None else w["prefill_per_token"],
     )
     k_top = min(max_k, len(work.alphas))
     settings = dict(_setting(o) for o in overrides)

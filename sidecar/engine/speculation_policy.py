@@ -83,8 +83,10 @@ engine step, not a constant (DESIGN.md, "Speculation policy"):
   every `learn_every` steps, so that a new batch size trusts its own costs within its first
   few dozen steps (at batch 64 the doubling interval had taken 7 generations of 16 tokens to
   measure k = 1 three times, and until then every row kept a draft it never used). Rows that
-  join a batch where every k > 0 was measured slower than plain carry no draft at all
-  (`may_draft`; every `refuse_every`-th such admission keeps its draft to re-measure).
+  join a batch where every k > 0 was measured slower than plain by more than the margin carry
+  no draft at all where the draft's prefill costs more than the option to draft is worth under
+  the bucket's cost noise (`may_draft`; every `refuse_every`-th such admission keeps its draft
+  to re-measure).
 - **Guard**: the model can be wrong (stale acceptance after a push, a cost that moved, a bug).
   Over the last `guard_rows` row-rounds (at least `guard_min_steps` steps) of model-chosen
   steps with k > 0 in a bucket, the realised tokens
@@ -124,7 +126,7 @@ class SpeculationPolicyConfig:
     other widths or the nearest bucket (one step's time on a shared machine can be far off)."""
     min_gain: float = 0.03
     """Relative gain over plain decoding that a k > 0 must predict to be chosen, and the relative
-    loss below which joining rows are refused a draft (see the module docstring, "Margin";
+    loss within which joining rows are never refused a draft (see the module docstring, "Margin";
     `SpeculationPolicy.may_draft`).
     It covers the model's noise only: the stragglers that a 10% margin used to stand for (at
     greedy batch 4, k = 1 gained ~1.04x per step and lost 4-8% end to end) are priced by
@@ -478,6 +480,8 @@ class _Bucket:
     """Recent model-chosen k > 0 steps: (rows, tokens per row, seconds)."""
     _trusted: tuple[dict[int, float], dict[int, float]] | None = None
     """(verify, draft) until the next observation (decide() reads them every engine step)."""
+    _noise: float | None = None
+    """`noise()` until the next observation."""
 
     def _trusted_costs(self) -> tuple[dict[int, float], dict[int, float]]:
         if self._trusted is None:
@@ -506,13 +510,33 @@ class _Bucket:
             {k: v.median() for k, v in self.draft_samples.items()},
         )
 
+    def noise(self) -> float:
+        """Standard deviation of one verify measurement's log (a step's relative noise), pooled
+        over the widths this bucket measured at least twice; 0 before that."""
+        if self._noise is None:
+            squares, dof = 0.0, 0
+            for samples in self.verify_samples.values():
+                logs = [math.log(v) for v in samples.values if v > 0]
+                if len(logs) >= 2:
+                    mean = sum(logs) / len(logs)
+                    squares += sum((x - mean) ** 2 for x in logs)
+                    dof += len(logs) - 1
+            self._noise = math.sqrt(squares / dof) if dof else 0.0
+        return self._noise
+
+    def ratio_error(self, k: int) -> float:
+        """Relative standard error of the cost of k drafts over plain's, from two medians (each
+        ~1.25 sd / sqrt(n) of its n measurements; a width not measured here counts as one)."""
+        n_k, n_0 = max(self.measured(k), 1), max(self.measured(0), 1)
+        return 1.2533 * self.noise() * math.sqrt(1.0 / n_k + 1.0 / n_0)
+
     def measured(self, k: int) -> int:
         """Steps of k drafts whose cost this bucket has measured (up to its window)."""
         v = self.verify_samples.get(k + 1)
         return len(v) if v is not None else 0
 
     def observe(self, width: int, verify_seconds: float, draft_seconds: float | None) -> None:
-        self._trusted = None
+        self._trusted = self._noise = None
         self.verify_samples.setdefault(width, _Samples(self.window)).add(verify_seconds)
         if draft_seconds is not None:
             self.draft_samples.setdefault(width - 1, _Samples(self.window)).add(draft_seconds)
@@ -554,6 +578,15 @@ def expected_max_of_normals(n: int) -> float:
     return total * h
 
 
+def option_value(mean: float, sd: float) -> float:
+    """E[max(G, 0)] for G ~ N(`mean`, `sd`^2): what keeping a choice is worth when it is taken
+    only where it pays and its payoff is known to within `sd`."""
+    if sd <= 0:
+        return max(mean, 0.0)
+    z = mean / sd
+    return mean * 0.5 * (1 + math.erf(z / math.sqrt(2))) + sd * math.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
+
+
 MIN_ROW_DRAFTS = 4
 """Drafts at position 1 below which a row's acceptance rate says too little to count in a spread."""
 
@@ -589,6 +622,8 @@ class SpeculationPolicy:
         self._observations = 0  # steps observed (cached derived estimates are valid for one count)
         self._near_cache: dict[int, tuple[int, _Bucket | None]] = {}
         self.trips = 0
+        self._prefill = _Samples(config.cost_window)
+        """Seconds per prompt token of the draft's prefill at admission (`observe_draft_prefill`)."""
         self.last = SpeculationDecision(
             k=0, reason="off" if not config.max_k else "probe", batch_size=0, detail="no decode step yet"
         )
@@ -913,28 +948,51 @@ class SpeculationPolicy:
         b.burst = (probe, cfg.min_cost_samples - 1)  # this step and the next ones
         return probe, learning
 
-    def may_draft(self, batch: int, tokens_left: int | None = None, rows: list[RowState] | None = None) -> bool:
-        """False when sequences joining a batch of this size should not keep a draft at all: the
-        bucket's measured costs and acceptance say every k > 0 is slower than plain decoding by
-        more than the margin (`min_gain`). A sequence admitted without a draft never drafts for
-        its whole generation, so within the margin it keeps its draft and each step decides. The
-        draft's upkeep is what a refusal saves: the MTP prefill of the prompt and the pending
-        inputs of plain rounds, 1.5-2.5% of a generation of 32 tokens at batch 16 on the bench
-        model (BENCHMARKS.md, "Adaptive speculation"); what a wrong refusal costs is every gain
-        of the generation (at temperature 1, batch 1, where k = 3 gains ~8% and the estimate
-        scatters around it, a refusal at break-even turned drafting off for the whole grid
-        cell). A guard back-off does not count: it is temporary. Only the
-        bucket's own trusted measurements of k > 0 (at
-        least `min_cost_samples`) can refuse a draft (another batch size's relative costs or one
-        noisy step may be far off, and a refused bucket would never measure again), and every
-        `refuse_every`-th refusal in a row is turned into an admission with a draft, so a bucket
-        that once measured plain best can learn that this changed (a weight push that improved
-        the draft, a machine less loaded)."""
+    def may_draft(
+        self,
+        batch: int,
+        tokens_left: int | None = None,
+        rows: list[RowState] | None = None,
+        joining: int | None = None,
+        prompt_tokens: int | None = None,
+    ) -> bool:
+        """False when the `joining` rows (the last of `rows`; None: all of the batch) should be
+        admitted to a batch of this size without a draft. A row admitted without one never
+        drafts for its whole generation, so a refusal is worth its cost only where speculation
+        surely loses: what it saves is the draft's upkeep, the MTP prefill of the rows'
+        `prompt_tokens` (timed by the engine: `observe_draft_prefill`; the pending inputs kept
+        through plain rounds are bounded by the engine and not counted); what it gives up is the
+        option to draft, which each step takes only where it pays.
+
+        The best k > 0 is predicted at a relative gain g over plain decoding, known to within
+        the standard error se of two measured costs (`_Bucket.ratio_error`: the bucket's own
+        step noise, pooled over its widths). Keeping the draft is worth E[max(G, 0)] of the
+        joining rows' generation at plain speed, G ~ N(g, se^2) (`option_value`). The rows are
+        refused when that is less than the upkeep, and k > 0 is predicted to lose by more than
+        `min_gain` (within the margin each step decides). Before the engine has timed a prefill
+        the upkeep counts as `min_gain` of the generation. With exact costs (se = 0) any loss
+        beyond the margin refuses, as before; at temperature 1, batch 4 on the bench model,
+        where k = 1 gains ~5% and one step's cost scatters by 5-14%, a refusal on a noisy
+        estimate had turned drafting off for the rows' whole generation and, `refuse_every`
+        admissions in a row, a whole grid cell (auto at 0.89x plain, 0.84x of static k = 1;
+        BENCHMARKS.md, "Adaptive speculation", seventh session), while the prefill it saved is
+        ~0.6% of a generation there (60 prompt tokens at ~120 us against 48 steps of ~25 ms).
+
+        A guard back-off does not count: it is temporary. Only the bucket's own trusted
+        measurements of k > 0 (at least `min_cost_samples`) can refuse a draft (another batch
+        size's relative costs may be far off, and a refused bucket would never measure again),
+        and every `refuse_every`-th refusal in a row is turned into an admission with a draft,
+        so a bucket that once measured plain best can learn that this changed (a weight push
+        that improved the draft, a machine less loaded)."""
         b = self._bucket(batch)
         rates = self.expected_rates(batch, tokens_left, rows)
         if rates is None or len(b.verify) < 2:
             return True  # k > 0 not measured here (min_cost_samples times) yet
-        if max(rates[1:]) >= (1.0 - self.config.min_gain) * rates[0]:
+        best = max(range(1, len(rates)), key=lambda k: rates[k])
+        gain = rates[best] / rates[0] - 1.0
+        if gain >= -self.config.min_gain or option_value(gain, b.ratio_error(best)) >= self._upkeep(
+            batch, tokens_left, rows, joining, prompt_tokens
+        ):
             b.refusals = 0
             return True
         b.refusals += 1
@@ -942,6 +1000,33 @@ class SpeculationPolicy:
             b.refusals = 0
             return True
         return False
+
+    def _upkeep(
+        self,
+        batch: int,
+        tokens_left: int | None,
+        rows: list[RowState] | None,
+        joining: int | None,
+        prompt_tokens: int | None,
+    ) -> float:
+        """The joining rows' draft prefill as a share of their generation at plain speed (their
+        share of the batch's steps until they are done; `min_gain` before a prefill is timed)."""
+        plain = self._bucket(batch).verify.get(1)
+        if not self._prefill or prompt_tokens is None or plain is None:
+            return self.config.min_gain
+        joining = batch if joining is None else min(max(joining, 1), batch)
+        new = (rows or [])[-joining:]
+        if new:
+            remaining, _ = self._remaining_tokens(new, tokens_left or max(r.left or 1 for r in new))
+        else:
+            remaining = float(max(tokens_left or 1, 1))
+        generation = remaining * plain * joining / batch
+        return prompt_tokens * self._prefill.median() / generation
+
+    def observe_draft_prefill(self, tokens: int, seconds: float) -> None:
+        """The engine ran the draft's prefill of `tokens` prompt tokens in `seconds` (admission)."""
+        if tokens > 0 and seconds >= 0:
+            self._prefill.add(seconds / tokens)
 
     def _best(self, rates: list[float]) -> int:
         """The k of the highest predicted rate; a k > 0 must beat plain by `min_gain` (ties: smaller k)."""

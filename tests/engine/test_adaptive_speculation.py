@@ -7,13 +7,15 @@ Timings come from an injected clock, so nothing here depends on how fast the mac
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 from engine_fixtures import aligned_draft_model
 from test_speculative_distribution import SwitchingPolicy
 from test_speculative_greedy import NEW, PROMPTS, naive_greedy
 
 from sidecar.engine.model import ModelConfig, Qwen3WithMTP
-from sidecar.engine.speculation_policy import MIN_ROW_DRAFTS, SpeculationPolicyConfig
+from sidecar.engine.speculation_policy import MIN_ROW_DRAFTS, SpeculationPolicy, SpeculationPolicyConfig
 from sidecar.engine.torch_engine import CATCH_UP_POSITIONS, TorchEngine
 from sidecar.types import GenerationRequest, SamplingParams, WeightSelector
 
@@ -162,13 +164,16 @@ def test_greedy_output_is_plain_under_the_real_controller_and_rows_joining_late(
 class FakeClock:
     """Seconds that advance by a cost model of 'true' hardware: TorchEngine reads the clock three
     times per decode step (start, after the draft, end); a step with k drafts costs
-    `draft * k` + `verify * (1 + slope * k)`."""
+    `draft * k` + `verify * (1 + slope * k)`. The reads around an admission's draft prefill
+    (`TorchEngine._admit`) see time stand still."""
 
     def __init__(self, engine_ref: list[TorchEngine], draft: float, verify: float, slope: float) -> None:
         self.engine_ref, self.draft, self.verify, self.slope = engine_ref, draft, verify, slope
         self.now, self.reads = 0.0, 0
 
     def __call__(self) -> float:
+        if sys._getframe(1).f_code.co_name == "_admit":
+            return self.now
         phase = self.reads % 3
         self.reads += 1
         k = self.engine_ref[0].speculation_status().k
@@ -236,3 +241,39 @@ def test_switching_the_default_back_to_fixed_keeps_running_auto_rows_on_the_cont
     assert out["auto"] == naive_greedy(aligned_model, PROMPTS[0], NEW)
     assert out["fixed"] == naive_greedy(aligned_model, PROMPTS[2], NEW)
     assert engine.stats()[0].counters.drafted_tokens > drafted  # the auto row kept drafting
+
+
+class AdmissionRecorder(SpeculationPolicy):
+    """The real controller, recording what the engine tells it at admission."""
+
+    def __init__(self, refuse: bool) -> None:
+        super().__init__(SpeculationPolicyConfig(max_k=3))
+        self.refuse = refuse
+        self.asked: list[dict] = []
+        self.prefills: list[tuple[int, float]] = []
+
+    def may_draft(self, batch, tokens_left=None, rows=None, joining=None, prompt_tokens=None) -> bool:
+        self.asked.append({"batch": batch, "joining": joining, "prompt_tokens": prompt_tokens})
+        return not self.refuse
+
+    def observe_draft_prefill(self, tokens: int, seconds: float) -> None:
+        self.prefills.append((tokens, seconds))
+        super().observe_draft_prefill(tokens, seconds)
+
+
+@pytest.mark.parametrize("refuse", [False, True])
+def test_the_engine_times_the_draft_prefill_that_a_refusal_saves(aligned_model, refuse: bool) -> None:
+    """At admission the controller learns how many rows join and how many prompt tokens their
+    draft prefill covers (all but each prompt's last), and, when they keep a draft, what that
+    prefill cost: what refusing a draft would save (`SpeculationPolicy.may_draft`). Refused
+    rows run no prefill and their output stays exact."""
+    ticks = iter(range(10**6))
+    policy = AdmissionRecorder(refuse)
+    engine = TorchEngine(aligned_model, speculation_k=3, clock=lambda: 0.5 * next(ticks))
+    engine.set_speculation_policy(policy)
+    prompts = [PROMPTS[2][:5], PROMPTS[2]]
+    sp = SamplingParams(temperature=0.0, max_new_tokens=8)
+    samples = engine.generate(GenerationRequest(prompts=prompts, sampling=sp))
+    assert policy.asked[0] == {"batch": 2, "joining": 2, "prompt_tokens": 4 + 6}
+    assert policy.prefills == ([] if refuse else [(4 + 6, 0.5)])  # one clock tick around the MTP layers
+    assert [s.token_ids for s in samples] == [naive_greedy(aligned_model, p, 8) for p in prompts]

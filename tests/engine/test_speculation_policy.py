@@ -482,6 +482,40 @@ def test_k_above_zero_must_beat_plain_by_the_margin(gain: float, drafts: bool, k
     assert policy.expected_rates(4)[1] / policy.expected_rates(4)[0] == pytest.approx(gain, rel=1e-3)
 
 
+@pytest.mark.parametrize(
+    ("loss", "scatter", "prefill", "keeps_draft"),
+    [
+        (0.08, 0.0, 1e-6, False),  # exact costs: a loss beyond the margin refuses, however cheap the prefill
+        (0.08, 0.15, 1e-6, True),  # the same loss through 15% step noise: the draft may well pay, its prefill is cheap
+        (0.40, 0.15, 1e-6, False),  # a loss far beyond the noise refuses
+        (0.08, 0.15, 1e-3, False),  # a prefill dear beside the rows' generation refuses too
+    ],
+)
+def test_a_draft_is_refused_only_where_keeping_it_is_worth_less_than_its_prefill(
+    loss: float, scatter: float, prefill: float, keeps_draft: bool
+) -> None:
+    """k = 1 is predicted `loss` below plain, from medians of 5 steps per width scattered by
+    `scatter` (log sd; 5-14% on the 2-core box). Refusing a draft is for the rows' whole
+    generation: it must save more (the measured prefill of their prompts) than the option to
+    draft is worth, E[max(G, 0)] for the gain G ~ N(-loss, se^2) that the noisy medians leave
+    open. At temperature 1, batch 4 a refusal on such an estimate had turned a 5% gain off for a
+    whole grid cell."""
+    policy = SpeculationPolicy(
+        SpeculationPolicyConfig(max_k=1, prior_strength=1e-9, acceptance_halflife=1e9, cost_window=5)
+    )
+    feed_acceptance(policy, [0.5])
+    plain, step1 = 0.010, 0.015 / (1 - loss)  # k = 1: 1.5 tokens per step1 = (1 - loss) x plain's rate
+    for k, seconds in ((0, plain), (1, step1)):
+        for f in (-1, 0, 1, -1, 1):  # median exactly `seconds`, log sd exactly `scatter`
+            policy.observe_step(
+                batch=4, k=k, draft_seconds=0.0, step_seconds=seconds * math.exp(f * scatter), tokens=4, chosen=False
+            )
+    policy.observe_draft_prefill(60, 60 * prefill)
+    rows = [RowState(0, 48)] * 4
+    assert policy.expected_rates(4, None, rows)[1] / policy.expected_rates(4, None, rows)[0] == pytest.approx(1 - loss)
+    assert policy.may_draft(4, None, rows, joining=4, prompt_tokens=60) == keeps_draft
+
+
 def test_a_width_measured_once_is_taken_from_the_nearest_bucket() -> None:
     policy = SpeculationPolicy(SpeculationPolicyConfig(max_k=3))
     feed_costs(policy, 8, verify=[0.010, 0.012, 0.014, 0.016], draft=0.002)
