@@ -511,17 +511,20 @@ class _Bucket:
         )
 
     def noise(self) -> float:
-        """Standard deviation of one verify measurement's log (a step's relative noise), pooled
-        over the widths this bucket measured at least twice; 0 before that."""
+        """A step's relative noise: the standard deviation of one verify measurement's log,
+        estimated robustly (1.4826 x the median absolute deviation of the logs from their
+        width's median, pooled over the widths this bucket measured at least three times; 0
+        before that). The medians it qualifies ignore a slow outlier, so must this: on the bench
+        model the plain sd of a step's log was 0.06-0.14, about twice the MAD's 0.03-0.07, with a
+        garbage collection or a first step in most windows."""
         if self._noise is None:
-            squares, dof = 0.0, 0
+            deviations = []
             for samples in self.verify_samples.values():
                 logs = [math.log(v) for v in samples.values if v > 0]
-                if len(logs) >= 2:
-                    mean = sum(logs) / len(logs)
-                    squares += sum((x - mean) ** 2 for x in logs)
-                    dof += len(logs) - 1
-            self._noise = math.sqrt(squares / dof) if dof else 0.0
+                if len(logs) >= 3:
+                    centre = statistics.median(logs)
+                    deviations += [abs(x - centre) for x in logs]
+            self._noise = 1.4826 * statistics.median(deviations) if deviations else 0.0
         return self._noise
 
     def ratio_error(self, k: int) -> float:
@@ -1009,11 +1012,17 @@ class SpeculationPolicy:
         joining: int | None,
         prompt_tokens: int | None,
     ) -> float:
-        """The joining rows' draft prefill as a share of their generation at plain speed (their
-        share of the batch's steps until they are done; `min_gain` before a prefill is timed)."""
+        """What keeping the joining rows' drafts costs, as a share of their generation at plain
+        speed: their draft prefill (over their share of the batch's steps until they are done;
+        `min_gain` of the generation before a prefill is timed), and the probes that a bucket at
+        plain runs while rows keep drafts (`min_cost_samples` steps of a k > 0 about every
+        `probe_every` x loss / `min_gain` steps, each losing `loss`: `min_cost_samples` x
+        `min_gain` / `probe_every` of the throughput, ~0.6%; `plain_probe_interval`)."""
+        cfg = self.config
+        probing = cfg.min_cost_samples * cfg.min_gain / cfg.probe_every
         plain = self._bucket(batch).verify.get(1)
         if not self._prefill or prompt_tokens is None or plain is None:
-            return self.config.min_gain
+            return cfg.min_gain + probing
         joining = batch if joining is None else min(max(joining, 1), batch)
         new = (rows or [])[-joining:]
         if new:
@@ -1021,7 +1030,7 @@ class SpeculationPolicy:
         else:
             remaining = float(max(tokens_left or 1, 1))
         generation = remaining * plain * joining / batch
-        return prompt_tokens * self._prefill.median() / generation
+        return prompt_tokens * self._prefill.median() / generation + probing
 
     def observe_draft_prefill(self, tokens: int, seconds: float) -> None:
         """The engine ran the draft's prefill of `tokens` prompt tokens in `seconds` (admission)."""
