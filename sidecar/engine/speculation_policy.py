@@ -84,9 +84,9 @@ engine step, not a constant (DESIGN.md, "Speculation policy"):
   few dozen steps (at batch 64 the doubling interval had taken 7 generations of 16 tokens to
   measure k = 1 three times, and until then every row kept a draft it never used). Rows that
   join a batch where every k > 0 was measured slower than plain by more than the margin carry
-  no draft at all where the draft's prefill costs more than the option to draft is worth under
-  the bucket's cost noise (`may_draft`; every `refuse_every`-th such admission keeps its draft
-  to re-measure).
+  no draft at all where keeping it (its prefill, a plain bucket's probes) costs more than the
+  option to draft is worth under the bucket's cost noise (`may_draft`; every `refuse_every`-th
+  such admission keeps its draft to re-measure).
 - **Guard**: the model can be wrong (stale acceptance after a push, a cost that moved, a bug).
   Over the last `guard_rows` row-rounds (at least `guard_min_steps` steps) of model-chosen
   steps with k > 0 in a bucket, the realised tokens
@@ -962,18 +962,19 @@ class SpeculationPolicy:
         """False when the `joining` rows (the last of `rows`; None: all of the batch) should be
         admitted to a batch of this size without a draft. A row admitted without one never
         drafts for its whole generation, so a refusal is worth its cost only where speculation
-        surely loses: what it saves is the draft's upkeep, the MTP prefill of the rows'
-        `prompt_tokens` (timed by the engine: `observe_draft_prefill`; the pending inputs kept
-        through plain rounds are bounded by the engine and not counted); what it gives up is the
-        option to draft, which each step takes only where it pays.
+        surely loses: what it saves is the draft's upkeep (`_upkeep`), the MTP prefill of the
+        rows' `prompt_tokens` (timed by the engine: `observe_draft_prefill`) and the probes of a
+        bucket at plain (the pending inputs kept through plain rounds are bounded by the engine
+        and not counted); what it gives up is the option to draft, which each step takes only
+        where it pays.
 
         The best k > 0 is predicted at a relative gain g over plain decoding, known to within
         the standard error se of two measured costs (`_Bucket.ratio_error`: the bucket's own
-        step noise, pooled over its widths). Keeping the draft is worth E[max(G, 0)] of the
+        step noise, robust to a slow outlier, pooled over its widths). Keeping the draft is worth E[max(G, 0)] of the
         joining rows' generation at plain speed, G ~ N(g, se^2) (`option_value`). The rows are
         refused when that is less than the upkeep, and k > 0 is predicted to lose by more than
         `min_gain` (within the margin each step decides). Before the engine has timed a prefill
-        the upkeep counts as `min_gain` of the generation. With exact costs (se = 0) any loss
+        it counts as `min_gain` of the generation. With exact costs (se = 0) any loss
         beyond the margin refuses, as before; at temperature 1, batch 4 on the bench model,
         where k = 1 gains ~5% and one step's cost scatters by 5-14%, a refusal on a noisy
         estimate had turned drafting off for the rows' whole generation and, `refuse_every`
