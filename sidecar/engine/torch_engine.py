@@ -478,18 +478,18 @@ class TorchEngine(Engine):
         if any(drafting) and width > 1:
             # MTP positions t = 0..P-2 of the prompt (inputs h_t and x_{t+1}); h_{P-1} stays pending.
             num = [n - 1 if d else 0 for n, d in zip(lengths, drafting, strict=True)]
-            timed = self._policy is not None and any(s.auto for s in new)  # what a refused draft saves
-            if timed and self.device.type == "cuda":
+            timer = self._policy if any(s.auto for s in new) else None  # learns what a refused draft saves
+            if timer is not None and self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the prefill's cost, not the trunk's before it
             started = self._clock()
             for j, mc in enumerate(mtp_caches):
                 mplan = mc.plan(num, width=width - 1)
                 self.model.mtp_step(j, tokens[:, 1:], hidden[:, :-1], mc, mplan)
                 mc.commit(mplan)
-            if timed:
+            if timer is not None:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
-                self._policy.observe_draft_prefill(sum(num), self._clock() - started)
+                timer.observe_draft_prefill(sum(num), self._clock() - started)
         finished, keep = [], []
         for i, (s, tok, lp) in enumerate(zip(new, first.tolist(), logprobs.tolist(), strict=True)):
             self._count(s, drafted=0, accepted=0, generated=1)
