@@ -1015,21 +1015,21 @@ class SpeculationPolicy:
     ) -> float:
         """What keeping the joining rows' drafts costs, as a share of their generation at plain
         speed: their draft prefill (over their share of the batch's steps until they are done;
-        `min_gain` of the generation before a prefill is timed), and the probes that a bucket at
+        `min_gain` of the generation before a prefill is timed or while neither `tokens_left`
+        nor the rows' caps are known), and the probes that a bucket at
         plain runs while rows keep drafts (`min_cost_samples` steps of a k > 0 about every
         `probe_every` x loss / `min_gain` steps, each losing `loss`: `min_cost_samples` x
         `min_gain` / `probe_every` of the throughput, ~0.6%; `plain_probe_interval`)."""
         cfg = self.config
         probing = cfg.min_cost_samples * cfg.min_gain / cfg.probe_every
         plain = self._bucket(batch).verify.get(1)
-        if not self._prefill or prompt_tokens is None or plain is None:
-            return cfg.min_gain + probing
         joining = batch if joining is None else min(max(joining, 1), batch)
         new = (rows or [])[-joining:]
-        if new:
-            remaining, _ = self._remaining_tokens(new, tokens_left or max(r.left or 1 for r in new))
-        else:
-            remaining = float(max(tokens_left or 1, 1))
+        caps = [r.left for r in new if r.left is not None]
+        cap = tokens_left if tokens_left is not None else max(caps, default=None)
+        if not self._prefill or prompt_tokens is None or plain is None or cap is None:
+            return cfg.min_gain + probing  # the prefill or the generation it is set against unknown
+        remaining = self._remaining_tokens(new, cap)[0] if new else float(max(cap, 1))
         generation = remaining * plain * joining / batch
         return prompt_tokens * self._prefill.median() / generation + probing
 
