@@ -514,9 +514,9 @@ class _Bucket:
         """A step's relative noise: the standard deviation of one verify measurement's log,
         estimated robustly (1.4826 x the median absolute deviation of the logs from their
         width's median, pooled over the widths this bucket measured at least three times; 0
-        before that). The medians it qualifies ignore a slow outlier, so must this: on the bench
-        model the plain sd of a step's log was 0.06-0.14, about twice the MAD's 0.03-0.07, with a
-        garbage collection or a first step in most windows."""
+        before that). The medians it qualifies ignore a slow outlier, so must this: at batch
+        16-64 on the bench model the plain sd of a step's log was 0.06-0.14, about twice the
+        MAD's 0.03-0.07, with a garbage collection or a first step in most windows."""
         if self._noise is None:
             deviations = []
             for samples in self.verify_samples.values():
