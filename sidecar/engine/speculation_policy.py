@@ -237,7 +237,8 @@ class SpeculationDecision:
 
     k: int
     reason: str
-    """'model' (best predicted k), 'probe' (measuring a neighbour or plain), 'guard' (backed off
+    """'model' (best predicted k; k = 0 also when joining rows were admitted without a draft,
+    `SpeculationPolicy.may_draft`), 'probe' (measuring a neighbour or plain), 'guard' (backed off
     after realised throughput fell below plain), 'off' (max k is 0)."""
     batch_size: int
     expected_speedup: float = 1.0
@@ -994,15 +995,26 @@ class SpeculationPolicy:
             return True  # k > 0 not measured here (min_cost_samples times) yet
         best = max(range(1, len(rates)), key=lambda k: rates[k])
         gain = rates[best] / rates[0] - 1.0
-        if gain >= -self.config.min_gain or option_value(gain, b.ratio_error(best)) >= self._upkeep(
-            batch, tokens_left, rows, joining, prompt_tokens
-        ):
+        if gain >= -self.config.min_gain:
+            b.refusals = 0
+            return True
+        se = b.ratio_error(best)
+        worth, upkeep = option_value(gain, se), self._upkeep(batch, tokens_left, rows, joining, prompt_tokens)
+        if worth >= upkeep:
             b.refusals = 0
             return True
         b.refusals += 1
         if b.refusals >= self.config.refuse_every:
             b.refusals = 0
             return True
+        self.last = SpeculationDecision(  # what GetStats shows while no row drafts (decide is not asked)
+            k=0,
+            reason="model",
+            batch_size=batch,
+            detail=f"rows joining batch {batch} admitted without a draft: the best k={best} predicts "
+            f"{1.0 + gain:.2f}x plain (se {se:.2f}); drafting is worth {100 * worth:.2f}% of their "
+            f"generation, keeping the draft costs {100 * upkeep:.2f}%",
+        )
         return False
 
     def _upkeep(

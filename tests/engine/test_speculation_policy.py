@@ -519,6 +519,9 @@ def test_a_draft_is_refused_only_where_keeping_it_is_worth_less_than_its_prefill
     rows = [RowState(0, 48)] * 4
     assert policy.expected_rates(4, None, rows)[1] / policy.expected_rates(4, None, rows)[0] == pytest.approx(1 - loss)
     assert policy.may_draft(4, None, rows, joining=4, prompt_tokens=60) == keeps_draft
+    if not keeps_draft:  # GetStats says why no row drafts (the controller is not asked per step then)
+        assert policy.last.k == 0 and "admitted without a draft" in policy.last.detail
+        assert f"{1 - loss:.2f}x plain" in policy.last.detail
 
 
 def test_a_slow_step_among_steady_ones_does_not_make_a_loss_look_uncertain() -> None:
