@@ -17,8 +17,13 @@ the engine's own bookkeeping per step, the catch-up cost after plain rounds beyo
 step, and acceptance that drifts (one fixed draft); costs that move with the box's load over
 minutes only with `--drift`.
 
+`--calibrate` checks the controller's price of each static k (its straggler model) against the
+modelled engine's truth for a batch with given tokens left, after random-k generations taught it
+the workload.
+
     .venv/bin/python tools/sim_adaptive.py --measure /tmp/i16a/rl/policy --costs /tmp/costs.json
     .venv/bin/python tools/sim_adaptive.py --costs /tmp/costs.json --generations 400
+    .venv/bin/python tools/sim_adaptive.py --costs /tmp/costs.json --generations 200 --calibrate 40,20,10,4
 """
 
 from __future__ import annotations
@@ -239,6 +244,84 @@ class _Forced(SpeculationPolicy):
         self.prefill_samples.append(seconds / tokens)
 
 
+class _RandomK(SpeculationPolicy):
+    """Drafts a uniformly random k each step and learns from it like the controller: acceptance
+    and costs of every width, without the bias of its own choices."""
+
+    def __init__(self, config: SpeculationPolicyConfig, seed: int) -> None:
+        super().__init__(config)
+        self._rng = random.Random(seed)
+
+    def decide(self, batch: int, tokens_left: int | None = None, rows: list[RowState] | None = None):
+        self.last = SpeculationDecision(k=self._rng.randint(0, self.config.max_k), reason="probe", batch_size=batch)
+        return self.last
+
+    def may_draft(self, *args: object, **kwargs: object) -> bool:
+        return True
+
+
+def finish_seconds(costs: Costs, work: Workload, k: int, length: int, trials: int, rng: random.Random) -> float:
+    """Mean seconds for one batch of the workload's rows (`rows` x its requests, all at output
+    `length`) to finish under static k (drafts capped by each row's tokens left; a row stops at
+    its request's end, or anywhere with probability `other_end`, or at the cap): the truth that
+    the controller's price of k from this state (`SpeculationPolicy.expected_rates`) is for."""
+    max_k = max(costs[min(costs)])
+    total = 0.0
+    for _ in range(trials):
+        rows = []
+        for end in work.ends:
+            for _ in range(work.rows):
+                e = end if rng.random() >= work.other_end else rng.randrange(work.max_new_tokens)
+                rows.append(
+                    [length, e if e >= length else work.max_new_tokens, max(1 + work.spread * rng.gauss(0, 1), 0)]
+                )
+        while rows:
+            left = [work.max_new_tokens - r[0] for r in rows]
+            k_eff = [min(k, lf - 1) for lf in left]
+            kmax = max(k_eff)
+            draft_s, verify_s = costs[_nearest(costs, len(rows))][min(kmax, max_k)]
+            total += draft_s * (kmax > 0) + verify_s
+            for r, ke, lf in zip(rows, k_eff, left, strict=True):
+                a = 0
+                while a < ke and rng.random() < min(max(work.alphas[a] * r[2], 0.02), 0.98):
+                    a += 1
+                n = min(a + 1, lf)
+                if r[0] <= r[1] < r[0] + n:
+                    n = r[1] - r[0] + 1
+                    r[0] = work.max_new_tokens  # stopped
+                else:
+                    r[0] += n
+            rows = [r for r in rows if r[0] < work.max_new_tokens]
+    return total / trials
+
+
+def calibrate(
+    costs: Costs, work: Workload, max_k: int, lefts: list[int], generations: int, trials: int, seed: int, noise: float
+) -> None:
+    """Print, for a batch of the workload's rows all with `left` tokens to go, each static k's
+    true speedup over plain to the batch's end (`finish_seconds`, Monte Carlo) next to the
+    controller's price of it, after `generations` generations of random k taught it the
+    workload's acceptance, stop positions and (noisy) costs."""
+    policy = _RandomK(SpeculationPolicyConfig(max_k=max_k), seed)
+    simulate(costs, work, policy, generations, seed, noise)
+    rng = random.Random(seed + 1)
+    n = work.rows * len(work.ends)
+    a = policy.acceptance
+    click.echo(
+        f"learnt: acceptance {' '.join(f'{x:.3f}' for x in a.rates())}, spread {a.spread():.3f}, "
+        f"tokens per step {' '.join(f'{x:.3f}' for x in a.tokens_by_k(max_k))}"
+    )
+    click.echo(f"batch {n}; per k = 0..{max_k}: true speedup to the batch's end | the controller's price")
+    for left in lefts:
+        length = work.max_new_tokens - left
+        seconds = [finish_seconds(costs, work, k, length, trials, rng) for k in range(max_k + 1)]
+        rates = policy.expected_rates(n, left, [RowState(length, left)] * n)
+        assert rates is not None
+        true = " ".join(f"{seconds[0] / t:.3f}" for t in seconds)
+        price = " ".join(f"{r / rates[0]:.3f}" for r in rates)
+        click.echo(f"{left:4d} tokens left: {true} | {price}")
+
+
 def measure(
     model: Path, batches: list[int], max_k: int, steps: int, rounds: int, prompt_tokens: int = 16
 ) -> tuple[Costs, float]:
@@ -325,6 +408,12 @@ def _setting(text: str) -> tuple[str, int | float]:
 @click.option(
     "--set", "overrides", multiple=True, help="A controller setting for auto, NAME=VALUE (SpeculationPolicyConfig)."
 )
+@click.option(
+    "--calibrate",
+    "lefts",
+    help="Instead: the straggler price against the truth for a batch with these tokens left (e.g. 40,20,10,4).",
+)
+@click.option("--trials", default=2000, show_default=True, help="Monte Carlo batches per k and state (--calibrate).")
 def main(
     costs_path: Path,
     model: Path | None,
@@ -336,6 +425,8 @@ def main(
     drift: float,
     drift_steps: float,
     overrides: tuple[str, ...],
+    lefts: str | None,
+    trials: int,
     **w,
 ) -> None:
     """Static k = 0..max k and auto on one modelled workload; auto against the best static k."""
@@ -362,6 +453,12 @@ def main(
         prefill_per_token=table_prefill if w["prefill_per_token"] is None else w["prefill_per_token"],
     )
     k_top = min(max_k, len(work.alphas))
+    if lefts is not None:
+        tokens = [int(x) for x in lefts.split(",")]
+        if not all(1 <= t <= work.max_new_tokens for t in tokens):
+            raise click.BadParameter(f"tokens left must be in 1..{work.max_new_tokens}", param_hint="--calibrate")
+        calibrate(costs, work, k_top, tokens, generations, trials, seed, noise)
+        return
     settings = dict(_setting(o) for o in overrides)
     try:
         SpeculationPolicyConfig(max_k=k_top, **settings)
