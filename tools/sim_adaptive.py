@@ -86,6 +86,29 @@ class _Row:
     """False: admitted without a draft (`SpeculationPolicy.may_draft`), plain for its whole generation."""
 
 
+def _new_row(work: Workload, end: int, rng: random.Random) -> _Row:
+    """A row of a request whose rows stop at `end` (anywhere, with probability `other_end`),
+    its acceptance scaled by a draw of the rows' spread."""
+    return _Row(
+        end=end if rng.random() >= work.other_end else rng.randrange(work.max_new_tokens),
+        scale=max(1.0 + work.spread * rng.gauss(0.0, 1.0), 0.0),
+    )
+
+
+def _step(row: _Row, drafts: int, left: int, work: Workload, rng: random.Random) -> tuple[int, int, bool]:
+    """One decode step of `row` with `drafts` drafts and `left` tokens to its cap: (drafts
+    accepted, tokens emitted, whether its stop token was among them). The row's length is the
+    caller's to advance."""
+    a = 0
+    while a < drafts and rng.random() < min(max(work.alphas[a] * row.scale, 0.02), 0.98):
+        a += 1
+    n = min(a + 1, left)
+    stopped = row.length <= row.end < row.length + n
+    if stopped:
+        n = row.end - row.length + 1
+    return a, n, stopped
+
+
 def simulate(
     costs: Costs,
     work: Workload,
@@ -108,16 +131,7 @@ def simulate(
     max_k = max(costs[min(costs)])
     seconds, steps, last_k, x = 0.0, 0, 0, 0.0
     for _ in range(generations):
-        waiting = [
-            [
-                _Row(
-                    end=end if rng.random() >= work.other_end else rng.randrange(work.max_new_tokens),
-                    scale=max(1.0 + work.spread * rng.gauss(0.0, 1.0), 0.0),
-                )
-                for _ in range(work.rows)
-            ]
-            for end in work.ends
-        ]
+        waiting = [[_new_row(work, end, rng) for _ in range(work.rows)] for end in work.ends]
         running: list[_Row] = []
         step = 0
         while running or waiting:
@@ -167,13 +181,7 @@ def simulate(
             ends, drafted, accepted, finished = [], [], [], []
             emitted_total = ended = 0
             for row, ke, lf in zip(running, k_eff, left, strict=True):
-                a = 0
-                while a < ke and rng.random() < min(max(work.alphas[a] * row.scale, 0.02), 0.98):
-                    a += 1
-                n = min(a + 1, lf)
-                stopped = row.length <= row.end < row.length + n
-                if stopped:
-                    n = row.end - row.length + 1
+                a, n, stopped = _step(row, ke, lf, work, rng)
                 if ke:
                     drafted.append(min(ke, n))
                     accepted.append(min(a, n))
@@ -268,30 +276,24 @@ def finish_seconds(costs: Costs, work: Workload, k: int, length: int, trials: in
     max_k = max(costs[min(costs)])
     total = 0.0
     for _ in range(trials):
-        rows = []
-        for end in work.ends:
-            for _ in range(work.rows):
-                e = end if rng.random() >= work.other_end else rng.randrange(work.max_new_tokens)
-                rows.append(
-                    [length, e if e >= length else work.max_new_tokens, max(1 + work.spread * rng.gauss(0, 1), 0)]
-                )
+        rows = [_new_row(work, end, rng) for end in work.ends for _ in range(work.rows)]
+        for row in rows:
+            row.length = length
+            if row.end < length:  # its stop position is behind it: it runs to the cap
+                row.end = work.max_new_tokens
         while rows:
-            left = [work.max_new_tokens - r[0] for r in rows]
+            left = [work.max_new_tokens - r.length for r in rows]
             k_eff = [min(k, lf - 1) for lf in left]
             kmax = max(k_eff)
             draft_s, verify_s = costs[_nearest(costs, len(rows))][min(kmax, max_k)]
             total += draft_s * (kmax > 0) + verify_s
-            for r, ke, lf in zip(rows, k_eff, left, strict=True):
-                a = 0
-                while a < ke and rng.random() < min(max(work.alphas[a] * r[2], 0.02), 0.98):
-                    a += 1
-                n = min(a + 1, lf)
-                if r[0] <= r[1] < r[0] + n:
-                    n = r[1] - r[0] + 1
-                    r[0] = work.max_new_tokens  # stopped
-                else:
-                    r[0] += n
-            rows = [r for r in rows if r[0] < work.max_new_tokens]
+            running = []
+            for row, ke, lf in zip(rows, k_eff, left, strict=True):
+                _, n, stopped = _step(row, ke, lf, work, rng)
+                row.length += n
+                if not stopped and row.length < work.max_new_tokens:
+                    running.append(row)
+            rows = running
     return total / trials
 
 

@@ -971,17 +971,18 @@ class SpeculationPolicy:
 
         The best k > 0 is predicted at a relative gain g over plain decoding, known to within
         the standard error se of two measured costs (`_Bucket.ratio_error`: the bucket's own
-        step noise, robust to a slow outlier, pooled over its widths). Keeping the draft is worth E[max(G, 0)] of the
-        joining rows' generation at plain speed, G ~ N(g, se^2) (`option_value`). The rows are
-        refused when that is less than the upkeep, and k > 0 is predicted to lose by more than
-        `min_gain` (within the margin each step decides). Before the engine has timed a prefill
-        it counts as `min_gain` of the generation. With exact costs (se = 0) any loss
-        beyond the margin refuses, as before; at temperature 1, batch 4 on the bench model,
-        where k = 1 gains ~5% and one step's cost scatters by 5-14%, a refusal on a noisy
-        estimate had turned drafting off for the rows' whole generation and, `refuse_every`
-        admissions in a row, a whole grid cell (auto at 0.89x plain, 0.84x of static k = 1;
-        BENCHMARKS.md, "Adaptive speculation", seventh session), while the prefill it saved is
-        ~0.6% of a generation there (60 prompt tokens at ~120 us against 48 steps of ~25 ms).
+        step noise, robust to a slow outlier, pooled over its widths). Keeping the draft is
+        worth E[max(G, 0)] of the joining rows' generation at plain speed, G ~ N(g, se^2)
+        (`option_value`). The rows are refused when that is less than the upkeep, and k > 0 is
+        predicted to lose by more than `min_gain` (within the margin each step decides). Before
+        the engine has timed a prefill, the prefill counts as `min_gain` of the generation.
+        With exact costs (se = 0) any loss beyond the margin refuses, as before; at temperature
+        1, batch 4 on the bench model, where k = 1 gains ~5% and one step's cost scatters by
+        5-14%, a refusal on a noisy estimate had turned drafting off for the rows' whole
+        generation and, `refuse_every` admissions in a row, a whole grid cell (auto at 0.89x
+        plain, 0.84x of static k = 1; BENCHMARKS.md, "Adaptive speculation", seventh session),
+        while the prefill it saved is ~0.6% of a generation there (60 prompt tokens at ~120 us
+        against 48 steps of ~25 ms).
 
         A guard back-off does not count: it is temporary. Only the bucket's own trusted
         measurements of k > 0 (at least `min_cost_samples`) can refuse a draft (another batch
