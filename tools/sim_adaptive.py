@@ -456,7 +456,12 @@ def main(
     )
     k_top = min(max_k, len(work.alphas))
     if lefts is not None:
-        tokens = [int(x) for x in lefts.split(",")]
+        try:
+            tokens = [int(x) for x in lefts.split(",")]
+        except ValueError:
+            raise click.BadParameter(
+                f"{lefts!r} is not a comma-separated list of integers", param_hint="--calibrate"
+            ) from None
         if not all(1 <= t <= work.max_new_tokens for t in tokens):
             raise click.BadParameter(f"tokens left must be in 1..{work.max_new_tokens}", param_hint="--calibrate")
         calibrate(costs, work, k_top, tokens, generations, trials, seed, noise)
