@@ -10,8 +10,10 @@ generated with k = 0 (plain), each static k (pinned per request) and automatic m
 configurations interleaved and their order rotated per repeat; process CPU seconds (robust to
 other tenants of a shared machine); each speedup is the median over `--repeats` of the ratio
 within one repeat (paired: the configurations of a repeat ran next to each other), auto's with the
-range of its per-repeat ratios; "auto / best static" pairs auto with the faster of plain and the
-best static k in each repeat. Each repeat samples with its own seed (4, 5, ...; the learning
+90% bootstrap interval over the repeats; "auto / best static" pairs auto with the faster of plain
+and the best static k in each repeat, that k chosen on the same repeats ("in-sample": biased
+against auto, the winner's curse) and, per repeat, on the other repeats ("held out", with its
+interval; tools/bench_stats.py). Each repeat samples with its own seed (4, 5, ...; the learning
 pass 3), the same for every configuration: at temperature > 0 a pinned k reproduces its
 sequences from the seed, so with one seed for all repeats a static k's figure rode on two fixed
 sequences' acceptance (at temperature 1, batch 1, static k = 3 had tau 1.96 on seed 3 and
@@ -42,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_engine import BENCH_CONFIG, ensure_bench_checkpoint
+from bench_stats import against_best_held_out, median_ratio
 
 from sidecar.engine.speculation_policy import (
     RowState,
@@ -107,9 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     header = (
         "| T | B | plain tok/s | "
         + " | ".join(f"k={k}" for k in ks)
-        + " | auto (range) | auto / best static | auto first pass | auto tau | auto's k (share of steps) |"
+        + " | auto [90% CI] | auto / best static, in-sample | auto / best static, held out [90% CI] "
+        "| auto first pass | auto tau | auto's k (share of steps) |"
     )
-    lines = [header, "|---" * (8 + len(ks)) + "|"]
+    lines = [header, "|---" * (9 + len(ks)) + "|"]
     print(header, flush=True)
     for temperature in [float(t) for t in args.temperatures.split(",")]:
         policy = CountingPolicy(SpeculationPolicyConfig(max_k=args.max_k))
@@ -149,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
             against_best = statistics.median(
                 min(p, b) / a for p, b, a in zip(times[0], times[best], times["auto"], strict=True)
             )
-            spread = [p / a for p, a in zip(times[0], times["auto"], strict=True)]
+            # the best static k chosen without the repeat it is compared on (tools/bench_stats.py)
+            held_out = against_best_held_out(times, ks, "auto", reference=lambda c, i, t=times: min(t[0][i], t[c][i]))
+            against_plain = median_ratio(times[0], times["auto"])
             steps = sum(policy.counts.values())
             by_k: Counter[int] = Counter()
             for (k, _), n in policy.counts.items():
@@ -162,8 +168,9 @@ def main(argv: list[str] | None = None) -> int:
             row = (
                 f"| {temperature:g} | {batch} | {rate[0]:.1f} | "
                 + " | ".join(f"{speedup[k]:.2f}x" for k in ks)
-                + f" | **{speedup['auto']:.2f}x** ({min(spread):.2f}-{max(spread):.2f}) "
+                + f" | **{speedup['auto']:.2f}x** [{against_plain.low:.2f}, {against_plain.high:.2f}] "
                 f"| {against_best:.2f} (best: k={best if speedup[best] > 1 else 0}) "
+                f"| **{held_out.median:.2f}** [{held_out.low:.2f}, {held_out.high:.2f}] "
                 f"| {tokens / first_seconds / rate[0]:.2f}x | {auto_counters.acceptance_length:.2f} | {share} ({why}) |"
             )
             lines.append(row)

@@ -8,7 +8,8 @@
    4 prompts × 4 samples, temperature 1, the draft-initialised policy): repeats interleaved k by k, medians, τ from the
    sidecars' raw counters — where longer drafts stop paying; plus automatic mode ("auto": the sidecars, started with
    `--spec-k auto --max-spec-k max(ks)`, choose k per engine step; their first generations, untimed, are its learning
-   pass), against the best static k.
+   pass), against the best static k: chosen on the same repeats (biased against auto) and held out
+   (each repeat against the k fastest on the others), with 90% bootstrap intervals (tools/bench_stats.py).
 
     .venv/bin/python tools/bench_rl.py --out /tmp/bench-rl --repeats 5
 """
@@ -16,14 +17,17 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import statistics
 import subprocess
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
 import torch
+from bench_stats import against_best_held_out, best_in_sample, held_out_choices, median_ratio
 
 from sidecar.fleet import Fleet
 from sidecar.types import GenerationRequest, SamplingParams
@@ -44,7 +48,14 @@ def cpu_seconds(pids: list[int]) -> float:
 
 
 def k_sweep(
-    policy: Path, logs: Path, ks: list[int], repeats: int, prompts_n: int, samples: int, rounds: int = 3
+    policy: Path,
+    logs: Path,
+    ks: list[int],
+    repeats: int,
+    prompts_n: int,
+    samples: int,
+    rounds: int = 3,
+    raw: Path | None = None,
 ) -> list[str]:
     """Per (repeat, k): `rounds` generations of the demo workload (fresh seeds); wall seconds of
     the trainer's fan-out and CPU seconds of both sidecar processes (robust to other tenants)."""
@@ -87,16 +98,25 @@ def k_sweep(
     for k in wall:
         w, c = statistics.median(wall[k]), statistics.median(cpu[k])
         rows.append(f"| {k} | {statistics.median(taus[k]):.2f} | {w:.3f} | {w0 / w:.2f}x | {c:.2f} | {c0 / c:.2f}x |")
-    best = max(ks, key=lambda k: statistics.median(cpu[0]) / statistics.median(cpu[k]))
-    # paired: a repeat's configurations ran one after the other, so per-repeat ratios cancel drift
-    paired_c = [b / a for b, a in zip(cpu[best], cpu["auto"], strict=True)]
-    paired_w = [b / a for b, a in zip(wall[best], wall["auto"], strict=True)]
+    best = best_in_sample(cpu, ks)
     rows.append("")
+    # paired: a repeat's configurations ran one after the other, so per-repeat ratios cancel drift
     rows.append(
-        f"auto vs the best static k (k={best} by CPU), median of per-repeat ratios (range): "
-        f"CPU {statistics.median(paired_c):.2f}x ({min(paired_c):.2f}-{max(paired_c):.2f}), "
-        f"wall {statistics.median(paired_w):.2f}x ({min(paired_w):.2f}-{max(paired_w):.2f}) (> 1: auto faster)"
+        f"auto vs the best static k, median of per-repeat ratios [90% bootstrap interval] (> 1: auto faster): "
+        f"in-sample best (k={best} by CPU, chosen on the same repeats: biased against auto, see "
+        f"tools/bench_stats.py): CPU {median_ratio(cpu[best], cpu['auto'])}, wall {median_ratio(wall[best], wall['auto'])}"
     )
+    choices = Counter(held_out_choices(cpu, ks))
+    rows.append(
+        "held-out best (each repeat against the k fastest on the other repeats: "
+        + ", ".join(f"k={k} in {n}" for k, n in choices.most_common())
+        + f"): CPU {against_best_held_out(cpu, ks, 'auto')}, "
+        f"wall {against_best_held_out(wall, ks, 'auto')}; auto against plain: CPU {median_ratio(cpu[0], cpu['auto'])}"
+    )
+    if raw is not None:
+        raw.write_text(
+            json.dumps({"cpu": {str(k): v for k, v in cpu.items()}, "wall": {str(k): v for k, v in wall.items()}})
+        )
     for i, status in enumerate(statuses):
         rows.append(
             f"sidecar {i} at the end: k={status.k} ({status.reason}: {status.detail}); acceptance per position "
@@ -113,6 +133,9 @@ def main() -> None:
     ap.add_argument("--ks", default="1,2,3,4,5,6")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--sweep-only", action="store_true", help="Reuse OUT/policy from an earlier run; only sweep k.")
+    ap.add_argument(
+        "--raw", type=Path, help="Also write the sweep's per-repeat seconds here (JSON: cpu/wall -> k -> list)."
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     if not args.sweep_only:
@@ -128,6 +151,7 @@ def main() -> None:
         args.repeats,
         rollout.prompts_per_step,
         rollout.samples_per_prompt,
+        raw=args.raw,
     )
     print("\n".join(sweep))
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
