@@ -18,9 +18,20 @@ growing by 1/8), shrunk towards the overall rate where a bin has little evidence
 from __future__ import annotations
 
 import bisect
+import math
+from dataclasses import dataclass
+from itertools import pairwise
 
 REMAINING_REFRESH = 16
-"""Observations (decode steps) for which `StopHazard.remaining`'s table per length cap is kept."""
+"""Observations (decode steps) for which `StopHazard.remaining`'s table is kept."""
+
+REBUILD_POSITIONS = 256
+"""Positions of `StopHazard.remaining`'s table rebuilt per observation at most, on average: a
+table to a long horizon (32k tokens: ~20 ms of Python) is kept that much longer."""
+
+HORIZON_GROWTH = 1.25
+"""A cap past the table's horizon rebuilds it at least this much further (a bounded number of
+rebuilds however the caps grow)."""
 
 EXACT_POSITIONS = 64
 """Output positions below this have a bin each; later bins grow by ~1/8 (a 4,096-token cap: ~100 bins)."""
@@ -54,8 +65,13 @@ class StopHazard:
         self.ended = 0.0
         """... of which ended their sequence (a stop token, not the length cap)."""
         self._observations = 0
-        self._remaining: dict[int, tuple[int, int, list[float], list[float]]] = {}
-        """cap -> (observations when built, lowest position, means, second moments) (`remaining`)."""
+        self._table: _RemainingTable | None = None
+        """`remaining`'s moments from every position to one horizon, for every cap below it."""
+        self._largest_cap = 0
+        """The largest cap asked of `remaining` since the table was built (the next one's horizon)."""
+        self._lowest_position = 0
+        """The lowest position asked since the table was built: a lower one means rows joined, and
+        their whole generation is priced from it (so it is rebuilt on fresh hazards first)."""
 
     def _bin(self, position: int) -> int:
         if position >= self._starts[-1]:
@@ -100,27 +116,73 @@ class StopHazard:
 
     def remaining(self, position: int, left: int) -> tuple[float, float]:
         """(mean, variance) of the tokens a row at output `position` still emits, its stop token
-        included, when it may emit at most `left` more (the length cap).
+        included, when it may emit at most `left` more (the length cap P = position + left).
 
-        Backwards from the cap P = position + left: M(P) = 0, M(p) = 1 + (1 - h(p)) M(p + 1), and
-        the second moment Q(p) = 1 + (1 - h(p)) (2 M(p + 1) + Q(p + 1)). The table per cap is kept
-        for `REMAINING_REFRESH` observations (it costs a pass over the positions; the hazard moves
-        slowly)."""
+        One table serves every cap (a batch's rows may each have their own: a client that sets
+        max_new_tokens per prompt). Backwards from a horizon H >= P: M(H) = 0,
+        M(p) = 1 + (1 - h(p)) M(p + 1), and the second moment Q(p) = 1 + (1 - h(p)) (2 M(p + 1) +
+        Q(p + 1)). The tokens N_H to H are those to P, plus, if the row reaches P (probability
+        r = prod over p in [position, P) of 1 - h(p), from prefix sums of log(1 - h)), the
+        N' from P to H. Given that, the row emitted all `left` tokens before P, so
+        M_P = M(position) - r M(P) and Q_P = Q(position) - r (2 left M(P) + Q(P)).
+        The table is rebuilt on the hazards of the moment when rows joined the batch (a position
+        below any asked since it was built) and after `REMAINING_REFRESH` observations (the hazard
+        moves slowly), but no more than once per horizon / `REBUILD_POSITIONS` observations. A table per cap had cost O(rows x cap) per decode step where more than 64
+        caps evicted each other: 0.19 s per step at batch 128 with caps of 2,000-4,000 tokens
+        (`tools/bench_controller.py`)."""
         if left <= 0:
             return 0.0, 0.0
         cap = position + left
-        table = self._remaining.get(cap)
-        if table is None or self._observations - table[0] >= REMAINING_REFRESH or position < table[1]:
-            low = min(position, table[1]) if table is not None and table[0] == self._observations else position
-            means, seconds = [0.0] * (cap - low + 1), [0.0] * (cap - low + 1)
-            for p in range(cap - 1, low - 1, -1):
-                go = 1.0 - self.at(p)
-                i = p - low
-                means[i] = 1.0 + go * means[i + 1]
-                seconds[i] = 1.0 + go * (2.0 * means[i + 1] + seconds[i + 1])
-            if len(self._remaining) > 64:
-                self._remaining.clear()
-            table = self._remaining[cap] = (self._observations, low, means, seconds)
-        _, low, means, seconds = table
-        mean, second = means[position - low], seconds[position - low]
+        table = self._table
+        if table is None or cap > table.horizon:  # grown geometrically: a bounded number of rebuilds
+            horizon = cap if table is None else max(cap, math.ceil(HORIZON_GROWTH * table.horizon))
+            table = self._table = self._build(horizon)
+        else:
+            age = self._observations - table.built
+            if age > 0 and age * REBUILD_POSITIONS >= table.horizon and (
+                age >= REMAINING_REFRESH or position < self._lowest_position
+            ):  # stale, or rows joined since: to the largest cap asked since
+                table = self._table = self._build(max(cap, self._largest_cap))
+        if cap > self._largest_cap:  # (comparisons, not max/min: this runs for every row every step)
+            self._largest_cap = cap
+        if position < self._lowest_position:
+            self._lowest_position = position
+        means, seconds, log_survival = table.means, table.seconds, table.log_survival
+        after = means[cap]
+        reach = math.exp(log_survival[cap] - log_survival[position])
+        mean = means[position] - reach * after
+        second = seconds[position] - reach * (2.0 * left * after + seconds[cap])
         return mean, max(second - mean * mean, 0.0)
+
+    def _build(self, horizon: int) -> _RemainingTable:
+        """`remaining`'s table for positions 0..horizon from the hazards now (one pass per bin for
+        the hazards, one per position for the moments)."""
+        self._bin(horizon)  # bins to the horizon
+        rate = self.rate()
+        hazards: list[float] = []
+        for i, (start, end) in enumerate(pairwise(self._starts)):
+            if start >= horizon:
+                break
+            h = (self._ended[i] + self.prior_tokens * rate) / (self._emitted[i] + self.prior_tokens)
+            hazards += [h] * (min(end, horizon) - start)
+        means, seconds = [0.0] * (horizon + 1), [0.0] * (horizon + 1)
+        for p in range(horizon - 1, -1, -1):
+            go = 1.0 - hazards[p]
+            means[p] = 1.0 + go * means[p + 1]
+            seconds[p] = 1.0 + go * (2.0 * means[p + 1] + seconds[p + 1])
+        log_survival = [0.0] * (horizon + 1)  # sum of log(1 - h) before each position (h < 1)
+        for p, h in enumerate(hazards):
+            log_survival[p + 1] = log_survival[p] + math.log(max(1.0 - h, 1e-300))
+        self._largest_cap, self._lowest_position = 0, horizon
+        return _RemainingTable(self._observations, horizon, means, seconds, log_survival)
+
+
+@dataclass(frozen=True)
+class _RemainingTable:
+    """`StopHazard.remaining`'s moments to `horizon`, as of `built` observations."""
+
+    built: int
+    horizon: int
+    means: list[float]
+    seconds: list[float]
+    log_survival: list[float]

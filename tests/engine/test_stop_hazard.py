@@ -4,6 +4,8 @@ overall rate where a position has little evidence, aged by the tokens that repla
 from __future__ import annotations
 
 import random
+import sys
+from types import FrameType
 
 import pytest
 from hypothesis import given, settings
@@ -88,19 +90,63 @@ def test_bad_rows_are_refused() -> None:
 def test_remaining_tokens_follow_the_hazards(lengths: list[int], seed: int) -> None:
     """Oracle: the distribution of R = the tokens a row at `start` still emits, at most `left`,
     enumerated forwards from the per-position hazards (P(R = j) = P(no stop before the j-th
-    token) x h at it, the cap taking what is left), against `remaining`'s backward recursion."""
+    token) x h at it, the cap taking what is left), against `remaining`. Several rows of one
+    batch, each with its own cap, below and past the caps asked before (one table serves them)."""
     hazard = StopHazard(halflife=64.0, prior_tokens=4.0, rate_prior=2.0)
     rng = random.Random(seed)
     for end in lengths:
         for step in rows_ending_at(end - 1, rows=1, step=rng.randint(1, 4)):
             hazard.observe_rows(step)
-    start, left = rng.randint(0, 2 * EXACT_POSITIONS), rng.randint(1, 40)
-    alive, mean, second = 1.0, 0.0, 0.0
-    for j in range(1, left + 1):
-        h = hazard.at(start + j - 1) if j < left else 1.0  # the cap ends the row at its last token
-        mean += j * alive * h
-        second += j * j * alive * h
-        alive *= 1.0 - h
-    got_mean, got_variance = hazard.remaining(start, left)
-    assert got_mean == pytest.approx(mean, rel=1e-9)
-    assert got_variance == pytest.approx(second - mean * mean, rel=1e-6, abs=1e-9)
+    for _ in range(6):
+        start, left = rng.randint(0, 2 * EXACT_POSITIONS), rng.randint(1, 40 + 4 * EXACT_POSITIONS)
+        alive, mean, second = 1.0, 0.0, 0.0
+        for j in range(1, left + 1):
+            h = hazard.at(start + j - 1) if j < left else 1.0  # the cap ends the row at its last token
+            mean += j * alive * h
+            second += j * j * alive * h
+            alive *= 1.0 - h
+        got_mean, got_variance = hazard.remaining(start, left)
+        assert got_mean == pytest.approx(mean, rel=1e-9)
+        assert got_variance == pytest.approx(second - mean * mean, rel=1e-6, abs=1e-9)
+
+
+def test_remaining_is_exact_where_no_row_has_ended() -> None:
+    hazard = StopHazard(halflife=64.0, prior_tokens=4.0, rate_prior=2.0)  # no evidence: h = 0
+    assert hazard.remaining(3, 4000) == (4000.0, 0.0)
+    assert hazard.remaining(3990, 7) == (7.0, 0.0)
+
+
+def test_the_work_per_step_does_not_grow_with_the_number_of_caps() -> None:
+    """A batch whose rows each have their own length cap (a client that sets max_new_tokens per
+    prompt) costs one table per refresh, not one per cap: counted in lines of stop_hazard.py run
+    (deterministic, unlike a timing). A table per cap, rebuilt as 128 caps evicted each other,
+    ran ~10^6 lines per decode step here (~0.2 s of CPU at batch 128 with caps of 2-4k tokens)."""
+    hazard = StopHazard(halflife=256.0, prior_tokens=8.0, rate_prior=2.0)
+    for step in rows_ending_at(30, rows=8):
+        hazard.observe_rows(step)
+    rng = random.Random(0)
+    rows = [(rng.randint(0, 100), rng.randint(2000, 4000)) for _ in range(128)]
+    budget = 16 * 128 * 10 + 2 * 4500 * 10  # per step a few lines per row; a table of ~4k positions twice
+    lines = 0
+    source = sys.modules[StopHazard.__module__].__file__
+
+    def tracer(frame: FrameType, event: str, arg: object) -> object:
+        nonlocal lines
+        if frame.f_code.co_filename != source:
+            return None
+        if event == "line":
+            lines += 1
+            if lines > budget:
+                raise AssertionError(f"over {budget} lines of stop_hazard.py for 16 steps of 128 rows")
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        for _ in range(16):  # decode steps: every row's remaining tokens, then one step's evidence
+            for position, left in rows:
+                hazard.remaining(position, left)
+            hazard.observe(8, 0)
+            rows = [(position + 1, left - 1) for position, left in rows]
+    finally:
+        sys.settrace(None)
+    assert 0 < lines <= budget
