@@ -10,8 +10,11 @@
    `--spec-k auto --max-spec-k max(ks)`, choose k per engine step; their first generations, untimed, are its learning
    pass), against the best static k: chosen on the same repeats (biased against auto) and held out
    (each repeat against the k fastest on the others), with 90% bootstrap intervals (tools/bench_stats.py).
+   `--in-process` runs the sweep on one sidecar's share of the workload in this process instead
+   (no gRPC, no second engine process on the cores): the controller against the static k alone.
 
     .venv/bin/python tools/bench_rl.py --out /tmp/bench-rl --repeats 5
+    .venv/bin/python tools/bench_rl.py --out /tmp/bench-rl --in-process --repeats 30   # reuses OUT/policy
 """
 
 from __future__ import annotations
@@ -22,15 +25,18 @@ import os
 import random
 import statistics
 import subprocess
+import time
 from collections import Counter
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
 from bench_stats import against_best_held_out, best_in_sample, held_out_choices, median_ratio
 
-from sidecar.fleet import Fleet
-from sidecar.types import GenerationRequest, SamplingParams
+from sidecar.engine.torch_engine import TorchEngine
+from sidecar.fleet import Fleet, derive_seed
+from sidecar.types import GenerationRequest, SamplingParams, SpeculationCounters
 from trainer.demo import DemoConfig, run_demo
 from trainer.local_sidecars import LocalSidecars
 from trainer.rl_config import demo_config
@@ -49,13 +55,14 @@ def cpu_seconds(pids: list[int]) -> float:
 
 def k_sweep(
     policy: Path,
-    logs: Path,
     ks: list[int],
     repeats: int,
     prompts_n: int,
     samples: int,
     rounds: int = 3,
     raw: Path | None = None,
+    *,
+    logs: Path,
 ) -> list[str]:
     """Per (repeat, k): `rounds` generations of the demo workload (fresh seeds); wall seconds of
     the trainer's fan-out and CPU seconds of both sidecar processes (robust to other tenants)."""
@@ -90,9 +97,28 @@ def k_sweep(
                 wall[k].append(w)
                 taus[k].append(orch.speculation_delta().acceptance_length)
         statuses = [client.stats().speculation for client in orch.clients]
+    rows = _report(wall, cpu, taus, ks, raw, cpu_label="sidecar CPU s")
+    for i, status in enumerate(statuses):
+        rows.append(
+            f"sidecar {i} at the end: k={status.k} ({status.reason}: {status.detail}); acceptance per position "
+            + "/".join(f"{a:.2f}" for a in status.acceptance)
+            + f"; guard trips {status.guard_trips}"
+        )
+    return rows
+
+
+def _report(
+    wall: dict[int | str, list[float]],
+    cpu: dict[int | str, list[float]],
+    taus: dict[int | str, list[float]],
+    ks: list[int],
+    raw: Path | None,
+    cpu_label: str,
+) -> list[str]:
+    """The sweep's table (medians) and auto against the best static k and plain (tools/bench_stats.py)."""
     w0, c0 = statistics.median(wall[0]), statistics.median(cpu[0])
     rows = [
-        "| k | τ | wall s | wall speedup | sidecar CPU s | CPU speedup |",
+        f"| k | τ | wall s | wall speedup | {cpu_label} | CPU speedup |",
         "|---|---|---|---|---|---|",
     ]
     for k in wall:
@@ -117,12 +143,61 @@ def k_sweep(
         raw.write_text(
             json.dumps({"cpu": {str(k): v for k, v in cpu.items()}, "wall": {str(k): v for k, v in wall.items()}})
         )
-    for i, status in enumerate(statuses):
-        rows.append(
-            f"sidecar {i} at the end: k={status.k} ({status.reason}: {status.detail}); acceptance per position "
-            + "/".join(f"{a:.2f}" for a in status.acceptance)
-            + f"; guard trips {status.guard_trips}"
-        )
+    return rows
+
+
+def k_sweep_in_process(
+    policy: Path, ks: list[int], repeats: int, prompts_n: int, samples: int, rounds: int = 3, raw: Path | None = None
+) -> list[str]:
+    """The sweep's workload as one of its two sidecars gets it, in this process: no gRPC, no
+    second engine process competing for the cores, so what is left is the controller against the
+    static k. The fleet sends sidecar 0 prompts 0, 2, ... (round-robin), one Generate per prompt
+    with a seed derived from (request seed, prompt); they are submitted together here. Static k
+    and auto run on two engines over one model (auto learns only from its own steps);
+    configurations interleaved, their order rotated per repeat; CPU seconds of this process."""
+    task, tok = ArithmeticTask(regime="zero", digits=2), CharTokenizer()
+    rng = random.Random(7)
+    prompts = [tok.encode(task.sample(rng, "train").prompt) for _ in range(prompts_n)]
+    mine = list(range(0, prompts_n, 2))
+    static = TorchEngine.from_checkpoint(policy, speculation_k=0, max_speculation_k=max(ks))
+    auto = TorchEngine(static.model, speculation_k=max(ks), max_speculation_k=max(ks), auto_speculation=True)
+    warm = SamplingParams(temperature=1.0, max_new_tokens=40, stop_token_ids=(tok.eos_id,), seed=1)
+
+    def generate(engine: TorchEngine, seed: int, k: int | None) -> None:
+        for p in mine:
+            engine.submit(
+                GenerationRequest(
+                    prompts=[prompts[p]],
+                    sampling=replace(warm, seed=derive_seed(seed, p)),
+                    samples_per_prompt=samples,
+                    speculation_k=k,
+                    request_id=f"{seed}/p{p}",
+                )
+            )
+        done = 0
+        while done < len(mine) * samples:
+            done += len(engine.step())
+
+    for n in range(rounds):  # automatic mode's learning pass
+        generate(auto, 10_000 + n, None)
+    configs: list[int | str] = [0, *ks, "auto"]
+    wall: dict[int | str, list[float]] = {k: [] for k in configs}
+    cpu: dict[int | str, list[float]] = {k: [] for k in configs}
+    taus: dict[int | str, list[float]] = {k: [] for k in configs}
+    for r in range(repeats):
+        for k in configs[r % len(configs) :] + configs[: r % len(configs)]:
+            engine = auto if k == "auto" else static
+            before = SpeculationCounters()
+            before.add(engine.stats()[-1].counters)
+            c0, w0 = time.process_time(), time.perf_counter()
+            for n in range(rounds):
+                generate(engine, 100 * r + n, None if k == "auto" else int(k))
+            cpu[k].append(time.process_time() - c0)
+            wall[k].append(time.perf_counter() - w0)
+            taus[k].append(engine.stats()[-1].counters.minus(before).acceptance_length)
+    rows = _report(wall, cpu, taus, ks, raw, cpu_label="CPU s")
+    status = auto.speculation_status()
+    rows.append(f"auto at the end: k={status.k} ({status.reason}: {status.detail}); guard trips {status.guard_trips}")
     return rows
 
 
@@ -134,19 +209,24 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--sweep-only", action="store_true", help="Reuse OUT/policy from an earlier run; only sweep k.")
     ap.add_argument(
+        "--in-process",
+        action="store_true",
+        help="Sweep one sidecar's share of the workload in this process instead of on two sidecars (implies --sweep-only).",
+    )
+    ap.add_argument(
         "--raw", type=Path, help="Also write the sweep's per-repeat seconds here (JSON: cpu/wall -> k -> list)."
     )
     args = ap.parse_args()
     torch.set_num_threads(1)
-    if not args.sweep_only:
+    if not (args.sweep_only or args.in_process):
         report = run_demo(args.out, DemoConfig(rl_steps=args.rl_steps))
         print(report.render())
         print()
     ks = [int(k) for k in args.ks.split(",")]
     rollout = demo_config(args.out / "policy", args.out / "run").rollout
-    sweep = k_sweep(
+    sweep_fn = k_sweep_in_process if args.in_process else partial(k_sweep, logs=args.out / "sweep-logs")
+    sweep = sweep_fn(
         args.out / "policy",
-        args.out / "sweep-logs",
         ks,
         args.repeats,
         rollout.prompts_per_step,
