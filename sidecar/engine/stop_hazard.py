@@ -139,8 +139,10 @@ class StopHazard:
             table = self._table = self._build(horizon)
         else:
             age = self._observations - table.built
-            if age > 0 and age * REBUILD_POSITIONS >= table.horizon and (
-                age >= REMAINING_REFRESH or position < self._lowest_position
+            if (
+                age > 0
+                and age * REBUILD_POSITIONS >= table.horizon
+                and (age >= REMAINING_REFRESH or position < self._lowest_position)
             ):  # stale, or rows joined since: to the largest cap asked since
                 table = self._table = self._build(max(cap, self._largest_cap))
         if cap > self._largest_cap:  # (comparisons, not max/min: this runs for every row every step)
