@@ -447,16 +447,20 @@ class TorchEngine(Engine):
     def _admit(self) -> list[Sample]:
         """Prefill queued sequences in one target forward and emit each one's first token."""
         new = [self._queue.popleft() for _ in range(min(len(self._queue), self.max_batch_size - len(self._running)))]
-        if self._policy is not None and not self._policy.may_draft(
-            len(self._running) + len(new),
-            self._tokens_left([*self._running, *new]),
-            [self._row_state(s) for s in [*self._running, *new]],
-            joining=len(new),
-            prompt_tokens=sum(len(s.prompt) - 1 for s in new if s.auto),
+        auto = [s for s in new if s.auto]  # rows that pin k are never refused a draft: not asked
+        if (
+            auto
+            and self._policy is not None
+            and not self._policy.may_draft(
+                len(self._running) + len(new),
+                self._tokens_left([*self._running, *new]),
+                [self._row_state(s) for s in [*self._running, *(s for s in new if not s.auto), *auto]],
+                joining=len(auto),  # the last rows
+                prompt_tokens=sum(len(s.prompt) - 1 for s in auto),
+            )
         ):
-            for s in new:  # the controller has measured that this batch decodes best without a draft
-                if s.auto:
-                    s.auto, s.k = False, 0
+            for s in auto:  # the controller has measured that this batch decodes best without a draft
+                s.auto, s.k = False, 0
         b, lengths = len(new), [len(s.prompt) for s in new]
         width = max(lengths)
         tokens = torch.zeros(b, width, dtype=torch.int64)

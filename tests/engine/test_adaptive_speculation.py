@@ -15,7 +15,7 @@ from test_speculative_distribution import SwitchingPolicy
 from test_speculative_greedy import NEW, PROMPTS, naive_greedy
 
 from sidecar.engine.model import ModelConfig, Qwen3WithMTP
-from sidecar.engine.speculation_policy import MIN_ROW_DRAFTS, SpeculationPolicy, SpeculationPolicyConfig
+from sidecar.engine.speculation_policy import MIN_ROW_DRAFTS, RowState, SpeculationPolicy, SpeculationPolicyConfig
 from sidecar.engine.torch_engine import CATCH_UP_POSITIONS, TorchEngine
 from sidecar.types import GenerationRequest, SamplingParams, WeightSelector
 
@@ -250,10 +250,12 @@ class AdmissionRecorder(SpeculationPolicy):
         super().__init__(SpeculationPolicyConfig(max_k=3))
         self.refuse = refuse
         self.asked: list[dict] = []
+        self.rows: list[list[RowState]] = []
         self.prefills: list[tuple[int, float]] = []
 
     def may_draft(self, batch, tokens_left=None, rows=None, joining=None, prompt_tokens=None) -> bool:
         self.asked.append({"batch": batch, "joining": joining, "prompt_tokens": prompt_tokens})
+        self.rows.append(list(rows or []))
         return not self.refuse
 
     def observe_draft_prefill(self, tokens: int, seconds: float) -> None:
@@ -277,3 +279,29 @@ def test_the_engine_times_the_draft_prefill_that_a_refusal_saves(aligned_model, 
     assert policy.asked[0] == {"batch": 2, "joining": 2, "prompt_tokens": 4 + 6}
     assert policy.prefills == ([] if refuse else [(4 + 6, 0.5)])  # one clock tick around the MTP layers
     assert [s.token_ids for s in samples] == [naive_greedy(aligned_model, p, 8) for p in prompts]
+
+
+def test_only_automatic_rows_are_put_to_the_refusal_rule(aligned_model) -> None:
+    """A request that pins k is never refused a draft, so its admission is not the controller's
+    to judge: asking would count towards `refuse_every` and make GetStats say rows joined without
+    a draft. In a mixed admission the joining rows are the automatic ones (last in `rows`), and
+    so is the prompt their prefill covers."""
+    policy = AdmissionRecorder(refuse=True)
+    engine = TorchEngine(aligned_model, speculation_k=3)
+    engine.set_speculation_policy(policy)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=6)
+    pinned = engine.generate(GenerationRequest(prompts=[PROMPTS[1]], sampling=sp, speculation_k=2))
+    assert policy.asked == []
+    assert engine.stats()[0].counters.drafted_tokens > 0  # the pinned row drafted
+    engine.submit(GenerationRequest(prompts=[PROMPTS[2]], sampling=sp, request_id="auto"))
+    engine.submit(GenerationRequest(prompts=[PROMPTS[0]], sampling=sp, speculation_k=2, request_id="pinned"))
+    out: dict[str, list[int]] = {}
+    while engine.has_work():
+        out.update({s.request_id: s.token_ids for s in engine.step()})
+    assert policy.asked == [{"batch": 2, "joining": 1, "prompt_tokens": len(PROMPTS[2]) - 1}]
+    assert policy.rows[0][-1].length == 0 and len(policy.rows[0]) == 2
+    assert pinned[0].token_ids == naive_greedy(aligned_model, PROMPTS[1], 6)
+    assert out == {
+        "auto": naive_greedy(aligned_model, PROMPTS[2], 6),
+        "pinned": naive_greedy(aligned_model, PROMPTS[0], 6),
+    }
