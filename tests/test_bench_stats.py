@@ -73,6 +73,8 @@ def test_bad_input_says_what_to_change() -> None:
         bootstrap_median([])
     with pytest.raises(ValueError, match="differ in number"):
         median_ratio([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match="differ in number"):
+        against_best_held_out({"a": [1.0, 2.0], "auto": [1.0]}, ["a"], "auto")
     with pytest.raises(ValueError, match="--repeats >= 2"):
         held_out_choices({"a": [1.0]}, ["a"])
     with pytest.raises(ValueError, match="level"):

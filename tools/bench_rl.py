@@ -53,6 +53,15 @@ def cpu_seconds(pids: list[int]) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
+def sweep_workload(prompts_n: int) -> tuple[list[list[int]], SamplingParams]:
+    """The demo's rollout prompts (2-digit arithmetic, fixed) and sampling (temperature 1, up to
+    40 tokens, stop at EOS; each generation sets its own seed)."""
+    task, tok = ArithmeticTask(regime="zero", digits=2), CharTokenizer()
+    rng = random.Random(7)
+    prompts = [tok.encode(task.sample(rng, "train").prompt) for _ in range(prompts_n)]
+    return prompts, SamplingParams(temperature=1.0, max_new_tokens=40, stop_token_ids=(tok.eos_id,), seed=1)
+
+
 def k_sweep(
     policy: Path,
     ks: list[int],
@@ -66,16 +75,13 @@ def k_sweep(
 ) -> list[str]:
     """Per (repeat, k): `rounds` generations of the demo workload (fresh seeds); wall seconds of
     the trainer's fan-out and CPU seconds of both sidecar processes (robust to other tenants)."""
-    task, tok = ArithmeticTask(regime="zero", digits=2), CharTokenizer()
-    rng = random.Random(7)
-    prompts = [tok.encode(task.sample(rng, "train").prompt) for _ in range(prompts_n)]
+    prompts, warm = sweep_workload(prompts_n)
     configs: list[int | str] = [0, *ks, "auto"]
     wall: dict[int | str, list[float]] = {k: [] for k in configs}
     cpu: dict[int | str, list[float]] = {k: [] for k in configs}
     taus: dict[int | str, list[float]] = {k: [] for k in configs}
     with LocalSidecars(policy, 2, logs, spec_k=max(ks), spec_auto=True) as local, Fleet(local.start()) as orch:
         pids = [local.pid(i) for i in range(2)]
-        warm = SamplingParams(temperature=1.0, max_new_tokens=40, stop_token_ids=(tok.eos_id,), seed=1)
         for n in range(rounds):  # warm the processes up; automatic mode's learning pass
             orch.generate(
                 GenerationRequest(prompts=prompts, sampling=replace(warm, seed=10_000 + n), samples_per_prompt=samples)
@@ -137,7 +143,7 @@ def _report(
         "held-out best (each repeat against the k fastest on the other repeats: "
         + ", ".join(f"k={k} in {n}" for k, n in choices.most_common())
         + f"): CPU {against_best_held_out(cpu, ks, 'auto')}, "
-        f"wall {against_best_held_out(wall, ks, 'auto')}; auto against plain: CPU {median_ratio(cpu[0], cpu['auto'])}"
+        f"wall (k chosen by wall) {against_best_held_out(wall, ks, 'auto')}; auto against plain: CPU {median_ratio(cpu[0], cpu['auto'])}"
     )
     if raw is not None:
         raw.write_text(
@@ -155,13 +161,10 @@ def k_sweep_in_process(
     with a seed derived from (request seed, prompt); they are submitted together here. Static k
     and auto run on two engines over one model (auto learns only from its own steps);
     configurations interleaved, their order rotated per repeat; CPU seconds of this process."""
-    task, tok = ArithmeticTask(regime="zero", digits=2), CharTokenizer()
-    rng = random.Random(7)
-    prompts = [tok.encode(task.sample(rng, "train").prompt) for _ in range(prompts_n)]
+    prompts, warm = sweep_workload(prompts_n)
     mine = list(range(0, prompts_n, 2))
     static = TorchEngine.from_checkpoint(policy, speculation_k=0, max_speculation_k=max(ks))
     auto = TorchEngine(static.model, speculation_k=max(ks), max_speculation_k=max(ks), auto_speculation=True)
-    warm = SamplingParams(temperature=1.0, max_new_tokens=40, stop_token_ids=(tok.eos_id,), seed=1)
 
     def generate(engine: TorchEngine, seed: int, k: int | None) -> None:
         for p in mine:
@@ -223,6 +226,10 @@ def main() -> None:
         print(report.render())
         print()
     ks = [int(k) for k in args.ks.split(",")]
+    if not (args.out / "policy" / "config.json").is_file():
+        ap.error(
+            f"no policy checkpoint in {args.out / 'policy'}: run once without --sweep-only/--in-process to train it"
+        )
     rollout = demo_config(args.out / "policy", args.out / "run").rollout
     sweep_fn = k_sweep_in_process if args.in_process else partial(k_sweep, logs=args.out / "sweep-logs")
     sweep = sweep_fn(

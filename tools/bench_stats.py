@@ -108,6 +108,7 @@ def against_best_held_out(
     through the choice, weakly once the choice is stable).
     """
     choices = held_out_choices(times, candidates)
+    _same_length(times[candidates[0]], times[challenger])
     ref = reference or (lambda c, i: times[c][i])
     ratios = [ref(c, i) / times[challenger][i] for i, c in enumerate(choices)]
     return bootstrap_median(ratios, level=level, resamples=resamples, seed=seed)

@@ -111,8 +111,11 @@ class StopHazard:
     def at(self, position: int) -> float:
         """P(the token at output `position` is a stop token | the row got there): the bin's own
         rate, shrunk towards the overall rate by `prior_tokens`."""
-        i = self._bin(position)
-        return (self._ended[i] + self.prior_tokens * self.rate()) / (self._emitted[i] + self.prior_tokens)
+        return self._bin_rate(self._bin(position), self.rate())
+
+    def _bin_rate(self, i: int, rate: float) -> float:
+        """Bin i's stop rate, shrunk towards the overall `rate` by `prior_tokens`."""
+        return (self._ended[i] + self.prior_tokens * rate) / (self._emitted[i] + self.prior_tokens)
 
     def remaining(self, position: int, left: int) -> tuple[float, float]:
         """(mean, variance) of the tokens a row at output `position` still emits, its stop token
@@ -127,8 +130,9 @@ class StopHazard:
         M_P = M(position) - r M(P) and Q_P = Q(position) - r (2 left M(P) + Q(P)).
         The table is rebuilt on the hazards of the moment when rows joined the batch (a position
         below any asked since it was built) and after `REMAINING_REFRESH` observations (the hazard
-        moves slowly), but no more than once per horizon / `REBUILD_POSITIONS` observations. A table per cap had cost O(rows x cap) per decode step where more than 64
-        caps evicted each other: 0.19 s per step at batch 128 with caps of 2,000-4,000 tokens
+        moves slowly), but no more than once per horizon / `REBUILD_POSITIONS` observations. A
+        table per cap had cost O(rows x cap) per decode step where more than 64 caps evicted each
+        other: 0.19 s per step at batch 128 with caps of 2,000-4,000 tokens
         (`tools/bench_controller.py`)."""
         if left <= 0:
             return 0.0, 0.0
@@ -165,8 +169,7 @@ class StopHazard:
         for i, (start, end) in enumerate(pairwise(self._starts)):
             if start >= horizon:
                 break
-            h = (self._ended[i] + self.prior_tokens * rate) / (self._emitted[i] + self.prior_tokens)
-            hazards += [h] * (min(end, horizon) - start)
+            hazards += [self._bin_rate(i, rate)] * (min(end, horizon) - start)
         means, seconds = [0.0] * (horizon + 1), [0.0] * (horizon + 1)
         for p in range(horizon - 1, -1, -1):
             go = 1.0 - hazards[p]

@@ -448,13 +448,14 @@ class TorchEngine(Engine):
         """Prefill queued sequences in one target forward and emit each one's first token."""
         new = [self._queue.popleft() for _ in range(min(len(self._queue), self.max_batch_size - len(self._running)))]
         auto = [s for s in new if s.auto]  # rows that pin k are never refused a draft: not asked
+        pinned = [s for s in new if not s.auto]
         if (
             auto
             and self._policy is not None
             and not self._policy.may_draft(
                 len(self._running) + len(new),
                 self._tokens_left([*self._running, *new]),
-                [self._row_state(s) for s in [*self._running, *(s for s in new if not s.auto), *auto]],
+                [self._row_state(s) for s in [*self._running, *pinned, *auto]],
                 joining=len(auto),  # the last rows
                 prompt_tokens=sum(len(s.prompt) - 1 for s in auto),
             )
