@@ -15,6 +15,7 @@
 
     .venv/bin/python tools/bench_rl.py --out /tmp/bench-rl --repeats 5
     .venv/bin/python tools/bench_rl.py --out /tmp/bench-rl --in-process --repeats 30   # reuses OUT/policy
+    .venv/bin/python tools/bench_rl.py --out /tmp/bench-rl --in-process --repeats 30 --ceiling 20   # + auto@costs
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ from pathlib import Path
 
 import torch
 from bench_stats import against_best_held_out, best_in_sample, held_out_choices, median_ratio
+from cost_ceiling import TablePriced, measure_step_costs
 
+from sidecar.engine.speculation_policy import SpeculationPolicyConfig
 from sidecar.engine.torch_engine import TorchEngine
 from sidecar.fleet import Fleet, derive_seed
 from sidecar.types import GenerationRequest, SamplingParams, SpeculationCounters
@@ -153,14 +156,24 @@ def _report(
 
 
 def k_sweep_in_process(
-    policy: Path, ks: list[int], repeats: int, prompts_n: int, samples: int, rounds: int = 3, raw: Path | None = None
+    policy: Path,
+    ks: list[int],
+    repeats: int,
+    prompts_n: int,
+    samples: int,
+    rounds: int = 3,
+    raw: Path | None = None,
+    ceiling: int = 0,
 ) -> list[str]:
     """The sweep's workload as one of its two sidecars gets it, in this process: no gRPC, no
     second engine process competing for the cores, so what is left is the controller against the
     static k. The fleet sends sidecar 0 prompts 0, 2, ... (round-robin), one Generate per prompt
     with a seed derived from (request seed, prompt); they are submitted together here. Static k
     and auto run on two engines over one model (auto learns only from its own steps);
-    configurations interleaved, their order rotated per repeat; CPU seconds of this process."""
+    configurations interleaved, their order rotated per repeat; CPU seconds of this process.
+    `ceiling` > 0: first measure the workload's step costs per (batch, k) over that many
+    generations of each static k, then sweep a third engine, "auto@costs", whose controller prices
+    its steps from that table (`tools/cost_ceiling.py`): what auto loses to its cost estimates."""
     prompts, warm = sweep_workload(prompts_n)
     mine = list(range(0, prompts_n, 2))
     static = TorchEngine.from_checkpoint(policy, speculation_k=0, max_speculation_k=max(ks))
@@ -181,24 +194,41 @@ def k_sweep_in_process(
         while done < len(mine) * samples:
             done += len(engine.step())
 
+    engines = {"auto": auto}
+    if ceiling:
+        probe = TorchEngine(static.model, speculation_k=max(ks), max_speculation_k=max(ks), auto_speculation=True)
+        table = measure_step_costs(probe, lambda engine, seed: generate(engine, seed, None), [0, *ks], ceiling)
+        engines["auto@costs"] = TorchEngine(
+            static.model, speculation_k=max(ks), max_speculation_k=max(ks), auto_speculation=True
+        )
+        engines["auto@costs"].set_speculation_policy(TablePriced(SpeculationPolicyConfig(max_k=max(ks)), table))
     for n in range(rounds):  # automatic mode's learning pass
-        generate(auto, 10_000 + n, None)
-    configs: list[int | str] = [0, *ks, "auto"]
+        for engine in engines.values():
+            generate(engine, 10_000 + n, None)
+    configs: list[int | str] = [0, *ks, *engines]
     wall: dict[int | str, list[float]] = {k: [] for k in configs}
     cpu: dict[int | str, list[float]] = {k: [] for k in configs}
     taus: dict[int | str, list[float]] = {k: [] for k in configs}
     for r in range(repeats):
         for k in configs[r % len(configs) :] + configs[: r % len(configs)]:
-            engine = auto if k == "auto" else static
+            engine = engines.get(str(k), static)
             before = SpeculationCounters()
             before.add(engine.stats()[-1].counters)
             c0, w0 = time.process_time(), time.perf_counter()
             for n in range(rounds):
-                generate(engine, 100 * r + n, None if k == "auto" else int(k))
+                generate(engine, 100 * r + n, None if k in engines else int(k))
             cpu[k].append(time.process_time() - c0)
             wall[k].append(time.perf_counter() - w0)
             taus[k].append(engine.stats()[-1].counters.minus(before).acceptance_length)
     rows = _report(wall, cpu, taus, ks, raw, cpu_label="CPU s")
+    if ceiling:
+        best = best_in_sample(cpu, ks)
+        rows.append(
+            f"auto on the measured costs (a ceiling: the table was measured on this workload, {ceiling} "
+            f"generations per k) against the best static k held out: CPU {against_best_held_out(cpu, ks, 'auto@costs')} "
+            f"(in-sample k={best}: {median_ratio(cpu[best], cpu['auto@costs'])}); auto against it: CPU "
+            f"{median_ratio(cpu['auto@costs'], cpu['auto'])}"
+        )
     status = auto.speculation_status()
     rows.append(f"auto at the end: k={status.k} ({status.reason}: {status.detail}); guard trips {status.guard_trips}")
     return rows
@@ -219,7 +249,17 @@ def main() -> None:
     ap.add_argument(
         "--raw", type=Path, help="Also write the sweep's per-repeat seconds here (JSON: cpu/wall -> k -> list)."
     )
+    ap.add_argument(
+        "--ceiling",
+        type=int,
+        default=0,
+        metavar="N",
+        help="With --in-process: also sweep auto priced by the workload's step costs, measured first over N "
+        "generations per static k (tools/cost_ceiling.py): what auto loses to its own cost estimates.",
+    )
     args = ap.parse_args()
+    if args.ceiling < 0 or (args.ceiling and not args.in_process):
+        ap.error("--ceiling N takes N >= 1 generations per k and needs --in-process")
     torch.set_num_threads(1)
     if not (args.sweep_only or args.in_process):
         report = run_demo(args.out, DemoConfig(rl_steps=args.rl_steps))
@@ -231,7 +271,11 @@ def main() -> None:
             f"no policy checkpoint in {args.out / 'policy'}: run once without --sweep-only/--in-process to train it"
         )
     rollout = demo_config(args.out / "policy", args.out / "run").rollout
-    sweep_fn = k_sweep_in_process if args.in_process else partial(k_sweep, logs=args.out / "sweep-logs")
+    sweep_fn = (
+        partial(k_sweep_in_process, ceiling=args.ceiling)
+        if args.in_process
+        else partial(k_sweep, logs=args.out / "sweep-logs")
+    )
     sweep = sweep_fn(
         args.out / "policy",
         ks,

@@ -1,0 +1,98 @@
+"""The automatic-k controller's ceiling on a workload: its own model, priced by the workload's measured step costs.
+
+Why: when automatic k falls short of the best static k, either its model (acceptance per position,
+where rows end, stragglers, probes) chooses badly, or its online cost estimates (medians of the last
+few steps per batch bucket and k, on a box where one step's time scatters by ~20%) misprice the
+widths it compares. To tell them apart, `measure_step_costs` first runs the workload at every static
+k with a recording policy and keeps the median seconds of a decode step per (batch, k); a controller
+built with `TablePriced` then decides exactly as the engine's does (same acceptance and stop-token
+learning, same probes, guard and margin) but prices every step from that table instead of its own
+measurements. Run next to plain automatic mode, "auto / auto on the measured costs" is the share
+of the gap that better cost estimates could close (`tools/bench_rl.py --in-process --ceiling`;
+BENCHMARKS.md, "Adaptive speculation", tenth session).
+
+The table is the workload's, measured before the sweep on the same engine and model: a ceiling for
+comparison, not a configuration to run.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+from sidecar.engine.speculation_policy import (
+    RowState,
+    SpeculationDecision,
+    SpeculationPolicy,
+    SpeculationPolicyConfig,
+)
+from sidecar.engine.torch_engine import TorchEngine
+
+StepCosts = dict[int, dict[int, float]]
+"""batch -> k -> median seconds of one decode step (draft phase and verify)."""
+
+
+class _FixedK(SpeculationPolicy):
+    """Decides `k` for every step and records what each decode step cost."""
+
+    def __init__(self, max_k: int) -> None:
+        super().__init__(SpeculationPolicyConfig(max_k=max_k))
+        self.k = 0
+        self.seconds: dict[tuple[int, int], list[float]] = {}
+
+    def decide(self, batch: int, tokens_left: int | None = None, rows: list[RowState] | None = None):
+        self.last = SpeculationDecision(k=self.k, reason="model", batch_size=batch)
+        return self.last
+
+    def may_draft(self, *args: object, **kwargs: object) -> bool:
+        return True
+
+    def observe_step(self, *, batch: int, k: int, step_seconds: float, **_: object) -> None:
+        self.seconds.setdefault((batch, k), []).append(step_seconds)
+
+
+def measure_step_costs(
+    engine: TorchEngine,
+    generate: Callable[[TorchEngine, int], None],
+    ks: list[int],
+    generations: int,
+    least: int = 3,
+) -> StepCosts:
+    """Median seconds of a decode step per (batch, k) over `generations` generations of the
+    workload at each static k of `ks` (`generate(engine, seed)` runs one generation whose rows do
+    not pin k; `engine` is an automatic-mode engine this function takes over). Cells measured
+    fewer than `least` times are left out."""
+    if not ks or generations < 1:
+        raise ValueError(f"need at least one k and one generation, got ks={ks}, generations={generations}")
+    recorder = _FixedK(max(ks))
+    engine.set_speculation_policy(recorder)
+    for n in range(generations):
+        for k in ks:  # interleaved, so the box's drift falls on every k alike
+            recorder.k = k
+            generate(engine, 30_000 + n)
+    table: StepCosts = {}
+    for (batch, k), seconds in sorted(recorder.seconds.items()):
+        if len(seconds) >= least:
+            table.setdefault(batch, {})[k] = statistics.median(seconds)
+    if not table:
+        raise ValueError("no (batch, k) was measured often enough: run more generations")
+    return table
+
+
+class TablePriced(SpeculationPolicy):
+    """The controller as it is, its step costs read from a measured table (`measure_step_costs`):
+    a (batch, k) not in the table takes the nearest batch that has that k."""
+
+    def __init__(self, config: SpeculationPolicyConfig, table: StepCosts) -> None:
+        super().__init__(config)
+        missing = [k for k in range(config.max_k + 1) if not any(k in row for row in table.values())]
+        if missing:
+            raise ValueError(f"the cost table has no batch size measured at k = {missing}")
+        self.table = table
+
+    def predicted_steps(self, batch: int, ks: list[int]) -> list[float] | None:
+        out = []
+        for k in ks:
+            nearest = min((b for b, row in self.table.items() if k in row), key=lambda b: (abs(b - batch), b))
+            out.append(self.table[nearest][k])
+        return out
