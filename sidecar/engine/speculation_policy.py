@@ -65,7 +65,10 @@ engine step, not a constant (DESIGN.md, "Speculation policy"):
   them after plain rounds is a catch-up, the others measure steady drafting; with a median of
   the last `cost_window` = 5 they replace what the last probe measured), so costs and acceptance
   of the neighbours stay fresh. The last one lets a bucket at plain decoding re-measure the
-  draft length that would win, not only k = 1.
+  draft length that would win, not only k = 1; and a bucket at plain adds every k > 0 it predicts
+  within `min_gain` of plain, so that each takes its turn: after k = 1 and k = 3 were both measured
+  in a slow stretch, k = 1's next probe made it the best k > 0, and k = 3, the true best (9% over
+  plain at batch 1), was never re-measured (0 of 400 steps).
   A bucket at plain decoding does not wait the doubled interval for a k > 0 that it predicts
   near break-even: its options (k = 1 and the best k > 0, in turn) come `probe_every` steps after
   the last probe while predicted within `min_gain` of plain, later in proportion to their
@@ -919,8 +922,9 @@ class SpeculationPolicy:
     def _start_probe(self, b: _Bucket, rates: list[float], best: int) -> tuple[int, bool] | None:
         """Start a probe in bucket `b` if one is due: (its k, still learning its cost), else None.
 
-        The options are the best's neighbours, plain decoding and the best k > 0, least recently
-        measured first. One not yet measured `min_cost_samples` times goes first, every
+        The options are the best's neighbours, plain decoding and the best k > 0, and, from a
+        bucket at plain, every k > 0 predicted within `min_gain` of plain; least recently measured
+        first. One not yet measured `min_cost_samples` times goes first, every
         `learn_every` steps (its cost is borrowed or interpolated, not its own). Otherwise a probe
         starts when the bucket's probe interval has passed since the last one: `probe_every`,
         doubling up to `max_probe_every` unless a probe made its k the best by `min_gain`; from a
@@ -929,7 +933,11 @@ class SpeculationPolicy:
         learns — a batch size seen a few steps per generation — one step in four its own)."""
         cfg = self.config
         challenger = max(range(1, cfg.max_k + 1), key=lambda k: (rates[k], -k))
-        options = sorted({k for k in (best - 1, best + 1, 0, challenger) if 0 <= k <= cfg.max_k and k != best})
+        candidates = {best - 1, best + 1, 0, challenger}
+        if best == 0:  # every k > 0 near break-even takes its turn: a fresh reading can make k = 1
+            # the best k > 0 and lock out a k = 3 measured in a slow stretch (never best + 1)
+            candidates |= {k for k in range(1, cfg.max_k + 1) if rates[k] >= (1.0 - cfg.min_gain) * rates[0]}
+        options = sorted({k for k in candidates if 0 <= k <= cfg.max_k and k != best})
         if not options:
             return None
         probe = min(options, key=lambda k: (b.measured(k) >= cfg.min_cost_samples, b.last_measured.get(k, -1), k))

@@ -267,6 +267,33 @@ def test_a_slow_stretch_does_not_keep_a_long_running_bucket_at_plain() -> None:
     assert after[-10:] == [3] * 10, after
 
 
+def test_a_bucket_at_plain_re_measures_every_near_break_even_k_not_only_the_best_one() -> None:
+    """Batch 1 on the CPU box, k = 3 a true 9% gain: k = 1 and then k = 3 were measured in a slow
+    stretch (+10%), so the bucket sits at plain with k = 3 predicted just below it. Its next probe
+    re-measures k = 1 (the least recently measured), which then reads as the best k > 0: were the
+    options only the best's neighbour and the best k > 0, k = 1 would be re-probed for good and k = 3
+    never again (0 model steps of k = 3 in 400 before this test). Every k > 0 within the margin of
+    plain takes its turn, so k = 3 is re-measured and kept."""
+    policy = SpeculationPolicy(SpeculationPolicyConfig(max_k=3, prior_strength=1e-9, acceptance_halflife=1e9))
+    feed_acceptance(policy, BATCH_1_ALPHAS)
+
+    def observe(k: int, seconds: float) -> None:
+        policy.observe_step(batch=1, k=k, draft_seconds=0.25 * seconds * (k > 0), step_seconds=seconds, tokens=1)
+
+    observe(0, BATCH_1_SECONDS[0])
+    for k in (1, 2, 3):
+        for _ in range(5):
+            observe(k, 1.1 * BATCH_1_SECONDS[k])
+    assert policy.decide(1).k == 0
+    decisions = []
+    for _ in range(400):
+        d = policy.decide(1)
+        decisions.append(d)
+        observe(d.k, BATCH_1_SECONDS[d.k])
+    late = [d.k for d in decisions[-200:] if d.reason == "model"]
+    assert late.count(3) > 0.9 * len(late)
+
+
 @pytest.mark.parametrize(("halflife", "plain_share"), [(None, (0.0, 0.03)), (64.0, (0.10, 0.5))])
 def test_acceptance_noise_at_batch_1_does_not_send_a_winning_k_to_plain(halflife, plain_share) -> None:
     """Batch 1, k = 3 a true 9% gain over plain, costs exact: only the acceptance estimate's own
