@@ -195,13 +195,11 @@ def k_sweep_in_process(
             done += len(engine.step())
 
     engines = {"auto": auto}
-    if ceiling:
-        probe = TorchEngine(static.model, speculation_k=max(ks), max_speculation_k=max(ks), auto_speculation=True)
-        table = measure_step_costs(probe, lambda engine, seed: generate(engine, seed, None), [0, *ks], ceiling)
-        engines["auto@costs"] = TorchEngine(
-            static.model, speculation_k=max(ks), max_speculation_k=max(ks), auto_speculation=True
-        )
-        engines["auto@costs"].set_speculation_policy(TablePriced(SpeculationPolicyConfig(max_k=max(ks)), table))
+    if ceiling:  # one more engine: it measures the table, then runs on it
+        ceil = TorchEngine(static.model, speculation_k=max(ks), max_speculation_k=max(ks), auto_speculation=True)
+        table = measure_step_costs(ceil, lambda engine, seed: generate(engine, seed, None), [0, *ks], ceiling)
+        ceil.set_speculation_policy(TablePriced(SpeculationPolicyConfig(max_k=max(ks)), table))
+        engines["auto@costs"] = ceil
     for n in range(rounds):  # automatic mode's learning pass
         for engine in engines.values():
             generate(engine, 10_000 + n, None)

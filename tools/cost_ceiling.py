@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from sidecar.engine.speculation_policy import (
     RowState,
@@ -26,19 +27,25 @@ from sidecar.engine.speculation_policy import (
     SpeculationPolicy,
     SpeculationPolicyConfig,
 )
-from sidecar.engine.torch_engine import TorchEngine
+
+if TYPE_CHECKING:  # tools/sim_adaptive.py imports `FixedK` and replays without torch
+    from sidecar.engine.torch_engine import TorchEngine
 
 StepCosts = dict[int, dict[int, float]]
 """batch -> k -> median seconds of one decode step (draft phase and verify)."""
 
 
-class _FixedK(SpeculationPolicy):
-    """Decides `k` for every step and records what each decode step cost."""
+class FixedK(SpeculationPolicy):
+    """Decides `k` for every step, never refuses a draft, and records what the engine reports of
+    each decode step and of each draft prefill (also `tools/sim_adaptive.py --measure`'s recorder)."""
 
     def __init__(self, max_k: int) -> None:
         super().__init__(SpeculationPolicyConfig(max_k=max_k))
         self.k = 0
-        self.seconds: dict[tuple[int, int], list[float]] = {}
+        self.samples: dict[tuple[int, int], list[tuple[float, float]]] = {}
+        """(batch, k) -> (draft phase, rest of the step) seconds of each decode step."""
+        self.prefill_samples: list[float] = []
+        """Seconds per prompt token of each draft prefill at admission."""
 
     def decide(self, batch: int, tokens_left: int | None = None, rows: list[RowState] | None = None):
         self.last = SpeculationDecision(k=self.k, reason="model", batch_size=batch)
@@ -47,8 +54,11 @@ class _FixedK(SpeculationPolicy):
     def may_draft(self, *args: object, **kwargs: object) -> bool:
         return True
 
-    def observe_step(self, *, batch: int, k: int, step_seconds: float, **_: object) -> None:
-        self.seconds.setdefault((batch, k), []).append(step_seconds)
+    def observe_step(self, *, batch: int, k: int, draft_seconds: float, step_seconds: float, **_: object) -> None:
+        self.samples.setdefault((batch, k), []).append((draft_seconds, step_seconds - draft_seconds))
+
+    def observe_draft_prefill(self, tokens: int, seconds: float) -> None:
+        self.prefill_samples.append(seconds / tokens)
 
 
 def measure_step_costs(
@@ -64,16 +74,16 @@ def measure_step_costs(
     fewer than `least` times are left out."""
     if not ks or generations < 1:
         raise ValueError(f"need at least one k and one generation, got ks={ks}, generations={generations}")
-    recorder = _FixedK(max(ks))
+    recorder = FixedK(max(ks))
     engine.set_speculation_policy(recorder)
     for n in range(generations):
         for k in ks:  # interleaved, so the box's drift falls on every k alike
             recorder.k = k
             generate(engine, 30_000 + n)
     table: StepCosts = {}
-    for (batch, k), seconds in sorted(recorder.seconds.items()):
-        if len(seconds) >= least:
-            table.setdefault(batch, {})[k] = statistics.median(seconds)
+    for (batch, k), steps in sorted(recorder.samples.items()):
+        if len(steps) >= least:
+            table.setdefault(batch, {})[k] = statistics.median(draft + rest for draft, rest in steps)
     if not table:
         raise ValueError("no (batch, k) was measured often enough: run more generations")
     return table

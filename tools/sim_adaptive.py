@@ -41,6 +41,8 @@ import click
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from cost_ceiling import FixedK
+
 from sidecar.engine.speculation_policy import (
     RowState,
     SpeculationDecision,
@@ -232,26 +234,6 @@ class _Recording(SpeculationPolicy):
         return d
 
 
-class _Forced(SpeculationPolicy):
-    """Decides a fixed k and records what the engine reports of each step."""
-
-    def __init__(self, max_k: int) -> None:
-        super().__init__(SpeculationPolicyConfig(max_k=max_k))
-        self.k = 0
-        self.samples: dict[tuple[int, int], list[tuple[float, float]]] = {}
-        self.prefill_samples: list[float] = []
-
-    def decide(self, batch: int, tokens_left: int | None = None, rows: list[RowState] | None = None):
-        self.last = SpeculationDecision(k=self.k, reason="model", batch_size=batch)
-        return self.last
-
-    def observe_step(self, *, batch: int, k: int, draft_seconds: float, step_seconds: float, **_: object) -> None:
-        self.samples.setdefault((batch, k), []).append((draft_seconds, step_seconds - draft_seconds))
-
-    def observe_draft_prefill(self, tokens: int, seconds: float) -> None:
-        self.prefill_samples.append(seconds / tokens)
-
-
 class _RandomK(SpeculationPolicy):
     """Drafts a uniformly random k each step and learns from it like the controller: acceptance
     and costs of every width, without the bias of its own choices."""
@@ -338,7 +320,7 @@ def measure(
 
     torch.set_num_threads(1)
     engine = TorchEngine.from_checkpoint(str(model), speculation_k=max_k, max_speculation_k=max_k, max_batch_size=64)
-    policy = _Forced(max_k)
+    policy = FixedK(max_k)
     engine.set_speculation_policy(policy)
     passes: dict[tuple[int, int], list[tuple[float, float]]] = {}
     for r in range(rounds):

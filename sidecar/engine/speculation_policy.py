@@ -70,8 +70,8 @@ engine step, not a constant (DESIGN.md, "Speculation policy"):
   in a slow stretch, k = 1's next probe made it the best k > 0, and k = 3, the true best (9% over
   plain at batch 1), was never re-measured (0 of 400 steps).
   A bucket at plain decoding does not wait the doubled interval for a k > 0 that it predicts
-  near break-even: its options (k = 1 and the best k > 0, in turn) come `probe_every` steps after
-  the last probe while predicted within `min_gain` of plain, later in proportion to their
+  near break-even: its options (k = 1, the best k > 0 and every k > 0 within `min_gain` of plain,
+  in turn) come `probe_every` steps after the last probe while predicted within `min_gain` of plain, later in proportion to their
   predicted loss beyond that (`plain_probe_interval`), so each such probe costs about
   3 x min_gain / probe_every of the throughput (~0.6%). The
   asymmetry is the shape of the rate: flat near the best k > 0 (on the RL workload static k = 3-6
