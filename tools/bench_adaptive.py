@@ -3,12 +3,14 @@
 
     tools/bench_adaptive.py [--model DIR] [--batches 1,4,16,64] [--ks 1,2,3,5] [--max-k 5]
                             [--temperatures 0,1] [--new-tokens 64,64,48,32] [--repeats 3]
+                            [--device cpu|cuda]
 
 The model is `tools/bench_engine.py`'s (built into --model on first use: a Qwen3-shaped 12-layer
 target with its "bigram" MTP draft). For each temperature and batch size B, the same prompts are
 generated with k = 0 (plain), each static k (pinned per request) and automatic mode, the
 configurations interleaved and their order rotated per repeat; process CPU seconds (robust to
-other tenants of a shared machine); each speedup is the median over `--repeats` of the ratio
+other tenants of a shared machine; with `--device cuda`, wall seconds with the device synchronised
+around each timed run, `bench_engine.bench_clock`); each speedup is the median over `--repeats` of the ratio
 within one repeat (paired: the configurations of a repeat ran next to each other), auto's with the
 90% bootstrap interval over the repeats; "auto / best static" pairs auto with the faster of plain
 and the best static k in each repeat, that k chosen on the same repeats ("in-sample": biased
@@ -34,7 +36,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -43,7 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_engine import BENCH_CONFIG, ensure_bench_checkpoint
+from bench_engine import BENCH_CONFIG, bench_clock, ensure_bench_checkpoint
 from bench_stats import against_best_held_out, median_ratio
 
 from sidecar.engine.speculation_policy import (
@@ -74,14 +75,20 @@ class CountingPolicy(SpeculationPolicy):
 def run(
     engine: TorchEngine, batches: list[list[list[int]]], sp: SamplingParams, k: int | None
 ) -> tuple[float, SpeculationCounters]:
-    """Generate each batch of prompts in turn (k None: the engine's automatic mode); CPU seconds, counters."""
+    """Generate each batch of prompts in turn (k None: the engine's automatic mode); seconds on
+    the engine device's benchmark clock (`bench_engine.bench_clock`), counters."""
+    clock, _ = bench_clock(engine.device)
     before = SpeculationCounters()
     before.add(engine.stats()[-1].counters)
-    start = time.process_time()
+    start = clock()
     for prompts in batches:
         samples = engine.generate(GenerationRequest(prompts=prompts, sampling=sp, speculation_k=k))
         assert sum(len(s.token_ids) for s in samples) == len(prompts) * sp.max_new_tokens
-    return time.process_time() - start, engine.stats()[-1].counters.minus(before)
+    return clock() - start, engine.stats()[-1].counters.minus(before)
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-prompts", type=int, default=2, help="small batches run in turn over this many prompts")
     ap.add_argument("--prompt-length", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--device", default="cpu", help="the engines' device (cuda: timed by wall clock, synchronised; cpu: CPU time)"
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     ensure_bench_checkpoint(args.model)
@@ -103,7 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     news = [int(n) for n in args.new_tokens.split(",")]
     news = news * len(batches) if len(news) == 1 else news[: len(batches)]
     static = TorchEngine.from_checkpoint(
-        args.model, speculation_k=0, max_speculation_k=max(*ks, args.max_k), max_batch_size=max(batches)
+        args.model,
+        device=args.device,
+        speculation_k=0,
+        max_speculation_k=max(*ks, args.max_k),
+        max_batch_size=max(batches),
     )
     model = static.model
     configs: list[int | str] = [0, *ks, "auto"]
@@ -114,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         "| auto first pass | auto tau | auto's k (share of steps) |"
     )
     lines = [header, "|---" * (9 + len(ks)) + "|"]
+    print(f"device: {_device_name(static.device)}; clock: {bench_clock(static.device)[1]} seconds", flush=True)
     print(header, flush=True)
     for temperature in [float(t) for t in args.temperatures.split(",")]:
         policy = CountingPolicy(SpeculationPolicyConfig(max_k=args.max_k))

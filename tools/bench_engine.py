@@ -34,6 +34,7 @@ import resource
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -95,6 +96,21 @@ def build_bench_checkpoint(path: Path, fit_steps: int) -> None:
     print(f"building the benchmark model into {path} (draft fit: {fit_steps} steps)", flush=True)
     fit_draft(model, DraftFitConfig(num_sequences=32, new_tokens=64, steps=fit_steps, lr=1e-3), progress)
     save_checkpoint(path, BENCH_CONFIG, model_state_dict(model))
+
+
+def bench_clock(device: torch.device | str) -> tuple[Callable[[], float], str]:
+    """The clock a benchmark on `device` reads, and its name. CPU: process CPU seconds (robust to
+    other tenants of a shared box). CUDA: wall seconds, the device synchronised first, so a reading
+    includes the kernels launched before it (a CPU-time reading would count only the launches)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return time.process_time, "CPU"
+
+    def wall() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return wall, "GPU wall"
 
 
 def median_time(fn, repeats: int) -> float:

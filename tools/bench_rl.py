@@ -33,6 +33,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from bench_engine import bench_clock
 from bench_stats import against_best_held_out, best_in_sample, held_out_choices, median_ratio
 from cost_ceiling import TablePriced, measure_step_costs
 
@@ -123,11 +124,13 @@ def _report(
     ks: list[int],
     raw: Path | None,
     cpu_label: str,
+    clock: str = "CPU",
 ) -> list[str]:
-    """The sweep's table (medians) and auto against the best static k and plain (tools/bench_stats.py)."""
+    """The sweep's table (medians) and auto against the best static k and plain (tools/bench_stats.py).
+    `cpu` holds the seconds of the run's main clock, named `clock` ("CPU"; "GPU wall" on CUDA)."""
     w0, c0 = statistics.median(wall[0]), statistics.median(cpu[0])
     rows = [
-        f"| k | τ | wall s | wall speedup | {cpu_label} | CPU speedup |",
+        f"| k | τ | wall s | wall speedup | {cpu_label} | {clock} speedup |",
         "|---|---|---|---|---|---|",
     ]
     for k in wall:
@@ -138,15 +141,16 @@ def _report(
     # paired: a repeat's configurations ran one after the other, so per-repeat ratios cancel drift
     rows.append(
         f"auto vs the best static k, median of per-repeat ratios [90% bootstrap interval] (> 1: auto faster): "
-        f"in-sample best (k={best} by CPU, chosen on the same repeats: biased against auto, see "
-        f"tools/bench_stats.py): CPU {median_ratio(cpu[best], cpu['auto'])}, wall {median_ratio(wall[best], wall['auto'])}"
+        f"in-sample best (k={best} by {clock}, chosen on the same repeats: biased against auto, see "
+        f"tools/bench_stats.py): {clock} {median_ratio(cpu[best], cpu['auto'])}, wall {median_ratio(wall[best], wall['auto'])}"
     )
     choices = Counter(held_out_choices(cpu, ks))
     rows.append(
         "held-out best (each repeat against the k fastest on the other repeats: "
         + ", ".join(f"k={k} in {n}" for k, n in choices.most_common())
-        + f"): CPU {against_best_held_out(cpu, ks, 'auto')}, "
-        f"wall (k chosen by wall) {against_best_held_out(wall, ks, 'auto')}; auto against plain: CPU {median_ratio(cpu[0], cpu['auto'])}"
+        + f"): {clock} {against_best_held_out(cpu, ks, 'auto')}, "
+        f"wall (k chosen by wall) {against_best_held_out(wall, ks, 'auto')}; auto against plain: {clock} "
+        f"{median_ratio(cpu[0], cpu['auto'])}"
     )
     if raw is not None:
         raw.write_text(
@@ -164,6 +168,7 @@ def k_sweep_in_process(
     rounds: int = 3,
     raw: Path | None = None,
     ceiling: int = 0,
+    device: str = "cpu",
 ) -> list[str]:
     """The sweep's workload as one of its two sidecars gets it, in this process: no gRPC, no
     second engine process competing for the cores, so what is left is the controller against the
@@ -173,10 +178,12 @@ def k_sweep_in_process(
     configurations interleaved, their order rotated per repeat; CPU seconds of this process.
     `ceiling` > 0: first measure the workload's step costs per (batch, k) over that many
     generations of each static k, then sweep a third engine, "auto@costs", whose controller prices
-    its steps from that table (`tools/cost_ceiling.py`): what auto loses to its cost estimates."""
+    its steps from that table (`tools/cost_ceiling.py`): what auto loses to its cost estimates.
+    `device` "cuda": the engines run there, timed by synchronised wall clock (`bench_engine.bench_clock`)."""
     prompts, warm = sweep_workload(prompts_n)
     mine = list(range(0, prompts_n, 2))
-    static = TorchEngine.from_checkpoint(policy, speculation_k=0, max_speculation_k=max(ks))
+    static = TorchEngine.from_checkpoint(policy, device=device, speculation_k=0, max_speculation_k=max(ks))
+    clock, clock_name = bench_clock(static.device)
     auto = TorchEngine(static.model, speculation_k=max(ks), max_speculation_k=max(ks), auto_speculation=True)
 
     def generate(engine: TorchEngine, seed: int, k: int | None) -> None:
@@ -212,19 +219,20 @@ def k_sweep_in_process(
             engine = engines.get(str(k), static)
             before = SpeculationCounters()
             before.add(engine.stats()[-1].counters)
-            c0, w0 = time.process_time(), time.perf_counter()
+            c0, w0 = clock(), time.perf_counter()
             for n in range(rounds):
                 generate(engine, 100 * r + n, None if k in engines else int(k))
-            cpu[k].append(time.process_time() - c0)
+            cpu[k].append(clock() - c0)
             wall[k].append(time.perf_counter() - w0)
             taus[k].append(engine.stats()[-1].counters.minus(before).acceptance_length)
-    rows = _report(wall, cpu, taus, ks, raw, cpu_label="CPU s")
+    rows = _report(wall, cpu, taus, ks, raw, cpu_label=f"{clock_name} s", clock=clock_name)
     if ceiling:
         best = best_in_sample(cpu, ks)
         rows.append(
             f"auto on the measured costs (a ceiling: the table was measured on this workload, {ceiling} "
-            f"generations per k) against the best static k held out: CPU {against_best_held_out(cpu, ks, 'auto@costs')} "
-            f"(in-sample k={best}: {median_ratio(cpu[best], cpu['auto@costs'])}); auto against it: CPU "
+            f"generations per k) against the best static k held out: {clock_name} "
+            f"{against_best_held_out(cpu, ks, 'auto@costs')} (in-sample k={best}: "
+            f"{median_ratio(cpu[best], cpu['auto@costs'])}); auto against it: {clock_name} "
             f"{median_ratio(cpu['auto@costs'], cpu['auto'])}"
         )
     status = auto.speculation_status()
@@ -248,6 +256,11 @@ def main() -> None:
         "--raw", type=Path, help="Also write the sweep's per-repeat seconds here (JSON: cpu/wall -> k -> list)."
     )
     ap.add_argument(
+        "--device",
+        default="cpu",
+        help="With --in-process: the engines' device (cuda: timed by synchronised wall clock instead of CPU time).",
+    )
+    ap.add_argument(
         "--ceiling",
         type=int,
         default=0,
@@ -258,6 +271,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.ceiling < 0 or (args.ceiling and not args.in_process):
         ap.error("--ceiling N takes N >= 1 generations per k and needs --in-process")
+    if args.device != "cpu" and not args.in_process:
+        ap.error("--device runs the in-process sweep on that device and needs --in-process (sidecars take --device)")
     torch.set_num_threads(1)
     if not (args.sweep_only or args.in_process):
         report = run_demo(args.out, DemoConfig(rl_steps=args.rl_steps))
@@ -270,7 +285,7 @@ def main() -> None:
         )
     rollout = demo_config(args.out / "policy", args.out / "run").rollout
     sweep_fn = (
-        partial(k_sweep_in_process, ceiling=args.ceiling)
+        partial(k_sweep_in_process, ceiling=args.ceiling, device=args.device)
         if args.in_process
         else partial(k_sweep, logs=args.out / "sweep-logs")
     )
@@ -285,6 +300,8 @@ def main() -> None:
     print("\n".join(sweep))
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     print("\n" + next((ln for ln in cpu.splitlines() if "Model name" in ln), "cpu: unknown"))
+    if args.device != "cpu":
+        print(f"device: {torch.cuda.get_device_name(torch.device(args.device))}")
 
 
 if __name__ == "__main__":

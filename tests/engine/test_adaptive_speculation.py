@@ -8,13 +8,16 @@ Timings come from an injected clock, so nothing here depends on how fast the mac
 from __future__ import annotations
 
 import sys
+import time
 
 import pytest
+import torch
 from engine_fixtures import aligned_draft_model
 from test_speculative_distribution import SwitchingPolicy
 from test_speculative_greedy import NEW, PROMPTS, naive_greedy
 
-from sidecar.engine.model import ModelConfig, Qwen3WithMTP
+from sidecar.engine.checkpoint import model_state_dict
+from sidecar.engine.model import ModelConfig, Qwen3WithMTP, build_model
 from sidecar.engine.speculation_policy import MIN_ROW_DRAFTS, RowState, SpeculationPolicy, SpeculationPolicyConfig
 from sidecar.engine.torch_engine import CATCH_UP_POSITIONS, TorchEngine
 from sidecar.types import GenerationRequest, SamplingParams, WeightSelector
@@ -159,6 +162,25 @@ def test_greedy_output_is_plain_under_the_real_controller_and_rows_joining_late(
     assert run_all(engine, PROMPTS) == [naive_greedy(aligned_model, p, NEW) for p in PROMPTS]
     status = engine.speculation_status()
     assert status.reason in ("model", "probe", "guard") and 0 <= status.k <= 4 and len(status.acceptance) == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_auto_speculation_prices_steps_by_wall_clock_and_stays_greedy_exact(
+    aligned_model: Qwen3WithMTP, tiny_config: ModelConfig
+) -> None:
+    """On CUDA the controller measures synchronised wall seconds (CPU time would count only the
+    kernel launches) and its k switching keeps greedy output equal to plain decoding on the same
+    device, rows of different lengths in one ragged batch."""
+    cuda_model = build_model(tiny_config, device="cuda")
+    cuda_model.load_state_dict(model_state_dict(aligned_model))
+    auto = TorchEngine(cuda_model, speculation_k=4, auto_speculation=True, max_batch_size=4)
+    assert auto._clock is time.perf_counter
+    plain = TorchEngine(cuda_model, speculation_k=0)
+    assert run_all(auto, PROMPTS) == run_all(plain, PROMPTS)
+    status = auto.speculation_status()
+    assert status.reason in ("model", "probe", "guard") and 0 <= status.k <= 4
+    assert auto.stats()[0].counters.verify_steps > 0
 
 
 class FakeClock:
