@@ -93,7 +93,8 @@ engine step, not a constant (DESIGN.md, "Speculation policy"):
 - **Guard**: the model can be wrong (stale acceptance after a push, a cost that moved, a bug).
   Over the last `guard_rows` row-rounds (at least `guard_min_steps` steps) of model-chosen
   steps with k > 0 in a bucket, the realised tokens
-  per second per row are compared with plain decoding's measured rate; below `guard_ratio` of it
+  per second per row (a step counted at most `guard_outlier` x the window's median time, as the
+  plain cost is a median) are compared with plain decoding's measured rate; below `guard_ratio` of it
   the bucket backs off to k = 0 for `backoff_steps` steps (doubling on each consecutive trip, up
   to `max_backoff_steps`) and then re-probes. `cost_bias` is the test hook that makes the model
   deliberately wrong.
@@ -188,6 +189,11 @@ class SpeculationPolicyConfig:
     """... and at least this many steps (cost noise)."""
     guard_ratio: float = 0.95
     """Back off when realised tokens/s per row < guard_ratio x plain's."""
+    guard_outlier: float = 2.0
+    """In the guard's window a step counts at most this multiple of the window's median step time:
+    the plain cost it compares with is a median that ignores a garbage collection or a host
+    hiccup several times a step's time, and the realised rate must ignore it too (one 5x step in 8
+    read a 1.34x gain as 0.89x plain). A wrong cost model is slow on every step, and still trips."""
     backoff_steps: int = 32
     """Steps at k = 0 after the guard trips (doubles on consecutive trips)."""
     max_backoff_steps: int = 512
@@ -208,6 +214,8 @@ class SpeculationPolicyConfig:
             raise ValueError(f"prior_acceptance must be in (0, 1), got {self.prior_acceptance}")
         if not 0 < self.guard_ratio <= 1:
             raise ValueError(f"guard_ratio must be in (0, 1], got {self.guard_ratio}")
+        if not self.guard_outlier >= 1:
+            raise ValueError(f"guard_outlier must be >= 1, got {self.guard_outlier}")
         for name in (
             "cost_window",
             "min_cost_samples",
@@ -1099,7 +1107,8 @@ class SpeculationPolicy:
         if len(b.guard_window) < self.config.guard_min_steps or row_rounds < self.config.guard_rows:
             return
         plain = b.verify.get(1)
-        realised = sum(t for _, t, _ in b.guard_window) / sum(s for _, _, s in b.guard_window)
+        cap = self.config.guard_outlier * statistics.median(s for _, _, s in b.guard_window)
+        realised = sum(t for _, t, _ in b.guard_window) / sum(min(s, cap) for _, _, s in b.guard_window)
         steps = len(b.guard_window)
         b.guard_window.clear()
         if plain is None:
