@@ -44,7 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_engine import BENCH_CONFIG, bench_clock, ensure_bench_checkpoint
+from bench_engine import BENCH_CONFIG, bench_clock, device_problem, ensure_bench_checkpoint
 from bench_stats import against_best_held_out, median_ratio
 
 from sidecar.engine.speculation_policy import (
@@ -106,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         "--device", default="cpu", help="the engines' device (cuda: timed by wall clock, synchronised; cpu: CPU time)"
     )
     args = ap.parse_args(argv)
+    if problem := device_problem(args.device):
+        ap.error(problem)
     torch.set_num_threads(1)
     ensure_bench_checkpoint(args.model)
     batches = [int(b) for b in args.batches.split(",")]

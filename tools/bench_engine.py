@@ -98,6 +98,19 @@ def build_bench_checkpoint(path: Path, fit_steps: int) -> None:
     save_checkpoint(path, BENCH_CONFIG, model_state_dict(model))
 
 
+def device_problem(device: str) -> str | None:
+    """Why the benchmarks cannot run on `device` here, with what to pass instead; None if they can."""
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        return f"--device {device!r} is not a torch device: pass cpu, cuda or cuda:N"
+    if kind not in ("cpu", "cuda"):
+        return f"--device {device!r}: the benchmarks run on cpu or cuda only"
+    if kind == "cuda" and not torch.cuda.is_available():
+        return f"--device {device!r}: torch {torch.__version__} sees no CUDA device here; pass --device cpu"
+    return None
+
+
 def bench_clock(device: torch.device | str) -> tuple[Callable[[], float], str]:
     """The clock a benchmark on `device` reads, and its name. CPU: process CPU seconds (robust to
     other tenants of a shared box). CUDA: wall seconds, the device synchronised first, so a reading

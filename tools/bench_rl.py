@@ -33,7 +33,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from bench_engine import bench_clock
+from bench_engine import bench_clock, device_problem
 from bench_stats import against_best_held_out, best_in_sample, held_out_choices, median_ratio
 from cost_ceiling import TablePriced, measure_step_costs
 
@@ -273,6 +273,8 @@ def main() -> None:
         ap.error("--ceiling N takes N >= 1 generations per k and needs --in-process")
     if args.device != "cpu" and not args.in_process:
         ap.error("--device runs the in-process sweep on that device and needs --in-process (sidecars take --device)")
+    if problem := device_problem(args.device):
+        ap.error(problem)
     torch.set_num_threads(1)
     if not (args.sweep_only or args.in_process):
         report = run_demo(args.out, DemoConfig(rl_steps=args.rl_steps))

@@ -361,7 +361,7 @@ def test_a_slow_step_in_the_guard_window_does_not_trip_it() -> None:
     guard must too: from a plain mean over its 8-step window, one 5x step in 13 made speculation
     that gains 1.34x read as 0.89x plain, 8 trips in 600 steps. (A candidate cause of the H100
     grid's guard back-offs at temperature 1, batch 16 — 20% of the steps; not verified there.)
-    A wrong cost model is slow on every step and still trips it (the test above)."""
+    A wrong cost model is slow on every step and still trips it, hiccups and all."""
     alphas = [0.35] * K
     true = lambda k: 0.010 * (1 + 0.05 * k)  # noqa: E731  k = 2: 1.47 tokens for 1.1 plain steps, 1.34x
     step = 0
