@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sidecar.fleet import FleetResult, PushReport
+from sidecar.client.fleet import FleetResult, PushReport
 from sidecar.types import FinishReason, GenerationRequest, Sample, SpeculationCounters
 from trainer.policy import TrainBatch
 from trainer.tasks import Problem

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from sidecar.engine.checkpoint import model_state_dict, save_checkpoint
-from sidecar.engine.model import ModelConfig, build_model
 from sidecar.engine.torch_engine import TorchEngine
-from sidecar.scheduler import SchedulerConfig
-from sidecar.server import ServerConfig
-from sidecar.service import Sidecar, SidecarConfig
+from sidecar.model.checkpoint import model_state_dict, save_checkpoint
+from sidecar.model.model import ModelConfig, build_model
+from sidecar.server.grpc_server import ServerConfig
+from sidecar.server.process import Sidecar, SidecarConfig
+from sidecar.server.scheduler import SchedulerConfig
 from sidecar.types import GenerationRequest, RequestLimits, SamplingParams
 
 DEADLINE = 20.0

@@ -104,8 +104,8 @@ def test_filtered_groups_are_refilled_up_to_the_batch(refill_rounds: int, caplog
 
 
 def test_reference_policy_is_frozen_and_feeds_the_kl() -> None:
-    from sidecar.engine.checkpoint import model_state_dict
-    from sidecar.engine.model import ModelConfig, build_model
+    from sidecar.model.checkpoint import model_state_dict
+    from sidecar.model.model import ModelConfig, build_model
     from trainer.losses import GRPOConfig
     from trainer.policy import Policy
     from trainer.reference import ReferencePolicy

@@ -19,7 +19,7 @@ import yaml
 from click.testing import CliRunner
 
 from sidecar.config_io import from_mapping, merge_overrides, parse_override, yaml_load
-from sidecar.serve_config import ServeConfig
+from sidecar.server.serve_config import ServeConfig
 from tests.sidecar_fixtures import start_sidecar
 from trainer.cli import main
 from trainer.rl_cli import resolve_config
@@ -176,8 +176,8 @@ def jsonl_run(tmp_path: Path) -> tuple[Path, Path]:
 
 def _checkpoint(path: Path, **shape: int) -> Path:
     """A tiny random model whose vocabulary holds the built-in character tokenizer's."""
-    from sidecar.engine.checkpoint import model_state_dict, save_checkpoint
-    from sidecar.engine.model import ModelConfig, build_model
+    from sidecar.model.checkpoint import model_state_dict, save_checkpoint
+    from sidecar.model.model import ModelConfig, build_model
 
     config = ModelConfig.tiny(**{"vocab_size": 128, "max_position_embeddings": 256, **shape})
     save_checkpoint(path, config, model_state_dict(build_model(config, seed=0)))
@@ -263,8 +263,8 @@ def test_merge_overrides_keeps_strings_that_look_like_nothing() -> None:
 
 
 def _expected_errors() -> list[Exception]:
+    from sidecar.client.fleet import NoLiveSidecarError
     from sidecar.config_io import ConfigError
-    from sidecar.fleet import NoLiveSidecarError
     from trainer.bridge import CheckpointMismatchError
     from trainer.local_sidecars import SidecarStartError
     from trainer.preflight import PreflightError

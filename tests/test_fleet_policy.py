@@ -23,8 +23,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sidecar.client import ClientConfig, SidecarCallError
-from sidecar.fleet import (
+from sidecar.client.client import ClientConfig, SidecarCallError
+from sidecar.client.fleet import (
     Disposition,
     Fleet,
     FleetConfig,

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from sidecar.client import ClientConfig
-from sidecar.fleet import Fleet, FleetConfig, NoLiveSidecarError
-from sidecar.service import Sidecar
+from sidecar.client.client import ClientConfig
+from sidecar.client.fleet import Fleet, FleetConfig, NoLiveSidecarError
+from sidecar.server.process import Sidecar
+from sidecar.server.weight_receiver import DataPlaneConfig
 from sidecar.types import GenerationRequest, SamplingParams, WeightTransport
-from sidecar.weight_sync.receiver import DataPlaneConfig
 from sidecar.weight_sync.shm import ShmRegion
 from tests.sidecar_fixtures import (
     greedy_reference,
@@ -166,8 +166,8 @@ def test_local_sidecars_read_one_region_the_fleet_writes_once(
         orch.push_weights(second, 2, names=second.names)
         assert served(orch) == [[greedy_reference(second.state, p, 6) for p in PROMPTS]] * 2
         if share:  # each tensor copied and checksummed once for both sidecars, which both read it
-            assert orch._region is not None and writes == [orch._region.name] * tensors
-            assert a.weights._receiver.regions.kept == b.weights._receiver.regions.kept == [orch._region.name]
+            assert orch._fanout.region is not None and writes == [orch._fanout.region.name] * tensors
+            assert a.weights._receiver.regions.kept == b.weights._receiver.regions.kept == [orch._fanout.region.name]
         else:  # once per sidecar, into its own region
             assert len(writes) == 2 * tensors and len(set(writes)) == 2
 

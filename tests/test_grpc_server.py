@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from sidecar.protocol import services
 from sidecar.protocol.specrl.v1 import control_pb2
-from sidecar.server import EventLoopThread, ServerConfig, create_server
+from sidecar.server.grpc_server import EventLoopThread, ServerConfig, create_server
 
 DEADLINE = 10.0
 

@@ -3,8 +3,8 @@ on each deliberately broken deployment.
 
 The model is the engine harness's (tests/engine/test_speculative_distribution.py): vocabulary 8,
 a partly aligned MTP draft (acceptance 0.4-0.6, so both the accept and the residual paths carry
-mass). The broken deployments are injected through the engine's `acceptance_rule` test hook
-(the wrong rules of `sidecar.engine.acceptance_rules`), a sidecar whose reported log-probs are
+mass). The broken deployments are injected with `wrong_rules.with_acceptance_rule`
+(the wrong rules of `sidecar.losslessness.wrong_rules`), a sidecar whose reported log-probs are
 off by 1e-3, and a sidecar that serves other weights than the verifier's checkpoint. Seeds are
 fixed, so every outcome is deterministic.
 """
@@ -20,16 +20,17 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from sidecar.client import SidecarClient
-from sidecar.engine.acceptance_rules import POWER_RULES, WRONG_RULES, AcceptanceRule, in_fraction_of_rounds
-from sidecar.engine.checkpoint import model_state_dict, save_checkpoint
-from sidecar.engine.model import ModelConfig, Qwen3WithMTP
+from sidecar.client.client import SidecarClient
+from sidecar.engine.sampling import AcceptanceRule
 from sidecar.engine.torch_engine import TorchEngine
 from sidecar.losslessness.certificate import Certificate, Verdict, VerifyConfig, verify_sidecar
 from sidecar.losslessness.exact_target import draw_prompts
 from sidecar.losslessness.report import certificate_to_json, format_certificate
-from sidecar.server import ServerConfig
-from sidecar.service import Sidecar, SidecarConfig
+from sidecar.losslessness.wrong_rules import POWER_RULES, WRONG_RULES, in_fraction_of_rounds, with_acceptance_rule
+from sidecar.model.checkpoint import model_state_dict, save_checkpoint
+from sidecar.model.model import ModelConfig, Qwen3WithMTP
+from sidecar.server.grpc_server import ServerConfig
+from sidecar.server.process import Sidecar, SidecarConfig
 from sidecar.types import Sample, WeightSelector
 from sidecar.weight_sync.tensors import tensor_crc32
 from tests.engine.engine_fixtures import aligned_draft_model
@@ -112,7 +113,7 @@ def test_the_embedded_engine_is_certified_at_k_1_and_3_greedy_and_sampled_with_t
     ids=["accept_every_draft", "resample_from_target", "greedy_verification", "accept_every_draft_in_half_the_rounds"],
 )
 def test_a_wrong_acceptance_rule_in_the_engine_fails_the_certificate(model: Qwen3WithMTP, rule: AcceptanceRule) -> None:
-    engine = TorchEngine(model, speculation_k=3, max_batch_size=300, acceptance_rule=rule)
+    engine = with_acceptance_rule(TorchEngine(model, speculation_k=3, max_batch_size=300), rule)
     cert = certify(model, engine, ks=(3,), temperatures=(1.0,), top_p=0.9, wrong_rules=())  # no power simulation
     assert verdicts(cert)["distribution k=3 T=1.0"] == Verdict.FAIL, format_certificate(cert)
     assert cert.verdict == Verdict.FAIL and cert.exit_status == 1
@@ -123,10 +124,12 @@ def test_a_wrong_rule_at_temperature_zero_is_still_greedy_exact(model: Qwen3With
     verification is exact: the greedy check must not cry wolf (a broken accept-all rule, in
     contrast, emits the draft's argmax)."""
     for harmless in ("resample_from_target", "greedy_verification"):
-        exact = certify(model, TorchEngine(model, acceptance_rule=WRONG_RULES[harmless]), ks=(3,), temperatures=(0.0,))
+        exact = certify(
+            model, with_acceptance_rule(TorchEngine(model), WRONG_RULES[harmless]), ks=(3,), temperatures=(0.0,)
+        )
         assert verdicts(exact)["greedy k=3"] == Verdict.PASS, format_certificate(exact)
     broken = certify(
-        model, TorchEngine(model, acceptance_rule=WRONG_RULES["accept_every_draft"]), ks=(3,), temperatures=(0.0,)
+        model, with_acceptance_rule(TorchEngine(model), WRONG_RULES["accept_every_draft"]), ks=(3,), temperatures=(0.0,)
     )
     assert verdicts(broken)["greedy k=3"] == Verdict.FAIL, format_certificate(broken)
 

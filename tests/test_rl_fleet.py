@@ -17,11 +17,11 @@ from typing import Any
 import grpc
 import pytest
 
-from sidecar.client import ClientConfig, SidecarCallError
-from sidecar.engine.model import ModelConfig
-from sidecar.fleet import Fleet, FleetConfig, FleetResult, NoLiveSidecarError
+from sidecar.client.client import ClientConfig, SidecarCallError
+from sidecar.client.fleet import Fleet, FleetConfig, FleetResult, NoLiveSidecarError
+from sidecar.model.model import ModelConfig
 from sidecar.security import TOKEN_ENV, SecurityConfig
-from sidecar.service import Sidecar
+from sidecar.server.process import Sidecar
 from sidecar.types import GenerationRequest, SamplingParams
 from tests.sidecar_fixtures import single_torch_thread, start_sidecar  # noqa: F401  (a fixture)
 from tests.test_sidecar_security import pki  # noqa: F401  (a fixture: CA, server and client certificates)

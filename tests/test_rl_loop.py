@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from muon import HybridOptimizerConfig
-from sidecar.client import ClientConfig
-from sidecar.engine.checkpoint import load_checkpoint
-from sidecar.engine.model import ModelConfig, build_model
-from sidecar.fleet import Fleet, FleetConfig
+from sidecar.client.client import ClientConfig
+from sidecar.client.fleet import Fleet, FleetConfig
+from sidecar.model.checkpoint import load_checkpoint
+from sidecar.model.model import ModelConfig, build_model
 from sidecar.types import GenerationRequest, SamplingParams
 from trainer.local_sidecars import LocalSidecars
 from trainer.rl_config import RLConfig, RolloutConfig, SidecarsConfig, TaskConfig

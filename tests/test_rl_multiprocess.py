@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sidecar.engine.checkpoint import model_state_dict, save_checkpoint
-from sidecar.engine.model import ModelConfig, build_model
+from sidecar.model.checkpoint import model_state_dict, save_checkpoint
+from sidecar.model.model import ModelConfig, build_model
 from tests.spawn_workers import join_group, leave_group, spawn
 
 

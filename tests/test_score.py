@@ -12,9 +12,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sidecar.client import SidecarClient
-from sidecar.engine.model import build_model
-from sidecar.service import Sidecar
+from sidecar.client.client import SidecarClient
+from sidecar.model.model import build_model
+from sidecar.server.process import Sidecar
 from sidecar.types import GenerationRequest, SamplingParams, ScoreRequest
 from tests.sidecar_fixtures import make_checkpoint, single_torch_thread, start_sidecar, tiny_config, weights  # noqa: F401
 

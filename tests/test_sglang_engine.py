@@ -27,8 +27,6 @@ from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from sidecar.engine import ENGINE_KINDS, create_engine, engine_class
-from sidecar.engine.checkpoint import draft_tensor_names, load_checkpoint, save_checkpoint, target_tensor_names
-from sidecar.engine.model import ModelConfig, build_model
 from sidecar.engine.sglang import names
 from sidecar.engine.sglang.backend import SGLangBackend, SGLangEngineError, sampling_params_dict
 from sidecar.engine.sglang.engine import (
@@ -40,6 +38,8 @@ from sidecar.engine.sglang.engine import (
 )
 from sidecar.engine.sglang.meta import MetaInfoError, counters_from_meta_info, sample_from_meta_info
 from sidecar.errors import InvalidRequestError, StaleVersionError, UnknownTensorError, WeightMismatchError
+from sidecar.model.checkpoint import draft_tensor_names, load_checkpoint, save_checkpoint, target_tensor_names
+from sidecar.model.model import ModelConfig, build_model
 from sidecar.types import FinishReason, GenerationRequest, SamplingParams, WeightSelector
 
 # ---- server arguments ----------------------------------------------------------------------

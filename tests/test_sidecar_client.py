@@ -20,11 +20,11 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sidecar.client import ClientConfig, SidecarClient
-from sidecar.fleet import Fleet, FleetConfig, NoLiveSidecarError
+from sidecar.client.client import ClientConfig, SidecarClient
+from sidecar.client.fleet import Fleet, FleetConfig, NoLiveSidecarError
 from sidecar.protocol import services
 from sidecar.protocol.specrl.v1 import rollout_pb2, weights_pb2
-from sidecar.service import Sidecar
+from sidecar.server.process import Sidecar
 from tests.sidecar_fixtures import (
     DEADLINE,
     PROMPTS,
@@ -276,8 +276,8 @@ def test_a_new_client_reaches_a_restarted_sidecar_at_once(checkpoint: Path) -> N
     (gRPC shares subchannels between channels unless told not to), which the fleet's rejoin
     relies on."""
     from sidecar.engine.torch_engine import TorchEngine
-    from sidecar.server import ServerConfig
-    from sidecar.service import SidecarConfig
+    from sidecar.server.grpc_server import ServerConfig
+    from sidecar.server.process import SidecarConfig
 
     first = start_sidecar(checkpoint)
     address, port = first.address, first.port

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 import sidecar.protocol.convert as convert
-from sidecar.client import SidecarCallError, SidecarClient
+from sidecar.client.client import SidecarCallError, SidecarClient
+from sidecar.client.weight_sender import iter_push_requests
 from sidecar.protocol import services
 from sidecar.protocol.specrl.v1 import weights_pb2
 from sidecar.types import Sample, WeightSelector
-from sidecar.weight_sync.sender import iter_push_requests
 from tests.sidecar_fixtures import (
     DEADLINE,
     NEW_TOKENS,

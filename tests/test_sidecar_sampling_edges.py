@@ -33,7 +33,7 @@ from sidecar_fixtures import (
 
 from sidecar.protocol import services
 from sidecar.protocol.specrl.v1 import rollout_pb2
-from sidecar.service import Sidecar
+from sidecar.server.process import Sidecar
 from sidecar.types import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -132,8 +132,8 @@ def test_the_domain_type_applies_the_same_rule() -> None:
 def test_a_nucleus_that_rounds_to_zero_in_float32_keeps_the_most_likely_token() -> None:
     """In-process callers pass float64: top_p = 1e-300 is valid ((0, 1]) but 0 in the engine's
     float32 tensors, where it used to cut every token (softmax of all -inf: NaN)."""
-    from sidecar.engine.model import build_model
     from sidecar.engine.torch_engine import TorchEngine
+    from sidecar.model.model import build_model
     from sidecar.types import GenerationRequest
 
     model = build_model(tiny_config())

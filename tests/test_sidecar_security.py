@@ -11,7 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from sidecar.client import ClientConfig, SidecarCallError, SidecarClient
+from sidecar.client.client import ClientConfig, SidecarCallError, SidecarClient
 from sidecar.security import SecurityConfig
 from tests.sidecar_fixtures import (
     DEADLINE,

@@ -15,13 +15,13 @@ import pytest
 import torch
 
 import sidecar.protocol.convert as convert
-from sidecar.client import SidecarCallError, SidecarClient
+from sidecar.client.client import SidecarCallError, SidecarClient
+from sidecar.client.weight_sender import iter_push_requests
 from sidecar.protocol import services
 from sidecar.protocol.specrl.v1 import rollout_pb2, weights_pb2
-from sidecar.scheduler import SchedulerConfig
-from sidecar.service import Sidecar
+from sidecar.server.process import Sidecar
+from sidecar.server.scheduler import SchedulerConfig
 from sidecar.types import FinishReason, GenerationRequest, RequestLimits, SamplingParams, WeightSelector
-from sidecar.weight_sync.sender import iter_push_requests
 from tests.sidecar_fixtures import (
     DEADLINE,
     NEW_TOKENS,

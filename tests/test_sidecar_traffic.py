@@ -40,11 +40,11 @@ from sidecar_fixtures import (
 )
 
 import sidecar.protocol.convert as convert
-from sidecar.client import SidecarClient
+from sidecar.client.client import SidecarClient
 from sidecar.engine.torch_engine import TorchEngine
 from sidecar.protocol import services
-from sidecar.scheduler import SchedulerConfig
-from sidecar.service import Sidecar
+from sidecar.server.process import Sidecar
+from sidecar.server.scheduler import SchedulerConfig
 from sidecar.types import FinishReason, GenerationRequest, RequestLimits, Sample, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -180,7 +180,7 @@ def test_overlapping_requests_aborts_and_cancellations(
             else:
                 assert (s.token_ids, s.finish_reason) == (w.token_ids, w.finish_reason), i
     wait_until(
-        lambda: sidecar.scheduler.snapshot().running == sidecar.scheduler.snapshot().queued == 0,
+        lambda: sidecar.server.scheduler.snapshot().running == sidecar.server.scheduler.snapshot().queued == 0,
         what="an idle sidecar",
     )
-    assert not sidecar.scheduler._live  # every request, cancelled ones included, freed its slots
+    assert not sidecar.server.scheduler._live  # every request, cancelled ones included, freed its slots

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from muon import HybridOptimizerConfig
-from sidecar.engine.checkpoint import load_checkpoint, model_state_dict, save_checkpoint
-from sidecar.engine.model import ModelConfig, build_model
+from sidecar.model.checkpoint import load_checkpoint, model_state_dict, save_checkpoint
+from sidecar.model.model import ModelConfig, build_model
 from tests.spawn_workers import join_group, leave_group, spawn
 from trainer import bridge
 from trainer.policy import Policy, TrainBatch

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from muon import HybridOptimizerConfig
-from sidecar.engine.checkpoint import load_checkpoint, model_state_dict
-from sidecar.engine.model import ModelConfig, build_model
 from sidecar.errors import CheckpointError
+from sidecar.model.checkpoint import load_checkpoint, model_state_dict
+from sidecar.model.model import ModelConfig, build_model
 from trainer.policy import Policy, TrainBatch
 
 

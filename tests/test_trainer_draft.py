@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from muon import HybridOptimizerConfig
-from sidecar.engine.checkpoint import model_state_dict
-from sidecar.engine.model import ModelConfig, Qwen3WithMTP, build_model
-from trainer.draft import DraftConfig
+from sidecar.model.checkpoint import model_state_dict
+from sidecar.model.model import ModelConfig, Qwen3WithMTP, build_model
+from trainer.draft_objective import DraftConfig
 from trainer.policy import Policy, TrainBatch
 
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from sidecar.engine.checkpoint import model_state_dict, save_checkpoint
-from sidecar.engine.model import ModelConfig, build_model
 from sidecar.engine.torch_engine import TorchEngine
+from sidecar.model.checkpoint import model_state_dict, save_checkpoint
+from sidecar.model.model import ModelConfig, build_model
 from sidecar.types import GenerationRequest, SamplingParams
 from trainer.losses import mismatch_metrics
 from trainer.policy import Policy, TrainBatch

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sidecar.engine.checkpoint import model_state_dict
-from sidecar.engine.model import ModelConfig, build_model
+from sidecar.model.checkpoint import model_state_dict
+from sidecar.model.model import ModelConfig, build_model
 from trainer.policy import Policy, TrainBatch
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sidecar.engine.checkpoint import model_state_dict
-from sidecar.engine.model import ModelConfig, build_model
+from sidecar.model.checkpoint import model_state_dict
+from sidecar.model.model import ModelConfig, build_model
 from trainer.losses import GRPOConfig
 from trainer.policy import Policy, TrainBatch
 from trainer.schedules import LRScheduleConfig

@@ -12,11 +12,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar.client import SidecarClient
-from sidecar.engine.checkpoint import save_checkpoint
-from sidecar.engine.model import ModelConfig, build_model
+from sidecar.client.client import SidecarClient
 from sidecar.engine.sampling import RowSampling, filtered_probs, reported_logprobs, token_logprobs
 from sidecar.engine.torch_engine import TorchEngine
+from sidecar.model.checkpoint import save_checkpoint
+from sidecar.model.model import ModelConfig, build_model
 from sidecar.protocol import convert
 from sidecar.types import FinishReason, GenerationRequest, LogprobMode, SamplingParams
 from tests.sidecar_fixtures import single_torch_thread, start_sidecar  # noqa: F401

@@ -28,10 +28,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from sidecar.client import ClientConfig, SidecarCallError, SidecarClient
+from sidecar.client.client import ClientConfig, SidecarCallError, SidecarClient
+from sidecar.client.transport import CollectiveConfig, TransportConfig
+from sidecar.client.weight_sender import iter_push_requests
 from sidecar.engine.torch_engine import TorchEngine
 from sidecar.errors import DeltaBaseError, InvalidRequestError
-from sidecar.service import Sidecar
+from sidecar.server.process import Sidecar
+from sidecar.server.weight_receiver import WeightReceiver
 from sidecar.types import (
     DeltaEncoding,
     PushItem,
@@ -44,9 +47,6 @@ from sidecar.types import (
 )
 from sidecar.weight_sync.checksum import crc32
 from sidecar.weight_sync.delta import DeltaBase, PlannedPush, apply_delta, encode_delta, plan_push
-from sidecar.weight_sync.negotiation import CollectiveConfig, TransportConfig
-from sidecar.weight_sync.receiver import WeightReceiver
-from sidecar.weight_sync.sender import iter_push_requests
 from sidecar.weight_sync.tensors import spec_of, tensor_bytes
 from tests.sidecar_fixtures import (
     make_checkpoint,
@@ -518,8 +518,8 @@ def test_receiver_refuses_a_delta_before_it_holds_a_base() -> None:
 
 
 def test_the_run_config_turns_delta_pushes_on_for_every_client(checkpoint: Path) -> None:
+    from sidecar.client.fleet import Fleet, FleetConfig
     from sidecar.config_io import from_mapping
-    from sidecar.fleet import Fleet, FleetConfig
     from trainer.rl_config import RLConfig
 
     cfg = from_mapping(RLConfig, {"model": "m", "sidecars": {"local": 1, "weight_sync": {"deltas": True}}})
@@ -543,7 +543,7 @@ def test_a_refused_delta_on_any_transport_is_followed_by_a_full_push(
     """The client's delta, damaged before it leaves (a base the sidecar does not serve, or a
     manifest CRC-32 its rebuilt tensor cannot match), is refused on every data plane; the client
     then pushes in full and the sidecar serves exactly the client's weights."""
-    import sidecar.client as client_module
+    import sidecar.client.client as client_module
 
     g = torch.Generator().manual_seed(8)
     state = weights(1)
@@ -573,7 +573,7 @@ def test_a_refused_delta_on_any_transport_is_followed_by_a_full_push(
 
 
 def test_a_sidecar_that_does_not_accept_deltas_gets_full_pushes(checkpoint: Path) -> None:
-    from sidecar.weight_sync.receiver import DataPlaneConfig
+    from sidecar.server.weight_receiver import DataPlaneConfig
 
     g = torch.Generator().manual_seed(9)
     state = weights(1)

@@ -12,10 +12,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sidecar.client import SidecarClient
-from sidecar.engine.checkpoint import target_tensor_names
+from sidecar.client.client import SidecarClient
 from sidecar.integrations.weight_session import SessionConfig, WeightUpdateSession
-from sidecar.service import Sidecar
+from sidecar.model.checkpoint import target_tensor_names
+from sidecar.server.process import Sidecar
 from sidecar.types import WeightSelector
 from tests.sidecar_fixtures import (
     PROMPTS,

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import sidecar.protocol.convert as convert
 import sidecar.protocol.weight_wire as weight_wire
+from sidecar.client.weight_sender import iter_push_requests
 from sidecar.errors import (
     InvalidRequestError,
     PushCancelledError,
@@ -22,10 +23,9 @@ from sidecar.errors import (
     WeightMismatchError,
 )
 from sidecar.protocol.specrl.v1 import weights_pb2
+from sidecar.server.weight_receiver import WeightReceiver
 from sidecar.types import PushItem, TensorSpec, WeightChunk, WeightCommit, WeightManifest, WeightSelector
 from sidecar.weight_sync.checksum import crc32_combine
-from sidecar.weight_sync.receiver import WeightReceiver
-from sidecar.weight_sync.sender import iter_push_requests
 from sidecar.weight_sync.tensors import spec_of
 
 MODEL = {

@@ -21,9 +21,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 import sidecar.protocol.weight_wire as weight_wire
-from sidecar.client import ClientConfig, SidecarCallError, SidecarClient
+from sidecar.client.client import ClientConfig, SidecarCallError, SidecarClient
+from sidecar.client.transport import CollectiveConfig, TransportConfig
+from sidecar.client.weight_sender import ShmSender, iter_push_requests
 from sidecar.errors import InvalidRequestError, TransportUnavailableError
-from sidecar.service import Sidecar
+from sidecar.server.process import Sidecar
+from sidecar.server.weight_receiver import DataPlaneConfig, WeightReceiver
 from sidecar.types import (
     PlacedTensor,
     PreparedTransport,
@@ -36,9 +39,6 @@ from sidecar.types import (
 )
 from sidecar.weight_sync import shm
 from sidecar.weight_sync.collective import plan_buckets
-from sidecar.weight_sync.negotiation import CollectiveConfig, TransportConfig
-from sidecar.weight_sync.receiver import DataPlaneConfig, WeightReceiver
-from sidecar.weight_sync.sender import ShmSender, iter_push_requests
 from sidecar.weight_sync.tensors import spec_of, tensor_bytes
 from tests.sidecar_fixtures import (
     NEW_TOKENS,

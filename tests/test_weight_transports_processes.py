@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.client import ClientConfig, SidecarCallError, SidecarClient
+from sidecar.client.client import ClientConfig, SidecarCallError, SidecarClient
+from sidecar.client.transport import CollectiveConfig, TransportConfig
 from sidecar.types import WeightTransport
-from sidecar.weight_sync.negotiation import CollectiveConfig, TransportConfig
 from tests.sidecar_fixtures import (
     NEW_TOKENS,
     PROMPTS,
@@ -84,8 +84,8 @@ def test_collective_and_shm_deliver_to_a_sidecar_process_and_survive_its_death(t
 
 _SENDER = """
 import sys, time
-from sidecar.client import ClientConfig, SidecarClient
-from sidecar.weight_sync.negotiation import CollectiveConfig, TransportConfig
+from sidecar.client.client import ClientConfig, SidecarClient
+from sidecar.client.transport import CollectiveConfig, TransportConfig
 from tests.sidecar_fixtures import weights
 
 address, transport = sys.argv[1], sys.argv[2]

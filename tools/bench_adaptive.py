@@ -47,13 +47,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import BENCH_CONFIG, bench_clock, device_problem, ensure_bench_checkpoint
 from bench_stats import against_best_held_out, median_ratio
 
-from sidecar.engine.speculation_policy import (
-    RowState,
-    SpeculationDecision,
-    SpeculationPolicy,
-    SpeculationPolicyConfig,
-)
 from sidecar.engine.torch_engine import TorchEngine
+from sidecar.speculation.config import RowState, SpeculationDecision, SpeculationPolicyConfig
+from sidecar.speculation.controller import SpeculationPolicy
 from sidecar.types import GenerationRequest, SamplingParams, SpeculationCounters
 
 

@@ -43,12 +43,12 @@ CALLS = ("health", "GetInfo", "GetStats", "Abort")
 SERVE = r"""
 import sys, time
 from pathlib import Path
-from sidecar.engine.checkpoint import model_state_dict, save_checkpoint
-from sidecar.engine.model import ModelConfig, build_model
+from sidecar.model.checkpoint import model_state_dict, save_checkpoint
+from sidecar.model.model import ModelConfig, build_model
 from sidecar.engine.torch_engine import TorchEngine
-from sidecar.scheduler import SchedulerConfig
-from sidecar.server import ServerConfig
-from sidecar.service import Sidecar, SidecarConfig
+from sidecar.server.scheduler import SchedulerConfig
+from sidecar.server.grpc_server import ServerConfig
+from sidecar.server.servicers import Sidecar, SidecarConfig
 from sidecar.types import RequestLimits
 
 ckpt, streams = Path(sys.argv[1]), int(sys.argv[2])

@@ -22,7 +22,8 @@ import statistics
 import time
 from collections.abc import Callable
 
-from sidecar.engine.speculation_policy import RowState, SpeculationPolicy, SpeculationPolicyConfig
+from sidecar.speculation.config import RowState, SpeculationPolicyConfig
+from sidecar.speculation.controller import SpeculationPolicy
 
 
 def taught(batch: int, max_k: int, rng: random.Random) -> SpeculationPolicy:

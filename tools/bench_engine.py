@@ -41,13 +41,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sidecar.engine.checkpoint import model_state_dict, save_checkpoint
-from sidecar.engine.draft_fit import DraftFitConfig, fit_draft, init_draft_from_embedding
-from sidecar.engine.kv_cache import KVCache
-from sidecar.engine.model import ModelConfig, Qwen3WithMTP, build_model
 from sidecar.engine.sampling import RowSampling, filtered_probs, sample_from
 from sidecar.engine.torch_engine import TorchEngine
+from sidecar.model.checkpoint import model_state_dict, save_checkpoint
+from sidecar.model.kv_cache import KVCache
+from sidecar.model.model import ModelConfig, Qwen3WithMTP, build_model
 from sidecar.types import GenerationRequest, SamplingParams, SpeculationCounters
+from trainer.draft_fit import DraftFitConfig, fit_draft, init_draft_from_embedding
 
 BENCH_CONFIG = ModelConfig(
     vocab_size=4096,

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from sidecar.engine.model import ModelConfig
-from sidecar.fleet import Fleet
+from sidecar.client.fleet import Fleet
+from sidecar.model.model import ModelConfig
 from sidecar.types import GenerationRequest, SamplingParams
 from trainer.local_sidecars import LocalSidecars
 from trainer.tasks import ArithmeticTask

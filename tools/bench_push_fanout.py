@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from sidecar.engine.checkpoint import load_checkpoint
-from sidecar.engine.model import ModelConfig
-from sidecar.fleet import Fleet
+from sidecar.client.fleet import Fleet
+from sidecar.model.checkpoint import load_checkpoint
+from sidecar.model.model import ModelConfig
 from trainer.local_sidecars import LocalSidecars
 from trainer.warmup import make_model
 

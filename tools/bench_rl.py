@@ -37,9 +37,9 @@ from bench_engine import bench_clock, device_problem
 from bench_stats import against_best_held_out, best_in_sample, held_out_choices, median_ratio
 from cost_ceiling import TablePriced, measure_step_costs
 
-from sidecar.engine.speculation_policy import SpeculationPolicyConfig
+from sidecar.client.fleet import Fleet, derive_seed
 from sidecar.engine.torch_engine import TorchEngine
-from sidecar.fleet import Fleet, derive_seed
+from sidecar.speculation.config import SpeculationPolicyConfig
 from sidecar.types import GenerationRequest, SamplingParams, SpeculationCounters
 from trainer.demo import DemoConfig, run_demo
 from trainer.local_sidecars import LocalSidecars

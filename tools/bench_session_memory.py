@@ -39,17 +39,17 @@ def child(checkpoint: str, address: str, mode: str, version: int) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from sidecar.client import SidecarClient
-    from sidecar.engine.checkpoint import load_checkpoint
-    from sidecar.engine.model import build_model
+    from sidecar.client.client import SidecarClient
     from sidecar.integrations.weight_session import WeightUpdateSession
+    from sidecar.model.checkpoint import load_checkpoint
+    from sidecar.model.model import build_model
     from sidecar.types import WeightSelector
 
     config, tensors = load_checkpoint(checkpoint)
     model = build_model(config)
     model.load_state_dict(tensors, strict=True)
     del tensors
-    from sidecar.weight_sync.memory import release_freed_memory
+    from sidecar.server.memory import release_freed_memory
 
     release_freed_memory()
     client = SidecarClient(address)
@@ -84,8 +84,8 @@ def main() -> None:
 
     import torch
 
-    from sidecar.engine.checkpoint import model_state_dict, save_checkpoint
-    from sidecar.engine.model import ModelConfig, build_model
+    from sidecar.model.checkpoint import model_state_dict, save_checkpoint
+    from sidecar.model.model import ModelConfig, build_model
     from tests.with_trl.serve import ServeProcess
 
     env = dict(os.environ, OMP_NUM_THREADS="1")

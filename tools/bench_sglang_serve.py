@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sidecar.client import SidecarClient
+from sidecar.client.client import SidecarClient
 from sidecar.types import GenerationRequest, SamplingParams
 from tests.with_sglang.served import specrl_serve
 from trainer.tasks import ArithmeticTask

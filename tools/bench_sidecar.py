@@ -34,11 +34,11 @@ import grpc
 import numpy as np
 import torch
 
-from sidecar.client import ClientConfig, SidecarClient
-from sidecar.engine.checkpoint import model_state_dict, save_checkpoint
-from sidecar.engine.model import ModelConfig, build_model
+from sidecar.client.client import ClientConfig, SidecarClient
+from sidecar.client.weight_sender import DEFAULT_CHUNK_BYTES
+from sidecar.model.checkpoint import model_state_dict, save_checkpoint
+from sidecar.model.model import ModelConfig, build_model
 from sidecar.types import GenerationRequest, SamplingParams
-from sidecar.weight_sync.sender import DEFAULT_CHUNK_BYTES
 from sidecar.weight_sync.tensors import tensor_bytes
 
 MiB = 1 << 20

@@ -36,8 +36,8 @@ def main() -> None:
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
 
-    from sidecar.engine.checkpoint import model_state_dict
-    from sidecar.engine.model import ModelConfig, build_model
+    from sidecar.model.checkpoint import model_state_dict
+    from sidecar.model.model import ModelConfig, build_model
     from trainer.policy import Policy, TrainBatch
 
     mc = ModelConfig.tiny(

@@ -37,10 +37,10 @@ import numpy as np
 import torch
 from bench_sidecar import Served  # tools/ is sys.path[0] when run as a script
 
-from sidecar.client import ClientConfig, SidecarClient
-from sidecar.engine.checkpoint import model_state_dict, save_checkpoint
-from sidecar.engine.model import ModelConfig, build_model
-from sidecar.weight_sync.negotiation import CollectiveConfig, TransportConfig
+from sidecar.client.client import ClientConfig, SidecarClient
+from sidecar.client.transport import CollectiveConfig, TransportConfig
+from sidecar.model.checkpoint import model_state_dict, save_checkpoint
+from sidecar.model.model import ModelConfig, build_model
 from sidecar.weight_sync.tensors import tensor_bytes
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -69,9 +69,9 @@ def memcpy(state: dict[str, torch.Tensor], out: np.ndarray) -> float:
 
 def bench_fanout(model: Path, sidecars: int, repeats: int) -> None:
     """Small-model push: the fleet's streamed fan-out over grpc and shm, alternating."""
-    from sidecar.engine.checkpoint import load_checkpoint
-    from sidecar.fleet import Fleet
-    from sidecar.weight_sync.negotiation import DataPlaneSession
+    from sidecar.client.fleet import Fleet
+    from sidecar.client.transport import DataPlaneSession
+    from sidecar.model.checkpoint import load_checkpoint
     from trainer.local_sidecars import LocalSidecars
 
     _, state = load_checkpoint(model)

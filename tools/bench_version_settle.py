@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from sidecar.engine.speculation_policy import SpeculationPolicy, SpeculationPolicyConfig
 from sidecar.engine.torch_engine import TorchEngine
+from sidecar.speculation.config import SpeculationPolicyConfig
+from sidecar.speculation.controller import SpeculationPolicy
 from sidecar.types import GenerationRequest, SamplingParams, WeightSelector
 
 torch.set_num_threads(1)

@@ -21,12 +21,8 @@ import statistics
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from sidecar.engine.speculation_policy import (
-    RowState,
-    SpeculationDecision,
-    SpeculationPolicy,
-    SpeculationPolicyConfig,
-)
+from sidecar.speculation.config import RowState, SpeculationDecision, SpeculationPolicyConfig
+from sidecar.speculation.controller import SpeculationPolicy
 
 if TYPE_CHECKING:  # tools/sim_adaptive.py imports `FixedK` and replays without torch
     from sidecar.engine.torch_engine import TorchEngine

@@ -21,9 +21,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sidecar.engine.checkpoint import load_checkpoint, model_state_dict, save_checkpoint
-from sidecar.engine.draft_fit import DraftFitConfig, fit_draft, init_draft_from_embedding
-from sidecar.engine.model import build_model
+from sidecar.model.checkpoint import load_checkpoint, model_state_dict, save_checkpoint
+from sidecar.model.model import build_model
+from trainer.draft_fit import DraftFitConfig, fit_draft, init_draft_from_embedding
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -217,12 +217,12 @@ def push_bench(policy_dir: Path, lr_mode: str, steps: int, seed: int, transport:
     import hashlib
     import time
 
-    from sidecar.client import ClientConfig, SidecarClient
-    from sidecar.engine.checkpoint import load_checkpoint, save_checkpoint
+    from sidecar.client.client import ClientConfig, SidecarClient
+    from sidecar.client.transport import TransportConfig
     from sidecar.engine.torch_engine import TorchEngine
-    from sidecar.server import ServerConfig
-    from sidecar.service import Sidecar, SidecarConfig
-    from sidecar.weight_sync.negotiation import TransportConfig
+    from sidecar.model.checkpoint import load_checkpoint, save_checkpoint
+    from sidecar.server.grpc_server import ServerConfig
+    from sidecar.server.process import Sidecar, SidecarConfig
 
     def digest(tensors: dict[str, torch.Tensor]) -> str:
         h = hashlib.sha256()

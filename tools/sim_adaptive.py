@@ -43,12 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cost_ceiling import FixedK
 
-from sidecar.engine.speculation_policy import (
-    RowState,
-    SpeculationDecision,
-    SpeculationPolicy,
-    SpeculationPolicyConfig,
-)
+from sidecar.speculation.config import RowState, SpeculationDecision, SpeculationPolicyConfig
+from sidecar.speculation.controller import SpeculationPolicy
 
 Costs = dict[int, dict[int, tuple[float, float]]]
 """batch -> k -> (draft seconds, verify seconds) of one decode step."""

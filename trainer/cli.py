@@ -24,8 +24,8 @@ def main() -> None:
         warnings.filterwarnings("ignore", message=message, category=UserWarning)
 
 
-from sidecar.cli import serve  # noqa: E402  (subcommands register on main)
 from sidecar.losslessness.cli import verify  # noqa: E402
+from sidecar.server.cli import serve  # noqa: E402  (subcommands register on main)
 from trainer.rl_cli import demo, draft_init_cmd, train, warmup  # noqa: E402
 
 main.add_command(serve)

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sidecar.engine.model import ModelConfig
+from sidecar.model.model import ModelConfig
 from trainer.rl_config import demo_config
 from trainer.rl_loop import train
 from trainer.tasks import ArithmeticTask

@@ -29,9 +29,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from muon import HybridOptimizer, HybridOptimizerConfig, QKVLayout, build_optimizer
-from sidecar.engine.model import ModelConfig
+from sidecar.model.model import ModelConfig
 from trainer import bridge, gpt, platform
-from trainer.draft import DraftConfig, MTPDraft, draft_loss, draft_step_tokens
+from trainer.draft_objective import DraftConfig, MTPDraft, draft_loss, draft_step_tokens
 from trainer.losses import BatchTotals, GRPOConfig, mismatch_metrics, policy_loss
 from trainer.schedules import LRScheduleConfig, build_scheduler
 
@@ -200,7 +200,7 @@ class Policy:
     @classmethod
     def from_checkpoint(cls, path: str | Path, cfg: Policy.Config) -> Policy:
         """Load a naming-contract checkpoint (config.json + model.safetensors)."""
-        from sidecar.engine.checkpoint import load_checkpoint
+        from sidecar.model.checkpoint import load_checkpoint
 
         model_config, tensors = load_checkpoint(path)
         return cls(model_config, cfg, tensors)
@@ -252,7 +252,7 @@ class Policy:
 
         Collective (all ranks gather); holds the full state dict on rank 0 while writing.
         """
-        from sidecar.engine.checkpoint import save_checkpoint
+        from sidecar.model.checkpoint import save_checkpoint
 
         tensors = dict(self.export_named_tensors())
         if not dist.is_initialized() or dist.get_rank() == 0:

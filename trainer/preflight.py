@@ -16,8 +16,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from sidecar.engine.model import ModelConfig
 from sidecar.errors import SpecrlError
+from sidecar.model.model import ModelConfig
 from trainer.rl_config import RLConfig
 from trainer.tasks import Task
 from trainer.tokenizer import Tokenizer, load_tokenizer
@@ -148,7 +148,7 @@ def check_sidecars(cfg: RLConfig, model: ModelConfig) -> None:
     """Each remote sidecar answers GetInfo within sidecars.call_timeout_s and serves this model's shape."""
     from dataclasses import replace
 
-    from sidecar.client import SidecarCallError, SidecarClient
+    from sidecar.client.client import SidecarCallError, SidecarClient
 
     try:  # the run's own credentials (token, TLS), so a secured sidecar answers the probe
         client_config = replace(cfg.sidecars.security.client_config(timeout_s=cfg.sidecars.call_timeout_s), retries=0)

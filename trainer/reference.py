@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from sidecar.engine.model import ModelConfig
+from sidecar.model.model import ModelConfig
 from trainer import bridge, gpt, platform
 
 
@@ -35,7 +35,7 @@ class ReferencePolicy:
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, *, tensor_parallel: int, temperature: float) -> ReferencePolicy:
-        from sidecar.engine.checkpoint import load_checkpoint
+        from sidecar.model.checkpoint import load_checkpoint
 
         model_config, tensors = load_checkpoint(path)
         return cls(model_config, tensors, tensor_parallel=tensor_parallel, temperature=temperature)

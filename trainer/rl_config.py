@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Literal
 
 from muon import HybridOptimizerConfig
-from sidecar.client import ClientConfig
+from sidecar.client.client import ClientConfig
+from sidecar.client.transport import CollectiveConfig, TransportConfig
 from sidecar.security import read_token
-from sidecar.weight_sync.negotiation import CollectiveConfig, TransportConfig
-from trainer.draft import DraftConfig
+from trainer.draft_objective import DraftConfig
 from trainer.losses import GRPOConfig
 from trainer.schedules import LRScheduleConfig
 from trainer.tasks import ArithmeticTask, JsonlTask, Task, load_reward_fn

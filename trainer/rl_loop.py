@@ -1,7 +1,7 @@
 """The RL loop: generate → score → recompute log-probs → update policy and draft → push weights.
 
 Reads like the algorithm (DESIGN.md "Data flow of one RL step"); every mechanism lives in the
-module named after it: sidecar fan-out and fault handling in `sidecar.fleet`, local
+module named after it: sidecar fan-out and fault handling in `sidecar.client.fleet`, local
 sidecar processes in `trainer.local_sidecars`, the policy and its optimizers in
 `trainer.policy`, the GRPO/DAPO loss in `trainer.losses`, the run directory in `trainer.run_dir`.
 
@@ -36,9 +36,9 @@ import torch.distributed as dist
 from torch import Tensor
 from tqdm import tqdm
 
+from sidecar.client.fleet import Fleet, FleetConfig, derive_seed
 from sidecar.config_io import to_mapping, write_yaml
-from sidecar.engine.model import ModelConfig
-from sidecar.fleet import Fleet, FleetConfig, derive_seed
+from sidecar.model.model import ModelConfig
 from sidecar.types import GenerationRequest, Sample, SamplingParams, SpeculationCounters
 from trainer import platform
 from trainer.dynamic_sampling import Group, group_samples, select_groups, shaped_rewards

@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 
 from muon import HybridOptimizerConfig
-from sidecar.engine.checkpoint import model_state_dict, save_checkpoint
-from sidecar.engine.model import ModelConfig, build_model
 from sidecar.engine.torch_engine import TorchEngine
+from sidecar.model.checkpoint import model_state_dict, save_checkpoint
+from sidecar.model.model import ModelConfig, build_model
 from sidecar.types import GenerationRequest, SamplingParams
-from trainer.draft import DraftConfig
+from trainer.draft_objective import DraftConfig
 from trainer.losses import GRPOConfig
 from trainer.policy import Policy, TrainBatch
 from trainer.tasks import Task

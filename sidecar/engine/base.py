@@ -82,7 +82,7 @@ class Engine(ABC):
 
     def set_speculation_auto(self, max_k: int) -> None:
         """Automatic mode: k in [0, max_k] chosen per engine step (see
-        `sidecar.engine.speculation_policy`). ValueError where the engine has none."""
+        `sidecar.speculation.controller`). ValueError where the engine has none."""
         raise ValueError(f"the {self.info().engine} engine has no automatic speculation mode; set a fixed k")
 
     def speculation_status(self) -> SpeculationStatus:
@@ -132,7 +132,12 @@ class Engine(ABC):
 
     @abstractmethod
     def stats(self) -> list[VersionStats]:
-        """Raw counters per weight version served, oldest first (monotonic, never reset)."""
+        """Raw counters of the recent weight versions served, oldest first (monotonic, never
+        reset; at most `version_ledger.RECENT_VERSIONS` of them)."""
+
+    @abstractmethod
+    def earlier_stats(self) -> VersionStats:
+        """The sum of the counters of every version served before those `stats()` lists."""
 
     def generate(self, request: GenerationRequest) -> list[Sample]:
         """Run one request to completion (a convenience for tests, tools and the trainer).

@@ -21,6 +21,7 @@ exactly as sampling from p one token at a time.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -201,3 +202,17 @@ def reported_logprobs(
         one_hot = torch.where(is_argmax, 0.0, float("-inf"))
         processed = torch.where(_per_row(rows.greedy, processed), one_hot, processed)
     return torch.where(_per_row(rows.processed, processed), processed, raw)
+
+
+class AcceptanceRule(Protocol):
+    """The signature of `sampling.rejection_sample` (see its docstring for the shapes)."""
+
+    def __call__(
+        self,
+        draft_tokens: Tensor,  # (B, K)
+        q: Tensor,  # (B, K, V)
+        p: Tensor,  # (B, K+1, V)
+        num_draft: Tensor,  # (B,)
+        accept_uniforms: Tensor,  # (B, K)
+        final_uniforms: Tensor,  # (B,)
+    ) -> Acceptance: ...

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from sidecar.engine.kv_cache import KVCache
-from sidecar.engine.model import Qwen3WithMTP
 from sidecar.engine.sampling import RowSampling, filtered_probs, sample_from
+from sidecar.model.kv_cache import KVCache
+from sidecar.model.model import Qwen3WithMTP
 
 
 @dataclass(kw_only=True, slots=True)

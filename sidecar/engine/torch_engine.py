@@ -45,12 +45,9 @@ import torch
 from torch import Tensor
 
 import sidecar
-from sidecar.engine.acceptance_rules import AcceptanceRule
 from sidecar.engine.base import Engine
-from sidecar.engine.checkpoint import draft_tensor_shapes, load_checkpoint, target_tensor_shapes
-from sidecar.engine.kv_cache import KVCache
-from sidecar.engine.model import Qwen3WithMTP, build_model
 from sidecar.engine.sampling import (
+    AcceptanceRule,
     RowSampling,
     filtered_probs,
     rejection_sample,
@@ -58,15 +55,15 @@ from sidecar.engine.sampling import (
     sample_from,
     token_logprobs,
 )
-from sidecar.engine.speculation_policy import (
-    RowState,
-    SpeculationDecision,
-    SpeculationPolicy,
-    SpeculationPolicyConfig,
-)
 from sidecar.engine.speculative import DraftInput, VerifyInput, draft, verify
 from sidecar.engine.validation import check_weights, validate_request
+from sidecar.engine.version_ledger import VersionLedger
 from sidecar.errors import InvalidRequestError
+from sidecar.model.checkpoint import draft_tensor_shapes, load_checkpoint, target_tensor_shapes
+from sidecar.model.kv_cache import KVCache
+from sidecar.model.model import Qwen3WithMTP, build_model
+from sidecar.speculation.config import RowState, SpeculationDecision, SpeculationPolicyConfig
+from sidecar.speculation.controller import SpeculationPolicy
 from sidecar.types import (
     EngineInfo,
     FinishReason,
@@ -188,21 +185,16 @@ class TorchEngine(Engine):
         auto_speculation: bool = False,
         policy: SpeculationPolicyConfig | None = None,
         clock: Callable[[], float] | None = None,
-        acceptance_rule: AcceptanceRule | None = None,
     ) -> None:
         """`auto_speculation`: start in auto mode with maximum k `speculation_k`; `policy`: the
         controller's knobs (its max_k is set by the mode); `clock`: seconds, for the controller's
-        cost measurements (tests inject one). Default: `cost_clock(device)`.
-
-        `acceptance_rule` is a TEST HOOK: None (always, in production) is the exact rule,
-        `sampling.rejection_sample`. Tests and `specrl verify`'s power simulation pass one of
-        `acceptance_rules.WRONG_RULES` to show that a losslessness test rejects it."""
+        cost measurements (tests inject one). Default: `cost_clock(device)`."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_speculation_k < 0:
             raise ValueError(f"max_speculation_k must be >= 0, got {max_speculation_k}")
         self.model = model
-        self.acceptance_rule: AcceptanceRule = acceptance_rule or rejection_sample
+        self._acceptance_rule: AcceptanceRule = rejection_sample  # only `wrong_rules.with_acceptance_rule` changes it
         self.config = model.config
         self.device = model.output_weight().device
         self.name = name
@@ -220,7 +212,7 @@ class TorchEngine(Engine):
         if auto_speculation:
             self.set_speculation_auto(self._k)
         self._version = 0
-        self._stats: dict[int, VersionStats] = {0: VersionStats(weight_version=0)}
+        self._stats = VersionLedger()
         self._queue: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []
         self._live: dict[str, int] = {}  # request id -> unfinished sequences
@@ -358,7 +350,10 @@ class TorchEngine(Engine):
         return len(self._running)
 
     def stats(self) -> list[VersionStats]:
-        return [self._stats[v] for v in sorted(self._stats)]
+        return self._stats.recent()
+
+    def earlier_stats(self) -> VersionStats:
+        return self._stats.earlier
 
     # ---- requests ----------------------------------------------------------------------------
     def submit(self, request: GenerationRequest) -> None:
@@ -583,7 +578,7 @@ class TorchEngine(Engine):
         drafted_at = self._clock()
         old_lengths = list(self._cache.lengths)
         vout = verify(self.model, self._cache, VerifyInput(tokens=verify_tokens, num_new=[k + 1 for k in k_eff]), rows)
-        acc = self.acceptance_rule(draft_tokens, q, vout.probs, num_draft, u[:, kmax : 2 * kmax], u[:, 2 * kmax])
+        acc = self._acceptance_rule(draft_tokens, q, vout.probs, num_draft, u[:, kmax : 2 * kmax], u[:, 2 * kmax])
         emitted = torch.cat([draft_tokens, torch.zeros(b, 1, dtype=torch.int64, device=dev)], dim=1)
         emitted[torch.arange(b, device=dev), acc.num_accepted] = acc.next_token
         logprobs = reported_logprobs(vout.logits, emitted, rows)
@@ -782,6 +777,6 @@ class TorchEngine(Engine):
 
     def _served(self, version: int) -> None:
         self._version = version
-        self._stats.setdefault(version, VersionStats(weight_version=version))
+        self._stats.serve(version)
         if self._policy is not None:
             self._policy.on_weight_version()

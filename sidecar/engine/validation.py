@@ -11,8 +11,8 @@ from collections.abc import Mapping
 
 import torch
 
-from sidecar.engine.model import ModelConfig
 from sidecar.errors import InvalidRequestError, StaleVersionError, UnknownTensorError, WeightMismatchError
+from sidecar.model.model import ModelConfig
 from sidecar.types import GenerationRequest, WeightSelector, temperature_problem
 
 

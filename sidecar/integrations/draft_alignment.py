@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import Tensor, nn
 
-from sidecar.engine.checkpoint import CONFIG_FILE
-from sidecar.engine.model import ModelConfig, MTPLayer, MTPStack, RMSNorm
+from sidecar.model.checkpoint import CONFIG_FILE
+from sidecar.model.model import ModelConfig, MTPLayer, MTPStack, RMSNorm
 from yarn.rope import RotaryEmbedding
 
 MTP_PREFIX = "mtp."

@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from sidecar.client import ClientConfig, SidecarClient
+from sidecar.client.client import ClientConfig, SidecarClient
 from sidecar.integrations.draft_alignment import DraftAligner
 from sidecar.integrations.weight_session import SessionConfig, WeightUpdateSession
 from sidecar.types import (

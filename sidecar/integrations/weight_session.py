@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
-from sidecar.client import SidecarClient
+from sidecar.client.client import SidecarClient
+from sidecar.client.weight_sender import DEFAULT_CHUNK_BYTES
 from sidecar.types import PushItem, PushResult, TensorSpec, WeightChunk, WeightCommit, WeightManifest, WeightSelector
 from sidecar.weight_sync.checksum import crc32, crc32_combine
-from sidecar.weight_sync.sender import DEFAULT_CHUNK_BYTES
 from sidecar.weight_sync.tensors import tensor_bytes
 
 _END = object()

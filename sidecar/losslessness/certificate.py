@@ -17,7 +17,7 @@ forwards (`exact_target`). Four checks, each with a verdict:
   target's exact per-prefix distributions (rank-category chi-square per position and jointly,
   `statistics.conditional_fit`), with total-variation estimates; and **power**: the same
   test, at the same sample size, run on samples of the built-in wrong acceptance rules
-  (`acceptance_rules.WRONG_RULES`, each in a fraction of the rounds), simulated on the
+  (`wrong_rules.WRONG_RULES`, each in a fraction of the rounds), simulated on the
   verifier side from the same weights and draft — so the power statement is about this
   deployment's distributions. A run that cannot reject the full-strength wrong rules is
   *underpowered*, not passed.
@@ -41,12 +41,12 @@ from typing import Any
 
 import torch
 
-from sidecar.client import SidecarClient
-from sidecar.engine.acceptance_rules import POWER_RULES, WRONG_RULES, in_fraction_of_rounds
-from sidecar.engine.model import Qwen3WithMTP
+from sidecar.client.client import SidecarClient
 from sidecar.engine.torch_engine import TorchEngine
 from sidecar.losslessness.exact_target import ExactTokens, draw_prompts, exact_tokens, weight_mismatches
 from sidecar.losslessness.statistics import Fit, combine, conditional_fit
+from sidecar.losslessness.wrong_rules import POWER_RULES, WRONG_RULES, in_fraction_of_rounds, with_acceptance_rule
+from sidecar.model.model import Qwen3WithMTP
 from sidecar.types import GenerationRequest, Sample, SamplingParams, SpeculationCounters, WeightSelector
 
 
@@ -522,7 +522,9 @@ def _power(
         for fraction in config.power_fractions:
             progress(f"  power: {rule_name} in {fraction:.0%} of rounds")
             rule = in_fraction_of_rounds(WRONG_RULES[rule_name], fraction, seed=_seed(config.seed, rule_name, fraction))
-            engine = TorchEngine(model, speculation_k=k, max_speculation_k=k, max_batch_size=n, acceptance_rule=rule)
+            engine = with_acceptance_rule(
+                TorchEngine(model, speculation_k=k, max_speculation_k=k, max_batch_size=n), rule
+            )
             exact = []
             for j, prompt in enumerate(prompts):
                 sp = _sampling(

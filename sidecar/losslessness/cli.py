@@ -116,7 +116,7 @@ def verify(
     """Certify that a sidecar's speculative decoding is lossless (greedy, distribution, log-probs, weights)."""
     import grpc
 
-    from sidecar.client import ClientConfig, SidecarCallError, SidecarClient
+    from sidecar.client.client import ClientConfig, SidecarCallError, SidecarClient
     from sidecar.errors import SpecrlError
     from sidecar.losslessness.certificate import VerifyConfig, verify_sidecar
     from sidecar.losslessness.exact_target import load_model

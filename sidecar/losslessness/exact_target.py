@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from sidecar.engine.checkpoint import load_checkpoint
-from sidecar.engine.model import Qwen3WithMTP, build_model
 from sidecar.engine.sampling import RowSampling, filtered_probs, token_logprobs
+from sidecar.model.checkpoint import load_checkpoint
+from sidecar.model.model import Qwen3WithMTP, build_model
 from sidecar.types import SamplingParams, TensorSpec
 from sidecar.weight_sync.tensors import tensor_crc32
 

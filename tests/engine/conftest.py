@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from engine_fixtures import aligned_draft_model
 
-from sidecar.engine.model import ModelConfig, Qwen3WithMTP, build_model
+from sidecar.model.model import ModelConfig, Qwen3WithMTP, build_model
 
 
 @pytest.fixture(scope="session")

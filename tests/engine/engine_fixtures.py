@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from sidecar.engine.model import ModelConfig, Qwen3WithMTP, build_model
+from sidecar.model.model import ModelConfig, Qwen3WithMTP, build_model
 from sidecar.types import SamplingParams
 
 

@@ -16,10 +16,12 @@ from engine_fixtures import aligned_draft_model
 from test_speculative_distribution import SwitchingPolicy
 from test_speculative_greedy import NEW, PROMPTS, naive_greedy
 
-from sidecar.engine.checkpoint import model_state_dict
-from sidecar.engine.model import ModelConfig, Qwen3WithMTP, build_model
-from sidecar.engine.speculation_policy import MIN_ROW_DRAFTS, RowState, SpeculationPolicy, SpeculationPolicyConfig
 from sidecar.engine.torch_engine import CATCH_UP_POSITIONS, TorchEngine
+from sidecar.model.checkpoint import model_state_dict
+from sidecar.model.model import ModelConfig, Qwen3WithMTP, build_model
+from sidecar.speculation.acceptance import MIN_ROW_DRAFTS
+from sidecar.speculation.config import RowState, SpeculationPolicyConfig
+from sidecar.speculation.controller import SpeculationPolicy
 from sidecar.types import GenerationRequest, SamplingParams, WeightSelector
 
 

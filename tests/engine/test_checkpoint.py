@@ -11,7 +11,9 @@ import torch
 from safetensors.torch import save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from sidecar.engine.checkpoint import (
+from sidecar.engine.torch_engine import TorchEngine
+from sidecar.errors import CheckpointError, InvalidRequestError
+from sidecar.model.checkpoint import (
     MTP_PREFIX,
     draft_tensor_names,
     load_checkpoint,
@@ -19,9 +21,7 @@ from sidecar.engine.checkpoint import (
     save_checkpoint,
     target_tensor_names,
 )
-from sidecar.engine.model import ModelConfig, build_model
-from sidecar.engine.torch_engine import TorchEngine
-from sidecar.errors import CheckpointError, InvalidRequestError
+from sidecar.model.model import ModelConfig, build_model
 from sidecar.types import GenerationRequest, SamplingParams
 
 

@@ -31,8 +31,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_speculative_distribution import ALPHA, PROMPT, chi_square_pvalue, exact_joint
 
-from sidecar.engine.model import ModelConfig, Qwen3WithMTP
 from sidecar.engine.torch_engine import TorchEngine
+from sidecar.model.model import ModelConfig, Qwen3WithMTP
 from sidecar.types import FinishReason, GenerationRequest, Sample, SamplingParams
 
 CONTEXT = 96  # max_position_embeddings of the test models: prompts span 1 … CONTEXT - max_new_tokens

@@ -14,8 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
 from cost_ceiling import TablePriced, measure_step_costs
 
-from sidecar.engine.model import Qwen3WithMTP
 from sidecar.engine.torch_engine import TorchEngine
+from sidecar.model.model import Qwen3WithMTP
 from sidecar.types import GenerationRequest, SamplingParams
 
 

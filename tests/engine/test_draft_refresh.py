@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sidecar.engine.kv_cache import KVCache
-from sidecar.engine.model import ModelConfig, Qwen3WithMTP, build_model
 from sidecar.engine.sampling import RowSampling
 from sidecar.engine.speculative import DraftInput, draft
+from sidecar.model.kv_cache import KVCache
+from sidecar.model.model import ModelConfig, Qwen3WithMTP, build_model
 from sidecar.types import SamplingParams
 
 N = 20  # tokens x_0 .. x_{N-1}; the draft predicts x_N

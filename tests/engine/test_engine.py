@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sidecar.engine.checkpoint import model_state_dict
-from sidecar.engine.model import ModelConfig, Qwen3WithMTP, build_model
 from sidecar.engine.torch_engine import TorchEngine
 from sidecar.errors import InvalidRequestError, StaleVersionError, UnknownTensorError, WeightMismatchError
+from sidecar.model.checkpoint import model_state_dict
+from sidecar.model.model import ModelConfig, Qwen3WithMTP, build_model
 from sidecar.types import FinishReason, GenerationRequest, Sample, SamplingParams, WeightSelector
 
 PROMPTS = [[1, 2, 3], [5], [7, 8, 9, 10, 11, 12, 13], [40, 41]]

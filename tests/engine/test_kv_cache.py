@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from sidecar.engine.kv_cache import KVCache
-from sidecar.engine.model import Qwen3WithMTP
+from sidecar.model.kv_cache import KVCache
+from sidecar.model.model import Qwen3WithMTP
 
 
 def new_cache(model: Qwen3WithMTP, batch: int) -> KVCache:

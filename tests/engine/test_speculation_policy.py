@@ -16,15 +16,10 @@ import pytest
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
-from sidecar.engine.speculation_policy import (
-    AcceptanceEstimate,
-    RowState,
-    SpeculationPolicy,
-    SpeculationPolicyConfig,
-    acceptance_spread,
-    batch_bucket,
-    expected_max_of_normals,
-)
+from sidecar.speculation.acceptance import AcceptanceEstimate, acceptance_spread
+from sidecar.speculation.config import RowState, SpeculationPolicyConfig, batch_bucket
+from sidecar.speculation.controller import SpeculationPolicy
+from sidecar.speculation.costs import expected_max_of_normals
 
 K = 5
 MARGIN = SpeculationPolicyConfig(max_k=K).min_gain

@@ -11,7 +11,7 @@ large share of the mass) the first speculative round covers t2 and t3: draft pos
 rejection → residual, and bonus.
 
 Power: the same test is run on two deliberately wrong acceptance rules, injected through the
-engine's `acceptance_rule` test hook (`sidecar.engine.acceptance_rules.WRONG_RULES`, which
+`wrong_rules.with_acceptance_rule` (`sidecar.losslessness.wrong_rules.WRONG_RULES`, which
 `specrl verify` also simulates for its power statement) — "accept every draft" (emits the draft
 distribution q) and "on rejection resample from p instead of norm(max(0, p − q))" (the classic
 subtle bug, which biases towards tokens both models like). The chi-square is the product's
@@ -29,16 +29,13 @@ import torch
 from engine_fixtures import aligned_draft_model, hf_probs
 
 from sidecar.engine import torch_engine
-from sidecar.engine.acceptance_rules import WRONG_RULES, AcceptanceRule
-from sidecar.engine.model import ModelConfig, Qwen3WithMTP
-from sidecar.engine.speculation_policy import (
-    RowState,
-    SpeculationDecision,
-    SpeculationPolicy,
-    SpeculationPolicyConfig,
-)
+from sidecar.engine.sampling import AcceptanceRule
 from sidecar.engine.torch_engine import TorchEngine
 from sidecar.losslessness.statistics import pooled_chi_square_pvalue as chi_square_pvalue
+from sidecar.losslessness.wrong_rules import WRONG_RULES, with_acceptance_rule
+from sidecar.model.model import ModelConfig, Qwen3WithMTP
+from sidecar.speculation.config import RowState, SpeculationDecision, SpeculationPolicyConfig
+from sidecar.speculation.controller import SpeculationPolicy
 from sidecar.types import GenerationRequest, SamplingParams
 
 V = 8
@@ -65,7 +62,9 @@ def engine_counts(
     model: Qwen3WithMTP, sp: SamplingParams, k: int, acceptance_rule: AcceptanceRule | None = None
 ) -> tuple[torch.Tensor, float]:
     """Counts of (t1, t2, t3) over N samples (V**3 cells), and the acceptance rate."""
-    engine = TorchEngine(model, speculation_k=k, max_batch_size=1000, acceptance_rule=acceptance_rule)
+    engine = TorchEngine(model, speculation_k=k, max_batch_size=1000)
+    if acceptance_rule is not None:
+        with_acceptance_rule(engine, acceptance_rule)
     req = GenerationRequest(prompts=[PROMPT], sampling=sp, samples_per_prompt=N, speculation_k=k)
     samples = engine.generate(req)
     cells = torch.tensor([(s.token_ids[0] * V + s.token_ids[1]) * V + s.token_ids[2] for s in samples])

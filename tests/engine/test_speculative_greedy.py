@@ -12,8 +12,8 @@ import pytest
 import torch
 from engine_fixtures import aligned_draft_model
 
-from sidecar.engine.model import ModelConfig, Qwen3WithMTP
 from sidecar.engine.torch_engine import TorchEngine
+from sidecar.model.model import ModelConfig, Qwen3WithMTP
 from sidecar.types import GenerationRequest, SamplingParams
 
 PROMPTS = [[1, 2, 3], [5], [7, 8, 9, 10, 11, 12, 13], [40, 41]]

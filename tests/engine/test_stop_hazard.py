@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar.engine.stop_hazard import EXACT_POSITIONS, StopHazard
+from sidecar.speculation.stop_hazard import EXACT_POSITIONS, StopHazard
 
 
 def rows_ending_at(end: int, rows: int, step: int = 3) -> list[list[tuple[int, int, bool]]]:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from sidecar.engine.model import ModelConfig
+from sidecar.model.model import ModelConfig
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KV_TOKENS = 4096

@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from sidecar.engine.checkpoint import load_checkpoint, model_state_dict, save_checkpoint
-from sidecar.engine.model import build_model
 from sidecar.engine.sglang import SGLangEngine
 from sidecar.engine.torch_engine import TorchEngine
+from sidecar.model.checkpoint import load_checkpoint, model_state_dict, save_checkpoint
+from sidecar.model.model import build_model
 from sidecar.types import GenerationRequest, SamplingParams
 from tests.engine.engine_fixtures import aligned_draft_model
 from tests.with_sglang.served import DEVICE, sglang_test_args, small_config

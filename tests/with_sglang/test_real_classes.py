@@ -31,10 +31,10 @@ from typing import Any
 import pytest
 import torch
 
-from sidecar.engine.model import ModelConfig, build_model
 from sidecar.engine.sglang import names
 from sidecar.engine.sglang.backend import SGLangBackend, sampling_params_dict
 from sidecar.engine.sglang.engine import SGLANG_VERSION, SGLangEngineConfig, build_server_args
+from sidecar.model.model import ModelConfig, build_model
 from sidecar.types import SamplingParams
 
 K = 3

@@ -27,8 +27,6 @@ from typing import Any
 import pytest
 import torch
 
-from sidecar.engine.checkpoint import load_checkpoint, save_checkpoint
-from sidecar.engine.model import ModelConfig, build_model
 from sidecar.engine.sglang import names
 from sidecar.engine.sglang.backend import SHARED_WITH_TARGET, _merge_checksums
 from sidecar.engine.sglang.engine import (
@@ -38,6 +36,8 @@ from sidecar.engine.sglang.engine import (
     build_server_args,
     tensor_digest,
 )
+from sidecar.model.checkpoint import load_checkpoint, save_checkpoint
+from sidecar.model.model import ModelConfig, build_model
 from sidecar.types import WeightSelector
 
 # Runs only where SGLang is installed (tools/test-sglang); elsewhere reported as skipped without

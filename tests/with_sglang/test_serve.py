@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from sidecar.client import SidecarCallError, SidecarClient
-from sidecar.engine.checkpoint import model_state_dict, save_checkpoint
-from sidecar.engine.model import build_model
+from sidecar.client.client import SidecarCallError, SidecarClient
 from sidecar.engine.torch_engine import TorchEngine
+from sidecar.model.checkpoint import model_state_dict, save_checkpoint
+from sidecar.model.model import build_model
 from sidecar.types import GenerationRequest, SamplingParams, WeightSelector
 from tests.engine.engine_fixtures import aligned_draft_model
 from tests.with_sglang.served import DEVICE, small_config, specrl_serve

@@ -34,11 +34,11 @@ from typing import Any
 import pytest
 import torch
 
-from sidecar.client import SidecarCallError, SidecarClient
-from sidecar.engine.checkpoint import model_state_dict, save_checkpoint
-from sidecar.engine.model import ModelConfig, Qwen3WithMTP, build_model
+from sidecar.client.client import SidecarCallError, SidecarClient
 from sidecar.engine.sglang import SGLangEngine, SGLangEngineError, StaleDraftError, names
 from sidecar.engine.torch_engine import TorchEngine
+from sidecar.model.checkpoint import model_state_dict, save_checkpoint
+from sidecar.model.model import ModelConfig, Qwen3WithMTP, build_model
 from sidecar.types import GenerationRequest, SamplingParams, WeightSelector
 from tests.engine.engine_fixtures import aligned_draft_model
 from tests.with_sglang.served import DEVICE, sglang_test_args, specrl_serve

@@ -21,7 +21,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOConfig
 
-from sidecar.client import SidecarClient
+from sidecar.client.client import SidecarClient
 from sidecar.integrations.draft_alignment import DraftAlignConfig, DraftAligner
 from sidecar.integrations.trl import (
     SidecarGenerationConfig,

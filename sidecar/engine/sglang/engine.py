@@ -58,13 +58,14 @@ from typing import Any
 import torch
 
 from sidecar.engine.base import Engine
-from sidecar.engine.checkpoint import draft_tensor_shapes, load_checkpoint, target_tensor_shapes
-from sidecar.engine.model import ModelConfig
 from sidecar.engine.sglang import names
 from sidecar.engine.sglang.backend import SGLangBackend, SGLangEngineError, import_sglang, sampling_params_dict
 from sidecar.engine.sglang.meta import sample_from_meta_info
 from sidecar.engine.validation import check_weights, validate_request
+from sidecar.engine.version_ledger import VersionLedger
 from sidecar.errors import InvalidRequestError
+from sidecar.model.checkpoint import draft_tensor_shapes, load_checkpoint, target_tensor_shapes
+from sidecar.model.model import ModelConfig
 from sidecar.types import (
     EngineInfo,
     FinishReason,
@@ -254,7 +255,7 @@ class SGLangEngine(Engine):
         self._seqs: dict[str, _Seq] = {}
         self._live: dict[str, int] = {}
         self._version = 0
-        self._stats: dict[int, VersionStats] = {0: VersionStats(weight_version=0)}
+        self._stats = VersionLedger()
         self._broken: set[str] = set()
         self._broken_why = ""
 
@@ -351,7 +352,10 @@ class SGLangEngine(Engine):
         return len(self._seqs)
 
     def stats(self) -> list[VersionStats]:
-        return [self._stats[v] for v in sorted(self._stats)]
+        return self._stats.recent()
+
+    def earlier_stats(self) -> VersionStats:
+        return self._stats.earlier
 
     def set_speculation_k(self, k: int) -> None:
         if k != self._k:
@@ -473,9 +477,7 @@ class SGLangEngine(Engine):
             sample_index=seq.sample_index,
             speculation_k=self._k,
         )
-        stats = self._stats.setdefault(
-            sample.last_weight_version, VersionStats(weight_version=sample.last_weight_version)
-        )
+        stats = self._stats[sample.last_weight_version]
         stats.counters.add(sample.counters)
         stats.samples_finished += 1
         return sample
@@ -534,7 +536,7 @@ class SGLangEngine(Engine):
             self._broken_why = ""
         self._draft_digest.update(digests)
         self._version = version
-        self._stats.setdefault(version, VersionStats(weight_version=version))
+        self._stats.serve(version)
 
     def _sglang_draft(self, draft: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if not self._contract_draft:

@@ -60,8 +60,8 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from sidecar.engine.checkpoint import CONFIG_FILE, MTP_PREFIX, WEIGHTS_FILE
-from sidecar.engine.model import ModelConfig
+from sidecar.model.checkpoint import CONFIG_FILE, MTP_PREFIX, WEIGHTS_FILE
+from sidecar.model.model import ModelConfig
 
 TARGET_ARCHITECTURE = "Qwen3ForCausalLM"
 """SGLang class serving the trunk: sglang/srt/models/qwen3.py."""

@@ -10,7 +10,7 @@ message says what was wrong and what to do. `status_for` is the one table from s
 exceptions to gRPC codes. A failing request never takes the server down: unexpected
 exceptions become INTERNAL for that call only.
 
-`Sidecar` assembles engine, scheduler, servicers, security and metrics into a running server.
+`sidecar.server.process.Sidecar` assembles them into a running server.
 """
 
 from __future__ import annotations
@@ -21,19 +21,19 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, NoReturn
 
 import grpc
 
 import sidecar.protocol.convert as convert
-from sidecar import errors, metrics
-from sidecar.engine.base import Engine
+from sidecar import errors
 from sidecar.protocol import services
 from sidecar.protocol.specrl.v1 import control_pb2, rollout_pb2, weights_pb2
-from sidecar.scheduler import RequestCancelled, Scheduler, SchedulerConfig
-from sidecar.security import SecurityConfig, TokenAuthInterceptor, server_credentials
-from sidecar.server import EventLoopThread, ServerConfig, create_server
+from sidecar.server import metrics
+from sidecar.server.memory import release_freed_memory
+from sidecar.server.scheduler import RequestCancelled, Scheduler
+from sidecar.server.weight_receiver import DataPlaneConfig, WeightReceiver
 from sidecar.types import (
     GenerationRequest,
     PushItem,
@@ -43,8 +43,6 @@ from sidecar.types import (
     SidecarInfo,
     SidecarStats,
 )
-from sidecar.weight_sync.memory import release_freed_memory
-from sidecar.weight_sync.receiver import DataPlaneConfig, WeightReceiver
 
 log = logging.getLogger(__name__)
 
@@ -398,126 +396,3 @@ class ControlService(services.ControlServicer):
         return control_pb2.SetSpeculationResponse(
             previous_k=previous, k=request.k, previous_automatic=was_automatic, automatic=request.automatic
         )
-
-
-# --- assembly -------------------------------------------------------------------------------
-
-
-@dataclass(kw_only=True, slots=True)
-class SidecarConfig:
-    """Everything a sidecar needs besides its engine."""
-
-    server: ServerConfig = field(default_factory=ServerConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    limits: RequestLimits = field(default_factory=RequestLimits)
-    security: SecurityConfig = field(default_factory=SecurityConfig)
-    metrics_port: int | None = None
-    """Prometheus endpoint port (0 picks a free one); None turns it off."""
-    metrics_host: str = "127.0.0.1"
-    shutdown_grace_s: float = 5.0
-    """How long live calls may finish after a stop is requested."""
-    keep_staging: bool = False
-    """Receive each weight push into the previous push's staging tensors (faster pushes; ~1x
-    the model stays resident between pushes). Only for engines that copy on update (torch)."""
-    data_planes: DataPlaneConfig = field(default_factory=DataPlaneConfig)
-    """Weight transports offered besides the gRPC stream (shm, collective)."""
-
-    def __post_init__(self) -> None:
-        if self.limits.max_samples > self.scheduler.max_live_sequences:
-            raise ValueError(
-                f"limits.max_samples ({self.limits.max_samples}) exceeds scheduler.max_live_sequences "
-                f"({self.scheduler.max_live_sequences}): such a request could never be admitted; lower it"
-            )
-        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise ValueError(f"metrics_port must be in 0..65535 or None (off), got {self.metrics_port}")
-        if self.shutdown_grace_s < 0:
-            raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
-
-
-class Sidecar:
-    """A running specrl.v1 server around one engine: `start()`, then `stop()`."""
-
-    def __init__(self, engine: Engine, config: SidecarConfig | None = None) -> None:
-        from importlib.metadata import PackageNotFoundError, version
-
-        self.config = config or SidecarConfig()
-        try:
-            specrl_version = version("specrl")
-        except PackageNotFoundError:
-            specrl_version = "unknown"
-        self.scheduler = Scheduler(engine, self.config.scheduler)
-        self.control = ControlService(self.scheduler, self.config.limits, specrl_version)
-        self.rollout = RolloutService(self.scheduler, self.config.limits)
-        self.weights = WeightService(
-            self.scheduler, keep_staging=self.config.keep_staging, data_planes=self.config.data_planes
-        )
-        servicers = [self.rollout, self.weights, self.control]
-        sec = self.config.security
-        self._loop = EventLoopThread()
-        try:
-            self.server, self.port, self.health = self._loop.run(
-                create_server(
-                    servicers,
-                    self.config.server,
-                    credentials=server_credentials(sec),
-                    interceptors=[TokenAuthInterceptor(sec.token)] if sec.token else [],
-                )
-            )
-        except BaseException:
-            self._loop.close()
-            raise
-        self.metrics = metrics.SidecarMetrics(self.scheduler)
-        self.metrics_port: int | None = None
-        self._metrics_server: Any = None
-        self._started = False
-
-    @property
-    def address(self) -> str:
-        return f"{self.config.server.host}:{self.port}"
-
-    def start(self) -> Sidecar:
-        """Start serving (idempotent)."""
-        if self._started:
-            return self
-        self._started = True
-        self.scheduler.start()
-        self._loop.run(self.server.start())
-        if self.config.metrics_port is not None:
-            self._metrics_server, self.metrics_port = self.metrics.serve(
-                self.config.metrics_port, self.config.metrics_host
-            )
-        log.info(
-            "specrl sidecar serving %s on %s (%s)%s",
-            services.ROLLOUT.rsplit(".", 1)[0],
-            self.address,
-            "TLS" if self.config.security.tls_cert else "plaintext",
-            f", metrics on :{self.metrics_port}" if self.metrics_port is not None else "",
-        )
-        return self
-
-    def stop(self, grace_s: float | None = None) -> None:
-        """Flip health to NOT_SERVING, let live calls finish for the grace period, stop."""
-        grace = self.config.shutdown_grace_s if grace_s is None else grace_s
-        if self._loop.loop.is_closed():
-            return
-        self._loop.run(self.health.enter_graceful_shutdown())  # every service reports NOT_SERVING from now on
-        stopped = asyncio.run_coroutine_threadsafe(self.server.stop(grace), self._loop.loop)
-        # Live requests may finish during the first half of the grace period; the rest then end
-        # UNAVAILABLE ("retry elsewhere") while the server still runs, instead of CANCELLED when
-        # the server's grace runs out.
-        self.scheduler.stop(grace_s=grace / 2)
-        try:
-            stopped.result(grace + 5.0)
-        finally:
-            self._loop.close()
-            self.weights.close()  # leave every collective group
-        if self._metrics_server is not None:
-            self._metrics_server.shutdown()
-            self._metrics_server = None
-        log.info("specrl sidecar on %s stopped", self.address)
-
-    def __enter__(self) -> Sidecar:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

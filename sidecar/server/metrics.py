@@ -36,7 +36,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from sidecar.scheduler import Scheduler
+from sidecar.server.scheduler import Scheduler
 from sidecar.types import GpuTelemetry, SpeculationCounters
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ class SidecarMetrics(Collector):
         samples = 0
         busy = 0.0
         current = SpeculationCounters()
-        for v in snap.versions:
+        for v in [snap.earlier, *snap.versions]:
             total.add(v.counters)
             samples += v.samples_finished
             busy += v.busy_seconds

@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from sidecar.client.weight_sender import CollectiveSender, DataPlaneSender, ShmSender
 from sidecar.types import CollectiveRendezvous, PreparedTransport, ShmProbe, WeightTransport
 from sidecar.weight_sync import collective, shm
-from sidecar.weight_sync.sender import CollectiveSender, DataPlaneSender, ShmSender
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import click
 
 from sidecar.engine import ENGINE_KINDS
 from sidecar.engine.base import Engine
-from sidecar.serve_config import ServeConfig
+from sidecar.server.serve_config import ServeConfig
 
 log = logging.getLogger("specrl.serve")
 
@@ -109,7 +109,7 @@ _D = ServeConfig()
     "--config",
     "config_file",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="YAML/TOML with `specrl serve` settings (fields of sidecar.serve_config.ServeConfig).",
+    help="YAML/TOML with `specrl serve` settings (fields of sidecar.server.serve_config.ServeConfig).",
 )
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a field, e.g. port=0.")
 @click.option("--print-config", is_flag=True, help="Print the resolved settings (YAML) and exit.")
@@ -254,13 +254,13 @@ def run_sidecar(cfg: ServeConfig, token: str | None = None) -> None:
     """Serve `cfg.model` until SIGTERM/SIGINT."""
     assert cfg.model is not None
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from sidecar.scheduler import SchedulerConfig
     from sidecar.security import SecurityConfig, read_token
-    from sidecar.server import ServerConfig
-    from sidecar.service import Sidecar, SidecarConfig
+    from sidecar.server.grpc_server import ServerConfig
+    from sidecar.server.memory import prefer_mmap_for_large_buffers
+    from sidecar.server.process import Sidecar, SidecarConfig
+    from sidecar.server.scheduler import SchedulerConfig
+    from sidecar.server.weight_receiver import DataPlaneConfig
     from sidecar.types import RequestLimits
-    from sidecar.weight_sync.memory import prefer_mmap_for_large_buffers
-    from sidecar.weight_sync.receiver import DataPlaneConfig
 
     prefer_mmap_for_large_buffers()  # weight pushes then return their staging memory at once
 

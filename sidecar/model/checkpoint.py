@@ -58,8 +58,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from sidecar.engine.model import ModelConfig
 from sidecar.errors import CheckpointError
+from sidecar.model.model import ModelConfig
 
 MTP_PREFIX = "mtp.layers."
 CONFIG_FILE = "config.json"
@@ -142,7 +142,7 @@ def check_state_dict(config: ModelConfig, state_dict: Mapping[str, Tensor], *, s
     if missing:
         raise CheckpointError(
             f"{source}: {len(missing)} tensor(s) missing, e.g. {missing[:3]}; "
-            "the checkpoint does not match its config.json (see sidecar/engine/checkpoint.py for the names)"
+            "the checkpoint does not match its config.json (see sidecar/model/checkpoint.py for the names)"
         )
     if unknown:
         raise CheckpointError(

@@ -44,6 +44,7 @@ from sidecar.errors import (
     ServedVersionTooOldError,
     ShuttingDownError,
 )
+from sidecar.server.weight_receiver import StagedWeights
 from sidecar.types import (
     EngineInfo,
     GenerationRequest,
@@ -55,7 +56,6 @@ from sidecar.types import (
     VersionStats,
 )
 from sidecar.types import WeightSelector as Selector
-from sidecar.weight_sync.receiver import StagedWeights
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -155,6 +155,9 @@ class Snapshot:
     info: EngineInfo
     weight_version: int
     versions: list[VersionStats] = field(default_factory=list)
+    """The recent weight versions, oldest first (`version_ledger.RECENT_VERSIONS` at most)."""
+    earlier: VersionStats = field(default_factory=lambda: VersionStats(weight_version=0))
+    """The sum over the versions served before those."""
     queued: int = 0
     running: int = 0
     paused: bool = False
@@ -174,7 +177,8 @@ class Scheduler:
         self._paused = threading.Event()
         self._stop = threading.Event()
         self._ids = itertools.count()
-        self._busy: dict[int, float] = collections.defaultdict(float)
+        self._busy: dict[int, float] = collections.defaultdict(float)  # step seconds of the recent versions
+        self._busy_earlier = 0.0  # ... and of all older ones
         self._throughput: collections.deque[tuple[float, int]] = collections.deque(maxlen=4096)
         self._specs = {s: list(engine.weight_specs(s)) for s in Selector}
         self._snapshot = Snapshot(info=engine.info(), weight_version=engine.weight_version)
@@ -340,6 +344,7 @@ class Scheduler:
                 info=s.info,
                 weight_version=s.weight_version,
                 versions=list(s.versions),
+                earlier=s.earlier,
                 queued=s.queued,
                 running=s.running,
                 paused=s.paused,
@@ -351,8 +356,10 @@ class Scheduler:
             return self._snapshot.weight_version
 
     def total_counters(self) -> SpeculationCounters:
+        """Counters since the sidecar started, over every version served."""
+        snap = self.snapshot()
         total = SpeculationCounters()
-        for v in self.snapshot().versions:
+        for v in [snap.earlier, *snap.versions]:
             total.add(v.counters)
         return total
 
@@ -519,6 +526,12 @@ class Scheduler:
         self._refresh_snapshot()
 
     def _refresh_snapshot(self, *, info: bool = False) -> None:
+        recent = self._engine.stats()
+        for v in set(self._busy) - {r.weight_version for r in recent}:
+            if v < recent[0].weight_version:  # folded into the engine's earlier versions
+                self._busy_earlier += self._busy.pop(v)
+        earlier = dataclasses.replace(self._engine.earlier_stats())
+        earlier.busy_seconds = max(earlier.busy_seconds, self._busy_earlier)
         versions = [
             VersionStats(
                 weight_version=v.weight_version,
@@ -526,9 +539,9 @@ class Scheduler:
                 samples_finished=v.samples_finished,
                 busy_seconds=max(v.busy_seconds, self._busy.get(v.weight_version, 0.0)),
             )
-            for v in self._engine.stats()
+            for v in recent
         ]
-        total_generated = sum(v.counters.generated_tokens for v in versions)
+        total_generated = earlier.counters.generated_tokens + sum(v.counters.generated_tokens for v in versions)
         new_info = self._engine.info() if info else None
         speculation = self._engine.speculation_status()
         with self._lock:
@@ -538,6 +551,7 @@ class Scheduler:
             s.info = dataclasses.replace(s.info, speculation_status=speculation)
             s.weight_version = self._engine.weight_version
             s.versions = versions
+            s.earlier = earlier
             s.queued = self._engine.num_queued() + sum(
                 lv.handle.expected for lv in self._live.values() if not lv.in_engine
             )

@@ -2,7 +2,7 @@
 
 An honest draft for tests and benchmarks when no in-domain draft exists: sample
 continuations from the target itself, then train the MTP layers with the RL trainer's own
-objective (`sidecar.engine.draft_objective.draft_loss`: forward KL(p || q) to the target's
+objective (`trainer.draft_objective.draft_loss`: forward KL(p || q) to the target's
 distribution on detached trunk states, teacher-forced chain positions), so the benchmarks
 measure the draft the product trains. The trunk, the embedding and the shared output head
 never change.
@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from sidecar.engine.draft_objective import DraftConfig, MTPDraft, draft_loss
-from sidecar.engine.model import Qwen3WithMTP
 from sidecar.engine.torch_engine import TorchEngine
+from sidecar.model.model import Qwen3WithMTP
 from sidecar.types import GenerationRequest, SamplingParams
+from trainer.draft_objective import DraftConfig, MTPDraft, draft_loss
 
 
 @dataclass(kw_only=True, slots=True)

@@ -30,13 +30,8 @@ Finished samples are kept as they stream in, even from a sidecar that fails late
 prompt is asked for again up to its highest missing sample index (same seed, so the samples
 already held come back identical and are dropped, counted in `regenerated`).
 
-Weights: `push_weights` exports each tensor once and offers it to every live sidecar's push
-stream, each queue bounded by `stream_bytes` (one tensor always fits), so the trainer never holds
-a second copy of the model. Sending one sidecar its stream is `send_weight_stream`, a single
-replaceable step (a faster transport plugs in there). Local sidecars (shm negotiated) instead
-all read one shared-memory region that the fleet writes once per push: one copy and one CRC-32
-per tensor for all of them, and one placement message per 64 MiB instead of a hand-off per
-tensor and sidecar. Every Generate carries
+Weights: `push_weights` exports each tensor once and streams it to every live sidecar at once
+(`sidecar.client.weight_fanout`). Every Generate carries
 `min_weight_version` = the fleet's version, so a stale sidecar refuses rather than sampling old
 weights.
 """
@@ -47,18 +42,16 @@ import contextlib
 import enum
 import hashlib
 import logging
-import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import grpc
 import torch
 
-from sidecar.client import ClientConfig, SidecarCallError, SidecarClient
+from sidecar.client.client import ClientConfig, SidecarCallError, SidecarClient
+from sidecar.client.weight_fanout import WeightFanout, WeightSender, WeightSource, send_weight_stream
 from sidecar.errors import SpecrlError
 from sidecar.types import (
     GenerationRequest,
@@ -67,20 +60,10 @@ from sidecar.types import (
     SpeculationCounters,
     TensorSpec,
     WeightSelector,
-    WeightTransport,
 )
-from sidecar.weight_sync.sender import ShmSender, checked_pairs, framed_push, push_manifest
-from sidecar.weight_sync.shm import ShmRegion
 
 log = logging.getLogger(__name__)
 Code = grpc.StatusCode
-NamedTensors = Iterable[tuple[str, torch.Tensor]]
-WeightSource = Callable[[], NamedTensors]
-"""Called once per push; yields (name, tensor) pairs, each exported once."""
-WeightSender = Callable[
-    [SidecarClient, Iterator[tuple[str, torch.Tensor]], int, WeightSelector, Sequence[TensorSpec]], PushResult
-]
-"""Sends one sidecar its stream of tensors (in `specs` order) as `version`; returns once served."""
 
 
 class NoLiveSidecarError(SpecrlError):
@@ -195,18 +178,6 @@ class _Outcome:
     """Set when the call did not deliver every sample (error or dropped stream)."""
 
 
-def send_weight_stream(
-    client: SidecarClient,
-    tensors: Iterator[tuple[str, torch.Tensor]],
-    version: int,
-    selector: WeightSelector,
-    specs: Sequence[TensorSpec],
-) -> PushResult:
-    """Send one sidecar its tensors (in `specs` order): PushWeights is the control plane, the
-    bytes take the data plane negotiated for that sidecar (shm, collective or the stream)."""
-    return client.push_weights(tensors, version, selector, specs=specs)
-
-
 class Fleet:
     """Several sidecars as one (see the module docstring for the rules)."""
 
@@ -224,8 +195,6 @@ class Fleet:
             raise ValueError(f"sidecar addresses repeat: {list(addresses)}; give each sidecar once")
         self.config = config or FleetConfig()
         self._connect = connect
-        self.send = send
-        """The per-sidecar step of a weight push (replace it to use another transport)."""
         self.clients = [connect(a, self.config.client) for a in addresses]
         self.version = 0
         """The weight version the fleet last pushed (every Generate requires at least it)."""
@@ -238,8 +207,21 @@ class Fleet:
         self._busy_until: dict[str, float] = {}
         self._busy_backoff: dict[str, float] = {}
         self._counters: dict[str, tuple[float, SpeculationCounters]] = {}
-        self._region: ShmRegion | None = None  # written once per push for every local sidecar
-        self._pushing = threading.Lock()  # one push at a time uses that region
+        self._fanout = WeightFanout(
+            stream_bytes=self.config.stream_bytes,
+            deadline_s=self.config.deadline_s,
+            share_shm=self.config.share_shm,
+            send=send,
+        )
+
+    @property
+    def send(self) -> WeightSender:
+        """The per-sidecar step of a weight push (replace it to use another transport)."""
+        return self._fanout.send
+
+    @send.setter
+    def send(self, send: WeightSender) -> None:
+        self._fanout.send = send
 
     # ---- fleet state -------------------------------------------------------------------------
     def live(self) -> list[SidecarClient]:
@@ -390,73 +372,8 @@ class Fleet:
             if not clients:
                 return {}, failures
             self._specs = {key: specs}
-        sharing = self._sharing_region(clients)
-        feeds = {c: _Feed(self.config.stream_bytes) for c in clients}
-        results: dict[SidecarClient, PushResult] = {}
-        with self._pushing, ThreadPoolExecutor(max_workers=max(1, len(clients))) as pool:
-            futures: dict[SidecarClient, Future[PushResult]] = {}
-            if sharing:
-                assert self._region is not None
-                sender = ShmSender(self._region)
-                manifest = push_manifest(specs, version, selector, sender.placement)
-                for c in sharing:  # a failure drops the client's own (proven) plane: it negotiates again
-                    items = framed_push(manifest, iter(feeds[c]))  # type: ignore[arg-type]
-                    futures[c] = pool.submit(c.push_items, items, plane=c.data_plane.sender)
-            streamed = [c for c in clients if c not in sharing]
-            for c in streamed:
-                futures[c] = pool.submit(self.send, c, iter(feeds[c]), version, selector, specs)
-            source_error: BaseException | None = None
-
-            def exported() -> Iterator[tuple[str, torch.Tensor]]:
-                for name, tensor in weights():
-                    nbytes = tensor.numel() * tensor.element_size()
-                    for c in streamed:
-                        feeds[c].offer((name, tensor), nbytes, futures[c])
-                    yield name, tensor
-
-            try:
-                if sharing:  # each tensor written (and checksummed) once, for every local sidecar
-                    for placed in sender.place(checked_pairs(exported(), manifest.tensors), manifest.tensors):
-                        for c in sharing:
-                            feeds[c].offer(placed, 0, futures[c])
-                else:
-                    for _ in exported():
-                        pass
-            except BaseException as e:  # the caller's own failure: end every stream without a commit
-                source_error = e
-            for c, feed in feeds.items():
-                feed.offer(_SourceFailed() if source_error is not None else _END, 0, futures[c])
-            if source_error is not None:
-                for f in futures.values():
-                    with contextlib.suppress(Exception):
-                        f.result(timeout=self.config.deadline_s)
-                raise source_error
-            for c, fut in futures.items():
-                try:
-                    results[c] = fut.result(timeout=self.config.deadline_s)
-                except SidecarCallError as e:
-                    failures[c] = e
-                except TimeoutError:
-                    failures[c] = SidecarCallError(
-                        c.address, "PushWeights", Code.DEADLINE_EXCEEDED, f"no commit within {self.config.deadline_s}s"
-                    )
-                # anything else (the caller's tensors did not match their specs) propagates
-        return results, failures
-
-    def _sharing_region(self, clients: list[SidecarClient]) -> list[SidecarClient]:
-        """The sidecars that take this push from one shared-memory region the fleet writes once
-        (each tensor copied and checksummed once, not once per sidecar): those whose negotiated
-        plane is shm, that take full pushes, when the fleet sends with the default step. Each of
-        them proved it can read this process's memory files (its own probe), so it can read the
-        fleet's region too."""
-        if self.send is not send_weight_stream or not self.config.share_shm:
-            return []
-        sharing = [
-            c for c in clients if not c.config.delta_pushes and c.negotiate_transport().transport is WeightTransport.SHM
-        ]
-        if sharing and self._region is None:
-            self._region = ShmRegion()
-        return sharing
+        results, failed = self._fanout.push(clients, weights, specs, version, selector)
+        return results, {**failures, **failed}
 
     def _specs_in_order(
         self, clients: list[SidecarClient], names: Sequence[str], selector: WeightSelector
@@ -671,9 +588,7 @@ class Fleet:
     def close(self) -> None:
         for c in self.clients:
             c.close()
-        if self._region is not None:
-            self._region.close()
-            self._region = None
+        self._fanout.close()
 
     def __enter__(self) -> Fleet:
         return self
@@ -684,45 +599,3 @@ class Fleet:
 
 def _is_caller(error: SidecarCallError) -> bool:
     return disposition(error.code) is Disposition.CALLER
-
-
-class _SourceFailed(Exception):
-    """Ends a push stream without a commit because the caller's weight source raised."""
-
-
-_END = object()
-
-
-class _Feed:
-    """One sidecar's side of the fan-out: (name, tensor) pairs queued up to `limit_bytes`."""
-
-    def __init__(self, limit_bytes: int) -> None:
-        self.limit_bytes = limit_bytes
-        self._items: deque[tuple[object, int]] = deque()
-        self._bytes = 0
-        self._changed = threading.Condition()
-
-    def offer(self, item: object, nbytes: int, push: Future[Any]) -> None:
-        """Queue `item` once it fits (one item always does), unless that push has already ended."""
-        with self._changed:
-            while self._items and self._bytes + nbytes > self.limit_bytes and not push.done():
-                self._changed.wait(0.05)
-            if push.done():
-                return
-            self._items.append((item, nbytes))
-            self._bytes += nbytes
-            self._changed.notify_all()
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        while True:
-            with self._changed:
-                while not self._items:
-                    self._changed.wait()
-                item, nbytes = self._items.popleft()
-                self._bytes -= nbytes
-                self._changed.notify_all()
-            if item is _END:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item  # type: ignore[misc]

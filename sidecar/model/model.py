@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from sidecar.engine.kv_cache import AttentionPlan, KVCache
+from sidecar.model.kv_cache import AttentionPlan, KVCache
 from yarn import RopeConfig, RotaryEmbedding, apply_rotary
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

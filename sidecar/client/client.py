@@ -1,4 +1,4 @@
-"""The typed Python client of specrl.v1 (one sidecar; several as one: `sidecar.fleet`).
+"""The typed Python client of specrl.v1 (one sidecar; several as one: `sidecar.client.fleet`).
 
 Domain types in, domain types out (`sidecar.types`; conversion in `sidecar.protocol.convert`,
 shared with the server). Every call has a deadline. Retries happen only where repeating a call
@@ -28,6 +28,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import sidecar.protocol.convert as convert
 import sidecar.protocol.weight_wire as weight_wire
+from sidecar.client.transport import DataPlaneSession, TransportChoice, TransportConfig
+from sidecar.client.weight_sender import DEFAULT_CHUNK_BYTES, CollectiveSender, DataPlaneSender, iter_push_requests
 from sidecar.errors import SpecrlError, TransportUnavailableError
 from sidecar.protocol import services
 from sidecar.protocol.specrl.v1 import control_pb2, rollout_pb2, weights_pb2
@@ -49,8 +51,6 @@ from sidecar.types import (
     WeightTransport,
 )
 from sidecar.weight_sync.delta import DeltaBase, plan_push
-from sidecar.weight_sync.negotiation import DataPlaneSession, TransportChoice, TransportConfig
-from sidecar.weight_sync.sender import DEFAULT_CHUNK_BYTES, CollectiveSender, DataPlaneSender, iter_push_requests
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

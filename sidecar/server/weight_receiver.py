@@ -30,7 +30,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from sidecar.errors import (
@@ -44,10 +43,16 @@ from sidecar.errors import (
     UnknownTensorError,
     WeightMismatchError,
 )
+from sidecar.server.weight_planes import (
+    CollectivePlane,
+    ReceivingPlane,
+    ShmPlane,
+    StagedTensor,
+    StreamPlane,
+)
 from sidecar.types import (
     CollectivePlacement,
     CollectiveRendezvous,
-    PlacedTensor,
     PreparedTransport,
     PushItem,
     ShmPlacement,
@@ -61,7 +66,7 @@ from sidecar.types import (
     WeightTransport,
 )
 from sidecar.weight_sync import collective, shm
-from sidecar.weight_sync.checksum import crc32, crc32_combine
+from sidecar.weight_sync.checksum import crc32
 from sidecar.weight_sync.delta import apply_delta
 from sidecar.weight_sync.shm import DEFAULT_PROC_DIR
 from sidecar.weight_sync.tensors import tensor_bytes
@@ -113,40 +118,6 @@ class StagedWeights:
     bytes_received: int
     receive_seconds: float
     transport: WeightTransport = WeightTransport.GRPC
-
-
-class _StagedTensor:
-    """One manifest entry being received into its final buffer."""
-
-    __slots__ = ("buffer", "crc", "received", "scheduled", "spec", "view")
-
-    def __init__(self, spec: TensorSpec, buffer: torch.Tensor | None = None) -> None:
-        self.spec = spec
-        self.buffer: torch.Tensor | None = buffer  # allocated on first use unless reused
-        self.view: np.ndarray | None = None  # uint8 view of buffer
-        self.scheduled = 0  # bytes accepted by the receiving thread
-        self.received = 0  # bytes checked and copied by the staging thread
-        self.crc = 0
-
-    def bytes_view(self) -> np.ndarray:
-        if self.buffer is None:
-            if self.spec.delta is not None:  # the payload; the tensor is rebuilt at the commit
-                self.buffer = torch.empty(self.spec.wire_length, dtype=torch.uint8)
-            else:
-                self.buffer = torch.empty(self.spec.shape, dtype=self.spec.dtype)
-        if self.view is None:
-            self.view = tensor_bytes(self.buffer)
-        return self.view
-
-    def write(self, offset: int, data: bytes | memoryview) -> None:
-        self.bytes_view()[offset : offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
-        self.received += len(data)
-
-    def finished(self) -> torch.Tensor:
-        if self.buffer is None:  # a zero-byte tensor (or payload) gets no bytes
-            self.bytes_view()
-        assert self.buffer is not None
-        return self.buffer
 
 
 def _reusable(buffer: torch.Tensor | None, spec: TensorSpec) -> torch.Tensor | None:
@@ -349,7 +320,7 @@ class WeightReceiver:
             transport=first.transport,
         )
 
-    def _rebuilt(self, t: _StagedTensor) -> torch.Tensor:
+    def _rebuilt(self, t: StagedTensor) -> torch.Tensor:
         """A full tensor's staging buffer; a delta's tensor rebuilt from the base, bit-exact
         against the manifest's CRC-32 of the reconstructed tensor or refused."""
         if t.spec.delta is None:
@@ -389,17 +360,17 @@ class WeightReceiver:
                     f"this sidecar holds no base of tensor {s.name!r} for version {served}; push it in full"
                 )
 
-    def _open_plane(self, manifest: WeightManifest, staged: list[_StagedTensor]) -> _Plane:
+    def _open_plane(self, manifest: WeightManifest, staged: list[StagedTensor]) -> ReceivingPlane:
         where = manifest.data_plane
         if where is None:
-            return _StreamPlane(staged)
+            return StreamPlane(staged)
         if isinstance(where, ShmPlacement):
             self._require(WeightTransport.SHM)
-            return _ShmPlane(staged, self.regions, self.regions.acquire(where.region))
+            return ShmPlane(staged, self.regions, self.regions.acquire(where.region))
         self._require(WeightTransport.COLLECTIVE)
-        return _CollectivePlane(staged, self.groups, where)
+        return CollectivePlane(staged, self.groups, where)
 
-    def _check_manifest(self, manifest: WeightManifest) -> list[_StagedTensor]:
+    def _check_manifest(self, manifest: WeightManifest) -> list[StagedTensor]:
         served = self._served_version()
         if manifest.version <= served:
             raise StaleVersionError(
@@ -454,7 +425,7 @@ class WeightReceiver:
             # hands back the displaced ones instead, and the base stays whole.)
             self._base = {s.name: self._base[s.name] for s in manifest.tensors if s.delta is not None}
             self._base_version = -1
-        return [_StagedTensor(s, reuse.get(s.name)) for s in manifest.tensors]
+        return [StagedTensor(s, reuse.get(s.name)) for s in manifest.tensors]
 
     def keep(self, staged: StagedWeights, free: Mapping[str, torch.Tensor] | None = None) -> None:
         """After an applied push: keep its tensors as the base of later deltas (when deltas are
@@ -471,226 +442,6 @@ class WeightReceiver:
 
 
 # --- data planes, receiving side ------------------------------------------------------------
-
-
-class _Plane:
-    """Where one push's bytes come from. `accept` runs structural checks in the receiving
-    thread and returns the work (copy + checksum) for the staging thread."""
-
-    def __init__(self, staged: list[_StagedTensor]) -> None:
-        self.staged = staged
-
-    def before_next_item(self) -> None:
-        """Called before each stream read (the collective plane receives a bucket here)."""
-
-    def accept(self, item: WeightChunk | WeightPlaced, number: int) -> Callable[[], None]:
-        raise NotImplementedError
-
-    def close(self, ok: bool) -> None:
-        """Release what the push opened (`ok`: every byte arrived and checked)."""
-
-
-class _StreamPlane(_Plane):
-    """grpc: the bytes are the stream's WeightChunks."""
-
-    def accept(self, item: WeightChunk | WeightPlaced, number: int) -> Callable[[], None]:
-        if not isinstance(item, WeightChunk):
-            raise InvalidRequestError(
-                f"message {number} is a placed tensor but the manifest names no data plane; "
-                "send WeightChunks, or name the shm region or collective group in the manifest"
-            )
-        t = _accept_chunk(self.staged, item, number)
-        return lambda: _verify_and_copy(t, item, number)
-
-
-class _PlacedPlane(_Plane):
-    """shm and collective: one WeightPlaced per tensor, in manifest order."""
-
-    transport = "a data plane"
-
-    def __init__(self, staged: list[_StagedTensor]) -> None:
-        super().__init__(staged)
-        self.next_tensor = 0
-
-    def accept(self, item: WeightChunk | WeightPlaced, number: int) -> Callable[[], None]:
-        if not isinstance(item, WeightPlaced):
-            raise InvalidRequestError(
-                f"message {number} is a WeightChunk but the manifest puts the bytes on {self.transport}; "
-                "send WeightPlaced items (or a manifest without a data plane)"
-            )
-        if not item.tensors:
-            raise InvalidRequestError(f"placed message {number} names no tensors; place at least one")
-        work: list[tuple[_StagedTensor, PlacedTensor]] = []
-        for p in item.tensors:
-            if p.tensor_index != self.next_tensor:
-                raise InvalidRequestError(
-                    f"placed message {number} names tensor {p.tensor_index} but tensor {self.next_tensor} is next; "
-                    "place each manifest tensor once, in manifest order"
-                )
-            if self.next_tensor >= len(self.staged):
-                raise InvalidRequestError(
-                    f"placed message {number} goes beyond the {len(self.staged)} manifest tensors"
-                )
-            t = self.staged[p.tensor_index]
-            if p.byte_length != t.spec.wire_length:
-                raise InvalidRequestError(
-                    f"placed tensor {t.spec.name!r} has byte_length {p.byte_length}, the manifest {t.spec.wire_length}"
-                )
-            self.check_arrived(p.tensor_index, number)
-            self.next_tensor += 1
-            t.scheduled = p.byte_length
-            work.append((t, p))
-
-        def stage_all() -> None:
-            for t, p in work:
-                self.stage(t, p)
-
-        return stage_all
-
-    def check_arrived(self, index: int, number: int) -> None:
-        """InvalidRequestError if tensor `index` cannot have arrived yet (collective)."""
-
-    def stage(self, t: _StagedTensor, item: PlacedTensor) -> None:
-        raise NotImplementedError
-
-
-class _ShmPlane(_PlacedPlane):
-    transport = "shm"
-
-    def __init__(self, staged: list[_StagedTensor], regions: shm.MappedRegions, reader: shm.ShmReader) -> None:
-        super().__init__(staged)
-        self.regions = regions
-        self.reader = reader
-
-    def stage(self, t: _StagedTensor, item: PlacedTensor) -> None:
-        crc = self.reader.read_into(item.offset, t.bytes_view()) if item.byte_length else 0
-        t.received = item.byte_length
-        _check_tensor_crc(t, crc, item.crc32)
-
-    def close(self, ok: bool) -> None:
-        self.regions.release(self.reader, keep=ok)
-
-
-class _CollectivePlane(_PlacedPlane):
-    transport = "collective"
-
-    def __init__(
-        self, staged: list[_StagedTensor], groups: collective.GroupRegistry, where: CollectivePlacement
-    ) -> None:
-        super().__init__(staged)
-        self.groups = groups
-        self.group = groups.get(where.group_id)
-        self.buckets = collective.plan_buckets([t.spec for t in staged], where.bucket_bytes)
-        self.bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket}
-        self.received_buckets = 0
-        self.failed = False
-
-    def before_next_item(self) -> None:
-        """Take the next tensor's bucket off the group before reading its WeightPlaced: the
-        sender broadcasts a bucket, then sends the bucket's WeightPlaced items."""
-        if self.next_tensor >= len(self.staged):
-            return
-        b = self.bucket_of[self.next_tensor]
-        if b < self.received_buckets:
-            return
-        bucket = [self.staged[i] for i in self.buckets[b]]
-        try:
-            receive_bucket(self.group, bucket, f"bucket {b} of {len(self.buckets)}")
-        except TransportUnavailableError:
-            self.failed = True
-            raise
-        self.received_buckets = b + 1
-
-    def check_arrived(self, index: int, number: int) -> None:
-        if self.bucket_of[index] >= self.received_buckets:
-            raise InvalidRequestError(
-                f"placed message {number} names tensor {index} before its bucket {self.bucket_of[index]} was "
-                "broadcast; send a bucket's WeightPlaced after broadcasting it"
-            )
-
-    def stage(self, t: _StagedTensor, item: PlacedTensor) -> None:
-        t.received = item.byte_length
-        _check_tensor_crc(t, crc32(t.bytes_view()) if item.byte_length else 0, item.crc32)
-
-    def close(self, ok: bool) -> None:
-        if self.failed:  # a broadcast that failed leaves the group unusable: rebuild it
-            self.groups.drop(self.group.group_id)
-
-
-def receive_bucket(group: collective.CollectiveGroup, bucket: list[_StagedTensor], what: str) -> None:
-    """Receive one bucket's broadcast into the staging buffers: a lone tensor straight into its
-    buffer (CPU groups), several through one packed buffer."""
-    total = sum(t.spec.wire_length for t in bucket)
-    if total == 0:
-        return
-    device = group.device
-    if len(bucket) == 1 and device.type == "cpu":
-        group.broadcast(torch.from_numpy(bucket[0].bytes_view()), what)
-        return
-    packed = torch.empty(total, dtype=torch.uint8, device=device)
-    group.broadcast(packed, what)
-    host = packed.cpu().numpy()
-    at = 0
-    for t in bucket:
-        n = t.spec.wire_length
-        if n:
-            t.bytes_view()[:] = host[at : at + n]
-        at += n
-
-
-def _check_tensor_crc(t: _StagedTensor, got: int, want: int) -> None:
-    if got != want:
-        raise InvalidRequestError(
-            f"tensor {t.spec.name!r} has CRC-32 {got:#010x} as staged but was placed with {want:#010x}; "
-            "its bytes changed after the sender checksummed them (region rewritten?), push again"
-        )
-
-
-def _accept_chunk(staged: list[_StagedTensor], chunk: WeightChunk, number: int) -> _StagedTensor:
-    """Structural checks of a chunk (index, order, bounds), in the receiving thread."""
-    if chunk.tensor_index >= len(staged):
-        raise InvalidRequestError(
-            f"chunk {number} names tensor index {chunk.tensor_index} but the manifest has {len(staged)} tensors"
-        )
-    t = staged[chunk.tensor_index]
-    if chunk.offset != t.scheduled:
-        raise InvalidRequestError(
-            f"chunk {number} of tensor {t.spec.name!r} starts at byte {chunk.offset} but {t.scheduled} bytes "
-            "were received so far; send each tensor's chunks in order"
-        )
-    if t.scheduled + len(chunk.data) > t.spec.wire_length:
-        raise InvalidRequestError(
-            f"chunk {number} runs past the end of tensor {t.spec.name!r} "
-            f"({t.scheduled} + {len(chunk.data)} > {t.spec.wire_length} bytes)"
-        )
-    t.scheduled += len(chunk.data)
-    if chunk.tensor_crc32 is not None and t.scheduled != t.spec.wire_length:
-        raise InvalidRequestError(
-            f"chunk {number} carries tensor_crc32 but is not the last chunk of tensor {t.spec.name!r}"
-        )
-    return t
-
-
-def _verify_and_copy(t: _StagedTensor, chunk: WeightChunk, number: int) -> None:
-    """Checksum a chunk and copy it into its tensor's buffer (on the staging thread, in order)."""
-    crc = crc32(chunk.data)
-    if crc != chunk.crc32:
-        raise InvalidRequestError(
-            f"chunk {number} of tensor {t.spec.name!r} at byte {chunk.offset} has CRC-32 {crc:#010x}, "
-            f"not the {chunk.crc32:#010x} it was sent with; the bytes were corrupted, push again"
-        )
-    t.write(chunk.offset, chunk.data)
-    t.crc = crc32_combine(t.crc, crc, len(chunk.data))
-    if t.received == t.spec.wire_length:
-        if chunk.tensor_crc32 is not None:
-            want = chunk.tensor_crc32
-        else:
-            want = t.spec.delta.payload_crc32 if t.spec.delta is not None else t.spec.crc32
-        if t.crc != want:
-            raise InvalidRequestError(
-                f"tensor {t.spec.name!r} has CRC-32 {t.crc:#010x} but was announced with {want:#010x}; "
-                "its bytes differ from what the sender checksummed, push again"
-            )
 
 
 class _PushClaim:

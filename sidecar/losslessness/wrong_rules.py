@@ -1,7 +1,7 @@
 """Acceptance rules of speculative decoding: the exact one, and known-wrong ones to measure power.
 
 The engine accepts drafts with `sampling.rejection_sample` (exact: the emitted tokens follow
-the target). This module names that rule's signature (`AcceptanceRule`) and holds the
+the target; `sampling.AcceptanceRule` is its signature). This module holds the
 deliberately WRONG rules that a losslessness test must be able to reject — the bugs that
 published "lossless" speculative RL systems actually shipped:
 
@@ -15,33 +15,21 @@ published "lossless" speculative RL systems actually shipped:
 
 Who uses the wrong rules: `specrl verify` simulates them on the verifier side, on the
 deployment's own weights, to state the power of its tests; the engine tests inject them into a
-`TorchEngine` through its `acceptance_rule` test hook to show that the certificate fails on
-them. Production code never passes an acceptance rule: the engine's default is the exact one.
+`TorchEngine` with `with_acceptance_rule` to show that the certificate fails on them. Production
+code never sets a rule: the engine's rule is the exact one, and no constructor takes another.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from sidecar.engine.sampling import Acceptance, rejection_sample, sample_from
+if TYPE_CHECKING:
+    from sidecar.engine.torch_engine import TorchEngine
 
-
-class AcceptanceRule(Protocol):
-    """The signature of `sampling.rejection_sample` (see its docstring for the shapes)."""
-
-    def __call__(
-        self,
-        draft_tokens: Tensor,  # (B, K)
-        q: Tensor,  # (B, K, V)
-        p: Tensor,  # (B, K+1, V)
-        num_draft: Tensor,  # (B,)
-        accept_uniforms: Tensor,  # (B, K)
-        final_uniforms: Tensor,  # (B,)
-    ) -> Acceptance: ...
-
+from sidecar.engine.sampling import Acceptance, AcceptanceRule, rejection_sample, sample_from
 
 EXACT: AcceptanceRule = rejection_sample
 """The engine's rule: accept w.p. min(1, p/q), resample from the residual on rejection."""
@@ -123,3 +111,10 @@ def in_fraction_of_rounds(rule: AcceptanceRule, fraction: float, seed: int = 0) 
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"fraction must be in (0, 1], got {fraction}")
     return rule if fraction == 1.0 else _InFractionOfRounds(rule, fraction, seed)
+
+
+def with_acceptance_rule(engine: TorchEngine, rule: AcceptanceRule) -> TorchEngine:
+    """`engine`, now accepting drafts with `rule` instead of the exact rule (for power
+    simulations and tests only: the engine never serves a wrong rule otherwise)."""
+    engine._acceptance_rule = rule
+    return engine

@@ -1,9 +1,9 @@
 """The one draft-training objective of specrl: the MTP head on the target's *detached* hidden states.
 
-Used by the RL trainer (`trainer.draft` re-exports it; `trainer.policy` trains the head online on
-the policy's rollouts) and by the engine-side self-distillation of tools and benchmarks
-(`sidecar.engine.draft_fit`), so the draft users get is the draft the benchmarks measure. Pure
-PyTorch: the sidecar package never imports megatron.
+Used by the RL trainer (`trainer.policy` trains the head online on the policy's rollouts) and by
+the self-distillation of `specrl draft-init`, tools and benchmarks (`trainer.draft_fit`), so the
+draft users get is the draft the benchmarks measure. Pure PyTorch (no megatron): the engines'
+model (`sidecar.model`) loads what it trains.
 
 Architecture (DeepSeek-V3 multi-token prediction, arXiv:2412.19437 §2.2; COMMON naming contract):
 for draft layer j and position t,
@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from sidecar.engine.model import ModelConfig, MTPLayer, MTPStack
+from sidecar.model.model import ModelConfig, MTPLayer, MTPStack
 from yarn import RotaryEmbedding
 
 
@@ -74,7 +74,7 @@ class DraftConfig:
 class MTPDraft(nn.Module):
     """The draft head: the engine's own MTP layers (state-dict keys ``layers.{j}.*``).
 
-    Reusing ``sidecar.engine.model.MTPStack`` makes the trainer's draft function the engine's by
+    Reusing ``sidecar.model.model.MTPStack`` makes the trainer's draft function the engine's by
     construction; this class adds the teacher-forced chain the trainer needs.
     """
 
