@@ -20,7 +20,7 @@ pass 3), the same for every configuration: at temperature > 0 a pinned k reprodu
 sequences from the seed, so with one seed for all repeats a static k's figure rode on two fixed
 sequences' acceptance (at temperature 1, batch 1, static k = 3 had tau 1.96 on seed 3 and
 1.96-2.67 on seeds 4-10), while automatic mode's sequences change with its k choices
-(BENCHMARKS.md, "Adaptive speculation", fifth session).
+(BENCHMARKS.md at ca4d93b, "Adaptive speculation", fifth session).
 
 Automatic mode runs on its own engine over the same model (so it learns only from its own steps,
 never from the static runs), one engine per temperature, kept across batch sizes like a

@@ -9,7 +9,7 @@ built with `TablePriced` then decides exactly as the engine's does (same accepta
 learning, same probes, guard and margin) but prices every step from that table instead of its own
 measurements. Run next to plain automatic mode, "auto / auto on the measured costs" is the share
 of the gap that better cost estimates could close (`tools/bench_rl.py --in-process --ceiling`;
-BENCHMARKS.md, "Adaptive speculation", tenth session).
+BENCHMARKS.md at ca4d93b, "Adaptive speculation", tenth session).
 
 The table is the workload's, measured before the sweep on the same engine and model: a ceiling for
 comparison, not a configuration to run.

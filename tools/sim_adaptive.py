@@ -1,7 +1,7 @@
 """Replay the adaptive speculation controller against a modelled engine: decisions without timing noise.
 
 On the project's shared 2-core box the in-process A/B of the controller swings by +-3% between two
-runs of the same code even at 30 repeats (BENCHMARKS.md, "Adaptive speculation", seventh
+runs of the same code even at 30 repeats (BENCHMARKS.md at ca4d93b, "Adaptive speculation", seventh
 session), the size of every effect left to find. Here the engine is a model: each decode step
 costs a fixed time per (batch, k) measured once on the real engine (`--measure`), times seeded
 log-normal noise; drafts are accepted with per-position rates scaled per row by the rows' spread;

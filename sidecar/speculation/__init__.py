@@ -41,7 +41,7 @@ engine step, not a constant (DESIGN.md, "Speculation policy"):
 - **Rows** (`RowState`, passed by the engine each step: output length and tokens left): a row's
   stop tokens come where rows end by output position (`StopHazard`,
   `AcceptanceEstimate.batch_tokens`). It matters where a batch runs until its last row: an RL
-  batch's answers end within a few tokens of each other (BENCHMARKS.md, "Adaptive speculation",
+  batch's answers end within a few tokens of each other (BENCHMARKS.md at ca4d93b, "Adaptive speculation",
   sixth session).
 - **Stragglers**: acceptance differs between rows, so rows of a batch that would finish
   together under plain decoding finish at different steps under speculation, and the batch runs
@@ -81,7 +81,7 @@ engine step, not a constant (DESIGN.md, "Speculation policy"):
   best k > 0, where an estimate taken in a slow stretch costs the whole gain: at temperature 1,
   batch 1 (k = 3 gains 5-15%; its cost moves by 10-25% with the box's load for minutes at a
   time) such a bucket stayed at plain with k = 3 predicted within 3% of it for up to ~1,300
-  steps, 0.88-0.91x of static k = 3 in grid runs (BENCHMARKS.md, "Adaptive speculation", fifth
+  steps, 0.88-0.91x of static k = 3 in grid runs (BENCHMARKS.md at ca4d93b, "Adaptive speculation", fifth
   session). A neighbour measured fewer than `min_cost_samples` times in the bucket goes first,
   every `learn_every` steps, so that a new batch size trusts its own costs within its first
   few dozen steps (at batch 64 the doubling interval had taken 7 generations of 16 tokens to

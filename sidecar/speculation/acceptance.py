@@ -80,7 +80,7 @@ class AcceptanceEstimate:
         re-priced k for the batch's remaining steps (at temperature 1, batch 4 on the bench
         model the per-batch estimate averaged 0.10-0.13 and kept k = 1, the best static k, out of
         half the steps: auto 1.05-1.13x plain against 1.13-1.16x pooled, in paired A/B runs;
-        BENCHMARKS.md, "Adaptive speculation", fourth session). Kept across weight pushes: it describes the
+        BENCHMARKS.md at ca4d93b, "Adaptive speculation", fourth session). Kept across weight pushes: it describes the
         prompts more than the draft."""
         if self._spread is None:
             self._spread = acceptance_spread(list(self.finished_rows))
@@ -112,7 +112,7 @@ class AcceptanceEstimate:
         Each row's stop tokens come where rows end by output position (`StopHazard.at`): the RL
         workload's answers end within a few tokens of each other, and the memoryless rate had
         predicted the rows near that end ~1.8 tokens per row and step more than they emitted
-        (BENCHMARKS.md, "Adaptive speculation", sixth session). (Scaling each row's acceptance by
+        (BENCHMARKS.md at ca4d93b, "Adaptive speculation", sixth session). (Scaling each row's acceptance by
         its own record was tried and dropped: a row with a bad first few drafts was priced below
         plain, drafted no more, and so never showed otherwise — greedy batch 1 ran 60% of its
         steps at plain.) None: the overall stop-token rate at every position."""

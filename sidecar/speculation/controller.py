@@ -107,7 +107,7 @@ class SpeculationPolicy:
         cheap is corrected by the steps that choose it, one too dear is never measured again.
         Extrapolating from the bucket's own last two widths alone had one slow reading of k = 2
         at batch 8 price every longer draft out (the engine model of `tools/sim_adaptive.py`
-        ran k = 1 there for 784 steps and never tried k = 3, the best; BENCHMARKS.md, "Adaptive
+        ran k = 1 there for 784 steps and never tried k = 3, the best; BENCHMARKS.md at ca4d93b, "Adaptive
         speculation", seventh session)."""
         if width in costs or len(costs) >= 2:
             own = interpolate_cost(costs, width)
@@ -156,7 +156,7 @@ class SpeculationPolicy:
         rate up to the cap, a rare long tail whose variance swamps s, and the price comes out
         8-23% short of a simulated batch — about what the overall rate alone gives (without
         `rows`: B (1 - h)^r rows expected to reach the cap, ~1 on the RL workload; an exact
-        E[max] under the same hazard was tried and did not change the decisions: BENCHMARKS.md,
+        E[max] under the same hazard was tried and did not change the decisions: BENCHMARKS.md at ca4d93b,
         "Adaptive speculation", seventh session). 1 at batch 1, for k = 0, and with
         `tokens_left` None (rows that finish early are replaced from the queue: throughput, not
         the batch's end, is what counts)."""
@@ -391,7 +391,7 @@ class SpeculationPolicy:
         1, batch 4 on the bench model, where k = 1 gains ~5% and one step's cost scatters by
         5-14%, a refusal on a noisy estimate had turned drafting off for the rows' whole
         generation and, `refuse_every` admissions in a row, a whole grid cell (auto at 0.89x
-        plain, 0.84x of static k = 1; BENCHMARKS.md, "Adaptive speculation", seventh session),
+        plain, 0.84x of static k = 1; BENCHMARKS.md at ca4d93b, "Adaptive speculation", seventh session),
         while the prefill it saved is ~0.6% of a generation there (60 prompt tokens at ~120 us
         against 48 steps of ~25 ms).
 

@@ -7,7 +7,7 @@ spreads the ends of a workload over every step; RL rollouts end where their task
 (the demo's arithmetic answers: ~20 tokens, all rows within a few tokens of each other). There a
 memoryless rate of ~0.03 per token priced every step of the batch's first 15 tokens as if one row in
 30 were ending and took ~0.15 tokens per row from k = 3's predicted step and more from longer drafts,
-while no row ended there at all (BENCHMARKS.md, "Adaptive speculation", sixth session). The hazard
+while no row ended there at all (BENCHMARKS.md at ca4d93b, "Adaptive speculation", sixth session). The hazard
 by output position — P(the token at position n is a stop token | the row reached n) — puts those
 ends where they happen: early steps draft long, the steps around the answers' end short.
 
