@@ -1,6 +1,6 @@
 """Newton–Schulz orthogonalisation against closed forms and an exact SVD.
 
-Oracles: the singular-value band of DESIGN.md for the quintic schedule (and the closed-form
+Oracles: the project's design band of singular values for the quintic schedule (and the closed-form
 maximum of its polynomial), the exact polar factor U·Vᵀ from ``torch.linalg.svd`` for Polar
 Express, and the symmetries every polynomial-in-XXᵀ iteration must have.
 """
@@ -47,7 +47,7 @@ def test_quintic_singular_values_land_in_design_band(rows: int, cols: int, dtype
     m = matrix_with_spectrum(rows, cols, s, seed=rows + cols).float() * 37.0  # any scale
     out = orthogonalize(m, NewtonSchulzConfig(schedule="quintic", steps=5, dtype=dtype))
     sv = torch.linalg.svdvals(out.double())[: s.numel()]
-    # DESIGN.md: about [0.68, 1.14]; bfloat16 rounding adds up to ~1e-2.
+    # the design band: about [0.68, 1.14]; bfloat16 rounding adds up to ~1e-2.
     slack = 0.0 if dtype == "float32" else 0.02
     assert sv.min() >= 0.68 - slack, sv
     assert sv.max() <= 1.14 + slack, sv

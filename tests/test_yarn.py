@@ -1,4 +1,4 @@
-"""YaRN rotary embedding (yarn/) against independent oracles: DESIGN.md's published numbers, the closed form of
+"""YaRN rotary embedding (yarn/) against independent oracles: the project design's reference numbers, the closed form of
 plain RoPE, Hugging Face transformers' YaRN and Qwen3 rotary code, and megatron-core's own YarnRotaryEmbedding
 built by a real GPTModel. The trainer-vs-engine log-prob check at 4x the original length lives with those issues."""
 
@@ -151,7 +151,7 @@ def test_cos_sin_match_hugging_face_qwen3_rotary(name: str, kwargs: dict[str, An
     cfg = RopeConfig(**kwargs)
     positions = torch.arange(_max_pos(cfg))[None, :]  # (1, T)
     x = torch.zeros(1, positions.shape[1], cfg.head_dim)
-    # Factor 1 is plain RoPE by definition (DESIGN.md); HF's YaRN blend of two equal tensors can round one
+    # Factor 1 is plain RoPE by definition (the project design); HF's YaRN blend of two equal tensors can round one
     # ulp away from it, which at position ~2k moves cos by ~3e-5. So plain RoPE is the oracle there.
     hf_cfg = _hf_config(RopeConfig(head_dim=cfg.head_dim, base=cfg.base) if cfg.factor == 1.0 else cfg)
     hf_cos, hf_sin = Qwen3RotaryEmbedding(hf_cfg)(x, positions)

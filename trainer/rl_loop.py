@@ -1,6 +1,6 @@
 """The RL loop: generate → score → recompute log-probs → update policy and draft → push weights.
 
-Reads like the algorithm (DESIGN.md "Data flow of one RL step"); every mechanism lives in the
+Reads like the algorithm (README, "How speculation works in RL"); every mechanism lives in the
 module named after it: sidecar fan-out and fault handling in `sidecar.client.fleet`, local
 sidecar processes in `trainer.local_sidecars`, the policy and its optimizers in
 `trainer.policy`, the GRPO/DAPO loss in `trainer.losses`, the run directory in `trainer.run_dir`.

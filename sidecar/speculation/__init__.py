@@ -1,9 +1,9 @@
 """Automatic k (adaptive speculation): choose the draft length k of each engine step from measured costs.
 
 Why: whether speculation pays depends on the hardware, the batch size and the draft's current
-acceptance (BENCHMARKS.md, "Embedded engine": every static k from 1 to 7 lost 25-70% at batch
+acceptance (BENCHMARKS.md at ca4d93b, "Embedded engine": every static k from 1 to 7 lost 25-70% at batch
 >= 16 on a CPU, while k = 3 won 1.5x on the demo's 8-row batches). So k is a decision made per
-engine step, not a constant (DESIGN.md, "Speculation policy"):
+engine step, not a constant (README, "Automatic k"):
 
     choose k in {0..K} maximising   E[tokens per row | k] / (cost(B, k) * stragglers(B, k, rows))
     E[tokens per row | k] = mean over the rows of 1 + sum_{i=1..k} S_i prod_{j<=i} alpha_j
