@@ -41,3 +41,25 @@ def test_an_existing_run_is_not_overwritten_without_resume(tmp_path: Path) -> No
     resumed = RunDir(tmp_path, resume=True)
     resumed.log(1, {"reward/train_mean": 0.5})
     assert [r["step"] for r in resumed.read_metrics()] == [0, 1]
+
+
+def test_reward_plot_draws_held_out_evaluations_as_points_with_95_percent_error_bars(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import matplotlib.axes
+
+    drawn: list[tuple[list[float], list[float]]] = []
+    errorbar = matplotlib.axes.Axes.errorbar
+
+    def spy(self, x, y, *args, yerr=None, **kwargs):  # type: ignore[no-untyped-def]
+        drawn.append((list(y), list(yerr)))
+        return errorbar(self, x, y, *args, yerr=yerr, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "errorbar", spy)
+    run = RunDir(tmp_path / "r")
+    run.log(0, {"reward/eval_mean": 0.5, "reward/eval_stderr": 0.03})
+    for step in (1, 2):
+        run.log(step, {"reward/train_mean": 0.4})
+    run.log(3, {"reward/train_mean": 0.6, "reward/eval_mean": 0.7, "reward/eval_stderr": 0.02})
+    assert (tmp_path / "r" / "plots" / "reward.png") in run.plot()
+    assert drawn == [([0.5, 0.7], [pytest.approx(1.96 * 0.03), pytest.approx(1.96 * 0.02)])]  # train: a line

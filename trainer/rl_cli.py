@@ -218,7 +218,7 @@ def draft_init_cmd(
 @click.option(
     "--out", type=click.Path(file_okay=False, path_type=Path), help="Where to keep everything (default: temp)."
 )
-@click.option("--rl-steps", type=click.IntRange(1), default=12, show_default=True, help="= DemoConfig.rl_steps")
+@click.option("--rl-steps", type=click.IntRange(1), default=20, show_default=True, help="= DemoConfig.rl_steps")
 def demo(out: Path | None, rl_steps: int) -> None:
     """End to end in minutes on a CPU: small model, warm-up, draft-init, two sidecars, RL with
     speculation, and the report (reward before/after, acceptance, speedup vs plain decoding)."""

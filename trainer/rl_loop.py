@@ -49,7 +49,7 @@ from trainer.preflight import check_sidecars, preflight
 from trainer.reference import ReferencePolicy
 from trainer.rl_config import RLConfig
 from trainer.run_dir import RunDir
-from trainer.tasks import Problem, Task
+from trainer.tasks import Problem, Task, distinct_problems
 from trainer.tokenizer import Tokenizer
 from trainer.trackers import open_trackers
 
@@ -169,10 +169,10 @@ def latest_checkpoint(checkpoints: Path) -> tuple[int, Path] | None:
 
 
 def evaluate(run: Run, size: int) -> tuple[float, float]:
-    """Mean reward of greedy completions on a fixed held-out set (same problems every time), and its
-    standard error (sample std / sqrt(n)): a change smaller than ~2 standard errors is noise."""
-    rng = random.Random(1_000_003 + run.cfg.seed)
-    problems = [run.task.sample(rng, "eval") for _ in range(size)]
+    """Mean reward of greedy completions on a fixed held-out set (same problems every time, no
+    problem twice), and its standard error (sample std / sqrt(n)): a change smaller than ~2
+    standard errors is noise."""
+    problems = distinct_problems(run.task, random.Random(1_000_003 + run.cfg.seed), "eval", size)
     sampling = SamplingParams(
         temperature=0.0, max_new_tokens=run.cfg.rollout.max_new_tokens, stop_token_ids=(run.tokenizer.eos_id,)
     )

@@ -4,8 +4,9 @@ Layout of `runs/<name>/`:
 
     config.yaml        the resolved run config (reproduces the run)
     metrics.jsonl      one JSON object per step (flat keys such as "reward/mean")
-    plots/*.png        reward, acceptance (mean and per draft position), step-time breakdown,
-                       generation share of the step, speedups; redrawn as the run goes
+    plots/*.png        reward (held-out evaluations as points with 95% error bars), acceptance
+                       (mean and per draft position), step-time breakdown, generation share of
+                       the step, speedups; redrawn as the run goes
     checkpoints/       model, draft, optimizer and RNG state (see trainer/checkpointing.py)
 
 Metric keys are `group/name`; plots select them by group, so a new metric needs no plotting
@@ -117,7 +118,13 @@ def plot_metrics(rows: Iterable[Mapping[str, Any]], out_dir: Path) -> list[Path]
         else:
             for key, points in series.items():
                 xs, ys = zip(*points, strict=True)
-                ax.plot(xs, ys, marker="o", markersize=3, label=key.split("/", 1)[1])
+                errors = _stderr_of(rows, key)
+                if errors is not None:  # an estimate with its noise: points with 95% intervals
+                    yerr = [1.96 * errors.get(x, 0.0) for x in xs]
+                    label = f"{key.split('/', 1)[1]} (±1.96 s.e.)"
+                    ax.errorbar(xs, ys, yerr=yerr, fmt="o", markersize=4, capsize=3, label=label)
+                else:
+                    ax.plot(xs, ys, marker="o", markersize=3, label=key.split("/", 1)[1])
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -128,3 +135,12 @@ def plot_metrics(rows: Iterable[Mapping[str, Any]], out_dir: Path) -> list[Path]
         plt.close(fig)
         written.append(path)
     return written
+
+
+def _stderr_of(rows: list[Mapping[str, Any]], key: str) -> dict[Any, float] | None:
+    """step -> standard error for a `..._mean` metric that is logged with a `..._stderr` twin."""
+    if not key.endswith("_mean"):
+        return None
+    twin = key[: -len("_mean")] + "_stderr"
+    errors = {r["step"]: r[twin] for r in rows if isinstance(r.get(twin), int | float) and "step" in r}
+    return errors or None

@@ -139,6 +139,25 @@ class ArithmeticTask:
         return Problem(prompt=f"{expr}=?\n", answer=str(acc), solution="\n".join(steps) + f"\n#{acc}")
 
 
+def distinct_problems(task: Task, rng: random.Random, split: Split, size: int) -> list[Problem]:
+    """`size` problems of `split` with distinct prompts, drawn in order from `rng`; fewer (all the
+    split has) when the split holds fewer than `size` distinct prompts. A held-out set with repeats
+    would count a problem twice and understate its standard error."""
+    if size < 1:
+        raise ValueError(f"size must be >= 1, got {size}")
+    seen: set[str] = set()
+    problems: list[Problem] = []
+    misses = 0
+    while len(problems) < size and misses < 20 * size + 1000:  # ~ the coupon collector's bound
+        problem = task.sample(rng, split)
+        if problem.prompt in seen:
+            misses += 1
+            continue
+        seen.add(problem.prompt)
+        problems.append(problem)
+    return problems
+
+
 class RewardFunctionError(SpecrlError, TypeError):
     """A user reward function that raised or returned something other than a finite number."""
 
