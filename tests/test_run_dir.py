@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -51,9 +52,9 @@ def test_reward_plot_draws_held_out_evaluations_as_points_with_95_percent_error_
     drawn: list[tuple[list[float], list[float]]] = []
     errorbar = matplotlib.axes.Axes.errorbar
 
-    def spy(self, x, y, *args, yerr=None, **kwargs):  # type: ignore[no-untyped-def]
-        drawn.append((list(y), list(yerr)))
-        return errorbar(self, x, y, *args, yerr=yerr, **kwargs)
+    def spy(self: matplotlib.axes.Axes, x: Any, y: Any, **kwargs: Any) -> Any:
+        drawn.append((list(y), list(kwargs["yerr"])))
+        return errorbar(self, x, y, **kwargs)
 
     monkeypatch.setattr(matplotlib.axes.Axes, "errorbar", spy)
     run = RunDir(tmp_path / "r")
