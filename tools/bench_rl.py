@@ -5,7 +5,8 @@
    that each generate their prompts with speculation (k = 3) and again without, on the same weights
    (order alternating per step): generation speedup and RL step speedup per step;
 2. a sweep of k on the same two sidecars and the demo's workload (`demo_config`'s rollout:
-   4 prompts × 4 samples, temperature 1, the draft-initialised policy): repeats interleaved k by k, medians, τ from the
+   8 prompts × 8 samples since 2026-11-27, 4 × 4 before; temperature 1, the draft-initialised
+   policy): repeats interleaved k by k, medians, τ from the
    sidecars' raw counters — where longer drafts stop paying; plus automatic mode ("auto": the sidecars, started with
    `--spec-k auto --max-spec-k max(ks)`, choose k per engine step; their first generations, untimed, are its learning
    pass), against the best static k: chosen on the same repeats (biased against auto) and held out

@@ -3,7 +3,7 @@
 
 A sparse delta push pays only if few served-dtype elements change per step. Whether an optimizer
 update survives rounding to the served dtype depends on its size against the weight's unit in the
-last place, so this runs the demo's RL steps (the demo's policy, task, 4 prompts x G=4 samples,
+last place, so this runs the demo's RL steps (the demo's policy, task, `demo_config`'s prompts x G samples,
 GRPO loss, trunk + MTP draft update) for each optimizer (the Muon/AdamW hybrid the trainer uses,
 and AdamW on every tensor) at two learning rates:
 
