@@ -21,28 +21,11 @@ from sidecar.server.process import Sidecar
 from sidecar.server.weight_receiver import DataPlaneConfig
 from sidecar.types import GenerationRequest, SamplingParams, WeightTransport
 from sidecar.weight_sync.shm import ShmRegion
-from tests.sidecar_fixtures import (
-    greedy_reference,
-    make_checkpoint,
-    single_torch_thread,  # noqa: F401  (a fixture, used by pytestmark)
-    start_sidecar,
-    weights,
-)
+from tests.sidecar_fixtures import greedy_reference, make_checkpoint, start_sidecar, weights
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6)
-
-
-@pytest.fixture()
-def pair(tmp_path: Path) -> Iterator[tuple[Sidecar, Sidecar]]:
-    checkpoint = make_checkpoint(tmp_path / "ckpt", seed=0)
-    a, b = start_sidecar(checkpoint), start_sidecar(checkpoint)
-    try:
-        yield a, b
-    finally:
-        a.stop(0.2)
-        b.stop(0.2)
 
 
 class Source:

@@ -34,7 +34,6 @@ from sidecar.server.process import Sidecar, SidecarConfig
 from sidecar.types import Sample, WeightSelector
 from sidecar.weight_sync.tensors import tensor_crc32
 from tests.engine.engine_fixtures import aligned_draft_model
-from tests.sidecar_fixtures import single_torch_thread  # noqa: F401  (a fixture, used by pytestmark)
 from trainer.cli import main
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")

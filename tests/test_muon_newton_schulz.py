@@ -14,13 +14,7 @@ import torch
 
 from muon import POLAR_EXPRESS_COEFFICIENTS, NewtonSchulzConfig, orthogonalize
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():  # tiny matrices: thread start-up dominates, and a shared 2-core box oversubscribes
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")  # tiny matrices: threads only cost
 
 
 def matrix_with_spectrum(rows: int, cols: int, singular_values: torch.Tensor, seed: int) -> torch.Tensor:

@@ -15,13 +15,7 @@ import torch
 
 from muon import Muon, NewtonSchulzConfig, QKVLayout, gated_fc1_blocks, orthogonalize, scaled_polar
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():  # tiny matrices: thread start-up dominates, and a shared 2-core box oversubscribes
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")  # tiny matrices: threads only cost
 
 
 EXACT = NewtonSchulzConfig(schedule="polar_express", steps=10)  # = U·Vᵀ to ~1e-6 (see NS tests)

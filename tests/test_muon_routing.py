@@ -15,13 +15,7 @@ from torch import nn
 
 from muon import HybridOptimizer, HybridOptimizerConfig, Muon, NewtonSchulzConfig, QKVLayout, build_optimizer
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():  # tiny matrices: thread start-up dominates, and a shared 2-core box oversubscribes
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")  # tiny matrices: threads only cost
 
 
 class TinyQwen3(nn.Module):

@@ -10,7 +10,6 @@ only). Tiny model, 1-2 steps.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +22,7 @@ from sidecar.model.model import ModelConfig
 from sidecar.security import TOKEN_ENV, SecurityConfig
 from sidecar.server.process import Sidecar
 from sidecar.types import GenerationRequest, SamplingParams
-from tests.sidecar_fixtures import single_torch_thread, start_sidecar  # noqa: F401  (a fixture)
-from tests.test_sidecar_security import pki  # noqa: F401  (a fixture: CA, server and client certificates)
+from tests.sidecar_fixtures import start_sidecar
 from trainer import rl_loop
 from trainer.preflight import PreflightError
 from trainer.rl_config import RLConfig, RolloutConfig, SidecarsConfig, SidecarSecurityConfig, TaskConfig
@@ -53,14 +51,6 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def started(checkpoint: Path, n: int, **config: Any) -> list[Sidecar]:
     return [start_sidecar(checkpoint, **config) for _ in range(n)]
-
-
-@pytest.fixture()
-def pair(checkpoint: Path) -> Iterator[list[Sidecar]]:
-    sidecars = started(checkpoint, 2)
-    yield sidecars
-    for s in sidecars:
-        s.stop(0.2)
 
 
 def run_config(
@@ -94,7 +84,7 @@ def run_config(
 # ---- finding 4: caller errors surface, the fleet stays -------------------------------------
 
 
-def test_a_request_every_sidecar_refuses_surfaces_and_leaves_the_fleet_whole(pair: list[Sidecar]) -> None:
+def test_a_request_every_sidecar_refuses_surfaces_and_leaves_the_fleet_whole(pair: tuple[Sidecar, Sidecar]) -> None:
     with Fleet([s.address for s in pair]) as fleet:
         bad = GenerationRequest(
             prompts=[[1, 2], [3], [4, 5, 6]],
@@ -153,7 +143,7 @@ def test_train_against_a_token_protected_sidecar(
         sidecar.stop(0.2)
 
 
-def test_train_against_a_mutual_tls_sidecar(checkpoint: Path, tmp_path: Path, pki: Path) -> None:  # noqa: F811
+def test_train_against_a_mutual_tls_sidecar(checkpoint: Path, tmp_path: Path, pki: Path) -> None:
     security = SecurityConfig(tls_cert=pki / "server.pem", tls_key=pki / "server.key", tls_client_ca=pki / "ca.pem")
     (sidecar,) = started(checkpoint, 1, security=security)
     try:

@@ -24,8 +24,9 @@ from muon import HybridOptimizerConfig
 from sidecar.client.client import ClientConfig
 from sidecar.client.fleet import Fleet, FleetConfig
 from sidecar.model.checkpoint import load_checkpoint
-from sidecar.model.model import ModelConfig, build_model
+from sidecar.model.model import ModelConfig
 from sidecar.types import GenerationRequest, SamplingParams
+from tests.sidecar_fixtures import greedy_reference
 from trainer.local_sidecars import LocalSidecars
 from trainer.rl_config import RLConfig, RolloutConfig, SidecarsConfig, TaskConfig
 from trainer.rl_loop import train
@@ -127,19 +128,6 @@ def test_rl_steps_end_to_end(checkpoints: dict[str, Path], tmp_path: Path) -> No
     assert resumed[0]["mismatch/logprob_abs_max"] < 1e-4
 
 
-def _greedy(state: dict[str, torch.Tensor], config: ModelConfig, prompt: list[int], n: int, stop: int) -> list[int]:
-    """Plain greedy decoding with the full forward pass (no cache, no speculation, no server)."""
-    model = build_model(config)
-    model.load_state_dict(state, strict=True)
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-            if ids[-1] == stop:
-                break
-    return ids[len(prompt) :]
-
-
 @pytest.mark.slow
 def test_a_killed_sidecar_loses_no_sample_and_rejoins_with_current_weights(
     checkpoints: dict[str, Path], tmp_path: Path
@@ -175,7 +163,9 @@ def test_a_killed_sidecar_loses_no_sample_and_rejoins_with_current_weights(
             assert result.rerouted > 0 and result.duplicates == 0
             assert any("is down" in e for e in result.events)
             for s in result.samples[::7]:  # wherever it ran, a sample is the plain greedy decode
-                assert s.token_ids == _greedy(state, config, prompts[s.prompt_index], 24, TOK.eos_id)
+                assert s.token_ids == greedy_reference(
+                    state, prompts[s.prompt_index], 24, config=config, stop=TOK.eos_id
+                )
 
             # the crashed sidecar comes back (initial weights, version 0) and must be brought up
             # to the current version before it serves anything

@@ -4,8 +4,6 @@ reported for the same tokens (the engine's incremental, speculative path)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import grpc
 import pytest
 import torch
@@ -14,22 +12,10 @@ from hypothesis import strategies as st
 
 from sidecar.client.client import SidecarClient
 from sidecar.model.model import build_model
-from sidecar.server.process import Sidecar
 from sidecar.types import GenerationRequest, SamplingParams, ScoreRequest
-from tests.sidecar_fixtures import make_checkpoint, single_torch_thread, start_sidecar, tiny_config, weights  # noqa: F401
+from tests.sidecar_fixtures import tiny_config, weights
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Sidecar, SidecarClient]]:
-    sidecar = start_sidecar(make_checkpoint(tmp_path_factory.mktemp("score") / "ckpt", seed=0), spec_k=2)
-    client = SidecarClient(sidecar.address)
-    try:
-        yield sidecar, client
-    finally:
-        client.close()
-        sidecar.stop()
 
 
 def reference(seq: list[int], start: int, temperature: float) -> list[float]:
@@ -47,10 +33,7 @@ def reference(seq: list[int], start: int, temperature: float) -> list[float]:
     temperature=st.sampled_from([0.0, 0.7, 1.0, 1.3]),
     n=st.integers(1, 4),
 )
-def test_score_equals_the_full_forward(
-    served: tuple[Sidecar, SidecarClient], data: st.DataObject, temperature: float, n: int
-) -> None:
-    _, client = served
+def test_score_equals_the_full_forward(client: SidecarClient, data: st.DataObject, temperature: float, n: int) -> None:
     seqs = [data.draw(st.lists(st.integers(0, 63), min_size=2, max_size=40)) for _ in range(n)]
     starts = [data.draw(st.integers(1, len(s) - 1)) for s in seqs]
     result = client.score(ScoreRequest(sequences=seqs, start_indices=starts, temperature=temperature))
@@ -62,8 +45,7 @@ def test_score_equals_the_full_forward(
         )
 
 
-def test_score_matches_generate_logprobs(served: tuple[Sidecar, SidecarClient]) -> None:
-    _, client = served
+def test_score_matches_generate_logprobs(client: SidecarClient) -> None:
     prompts = [[1, 2, 3, 4], [5, 6]]
     samples = client.generate(
         GenerationRequest(
@@ -78,8 +60,7 @@ def test_score_matches_generate_logprobs(served: tuple[Sidecar, SidecarClient]) 
         torch.testing.assert_close(torch.tensor(got), torch.tensor(s.logprobs), atol=2e-5, rtol=0)
 
 
-def test_bad_score_requests_are_refused_and_the_sidecar_keeps_serving(served: tuple[Sidecar, SidecarClient]) -> None:
-    _, client = served
+def test_bad_score_requests_are_refused_and_the_sidecar_keeps_serving(client: SidecarClient) -> None:
     with pytest.raises(ValueError, match="start_index 0"):
         ScoreRequest(sequences=[[1, 2]], start_indices=[0])
     from sidecar.protocol import services

@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -25,16 +24,7 @@ from sidecar.client.fleet import Fleet, FleetConfig, NoLiveSidecarError
 from sidecar.protocol import services
 from sidecar.protocol.specrl.v1 import rollout_pb2, weights_pb2
 from sidecar.server.process import Sidecar
-from tests.sidecar_fixtures import (
-    DEADLINE,
-    PROMPTS,
-    greedy_reference,
-    greedy_request,
-    make_checkpoint,
-    single_torch_thread,  # noqa: F401  (a fixture, used by pytestmark)
-    start_sidecar,
-    weights,
-)
+from tests.sidecar_fixtures import DEADLINE, PROMPTS, greedy_oracle, greedy_request, start_sidecar, weights
 from trainer.cli import main
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -43,47 +33,26 @@ ROOT = Path(__file__).resolve().parent.parent
 Code = grpc.StatusCode
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", seed=0)
-
-
-@pytest.fixture(scope="module")
-def sidecar(checkpoint: Path) -> Iterator[Sidecar]:
-    sc = start_sidecar(checkpoint)
-    yield sc
-    sc.stop(0.5)
-
-
-def oracle(prompts: list[list[int]], n: int = 8) -> list[list[int]]:
-    state = weights(0)
-    return [greedy_reference(state, p, n) for p in prompts]
-
-
-def test_the_fleet_spreads_prompts_and_routes_around_a_stopped_sidecar(checkpoint: Path) -> None:
-    a, b = start_sidecar(checkpoint), start_sidecar(checkpoint)
+def test_the_fleet_spreads_prompts_and_routes_around_a_stopped_sidecar(pair: tuple[Sidecar, Sidecar]) -> None:
+    a, b = pair
     prompts = [[i + 1, 2 * i + 1] for i in range(6)]
-    expected = oracle(prompts)
+    expected = greedy_oracle(0, prompts)
     config = FleetConfig(client=ClientConfig(retries=0, timeout_s=5))
-    try:
-        with Fleet([a.address, b.address], config) as fleet:
-            samples = fleet.generate(greedy_request(prompts)).samples
-            assert [s.token_ids for s in samples] == expected
-            assert [s.prompt_index for s in samples] == list(range(6))
-            assert all(a.control.stats().total.generated_tokens > 0 for a in (a, b))  # both served
-            assert set(fleet.push_weights(weights(0), 1).results) == {a.address, b.address}
-            b.stop(0.2)
-            result = fleet.generate(greedy_request(prompts))
-            assert [s.token_ids for s in result.samples] == expected
-            assert fleet.down() == [b.address] and any(b.address in e for e in result.events)
-            report = fleet.push_weights(weights(0), 2)  # the live one takes it; the fleet moves on
-            assert set(report.results) == {a.address} and fleet.version == 2
-            a.stop(0.2)
-            with pytest.raises(NoLiveSidecarError, match="no live sidecar"):
-                fleet.generate(greedy_request(prompts))
-    finally:
-        a.stop(0.2)
+    with Fleet([a.address, b.address], config) as fleet:
+        samples = fleet.generate(greedy_request(prompts)).samples
+        assert [s.token_ids for s in samples] == expected
+        assert [s.prompt_index for s in samples] == list(range(6))
+        assert all(a.control.stats().total.generated_tokens > 0 for a in (a, b))  # both served
+        assert set(fleet.push_weights(weights(0), 1).results) == {a.address, b.address}
         b.stop(0.2)
+        result = fleet.generate(greedy_request(prompts))
+        assert [s.token_ids for s in result.samples] == expected
+        assert fleet.down() == [b.address] and any(b.address in e for e in result.events)
+        report = fleet.push_weights(weights(0), 2)  # the live one takes it; the fleet moves on
+        assert set(report.results) == {a.address} and fleet.version == 2
+        a.stop(0.2)
+        with pytest.raises(NoLiveSidecarError, match="no live sidecar"):
+            fleet.generate(greedy_request(prompts))
 
 
 FOREIGN_CLIENT = textwrap.dedent(
@@ -127,7 +96,7 @@ def test_a_client_generated_from_the_proto_files_alone(sidecar: Sidecar, tmp_pat
     assert out.returncode == 0, out.stderr
     reply = json.loads(out.stdout)
     assert reply["vocab"] == 64 and reply["protocol"] == "specrl.v1"
-    assert reply["tokens"] == oracle(PROMPTS)
+    assert reply["tokens"] == greedy_oracle(0, PROMPTS)
 
 
 token_ids = st.integers(min_value=0, max_value=2**32 - 1)
@@ -259,7 +228,7 @@ def test_specrl_serve_runs_and_stops_gracefully_on_sigterm(checkpoint: Path) -> 
         assert address, "serve never logged its address"
         with SidecarClient(address) as c:
             assert c.info().engine.speculation_k == 2
-            assert [s.token_ids for s in c.generate(greedy_request())] == oracle(PROMPTS)
+            assert [s.token_ids for s in c.generate(greedy_request())] == greedy_oracle(0, PROMPTS)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
         assert proc.returncode == 0, err

@@ -19,21 +19,13 @@ from typing import TypeVar
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
-from sidecar_fixtures import (
-    DEADLINE,
-    greedy_reference,
-    make_checkpoint,
-    single_torch_thread,  # noqa: F401  (a fixture, used by pytestmark)
-    start_sidecar,
-    wait_until,
-    weights,
-)
 
 import sidecar.protocol.convert as convert
 from sidecar.client.client import SidecarClient
 from sidecar.protocol import services
 from sidecar.server.scheduler import SchedulerConfig
 from sidecar.types import FinishReason, GenerationRequest, RequestLimits, SamplingParams, WeightSelector
+from tests.sidecar_fixtures import DEADLINE, greedy_reference, make_checkpoint, start_sidecar, wait_until, weights
 
 STREAMS = 200
 BOUND_S = 1.0

@@ -22,12 +22,8 @@ from sidecar.protocol.specrl.v1 import weights_pb2
 from sidecar.types import Sample, WeightSelector
 from tests.sidecar_fixtures import (
     DEADLINE,
-    NEW_TOKENS,
-    PROMPTS,
-    greedy_reference,
+    greedy_oracle,
     greedy_request,
-    make_checkpoint,
-    single_torch_thread,  # noqa: F401  (a fixture, used by pytestmark)
     start_sidecar,
     wait_until,
     weights,
@@ -36,19 +32,9 @@ from tests.sidecar_fixtures import (
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", seed=0)
-
-
-def oracle(seed: int, prompts: list[list[int]] = PROMPTS, n: int = NEW_TOKENS) -> list[list[int]]:
-    state = weights(seed)
-    return [greedy_reference(state, p, n) for p in prompts]
-
-
 def test_a_push_serves_exactly_the_new_weights(checkpoint: Path) -> None:
     with start_sidecar(checkpoint) as sc, SidecarClient(sc.address) as c:
-        old, new = oracle(0), oracle(1)
+        old, new = greedy_oracle(0), greedy_oracle(1)
         assert old != new  # the test can fail: different weights give different greedy text
         assert [s.token_ids for s in c.generate(greedy_request())] == old
         result = c.push_weights(weights(1), version=1, chunk_bytes=1000)
@@ -72,21 +58,21 @@ def test_selector_pushes_replace_only_their_part(checkpoint: Path) -> None:
         # The draft never changes greedy output (lossless), the target does.
         w1 = weights(1)
         c.push_weights({n: t for n, t in w1.items() if n in draft_names}, 1, WeightSelector.DRAFT)
-        assert [s.token_ids for s in c.generate(greedy_request())] == oracle(0)
+        assert [s.token_ids for s in c.generate(greedy_request())] == greedy_oracle(0)
         c.push_weights({n: t for n, t in w1.items() if n not in draft_names}, 2, WeightSelector.TARGET)
-        assert [s.token_ids for s in c.generate(greedy_request())] == oracle(1)
+        assert [s.token_ids for s in c.generate(greedy_request())] == greedy_oracle(1)
         # A generator of tensors streams with the specs from DescribeWeights.
         w2 = weights(2)
         specs, _ = c.describe_weights()
         c.push_weights(((s.name, w2[s.name]) for s in specs), 3)
-        assert [s.token_ids for s in c.generate(greedy_request())] == oracle(2)
+        assert [s.token_ids for s in c.generate(greedy_request())] == greedy_oracle(2)
 
 
 @pytest.mark.slow
 def test_a_push_during_32_generate_streams(checkpoint: Path) -> None:
     n_new = 24
     prompts = [[(7 * i) % 60 + 1, (3 * i) % 50 + 2] for i in range(32)]
-    old, new = oracle(0, prompts, n_new), oracle(1, prompts, n_new)
+    old, new = greedy_oracle(0, prompts, n_new), greedy_oracle(1, prompts, n_new)
     with start_sidecar(checkpoint, max_batch_size=64) as sc, SidecarClient(sc.address) as c:
         results: dict[int, list[Sample]] = {}
         failures: list[BaseException] = []
@@ -128,7 +114,7 @@ def test_a_push_during_32_generate_streams(checkpoint: Path) -> None:
 
 def test_a_client_killed_mid_push_leaves_the_old_version_serving(checkpoint: Path) -> None:
     with start_sidecar(checkpoint) as sc, SidecarClient(sc.address) as c:
-        old = oracle(0)
+        old = greedy_oracle(0)
         messages = [convert.push_item_to_pb(i) for i in iter_push_requests(weights(1), 1, chunk_bytes=512)]
         sent = threading.Event()
         never = threading.Event()
@@ -155,7 +141,7 @@ def test_a_client_killed_mid_push_leaves_the_old_version_serving(checkpoint: Pat
         never.set()
         # The receiver is free again: a complete push succeeds.
         assert c.push_weights(weights(1), 1).version == 1
-        assert [s.token_ids for s in c.generate(greedy_request())] == oracle(1)
+        assert [s.token_ids for s in c.generate(greedy_request())] == greedy_oracle(1)
 
 
 def test_the_sender_aborts_a_push_whose_tensor_does_not_match(checkpoint: Path) -> None:
@@ -172,7 +158,7 @@ def test_kept_staging_buffers_never_leak_into_the_served_model(checkpoint: Path)
     with start_sidecar(checkpoint, keep_staging=True) as sc, SidecarClient(sc.address) as c:
         for version, seed in ((1, 1), (2, 2)):
             c.push_weights(weights(seed), version)
-            assert [s.token_ids for s in c.generate(greedy_request())] == oracle(seed)
+            assert [s.token_ids for s in c.generate(greedy_request())] == greedy_oracle(seed)
         kept = {n: t.data_ptr() for n, t in sc.weights._receiver._spare.items()}
         assert len(kept) == len(weights(0))  # the next push reuses these buffers
         # The engine serves the staged tensors themselves (no copy at the swap) and handed back
@@ -185,7 +171,7 @@ def test_kept_staging_buffers_never_leak_into_the_served_model(checkpoint: Path)
         with pytest.raises(ValueError):  # dies halfway, after overwriting half the kept buffers
             c.push_weights(half, 3, specs=specs)
         wait_until(lambda: not sc.weights._receiver._lock.locked(), what="push dropped")
-        assert [s.token_ids for s in c.generate(greedy_request())] == oracle(2)  # still version 2's model
+        assert [s.token_ids for s in c.generate(greedy_request())] == greedy_oracle(2)  # still version 2's model
         c.push_weights(weights(0), 3)
-        assert [s.token_ids for s in c.generate(greedy_request())] == oracle(0)
+        assert [s.token_ids for s in c.generate(greedy_request())] == greedy_oracle(0)
         assert c.info().weight_version == 3

@@ -21,20 +21,12 @@ from collections.abc import Iterator
 import grpc
 import numpy as np
 import pytest
-from sidecar_fixtures import (
-    DEADLINE,
-    greedy_reference,
-    make_checkpoint,
-    single_torch_thread,  # noqa: F401  (a fixture, used by pytestmark)
-    start_sidecar,
-    tiny_config,
-    weights,
-)
 
 from sidecar.protocol import services
 from sidecar.protocol.specrl.v1 import rollout_pb2
 from sidecar.server.process import Sidecar
 from sidecar.types import SamplingParams
+from tests.sidecar_fixtures import DEADLINE, greedy_reference, tiny_config, weights
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -44,13 +36,6 @@ VOCAB = 64
 F32 = np.float32
 SUBNORMAL = float(np.finfo(F32).smallest_subnormal)  # 1.4e-45
 MAX_F32 = float(np.finfo(F32).max)
-
-
-@pytest.fixture(scope="module")
-def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sidecar]:
-    sc = start_sidecar(make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", seed=0))
-    yield sc
-    sc.stop(0.5)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ CLI (no key is checked in)."""
 from __future__ import annotations
 
 import shutil
-import subprocess
 from pathlib import Path
 
 import grpc
@@ -13,15 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sidecar.client.client import ClientConfig, SidecarCallError, SidecarClient
 from sidecar.security import SecurityConfig
-from tests.sidecar_fixtures import (
-    DEADLINE,
-    greedy_reference,
-    greedy_request,
-    make_checkpoint,
-    single_torch_thread,  # noqa: F401  (a fixture, used by pytestmark)
-    start_sidecar,
-    weights,
-)
+from tests.sidecar_fixtures import DEADLINE, greedy_oracle, greedy_request, start_sidecar, weights
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI to make certificates"),
@@ -30,43 +21,11 @@ pytestmark = [
 Code = grpc.StatusCode
 
 
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A CA, a server certificate for 127.0.0.1/localhost and a client certificate."""
-    d = tmp_path_factory.mktemp("pki")
-    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
-    _openssl(
-        "req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", "/CN=specrl-test-ca", cwd=d
-    )
-    (d / "server.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    for name, ext in (("server", ["-extfile", "server.ext"]), ("client", [])):
-        _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN=specrl-{name}", cwd=d)
-        _openssl(
-            "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-            "-out", f"{name}.pem", "-days", "1", *ext, cwd=d,
-        )  # fmt: skip
-    return d
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", seed=0)
-
-
-def oracle() -> list[list[int]]:
-    state = weights(0)
-    return [greedy_reference(state, p, 8) for p in greedy_request().prompts]
-
-
 def test_tls_round_trip_and_plaintext_is_refused(pki: Path, checkpoint: Path) -> None:
     security = SecurityConfig(tls_cert=pki / "server.pem", tls_key=pki / "server.key")
     with start_sidecar(checkpoint, security=security) as sc:
         with SidecarClient(sc.address, ClientConfig(root_ca=pki / "ca.pem", retries=0)) as c:
-            assert [s.token_ids for s in c.generate(greedy_request())] == oracle()
+            assert [s.token_ids for s in c.generate(greedy_request())] == greedy_oracle()
             assert c.info().engine.engine == "torch"
         with SidecarClient(sc.address, ClientConfig(retries=0, timeout_s=3)) as plain:
             with pytest.raises(SidecarCallError) as err:
@@ -79,7 +38,7 @@ def test_mutual_tls_needs_a_client_certificate(pki: Path, checkpoint: Path) -> N
     with start_sidecar(checkpoint, security=security) as sc:
         mtls = ClientConfig(root_ca=pki / "ca.pem", client_cert=pki / "client.pem", client_key=pki / "client.key")
         with SidecarClient(sc.address, mtls) as c:
-            assert [s.token_ids for s in c.generate(greedy_request())] == oracle()
+            assert [s.token_ids for s in c.generate(greedy_request())] == greedy_oracle()
             assert c.push_weights(weights(1), 1).version == 1
         with SidecarClient(sc.address, ClientConfig(root_ca=pki / "ca.pem", retries=0, timeout_s=3)) as anonymous:
             with pytest.raises(SidecarCallError) as err:
@@ -109,7 +68,7 @@ def test_the_token_is_required_on_every_rpc_but_health(checkpoint: Path) -> None
         with SidecarClient(sc.address, ClientConfig(token="s3cret")) as c:
             assert c.info().weight_version == 0  # the refused push changed nothing
             assert not c.info().paused
-            assert [s.token_ids for s in c.generate(greedy_request())] == oracle()
+            assert [s.token_ids for s in c.generate(greedy_request())] == greedy_oracle()
             assert c.push_weights(weights(1), 1).version == 1
 
 

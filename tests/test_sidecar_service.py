@@ -9,6 +9,7 @@ import urllib.request
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -24,12 +25,10 @@ from sidecar.server.scheduler import SchedulerConfig
 from sidecar.types import FinishReason, GenerationRequest, RequestLimits, SamplingParams, WeightSelector
 from tests.sidecar_fixtures import (
     DEADLINE,
-    NEW_TOKENS,
     PROMPTS,
-    greedy_reference,
+    greedy_oracle,
     greedy_request,
-    make_checkpoint,
-    single_torch_thread,  # noqa: F401  (a fixture, used by pytestmark)
+    greedy_tokens,
     start_sidecar,
     wait_until,
     weights,
@@ -41,31 +40,14 @@ pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", seed=0)
-
-
-@pytest.fixture(scope="module")
 def oracle() -> list[list[int]]:
-    state = weights(0)
-    return [greedy_reference(state, p, NEW_TOKENS) for p in PROMPTS]
+    return greedy_oracle()
 
 
 @pytest.fixture(scope="module")
-def matrix_sidecar(checkpoint: Path) -> Iterator[Sidecar]:
-    sc = start_sidecar(checkpoint, max_message_mib=1, metrics_port=0)
-    yield sc
-    sc.stop(0.5)
-
-
-@pytest.fixture(scope="module")
-def client(matrix_sidecar: Sidecar) -> Iterator[SidecarClient]:
-    with SidecarClient(matrix_sidecar.address) as c:
-        yield c
-
-
-def greedy_tokens(client: SidecarClient) -> list[list[int]]:
-    return [s.token_ids for s in client.generate(greedy_request())]
+def sidecar_settings() -> dict[str, Any]:
+    """The bad-input matrix's sidecar: a 1 MiB message limit (the oversized cases) and metrics."""
+    return dict(max_message_mib=1, metrics_port=0)
 
 
 def push_raw(address: str, messages: list[weights_pb2.PushWeightsRequest]) -> grpc.RpcError:
@@ -147,11 +129,11 @@ def _oversize() -> list:  # type: ignore[type-arg]
 
 @pytest.mark.parametrize(("name", "make", "code"), PUSH_CASES, ids=[c[0] for c in PUSH_CASES])
 def test_bad_pushes_get_their_status_and_change_nothing(  # type: ignore[no-untyped-def]
-    matrix_sidecar: Sidecar, client: SidecarClient, oracle: list[list[int]], name: str, make, code: Code
+    sidecar: Sidecar, client: SidecarClient, oracle: list[list[int]], name: str, make, code: Code
 ) -> None:
     before = client.info().weight_version
     assert greedy_tokens(client) == oracle
-    err = push_raw(matrix_sidecar.address, make())
+    err = push_raw(sidecar.address, make())
     assert err.code() == code, err.details()
     assert err.details()  # every refusal says what was wrong
     assert client.info().weight_version == before
@@ -226,7 +208,7 @@ def test_control_rpcs_refuse_bad_values(client: SidecarClient) -> None:
     assert client.abort("no-such-request") == (False, 0)
 
 
-def test_a_concurrent_push_is_aborted(matrix_sidecar: Sidecar, client: SidecarClient, oracle: list[list[int]]) -> None:
+def test_a_concurrent_push_is_aborted(sidecar: Sidecar, client: SidecarClient, oracle: list[list[int]]) -> None:
     release = threading.Event()
     msgs = good_messages(version=7)
 
@@ -234,14 +216,14 @@ def test_a_concurrent_push_is_aborted(matrix_sidecar: Sidecar, client: SidecarCl
         yield msgs[0]
         release.wait(DEADLINE)
 
-    with grpc.insecure_channel(matrix_sidecar.address) as ch:
+    with grpc.insecure_channel(sidecar.address) as ch:
         first = services.WeightStub(ch).PushWeights.future(slow(), timeout=DEADLINE)
-        wait_until(lambda: matrix_sidecar.control.stats() is not None and _push_busy(matrix_sidecar), what="push")
-        err = push_raw(matrix_sidecar.address, good_messages(version=8))
+        wait_until(lambda: sidecar.control.stats() is not None and _push_busy(sidecar), what="push")
+        err = push_raw(sidecar.address, good_messages(version=8))
         assert err.code() == Code.ABORTED and "another weight push" in err.details()
         first.cancel()  # the first client goes away mid-push
         release.set()
-    wait_until(lambda: not _push_busy(matrix_sidecar), what="push lock release")
+    wait_until(lambda: not _push_busy(sidecar), what="push lock release")
     assert client.info().weight_version == 0
     assert greedy_tokens(client) == oracle
 
@@ -263,7 +245,7 @@ def test_describe_weights_lists_the_selected_part(client: SidecarClient) -> None
     assert all(tuple(state[s.name].shape) == s.shape and s.dtype == torch.float32 for s in every)
 
 
-def test_info_stats_and_metrics_agree_with_the_samples(matrix_sidecar: Sidecar, client: SidecarClient) -> None:
+def test_info_stats_and_metrics_agree_with_the_samples(sidecar: Sidecar, client: SidecarClient) -> None:
     info = client.info()
     assert info.engine.engine == "torch" and info.engine.model.vocab_size == 64
     assert info.engine.speculation_method == "mtp" and info.engine.speculation_k == 2
@@ -279,7 +261,7 @@ def test_info_stats_and_metrics_agree_with_the_samples(matrix_sidecar: Sidecar, 
     assert after.weight_version == 0 and after.uptime_seconds > 0
     assert [v.weight_version for v in after.versions] == [0]
     assert after.versions[0].busy_seconds > 0
-    body = urllib.request.urlopen(f"http://127.0.0.1:{matrix_sidecar.metrics_port}/metrics", timeout=DEADLINE).read()
+    body = urllib.request.urlopen(f"http://127.0.0.1:{sidecar.metrics_port}/metrics", timeout=DEADLINE).read()
     text = body.decode()
     total = client.stats().total
     assert f"specrl_generated_tokens_total {float(total.generated_tokens)}" in text
@@ -298,7 +280,7 @@ def test_speculation_off_gives_the_same_greedy_output(client: SidecarClient, ora
 
 
 def test_automatic_speculation_over_grpc_is_lossless_and_says_why(
-    matrix_sidecar: Sidecar, client: SidecarClient, oracle: list[list[int]]
+    sidecar: Sidecar, client: SidecarClient, oracle: list[list[int]]
 ) -> None:
     assert not client.info().engine.speculation_status.auto
     assert client.set_speculation(3, automatic=True) == 2
@@ -309,7 +291,7 @@ def test_automatic_speculation_over_grpc_is_lossless_and_says_why(
         status = client.stats().speculation
         assert status.auto and status.reason in ("model", "probe", "guard") and status.batch_size >= 1
         assert len(status.acceptance) == 3 and status.detail
-        body = urllib.request.urlopen(f"http://127.0.0.1:{matrix_sidecar.metrics_port}/metrics", timeout=DEADLINE)
+        body = urllib.request.urlopen(f"http://127.0.0.1:{sidecar.metrics_port}/metrics", timeout=DEADLINE)
         text = body.read().decode()
         assert "specrl_speculation_automatic 1.0" in text
         assert f'specrl_speculation_reason{{reason="{status.reason}"}} 1.0' in text

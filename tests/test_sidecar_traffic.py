@@ -21,23 +21,15 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sidecar_fixtures import (
-    CONTEXT,
-    DEADLINE,
-    make_checkpoint,
-    single_torch_thread,  # noqa: F401  (a fixture, used by pytestmark)
-    start_sidecar,
-    wait_until,
-)
 
 import sidecar.protocol.convert as convert
 from sidecar.client.client import SidecarClient
@@ -46,6 +38,7 @@ from sidecar.protocol import services
 from sidecar.server.process import Sidecar
 from sidecar.server.scheduler import SchedulerConfig
 from sidecar.types import FinishReason, GenerationRequest, RequestLimits, Sample, SamplingParams
+from tests.sidecar_fixtures import CONTEXT, DEADLINE, wait_until
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -54,21 +47,18 @@ MAX_NEW = 10
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", seed=4)
+def checkpoint_seed() -> int:
+    return 4
 
 
 @pytest.fixture(scope="module")
-def sidecar(checkpoint: Path) -> Iterator[Sidecar]:
-    sc = start_sidecar(
-        checkpoint,
+def sidecar_settings() -> dict[str, Any]:
+    return dict(
         spec_k=2,
         max_batch_size=6,  # small: requests also wait in the engine's queue
         limits=RequestLimits(max_prompts=4, max_samples=16, max_prompt_tokens=CONTEXT, max_new_tokens=MAX_NEW),
         scheduler=SchedulerConfig(max_live_sequences=256),
     )
-    yield sc
-    sc.stop(0.5)
 
 
 @pytest.fixture(scope="module")

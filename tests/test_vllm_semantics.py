@@ -19,7 +19,7 @@ from sidecar.model.checkpoint import save_checkpoint
 from sidecar.model.model import ModelConfig, build_model
 from sidecar.protocol import convert
 from sidecar.types import FinishReason, GenerationRequest, LogprobMode, SamplingParams
-from tests.sidecar_fixtures import single_torch_thread, start_sidecar  # noqa: F401
+from tests.sidecar_fixtures import greedy_reference, start_sidecar
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -48,7 +48,7 @@ def test_stop_at_eos_matches_greedy_reference_truncated_at_eos(prompt: list[int]
     """EOS = the reference's token at position `cut`: with stop_at_eos the sample is the reference
     up to and including its first EOS; without it (the old default) generation runs on."""
     _, plain_state = eos_model([])
-    reference = greedy_reference_for(plain_state, prompt, 10)
+    reference = greedy_reference(plain_state, prompt, 10)
     eos = reference[cut]
     config, state = eos_model([eos])
     model = build_model(config)
@@ -66,17 +66,6 @@ def test_stop_at_eos_matches_greedy_reference_truncated_at_eos(prompt: list[int]
     )[0]
     assert run_on.token_ids == reference
     assert run_on.finish_reason is FinishReason.LENGTH
-
-
-def greedy_reference_for(state: dict[str, torch.Tensor], prompt: list[int], n: int) -> list[int]:
-    config = ModelConfig.tiny(max_position_embeddings=256)
-    model = build_model(config)
-    model.load_state_dict(state, strict=True)
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    return ids[len(prompt) :]
 
 
 def test_get_info_publishes_eos_and_stop_at_eos_crosses_the_wire(tmp_path: Path) -> None:

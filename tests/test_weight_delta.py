@@ -29,7 +29,6 @@ import torch
 from hypothesis import given, settings
 
 from sidecar.client.client import ClientConfig, SidecarCallError, SidecarClient
-from sidecar.client.transport import CollectiveConfig, TransportConfig
 from sidecar.client.weight_sender import iter_push_requests
 from sidecar.engine.torch_engine import TorchEngine
 from sidecar.errors import DeltaBaseError, InvalidRequestError
@@ -48,21 +47,9 @@ from sidecar.types import (
 from sidecar.weight_sync.checksum import crc32
 from sidecar.weight_sync.delta import DeltaBase, PlannedPush, apply_delta, encode_delta, plan_push
 from sidecar.weight_sync.tensors import spec_of, tensor_bytes
-from tests.sidecar_fixtures import (
-    make_checkpoint,
-    single_torch_thread,  # noqa: F401  (a fixture, used by pytestmark)
-    start_sidecar,
-    weights,
-)
+from tests.sidecar_fixtures import TRANSPORTS, start_sidecar, weights
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
-
-GLOO = CollectiveConfig(host="127.0.0.1", timeout_s=20.0, bucket_bytes=64 << 10)
-CONFIGS = {
-    WeightTransport.GRPC: TransportConfig(shm=False),
-    WeightTransport.SHM: TransportConfig(),
-    WeightTransport.COLLECTIVE: TransportConfig(shm=False, collective=GLOO),
-}
 
 
 def sha(tensors: dict[str, torch.Tensor]) -> str:
@@ -219,16 +206,11 @@ def test_fifty_delta_pushes_serve_exactly_the_senders_copy(
 # --- live sidecar ------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", seed=0)
-
-
 def delta_client(address: str, transport: WeightTransport = WeightTransport.GRPC) -> SidecarClient:
-    return SidecarClient(address, ClientConfig(transports=CONFIGS[transport], timeout_s=30.0, delta_pushes=True))
+    return SidecarClient(address, ClientConfig(transports=TRANSPORTS[transport], timeout_s=30.0, delta_pushes=True))
 
 
-@pytest.mark.parametrize("transport", list(CONFIGS), ids=lambda t: t.value)
+@pytest.mark.parametrize("transport", list(TRANSPORTS), ids=lambda t: t.value)
 def test_fifty_delta_pushes_on_a_live_sidecar_serve_the_senders_copy(
     checkpoint: Path, transport: WeightTransport
 ) -> None:
@@ -271,7 +253,7 @@ class Live:
         return f"Live({self.transport.value}, version {self.c.delta_base.version})"
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS), ids=lambda t: t.value)
+@pytest.fixture(scope="module", params=list(TRANSPORTS), ids=lambda t: t.value)
 def live(request: pytest.FixtureRequest, checkpoint: Path) -> Iterator[Live]:
     transport: WeightTransport = request.param
     state = weights(1)
@@ -536,7 +518,7 @@ def test_the_run_config_turns_delta_pushes_on_for_every_client(checkpoint: Path)
 
 
 @pytest.mark.parametrize("fault", ["wrong-base", "rebuilt-mismatch"])
-@pytest.mark.parametrize("transport", list(CONFIGS), ids=lambda t: t.value)
+@pytest.mark.parametrize("transport", list(TRANSPORTS), ids=lambda t: t.value)
 def test_a_refused_delta_on_any_transport_is_followed_by_a_full_push(
     checkpoint: Path, transport: WeightTransport, fault: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

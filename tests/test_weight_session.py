@@ -5,8 +5,6 @@ state the sidecar should serve (tests/sidecar_fixtures.greedy_reference)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -15,33 +13,12 @@ from hypothesis import strategies as st
 from sidecar.client.client import SidecarClient
 from sidecar.integrations.weight_session import SessionConfig, WeightUpdateSession
 from sidecar.model.checkpoint import target_tensor_names
-from sidecar.server.process import Sidecar
 from sidecar.types import WeightSelector
-from tests.sidecar_fixtures import (
-    PROMPTS,
-    greedy_reference,
-    greedy_request,
-    make_checkpoint,
-    single_torch_thread,  # noqa: F401  (fixture)
-    start_sidecar,
-    tiny_config,
-    weights,
-)
+from tests.sidecar_fixtures import PROMPTS, greedy_reference, greedy_request, tiny_config, weights
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 TARGET = target_tensor_names(tiny_config())
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Sidecar, SidecarClient]]:
-    sidecar = start_sidecar(make_checkpoint(tmp_path_factory.mktemp("session") / "ckpt", seed=0), spec_k=2)
-    client = SidecarClient(sidecar.address)
-    try:
-        yield sidecar, client
-    finally:
-        client.close()
-        sidecar.stop()
 
 
 def serves(client: SidecarClient, state: dict[str, torch.Tensor]) -> bool:
@@ -60,14 +37,13 @@ def serves(client: SidecarClient, state: dict[str, torch.Tensor]) -> bool:
     abort_after=st.integers(0, len(TARGET) - 1),
 )
 def test_session_applies_all_or_nothing(
-    served: tuple[Sidecar, SidecarClient],
+    client: SidecarClient,
     seed: int,
     order: list[int],
     chunk_bytes: int,
     pending: int,
     abort_after: int,
 ) -> None:
-    _, client = served
     before = client.info().weight_version
     current = weights(0) if before == 0 else None
     new = weights(seed)
@@ -92,8 +68,7 @@ def test_session_applies_all_or_nothing(
     assert serves(client, expected)
 
 
-def test_incomplete_session_is_refused_before_the_commit(served: tuple[Sidecar, SidecarClient]) -> None:
-    _, client = served
+def test_incomplete_session_is_refused_before_the_commit(client: SidecarClient) -> None:
     before = client.info().weight_version
     new = weights(7)
     session = WeightUpdateSession(client, version=before + 1, selector=WeightSelector.TARGET)
@@ -104,8 +79,7 @@ def test_incomplete_session_is_refused_before_the_commit(served: tuple[Sidecar, 
     assert client.info().weight_version == before
 
 
-def test_session_refuses_unknown_duplicate_and_misshapen_tensors(served: tuple[Sidecar, SidecarClient]) -> None:
-    _, client = served
+def test_session_refuses_unknown_duplicate_and_misshapen_tensors(client: SidecarClient) -> None:
     before = client.info().weight_version
     new = weights(3)
     with WeightUpdateSession(client, version=before + 1, selector=WeightSelector.TARGET) as s:
@@ -120,9 +94,8 @@ def test_session_refuses_unknown_duplicate_and_misshapen_tensors(served: tuple[S
     assert client.info().weight_version == before + 1
 
 
-def test_sidecar_refusal_surfaces_in_send_or_commit(served: tuple[Sidecar, SidecarClient]) -> None:
+def test_sidecar_refusal_surfaces_in_send_or_commit(client: SidecarClient) -> None:
     """A stale version is refused by the sidecar at the manifest; the session raises its error."""
-    _, client = served
     new = weights(5)
     if client.info().weight_version == 0:
         with WeightUpdateSession(client, version=1, selector=WeightSelector.TARGET) as s:

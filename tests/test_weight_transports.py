@@ -40,46 +40,16 @@ from sidecar.types import (
 from sidecar.weight_sync import shm
 from sidecar.weight_sync.collective import plan_buckets
 from sidecar.weight_sync.tensors import spec_of, tensor_bytes
-from tests.sidecar_fixtures import (
-    NEW_TOKENS,
-    PROMPTS,
-    greedy_reference,
-    greedy_request,
-    make_checkpoint,
-    single_torch_thread,  # noqa: F401  (a fixture, used by pytestmark)
-    start_sidecar,
-    weights,
-)
+from tests.sidecar_fixtures import GLOO, TRANSPORTS, greedy_oracle, greedy_tokens, start_sidecar, weights
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
-
-GLOO = CollectiveConfig(host="127.0.0.1", timeout_s=20.0, bucket_bytes=64 << 10)
-CONFIGS = {
-    WeightTransport.GRPC: TransportConfig(shm=False),
-    WeightTransport.SHM: TransportConfig(),
-    WeightTransport.COLLECTIVE: TransportConfig(shm=False, collective=GLOO),
-}
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", seed=0)
-
-
-@pytest.fixture(scope="module")
-def sidecar(checkpoint: Path) -> Iterator[Sidecar]:
-    """One sidecar for the fault tests: each checks that the served version did not move."""
-    with start_sidecar(checkpoint) as sc:
-        yield sc
-
 
 _ORACLES: dict[int, list[list[int]]] = {}
 
 
 def oracle(seed: int) -> list[list[int]]:
     if seed not in _ORACLES:
-        state = weights(seed)
-        _ORACLES[seed] = [greedy_reference(state, p, NEW_TOKENS) for p in PROMPTS]
+        _ORACLES[seed] = greedy_oracle(seed)
     return _ORACLES[seed]
 
 
@@ -87,21 +57,17 @@ def client(address: str, transports: TransportConfig) -> SidecarClient:
     return SidecarClient(address, ClientConfig(transports=transports, timeout_s=30.0))
 
 
-def served(c: SidecarClient) -> list[list[int]]:
-    return [s.token_ids for s in c.generate(greedy_request())]
-
-
 def assert_serves(c: SidecarClient, version: int, seed: int) -> None:
     assert c.info().weight_version == version
-    assert served(c) == oracle(seed)
+    assert greedy_tokens(c) == oracle(seed)
 
 
 # --- delivery ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("transport", list(CONFIGS), ids=lambda t: t.value)
+@pytest.mark.parametrize("transport", list(TRANSPORTS), ids=lambda t: t.value)
 def test_each_transport_delivers_the_model_exactly(checkpoint: Path, transport: WeightTransport) -> None:
-    with start_sidecar(checkpoint) as sc, client(sc.address, CONFIGS[transport]) as c:
+    with start_sidecar(checkpoint) as sc, client(sc.address, TRANSPORTS[transport]) as c:
         assert oracle(0) != oracle(1)  # the test can fail: different weights, different greedy text
         result = c.push_weights(weights(1), version=1)
         assert result.transport is transport and c.data_plane.choice is not None
@@ -295,7 +261,7 @@ def test_a_damaged_shm_push_leaves_the_old_weights_serving(sidecar: Sidecar, fau
     make_fault, when, message = SHM_FAULTS[fault]
     with client(sidecar.address, TransportConfig()) as c:
         version = c.info().weight_version
-        before = served(c)
+        before = greedy_tokens(c)
         region = shm.ShmRegion()
         try:
             items = iter_push_requests(weights(9), version + 1, data_plane=ShmSender(region))
@@ -307,7 +273,7 @@ def test_a_damaged_shm_push_leaves_the_old_weights_serving(sidecar: Sidecar, fau
         # as not the region): either way nothing is read from it.
         assert any(m in err.value.details for m in ((message,) if isinstance(message, str) else message))
         assert err.value.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAVAILABLE)
-        assert c.info().weight_version == version and served(c) == before
+        assert c.info().weight_version == version and greedy_tokens(c) == before
 
 
 def test_a_refused_push_places_nothing_in_the_region_after_it_returns(sidecar: Sidecar) -> None:
@@ -359,7 +325,7 @@ def test_a_push_refused_while_another_is_in_progress_ends_its_collective_group(s
     """The client drops its group after the ABORTED push, so the sidecar's end must go too
     (as after any failed push), not stay registered until the sidecar stops."""
     receiver = sidecar.weights._receiver
-    with client(sidecar.address, CONFIGS[WeightTransport.COLLECTIVE]) as c:
+    with client(sidecar.address, TRANSPORTS[WeightTransport.COLLECTIVE]) as c:
         version = c.info().weight_version
         assert c.push_weights(weights(5), version=version + 1).transport is WeightTransport.COLLECTIVE
         plane = c.data_plane.sender
@@ -380,7 +346,7 @@ def test_two_senders_at_once_serve_one_complete_model(checkpoint: Path, transpor
     time: the sidecar serialises them, a refused one changes nothing, what serves is exactly
     one of the pushed models, the one of the served version, and both senders can push again."""
     with start_sidecar(checkpoint) as sc:
-        clients = [client(sc.address, CONFIGS[transport]), client(sc.address, CONFIGS[transport])]
+        clients = [client(sc.address, TRANSPORTS[transport]), client(sc.address, TRANSPORTS[transport])]
         outcome: dict[int, object] = {}
         start = threading.Barrier(2)
 
@@ -400,7 +366,7 @@ def test_two_senders_at_once_serve_one_complete_model(checkpoint: Path, transpor
         assert any(isinstance(v, int) for v in outcome.values())
         version = clients[0].info().weight_version
         assert version in (1, 2) and outcome[version - 1] == version
-        assert served(clients[0]) == oracle(10 + version)
+        assert greedy_tokens(clients[0]) == oracle(10 + version)
         for n, c in enumerate(clients):  # a refused sender's plane was dropped and is rebuilt
             assert c.push_weights(weights(13 + n), version=3 + n).transport is transport
             assert_serves(c, 3 + n, 13 + n)

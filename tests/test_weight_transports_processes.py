@@ -18,30 +18,12 @@ import pytest
 from sidecar.client.client import ClientConfig, SidecarCallError, SidecarClient
 from sidecar.client.transport import CollectiveConfig, TransportConfig
 from sidecar.types import WeightTransport
-from tests.sidecar_fixtures import (
-    NEW_TOKENS,
-    PROMPTS,
-    greedy_reference,
-    greedy_request,
-    make_checkpoint,
-    single_torch_thread,  # noqa: F401  (a fixture, used by pytestmark)
-    start_sidecar,
-    weights,
-)
+from tests.sidecar_fixtures import greedy_oracle, greedy_tokens, make_checkpoint, start_sidecar, weights
 from trainer.local_sidecars import LocalSidecars
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 ROOT = Path(__file__).resolve().parent.parent
 GLOO = CollectiveConfig(host="127.0.0.1", timeout_s=20.0, bucket_bytes=16 << 10)
-
-
-def oracle(seed: int) -> list[list[int]]:
-    state = weights(seed)
-    return [greedy_reference(state, p, NEW_TOKENS) for p in PROMPTS]
-
-
-def served(c: SidecarClient) -> list[list[int]]:
-    return [s.token_ids for s in c.generate(greedy_request())]
 
 
 def test_collective_and_shm_deliver_to_a_sidecar_process_and_survive_its_death(tmp_path: Path) -> None:
@@ -52,7 +34,7 @@ def test_collective_and_shm_deliver_to_a_sidecar_process_and_survive_its_death(t
         with SidecarClient(address, config) as c:
             result = c.push_weights(weights(1), version=1)
             assert result.transport is WeightTransport.COLLECTIVE
-            assert served(c) == oracle(1)
+            assert greedy_tokens(c) == greedy_oracle(1)
 
             # The sidecar dies while the sender is between buckets: the push fails within the
             # group's timeout, naming the failure, and the group is dropped.
@@ -76,10 +58,10 @@ def test_collective_and_shm_deliver_to_a_sidecar_process_and_survive_its_death(t
         with SidecarClient(address, config) as c:
             assert c.info().weight_version == 0
             assert c.push_weights(weights(3), version=1).transport is WeightTransport.COLLECTIVE
-            assert served(c) == oracle(3)
+            assert greedy_tokens(c) == greedy_oracle(3)
         with SidecarClient(address, ClientConfig(timeout_s=30.0)) as c:  # default: shm, proven
             assert c.push_weights(weights(4), version=2).transport is WeightTransport.SHM
-            assert served(c) == oracle(4)
+            assert greedy_tokens(c) == greedy_oracle(4)
 
 
 _SENDER = """
@@ -138,7 +120,7 @@ def test_a_sender_killed_mid_transfer_leaves_the_old_weights_serving(tmp_path: P
             while sc.weights._receiver._lock.locked() and time.monotonic() < deadline:
                 time.sleep(0.05)  # the sidecar notices the dead sender (stream or group)
             assert c.info().weight_version == 0
-            assert served(c) == oracle(0)
+            assert greedy_tokens(c) == greedy_oracle(0)
             # The next sender gets through on the same transport (a new group for collective).
             assert c.push_weights(weights(6), version=1).transport.value == transport
-            assert served(c) == oracle(6)
+            assert greedy_tokens(c) == greedy_oracle(6)

@@ -102,12 +102,7 @@ def per_step(trainer: SpecrlGRPOTrainer, key: str) -> list[float]:
     return [entry[key] for entry in trainer.state.log_history if key in entry]
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Any:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")  # tests/conftest.py
 
 
 def test_seam_matches_pinned_trl() -> None:
