@@ -67,9 +67,7 @@ def test_control_rpcs_answer_promptly_with_200_open_streams(tmp_path: Path) -> N
                 for i in range(STREAMS)
             ]
             # Every stream reached the scheduler (a thread-per-stream server gets stuck at its pool size).
-            wait_until(
-                lambda: sidecar.server.scheduler.snapshot().queued == STREAMS, what=f"{STREAMS} admitted streams"
-            )
+            wait_until(lambda: sidecar.scheduler.snapshot().queued == STREAMS, what=f"{STREAMS} admitted streams")
 
             latencies: dict[str, float] = {}
             reply, latencies["health"] = timed(lambda: client._health.Check(health_pb2.HealthCheckRequest(), timeout=5))
@@ -93,7 +91,7 @@ def test_control_rpcs_answer_promptly_with_200_open_streams(tmp_path: Path) -> N
             for call in calls[1:]:
                 (sample,) = [convert.sample_from_pb(m.sample) for m in call]
                 assert sample.token_ids == expected and sample.weight_version == 1
-            wait_until(lambda: sidecar.server.scheduler.snapshot().running == 0, DEADLINE, "an idle engine")
+            wait_until(lambda: sidecar.scheduler.snapshot().running == 0, DEADLINE, "an idle engine")
     finally:
         sidecar.stop()
 
@@ -105,7 +103,7 @@ def test_stop_ends_the_open_streams_unavailable_within_the_grace_and_closes_the_
         rollout = services.RolloutStub(channel)
         request = GenerationRequest(prompts=[[1, 2]], sampling=SamplingParams(temperature=0.0, max_new_tokens=4))
         calls = [rollout.Generate(convert.generation_request_to_pb(request), timeout=60.0) for _ in range(20)]
-        wait_until(lambda: sidecar.server.scheduler.snapshot().queued == 20, what="20 admitted streams")
+        wait_until(lambda: sidecar.scheduler.snapshot().queued == 20, what="20 admitted streams")
         sidecar.stop(1.0)
         for call in calls:
             with pytest.raises(grpc.RpcError) as err:

@@ -170,7 +170,7 @@ def test_overlapping_requests_aborts_and_cancellations(
             else:
                 assert (s.token_ids, s.finish_reason) == (w.token_ids, w.finish_reason), i
     wait_until(
-        lambda: sidecar.server.scheduler.snapshot().running == sidecar.server.scheduler.snapshot().queued == 0,
+        lambda: sidecar.scheduler.snapshot().running == sidecar.scheduler.snapshot().queued == 0,
         what="an idle sidecar",
     )
-    assert not sidecar.server.scheduler._live  # every request, cancelled ones included, freed its slots
+    assert not sidecar.scheduler._live  # every request, cancelled ones included, freed its slots
