@@ -8,6 +8,7 @@ and it needs a C++ compiler). The same options work on a GPU; there `device` is 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -16,9 +17,20 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import torch
 
+from sidecar.engine.sglang import SGLangEngine
 from sidecar.model.model import ModelConfig
+
+# Runs only where SGLang is installed (tools/test-sglang); elsewhere reported as skipped without
+# importing SGLang (the modules import it only inside fixtures). A namespace package is not
+# SGLang: with tests/ on sys.path a directory named "sglang" would look like one.
+_SGLANG = importlib.util.find_spec("sglang")
+HAVE_SGLANG = _SGLANG is not None and _SGLANG.origin is not None
+NEEDS_SGLANG = pytest.mark.skipif(not HAVE_SGLANG, reason="SGLang is not installed here; run tools/test-sglang")
+END_TO_END = [NEEDS_SGLANG, pytest.mark.slow, pytest.mark.timeout(900)]
+"""The marks of a module that runs SGLang itself (start-up costs tens of seconds on 2 cores)."""
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KV_TOKENS = 4096
@@ -53,6 +65,22 @@ def sglang_test_args(*, max_running_requests: int = 16) -> dict[str, object]:
         "disable_cuda_graph": True,
         "max_running_requests": max_running_requests,
     }
+
+
+def start_sglang_engine(
+    checkpoint: Path, work_dir: Path, *, speculation_k: int, max_running_requests: int = 16
+) -> SGLangEngine:
+    """An in-process SGLangEngine on `checkpoint` with the test ServerArgs (close it after)."""
+    args = sglang_test_args(max_running_requests=max_running_requests)
+    batch = int(args.pop("max_running_requests"))  # type: ignore[call-overload]
+    return SGLangEngine.from_checkpoint(
+        checkpoint,
+        device=DEVICE,
+        speculation_k=speculation_k,
+        max_batch_size=batch,
+        work_dir=work_dir,
+        extra_server_args=args,
+    )
 
 
 def sglang_test_env() -> dict[str, str]:

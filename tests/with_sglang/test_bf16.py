@@ -16,7 +16,6 @@ below 0.1; a real divergence (a wrong kernel, a wrong weight) shows a gap of ord
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,15 +28,9 @@ from sidecar.model.checkpoint import load_checkpoint, model_state_dict, save_che
 from sidecar.model.model import build_model
 from sidecar.types import GenerationRequest, SamplingParams
 from tests.engine.engine_fixtures import aligned_draft_model
-from tests.with_sglang.served import DEVICE, sglang_test_args, small_config
+from tests.with_sglang.served import DEVICE, END_TO_END, small_config, start_sglang_engine
 
-_SGLANG = importlib.util.find_spec("sglang")
-HAVE_SGLANG = _SGLANG is not None and _SGLANG.origin is not None
-pytestmark = [
-    pytest.mark.skipif(not HAVE_SGLANG, reason="SGLang is not installed here; run tools/test-sglang"),
-    pytest.mark.slow,
-    pytest.mark.timeout(900),
-]
+pytestmark = END_TO_END
 
 K = 3
 NEW = 32
@@ -59,16 +52,7 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def engine(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SGLangEngine]:
-    args = sglang_test_args()
-    batch = int(args.pop("max_running_requests"))  # type: ignore[call-overload]
-    eng = SGLangEngine.from_checkpoint(
-        ckpt,
-        device=DEVICE,
-        speculation_k=K,
-        max_batch_size=batch,
-        work_dir=tmp_path_factory.mktemp("sglang-bf16-dirs"),
-        extra_server_args=args,
-    )
+    eng = start_sglang_engine(ckpt, tmp_path_factory.mktemp("sglang-bf16-dirs"), speculation_k=K)
     yield eng
     eng.close()
 

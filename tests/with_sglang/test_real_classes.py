@@ -20,7 +20,6 @@ Not checked here (needs a GPU): anything that runs a forward pass — see test_g
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import inspect
 import re
 import types
@@ -36,17 +35,10 @@ from sidecar.engine.sglang.backend import SGLangBackend, sampling_params_dict
 from sidecar.engine.sglang.engine import SGLANG_VERSION, SGLangEngineConfig, build_server_args
 from sidecar.model.model import ModelConfig, build_model
 from sidecar.types import SamplingParams
+from tests.with_sglang.served import NEEDS_SGLANG
 
 K = 3
 
-# Runs only where SGLang is installed (tools/test-sglang); elsewhere reported as skipped without
-# importing SGLang (the modules import it only inside fixtures). A namespace package is not
-# SGLang: with tests/ on sys.path a directory named "sglang" would look like one. No conftest.py
-# here: tests/engine imports its helpers with `from conftest import ...`, which a second
-# conftest module would shadow.
-_SGLANG = importlib.util.find_spec("sglang")
-HAVE_SGLANG = _SGLANG is not None and _SGLANG.origin is not None
-NEEDS_SGLANG = pytest.mark.skipif(not HAVE_SGLANG, reason="SGLang is not installed here; run tools/test-sglang")
 pytestmark = NEEDS_SGLANG
 
 

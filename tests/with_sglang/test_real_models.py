@@ -19,7 +19,6 @@ native rotary path is chosen. It changes no parameter and no name.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -39,15 +38,8 @@ from sidecar.engine.sglang.engine import (
 from sidecar.model.checkpoint import load_checkpoint, save_checkpoint
 from sidecar.model.model import ModelConfig, build_model
 from sidecar.types import WeightSelector
+from tests.with_sglang.served import NEEDS_SGLANG
 
-# Runs only where SGLang is installed (tools/test-sglang); elsewhere reported as skipped without
-# importing SGLang (the modules import it only inside fixtures). A namespace package is not
-# SGLang: with tests/ on sys.path a directory named "sglang" would look like one. No conftest.py
-# here: tests/engine imports its helpers with `from conftest import ...`, which a second
-# conftest module would shadow.
-_SGLANG = importlib.util.find_spec("sglang")
-HAVE_SGLANG = _SGLANG is not None and _SGLANG.origin is not None
-NEEDS_SGLANG = pytest.mark.skipif(not HAVE_SGLANG, reason="SGLang is not installed here; run tools/test-sglang")
 pytestmark = NEEDS_SGLANG
 
 

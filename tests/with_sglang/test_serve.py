@@ -13,7 +13,6 @@ On a machine without CUDA this runs SGLang's CPU engine with the accommodations 
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,15 +25,9 @@ from sidecar.model.checkpoint import model_state_dict, save_checkpoint
 from sidecar.model.model import build_model
 from sidecar.types import GenerationRequest, SamplingParams, WeightSelector
 from tests.engine.engine_fixtures import aligned_draft_model
-from tests.with_sglang.served import DEVICE, small_config, specrl_serve
+from tests.with_sglang.served import DEVICE, END_TO_END, small_config, specrl_serve
 
-_SGLANG = importlib.util.find_spec("sglang")
-HAVE_SGLANG = _SGLANG is not None and _SGLANG.origin is not None
-pytestmark = [
-    pytest.mark.skipif(not HAVE_SGLANG, reason="SGLang is not installed here; run tools/test-sglang"),
-    pytest.mark.slow,
-    pytest.mark.timeout(900),
-]
+pytestmark = END_TO_END
 
 K = 3
 NEW = 24

@@ -25,7 +25,6 @@ refusing work, and a correct push must clear it.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,20 +40,14 @@ from sidecar.model.checkpoint import model_state_dict, save_checkpoint
 from sidecar.model.model import ModelConfig, Qwen3WithMTP, build_model
 from sidecar.types import GenerationRequest, SamplingParams, WeightSelector
 from tests.engine.engine_fixtures import aligned_draft_model
-from tests.with_sglang.served import DEVICE, sglang_test_args, specrl_serve
+from tests.with_sglang.served import DEVICE, END_TO_END, specrl_serve, start_sglang_engine
 
 # The harness itself (one piece of code for both engines); its module imports its neighbours as
 # top-level modules, as tests/engine's conftest arranges.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from test_speculative_distribution import PROMPT, V, chi_square_pvalue, exact_joint
 
-_SGLANG = importlib.util.find_spec("sglang")
-HAVE_SGLANG = _SGLANG is not None and _SGLANG.origin is not None
-pytestmark = [
-    pytest.mark.skipif(not HAVE_SGLANG, reason="SGLang is not installed here; run tools/test-sglang"),
-    pytest.mark.slow,
-    pytest.mark.timeout(900),
-]
+pytestmark = END_TO_END
 
 N = 2000
 ALPHA = 1e-3
@@ -120,16 +113,7 @@ def test_plain_sampling_follows_the_exact_distribution(
 
 @pytest.fixture(scope="module")
 def speculative(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SGLangEngine]:
-    args = sglang_test_args(max_running_requests=64)
-    batch = int(args.pop("max_running_requests"))  # type: ignore[call-overload]
-    engine = SGLangEngine.from_checkpoint(
-        ckpt,
-        device=DEVICE,
-        speculation_k=K,
-        max_batch_size=batch,
-        work_dir=tmp_path_factory.mktemp("sglang-dirs"),
-        extra_server_args=args,
-    )
+    engine = start_sglang_engine(ckpt, tmp_path_factory.mktemp("sglang-dirs"), speculation_k=K, max_running_requests=64)
     yield engine
     engine.close()
 
