@@ -13,7 +13,9 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
 from sidecar.client.client import SidecarClient
@@ -75,6 +77,29 @@ def greedy_reference(
             if ids[-1] == stop:
                 break
     return ids[len(prompt) :]
+
+
+def hf_qwen3_config(config: ModelConfig, **overrides: object) -> Any:
+    """Hugging Face's Qwen3Config of the same model (for transformers' Qwen3 as an independent
+    reference), with `overrides`; skips the test where transformers is not installed."""
+    transformers = pytest.importorskip("transformers")
+    keys = [
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "rope_theta",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+    ]
+    kwargs: dict[str, Any] = {k: getattr(config, k) for k in keys}
+    if config.rope_scaling is not None:
+        kwargs["rope_scaling"] = dict(config.rope_scaling)
+    return transformers.Qwen3Config(**(kwargs | overrides))
 
 
 def greedy_oracle(seed: int = 0, prompts: list[list[int]] = PROMPTS, n: int = NEW_TOKENS) -> list[list[int]]:

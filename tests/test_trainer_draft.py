@@ -14,6 +14,7 @@ import torch
 from muon import HybridOptimizerConfig
 from sidecar.model.checkpoint import model_state_dict
 from sidecar.model.model import ModelConfig, Qwen3WithMTP, build_model
+from tests.sidecar_fixtures import hf_qwen3_config
 from trainer.draft_objective import DraftConfig
 from trainer.policy import Policy, TrainBatch
 
@@ -90,20 +91,7 @@ def test_draft_matches_transformers_decoder_layer(setup) -> None:
     transformers = pytest.importorskip("transformers")
     mc, engine, state, tokens = setup
     policy = Policy(mc, Policy.Config(), dict(state))
-    keys = [
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "rms_norm_eps",
-        "rope_theta",
-        "max_position_embeddings",
-    ]
-    hf = transformers.Qwen3ForCausalLM(
-        transformers.Qwen3Config(num_hidden_layers=1, **{k: getattr(mc, k) for k in keys})
-    ).eval()
+    hf = transformers.Qwen3ForCausalLM(hf_qwen3_config(mc, num_hidden_layers=1)).eval()
     p = "mtp.layers.0."
     sub = {
         k[len(p) :]: v

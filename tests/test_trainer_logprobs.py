@@ -12,6 +12,7 @@ import torch
 
 from sidecar.model.checkpoint import model_state_dict
 from sidecar.model.model import ModelConfig, build_model
+from tests.sidecar_fixtures import hf_qwen3_config
 from trainer.policy import Policy, TrainBatch
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
@@ -20,23 +21,7 @@ SEQ = 64  # four times the original YaRN context (factor 4): the whole extended 
 
 def _hf_reference(mc: ModelConfig, state: dict[str, torch.Tensor]) -> torch.nn.Module:
     transformers = pytest.importorskip("transformers")
-    keys = [
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "rms_norm_eps",
-        "rope_theta",
-        "max_position_embeddings",
-        "tie_word_embeddings",
-    ]
-    kwargs = {k: getattr(mc, k) for k in keys}
-    if mc.rope_scaling is not None:
-        kwargs["rope_scaling"] = dict(mc.rope_scaling)
-    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**kwargs)).eval()
+    model = transformers.Qwen3ForCausalLM(hf_qwen3_config(mc)).eval()
     trunk = {k: v for k, v in state.items() if not k.startswith("mtp.")}
     missing, unexpected = model.load_state_dict(trunk, strict=False)
     assert not unexpected and all(k == "lm_head.weight" for k in missing), (missing, unexpected)
