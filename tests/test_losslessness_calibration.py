@@ -110,6 +110,7 @@ def one_position_p_values(fit: Callable[[torch.Tensor, torch.Tensor, torch.Tenso
     return fits
 
 
+@pytest.mark.slow
 def test_conditional_fit_is_calibrated_on_policy_like_distributions() -> None:
     fits = one_position_p_values(lambda probs, tokens, groups, seed: conditional_fit(probs, tokens, groups, seed=seed))
     p = torch.tensor([f.p_value for f in fits])

@@ -233,8 +233,8 @@ def rank_categories(
 
 
 def rank_table(
-    probs: Tensor,  # (n, V) the exact distribution each token was drawn from
-    tokens: Tensor,  # (n,) int64 the drawn tokens
+    sorted_p: Tensor,  # (n, V) each sample's exact distribution, sorted (decreasing; ties: lower id first)
+    rank: Tensor,  # (n,) int64 the drawn token's rank in its own distribution
     uniforms: Tensor,  # (n, 2) independent uniforms on [0, 1)
     min_expected: float = MIN_EXPECTED,
 ) -> Table:
@@ -248,17 +248,13 @@ def rank_table(
     exactly w-distributed under the null, and it is the token's own category as often as
     possible, so a deviation in the categories reaches the counts undiluted.
     """
-    n = len(tokens)
-    probs = probs.double()
-    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)  # ties: lower id first
-    rank = (order == tokens[:, None]).to(torch.int64).argmax(dim=-1)  # (n,)
+    n = len(rank)
     category = rank_categories(sorted_p.mean(dim=0), n, min_expected)  # (V,)
     bins = int(category.max()) + 1
     pi = torch.zeros(n, bins, dtype=torch.float64).index_add_(1, category, sorted_p)  # (n, B)
     w = pi.mean(dim=0)  # (B,)
     own = category[rank]  # (n,)
-    rows = torch.arange(n)
-    stay = uniforms[:, 0] * pi[rows, own] < w[own]
+    stay = uniforms[:, 0] * pi[torch.arange(n), own] < w[own]
     spare = (w - pi).clamp(min=0.0).cumsum(dim=1)  # (n, B)
     elsewhere = (spare <= (uniforms[:, 1] * spare[:, -1])[:, None]).sum(dim=1).clamp(max=bins - 1)
     counts = torch.bincount(torch.where(stay, own, elsewhere), minlength=bins).double()
@@ -295,12 +291,14 @@ def conditional_fit(
             counts = torch.bincount(tokens[member], minlength=probs.shape[1])
             tables.append(Table.of(counts, probs[member].mean(dim=0), min_expected))
             rest &= ~member
+    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)  # ties: lower id first
     if rest.any():
         uniforms = torch.rand(n, 2, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)[rest]
-        tables.append(rank_table(probs[rest], tokens[rest], uniforms, min_expected))
+        rank = (order[rest] == tokens[rest, None]).to(torch.int64).argmax(dim=-1)
+        tables.append(rank_table(sorted_p[rest], rank, uniforms, min_expected))
     statistic, df, p_value, simulations = exact_pearson(tables, seed, resolution)
     impossible = int((probs[torch.arange(n), tokens] <= 0).sum())
-    tv, tv_noise = total_variation(probs, tokens)
+    tv, tv_noise = _total_variation(probs, tokens, sorted_p, order)
     return Fit(
         statistic=statistic,
         df=df,
@@ -349,12 +347,14 @@ def total_variation(
     mean per-prefix TV (a mixture and a relabelling never increase TV); the one further above
     its noise floor is returned, with that floor.
     """
-    n, vocab = probs.shape
-    if n == 0:
+    if len(probs) == 0:
         return 0.0, 0.0
     probs = probs.double()
-    one_hot = torch.zeros(n, vocab, dtype=torch.float64).scatter_(1, tokens[:, None], 1.0)
+    return _total_variation(probs, tokens, *probs.sort(dim=-1, descending=True, stable=True))
+
+
+def _total_variation(probs: Tensor, tokens: Tensor, sorted_p: Tensor, order: Tensor) -> tuple[float, float]:
+    one_hot = torch.zeros_like(probs).scatter_(1, tokens[:, None], 1.0)
     by_token = _tv_and_noise(one_hot, probs)
-    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
     by_rank = _tv_and_noise(one_hot.gather(1, order), sorted_p)
     return max(by_token, by_rank, key=lambda tv_noise: tv_noise[0] - tv_noise[1])
