@@ -48,7 +48,7 @@ import torch
 from sidecar.client.client import SidecarClient
 from sidecar.engine.torch_engine import TorchEngine
 from sidecar.losslessness.exact_target import ExactTokens, draw_prompts, exact_tokens, weight_mismatches
-from sidecar.losslessness.statistics import RESOLUTION, Fit, combine, conditional_fit
+from sidecar.losslessness.statistics import Fit, combine, conditional_fit
 from sidecar.losslessness.wrong_rules import POWER_RULES, WRONG_RULES, in_fraction_of_rounds, with_acceptance_rule
 from sidecar.model.model import Qwen3WithMTP
 from sidecar.types import GenerationRequest, Sample, SamplingParams, SpeculationCounters, WeightSelector
@@ -414,7 +414,9 @@ class DistributionFits:
 def distribution_fits(exact: list[ExactTokens], seed: int, alpha: float) -> DistributionFits:
     """Per-position fits over all prompts' samples (`statistics.conditional_fit`, samples grouped
     by prompt and prefix; `seed` draws their randomisation), and their joint combination. The
-    Monte Carlo p-values resolve down to a quarter of the per-position level of `rejects(alpha)`."""
+    Monte Carlo p-values resolve down to a quarter of the per-position level of `rejects(alpha)`
+    (a position with p at a quarter of it is rejected 92% of the time; a finer p-value decides
+    little, and a deviating position costs 1 / resolution simulations)."""
     width = max(e.mask.shape[1] for e in exact)
     per_position = []
     for t in range(width):
@@ -425,7 +427,7 @@ def distribution_fits(exact: list[ExactTokens], seed: int, alpha: float) -> Dist
             [torch.cat([torch.full((len(e.tokens), 1), j), e.tokens[:, :t]], dim=1)[e.mask[:, t]] for j, e in parts]
         )  # (n, 1 + t): the prompt's index, then the tokens before t
         _, groups = torch.unique(prefixes, dim=0, return_inverse=True)
-        resolution = min(RESOLUTION, alpha / (8 * width))
+        resolution = alpha / (8 * width)  # a quarter of the per-position level; costs 1 / resolution simulations
         per_position.append(
             conditional_fit(probs, tokens, groups, seed=_seed(seed, "position", t), resolution=resolution)
         )
