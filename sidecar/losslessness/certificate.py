@@ -14,13 +14,16 @@ forwards (`exact_target`). Four checks, each with a verdict:
 - **greedy** (per k): temperature 0 with speculation equals plain decoding (k = 0, same
   sidecar) token for token, and every token is the target's argmax (up to exact ties).
 - **distribution** (per k and temperature > 0): tokens sampled with speculation follow the
-  target's exact per-prefix distributions (rank-category chi-square per position and jointly,
-  `statistics.conditional_fit`), with total-variation estimates; and **power**: the same
-  test, at the same sample size, run on samples of the built-in wrong acceptance rules
-  (`wrong_rules.WRONG_RULES`, each in a fraction of the rounds), simulated on the
-  verifier side from the same weights and draft — so the power statement is about this
-  deployment's distributions. A run that cannot reject the full-strength wrong rules is
-  *underpowered*, not passed.
+  target's exact per-prefix distributions (`statistics.conditional_fit` per position, Fisher's
+  combination over positions; exact p-values, so a correct sidecar fails at rate <= alpha
+  whatever its distributions), with total-variation estimates; and **power**: the same test,
+  at the same sample size, run `power_runs` times on samples of each built-in wrong acceptance
+  rule (`wrong_rules.WRONG_RULES`) in each of a decreasing series of fractions of the
+  rounds, simulated on the verifier side from the same weights and draft — so the power
+  statement is about this deployment's distributions: the smallest simulated deviation the
+  test detects in >= `power_target` of the runs. A check that does not reach that power
+  against the full-strength wrong rules is *underpowered*, not passed. At k = 0 (plain
+  sampling) there is no acceptance rule to get wrong, and no power statement.
 - **logprobs**: every reported log-prob against the exact log_softmax(logits / T)[token]
   (T = 1 when greedy; before top-k/top-p), max absolute difference within a tolerance.
 
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -85,8 +89,8 @@ class VerifyConfig:
     """Tokens per sample in the distribution check; None: 2k + 3 (the first token, then at
     least two full speculative rounds including their bonus tokens)."""
     alpha: float = 1e-3
-    """Significance level: a check fails when its joint p-value, or a per-position p-value
-    times the number of positions (Bonferroni), is below it."""
+    """Significance level: the rate at which a check fails a correct sidecar is at most this
+    (exact p-values; `DistributionFits.rejects` splits it between the joint and the positions)."""
     logprob_tolerance: float = 1e-4
     """Max |reported - exact| log-prob (float32 engines agree within 1e-4, DESIGN invariant 2)."""
     argmax_tie_tolerance: float = 1e-4
@@ -95,6 +99,11 @@ class VerifyConfig:
     """Wrong acceptance rules simulated for the power statement (names of WRONG_RULES)."""
     power_fractions: tuple[float, ...] = (1.0, 0.5, 0.25)
     """Fractions of rounds in which a wrong rule is applied in the power simulations."""
+    power_runs: int = 5
+    """Simulated runs of each wrong rule and fraction (each as large as the check itself)."""
+    power_target: float = 0.8
+    """A simulated deviation counts as detected when at least this share of its runs reject it;
+    a check passes only if every wrong rule at full strength is detected."""
     seed: int = 0
     timeout_s: float = 1800.0
     """Deadline of each Generate call."""
@@ -124,6 +133,14 @@ class VerifyConfig:
             raise ValueError(f"unknown wrong_rules {sorted(unknown)}; choose from {sorted(WRONG_RULES)}")
         if any(not 0.0 < f <= 1.0 for f in self.power_fractions):
             raise ValueError(f"power_fractions must be in (0, 1], got {self.power_fractions}")
+        if self.wrong_rules and 1.0 not in self.power_fractions:
+            raise ValueError(
+                f"power_fractions must include 1.0 (the wrong rules at full strength), got {self.power_fractions}"
+            )
+        if self.power_runs < 1:
+            raise ValueError(f"power_runs must be >= 1, got {self.power_runs}")
+        if not 0.0 < self.power_target <= 1.0:
+            raise ValueError(f"power_target must be in (0, 1], got {self.power_target}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -364,14 +381,23 @@ def _collect_logprob_errors(exact: ExactTokens, samples: list[Sample], out: list
 
 
 @dataclass(kw_only=True, slots=True)
-class _Fits:
+class DistributionFits:
+    """The distribution test of one set of samples: one fit per position and their joint."""
+
     per_position: list[Fit]
     joint: Fit
 
     def rejects(self, alpha: float) -> bool:
-        positions = [f for f in self.per_position if f.samples]
-        worst = min((f.p_value for f in positions), default=1.0)
-        return self.joint.impossible > 0 or self.joint.p_value < alpha or worst * max(len(positions), 1) < alpha
+        """At level alpha: an impossible token, the joint p-value below alpha / 2, or any
+        position's below alpha / (2 x positions) (Bonferroni: the whole check errs at rate
+        <= alpha). The joint (Fisher's) sees a deviation spread over the positions, as a wrong
+        acceptance rule's is; the positions see one concentrated in a single position."""
+        worst = min((f.p_value for f in self.per_position), default=1.0)
+        return (
+            self.joint.impossible > 0
+            or self.joint.p_value < alpha / 2
+            or worst < alpha / (2 * max(len(self.per_position), 1))
+        )
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -385,8 +411,12 @@ class _Fits:
         }
 
 
-def _fits(exact: list[ExactTokens]) -> _Fits:
-    """Per-position fits over all prompts' samples, and their joint combination."""
+def distribution_fits(exact: list[ExactTokens], seed: int, alpha: float) -> DistributionFits:
+    """Per-position fits over all prompts' samples (`statistics.conditional_fit`, samples grouped
+    by prompt and prefix; `seed` draws their randomisation), and their joint combination. The
+    Monte Carlo p-values resolve down to a quarter of the per-position level of `rejects(alpha)`
+    (a position with p at a quarter of it is rejected 92% of the time; a finer p-value decides
+    little, and a deviating position costs 1 / resolution simulations)."""
     width = max(e.mask.shape[1] for e in exact)
     per_position = []
     for t in range(width):
@@ -397,8 +427,11 @@ def _fits(exact: list[ExactTokens]) -> _Fits:
             [torch.cat([torch.full((len(e.tokens), 1), j), e.tokens[:, :t]], dim=1)[e.mask[:, t]] for j, e in parts]
         )  # (n, 1 + t): the prompt's index, then the tokens before t
         _, groups = torch.unique(prefixes, dim=0, return_inverse=True)
-        per_position.append(conditional_fit(probs, tokens, groups))
-    return _Fits(per_position=per_position, joint=combine(per_position))
+        resolution = alpha / (8 * width)  # a quarter of the per-position level; costs 1 / resolution simulations
+        per_position.append(
+            conditional_fit(probs, tokens, groups, seed=_seed(seed, "position", t), resolution=resolution)
+        )
+    return DistributionFits(per_position=per_position, joint=combine(per_position))
 
 
 def _seed(*parts: object) -> int:
@@ -458,14 +491,12 @@ def _distribution_check(
         e = exact_tokens(oracle, prompt, [s.token_ids for s in group], sp)
         _collect_logprob_errors(e, group, logprob_errors)
         exact.append(e)
-    fits = _fits(exact)
+    fits = distribution_fits(exact, _seed(config.seed, "fit", k, temperature), config.alpha)
     details |= fits.summary()
     details["positions"] = [
         {"position": t + 1, "p_value": f.p_value, "df": f.df, "samples": f.samples, "tv": f.tv, "tv_noise": f.tv_noise}
         for t, f in enumerate(fits.per_position)
     ]
-    power = _power(oracle, prompts, k, temperature, tokens, config, progress)
-    details["power"] = power
     if fits.rejects(config.alpha):
         s = fits.summary()
         return Check(
@@ -476,31 +507,48 @@ def _distribution_check(
             f"(alpha {config.alpha}, {n * len(prompts)} samples)",
             details=details,
         )
-    full = [p for p in power if p["fraction"] == 1.0]
-    missed = [p["rule"] for p in full if not p["rejected"]]
+    power = _power(oracle, prompts, k, temperature, tokens, config, progress)
+    details["power"] = power
+    details["power_runs"] = config.power_runs
+    details["power_target"] = config.power_target
+    weak = [p["rule"] for p in power if p["fraction"] == 1.0 and not p["detected"]]
     if k > 0 and counters.drafted_tokens == 0:
         verdict, why = Verdict.UNDERPOWERED, "the sidecar drafted nothing: speculation was not exercised"
-    elif missed or not full:
+    elif weak or (k > 0 and oracle.config.num_nextn_predict_layers > 0 and not power):
         verdict = Verdict.UNDERPOWERED
-        why = f"the test could not reject the wrong rule(s) {missed} at this sample size; raise --samples"
+        why = (
+            f"the test detects the wrong rule(s) {weak} in fewer than {config.power_target:.0%} of simulated runs "
+            "at this sample size; raise --samples"
+            if weak
+            else "no wrong rule was simulated, so the test's power is unknown"
+        )
     else:
         verdict, why = Verdict.PASS, ""
-    detected = [p for p in power if p["rejected"]]
-    smallest = min(detected, key=lambda p: p["max_tv"]) if detected else None
-    power_line = (
-        f"; rejected {len(detected)}/{len(power)} wrong-rule variants, the smallest at TV {smallest['max_tv']:.3f} "
-        f"({smallest['rule']} in {smallest['fraction']:.0%} of rounds)"
-        if smallest
-        else ""
-    )
     return Check(
         name=name,
         verdict=verdict,
         summary=f"joint p = {fits.joint.p_value:.3f} over {n * len(prompts)} samples x {tokens} tokens, "
         f"max TV {details['max_tv']:.3f} (noise {details['max_tv_noise']:.3f}), acceptance rate "
-        f"{counters.acceptance_rate:.2f}{power_line}" + (f"; {why}" if why else ""),
+        f"{counters.acceptance_rate:.2f}; {_power_line(power, config, k)}" + (f"; {why}" if why else ""),
         details=details,
     )
+
+
+def _power_line(power: list[dict[str, Any]], config: VerifyConfig, k: int) -> str:
+    """The smallest simulated deviation of each wrong rule that the test detects with the target power."""
+    if k == 0:
+        return "k = 0: plain sampling, no acceptance rule to get wrong"
+    if not power:
+        return "no power simulation"
+    parts = []
+    for rule in dict.fromkeys(p["rule"] for p in power):
+        detected = [p for p in power if p["rule"] == rule and p["detected"]]
+        if detected:
+            least = min(detected, key=lambda p: p["fraction"])
+            parts.append(f"{rule} down to {least['fraction']:.0%} of rounds (TV {least['max_tv']:.3f})")
+        else:
+            parts.append(f"{rule} NOT even in 100% of rounds")
+    return f"detects (in >= {config.power_target:.0%} of simulated runs) " + ", ".join(parts)
 
 
 def _power(
@@ -512,30 +560,52 @@ def _power(
     config: VerifyConfig,
     progress: Progress,
 ) -> list[dict[str, Any]]:
-    """The same test on samples of each wrong rule (in each fraction of rounds), simulated on the
-    verifier side with the embedded engine on the same weights and draft."""
+    """The same test on samples of each wrong rule in each fraction of rounds (largest first),
+    simulated on the verifier side with the embedded engine on the same weights and draft,
+    `power_runs` times each: a fraction is detected when at least `power_target` of its runs
+    reject. Runs stop once that is decided, and fractions once one is not detected."""
     if k == 0 or model.config.num_nextn_predict_layers == 0:
         return []
     out = []
     n = config.samples_per_prompt
+    need = math.ceil(config.power_target * config.power_runs)
     for rule_name in config.wrong_rules:
-        for fraction in config.power_fractions:
-            progress(f"  power: {rule_name} in {fraction:.0%} of rounds")
-            rule = in_fraction_of_rounds(WRONG_RULES[rule_name], fraction, seed=_seed(config.seed, rule_name, fraction))
-            engine = with_acceptance_rule(
-                TorchEngine(model, speculation_k=k, max_speculation_k=k, max_batch_size=n), rule
-            )
-            exact = []
-            for j, prompt in enumerate(prompts):
-                sp = _sampling(
-                    config, temperature, tokens, seed=_seed(config.seed, rule_name, fraction, k, temperature, j)
+        for fraction in sorted(config.power_fractions, reverse=True):
+            max_tv, joint, worst = [], [], []
+            rejected = missed = 0
+            while rejected < need and missed <= config.power_runs - need:
+                run = rejected + missed
+                progress(f"  power: {rule_name} in {fraction:.0%} of rounds, run {run + 1}")
+                seed = _seed(config.seed, rule_name, fraction, run, k, temperature)
+                rule = in_fraction_of_rounds(WRONG_RULES[rule_name], fraction, seed=seed)
+                engine = with_acceptance_rule(
+                    TorchEngine(model, speculation_k=k, max_speculation_k=k, max_batch_size=n), rule
                 )
-                group = engine.generate(GenerationRequest(prompts=[prompt], sampling=sp, samples_per_prompt=n))
-                exact.append(exact_tokens(model, prompt, [s.token_ids for s in group], sp))
-            fits = _fits(exact)
+                exact = []
+                for j, prompt in enumerate(prompts):
+                    sp = _sampling(config, temperature, tokens, seed=_seed(seed, j))
+                    group = engine.generate(GenerationRequest(prompts=[prompt], sampling=sp, samples_per_prompt=n))
+                    exact.append(exact_tokens(model, prompt, [s.token_ids for s in group], sp))
+                fits = distribution_fits(exact, _seed(seed, "fit"), config.alpha)
+                rejected, missed = rejected + fits.rejects(config.alpha), missed + (not fits.rejects(config.alpha))
+                summary = fits.summary()
+                max_tv.append(summary["max_tv"])
+                joint.append(summary["joint_p_value"])
+                worst.append(summary["min_position_p_value"])
             out.append(
-                {"rule": rule_name, "fraction": fraction, "rejected": fits.rejects(config.alpha)} | fits.summary()
+                {
+                    "rule": rule_name,
+                    "fraction": fraction,
+                    "runs": rejected + missed,
+                    "rejected": rejected,
+                    "detected": rejected >= need,
+                    "max_tv": sum(max_tv) / len(max_tv),
+                    "joint_p_values": joint,
+                    "min_position_p_values": worst,
+                }
             )
+            if rejected < need:
+                break
     return out
 
 

@@ -84,6 +84,13 @@ def _prompts(path: Path) -> list[list[int]]:
 @click.option("--alpha", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=1e-3, show_default=True)
 @click.option("--logprob-tolerance", type=click.FloatRange(0), default=1e-4, show_default=True)
 @click.option("--power-fractions", default="1,0.5,0.25", show_default=True, help="Wrong rules in these fractions.")
+@click.option(
+    "--power-runs",
+    type=click.IntRange(1),
+    default=5,
+    show_default=True,
+    help="Simulated runs per wrong rule and fraction; detected = rejected in >= 80% of them.",
+)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None)
 @click.option("--token", default=None, help="Bearer token (or --token-file / $SPECRL_TOKEN).")
@@ -106,6 +113,7 @@ def verify(
     alpha: float,
     logprob_tolerance: float,
     power_fractions: str,
+    power_runs: int,
     seed: int,
     json_out: Path | None,
     token: str | None,
@@ -138,6 +146,7 @@ def verify(
             alpha=alpha,
             logprob_tolerance=logprob_tolerance,
             power_fractions=_floats(power_fractions),
+            power_runs=power_runs,
             seed=seed,
         )
         client_config = ClientConfig(token=read_token(token, token_file), tls=tls, root_ca=root_ca)

@@ -48,15 +48,16 @@ def format_certificate(cert: Certificate) -> str:
         lines.append(f"  [{c.verdict.value:>12}] {c.name}: {c.summary}")
         for p in c.details.get("power", []):
             lines.append(
-                f"  {'':>14} power: {p['rule']} in {p['fraction']:.0%} of rounds -> "
-                f"{'rejected' if p['rejected'] else 'NOT rejected'} (joint p {p['joint_p_value']:.1e}, "
-                f"min per-position p {p['min_position_p_value']:.1e}, max TV {p['max_tv']:.3f})"
+                f"  {'':>14} power: {p['rule']} in {p['fraction']:.0%} of rounds -> rejected in {p['rejected']} of "
+                f"{p['runs']} simulated runs ({'detected' if p['detected'] else 'NOT detected'}; mean max TV "
+                f"{p['max_tv']:.3f}, joint p {', '.join(f'{v:.1e}' for v in p['joint_p_values'])})"
             )
     lines += [
         "",
-        "  What this proves: on these weights, k, sampling settings and prompts, no deviation from the",
-        "  target distribution as large as the rejected wrong-rule variants above went undetected (alpha",
-        "  per check); greedy outputs and log-probs were compared exactly. It is a finite-sample test: a",
-        "  smaller deviation, or one that only shows on other prompts or longer outputs, can pass.",
+        "  What this proves: a correct sidecar fails each check with probability at most alpha (exact",
+        "  p-values); the wrong-rule variants marked detected above are caught in at least the stated",
+        "  share of simulated runs of the same size, on these weights, k, sampling settings and prompts.",
+        "  Greedy outputs and log-probs were compared exactly. It is a finite-sample test: a smaller",
+        "  deviation, or one that only shows on other prompts or longer outputs, can pass.",
     ]
     return "\n".join(lines)

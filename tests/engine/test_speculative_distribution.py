@@ -4,8 +4,10 @@ Oracle: the exact joint distribution of the first three generated tokens, P(t1, 
 prompt), computed by enumerating all V^3 continuations through the plain full forward and
 Hugging Face's logits warpers (temperature, top-k, top-p) — no engine code involved.
 
-Test: Pearson chi-square goodness of fit of N = 4000 engine samples against that
-distribution (cells with expected count < 5 pooled), at alpha = 1e-3. With V = 8 and a partly
+Test: Pearson's goodness of fit of N = 4000 engine samples against that distribution (cells
+expecting < 5 counts pooled), with the exact Monte Carlo p-value of
+`sidecar.losslessness.statistics` (calibrated whatever the cells; see
+tests/test_losslessness_calibration.py), at alpha = 1e-3. With V = 8 and a partly
 aligned MTP draft (acceptance 0.4-0.6, so the residual and the bonus paths both carry a
 large share of the mass) the first speculative round covers t2 and t3: draft positions,
 rejection → residual, and bonus.
@@ -14,10 +16,11 @@ Power: the same test is run on two deliberately wrong acceptance rules, injected
 `wrong_rules.with_acceptance_rule` (`sidecar.losslessness.wrong_rules.WRONG_RULES`, which
 `specrl verify` also simulates for its power statement) — "accept every draft" (emits the draft
 distribution q) and "on rejection resample from p instead of norm(max(0, p − q))" (the classic
-subtle bug, which biases towards tokens both models like). The chi-square is the product's
-(`sidecar.losslessness.statistics`). Both must be rejected at p < 1e-6, i.e. the test has essentially full power
-against errors of this size at N = 4000, while the correct rule passes. Seeds are fixed, so
-the outcome is deterministic.
+subtle bug, which biases towards tokens both models like), and greedy verification. Each must
+be rejected at p < 1e-4 (the p-value's resolution is 1e-5: none of 10^5 simulated statistics
+reaches the observed one), i.e. the test has essentially full power against errors of this
+size at N = 4000, while the correct rule passes. Seeds are fixed, so the outcome is
+deterministic.
 """
 
 from __future__ import annotations
@@ -94,7 +97,7 @@ def test_the_test_detects_wrong_acceptance_rules(model: Qwen3WithMTP, wrong_rule
     sp, k = SETTINGS[0]
     exact = exact_joint(model, sp)
     counts = engine_counts(model, sp, k, acceptance_rule=WRONG_RULES[wrong_rule])[0]
-    assert chi_square_pvalue(counts, exact) < 1e-6
+    assert chi_square_pvalue(counts, exact) < 1e-4
 
 
 class SwitchingPolicy(SpeculationPolicy):
