@@ -1,0 +1,171 @@
+#!/usr/bin/env python
+"""A cost table of a policy checkpoint on the demo's RL workload, measured by the engine itself,
+for `specrl plan --costs` (and the plan's validation, `tools/validate_plan.py`).
+
+    .venv/bin/python tools/measure_cost_table.py --policy OUT/policy --out /tmp/demo-costs.json --fleet
+
+Why: the demo's sidecars decode batches of 1-8 rows of a 24-layer, hidden-128 policy on a CPU,
+where a round's cost is the engine's, not a roofline's. This runs one sidecar's share of the
+demo's rollout (2 prompts x 4 samples, temperature 1, up to 40 tokens, EOS; the fleet's one
+request per prompt) in this process at every static k of `--ks`, interleaved, and keeps what
+the engine's controller measures of each decode round (`tools/cost_ceiling.measure_step_costs`:
+the engine's own clock, CPU time of its thread, median per (batch, k)). Also:
+- the prefill of 4 and 8 rows (this process's CPU time, drafting rows: the MTP prefill included);
+- with `--fleet`, the fixed cost of one generation through the fleet and two local sidecars
+  (wall seconds of a 1-token generation of the whole workload, less the prefill of one
+  sidecar's rows): fan-out, gRPC and streaming back;
+- the workload's acceptance per draft position and response lengths at the largest k, pooled
+  over the generations (the inputs a plan of this workload needs; `workload` in the file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_rl import sweep_workload
+from cost_ceiling import FixedK
+
+from sidecar.engine.torch_engine import TorchEngine
+from sidecar.fleet import Fleet, derive_seed
+from sidecar.types import GenerationRequest, SpeculationCounters
+from trainer.local_sidecars import LocalSidecars
+from trainer.planning.cost_table import cost_table_document
+
+PROMPTS, SAMPLES = 4, 4
+"""The demo's rollout (`trainer.rl_config.demo_config`): 4 prompts x G = 4 per step over 2 sidecars."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--policy", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--ks", default="0,1,2,3,4,5,6")
+    ap.add_argument("--generations", type=int, default=8, help="generations of the workload per k")
+    ap.add_argument("--fleet", action="store_true", help="also measure the fixed cost per generation through the fleet")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    ks = [int(k) for k in args.ks.split(",")]
+    if 0 not in ks:
+        ap.error("--ks must include 0 (plain decoding is the baseline)")
+    prompts, sampling = sweep_workload(PROMPTS)
+    mine = list(range(0, PROMPTS, 2))  # sidecar 0's prompts under the fleet's round-robin
+    engine = TorchEngine.from_checkpoint(
+        args.policy, speculation_k=max(ks), max_speculation_k=max(ks), auto_speculation=True
+    )
+    lengths: list[int] = []
+    counters = SpeculationCounters()
+
+    def generate(seed: int, record: bool) -> None:
+        before = SpeculationCounters()
+        before.add(engine.stats()[-1].counters)
+        for p in mine:
+            engine.submit(
+                GenerationRequest(
+                    prompts=[prompts[p]],
+                    sampling=replace(sampling, seed=derive_seed(seed, p)),
+                    samples_per_prompt=SAMPLES,
+                    request_id=f"{seed}/p{p}",
+                )
+            )
+        done: list = []
+        while len(done) < len(mine) * SAMPLES:
+            done += engine.step()
+        if record:
+            lengths.extend(len(s.token_ids) for s in done)
+            counters.add(engine.stats()[-1].counters.minus(before))
+
+    recorder = FixedK(max(ks))  # decides every step's k, records what the engine measured of it
+    engine.set_speculation_policy(recorder)
+    started = time.monotonic()
+    for n in range(args.generations):
+        for k in ks:  # interleaved, so the box's drift falls on every k alike
+            recorder.k = k
+            generate(30_000 + n, record=k == max(ks))
+    print(f"rounds measured in {time.monotonic() - started:.0f} s", flush=True)
+    rounds = [
+        {"batch": b, "k": k, "seconds": statistics.median(d + r for d, r in steps), "samples": len(steps)}
+        for (b, k), steps in sorted(recorder.samples.items())
+        if len(steps) >= 3
+    ]
+
+    prefill = []
+    for rows_prompts in ([prompts[0]], [prompts[0], prompts[2]]):
+        xs = []
+        for r in range(5):
+            t = time.thread_time()
+            engine.generate(
+                GenerationRequest(
+                    prompts=rows_prompts,
+                    sampling=replace(sampling, max_new_tokens=1, seed=r),
+                    samples_per_prompt=SAMPLES,
+                    speculation_k=max(ks),
+                )
+            )
+            xs.append(time.thread_time() - t)
+        prompt_tokens = round(sum(len(p) for p in rows_prompts) / len(rows_prompts))
+        prefill.append(
+            {"rows": SAMPLES * len(rows_prompts), "prompt_tokens": prompt_tokens, "seconds": statistics.median(xs)}
+        )
+
+    request_seconds = 0.0
+    if args.fleet:
+        logs = args.out.parent / (args.out.stem + "-sidecar-logs")
+        with LocalSidecars(args.policy, 2, logs, spec_k=max(ks)) as local, Fleet(local.start()) as fleet:
+            walls = []
+            for r in range(7):
+                request = GenerationRequest(
+                    prompts=prompts, sampling=replace(sampling, max_new_tokens=1, seed=r), samples_per_prompt=SAMPLES
+                )
+                walls.append(fleet.generate(request).seconds)
+        request_seconds = max(statistics.median(walls[2:]) - prefill[-1]["seconds"], 0.0)
+        print(f"fleet: 1-token generation {statistics.median(walls[2:]) * 1e3:.1f} ms wall", flush=True)
+
+    drafted, accepted = counters.drafted_per_position, counters.accepted_per_position
+    doc = cost_table_document(
+        [
+            {
+                "name": args.policy.name,
+                "device": "cpu (" + (torch.backends.cpu.get_cpu_capability() or "?") + ", 1 thread)",
+                "source": "tools/measure_cost_table.py: the engine's own round timings (thread CPU time) on the demo workload",
+                "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+                "rounds": rounds,
+                "prefill": prefill,
+                "request_seconds": request_seconds,
+                "workload": {
+                    "prompts": PROMPTS,
+                    "samples_per_prompt": SAMPLES,
+                    "engines": 2,
+                    "prompt_tokens": round(statistics.mean(len(p) for p in prompts)),
+                    "max_new_tokens": sampling.max_new_tokens,
+                    "k": max(ks),
+                    "accepted_cumulative": [a / d for a, d in zip(accepted, drafted, strict=False) if d],
+                    "lengths": lengths,
+                },
+            }
+        ],
+        command=" ".join(sys.argv),
+    )
+    args.out.write_text(json.dumps(doc, indent=1))
+    for r in rounds:
+        print(f"batch {r['batch']:>2} k {r['k']}: {1e3 * r['seconds']:.2f} ms")
+    print(
+        f"prefill {prefill}; request {request_seconds * 1e3:.1f} ms; tau at k={max(ks)} {counters.acceptance_length:.2f}"
+    )
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
