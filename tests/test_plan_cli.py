@@ -5,6 +5,7 @@ the plot and the JSON)."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -157,3 +158,62 @@ def test_a_roofline_plan_says_when_speculation_does_not_pay() -> None:
     )  # fmt: skip
     assert code == 0, out
     assert "recommended k = 0: speculation does not pay" in out
+
+
+def test_inputs_come_from_a_run_directory(tmp_path: Path) -> None:
+    """--lengths-from / --acceptance-from read what the trainer logged (metrics.jsonl)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [
+        {"step": 0, "reward/eval_mean": 0.5},  # an evaluation row: no timings, skipped
+        {"step": 1, "time/generation": 0.2, "spec/accept_pos0": 0.9, "spec/accept_pos1": 0.72,
+         "rollout/response_len_q00": 4, "rollout/response_len_q50": 10, "rollout/response_len_q100": 20},
+        {"step": 2, "time/generation": 0.2, "spec/accept_pos0": 0.7, "spec/accept_pos1": 0.56,
+         "rollout/response_len_q00": 4, "rollout/response_len_q50": 10, "rollout/response_len_q100": 20},
+    ]  # fmt: skip
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    from trainer.planning.inputs import acceptance_from_run, lengths_from_run
+
+    acc = acceptance_from_run(run)  # medians 0.8 and 0.64 of P(first j accepted)
+    assert acc.alphas == pytest.approx((0.8, 0.8))
+    assert lengths_from_run(run).max == 20
+    code, out = run_plan(
+        "--model", "qwen3-8b", "--hardware", "h100", "--lengths-from", str(run), "--acceptance-from", str(run),
+        "--max-new-tokens", "32", "--ks", "2", "--replications", "2", "--async-lag", "1",
+    )  # fmt: skip
+    assert code == 0, out
+    assert "exposed gen s" in out and "async RL at policy lag 1" in out
+    (run / "metrics.jsonl").write_text(json.dumps(rows[0]))
+    code, out = run_plan(*BASE[:2], "--hardware", "h100", "--lengths-from", str(run), "--acceptance", "0.5")
+    assert code == 2 and "no RL step with 'time/generation' logged" in out
+
+
+def test_acceptance_comes_from_a_sidecars_getstats(tmp_path: Path) -> None:
+    """The version counters GetStats reports give the same per-position acceptance as the
+    per-sample counters of what was generated (an independent sum)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from sidecar_fixtures import make_checkpoint, start_sidecar
+
+    from sidecar.client import SidecarClient
+    from sidecar.types import GenerationRequest, SamplingParams, SpeculationCounters
+    from trainer.planning.inputs import acceptance_from_sidecar
+
+    sidecar = start_sidecar(make_checkpoint(tmp_path / "ckpt"), spec_k=3)
+    try:
+        with SidecarClient(sidecar.address) as client:
+            sampling = SamplingParams(temperature=1.0, max_new_tokens=24, seed=5)  # a random draft accepts often here
+            samples = client.generate(
+                GenerationRequest(prompts=[[1, 2, 3], [4, 5]], sampling=sampling, samples_per_prompt=3)
+            )
+        total = SpeculationCounters()
+        for s in samples:
+            total.add(s.counters)
+        assert len(total.drafted_per_position) == 3 and total.accepted_tokens > 0
+        expected = [
+            (total.accepted_per_position[i] if i < len(total.accepted_per_position) else 0) / d
+            for i, d in enumerate(total.drafted_per_position)
+        ]
+        acc = acceptance_from_sidecar(sidecar.address)
+        assert acc.survival(3) == pytest.approx(expected)
+    finally:
+        sidecar.stop(0.2)

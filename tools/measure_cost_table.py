@@ -42,6 +42,7 @@ from sidecar.fleet import Fleet, derive_seed
 from sidecar.types import GenerationRequest, SpeculationCounters
 from trainer.local_sidecars import LocalSidecars
 from trainer.planning.cost_table import cost_table_document
+from trainer.planning.inputs import cumulative_rates
 
 PROMPTS, SAMPLES = 4, 4
 """The demo's rollout (`trainer.rl_config.demo_config`): 4 prompts x G = 4 per step over 2 sidecars."""
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                     "prompt_tokens": round(statistics.mean(len(p) for p in prompts)),
                     "max_new_tokens": sampling.max_new_tokens,
                     "k": max(ks),
-                    "accepted_cumulative": [a / d for a, d in zip(accepted, drafted, strict=False) if d],
+                    "accepted_cumulative": cumulative_rates(drafted, accepted),
                     "lengths": lengths,
                 },
             }

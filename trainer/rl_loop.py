@@ -202,7 +202,8 @@ def evaluate_logged(run: Run, progress: bool = False) -> dict[str, float]:
 
 def speculation_metrics(c: SpeculationCounters) -> dict[str, float]:
     out = {"spec/acceptance_length": c.acceptance_length, "spec/acceptance_rate": c.acceptance_rate}
-    for i, (d, a) in enumerate(zip(c.drafted_per_position, c.accepted_per_position, strict=False)):
+    for i, d in enumerate(c.drafted_per_position):  # a position never accepted has no accepted count
+        a = c.accepted_per_position[i] if i < len(c.accepted_per_position) else 0
         out[f"spec/accept_pos{i}"] = a / d if d else 0.0
     return out
 

@@ -91,8 +91,13 @@ def acceptance_from_sidecar(address: str, spread: float = 0.0) -> Acceptance:
     c = current[-1].counters if current else stats.total
     if not c.drafted_per_position or not c.drafted_per_position[0]:
         raise ValueError(f"sidecar {address} has verified no drafts at weight version {stats.weight_version} yet")
-    rates = [a / d for a, d in zip(c.accepted_per_position, c.drafted_per_position, strict=False) if d]
-    return Acceptance.from_cumulative(rates, spread=spread)
+    return Acceptance.from_cumulative(cumulative_rates(c.drafted_per_position, c.accepted_per_position), spread=spread)
+
+
+def cumulative_rates(drafted: list[int], accepted: list[int]) -> list[float]:
+    """P(first j drafts accepted) per position j from raw counters (`accepted` is as long as the
+    deepest position ever accepted: a shorter list means 0 beyond it)."""
+    return [(accepted[i] if i < len(accepted) else 0) / d for i, d in enumerate(drafted) if d]
 
 
 def parse_acceptance(text: str, spread: float = 0.0) -> Acceptance:
