@@ -194,7 +194,7 @@ def test_acceptance_comes_from_a_sidecars_getstats(tmp_path: Path) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from sidecar_fixtures import make_checkpoint, start_sidecar
 
-    from sidecar.client import SidecarClient
+    from sidecar.client.client import SidecarClient
     from sidecar.types import GenerationRequest, SamplingParams, SpeculationCounters
     from trainer.planning.inputs import acceptance_from_sidecar
 

@@ -55,8 +55,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_engine import bench_clock, device_problem
 
-from sidecar.engine.model import ModelConfig, Qwen3WithMTP
 from sidecar.engine.torch_engine import TorchEngine
+from sidecar.model.model import ModelConfig, Qwen3WithMTP
 from sidecar.types import GenerationRequest, SamplingParams
 from trainer.planning.cost_table import cost_table_document
 from trainer.planning.shapes import PRESETS

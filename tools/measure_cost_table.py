@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_rl import sweep_workload
 from cost_ceiling import FixedK
 
+from sidecar.client.fleet import Fleet, derive_seed
 from sidecar.engine.torch_engine import TorchEngine
-from sidecar.fleet import Fleet, derive_seed
 from sidecar.types import GenerationRequest, SpeculationCounters
 from trainer.local_sidecars import LocalSidecars
 from trainer.planning.cost_table import cost_table_document

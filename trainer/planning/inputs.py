@@ -83,7 +83,7 @@ def lengths_from_run(run_dir: Path) -> LengthDistribution:
 
 def acceptance_from_sidecar(address: str, spread: float = 0.0) -> Acceptance:
     """The serving weight version's acceptance per position from a sidecar's GetStats."""
-    from sidecar.client import SidecarClient  # the client side, only when asked
+    from sidecar.client.client import SidecarClient  # the client side, only when asked
 
     with SidecarClient(address) as client:
         stats = client.stats()
