@@ -342,13 +342,13 @@ def plan(plot: Path | None, json_out: Path | None, ks: str, **kwargs: object) ->
         json_out.write_text(json.dumps(as_json(result, ctx), indent=2))
         click.echo(f"\nwrote {json_out}")
     if plot is not None:
-        from trainer.planning.plot import plot_speedup
+        from trainer.planning.plot import BATCHES, plot_speedup
 
         if ctx.acceptance is None:
             raise click.UsageError("--plot needs an acceptance (plan at least one k > 0)")
         costs = _costs(opts, load_shape(opts.model), [])
         work = ctx.fleet.workload(ctx.lengths)
-        plot_speedup(
-            plot, work, ctx.acceptance, [k for k in sorted(set(parsed)) if k > 0], costs, f"{ctx.model}\n{ctx.costs}"
-        )
+        batches = [b for b in BATCHES if b < ctx.fleet.max_batch] + [ctx.fleet.max_batch]  # what fits in memory
+        ks_drawn = [k for k in sorted(set(parsed)) if k > 0]
+        plot_speedup(plot, work, ctx.acceptance, ks_drawn, costs, f"{ctx.model}\n{ctx.costs}", batches)
         click.echo(f"wrote {plot}")

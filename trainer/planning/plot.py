@@ -4,7 +4,8 @@ line per k.
 Why: the one figure that says where speculation turns from a gain to a loss on given hardware: a
 memory-bound decode makes a (k+1)-token verify cost about a plain step at small batches, and
 the verify's arithmetic catches up as the batch grows. Each point simulates one engine whose
-rows all start together (no queue), with the plan's lengths, acceptance and costs.
+rows all start together (no queue), with the plan's lengths, acceptance and costs, up to the
+plan's rows decoding at once (what fits in memory beside the weights, or the given --max-batch).
 """
 
 from __future__ import annotations
