@@ -217,3 +217,18 @@ def test_acceptance_comes_from_a_sidecars_getstats(tmp_path: Path) -> None:
         assert acc.survival(3) == pytest.approx(expected)
     finally:
         sidecar.stop(0.2)
+
+
+def test_a_batch_that_cannot_price_a_k_is_left_to_its_neighbours() -> None:
+    t = TableCosts({"name": "t", "rounds": [
+        {"batch": 1, "k": 0, "seconds": 0.01}, {"batch": 2, "k": 1, "seconds": 0.03}, {"batch": 2, "k": 3, "seconds": 0.05},
+        {"batch": 4, "k": 0, "seconds": 0.03},
+    ]})  # fmt: skip
+    assert t.round_seconds(np.array([2.0]), 0, np.zeros(1))[0] == pytest.approx(0.0166667, rel=1e-4)  # 1 and 4 only
+    assert t.round_seconds(np.array([2.0]), 2, np.zeros(1))[0] == pytest.approx(0.04)
+    with pytest.raises(
+        CostTableError, match=r"cannot price k = 5 at batch 1 \(measured there: k = \[0\]\); measure k = 5"
+    ):
+        TableCosts(
+            {"name": "t", "rounds": [{"batch": 1, "k": 0, "seconds": 0.01}, {"batch": 2, "k": 1, "seconds": 0.03}]}
+        ).round_seconds(np.array([2.0]), 5, np.zeros(1))

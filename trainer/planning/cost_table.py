@@ -123,9 +123,17 @@ class TableCosts:
         )
 
     def _grid(self, k: int) -> np.ndarray:
+        """(batch, seconds at k) at every measured batch where k can be priced."""
         if k not in self._per_k:
-            usable = [b for b in self.batches if k in self.cells[b] or 0 in self.cells[b] or len(self.cells[b]) >= 2]
-            self._per_k[k] = np.array([[b, self._at_batch(b, k)] for b in usable])
+            points, errors = [], []
+            for b in self.batches:
+                try:
+                    points.append([b, self._at_batch(b, k)])
+                except CostTableError as e:  # this batch cannot price k; the others may
+                    errors.append(str(e))
+            if not points:
+                raise CostTableError(errors[0])
+            self._per_k[k] = np.array(points)
         return self._per_k[k]
 
     def round_seconds(self, batch: np.ndarray, k: int, kv_tokens: np.ndarray) -> np.ndarray:
