@@ -198,3 +198,16 @@ def test_the_trainer_logs_length_percentiles_that_the_plan_reads_back() -> None:
     }
     dist = step_lengths({"step": 1, **logged})
     assert dist is not None and dist.mean == pytest.approx(3.0, abs=0.05) and dist.max == 5
+
+
+def test_given_row_lengths_at_k_zero_drain_exactly() -> None:
+    """Rows of 3, 6 and 11 tokens: 2 rounds at 3 rows, 3 at 2, 5 at 1 (the prefill emits token 1)."""
+    costs = Affine()
+    w = EngineWorkload(
+        rows=3, lengths=LengthDistribution.fixed(1), prompt_tokens=8, max_batch=3, row_lengths=(3, 6, 11)
+    )
+    runs = simulate_engine(w, None, 0, costs, replications=2)
+    expected = sum(n * (costs.c0 + costs.c1 * b) for n, b in ((2, 3), (3, 2), (5, 1)))
+    assert runs.seconds == pytest.approx([expected] * 2)
+    with pytest.raises(ValueError, match="row_lengths must give 3 lengths"):
+        EngineWorkload(rows=3, lengths=LengthDistribution.fixed(1), prompt_tokens=8, max_batch=3, row_lengths=(3, 6))

@@ -66,3 +66,11 @@ def test_validation_predicts_every_step_of_a_run(costs: Path, tmp_path: Path, ca
     out = capsys.readouterr().out
     assert out.count("| 1 |") >= 1 and "gen spec: predicted / measured, median" in out
     assert "rank correlation of predicted and measured times" in out
+
+
+def test_the_engine_check_predicts_fresh_generations(costs: Path, capsys: pytest.CaptureFixture) -> None:
+    policy = costs.parent / "policy"
+    args = ["--engine-check", str(policy), "--ks", "0,2", "--generations", "3", "--checks", "2", "--replications", "4"]
+    assert validate_plan.main(args) == 0
+    out = capsys.readouterr().out
+    assert "| 0 |" in out and "| 2 |" in out and "ordering of k: rank correlation" in out

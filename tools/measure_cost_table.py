@@ -26,7 +26,7 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -48,6 +48,94 @@ PROMPTS, SAMPLES = 4, 4
 """The demo's rollout (`trainer.rl_config.demo_config`): 4 prompts x G = 4 per step over 2 sidecars."""
 
 
+@dataclass(kw_only=True, slots=True)
+class Generation:
+    """One generation of the share: its rows' lengths, what its drafts did, its CPU seconds."""
+
+    k: int
+    lengths: list[int]
+    counters: SpeculationCounters
+    seconds: float
+
+
+class DemoShare:
+    """One sidecar's share of the demo's rollout (prompts 0 and 2, 4 samples each, submitted as
+    the fleet does: one request per prompt) on an engine whose every step's k a recorder decides."""
+
+    def __init__(self, policy: Path, ks: list[int]) -> None:
+        self.prompts, self.sampling = sweep_workload(PROMPTS)
+        self.mine = list(range(0, PROMPTS, 2))  # sidecar 0's prompts under the fleet's round-robin
+        self.ks = ks
+        self.engine = TorchEngine.from_checkpoint(
+            policy, speculation_k=max(ks), max_speculation_k=max(ks), auto_speculation=True
+        )
+        self.recorder = FixedK(max(ks))  # decides every step's k, records what the engine measured of it
+        self.engine.set_speculation_policy(self.recorder)
+
+    def generate(self, seed: int, k: int) -> Generation:
+        self.recorder.k = k
+        before = SpeculationCounters()
+        before.add(self.engine.stats()[-1].counters)
+        t = time.thread_time()
+        for p in self.mine:
+            self.engine.submit(
+                GenerationRequest(
+                    prompts=[self.prompts[p]],
+                    sampling=replace(self.sampling, seed=derive_seed(seed, p)),
+                    samples_per_prompt=SAMPLES,
+                    request_id=f"{seed}/p{p}/k{k}",
+                )
+            )
+        done: list = []
+        while len(done) < len(self.mine) * SAMPLES:
+            done += self.engine.step()
+        seconds = time.thread_time() - t
+        done.sort(key=lambda s: (s.request_id, s.sample_index))  # admission order
+        return Generation(
+            k=k,
+            lengths=[len(s.token_ids) for s in done],
+            counters=self.engine.stats()[-1].counters.minus(before),
+            seconds=seconds,
+        )
+
+    def measure_rounds(self, generations: int) -> tuple[list[dict], list[Generation]]:
+        """Median seconds per decode round per (batch, k) over `generations` generations per k
+        (interleaved, so the box's drift falls on every k alike); and the generations at max k."""
+        self.recorder.samples.clear()
+        at_max = []
+        for n in range(generations):
+            for k in self.ks:
+                g = self.generate(30_000 + n, k)
+                if k == max(self.ks):
+                    at_max.append(g)
+        rounds = [
+            {"batch": b, "k": k, "seconds": statistics.median(d + r for d, r in steps), "samples": len(steps)}
+            for (b, k), steps in sorted(self.recorder.samples.items())
+            if len(steps) >= 3
+        ]
+        return rounds, at_max
+
+    def measure_prefill(self) -> list[dict]:
+        """CPU seconds of admitting 4 and 8 rows (drafting rows: the MTP prefill included)."""
+        out = []
+        for rows_prompts in ([self.prompts[0]], [self.prompts[0], self.prompts[2]]):
+            xs = []
+            for r in range(5):
+                t = time.thread_time()
+                self.engine.generate(
+                    GenerationRequest(
+                        prompts=rows_prompts,
+                        sampling=replace(self.sampling, max_new_tokens=1, seed=r),
+                        samples_per_prompt=SAMPLES,
+                        speculation_k=max(self.ks),
+                    )
+                )
+                xs.append(time.thread_time() - t)
+            tokens = round(sum(len(p) for p in rows_prompts) / len(rows_prompts))
+            out.append({"rows": SAMPLES * len(rows_prompts), "prompt_tokens": tokens, "seconds": statistics.median(xs)})
+        return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--policy", type=Path, required=True)
@@ -60,65 +148,16 @@ def main(argv: list[str] | None = None) -> int:
     ks = [int(k) for k in args.ks.split(",")]
     if 0 not in ks:
         ap.error("--ks must include 0 (plain decoding is the baseline)")
-    prompts, sampling = sweep_workload(PROMPTS)
-    mine = list(range(0, PROMPTS, 2))  # sidecar 0's prompts under the fleet's round-robin
-    engine = TorchEngine.from_checkpoint(
-        args.policy, speculation_k=max(ks), max_speculation_k=max(ks), auto_speculation=True
-    )
-    lengths: list[int] = []
-    counters = SpeculationCounters()
-
-    def generate(seed: int, record: bool) -> None:
-        before = SpeculationCounters()
-        before.add(engine.stats()[-1].counters)
-        for p in mine:
-            engine.submit(
-                GenerationRequest(
-                    prompts=[prompts[p]],
-                    sampling=replace(sampling, seed=derive_seed(seed, p)),
-                    samples_per_prompt=SAMPLES,
-                    request_id=f"{seed}/p{p}",
-                )
-            )
-        done: list = []
-        while len(done) < len(mine) * SAMPLES:
-            done += engine.step()
-        if record:
-            lengths.extend(len(s.token_ids) for s in done)
-            counters.add(engine.stats()[-1].counters.minus(before))
-
-    recorder = FixedK(max(ks))  # decides every step's k, records what the engine measured of it
-    engine.set_speculation_policy(recorder)
+    share = DemoShare(args.policy, ks)
+    prompts, sampling = share.prompts, share.sampling
     started = time.monotonic()
-    for n in range(args.generations):
-        for k in ks:  # interleaved, so the box's drift falls on every k alike
-            recorder.k = k
-            generate(30_000 + n, record=k == max(ks))
+    rounds, at_max = share.measure_rounds(args.generations)
     print(f"rounds measured in {time.monotonic() - started:.0f} s", flush=True)
-    rounds = [
-        {"batch": b, "k": k, "seconds": statistics.median(d + r for d, r in steps), "samples": len(steps)}
-        for (b, k), steps in sorted(recorder.samples.items())
-        if len(steps) >= 3
-    ]
-
-    prefill = []
-    for rows_prompts in ([prompts[0]], [prompts[0], prompts[2]]):
-        xs = []
-        for r in range(5):
-            t = time.thread_time()
-            engine.generate(
-                GenerationRequest(
-                    prompts=rows_prompts,
-                    sampling=replace(sampling, max_new_tokens=1, seed=r),
-                    samples_per_prompt=SAMPLES,
-                    speculation_k=max(ks),
-                )
-            )
-            xs.append(time.thread_time() - t)
-        prompt_tokens = round(sum(len(p) for p in rows_prompts) / len(rows_prompts))
-        prefill.append(
-            {"rows": SAMPLES * len(rows_prompts), "prompt_tokens": prompt_tokens, "seconds": statistics.median(xs)}
-        )
+    prefill = share.measure_prefill()
+    lengths = [n for g in at_max for n in g.lengths]
+    counters = SpeculationCounters()
+    for g in at_max:
+        counters.add(g.counters)
 
     request_seconds = 0.0
     if args.fleet:

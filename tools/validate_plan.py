@@ -28,10 +28,20 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from trainer.planning.cost_table import load_costs
+import numpy as np
+
+from trainer.planning.cost_table import TableCosts, load_costs
 from trainer.planning.inputs import read_run_metrics, step_acceptance, step_lengths
-from trainer.planning.step_model import Acceptance, Fleet, LengthDistribution, generation
+from trainer.planning.step_model import (
+    Acceptance,
+    EngineWorkload,
+    Fleet,
+    LengthDistribution,
+    generation,
+    simulate_engine,
+)
 
 PROMPTS, SAMPLES, ENGINES = 4, 4, 2  # the demo's rollout (trainer.rl_config.demo_config)
 
@@ -51,14 +61,110 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return num / den if den else 0.0
 
 
+def order_statistics(row: dict, n: int) -> list[int]:
+    """The step's n response lengths, read back from its logged percentiles (exact at them, linear
+    between): the batch this step actually generated, not draws from its distribution."""
+    qs = sorted(
+        (float(k.rsplit("_q", 1)[1]), float(v)) for k, v in row.items() if k.startswith("rollout/response_len_q")
+    )
+    pct = [100.0 * i / (n - 1) for i in range(n)] if n > 1 else [50.0]
+    return [max(round(float(np.interp(p, [q for q, _ in qs], [v for _, v in qs]))), 1) for p in pct]
+
+
+def rows_generation(
+    engine_rows: list[list[int]],
+    acc: Acceptance | None,
+    k: int,
+    costs: TableCosts,
+    prompt_tokens: int,
+    reps: int,
+    seed: int,
+) -> np.ndarray:
+    """Per replication, the slowest engine's seconds for these exact rows (plus the fleet's fixed cost)."""
+    runs = []
+    for e, rows in enumerate(engine_rows):
+        work = EngineWorkload(
+            rows=len(rows), lengths=LengthDistribution.fixed(1), prompt_tokens=prompt_tokens, max_batch=64,
+            row_lengths=tuple(rows),
+        )  # fmt: skip
+        runs.append(simulate_engine(work, acc if k else None, k, costs, reps, seed + 17 * e).seconds)
+    return np.max(np.vstack(runs), axis=0) + costs.request_seconds()
+
+
+def engine_check(policy: Path, ks: list[int], generations: int, checks: int, reps: int) -> None:
+    """In one process, on CPU time (robust to other tenants): measure the engine's round costs on
+    the demo share, then predict fresh generations at each k from their own row lengths and
+    acceptance (out of sample: other seeds than the costs were measured on)."""
+    import torch
+    from measure_cost_table import DemoShare
+
+    from trainer.planning.inputs import cumulative_rates
+
+    torch.set_num_threads(1)
+    share = DemoShare(policy, ks)
+    rounds, _ = share.measure_rounds(generations)
+    costs = TableCosts({"name": "in-process", "rounds": rounds, "prefill": share.measure_prefill()})
+    prompt_tokens = round(statistics.mean(len(share.prompts[p]) for p in share.mine))
+    measured: dict[int, list[float]] = {k: [] for k in ks}
+    predicted: dict[int, list[float]] = {k: [] for k in ks}
+    for n in range(checks):
+        for k in ks:
+            g = share.generate(50_000 + n, k)
+            acc = (
+                Acceptance.from_cumulative(
+                    cumulative_rates(g.counters.drafted_per_position, g.counters.accepted_per_position)
+                )
+                if k
+                else None
+            )
+            work = EngineWorkload(
+                rows=len(g.lengths), lengths=LengthDistribution.fixed(1), prompt_tokens=prompt_tokens, max_batch=64,
+                row_lengths=tuple(g.lengths),
+            )  # fmt: skip
+            measured[k].append(g.seconds)
+            predicted[k].append(float(simulate_engine(work, acc, k, costs, reps, n).seconds.mean()))
+    print(
+        f"engine check: {policy}, costs from {generations} generations per k, {checks} fresh generations per k (CPU s)"
+    )
+    print(
+        "| k | measured s (median) | predicted s (median) | predicted / measured, median [range] | median abs error |"
+    )
+    print("|---|---|---|---|---|")
+    for k in ks:
+        ratios = [p / m for p, m in zip(predicted[k], measured[k], strict=True)]
+        print(
+            f"| {k} | {statistics.median(measured[k]):.4f} | {statistics.median(predicted[k]):.4f} | "
+            f"{statistics.median(ratios):.3f} [{min(ratios):.2f}, {max(ratios):.2f}] | "
+            f"{100 * statistics.median(abs(r - 1) for r in ratios):.1f}% |"
+        )
+    pm = [statistics.median(predicted[k]) for k in ks]
+    mm = [statistics.median(measured[k]) for k in ks]
+    print(
+        f"ordering of k: rank correlation {spearman(pm, mm):.2f}; fastest k predicted {ks[pm.index(min(pm))]}, "
+        f"measured {ks[mm.index(min(mm))]}; speedup of k over plain predicted / measured: "
+        + ", ".join(f"k={k} {pm[0] / pm[i]:.2f}/{mm[0] / mm[i]:.2f}" for i, k in enumerate(ks) if k)
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--run", type=Path, required=True, help="the demo's run directory (OUT/run)")
-    ap.add_argument("--costs", type=Path, required=True)
+    ap.add_argument("--run", type=Path, help="the demo's run directory (OUT/run)")
+    ap.add_argument("--costs", type=Path, help="the cost table the run's steps are predicted from")
+    ap.add_argument("--engine-check", type=Path, metavar="POLICY", help="validate in one process on CPU time instead")
+    ap.add_argument("--ks", default="0,1,2,3,4,5,6", help="with --engine-check: the ks measured and checked")
+    ap.add_argument("--generations", type=int, default=6, help="with --engine-check: generations per k for the costs")
+    ap.add_argument("--checks", type=int, default=8, help="with --engine-check: fresh generations per k predicted")
     ap.add_argument("--k", type=int, default=3, help="the run's speculation k")
     ap.add_argument("--sweep", type=Path, help="bench_rl.py --raw output of a k sweep on the same policy")
     ap.add_argument("--replications", type=int, default=64)
     args = ap.parse_args(argv)
+    if args.engine_check is not None:
+        engine_check(
+            args.engine_check, [int(k) for k in args.ks.split(",")], args.generations, args.checks, args.replications
+        )
+        return 0
+    if args.run is None or args.costs is None:
+        ap.error("give --run RUN_DIR and --costs FILE (or --engine-check POLICY)")
     costs = load_costs(args.costs)
     table = json.loads(args.costs.read_text())["tables"][0]
     workload = table.get("workload", {})
@@ -82,7 +188,10 @@ def main(argv: list[str] | None = None) -> int:
         if lengths is None or acc is None:
             raise SystemExit(f"step {row.get('step')}: no length percentiles or acceptance logged; rerun the demo")
         seed = 1000 + i
-        g_spec, g_plain = gen(fleet, lengths, acc, args.k, seed), gen(fleet, lengths, None, 0, seed)
+        batch = order_statistics(row, PROMPTS * SAMPLES)
+        engine_rows = [batch[e::ENGINES] for e in range(ENGINES)]  # ranks dealt out: each sidecar a long row or two
+        g_spec = float(rows_generation(engine_rows, acc, args.k, costs, prompt_tokens, args.replications, seed).mean())
+        g_plain = float(rows_generation(engine_rows, None, 0, costs, prompt_tokens, args.replications, seed).mean())
         rounds, refill_prompts = int(row.get("rollout/refill_rounds", 0)), row.get("rollout/refill_prompts")
         if rounds and refill_prompts is not None:
             per_round = max(math.ceil(refill_prompts / rounds), 1)

@@ -208,11 +208,16 @@ class EngineWorkload:
     prompt_tokens: int
     max_batch: int
     """Rows decoded at once; rows beyond wait for a slot (continuous batching)."""
+    row_lengths: tuple[int, ...] | None = None
+    """The rows' lengths exactly, in admission order (instead of draws from `lengths`): what a
+    validation against one measured generation conditions on."""
 
     def __post_init__(self) -> None:
         for name in ("rows", "prompt_tokens", "max_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.row_lengths is not None and (len(self.row_lengths) != self.rows or min(self.row_lengths) < 1):
+            raise ValueError(f"row_lengths must give {self.rows} lengths >= 1, got {self.row_lengths}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -276,7 +281,8 @@ def simulate_engine(
     seconds, rounds_out, tokens = np.zeros(replications), np.zeros(replications), np.zeros(replications)
     batch_rounds = total_rounds = 0.0
     for rep in range(replications):
-        lengths = work.lengths.sample(rng, (n,))
+        drawn = work.lengths.sample(rng, (n,))  # drawn either way: the same seed, the same uniforms after
+        lengths = np.array(work.row_lengths, dtype=np.int64) if work.row_lengths is not None else drawn
         spread_z = rng.standard_normal(n)
         row_rng = np.random.default_rng(rng.integers(2**63))
         survival: np.ndarray = np.zeros((n, 0))
