@@ -119,7 +119,8 @@ def test_an_unknown_profile_lists_the_known_ones() -> None:
         (["--hardware", "h100", "--acceptance", "1.3"], "must lie in [0, 1]"),
         (["--hardware", "h100", "--ks", "3,a"], "comma-separated integers"),
         (["--hardware", "h100", "--model", "gpt-9"], "neither a preset"),
-        (["--hardware", "h100", "--generation-share", "0.7", "--train-seconds", "3"], "not both"),
+        (["--hardware", "h100", "--generation-share", "0.7", "--train-seconds", "3"], "give one of --generation-share"),
+        (["--hardware", "h100", "--sync-gbps", "10"], "a generation share already includes the weight sync"),
     ],
 )
 def test_inconsistent_input_says_what_to_fix(extra: list[str], message: str) -> None:
@@ -232,3 +233,18 @@ def test_a_batch_that_cannot_price_a_k_is_left_to_its_neighbours() -> None:
         TableCosts(
             {"name": "t", "rounds": [{"batch": 1, "k": 0, "seconds": 0.01}, {"batch": 2, "k": 1, "seconds": 0.03}]}
         ).round_seconds(np.array([2.0]), 5, np.zeros(1))
+
+
+def test_training_per_token_and_sync_bandwidth_price_the_rest_of_the_step() -> None:
+    from trainer.planning.cli import PlanOptions, make_plan
+
+    opts = PlanOptions(
+        model="qwen3-8b", hardware="h100", prompts=4, samples=2, prompt_tokens=100, lengths="300",
+        max_new_tokens=512, ks=(0,), train_ms_per_token=2.0, sync_gbps=16.380854272, sync_seconds=0.5,
+        replications=2,
+    )  # fmt: skip
+    plan, ctx = make_plan(opts)
+    train = 2e-3 * 4 * 2 * (100 + 300)  # 8 samples of 400 tokens
+    sync = 0.5 + 1.0  # 16.38 GB of bf16 weights at 16.38 GB/s
+    assert plan.plain.step == pytest.approx(plan.plain.generation + train + sync, rel=1e-6)
+    assert "2 ms/token" in ctx.rest

@@ -63,7 +63,9 @@ class PlanOptions:
     max_batch: int | None = None
     generation_share: float | None = None
     train_seconds: float | None = None
+    train_ms_per_token: float | None = None
     sync_seconds: float = 0.0
+    sync_gbps: float | None = None
     async_lag: int = 0
     memory_efficiency: float = 0.8
     compute_efficiency: float = 0.6
@@ -192,6 +194,51 @@ def _max_batch(
     )
 
 
+def _rest(opts: PlanOptions, shape: ModelShape, lengths: LengthDistribution) -> tuple[StepInputs | float, str]:
+    """The non-generation phases: a generation share, seconds per step, or milliseconds per token;
+    weight sync as latency plus the model's bf16 bytes over a bandwidth."""
+    given = [opts.generation_share is not None, opts.train_seconds is not None, opts.train_ms_per_token is not None]
+    if sum(given) > 1:
+        raise click.UsageError("give one of --generation-share, --train-seconds or --train-ms-per-token")
+    if opts.sync_gbps is not None and opts.sync_gbps <= 0:
+        raise click.BadParameter(f"must be > 0, got {opts.sync_gbps}", param_hint="--sync-gbps")
+    if opts.sync_seconds < 0:
+        raise click.BadParameter(f"must be >= 0, got {opts.sync_seconds}", param_hint="--sync-seconds")
+    sync = opts.sync_seconds
+    sync_text = f"weight sync {sync:g} s"
+    if opts.sync_gbps is not None:
+        nbytes = shape.total_params * shape.weight_bytes_per_param
+        sync += nbytes / (opts.sync_gbps * 1e9)
+        sync_text = (
+            f"weight sync {sync:.3g} s ({nbytes / 1e9:.1f} GB at {opts.sync_gbps:g} GB/s + {opts.sync_seconds:g} s)"
+        )
+    if opts.train_seconds is not None or opts.train_ms_per_token is not None:
+        if (opts.train_seconds or 0) < 0 or (opts.train_ms_per_token or 0) < 0:
+            raise click.UsageError("training time must be >= 0")
+        if opts.train_ms_per_token is not None:
+            tokens = opts.prompts * opts.samples * (opts.prompt_tokens + lengths.mean)
+            train = opts.train_ms_per_token / 1e3 * tokens
+            what = f"log-probs + training {opts.train_ms_per_token:g} ms/token x {tokens:.3g} tokens = {train:.3g} s"
+        else:
+            train = float(opts.train_seconds)  # type: ignore[arg-type]
+            what = f"log-probs + training {train:g} s"
+        return StepInputs(train_seconds=train, weight_sync_seconds=sync), f"{what}, {sync_text} per step (given)"
+    if opts.sync_gbps is not None or opts.sync_seconds:
+        raise click.UsageError(
+            "a generation share already includes the weight sync in the rest of the step; give --sync-* "
+            "with --train-seconds or --train-ms-per-token"
+        )
+    share = 0.7 if opts.generation_share is None else opts.generation_share
+    if not 0 < share <= 1:
+        raise click.BadParameter(f"a share lies in (0, 1], got {share}", param_hint="--generation-share")
+    text = f"plain generation is {share:.0%} of a synchronous plain step" + (
+        " (assumed: the reference study's 65-72%; set --generation-share, --train-seconds or --train-ms-per-token)"
+        if opts.generation_share is None
+        else " (given)"
+    )
+    return share, text
+
+
 def make_plan(opts: PlanOptions) -> tuple[Plan, PlanContext]:
     """The plan and its context from the options; a click error says what to fix."""
     try:
@@ -227,27 +274,7 @@ def make_plan(opts: PlanOptions) -> tuple[Plan, PlanContext]:
         max_batch=max_batch,
         prompt_tokens=opts.prompt_tokens,
     )
-    given = [opts.generation_share is not None, opts.train_seconds is not None]
-    if all(given):
-        raise click.UsageError("give one of --generation-share or --train-seconds, not both")
-    rest: StepInputs | float
-    if opts.train_seconds is not None:
-        if opts.train_seconds < 0:
-            raise click.BadParameter(f"must be >= 0, got {opts.train_seconds}", param_hint="--train-seconds")
-        rest = StepInputs(train_seconds=opts.train_seconds, weight_sync_seconds=opts.sync_seconds)
-        rest_text = (
-            f"log-probs + training {opts.train_seconds:g} s, weight sync {opts.sync_seconds:g} s per step (given)"
-        )
-    else:
-        share = 0.7 if opts.generation_share is None else opts.generation_share
-        if not 0 < share <= 1:
-            raise click.BadParameter(f"a share lies in (0, 1], got {share}", param_hint="--generation-share")
-        rest = share
-        rest_text = f"plain generation is {share:.0%} of a synchronous plain step" + (
-            " (assumed: the reference study's 65-72%; set --generation-share or --train-seconds)"
-            if opts.generation_share is None
-            else " (given)"
-        )
+    rest, rest_text = _rest(opts, shape, lengths)
     plan = plan_step(fleet, lengths, acceptance, ks, costs, rest, opts.async_lag, opts.replications, opts.seed)
     ctx = PlanContext(
         model=f"{shape.name} ({shape.total_params / 1e9:.1f}B parameters, {shape.active_params / 1e9:.1f}B active per token)",
@@ -307,7 +334,11 @@ def make_plan(opts: PlanOptions) -> tuple[Plan, PlanContext]:
     "--generation-share", type=float, help="Plain generation's share of a synchronous plain step (default 0.7)."
 )
 @click.option("--train-seconds", type=float, help="Log-probs + training seconds per step (instead of a share).")
-@click.option("--sync-seconds", type=float, default=0.0, show_default=True, help="Weight sync seconds per step.")
+@click.option(
+    "--train-ms-per-token", type=float, help="Log-probs + training ms per token of the batch (prompt + response)."
+)
+@click.option("--sync-seconds", type=float, default=0.0, show_default=True, help="Weight sync latency per step (s).")
+@click.option("--sync-gbps", type=float, help="Weight sync bandwidth (GB/s): adds the model's bf16 bytes over it.")
 @click.option(
     "--async-lag", type=int, default=0, show_default=True, help="Policy lag of asynchronous RL (0: synchronous)."
 )
