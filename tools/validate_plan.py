@@ -163,72 +163,75 @@ def main(argv: list[str] | None = None) -> int:
             args.engine_check, [int(k) for k in args.ks.split(",")], args.generations, args.checks, args.replications
         )
         return 0
-    if args.run is None or args.costs is None:
-        ap.error("give --run RUN_DIR and --costs FILE (or --engine-check POLICY)")
+    if args.costs is None or (args.run is None and args.sweep is None):
+        ap.error("give --costs FILE with --run RUN_DIR and/or --sweep RAW.json (or --engine-check POLICY)")
     costs = load_costs(args.costs)
     table = json.loads(args.costs.read_text())["tables"][0]
     workload = table.get("workload", {})
     prompt_tokens = int(workload.get("prompt_tokens", 8))
-    rows = read_run_metrics(args.run)
-    rest_of = [r["time/logprobs"] + r["time/train"] + r["time/weight_sync"] for r in rows]
     fleet = Fleet(
         prompts=PROMPTS, samples_per_prompt=SAMPLES, engines=ENGINES, max_batch=64, prompt_tokens=prompt_tokens
     )
+    if args.run is not None:
+        rows = read_run_metrics(args.run)
+        rest_of = [r["time/logprobs"] + r["time/train"] + r["time/weight_sync"] for r in rows]
 
-    def gen(fl: Fleet, lengths: LengthDistribution, acc: Acceptance | None, k: int, seed: int) -> float:
-        return generation(fl, lengths, acc, k, costs, args.replications, seed).seconds
+        def gen(fl: Fleet, lengths: LengthDistribution, acc: Acceptance | None, k: int, seed: int) -> float:
+            return generation(fl, lengths, acc, k, costs, args.replications, seed).seconds
 
-    print(f"costs: {costs.description}; fixed cost per generation {1e3 * costs.request_seconds():.1f} ms")
-    header = "| step | tau | len p50/p100 | gen spec meas / pred | gen plain meas / pred | step spec meas / pred | step plain meas / pred |"
-    print(header)
-    print("|---" * 7 + "|")
-    ratios: dict[str, list[float]] = {"gen spec": [], "gen plain": [], "step spec": [], "step plain": []}
-    for i, row in enumerate(rows):
-        lengths, acc = step_lengths(row), step_acceptance(row)
-        if lengths is None or acc is None:
-            raise SystemExit(f"step {row.get('step')}: no length percentiles or acceptance logged; rerun the demo")
-        seed = 1000 + i
-        batch = order_statistics(row, PROMPTS * SAMPLES)
-        engine_rows = [batch[e::ENGINES] for e in range(ENGINES)]  # ranks dealt out: each sidecar a long row or two
-        g_spec = float(rows_generation(engine_rows, acc, args.k, costs, prompt_tokens, args.replications, seed).mean())
-        g_plain = float(rows_generation(engine_rows, None, 0, costs, prompt_tokens, args.replications, seed).mean())
-        rounds, refill_prompts = int(row.get("rollout/refill_rounds", 0)), row.get("rollout/refill_prompts")
-        if rounds and refill_prompts is not None:
-            per_round = max(math.ceil(refill_prompts / rounds), 1)
-            refill_fleet = Fleet(
-                prompts=per_round, samples_per_prompt=SAMPLES, engines=min(ENGINES, per_round), max_batch=64,
-                prompt_tokens=prompt_tokens,
-            )  # fmt: skip
-            refill = rounds * gen(refill_fleet, lengths, acc, args.k, seed + 500)
-        else:
-            refill = row["time/refill"]
-        rest = statistics.median(rest_of[:i] + rest_of[i + 1 :])
-        measured = {
-            "gen spec": row["time/generation"],
-            "gen plain": row["time/generation_plain"],
-            "step spec": row["time/step"],
-            "step plain": row["time/generation_plain"] + row["time/step"] - row["time/generation"],
-        }
-        predicted = {
-            "gen spec": g_spec,
-            "gen plain": g_plain,
-            "step spec": g_spec + refill + rest,
-            "step plain": g_plain + refill + rest,
-        }
-        for key in ratios:
-            ratios[key].append(predicted[key] / measured[key])
-        cells = " | ".join(f"{measured[k]:.3f} / {predicted[k]:.3f}" for k in ratios)
-        q50, q100 = row.get("rollout/response_len_q50"), row.get("rollout/response_len_q100")
-        print(f"| {row['step']} | {acc.tau(args.k):.2f} | {q50:.0f}/{q100:.0f} | {cells} |")
-    print()
-    for key, rs in ratios.items():
-        errors = [abs(r - 1) for r in rs]
-        print(
-            f"{key}: predicted / measured, median {statistics.median(rs):.3f} (range {min(rs):.2f}-{max(rs):.2f}); "
-            f"median |error| {100 * statistics.median(errors):.1f}%"
-        )
-    spec_speedup = [r["time/generation_plain"] / r["time/generation"] for r in rows]
-    print(f"measured generation speedup, median {statistics.median(spec_speedup):.2f}x")
+        print(f"costs: {costs.description}; fixed cost per generation {1e3 * costs.request_seconds():.1f} ms")
+        header = "| step | tau | len p50/p100 | gen spec meas / pred | gen plain meas / pred | step spec meas / pred | step plain meas / pred |"
+        print(header)
+        print("|---" * 7 + "|")
+        ratios: dict[str, list[float]] = {"gen spec": [], "gen plain": [], "step spec": [], "step plain": []}
+        for i, row in enumerate(rows):
+            lengths, acc = step_lengths(row), step_acceptance(row)
+            if lengths is None or acc is None:
+                raise SystemExit(f"step {row.get('step')}: no length percentiles or acceptance logged; rerun the demo")
+            seed = 1000 + i
+            batch = order_statistics(row, PROMPTS * SAMPLES)
+            engine_rows = [batch[e::ENGINES] for e in range(ENGINES)]  # ranks dealt out: each sidecar a long row or two
+            g_spec = float(
+                rows_generation(engine_rows, acc, args.k, costs, prompt_tokens, args.replications, seed).mean()
+            )
+            g_plain = float(rows_generation(engine_rows, None, 0, costs, prompt_tokens, args.replications, seed).mean())
+            rounds, refill_prompts = int(row.get("rollout/refill_rounds", 0)), row.get("rollout/refill_prompts")
+            if rounds and refill_prompts is not None:
+                per_round = max(math.ceil(refill_prompts / rounds), 1)
+                refill_fleet = Fleet(
+                    prompts=per_round, samples_per_prompt=SAMPLES, engines=min(ENGINES, per_round), max_batch=64,
+                    prompt_tokens=prompt_tokens,
+                )  # fmt: skip
+                refill = rounds * gen(refill_fleet, lengths, acc, args.k, seed + 500)
+            else:
+                refill = row["time/refill"]
+            rest = statistics.median(rest_of[:i] + rest_of[i + 1 :])
+            measured = {
+                "gen spec": row["time/generation"],
+                "gen plain": row["time/generation_plain"],
+                "step spec": row["time/step"],
+                "step plain": row["time/generation_plain"] + row["time/step"] - row["time/generation"],
+            }
+            predicted = {
+                "gen spec": g_spec,
+                "gen plain": g_plain,
+                "step spec": g_spec + refill + rest,
+                "step plain": g_plain + refill + rest,
+            }
+            for key in ratios:
+                ratios[key].append(predicted[key] / measured[key])
+            cells = " | ".join(f"{measured[k]:.3f} / {predicted[k]:.3f}" for k in ratios)
+            q50, q100 = row.get("rollout/response_len_q50"), row.get("rollout/response_len_q100")
+            print(f"| {row['step']} | {acc.tau(args.k):.2f} | {q50:.0f}/{q100:.0f} | {cells} |")
+        print()
+        for key, rs in ratios.items():
+            errors = [abs(r - 1) for r in rs]
+            print(
+                f"{key}: predicted / measured, median {statistics.median(rs):.3f} (range {min(rs):.2f}-{max(rs):.2f}); "
+                f"median |error| {100 * statistics.median(errors):.1f}%"
+            )
+        spec_speedup = [r["time/generation_plain"] / r["time/generation"] for r in rows]
+        print(f"measured generation speedup, median {statistics.median(spec_speedup):.2f}x")
 
     if args.sweep:
         raw = json.loads(args.sweep.read_text())
