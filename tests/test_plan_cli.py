@@ -248,3 +248,8 @@ def test_training_per_token_and_sync_bandwidth_price_the_rest_of_the_step() -> N
     sync = 0.5 + 1.0  # 16.38 GB of bf16 weights at 16.38 GB/s
     assert plan.plain.step == pytest.approx(plan.plain.generation + train + sync, rel=1e-6)
     assert "2 ms/token" in ctx.rest
+
+
+def test_a_tables_step_overhead_adds_to_every_round() -> None:
+    t = TableCosts({**TABLE, "step_seconds": 0.002})
+    assert t.round_seconds(np.array([1.0, 8.0]), 3, np.zeros(2)) == pytest.approx([0.021, 0.042])

@@ -38,7 +38,9 @@ def costs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_the_measured_table_holds_rounds_prefill_and_the_workload(costs: Path) -> None:
     table = load_costs(costs)
     assert 0 in table.cells[max(table.cells)] and table.prefill
-    workload = json.loads(costs.read_text())["tables"][0]["workload"]
+    doc = json.loads(costs.read_text())["tables"][0]
+    assert 0 <= doc["step_seconds"] < min(r["seconds"] for r in doc["rounds"])  # bookkeeping, not a round
+    workload = doc["workload"]
     assert len(workload["lengths"]) == 3 * 8  # three generations of one sidecar's 8 rows at the largest k
     assert len(workload["accepted_cumulative"]) == 3
     assert all(1 <= n <= workload["max_new_tokens"] for n in workload["lengths"])

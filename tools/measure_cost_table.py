@@ -56,6 +56,9 @@ class Generation:
     lengths: list[int]
     counters: SpeculationCounters
     seconds: float
+    round_seconds: float
+    """What the engine's controller timed of the generation's decode rounds, summed."""
+    rounds: int
 
 
 class DemoShare:
@@ -74,6 +77,7 @@ class DemoShare:
 
     def generate(self, seed: int, k: int) -> Generation:
         self.recorder.k = k
+        timed = self._timed()
         before = SpeculationCounters()
         before.add(self.engine.stats()[-1].counters)
         t = time.thread_time()
@@ -91,21 +95,31 @@ class DemoShare:
             done += self.engine.step()
         seconds = time.thread_time() - t
         done.sort(key=lambda s: (s.request_id, s.sample_index))  # admission order
+        after = self._timed()
         return Generation(
             k=k,
             lengths=[len(s.token_ids) for s in done],
             counters=self.engine.stats()[-1].counters.minus(before),
             seconds=seconds,
+            round_seconds=after[0] - timed[0],
+            rounds=after[1] - timed[1],
         )
+
+    def _timed(self) -> tuple[float, int]:
+        """Seconds and count of every decode round the recorder has seen so far."""
+        steps = [d + r for samples in self.recorder.samples.values() for d, r in samples]
+        return sum(steps), len(steps)
 
     def measure_rounds(self, generations: int) -> tuple[list[dict], list[Generation]]:
         """Median seconds per decode round per (batch, k) over `generations` generations per k
         (interleaved, so the box's drift falls on every k alike); and the generations at max k."""
         self.recorder.samples.clear()
         at_max = []
+        self.measured: list[Generation] = []
         for n in range(generations):
             for k in self.ks:
                 g = self.generate(30_000 + n, k)
+                self.measured.append(g)
                 if k == max(self.ks):
                     at_max.append(g)
         rounds = [
@@ -114,6 +128,14 @@ class DemoShare:
             if len(steps) >= 3
         ]
         return rounds, at_max
+
+    def step_overhead(self, prefill: list[dict]) -> float:
+        """Median CPU seconds per engine step spent outside the timed decode rounds (admission
+        bookkeeping, stop checks, finishing rows), over the generations `measure_rounds` ran:
+        (generation - its rounds - one admission of its rows) / its rounds."""
+        admit = prefill[-1]["seconds"]
+        per_step = [(g.seconds - g.round_seconds - admit) / g.rounds for g in self.measured if g.rounds]
+        return max(statistics.median(per_step), 0.0) if per_step else 0.0
 
     def measure_prefill(self) -> list[dict]:
         """CPU seconds of admitting 4 and 8 rows (drafting rows: the MTP prefill included)."""
@@ -154,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     rounds, at_max = share.measure_rounds(args.generations)
     print(f"rounds measured in {time.monotonic() - started:.0f} s", flush=True)
     prefill = share.measure_prefill()
+    step_seconds = share.step_overhead(prefill)
     lengths = [n for g in at_max for n in g.lengths]
     counters = SpeculationCounters()
     for g in at_max:
@@ -183,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                 "rounds": rounds,
                 "prefill": prefill,
                 "request_seconds": request_seconds,
+                "step_seconds": step_seconds,
                 "workload": {
                     "prompts": PROMPTS,
                     "samples_per_prompt": SAMPLES,

@@ -103,7 +103,10 @@ def engine_check(policy: Path, ks: list[int], generations: int, checks: int, rep
     torch.set_num_threads(1)
     share = DemoShare(policy, ks)
     rounds, _ = share.measure_rounds(generations)
-    costs = TableCosts({"name": "in-process", "rounds": rounds, "prefill": share.measure_prefill()})
+    prefill = share.measure_prefill()
+    table = {"name": "in-process", "rounds": rounds, "prefill": prefill, "step_seconds": share.step_overhead(prefill)}
+    costs = TableCosts(table)
+    print(f"outside the timed rounds: {1e3 * table['step_seconds']:.2f} ms per engine step (in the costs)")
     prompt_tokens = round(statistics.mean(len(share.prompts[p]) for p in share.mine))
     measured: dict[int, list[float]] = {k: [] for k in ks}
     predicted: dict[int, list[float]] = {k: [] for k in ks}

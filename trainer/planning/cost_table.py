@@ -11,14 +11,17 @@ efficiency factors. Format (JSON; other keys are kept for the reader and ignored
                  "context_tokens": 152,                    # KV context the rounds ran at
                  "rounds": [{"batch": 1, "k": 0, "seconds": 0.0293}, ...],
                  "prefill": [{"rows": 1, "prompt_tokens": 128, "seconds": 0.041}, ...],
-                 "request_seconds": 0.0}]}                 # fixed cost per generation request
+                 "request_seconds": 0.0,                   # fixed cost per generation request
+                 "step_seconds": 0.0}]}                    # per engine step outside the timed rounds
 
 `rounds`: seconds of one decode round (k draft steps and a (k+1)-token verify; k = 0 a plain
 step). Between measured batch sizes a cost is interpolated linearly, beyond the largest
 extrapolated from the last two (said in the plan), below the smallest the smallest's; a k not
 measured at a batch is interpolated (or extrapolated) linearly from that batch's measured ks, or
-takes the nearest batch's cost relative to plain. Costs do not grow with context here: the
-table says at which context they were measured.
+takes the nearest batch's cost relative to plain. `step_seconds` is added to every round: the
+host work of an engine step that a round's own timing leaves out (admission checks, finishing
+rows); `tools/bench_gpu.py` times whole steps and writes 0. Costs do not grow with context here:
+the table says at which context they were measured.
 """
 
 from __future__ import annotations
@@ -90,6 +93,7 @@ class TableCosts:
         self.request = (
             _number(table, "request_seconds", where, integer=False, least=0) if "request_seconds" in table else 0.0
         )
+        self.step = _number(table, "step_seconds", where, integer=False, least=0) if "step_seconds" in table else 0.0
         self.context = table.get("context_tokens")
         self.device = str(table.get("device", "unknown device"))
         self.description = (
@@ -148,7 +152,7 @@ class TableCosts:
             )
             slope = (cs[-1] - cs[-2]) / (bs[-1] - bs[-2]) if len(bs) >= 2 else 0.0
             out[beyond] = cs[-1] + max(slope, 0.0) * (batch[beyond] - bs[-1])
-        return out
+        return out + self.step
 
     def prefill_seconds(self, rows: int, prompt_tokens: int) -> float:
         if not self.prefill:
