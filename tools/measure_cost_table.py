@@ -56,9 +56,39 @@ class Generation:
     lengths: list[int]
     counters: SpeculationCounters
     seconds: float
-    round_seconds: float
-    """What the engine's controller timed of the generation's decode rounds, summed."""
-    rounds: int
+    timed: dict[tuple[int, int], list[float]]
+    """(batch, k) -> seconds of each of the generation's decode rounds, as the engine's controller timed them."""
+
+    @property
+    def round_seconds(self) -> float:
+        return sum(sum(v) for v in self.timed.values())
+
+    @property
+    def rounds(self) -> int:
+        return sum(len(v) for v in self.timed.values())
+
+
+def rounds_table(generations: list[Generation]) -> list[dict]:
+    """Median seconds of a decode round per (batch, k) over these generations' rounds (cells
+    timed fewer than 3 times left out)."""
+    cells: dict[tuple[int, int], list[float]] = {}
+    for g in generations:
+        for key, xs in g.timed.items():
+            cells.setdefault(key, []).extend(xs)
+    return [
+        {"batch": b, "k": k, "seconds": statistics.median(xs), "samples": len(xs)}
+        for (b, k), xs in sorted(cells.items())
+        if len(xs) >= 3
+    ]
+
+
+def step_overhead(generations: list[Generation], prefill: list[dict]) -> float:
+    """Median CPU seconds per engine step spent outside the timed decode rounds (admission
+    bookkeeping, stop checks, finishing rows): (generation - its rounds - one admission of its
+    rows) / its rounds."""
+    admit = prefill[-1]["seconds"]
+    per_step = [(g.seconds - g.round_seconds - admit) / g.rounds for g in generations if g.rounds]
+    return max(statistics.median(per_step), 0.0) if per_step else 0.0
 
 
 class DemoShare:
@@ -77,7 +107,7 @@ class DemoShare:
 
     def generate(self, seed: int, k: int) -> Generation:
         self.recorder.k = k
-        timed = self._timed()
+        seen = {key: len(xs) for key, xs in self.recorder.samples.items()}
         before = SpeculationCounters()
         before.add(self.engine.stats()[-1].counters)
         t = time.thread_time()
@@ -95,47 +125,22 @@ class DemoShare:
             done += self.engine.step()
         seconds = time.thread_time() - t
         done.sort(key=lambda s: (s.request_id, s.sample_index))  # admission order
-        after = self._timed()
+        timed = {
+            key: [d + r for d, r in xs[seen.get(key, 0) :]]
+            for key, xs in self.recorder.samples.items()
+            if len(xs) > seen.get(key, 0)
+        }
         return Generation(
             k=k,
             lengths=[len(s.token_ids) for s in done],
             counters=self.engine.stats()[-1].counters.minus(before),
             seconds=seconds,
-            round_seconds=after[0] - timed[0],
-            rounds=after[1] - timed[1],
+            timed=timed,
         )
 
-    def _timed(self) -> tuple[float, int]:
-        """Seconds and count of every decode round the recorder has seen so far."""
-        steps = [d + r for samples in self.recorder.samples.values() for d, r in samples]
-        return sum(steps), len(steps)
-
-    def measure_rounds(self, generations: int) -> tuple[list[dict], list[Generation]]:
-        """Median seconds per decode round per (batch, k) over `generations` generations per k
-        (interleaved, so the box's drift falls on every k alike); and the generations at max k."""
-        self.recorder.samples.clear()
-        at_max = []
-        self.measured: list[Generation] = []
-        for n in range(generations):
-            for k in self.ks:
-                g = self.generate(30_000 + n, k)
-                self.measured.append(g)
-                if k == max(self.ks):
-                    at_max.append(g)
-        rounds = [
-            {"batch": b, "k": k, "seconds": statistics.median(d + r for d, r in steps), "samples": len(steps)}
-            for (b, k), steps in sorted(self.recorder.samples.items())
-            if len(steps) >= 3
-        ]
-        return rounds, at_max
-
-    def step_overhead(self, prefill: list[dict]) -> float:
-        """Median CPU seconds per engine step spent outside the timed decode rounds (admission
-        bookkeeping, stop checks, finishing rows), over the generations `measure_rounds` ran:
-        (generation - its rounds - one admission of its rows) / its rounds."""
-        admit = prefill[-1]["seconds"]
-        per_step = [(g.seconds - g.round_seconds - admit) / g.rounds for g in self.measured if g.rounds]
-        return max(statistics.median(per_step), 0.0) if per_step else 0.0
+    def generations(self, count: int, seed: int = 30_000) -> list[Generation]:
+        """`count` generations per k, k interleaved (the box's drift falls on every k alike)."""
+        return [self.generate(seed + n, k) for n in range(count) for k in self.ks]
 
     def measure_prefill(self) -> list[dict]:
         """CPU seconds of admitting 4 and 8 rows (drafting rows: the MTP prefill included)."""
@@ -173,10 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     share = DemoShare(args.policy, ks)
     prompts, sampling = share.prompts, share.sampling
     started = time.monotonic()
-    rounds, at_max = share.measure_rounds(args.generations)
+    measured = share.generations(args.generations)
+    rounds = rounds_table(measured)
+    at_max = [g for g in measured if g.k == max(ks)]
     print(f"rounds measured in {time.monotonic() - started:.0f} s", flush=True)
     prefill = share.measure_prefill()
-    step_seconds = share.step_overhead(prefill)
+    step_seconds = step_overhead(measured, prefill)
     lengths = [n for g in at_max for n in g.lengths]
     counters = SpeculationCounters()
     for g in at_max:

@@ -94,38 +94,43 @@ def rows_generation(
 def engine_check(policy: Path, ks: list[int], generations: int, checks: int, reps: int) -> None:
     """In one process, on CPU time (robust to other tenants): measure the engine's round costs on
     the demo share, then predict fresh generations at each k from their own row lengths and
-    acceptance (out of sample: other seeds than the costs were measured on)."""
+    acceptance (out of sample: other seeds than the costs were measured on; cost and check
+    generations interleaved in time, so that both see the box's load alike)."""
     import torch
-    from measure_cost_table import DemoShare
+    from measure_cost_table import DemoShare, rounds_table, step_overhead
 
     from trainer.planning.inputs import cumulative_rates
 
     torch.set_num_threads(1)
     share = DemoShare(policy, ks)
-    rounds, _ = share.measure_rounds(generations)
+    cost_runs, check_runs = [], []
+    for n in range(max(generations, checks)):  # interleaved in time: costs and checks see the same load
+        for k in ks:
+            if n < generations:
+                cost_runs.append(share.generate(30_000 + n, k))
+            if n < checks:
+                check_runs.append(share.generate(50_000 + n, k))
     prefill = share.measure_prefill()
-    table = {"name": "in-process", "rounds": rounds, "prefill": prefill, "step_seconds": share.step_overhead(prefill)}
+    table = {
+        "name": "in-process",
+        "rounds": rounds_table(cost_runs),
+        "prefill": prefill,
+        "step_seconds": step_overhead(cost_runs, prefill),
+    }
     costs = TableCosts(table)
     print(f"outside the timed rounds: {1e3 * table['step_seconds']:.2f} ms per engine step (in the costs)")
     prompt_tokens = round(statistics.mean(len(share.prompts[p]) for p in share.mine))
     measured: dict[int, list[float]] = {k: [] for k in ks}
     predicted: dict[int, list[float]] = {k: [] for k in ks}
-    for n in range(checks):
-        for k in ks:
-            g = share.generate(50_000 + n, k)
-            acc = (
-                Acceptance.from_cumulative(
-                    cumulative_rates(g.counters.drafted_per_position, g.counters.accepted_per_position)
-                )
-                if k
-                else None
-            )
-            work = EngineWorkload(
-                rows=len(g.lengths), lengths=LengthDistribution.fixed(1), prompt_tokens=prompt_tokens, max_batch=64,
-                row_lengths=tuple(g.lengths),
-            )  # fmt: skip
-            measured[k].append(g.seconds)
-            predicted[k].append(float(simulate_engine(work, acc, k, costs, reps, n).seconds.mean()))
+    for n, g in enumerate(check_runs):
+        rates = cumulative_rates(g.counters.drafted_per_position, g.counters.accepted_per_position)
+        acc = Acceptance.from_cumulative(rates) if g.k else None
+        work = EngineWorkload(
+            rows=len(g.lengths), lengths=LengthDistribution.fixed(1), prompt_tokens=prompt_tokens, max_batch=64,
+            row_lengths=tuple(g.lengths),
+        )  # fmt: skip
+        measured[g.k].append(g.seconds)
+        predicted[g.k].append(float(simulate_engine(work, acc, g.k, costs, reps, n).seconds.mean()))
     print(
         f"engine check: {policy}, costs from {generations} generations per k, {checks} fresh generations per k (CPU s)"
     )
