@@ -121,6 +121,7 @@ def test_an_unknown_profile_lists_the_known_ones() -> None:
         (["--hardware", "h100", "--model", "gpt-9"], "neither a preset"),
         (["--hardware", "h100", "--generation-share", "0.7", "--train-seconds", "3"], "give one of --generation-share"),
         (["--hardware", "h100", "--sync-gbps", "10"], "a generation share already includes the weight sync"),
+        (["--hardware", "h100", "--engines", "0"], "--engines must be >= 1, got 0"),
     ],
 )
 def test_inconsistent_input_says_what_to_fix(extra: list[str], message: str) -> None:

@@ -73,6 +73,21 @@ class PlanOptions:
     replications: int = 64
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        for name in (
+            "gpus_per_engine",
+            "engines",
+            "prompts",
+            "samples",
+            "prompt_tokens",
+            "max_new_tokens",
+            "replications",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.spread <= 1.0:
+            raise ValueError(f"--spread must lie in [0, 1] (a relative standard deviation), got {self.spread}")
+
 
 def _costs(opts: PlanOptions, shape: ModelShape, assumed: list[str]) -> RoundCosts:
     if (opts.hardware is None) == (opts.costs is None):
@@ -361,12 +376,10 @@ def plan(plot: Path | None, json_out: Path | None, ks: str, **kwargs: object) ->
         parsed = tuple(int(k) for k in ks.split(","))
     except ValueError:
         raise click.BadParameter(f"comma-separated integers, got {ks!r}", param_hint="--ks") from None
-    opts = PlanOptions(ks=parsed, **kwargs)  # type: ignore[arg-type]
-    for name in ("gpus_per_engine", "engines", "prompts", "samples", "prompt_tokens", "max_new_tokens", "replications"):
-        if getattr(opts, name) < 1:
-            raise click.BadParameter(
-                f"must be >= 1, got {getattr(opts, name)}", param_hint="--" + name.replace("_", "-")
-            )
+    try:
+        opts = PlanOptions(ks=parsed, **kwargs)  # type: ignore[arg-type]
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
     result, ctx = make_plan(opts)
     click.echo(render(result, ctx))
     if json_out is not None:
