@@ -41,7 +41,8 @@ def test_the_measured_table_holds_rounds_prefill_and_the_workload(costs: Path) -
     doc = json.loads(costs.read_text())["tables"][0]
     assert 0 <= doc["step_seconds"] < min(r["seconds"] for r in doc["rounds"])  # bookkeeping, not a round
     workload = doc["workload"]
-    assert len(workload["lengths"]) == 3 * 8  # three generations of one sidecar's 8 rows at the largest k
+    share = measure_cost_table.PROMPTS // measure_cost_table.ENGINES * measure_cost_table.SAMPLES
+    assert len(workload["lengths"]) == 3 * share  # three generations of one sidecar's rows at the largest k
     assert len(workload["accepted_cumulative"]) == 3
     assert all(1 <= n <= workload["max_new_tokens"] for n in workload["lengths"])
 

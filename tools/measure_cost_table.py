@@ -6,8 +6,8 @@ for `specrl plan --costs` (and the plan's validation, `tools/validate_plan.py`).
 
 Why: the demo's sidecars decode batches of 1-8 rows of a 24-layer, hidden-128 policy on a CPU,
 where a round's cost is the engine's, not a roofline's. This runs one sidecar's share of the
-demo's rollout (2 prompts x 4 samples, temperature 1, up to 40 tokens, EOS; the fleet's one
-request per prompt) in this process at every static k of `--ks`, interleaved, and keeps what
+demo's rollout (`demo_config`'s prompts and samples over its two sidecars, temperature 1, up to
+40 tokens, EOS; the fleet's one request per prompt) in this process at every static k of `--ks`, interleaved, and keeps what
 the engine's controller measures of each decode round (`tools/cost_ceiling.measure_step_costs`:
 the engine's own clock, CPU time of its thread, median per (batch, k)). Also:
 - the prefill of 4 and 8 rows (this process's CPU time, drafting rows: the MTP prefill included);
@@ -43,9 +43,12 @@ from sidecar.types import GenerationRequest, SpeculationCounters
 from trainer.local_sidecars import LocalSidecars
 from trainer.planning.cost_table import cost_table_document
 from trainer.planning.inputs import cumulative_rates
+from trainer.rl_config import demo_config
 
-PROMPTS, SAMPLES = 4, 4
-"""The demo's rollout (`trainer.rl_config.demo_config`): 4 prompts x G = 4 per step over 2 sidecars."""
+_DEMO = demo_config(Path("policy"), Path("run"))
+PROMPTS, SAMPLES = _DEMO.rollout.prompts_per_step, _DEMO.rollout.samples_per_prompt
+ENGINES, MAX_BATCH = int(_DEMO.sidecars.local), _DEMO.sidecars.max_batch_size
+"""The demo's rollout (`trainer.rl_config.demo_config`): PROMPTS x SAMPLES per step over ENGINES sidecars."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -92,15 +95,16 @@ def step_overhead(generations: list[Generation], prefill: list[dict]) -> float:
 
 
 class DemoShare:
-    """One sidecar's share of the demo's rollout (prompts 0 and 2, 4 samples each, submitted as
-    the fleet does: one request per prompt) on an engine whose every step's k a recorder decides."""
+    """One sidecar's share of the demo's rollout (every ENGINES-th prompt, SAMPLES samples each,
+    submitted as the fleet does: one request per prompt) on an engine whose every step's k a
+    recorder decides."""
 
     def __init__(self, policy: Path, ks: list[int]) -> None:
         self.prompts, self.sampling = sweep_workload(PROMPTS)
-        self.mine = list(range(0, PROMPTS, 2))  # sidecar 0's prompts under the fleet's round-robin
+        self.mine = list(range(0, PROMPTS, ENGINES))  # sidecar 0's prompts under the fleet's round-robin
         self.ks = ks
         self.engine = TorchEngine.from_checkpoint(
-            policy, speculation_k=max(ks), max_speculation_k=max(ks), auto_speculation=True
+            policy, speculation_k=max(ks), max_speculation_k=max(ks), max_batch_size=MAX_BATCH, auto_speculation=True
         )
         self.recorder = FixedK(max(ks))  # decides every step's k, records what the engine measured of it
         self.engine.set_speculation_policy(self.recorder)
@@ -143,9 +147,10 @@ class DemoShare:
         return [self.generate(seed + n, k) for n in range(count) for k in self.ks]
 
     def measure_prefill(self) -> list[dict]:
-        """CPU seconds of admitting 4 and 8 rows (drafting rows: the MTP prefill included)."""
+        """CPU seconds of admitting one prompt's rows and the whole share's (drafting rows: the MTP
+        prefill included)."""
         out = []
-        for rows_prompts in ([self.prompts[0]], [self.prompts[0], self.prompts[2]]):
+        for rows_prompts in ([self.prompts[0]], [self.prompts[p] for p in self.mine]):
             xs = []
             for r in range(5):
                 t = time.thread_time()
@@ -217,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                 "workload": {
                     "prompts": PROMPTS,
                     "samples_per_prompt": SAMPLES,
-                    "engines": 2,
+                    "engines": ENGINES,
                     "prompt_tokens": round(statistics.mean(len(p) for p in prompts)),
                     "max_new_tokens": sampling.max_new_tokens,
                     "k": max(ks),

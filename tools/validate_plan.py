@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np
+from measure_cost_table import ENGINES, MAX_BATCH, PROMPTS, SAMPLES
 
 from trainer.planning.cost_table import TableCosts, load_costs
 from trainer.planning.inputs import read_run_metrics, step_acceptance, step_lengths
@@ -42,8 +43,6 @@ from trainer.planning.step_model import (
     generation,
     simulate_engine,
 )
-
-PROMPTS, SAMPLES, ENGINES = 4, 4, 2  # the demo's rollout (trainer.rl_config.demo_config)
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -84,7 +83,7 @@ def rows_generation(
     runs = []
     for e, rows in enumerate(engine_rows):
         work = EngineWorkload(
-            rows=len(rows), lengths=LengthDistribution.fixed(1), prompt_tokens=prompt_tokens, max_batch=64,
+            rows=len(rows), lengths=LengthDistribution.fixed(1), prompt_tokens=prompt_tokens, max_batch=MAX_BATCH,
             row_lengths=tuple(rows),
         )  # fmt: skip
         runs.append(simulate_engine(work, acc if k else None, k, costs, reps, seed + 17 * e).seconds)
@@ -126,7 +125,7 @@ def engine_check(policy: Path, ks: list[int], generations: int, checks: int, rep
         rates = cumulative_rates(g.counters.drafted_per_position, g.counters.accepted_per_position)
         acc = Acceptance.from_cumulative(rates) if g.k else None
         work = EngineWorkload(
-            rows=len(g.lengths), lengths=LengthDistribution.fixed(1), prompt_tokens=prompt_tokens, max_batch=64,
+            rows=len(g.lengths), lengths=LengthDistribution.fixed(1), prompt_tokens=prompt_tokens, max_batch=MAX_BATCH,
             row_lengths=tuple(g.lengths),
         )  # fmt: skip
         measured[g.k].append(g.seconds)
@@ -178,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     workload = table.get("workload", {})
     prompt_tokens = int(workload.get("prompt_tokens", 8))
     fleet = Fleet(
-        prompts=PROMPTS, samples_per_prompt=SAMPLES, engines=ENGINES, max_batch=64, prompt_tokens=prompt_tokens
+        prompts=PROMPTS, samples_per_prompt=SAMPLES, engines=ENGINES, max_batch=MAX_BATCH, prompt_tokens=prompt_tokens
     )
     if args.run is not None:
         rows = read_run_metrics(args.run)
@@ -207,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
             if rounds and refill_prompts is not None:
                 per_round = max(math.ceil(refill_prompts / rounds), 1)
                 refill_fleet = Fleet(
-                    prompts=per_round, samples_per_prompt=SAMPLES, engines=min(ENGINES, per_round), max_batch=64,
+                    prompts=per_round, samples_per_prompt=SAMPLES, engines=min(ENGINES, per_round), max_batch=MAX_BATCH,
                     prompt_tokens=prompt_tokens,
                 )  # fmt: skip
                 refill = rounds * gen(refill_fleet, lengths, acc, args.k, seed + 500)
