@@ -34,7 +34,10 @@ def measure(model_dir: str, batches: list[int], ks: list[int], new_tokens: int, 
     import torch
 
     torch.set_num_threads(1)
-    from sidecar.engine.model import build_model
+    try:
+        from sidecar.model.model import build_model
+    except ImportError:  # a checkout from before the sidecar/model/ layout
+        from sidecar.engine.model import build_model  # type: ignore[no-redef]
     from sidecar.engine.torch_engine import TorchEngine
     from sidecar.types import GenerationRequest, SamplingParams
 
