@@ -47,6 +47,12 @@ class OverloadedError(SpecrlError):
     """The bounded admission queue is full; retry with backoff (RESOURCE_EXHAUSTED)."""
 
 
+class KVCacheCapacityError(OverloadedError):
+    """A sequence longer than a KV cache row holds (the engine's max_context, set by its memory
+    budget): RESOURCE_EXHAUSTED, like a full queue, but retrying the same request cannot help —
+    shorten prompt + max_new_tokens or serve with a larger max_context / KV budget."""
+
+
 class PushInProgressError(SpecrlError):
     """Another weight push is being received or applied; retry after it ends (ABORTED)."""
 

@@ -268,7 +268,8 @@ class RotaryEmbedding(nn.Module):
     already multiplied by ``attention_scale(cfg)`` (the Hugging Face convention); layout is
     rotate-half (both halves of the head share frequencies), as in HF Qwen3 and Megatron. Each call reads
     the largest position on the host (one device sync): call it once per model forward and share the
-    result across layers. The cached rows equal a direct computation bit for bit, so growing the cache
+    result across layers. A decoding engine instead precomputes the tables once (`ensure`) and reads
+    them with `lookup`, which never syncs. The cached rows equal a direct computation bit for bit, so growing the cache
     never changes results.
     """
 
@@ -292,6 +293,23 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # (n, head_dim)
         self.cos_cached = emb.cos() * self.scale
         self.sin_cached = emb.sin() * self.scale
+
+    @property
+    def table_size(self) -> int:
+        """Positions [0, table_size) the cos/sin tables hold."""
+        return int(self.cos_cached.shape[0])
+
+    def ensure(self, n: int) -> None:
+        """Precompute the tables for positions [0, n) (a host-side size check; nothing is read back)."""
+        if n > self.table_size:
+            self._build_cache(n)
+
+    def lookup(self, positions: Tensor) -> tuple[Tensor, Tensor]:  # positions: (...) int64, on the tables' device
+        """cos/sin by table lookup without any host read: the fixed-shape form a compiled or captured
+        forward needs. The caller validated positions against `table_size` (an engine does so at
+        admission); positions past the table are clamped to its last row, never read out of bounds."""
+        idx = positions.clamp(0, self.table_size - 1)
+        return self.cos_cached[idx], self.sin_cached[idx]
 
     def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:  # positions: (...) int64
         if positions.dtype.is_floating_point:

@@ -1,7 +1,8 @@
 """Pure sampling functions: filtering, inverse-CDF sampling, exact rejection sampling, log-probs.
 
-Every random choice here is made from uniforms the caller drew from the row's own
-`torch.Generator`, so a row's tokens never depend on which other rows share its batch.
+Every random choice here is made from uniforms the caller passes in (the engine's are
+counter-based, keyed by the row's seed and output position: `counter_rng`), so a row's tokens
+never depend on which other rows share its batch.
 
 The sampling distribution of a row (SamplingParams): softmax(logits / temperature),
 restricted to the top_k most likely tokens (ties at the k-th value kept, as Hugging Face
@@ -159,7 +160,7 @@ def rejection_sample(
         num_accepted = torch.zeros(b, dtype=torch.int64, device=p.device)
     p_at = p[rows, num_accepted]  # (B, V) target distribution at the first non-accepted slot
     rejected = num_accepted < num_draft
-    if k and bool(rejected.any()):
+    if k:  # no host read of `rejected`: rows with nothing rejected take p_at below
         q_at = q[rows, num_accepted.clamp(max=k - 1)]
         residual = (p_at - q_at).clamp(min=0.0)
         # An all-zero residual (p == q up to rounding) cannot follow a real rejection; use p.

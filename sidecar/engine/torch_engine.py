@@ -6,10 +6,16 @@ layer(s), verify them in one target forward over k+1 positions, accept by exact 
 sampling, roll back the rejected KV entries (`speculative.py` holds the pure steps,
 `sampling.py` the acceptance rule). k = 0 is plain decoding through the same path.
 
-Reproducibility: each sequence owns a `torch.Generator` seeded from (request seed,
-prompt_index, sample_index) and draws, per round, exactly 2·k_eff + 1 uniforms (k_eff =
-min(k, tokens left - 1)): draft samples, acceptance tests, the final token. So a sequence's
-tokens do not depend on the other sequences in its batch (batched == unbatched).
+Reproducibility: each uniform a sequence uses is a pure function of (its seed, the output
+position where the round starts, role, index) — `counter_rng`, a hash computed on the device — with
+the seed from (request seed, prompt_index, sample_index). A round at output position n draws k
+draft samples, k acceptance tests and the final token. So a sequence's tokens do not depend on the
+other sequences in its batch (batched == unbatched), and no per-row host work draws them. (Before
+this generator, each sequence owned a `torch.Generator`; the same seed now gives different, equally
+distributed samples than those versions gave.)
+
+The KV caches are allocated once (`kv_cache.KVCache` static rows, sized by max_batch_size,
+max_context and a memory budget); a round's result comes back in one packed host copy.
 
 Reported log-probs: log_softmax(target_logits / T) of each emitted token, float32, T = the
 request temperature (1 when temperature is 0), before top-k/top-p filtering — the quantity
@@ -33,34 +39,42 @@ is exactly distributed but not bit-reproducible across runs; pin k for bit-repro
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import secrets
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch import Tensor
 
 import sidecar
+from sidecar.engine import counter_rng
 from sidecar.engine.base import Engine
+from sidecar.engine.rows import (
+    CATCH_UP_POSITIONS,
+    REASON_LENGTH,
+    REASON_STOP,
+    BatchTensors,
+    Sequence,
+    cost_clock,
+    round_outcome,
+    sequence_seed,
+    step_counters,
+)
 from sidecar.engine.sampling import (
     AcceptanceRule,
-    RowSampling,
     filtered_probs,
     rejection_sample,
     reported_logprobs,
     sample_from,
-    token_logprobs,
 )
+from sidecar.engine.scoring import score
 from sidecar.engine.speculative import DraftInput, VerifyInput, draft, verify
 from sidecar.engine.validation import check_weights, validate_request
 from sidecar.engine.version_ledger import VersionLedger
-from sidecar.errors import InvalidRequestError
+from sidecar.errors import InvalidRequestError, KVCacheCapacityError
 from sidecar.model.checkpoint import draft_tensor_shapes, load_checkpoint, target_tensor_shapes
-from sidecar.model.kv_cache import KVCache
+from sidecar.model.kv_cache import KVCache, rows_within_budget
 from sidecar.model.model import Qwen3WithMTP, build_model
 from sidecar.speculation.config import RowState, SpeculationDecision, SpeculationPolicyConfig
 from sidecar.speculation.controller import SpeculationPolicy
@@ -70,9 +84,7 @@ from sidecar.types import (
     GenerationRequest,
     ModelInfo,
     Sample,
-    SamplingParams,
     ScoreRequest,
-    SpeculationCounters,
     SpeculationStatus,
     TensorSpec,
     VersionStats,
@@ -80,95 +92,10 @@ from sidecar.types import (
 )
 from sidecar.weight_sync.tensors import tensor_crc32
 
-CATCH_UP_POSITIONS = 8
-"""Most pending MTP inputs an auto sequence keeps while the controller chooses k = 0. Resuming
-then refreshes at most this many positions (a steady drafting round refreshes a + 1 <= k + 1),
-so the price of keeping a draft alive through plain rounds is bounded by one ordinary draft
-phase instead of growing with the idle stretch (measured in BENCHMARKS.md, "Adaptive
-speculation": resuming after 30-40 plain rounds used to refresh every skipped position)."""
+_REASONS = {REASON_STOP: FinishReason.STOP, REASON_LENGTH: FinishReason.LENGTH}
 
-
-def cost_clock(device: torch.device) -> Callable[[], float]:
-    """Seconds for the controller's cost measurements: wall time on CUDA (the engine synchronises
-    after each phase); CPU time on a CPU device — this thread's when torch computes on it alone
-    (a sidecar's gRPC threads then do not count), the process's when torch has intra-op threads.
-    On a shared machine wall time is mostly waiting for other tenants."""
-    if device.type == "cuda":
-        return time.perf_counter
-    return time.thread_time if torch.get_num_threads() == 1 else time.process_time
-
-
-def sequence_seed(seed: int, prompt_index: int, sample_index: int) -> int:
-    """The generator seed of one sequence: a hash of (request seed, prompt index, sample index)."""
-    digest = hashlib.blake2b(f"{seed}/{prompt_index}/{sample_index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
-
-
-@dataclass(kw_only=True, slots=True)
-class _Sequence:
-    request_id: str
-    prompt_index: int
-    sample_index: int
-    prompt: list[int]
-    params: SamplingParams
-    k: int
-    auto: bool
-    """k is chosen per step by the engine's SpeculationPolicy (`k` is then unused)."""
-    generator: torch.Generator
-    output: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    counters: SpeculationCounters = field(default_factory=SpeculationCounters)
-    first_version: int = -1
-    last_version: int = -1
-    pending: list[Tensor] | None = None  # chunks of (n, hidden) trunk states the MTP layers have not consumed
-
-    @property
-    def drafts(self) -> bool:
-        """May draft in some step (so its MTP inputs must be kept)."""
-        return self.auto or self.k > 0
-
-    @property
-    def num_pending(self) -> int:
-        return sum(p.shape[0] for p in self.pending) if self.pending is not None else 0
-
-    @property
-    def length(self) -> int:
-        return len(self.prompt) + len(self.output)
-
-    def last_tokens(self, n: int) -> list[int]:
-        if n <= len(self.output):
-            return self.output[len(self.output) - n :]
-        return self.prompt[len(self.prompt) - (n - len(self.output)) :] + self.output
-
-    def emit(self, token: int, logprob: float, version: int) -> FinishReason | None:
-        if not self.output:
-            self.first_version = version
-        self.last_version = version
-        self.output.append(token)
-        self.logprobs.append(logprob)
-        if token in self.params.stop_token_ids:
-            return FinishReason.STOP
-        if len(self.output) >= self.params.max_new_tokens:
-            return FinishReason.LENGTH
-        return None
-
-    def position_one(self) -> tuple[int, int]:
-        """(drafts proposed at position 1, of which accepted) so far."""
-        drafted, accepted = self.counters.drafted_per_position, self.counters.accepted_per_position
-        return (drafted[0] if drafted else 0, accepted[0] if accepted else 0)
-
-    def to_sample(self, reason: FinishReason) -> Sample:
-        return Sample(
-            request_id=self.request_id,
-            prompt_index=self.prompt_index,
-            sample_index=self.sample_index,
-            token_ids=list(self.output),
-            logprobs=list(self.logprobs),
-            finish_reason=reason,
-            weight_version=self.first_version,
-            last_weight_version=self.last_version,
-            counters=self.counters,
-        )
+MAX_SPECULATION_K = counter_rng.MAX_INDEX - 1
+"""Largest k a round can draw keyed uniforms for (and that the rotary tables have room for)."""
 
 
 class TorchEngine(Engine):
@@ -185,22 +112,40 @@ class TorchEngine(Engine):
         auto_speculation: bool = False,
         policy: SpeculationPolicyConfig | None = None,
         clock: Callable[[], float] | None = None,
+        max_context: int | None = None,
+        kv_cache_bytes: int | None = None,
     ) -> None:
         """`auto_speculation`: start in auto mode with maximum k `speculation_k`; `policy`: the
         controller's knobs (its max_k is set by the mode); `clock`: seconds, for the controller's
-        cost measurements (tests inject one). Default: `cost_clock(device)`."""
+        cost measurements (tests inject one). Default: `cost_clock(device)`.
+
+        KV caches: allocated once, `max_batch_size` rows of `max_context` tokens (default: the
+        model's context) within `kv_cache_bytes` (`kv_cache.rows_within_budget`; fewer rows fit →
+        `max_batch_size` is what fits). Longer requests: `KVCacheCapacityError` (RESOURCE_EXHAUSTED)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        if max_speculation_k < 0:
-            raise ValueError(f"max_speculation_k must be >= 0, got {max_speculation_k}")
+        if not 0 <= max_speculation_k <= MAX_SPECULATION_K:
+            raise ValueError(f"max_speculation_k must be in [0, {MAX_SPECULATION_K}], got {max_speculation_k}")
         self.model = model
         self._acceptance_rule: AcceptanceRule = rejection_sample  # only `wrong_rules.with_acceptance_rule` changes it
         self.config = model.config
         self.device = model.output_weight().device
         self.name = name
-        self.max_batch_size = max_batch_size
         self.num_mtp = self.config.num_nextn_predict_layers
         self.max_speculation_k = max_speculation_k if self.num_mtp else 0
+        context = self.config.max_position_embeddings
+        self.max_context = context if max_context is None else max_context
+        if not 2 <= self.max_context <= context:
+            raise ValueError(f"max_context must be in [2, max_position_embeddings={context}], got {self.max_context}")
+        c = self.config
+        self.max_batch_size = rows_within_budget(
+            wanted=max_batch_size,
+            row_bytes=(c.num_hidden_layers + self.num_mtp)
+            * KVCache.slot_bytes(c.num_key_value_heads, c.head_dim, c.dtype),
+            slots=self._slots_per_row(),
+            budget=kv_cache_bytes,
+            device=self.device,
+        )
         # Without MTP layers speculation is unavailable: the default k is 0.
         self._k = min(speculation_k, self.max_speculation_k) if self.num_mtp else 0
         self._auto = False  # new requests that do not pin k get the controller's k
@@ -213,12 +158,16 @@ class TorchEngine(Engine):
             self.set_speculation_auto(self._k)
         self._version = 0
         self._stats = VersionLedger()
-        self._queue: deque[_Sequence] = deque()
-        self._running: list[_Sequence] = []
+        self._queue: deque[Sequence] = deque()
+        self._running: list[Sequence] = []
         self._live: dict[str, int] = {}  # request id -> unfinished sequences
-        self._cache = self._new_cache(self.config.num_hidden_layers, 0)
-        self._mtp_caches = [self._new_cache(1, 0) for _ in range(self.num_mtp)]
-        self._rows: RowSampling | None = None
+        rows, slots = self.max_batch_size, self._slots_per_row()
+        self._cache = self._new_cache(self.config.num_hidden_layers, 0, slots, max_batch=rows)
+        self._mtp_caches = [self._new_cache(1, 0, slots, max_batch=rows) for _ in range(self.num_mtp)]
+        self._batch: BatchTensors | None = None
+
+    def _slots_per_row(self) -> int:  # a row's context and the scratch columns a verify writes past it
+        return self.max_context + self.max_speculation_k + 2
 
     @classmethod
     def from_checkpoint(
@@ -230,6 +179,8 @@ class TorchEngine(Engine):
         max_speculation_k: int = 8,
         max_batch_size: int = 64,
         auto_speculation: bool = False,
+        max_context: int | None = None,
+        kv_cache_bytes: int | None = None,
     ) -> TorchEngine:
         """Load a checkpoint directory (config.json + safetensors) onto `device`."""
         config, tensors = load_checkpoint(path)
@@ -242,9 +193,11 @@ class TorchEngine(Engine):
             max_batch_size=max_batch_size,
             name=Path(path).name,
             auto_speculation=auto_speculation,
+            max_context=max_context,
+            kv_cache_bytes=kv_cache_bytes,
         )
 
-    def _new_cache(self, layers: int, batch: int, capacity: int = 64) -> KVCache:
+    def _new_cache(self, layers: int, batch: int, capacity: int = 64, max_batch: int | None = None) -> KVCache:
         c = self.config
         return KVCache(
             num_layers=layers,
@@ -254,6 +207,7 @@ class TorchEngine(Engine):
             device=self.device,
             batch=batch,
             capacity=capacity,
+            max_batch=max_batch,
         )
 
     # ---- Engine interface: info and control --------------------------------------------------
@@ -342,6 +296,13 @@ class TorchEngine(Engine):
 
     def validate(self, request: GenerationRequest) -> None:
         validate_request(request, self.config, self.max_speculation_k)
+        longest = max(len(p) for p in request.prompts) + request.sampling.max_new_tokens
+        if longest > self.max_context:
+            raise KVCacheCapacityError(
+                f"a sequence of prompt + max_new_tokens = {longest} tokens does not fit a KV cache row of "
+                f"max_context={self.max_context} tokens: shorten it, or serve with a larger max_context "
+                "(and a KV budget that holds it)"
+            )
 
     def num_queued(self) -> int:
         return len(self._queue)
@@ -372,9 +333,8 @@ class TorchEngine(Engine):
         seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(63)
         for p, prompt in enumerate(request.prompts):
             for s in range(request.samples_per_prompt):
-                gen = torch.Generator().manual_seed(sequence_seed(seed, p, s))
                 self._queue.append(
-                    _Sequence(
+                    Sequence(
                         request_id=request.request_id,
                         prompt_index=p,
                         sample_index=s,
@@ -382,7 +342,7 @@ class TorchEngine(Engine):
                         params=params,
                         k=k,
                         auto=auto,
-                        generator=gen,
+                        seed=sequence_seed(seed, p, s),
                     )
                 )
         self._live[request.request_id] = len(request.prompts) * request.samples_per_prompt
@@ -398,7 +358,7 @@ class TorchEngine(Engine):
         del self._live[request_id]
         return out
 
-    def _finish(self, seq: _Sequence, reason: FinishReason) -> Sample:
+    def _finish(self, seq: Sequence, reason: FinishReason) -> Sample:
         self._live[seq.request_id] -= 1
         if not self._live[seq.request_id]:
             del self._live[seq.request_id]
@@ -412,17 +372,10 @@ class TorchEngine(Engine):
         self._cache.keep_rows(keep)
         for c in self._mtp_caches:
             c.keep_rows(keep)
-        self._rows = None
+        self._batch = None
 
-    def _count(self, seq: _Sequence, drafted: int, accepted: int, generated: int) -> None:
-        step = SpeculationCounters(
-            verify_steps=1,
-            drafted_tokens=drafted,
-            accepted_tokens=accepted,
-            generated_tokens=generated,
-            drafted_per_position=[1] * drafted,
-            accepted_per_position=[1] * accepted,
-        )
+    def _count(self, seq: Sequence, drafted: int, accepted: int, generated: int) -> None:
+        step = step_counters(drafted, accepted, generated)
         seq.counters.add(step)
         self._stats[self._version].counters.add(step)
 
@@ -431,10 +384,11 @@ class TorchEngine(Engine):
     def step(self) -> list[Sample]:
         start = time.perf_counter()
         finished: list[Sample] = []
-        if self._running:
-            finished += self._decode()
-        if self._queue and len(self._running) < self.max_batch_size:
-            finished += self._admit()
+        with self.model.frozen_weights():
+            if self._running:
+                finished += self._decode()
+            if self._queue and len(self._running) < self.max_batch_size:
+                finished += self._admit()
         if finished or self._running:
             self._stats[self._version].busy_seconds += time.perf_counter() - start
         return finished
@@ -469,10 +423,13 @@ class TorchEngine(Engine):
         cache.commit(plan)
         last = torch.tensor([n - 1 for n in lengths], device=self.device)
         logits = self.model.logits(hidden[torch.arange(b, device=self.device), last]).float()  # (b, V)
-        rows = RowSampling.of([s.params for s in new], self.device)
-        uniforms = torch.cat([torch.rand(1, generator=s.generator) for s in new]).to(self.device)
+        batch = BatchTensors.of(new, self.device)
+        rows = batch.rows
+        zero = torch.zeros(b, dtype=torch.int64, device=self.device)
+        uniforms = batch.round_uniforms(zero, 0)[:, 0]  # the final-token uniform of output position 0
         first = sample_from(filtered_probs(logits, rows), uniforms)
         logprobs = reported_logprobs(logits[:, None], first[:, None], rows)[:, 0]
+        packed = round_outcome(batch, first[:, None], logprobs[:, None], zero, zero).tolist()
         mtp_caches = [self._new_cache(1, b, width + self.max_speculation_k + 2) for _ in range(self.num_mtp)]
         drafting = [s.drafts for s in new]
         if any(drafting) and width > 1:
@@ -491,11 +448,11 @@ class TorchEngine(Engine):
                     torch.cuda.synchronize(self.device)
                 timer.observe_draft_prefill(sum(num), self._clock() - started)
         finished, keep = [], []
-        for i, (s, tok, lp) in enumerate(zip(new, first.tolist(), logprobs.tolist(), strict=True)):
+        for i, (s, (tok, lp, _, _, reason)) in enumerate(zip(new, packed, strict=True)):
             self._count(s, drafted=0, accepted=0, generated=1)
-            reason = s.emit(tok, lp, self._version)
-            if reason is not None:
-                finished.append(self._finish(s, reason))
+            s.extend([tok], [lp], self._version)
+            if reason:
+                finished.append(self._finish(s, _REASONS[int(reason)]))
                 continue
             if s.drafts and self.num_mtp:
                 s.pending = [hidden[i, lengths[i] - 1 : lengths[i]]]
@@ -507,16 +464,20 @@ class TorchEngine(Engine):
                 mc.keep_rows(keep)
                 mine.append_rows(mc)
             self._running += [new[i] for i in keep]
-            self._rows = None
+            self._batch = None
         return finished
 
     def _decode(self) -> list[Sample]:
-        """One speculative round (draft → verify → accept → roll back) for every running row."""
+        """One speculative round (draft → verify → accept → roll back) for every running row.
+
+        Device work apart from building the round's inputs; its result comes back in one packed
+        host copy (`rows.round_outcome`)."""
         seqs = self._running
         b, dev = len(seqs), self.device
-        if self._rows is None:
-            self._rows = RowSampling.of([s.params for s in seqs], dev)
-        rows = self._rows
+        if self._batch is None:
+            self._batch = BatchTensors.of(seqs, dev)
+        batch = self._batch
+        rows = batch.rows
         started = self._clock()
         policy = self._policy if any(s.auto for s in seqs) else None
         decision: SpeculationDecision | None = (
@@ -530,13 +491,10 @@ class TorchEngine(Engine):
             for s in seqs
         ]
         kmax = max(k_eff)
-        u = torch.zeros(b, 2 * kmax + 1)
-        for i, (s, k) in enumerate(zip(seqs, k_eff, strict=True)):
-            r = torch.rand(2 * k + 1, generator=s.generator)
-            u[i, :k], u[i, kmax : kmax + k], u[i, 2 * kmax] = r[:k], r[k : 2 * k], r[2 * k]
-        u = u.to(dev)
-        num_draft = torch.tensor(k_eff, dtype=torch.int64, device=dev)
-        last = torch.tensor([s.last_tokens(1)[0] for s in seqs], dtype=torch.int64)
+        host = torch.tensor([[len(s.output), s.last_tokens(1)[0], k] for s, k in zip(seqs, k_eff, strict=True)])
+        host = host.to(dev)
+        out_len, last, num_draft = host[:, 0], host[:, 1], host[:, 2]
+        u = batch.round_uniforms(out_len, kmax)  # (B, 2 kmax + 1); a row uses its first k_eff of each role
         consumed = [False] * b
         catch_up = False
         if kmax > 0:
@@ -544,15 +502,16 @@ class TorchEngine(Engine):
             width = max(num_refresh)
             catch_up = width > self._last_kmax + 1  # positions skipped by plain rounds (see CATCH_UP_POSITIONS)
             ref_tokens = torch.zeros(b, width, dtype=torch.int64)
-            ref_positions = torch.zeros(b, width, dtype=torch.int64)
             ref_hidden = torch.zeros(b, width, self.config.hidden_size, dtype=self.config.dtype, device=dev)
             for i, (s, n) in enumerate(zip(seqs, num_refresh, strict=True)):
                 if n:
                     assert s.pending is not None
                     ref_tokens[i, :n] = torch.tensor(s.last_tokens(n))
-                    ref_positions[i, :n] = torch.arange(s.length - 1 - n, s.length - 1)  # t of h_t
-                    ref_hidden[i, :n] = torch.cat(s.pending)
+                    ref_hidden[i, :n] = s.pending[0] if len(s.pending) == 1 else torch.cat(s.pending)
                     consumed[i] = True
+            # MTP position t of each pending entry: they end at t = n - 2 (n = the row's length)
+            ends = torch.tensor([s.length - 1 - n for s, n in zip(seqs, num_refresh, strict=True)])
+            ref_positions = ends[:, None] + torch.arange(width)[None, :]
             out = draft(
                 self.model,
                 self._mtp_caches,
@@ -561,7 +520,7 @@ class TorchEngine(Engine):
                     refresh_hidden=ref_hidden,
                     num_refresh=num_refresh,
                     refresh_positions=ref_positions.to(dev),
-                    next_position=torch.tensor([s.length - 1 for s in seqs], device=dev),
+                    next_position=out_len + torch.tensor([len(s.prompt) - 1 for s in seqs], device=dev),
                     num_draft=num_draft,
                     uniforms=u[:, :kmax],
                 ),
@@ -570,40 +529,41 @@ class TorchEngine(Engine):
             draft_tokens, q = out.tokens, out.probs
             if policy is not None and dev.type == "cuda":
                 torch.cuda.synchronize(dev)  # the draft phase's cost, not its launch
-            verify_tokens = torch.cat([last.to(dev)[:, None], draft_tokens], dim=1)
+            verify_tokens = torch.cat([last[:, None], draft_tokens], dim=1)
         else:
             draft_tokens = torch.zeros(b, 0, dtype=torch.int64, device=dev)
             q = torch.zeros(b, 0, self.config.vocab_size, device=dev)
-            verify_tokens = last.to(dev)[:, None]
+            verify_tokens = last[:, None]
         drafted_at = self._clock()
         old_lengths = list(self._cache.lengths)
         vout = verify(self.model, self._cache, VerifyInput(tokens=verify_tokens, num_new=[k + 1 for k in k_eff]), rows)
         acc = self._acceptance_rule(draft_tokens, q, vout.probs, num_draft, u[:, kmax : 2 * kmax], u[:, 2 * kmax])
         emitted = torch.cat([draft_tokens, torch.zeros(b, 1, dtype=torch.int64, device=dev)], dim=1)
-        emitted[torch.arange(b, device=dev), acc.num_accepted] = acc.next_token
+        emitted.scatter_(1, acc.num_accepted[:, None], acc.next_token[:, None])
         logprobs = reported_logprobs(vout.logits, emitted, rows)
-        num_accepted, emitted_l, logprobs_l = acc.num_accepted.tolist(), emitted.tolist(), logprobs.tolist()
+        packed = round_outcome(batch, emitted, logprobs, acc.num_accepted, out_len).tolist()  # the one host copy
 
         finished, keep = [], []
         emitted_total = ended = 0
-        ends: list[tuple[int, int, bool]] = []  # per row: output length before the step, emitted, stopped
+        ends_: list[tuple[int, int, bool]] = []  # per row: output length before the step, emitted, stopped
         evidence: tuple[list[int], list[int]] = ([], [])  # per drafting row: drafts before its end, accepted
+        width_out = kmax + 1
+        num_accepted: list[int] = []
         for i, s in enumerate(seqs):
-            a, before = num_accepted[i], len(s.output)
-            reason = None
-            for j in range(a + 1):
-                reason = s.emit(emitted_l[i][j], logprobs_l[i][j], self._version)
-                if reason is not None:
-                    break
-            self._count(s, drafted=k_eff[i], accepted=a, generated=len(s.output) - before)
+            row = packed[i]
+            a, n, reason = int(row[2 * width_out]), int(row[2 * width_out + 1]), int(row[2 * width_out + 2])
+            num_accepted.append(a)
+            before = len(s.output)
+            s.extend(row[:n], row[width_out : width_out + n], self._version)
+            self._count(s, drafted=k_eff[i], accepted=a, generated=n)
             if k_eff[i]:  # an accepted stop token ends the row: the drafts after it say nothing
-                evidence[0].append(min(k_eff[i], len(s.output) - before))
-                evidence[1].append(min(a, len(s.output) - before))
-            emitted_total += len(s.output) - before
-            ends.append((before, len(s.output) - before, reason is FinishReason.STOP))
-            if reason is not None:
-                ended += reason is FinishReason.STOP
-                finished.append(self._finish(s, reason))
+                evidence[0].append(min(k_eff[i], n))
+                evidence[1].append(min(a, n))
+            emitted_total += n
+            ends_.append((before, n, reason == REASON_STOP))
+            if reason:
+                ended += reason == REASON_STOP
+                finished.append(self._finish(s, _REASONS[reason]))
                 if policy is not None:
                     policy.observe_finished_row(*s.position_one())
                 continue
@@ -629,17 +589,17 @@ class TorchEngine(Engine):
                 chosen=kmax == auto_k,
                 catch_up=catch_up,
                 ended=ended,
-                rows=ends,
+                rows=ends_,
             )
         self._last_kmax = kmax
         return finished
 
     @staticmethod
-    def _row_state(s: _Sequence) -> RowState:
+    def _row_state(s: Sequence) -> RowState:
         """What the controller knows of a row: its output length and the tokens it may still emit."""
         return RowState(len(s.output), left=s.params.max_new_tokens - len(s.output))
 
-    def _tokens_left(self, seqs: list[_Sequence]) -> int | None:
+    def _tokens_left(self, seqs: list[Sequence]) -> int | None:
         """The most tokens a row may still emit, when no queued request waits for a finished
         row's place (None otherwise: the controller then maximises throughput, not the batch's end)."""
         if self._queue or not seqs:
@@ -647,56 +607,9 @@ class TorchEngine(Engine):
         return max(s.params.max_new_tokens - len(s.output) for s in seqs)
 
     # ---- scoring -----------------------------------------------------------------------------
-    _SCORE_TOKENS = 8192
-    """Sequence tokens per scoring forward (bounds the logits tensor to ~this x vocab floats)."""
-
     def score(self, request: ScoreRequest) -> list[list[float]]:
-        """Teacher-forced log-probs with the plain full forward (no cache, no speculation), in
-        groups of sequences of about _SCORE_TOKENS tokens, right-padded (causal: the padding
-        never reaches a real position)."""
-        vocab, context = self.config.vocab_size, self.config.max_position_embeddings
-        for i, seq in enumerate(request.sequences):
-            bad = [t for t in seq if not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequestError(
-                    f"sequences[{i}] holds token ids outside the vocabulary [0, {vocab}): {bad[:5]}"
-                )
-            if len(seq) > context:
-                raise InvalidRequestError(
-                    f"sequences[{i}] has {len(seq)} tokens, more than the model context of {context}"
-                )
-        temperature = request.temperature if request.temperature > 0 else 1.0
-        out: list[list[float]] = []
-        order = list(range(len(request.sequences)))
-        group: list[int] = []
-
-        def flush() -> None:
-            seqs = [request.sequences[i] for i in group]
-            width = max(len(s) for s in seqs)
-            ids = torch.zeros(len(seqs), width, dtype=torch.int64)
-            for row, s in enumerate(seqs):
-                ids[row, : len(s)] = torch.tensor(s)
-            ids = ids.to(self.device)
-            with torch.no_grad():
-                logits = self.model(ids)  # (b, width, V): position t predicts token t + 1
-            temps = torch.full((len(seqs),), temperature, dtype=torch.float32, device=self.device)
-            lps = token_logprobs(logits[:, :-1], ids[:, 1:], temps)  # (b, width - 1)
-            for row, i in enumerate(group):
-                start, n = request.start_indices[i], len(request.sequences[i])
-                out[i] = lps[row, start - 1 : n - 1].tolist()
-
-        out = [[] for _ in order]
-        tokens = 0
-        for i in order:
-            n = len(request.sequences[i])
-            if group and tokens + n > self._SCORE_TOKENS:
-                flush()
-                group, tokens = [], 0
-            group.append(i)
-            tokens += n
-        if group:
-            flush()
-        return out
+        """Teacher-forced log-probs with the plain full forward (`scoring.score`)."""
+        return score(self.model, request)
 
     # ---- weights -----------------------------------------------------------------------------
     def _selected_shapes(self, selector: WeightSelector) -> dict[str, tuple[int, ...]]:

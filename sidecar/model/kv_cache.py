@@ -7,10 +7,16 @@ Continuous batching with speculative decoding needs three things of a KV cache:
   stale slots are simply overwritten later (they are masked until then);
 - rows join (after prefill) and leave (finished or aborted) between steps.
 
-Storage is one tensor per k and v of shape (num_layers, B, kv_heads, capacity, head_dim),
-zero-initialised so that masked scratch slots are always finite (a NaN under a zero
-attention weight would still poison the output). Rows are kept compact: removing rows
-copies the survivors, adding rows concatenates; capacity grows by doubling.
+Storage is one tensor per k and v of shape (num_layers, rows, kv_heads, capacity, head_dim),
+zero-initialised so that masked scratch slots are always finite (a NaN under a zero attention
+weight would still poison the output). A *static* cache (`max_batch` given: the engine's) is
+allocated once, `max_batch` rows of `capacity` slots, and never reallocated: a forward reads a
+view of its first `batch` rows and its first kv_len slots, rollback moves lengths only, a row
+leaving moves the rows after it down by one copy of theirs, a row joining is copied into the
+first free row; a forward that would need more slots or rows than it has is an error (the engine
+checks admission against `capacity` and `max_batch`, so it never happens there). A growable
+cache (no `max_batch`: prefill scratch, tests, tools) reallocates instead: capacity by doubling,
+rows by concatenation.
 """
 
 from __future__ import annotations
@@ -50,29 +56,54 @@ class KVCache:
         device: torch.device | str,
         batch: int = 0,
         capacity: int = 64,
+        max_batch: int | None = None,
     ) -> None:
+        """`max_batch` None: a growable cache; an int: a static one of that many rows (see the module docstring)."""
+        if max_batch is not None and max_batch < max(batch, 1):
+            raise ValueError(f"max_batch ({max_batch}) must be >= max(batch, 1) ({max(batch, 1)})")
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
-        shape = (num_layers, batch, num_kv_heads, max(capacity, 1), head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.static = max_batch is not None
+        rows = max_batch if max_batch is not None else batch
+        shape = (num_layers, rows, num_kv_heads, max(capacity, 1), head_dim)
+        self._k = torch.zeros(shape, dtype=dtype, device=self.device)
+        self._v = torch.zeros(shape, dtype=dtype, device=self.device)
         self.lengths: list[int] = [0] * batch
+
+    @property
+    def k(self) -> Tensor:
+        """(num_layers, batch, kv_heads, capacity, head_dim): the live rows' keys (a view)."""
+        return self._k[:, : self.batch]
+
+    @property
+    def v(self) -> Tensor:
+        return self._v[:, : self.batch]
 
     @property
     def batch(self) -> int:
         return len(self.lengths)
 
     @property
+    def max_batch(self) -> int:
+        """Rows the storage holds (a static cache's limit)."""
+        return int(self._k.shape[1])
+
+    @property
     def capacity(self) -> int:
-        return self.k.shape[3]
+        return int(self._k.shape[3])
 
     def _grow(self, needed: int) -> None:
         if needed <= self.capacity:
             return
+        if self.static:
+            raise ValueError(
+                f"a forward needs {needed} KV slots per row, the static cache holds {self.capacity}: "
+                "the engine admits only sequences that fit (prompt + max_new_tokens <= its max_context)"
+            )
         new_cap = max(needed, 2 * self.capacity)
         pad = (0, 0, 0, new_cap - self.capacity)
-        self.k = torch.nn.functional.pad(self.k, pad)
-        self.v = torch.nn.functional.pad(self.v, pad)
+        self._k = torch.nn.functional.pad(self._k, pad)
+        self._v = torch.nn.functional.pad(self._v, pad)
 
     def plan(self, num_new: list[int], width: int | None = None) -> AttentionPlan:
         """Plan a forward that appends num_new[b] tokens to row b (padded to `width` columns).
@@ -105,15 +136,16 @@ class KVCache:
         plan: AttentionPlan,
     ) -> tuple[Tensor, Tensor]:  # each (B, kv_heads, kv_len, head_dim)
         """Store the new keys/values at the planned slots; return the slots this forward reads."""
-        s = k.shape[2]
+        s, b = k.shape[2], self.batch
+        keys, values = self._k[layer, :b], self._v[layer, :b]
         if plan.start is not None:
-            self.k[layer, :, :, plan.start : plan.start + s] = k
-            self.v[layer, :, :, plan.start : plan.start + s] = v
+            keys[:, :, plan.start : plan.start + s] = k
+            values[:, :, plan.start : plan.start + s] = v
         else:
-            rows = torch.arange(self.batch, device=self.device)[:, None]  # (B, 1)
-            self.k[layer][rows, :, plan.positions] = k.transpose(1, 2)
-            self.v[layer][rows, :, plan.positions] = v.transpose(1, 2)
-        return self.k[layer, :, :, : plan.kv_len], self.v[layer, :, :, : plan.kv_len]
+            rows = torch.arange(b, device=self.device)[:, None]  # (B, 1)
+            keys[rows, :, plan.positions] = k.transpose(1, 2)
+            values[rows, :, plan.positions] = v.transpose(1, 2)
+        return keys[:, :, : plan.kv_len], values[:, :, : plan.kv_len]
 
     def commit(self, plan: AttentionPlan) -> None:
         """Make each row's planned new tokens part of its cached prefix."""
@@ -130,17 +162,36 @@ class KVCache:
         """Keep only `rows` (in that order), dropping the others."""
         if rows == list(range(self.batch)):
             return
-        index = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        self.k = self.k.index_select(1, index)
-        self.v = self.v.index_select(1, index)
+        if not self.static:
+            index = torch.tensor(rows, dtype=torch.int64, device=self.device)
+            self._k = self._k.index_select(1, index)
+            self._v = self._v.index_select(1, index)
+        else:  # move only the rows whose place changes (the source rows are gathered first)
+            moved = [(i, r) for i, r in enumerate(rows) if r != i]
+            if moved:
+                dst = torch.tensor([i for i, _ in moved], dtype=torch.int64, device=self.device)
+                src = torch.tensor([r for _, r in moved], dtype=torch.int64, device=self.device)
+                self._k[:, dst] = self._k[:, src]
+                self._v[:, dst] = self._v[:, src]
         self.lengths = [self.lengths[r] for r in rows]
 
     def append_rows(self, other: KVCache) -> None:
         """Append `other`'s rows after this cache's rows (same layers, heads, dtype)."""
         if other.batch == 0:
             return
+        if self.static:
+            n, b, cap = other.batch, self.batch, other.capacity
+            if b + n > self.max_batch:
+                raise ValueError(f"{b} rows + {n} joining exceed the static cache's {self.max_batch} rows")
+            if cap > self.capacity:  # only slots below other's lengths matter
+                cap = max(other.lengths)
+                self._grow(cap)
+            self._k[:, b : b + n, :, :cap] = other._k[:, :n, :, :cap]
+            self._v[:, b : b + n, :, :cap] = other._v[:, :n, :, :cap]
+            self.lengths = self.lengths + list(other.lengths)
+            return
         if self.batch == 0:
-            self.k, self.v, self.lengths = other.k, other.v, list(other.lengths)
+            self._k, self._v, self.lengths = other.k, other.v, list(other.lengths)
             return
         self._grow(other.capacity)  # may double past other.capacity: pad other to ours below
         cap = self.capacity
@@ -148,9 +199,32 @@ class KVCache:
         if other.capacity < cap:
             pad = (0, 0, 0, cap - other.capacity)
             ok, ov = torch.nn.functional.pad(ok, pad), torch.nn.functional.pad(ov, pad)
-        self.k = torch.cat([self.k, ok], dim=1)
-        self.v = torch.cat([self.v, ov], dim=1)
+        self._k = torch.cat([self.k, ok], dim=1)
+        self._v = torch.cat([self.v, ov], dim=1)
         self.lengths = self.lengths + list(other.lengths)
 
+    @staticmethod
+    def slot_bytes(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes of one token's keys and values in one layer."""
+        return 2 * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
+        """Bytes of the storage (a static cache's whole allocation)."""
+        return self._k.numel() * self._k.element_size() * 2
+
+
+def rows_within_budget(*, wanted: int, row_bytes: int, slots: int, budget: int | None, device: torch.device) -> int:
+    """Rows of `slots` tokens (`row_bytes` a token, all layers) a static cache may allocate:
+    `wanted`, or fewer when `budget` bytes hold fewer (default budget on CUDA: 90% of the device
+    memory free now; on CPU none — pages are touched only when used). Not one row → ValueError."""
+    per_row = row_bytes * slots
+    if budget is None and device.type == "cuda":
+        budget = int(0.9 * torch.cuda.mem_get_info(device)[0])
+    if budget is None or budget >= wanted * per_row:
+        return wanted
+    if budget < per_row:
+        raise ValueError(
+            f"the KV cache budget of {budget / 2**30:.2f} GiB holds no row of {slots} tokens "
+            f"({per_row / 2**30:.3f} GiB a row): raise the budget or lower max_context"
+        )
+    return budget // per_row

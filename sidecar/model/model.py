@@ -22,8 +22,9 @@ The module tree reproduces the checkpoint naming contract (see `checkpoint.py`) 
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, cast
 
@@ -33,6 +34,10 @@ from torch import Tensor, nn
 
 from sidecar.model.kv_cache import AttentionPlan, KVCache
 from yarn import RopeConfig, RotaryEmbedding, apply_rotary
+
+ROPE_MARGIN = 72
+"""Rotary table rows past max_position_embeddings: a verify writes up to k + 1 <= 64 scratch columns
+past a row's end (max speculation k is 63, `torch_engine`), and a prefill pads no further."""
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -202,23 +207,110 @@ class Attention(nn.Module):
         x: Tensor,  # (B, S, hidden)
         cos: Tensor,  # (B, S, head_dim)
         sin: Tensor,  # (B, S, head_dim)
-        cache: KVCache | None = None,
-        layer: int = 0,
-        plan: AttentionPlan | None = None,
     ) -> Tensor:  # (B, S, hidden)
+        """The plain causal forward over whole sequences (no cache): the reference path."""
         b, s, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, s, self.num_heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = cos.unsqueeze(1).to(q.dtype), sin.unsqueeze(1).to(q.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if cache is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        else:
-            assert plan is not None
-            keys, values = cache.write_and_read(layer, k, v, plan)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=plan.mask, enable_gqa=True)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+
+    def cached(
+        self,
+        x: Tensor,  # (B, S, hidden), already input-normed
+        w: DecodeWeights,
+        rope: RopeTable,
+        cache: KVCache,
+        layer: int,
+        plan: AttentionPlan,
+    ) -> Tensor:  # (B, S, hidden)
+        """The same attention over new tokens appended to a KV cache, written for few host-side
+        operations (one q|k|v projection, no module calls, the rotation by the sign-folded table —
+        bit-identical to `apply_rotary`): at decode sizes a step costs its operator launches."""
+        b, s, _ = x.shape
+        h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = F.linear(x, w.qkv).view(b, s, h + 2 * kv, d)
+        qk = rope.rotate(_rms_w(qkv[:, :, : h + kv], w.qk_norm, w.eps).transpose(1, 2))  # (B, h + kv, S, d)
+        v = qkv[:, :, h + kv :].transpose(1, 2)
+        keys, values = cache.write_and_read(layer, qk[:, h:], v, plan)
+        out = F.scaled_dot_product_attention(qk[:, :h], keys, values, attn_mask=plan.mask, enable_gqa=True)
+        return F.linear(out.transpose(1, 2).reshape(b, s, h * d), w.o)
+
+
+@dataclass(kw_only=True, slots=True)
+class DecodeWeights:
+    """One decoder layer's weights as the cached forwards use them: q|k|v and gate|up fused into
+    one matrix each and the q and k norms into one (heads, head_dim) table (copies, rebuilt
+    whenever a source changes: `Qwen3WithMTP.decode_weights`), the rest the parameters
+    themselves (read without module attribute lookups)."""
+
+    input_norm: Tensor
+    qkv: Tensor
+    qk_norm: Tensor
+    o: Tensor
+    post_norm: Tensor
+    gate_up: Tensor
+    down: Tensor
+    eps: float
+
+    @staticmethod
+    def sources(layer: DecoderLayer) -> tuple[Tensor, ...]:
+        """The parameters the copies are made of: q, k, v, gate, up, q_norm, k_norm."""
+        a, m = layer.self_attn, layer.mlp
+        return (
+            a.q_proj.weight,
+            a.k_proj.weight,
+            a.v_proj.weight,
+            m.gate_proj.weight,
+            m.up_proj.weight,
+            a.q_norm.weight,
+            a.k_norm.weight,
+        )
+
+    @classmethod
+    def of(cls, layer: DecoderLayer) -> DecodeWeights:
+        a = layer.self_attn
+        q, k, v, gate, up, qn, kn = cls.sources(layer)
+        return cls(
+            input_norm=layer.input_layernorm.weight,
+            qkv=torch.cat([q, k, v]),
+            qk_norm=torch.cat([qn.expand(a.num_heads, -1), kn.expand(a.num_kv_heads, -1)]),
+            o=a.o_proj.weight,
+            post_norm=layer.post_attention_layernorm.weight,
+            gate_up=torch.cat([gate, up]),
+            down=layer.mlp.down_proj.weight,
+            eps=layer.input_layernorm.eps,
+        )
+
+
+def _rms_w(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm's operations with a given weight (the fused q/k table)."""
+    if x.dtype == torch.float32:
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _rms(x: Tensor, norm: RMSNorm) -> Tensor:
+    """`norm(x)` without the module call (same operations, same rounding)."""
+    return _rms_w(x, norm.weight, norm.eps)
+
+
+@dataclass(kw_only=True, slots=True)
+class RopeTable:
+    """cos and sign-folded sin of one forward's positions, (B, 1, S, head_dim) in the compute dtype.
+
+    `rotate(x)` = x cos + rotate_half(x) sin, computed as x cos + swap_halves(x) sin_folded with
+    sin_folded = (-sin_1, sin_2): the same products (a sign flip is exact), fewer operations."""
+
+    cos: Tensor
+    sin_folded: Tensor
+
+    def rotate(self, x: Tensor) -> Tensor:  # (B, heads, S, head_dim)
+        return x * self.cos + x.unflatten(-1, (2, -1)).flip(-2).flatten(-2) * self.sin_folded
 
 
 class MLP(nn.Module):
@@ -244,17 +336,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(
-        self,
-        x: Tensor,  # (B, S, hidden)
-        cos: Tensor,
-        sin: Tensor,
-        cache: KVCache | None = None,
-        layer: int = 0,
-        plan: AttentionPlan | None = None,
-    ) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, plan)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:  # (B, S, hidden)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def cached(
+        self, x: Tensor, w: DecodeWeights, rope: RopeTable, cache: KVCache, layer: int, plan: AttentionPlan
+    ) -> Tensor:
+        """`forward` over new tokens appended to a KV cache (see `Attention.cached`)."""
+        x = x + self.self_attn.cached(_rms_w(x, w.input_norm, w.eps), w, rope, cache, layer, plan)
+        gate, up = F.linear(_rms_w(x, w.post_norm, w.eps), w.gate_up).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, w.down)
 
 
 class SharedHead(nn.Module):
@@ -312,6 +404,10 @@ class Qwen3WithMTP(nn.Module):
         # Held outside the module tree so that model.to(bfloat16) never rounds the rotary
         # frequencies; it follows the model's device lazily in `rope`.
         self._rotary: list[RotaryEmbedding] = [RotaryEmbedding(config.rope_config())]
+        self._folded: tuple[Tensor, Tensor] | None = None  # (cos, sign-folded sin) tables of rope_table
+        # decode_weights: (built, their source parameters, the sources' (storage, version) when built)
+        self._fused: tuple[list[DecodeWeights], list[Tensor], list[tuple[int, int]]] | None = None
+        self._frozen = False
 
     # ---- shared pieces -------------------------------------------------------------------
     def mtp_layer(self, j: int) -> MTPLayer:
@@ -328,10 +424,66 @@ class Qwen3WithMTP(nn.Module):
 
     def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos, sin (B, S, head_dim) float32 for integer positions (B, S)."""
+        return self._rotary_on(positions.device)(positions)
+
+    def _rotary_on(self, device: torch.device) -> RotaryEmbedding:
         rotary = self._rotary[0]
-        if rotary.inv_freq.device != positions.device:
-            rotary = self._rotary[0] = rotary.to(positions.device)
-        return rotary(positions)
+        if rotary.inv_freq.device != device:
+            rotary = self._rotary[0] = rotary.to(device)
+            self._folded = None
+        return rotary
+
+    def rope_table(self, positions: Tensor, dtype: torch.dtype) -> RopeTable:
+        """The rotary factors of cached forwards by table lookup, no host read (positions are
+        validated by the engine at admission; the table covers `rope_positions()`)."""
+        rotary = self._rotary_on(positions.device)
+        folded = self._folded
+        if folded is None or folded[0].dtype != dtype:
+            rotary.ensure(self.rope_positions())
+            half = self.config.head_dim // 2
+            sin = rotary.sin_cached
+            folded = self._folded = (
+                rotary.cos_cached.to(dtype),
+                torch.cat([-sin[:, :half], sin[:, half:]], -1).to(dtype),
+            )
+        idx = positions.clamp(0, folded[0].shape[0] - 1)
+        return RopeTable(cos=folded[0][idx].unsqueeze(1), sin_folded=folded[1][idx].unsqueeze(1))
+
+    def decode_weights(self) -> list[DecodeWeights]:
+        """`DecodeWeights` of the trunk's layers, then the MTP layers'; rebuilt when a source
+        parameter was written (its version counter) or given new storage, and on every call for
+        parameters created under inference mode (which keep no version counter)."""
+        if self._fused is None:
+            layers = [cast(DecoderLayer, m) for m in [*self.model.layers, *self.mtp.layers]]
+            self._fused = ([], [t for layer in layers for t in DecodeWeights.sources(layer)], [])
+        built, sources, signature = self._fused
+        if self._frozen and built:
+            return built
+        try:
+            now = [(t.data_ptr(), t._version) for t in sources]
+        except RuntimeError:  # an inference tensor has no version counter: rebuild every time
+            now = []
+        if not now or now != signature:
+            with torch.no_grad():
+                built[:] = [DecodeWeights.of(cast(DecoderLayer, m)) for m in [*self.model.layers, *self.mtp.layers]]
+            signature[:] = now
+        return built
+
+    @contextlib.contextmanager
+    def frozen_weights(self) -> Iterator[None]:
+        """A span in which the parameters do not change (an engine step): `decode_weights` checks
+        its sources once, not in every forward."""
+        self.decode_weights()
+        self._frozen = True
+        try:
+            yield
+        finally:
+            self._frozen = False
+
+    def rope_positions(self) -> int:
+        """Positions the cached forwards' tables hold: the context plus room for the scratch
+        columns a verify or draft chain writes past a row's end (up to ROPE_MARGIN)."""
+        return self.config.max_position_embeddings + ROPE_MARGIN
 
     # ---- plain reference forward ---------------------------------------------------------
     def hidden_states(self, input_ids: Tensor) -> Tensor:
@@ -375,11 +527,12 @@ class Qwen3WithMTP(nn.Module):
         plan: AttentionPlan,  # positions of the new tokens, from cache.plan(...)
     ) -> Tensor:  # (B, S, hidden) final-normed hidden states
         """Run the trunk over new tokens appended to each row's cached prefix."""
-        cos, sin = self.rope(plan.positions)
-        x = self.model.embed_tokens(input_ids)
+        x = F.embedding(input_ids, self.model.embed_tokens.weight)
+        rope = self.rope_table(plan.positions, x.dtype)
+        weights = self.decode_weights()
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, cache, i, plan)
-        return self.model.norm(x)
+            x = cast(DecoderLayer, layer).cached(x, weights[i], rope, cache, i, plan)
+        return _rms(x, self.model.norm)
 
     def mtp_step(
         self,
@@ -392,9 +545,10 @@ class Qwen3WithMTP(nn.Module):
     ) -> Tensor:  # (B, S, hidden) MTP output before shared_head.norm
         """One MTP layer over new positions, attending to its own cached earlier positions."""
         mtp = self.mtp_layer(layer)
-        cos, sin = self.rope(plan.positions + 1 if rope_positions is None else rope_positions)
-        x = mtp.combine(self.model.embed_tokens(tokens), hidden)
-        return mtp(x, cos, sin, cache, 0, plan)
+        x = mtp.combine(F.embedding(tokens, self.model.embed_tokens.weight), hidden)
+        rope = self.rope_table(plan.positions + 1 if rope_positions is None else rope_positions, x.dtype)
+        weights = self.decode_weights()[self.config.num_hidden_layers + layer]
+        return mtp.cached(x, weights, rope, cache, 0, plan)
 
     def mtp_head(self, layer: int, out: Tensor) -> Tensor:
         """Draft logits from an MTP output: shared lm_head(shared_head.norm(out))."""

@@ -1,0 +1,184 @@
+"""The engine's rows: each sequence's host-side record, and the batch's per-row device tensors.
+
+Split from `torch_engine.py` so that the round's device work (uniforms, stop detection, the packed
+result) reads as one piece: `BatchTensors` is built once per change of the running batch and holds
+everything per row that a round needs on the device (sampling parameters, counter-RNG keys, stop
+ids, token budgets); `round_outcome` turns a verified round into the one packed tensor the host
+copies per step (tokens, log-probs, accepted counts, emitted counts, finish reasons).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from sidecar.engine import counter_rng
+from sidecar.engine.sampling import RowSampling
+from sidecar.types import FinishReason, Sample, SamplingParams, SpeculationCounters
+
+CATCH_UP_POSITIONS = 8
+"""Most pending MTP inputs an auto sequence keeps while the controller chooses k = 0. Resuming
+then refreshes at most this many positions (a steady drafting round refreshes a + 1 <= k + 1),
+so the price of keeping a draft alive through plain rounds is bounded by one ordinary draft
+phase instead of growing with the idle stretch (measured in BENCHMARKS.md, "Adaptive
+speculation": resuming after 30-40 plain rounds used to refresh every skipped position)."""
+
+REASON_NONE, REASON_STOP, REASON_LENGTH = 0, 1, 2
+
+
+def cost_clock(device: torch.device) -> Callable[[], float]:
+    """Seconds for the controller's cost measurements: wall time on CUDA (the engine synchronises
+    after each phase); CPU time on a CPU device — this thread's when torch computes on it alone
+    (a sidecar's gRPC threads then do not count), the process's when torch has intra-op threads.
+    On a shared machine wall time is mostly waiting for other tenants."""
+    if device.type == "cuda":
+        return time.perf_counter
+    return time.thread_time if torch.get_num_threads() == 1 else time.process_time
+
+
+def sequence_seed(seed: int, prompt_index: int, sample_index: int) -> int:
+    """The seed of one sequence: a hash of (request seed, prompt index, sample index), 63 bits."""
+    digest = hashlib.blake2b(f"{seed}/{prompt_index}/{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def step_counters(drafted: int, accepted: int, generated: int) -> SpeculationCounters:
+    """The counters of one row's round: one verify, its drafts, the accepted ones, tokens emitted."""
+    return SpeculationCounters(
+        verify_steps=1,
+        drafted_tokens=drafted,
+        accepted_tokens=accepted,
+        generated_tokens=generated,
+        drafted_per_position=[1] * drafted,
+        accepted_per_position=[1] * accepted,
+    )
+
+
+@dataclass(kw_only=True, slots=True)
+class Sequence:
+    request_id: str
+    prompt_index: int
+    sample_index: int
+    prompt: list[int]
+    params: SamplingParams
+    k: int
+    auto: bool
+    """k is chosen per step by the engine's SpeculationPolicy (`k` is then unused)."""
+    seed: int
+    """`sequence_seed(...)`: the key of the row's counter-based uniforms."""
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    counters: SpeculationCounters = field(default_factory=SpeculationCounters)
+    first_version: int = -1
+    last_version: int = -1
+    pending: list[Tensor] | None = None  # chunks of (n, hidden) trunk states the MTP layers have not consumed
+
+    @property
+    def drafts(self) -> bool:
+        """May draft in some step (so its MTP inputs must be kept)."""
+        return self.auto or self.k > 0
+
+    @property
+    def num_pending(self) -> int:
+        return sum(p.shape[0] for p in self.pending) if self.pending is not None else 0
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def last_tokens(self, n: int) -> list[int]:
+        if n <= len(self.output):
+            return self.output[len(self.output) - n :]
+        return self.prompt[len(self.prompt) - (n - len(self.output)) :] + self.output
+
+    def extend(self, tokens: list[float], logprobs: list[float], version: int) -> None:
+        """Append emitted tokens (as the packed copy holds them) and their log-probs."""
+        if not self.output:
+            self.first_version = version
+        self.last_version = version
+        self.output.extend(int(t) for t in tokens)
+        self.logprobs.extend(logprobs)
+
+    def position_one(self) -> tuple[int, int]:
+        """(drafts proposed at position 1, of which accepted) so far."""
+        drafted, accepted = self.counters.drafted_per_position, self.counters.accepted_per_position
+        return (drafted[0] if drafted else 0, accepted[0] if accepted else 0)
+
+    def to_sample(self, reason: FinishReason) -> Sample:
+        return Sample(
+            request_id=self.request_id,
+            prompt_index=self.prompt_index,
+            sample_index=self.sample_index,
+            token_ids=list(self.output),
+            logprobs=list(self.logprobs),
+            finish_reason=reason,
+            weight_version=self.first_version,
+            last_weight_version=self.last_version,
+            counters=self.counters,
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class BatchTensors:
+    """What a round needs per row on the device, built once per change of the running batch."""
+
+    rows: RowSampling
+    keys: Tensor
+    """(B, 2) int64 counter-RNG lane states of the rows' seeds (`counter_rng.row_keys`)."""
+    stops: Tensor
+    """(B, S) int64 stop token ids, padded with -1 (S >= 1)."""
+    max_new: Tensor
+    """(B,) int64 max_new_tokens."""
+
+    @classmethod
+    def of(cls, seqs: list[Sequence], device: torch.device) -> BatchTensors:
+        width = max([1, *(len(s.params.stop_token_ids) for s in seqs)])
+        stops = [list(s.params.stop_token_ids) + [-1] * (width - len(s.params.stop_token_ids)) for s in seqs]
+        return cls(
+            rows=RowSampling.of([s.params for s in seqs], device),
+            keys=counter_rng.row_keys(torch.tensor([s.seed for s in seqs], dtype=torch.int64)).to(device),
+            stops=torch.tensor(stops, dtype=torch.int64).to(device),
+            max_new=torch.tensor([s.params.max_new_tokens for s in seqs], dtype=torch.int64).to(device),
+        )
+
+    def round_uniforms(self, out_len: Tensor, k: int) -> Tensor:
+        """(B, 2k + 1): k draft samples, k acceptance tests, the final token, keyed by each row's
+        output length at the round's start (see `counter_rng`)."""
+        return counter_rng.uniforms(self.keys, counter_rng.round_words(out_len, k))
+
+
+def round_outcome(
+    batch: BatchTensors,
+    emitted: Tensor,  # (B, K+1) accepted drafts, then the residual/bonus token, then padding
+    logprobs: Tensor,  # (B, K+1) float32
+    num_accepted: Tensor,  # (B,) int64
+    out_len: Tensor,  # (B,) int64 tokens each row had emitted before the round
+) -> Tensor:  # (B, 2(K+1) + 3) float64
+    """The round's result packed for one host copy: per row the K+1 token columns, their K+1
+    log-probs, then accepted drafts a, tokens emitted n (<= a + 1: a stop token or the row's
+    max_new_tokens ends it early) and the finish reason (REASON_*). Float64 holds token ids and
+    float32 log-probs exactly."""
+    width = emitted.shape[1]
+    col = torch.arange(width, device=emitted.device)[None, :]
+    is_stop = (emitted[:, :, None] == batch.stops[:, None, :]).any(-1) & (col <= num_accepted[:, None])
+    first_stop = torch.where(is_stop, col, width).amin(dim=1)  # width: none
+    left = batch.max_new - out_len
+    n = torch.minimum(torch.minimum(num_accepted + 1, first_stop + 1), left)
+    reason = torch.where(
+        first_stop < n, REASON_STOP, torch.where(n >= left, REASON_LENGTH, REASON_NONE)
+    )  # a stop token wins over the length limit on the same token, as one-token-at-a-time decoding
+    return torch.cat(
+        [
+            emitted.double(),
+            logprobs.double(),
+            num_accepted[:, None].double(),
+            n[:, None].double(),
+            reason[:, None].double(),
+        ],
+        dim=1,
+    )

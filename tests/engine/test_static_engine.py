@@ -1,0 +1,109 @@
+"""The engine's fixed-shape pieces against independent oracles (issue 40).
+
+- A weight push followed by generation equals the plain full-forward greedy decode of the pushed
+  weights (copying update, adopting update; plain and speculative), so the fused decode weights
+  (`model.DecodeWeights`) never serve stale values.
+- The static KV cache: a request longer than a row is refused with RESOURCE_EXHAUSTED's error,
+  a memory budget caps the rows, rows that leave and join keep every other row exact.
+- The rotary table lookup equals the checked forward, without a host read.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sidecar.engine.torch_engine import TorchEngine
+from sidecar.errors import KVCacheCapacityError, OverloadedError
+from sidecar.model.checkpoint import model_state_dict
+from sidecar.model.kv_cache import KVCache
+from sidecar.model.model import ModelConfig, Qwen3WithMTP, build_model
+from sidecar.types import GenerationRequest, SamplingParams, WeightSelector
+
+PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7], [3] * 11]
+NEW = 12
+
+
+def oracle_greedy(model: Qwen3WithMTP, prompt: list[int], n: int) -> list[int]:
+    """Greedy decoding by the plain full forward, one token at a time, no cache."""
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+    return seq[len(prompt) :]
+
+
+def greedy(engine: TorchEngine, k: int) -> list[list[int]]:
+    req = GenerationRequest(
+        prompts=PROMPTS, sampling=SamplingParams(temperature=0.0, max_new_tokens=NEW), speculation_k=k
+    )
+    return [s.token_ids for s in engine.generate(req)]
+
+
+@pytest.mark.parametrize("adopt", [False, True])
+@pytest.mark.parametrize("k", [0, 3])
+def test_push_then_generate_equals_the_oracle_of_the_pushed_weights(adopt: bool, k: int) -> None:
+    engine = TorchEngine(build_model(ModelConfig.tiny(), seed=31))
+    before = greedy(engine, k)  # builds the fused decode weights of the old parameters
+    pushed = build_model(ModelConfig.tiny(), seed=32)
+    tensors = {n: t.clone() for n, t in model_state_dict(pushed).items()}
+    if adopt:
+        engine.adopt_weights(tensors, WeightSelector.ALL, version=1)
+    else:
+        engine.update_weights(tensors, WeightSelector.ALL, version=1)
+    after = greedy(engine, k)
+    assert after == [oracle_greedy(pushed, p, NEW) for p in PROMPTS]
+    assert after != before  # the two random models decode differently: the test can fail
+
+
+def test_in_place_parameter_writes_are_seen_by_the_decode_path() -> None:
+    """A trainer updating the served model in place (optimizer step, copy_) between generations."""
+    model = build_model(ModelConfig.tiny(), seed=33)
+    engine = TorchEngine(model)
+    greedy(engine, 3)
+    other = build_model(ModelConfig.tiny(), seed=34)
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), other.parameters(), strict=True):
+            p.copy_(q)
+    assert greedy(engine, 3) == [oracle_greedy(other, p, NEW) for p in PROMPTS]
+
+
+def test_a_request_longer_than_a_kv_row_is_resource_exhausted_and_the_engine_goes_on() -> None:
+    engine = TorchEngine(build_model(ModelConfig.tiny(), seed=35), max_context=16)
+    too_long = GenerationRequest(prompts=[[1] * 10], sampling=SamplingParams(max_new_tokens=7))
+    with pytest.raises(KVCacheCapacityError, match="max_context=16") as info:
+        engine.generate(too_long)
+    assert isinstance(info.value, OverloadedError)  # the gRPC edge answers RESOURCE_EXHAUSTED
+    fits = GenerationRequest(prompts=[[1] * 10], sampling=SamplingParams(temperature=0.0, max_new_tokens=6))
+    assert engine.generate(fits)[0].token_ids == oracle_greedy(engine.model, [1] * 10, 6)
+
+
+def test_a_memory_budget_caps_the_rows_and_the_rest_queue() -> None:
+    config = ModelConfig.tiny()
+    model = build_model(config, seed=36)
+    per_token = (config.num_hidden_layers + 1) * KVCache.slot_bytes(
+        config.num_key_value_heads, config.head_dim, config.dtype
+    )
+    slots = 32 + 8 + 2  # max_context + max_speculation_k + 2
+    engine = TorchEngine(model, max_context=32, max_batch_size=8, kv_cache_bytes=3 * per_token * slots)
+    assert engine.max_batch_size == 3
+    assert engine._cache.nbytes() + engine._mtp_caches[0].nbytes() <= 3 * per_token * slots
+    out = engine.generate(
+        GenerationRequest(
+            prompts=PROMPTS * 2, sampling=SamplingParams(temperature=0.0, max_new_tokens=NEW), speculation_k=2
+        )
+    )
+    assert [s.token_ids for s in out] == [oracle_greedy(model, p, NEW) for p in PROMPTS * 2]
+    with pytest.raises(ValueError, match="holds no row"):
+        TorchEngine(model, max_context=32, kv_cache_bytes=per_token)
+
+
+def test_the_rope_lookup_equals_the_checked_forward() -> None:
+    model = build_model(ModelConfig.tiny(), seed=37)
+    positions = torch.tensor([[0, 5, 511], [100, 101, 102]])
+    cos, sin = model.rope(positions)
+    table = model.rope_table(positions, torch.float32)
+    assert torch.equal(table.cos[:, 0], cos)
+    half = model.config.head_dim // 2
+    assert torch.equal(table.sin_folded[:, 0], torch.cat([-sin[..., :half], sin[..., half:]], -1))
+    assert model._rotary[0].table_size >= model.rope_positions()
