@@ -24,7 +24,6 @@ import torch
 from sidecar.losslessness.certificate import distribution_fits
 from sidecar.losslessness.exact_target import ExactTokens
 from sidecar.losslessness.statistics import Fit, conditional_fit, pooled_chi_square_pvalue
-from tests.sidecar_fixtures import single_torch_thread  # noqa: F401  (a fixture, used by pytestmark)
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
