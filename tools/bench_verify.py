@@ -27,6 +27,7 @@ import torch
 from sidecar.client.client import SidecarClient
 from sidecar.engine.torch_engine import TorchEngine
 from sidecar.losslessness.certificate import VerifyConfig, verify_sidecar
+from sidecar.losslessness.cli import _prompts
 from sidecar.losslessness.exact_target import load_model
 from sidecar.losslessness.report import certificate_to_json
 from sidecar.losslessness.wrong_rules import WRONG_RULES, in_fraction_of_rounds, with_acceptance_rule
@@ -54,6 +55,7 @@ def main() -> None:
     parser.add_argument("--no-power", action="store_true", help="skip the power simulation")
     parser.add_argument("--rule", choices=sorted(WRONG_RULES), default=None, help="serve this wrong acceptance rule")
     parser.add_argument("--fraction", type=float, default=1.0, help="of the rounds the wrong rule is applied in")
+    parser.add_argument("--prompts-file", type=Path, default=None, help="as specrl verify's (default: drawn)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -74,6 +76,7 @@ def main() -> None:
         for seed in args.seeds:
             config = VerifyConfig(
                 ks=(args.k,) if args.k is not None else None,
+                prompts=_prompts(args.prompts_file) if args.prompts_file else None,
                 samples_per_prompt=args.samples,
                 sample_tokens=args.tokens,
                 power_runs=args.power_runs,
