@@ -34,11 +34,10 @@ def measure(model_dir: str, batches: list[int], ks: list[int], new_tokens: int, 
     import torch
 
     torch.set_num_threads(1)
-    try:
-        from sidecar.model.model import build_model
-    except ImportError:  # a checkout from before the sidecar/model/ layout
-        from sidecar.engine.model import build_model  # type: ignore[no-redef]
+    from sidecar.engine import torch_engine
     from sidecar.engine.torch_engine import TorchEngine
+
+    build_model = torch_engine.build_model  # the checkout's own, whichever module holds it
     from sidecar.types import GenerationRequest, SamplingParams
 
     if model_dir:

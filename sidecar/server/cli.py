@@ -69,6 +69,8 @@ def load_engine(
     max_spec_k: int,
     max_batch_size: int,
     sglang_args: dict[str, object] | None = None,
+    max_context: int | None = None,
+    kv_cache_gib: float | None = None,
 ) -> Engine:
     """The engine serving `model` (an Engine); click.ClickException when it cannot be built.
     spec_k "auto": automatic mode up to max_spec_k."""
@@ -80,6 +82,10 @@ def load_engine(
             f"--sglang-arg applies to --engine sglang only, not {engine}", param_hint="--sglang-arg"
         )
     options: dict[str, object] = {"extra_server_args": sglang_args} if sglang_args else {}
+    if max_context is not None:
+        options["max_context"] = max_context
+    if kv_cache_gib is not None:
+        options["kv_cache_bytes"] = int(kv_cache_gib * 2**30)
     try:
         built = create_engine(
             engine,
@@ -298,6 +304,8 @@ def run_sidecar(cfg: ServeConfig, token: str | None = None) -> None:
         max_spec_k=cfg.max_spec_k,
         max_batch_size=cfg.max_batch_size,
         sglang_args=parse_sglang_args(cfg.sglang_args),
+        max_context=cfg.max_context,
+        kv_cache_gib=cfg.kv_cache_gib,
     )
     try:
         sidecar = Sidecar(eng, config)

@@ -29,6 +29,13 @@ class ServeConfig:
     0..max_spec_k for every engine step from its measured costs and acceptance."""
     max_spec_k: int = 8
     max_batch_size: int = 64
+    max_context: int | None = None
+    """Tokens (prompt + max_new_tokens) one sequence may hold: the length of a KV cache row (torch
+    engine; None: the model's max_position_embeddings). Longer requests are refused with
+    RESOURCE_EXHAUSTED. The KV cache is allocated once, max_batch_size rows of this length."""
+    kv_cache_gib: float | None = None
+    """Most memory the torch engine's KV cache may take (None: 90% of the free memory on CUDA, no
+    bound on CPU); fewer rows than max_batch_size fit → the batch is capped at what fits."""
     max_live_sequences: int = 4096
     device: str = "cpu"
     """torch device: cpu, cuda, cuda:1 ..."""
@@ -79,6 +86,12 @@ class ServeConfig:
                 f"weight_transports: unknown transport(s) {sorted(unknown)}; use shm and/or collective "
                 "(grpc is always offered)"
             )
+        if self.max_context is not None and self.max_context < 2:
+            raise ValueError(f"max_context must be >= 2 or unset (the model's context), got {self.max_context}")
+        if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
+            raise ValueError(f"kv_cache_gib must be > 0 or unset, got {self.kv_cache_gib}")
+        if (self.max_context is not None or self.kv_cache_gib is not None) and self.engine != "torch":
+            raise ValueError("max_context and kv_cache_gib size the torch engine's KV cache; SGLang sizes its own")
         if self.grace < 0:
             raise ValueError(f"grace must be >= 0, got {self.grace}")
 

@@ -107,3 +107,33 @@ def test_the_rope_lookup_equals_the_checked_forward() -> None:
     half = model.config.head_dim // 2
     assert torch.equal(table.sin_folded[:, 0], torch.cat([-sin[..., :half], sin[..., half:]], -1))
     assert model._rotary[0].table_size >= model.rope_positions()
+
+
+def test_serve_config_sizes_the_torch_engines_kv_cache(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from sidecar.config_io import from_mapping
+    from sidecar.model.checkpoint import save_checkpoint
+    from sidecar.server.cli import load_engine
+    from sidecar.server.serve_config import ServeConfig
+
+    config = ModelConfig.tiny()
+    save_checkpoint(tmp_path, config, model_state_dict(build_model(config, seed=38)))
+    cfg = from_mapping(ServeConfig, {"model": str(tmp_path), "max_context": 40, "kv_cache_gib": 0.001})
+    engine = load_engine(
+        "torch",
+        tmp_path,
+        device="cpu",
+        spec_k=3,
+        max_spec_k=8,
+        max_batch_size=64,
+        max_context=cfg.max_context,
+        kv_cache_gib=cfg.kv_cache_gib,
+    )
+    assert isinstance(engine, TorchEngine) and engine.max_context == 40
+    per_row = (config.num_hidden_layers + 1) * KVCache.slot_bytes(
+        config.num_key_value_heads, config.head_dim, config.dtype
+    )
+    assert engine.max_batch_size == int(0.001 * 2**30) // (per_row * (40 + 8 + 2)) < 64
+    with pytest.raises(ValueError, match="kv_cache_gib must be > 0"):
+        ServeConfig(kv_cache_gib=0)
+    with pytest.raises(ValueError, match="SGLang sizes its own"):
+        ServeConfig(engine="sglang", max_context=100)
