@@ -76,7 +76,9 @@ def verdicts(cert: Certificate) -> dict[str, Verdict]:
 @pytest.mark.slow
 def test_the_embedded_engine_is_certified_at_k_1_and_3_greedy_and_sampled_with_top_p(model: Qwen3WithMTP) -> None:
     engine = TorchEngine(model, speculation_k=3, max_batch_size=300)
-    cert = certify(model, engine, ks=(1, 3), temperatures=(0.0, 0.7, 1.0), top_p=0.9)
+    # 300 samples a prompt: at 150, resample-from-target at k = 1, T = 1 (TV ~0.06) sits at the edge
+    # of detection, and whether one simulated run detects it depends on the draw
+    cert = certify(model, engine, ks=(1, 3), temperatures=(0.0, 0.7, 1.0), top_p=0.9, samples_per_prompt=300)
     assert verdicts(cert) == {
         "weights": Verdict.PASS,
         "greedy k=1": Verdict.PASS,
