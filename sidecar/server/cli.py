@@ -146,6 +146,18 @@ _D = ServeConfig()
 )
 @click.option("--max-batch-size", type=click.IntRange(1), default=_D.max_batch_size, show_default=True)
 @click.option("--max-live-sequences", type=click.IntRange(1), default=_D.max_live_sequences, show_default=True)
+@click.option(
+    "--max-context",
+    type=click.IntRange(1),
+    default=_D.max_context,
+    help="Tokens a KV-cache row holds (prompt + new tokens; torch engine). Default: the model's context.",
+)
+@click.option(
+    "--kv-cache-gib",
+    type=click.FloatRange(0, min_open=True),
+    default=_D.kv_cache_gib,
+    help="GiB the torch engine's KV cache may take. Default: 90% of free GPU memory; no bound on CPU.",
+)
 @click.option("--device", default=_D.device, show_default=True, help="torch device: cpu, cuda, cuda:1 ...")
 @click.option(
     "--tls-cert", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=_D.tls_cert, help="PEM chain."
