@@ -4,6 +4,7 @@ the tests can apply as an oracle: problem n is informative iff n % 3 == 0."""
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,16 +40,25 @@ class FakeFleet:
     fail_on_call: int = 0
     """Raise `failure` on this generate call (1-based; 0: never)."""
     failure: Callable[[], BaseException] = KeyboardInterrupt
+    rejoins: int = 0
+    stale_calls: set[int] = field(default_factory=set)
+    """Generate calls (1-based) whose samples report weights `stale_by` versions older than served."""
+    stale_by: int = 5
+    delay_s: float = 0.0
+    """Each generate call takes this long after noting the version its samples start from."""
 
     def start_version(self) -> int:
         return self.version + 1
 
-    def generate(self, request: GenerationRequest) -> FleetResult:
+    def generate(self, request: GenerationRequest, *, rejoin: bool = True) -> FleetResult:
         prompts, samples_per_prompt = request.prompts, request.samples_per_prompt
         self.calls += 1
         if self.calls == self.fail_on_call:
             raise self.failure()
         self.asked += [TOK.decode(p) for p in prompts]
+        version = self.version - (self.stale_by if self.calls in self.stale_calls else 0)
+        if self.delay_s:
+            time.sleep(self.delay_s)
         samples = [
             Sample(
                 request_id="r",
@@ -57,8 +67,8 @@ class FakeFleet:
                 token_ids=TOK.encode("a" if j == 0 else "b"),
                 logprobs=[-0.5],
                 finish_reason=FinishReason.STOP,
-                weight_version=1,
-                last_weight_version=1,
+                weight_version=version,
+                last_weight_version=self.version,
             )
             for i in range(len(prompts))
             for j in range(samples_per_prompt)
@@ -67,6 +77,9 @@ class FakeFleet:
 
     def speculation_delta(self) -> SpeculationCounters:
         return SpeculationCounters()
+
+    def rejoin(self, events: list[str], *, force: bool = True) -> None:
+        self.rejoins += 1
 
     def push_weights(self, *args: Any, **kw: Any) -> PushReport:
         self.version += 1

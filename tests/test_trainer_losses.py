@@ -116,3 +116,48 @@ def test_config_validation() -> None:
         GRPOConfig(eps_low=1.5)
     with pytest.raises(ValueError, match="buffer_len"):
         OverlongConfig(max_len=4, buffer_len=8)
+
+
+def test_truncated_importance_weights_by_hand() -> None:
+    """Asynchronous RL: tokens sampled by an older policy are weighted by min(pi_prox / pi_behaviour,
+    cap). On-policy ratio 1 (old = current), so each token's loss is -w * A and its gradient
+    with respect to its log-prob is -w * A / tokens."""
+    logp = torch.log(torch.tensor([[0.5, 0.4, 0.2, 0.1]])).requires_grad_()
+    old = logp.detach()
+    # behaviour probabilities: w = 0.5/0.25 = 2 (at the cap), 0.4/0.1 = 4 (truncated to 2),
+    # 0.2/0.4 = 0.5, 0.1/0.1 = 1
+    behaviour = torch.log(torch.tensor([[0.25, 0.1, 0.4, 0.1]]))
+    adv, mask = torch.tensor([1.5]), torch.ones(1, 4)
+    out = policy_loss(logp, old, adv, mask, GRPOConfig(importance_cap=2.0), behaviour_logprobs=behaviour)
+    w = torch.tensor([2.0, 2.0, 0.5, 1.0])
+    assert float(out.loss.detach()) == pytest.approx(float(-(w * 1.5).sum() / 4), abs=1e-6)
+    out.loss.backward()
+    assert logp.grad is not None
+    assert logp.grad[0].tolist() == pytest.approx((-w * 1.5 / 4).tolist(), abs=1e-6)
+    assert out.metrics["is_weight_mean"] == pytest.approx(5.5 / 4, abs=1e-6)
+    assert out.metrics["is_weight_clipped_frac"] == pytest.approx(1 / 4)  # only the 4 was cut (2 is not above)
+
+
+def test_importance_weights_are_one_when_the_behaviour_policy_is_the_trainers() -> None:
+    """Lag 0: behaviour log-probs equal the proximal ones, every weight is exactly 1 and the loss
+    and gradient are those of the uncorrected surrogate."""
+    torch.manual_seed(0)
+    base = torch.randn(3, 5)
+    adv, mask = torch.tensor([1.0, -0.5, 0.25]), (torch.rand(3, 5) > 0.3).float()
+    old = base - 0.1 * torch.randn(3, 5)
+    a = base.clone().requires_grad_()
+    b = base.clone().requires_grad_()
+    plain = policy_loss(a, old, adv, mask, GRPOConfig())
+    corrected = policy_loss(b, old, adv, mask, GRPOConfig(), behaviour_logprobs=old.clone())
+    assert float(corrected.loss.detach()) == float(plain.loss.detach())
+    plain.loss.backward()
+    corrected.loss.backward()
+    assert a.grad is not None and b.grad is not None
+    assert torch.equal(a.grad, b.grad)
+    assert corrected.metrics["is_weight_mean"] == pytest.approx(float(mask.sum() / mask.sum()))
+    assert corrected.metrics["is_weight_clipped_frac"] == 0.0
+
+
+def test_an_importance_cap_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="importance_cap must be >= 1"):
+        GRPOConfig(importance_cap=0.5)

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from sidecar.types import Sample
 from trainer.losses import OverlongConfig, group_keep_mask, overlong_penalty
+from trainer.tasks import Problem
 
 
 @dataclass(kw_only=True, slots=True)
@@ -31,6 +32,8 @@ class Group:
     """(G,) float32 reward used for the advantage (task reward + overlong penalty)."""
     task_rewards: Tensor
     """(G,) float32 task reward alone (what `reward/train_mean` reports)."""
+    problem: Problem | None = None
+    """What the prompt asks (to reward a regenerated group)."""
 
     @property
     def informative(self) -> bool:

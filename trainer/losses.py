@@ -52,6 +52,11 @@ class GRPOConfig:
     """DAPO dynamic sampling: drop groups whose rewards are all equal (they carry no signal)."""
     kl_coef: float = 0.0
     """Weight of the k3 KL penalty to the reference policy; 0 disables it (DAPO's default)."""
+    importance_cap: float = 2.0
+    """Asynchronous RL (`rollout.max_policy_lag` > 0) only: each token's surrogate is weighted by
+    min(pi_prox / pi_behaviour, importance_cap), pi_behaviour the log-probs the sidecar reported
+    when it sampled the token (an older policy), pi_prox the trainer's current one (decoupled
+    PPO with truncated importance sampling); unused at lag 0, where the two policies agree."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.eps_low < 1.0:
@@ -62,6 +67,11 @@ class GRPOConfig:
             raise ValueError(f"std_eps must be > 0, got {self.std_eps}")
         if not self.kl_coef >= 0.0:
             raise ValueError(f"kl_coef must be >= 0 (0 disables the KL penalty), got {self.kl_coef}")
+        if not self.importance_cap >= 1.0:
+            raise ValueError(
+                f"importance_cap must be >= 1 (it truncates importance weights, which are 1 on-policy), "
+                f"got {self.importance_cap}"
+            )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -170,10 +180,15 @@ def policy_loss(
     cfg: GRPOConfig,
     ref_logprobs: Tensor | None = None,  # (B, T) reference policy log-probs, needed if kl_coef > 0
     totals: BatchTotals | None = None,
+    behaviour_logprobs: Tensor | None = None,  # (B, T) the sampling policy's, when it is not `old`'s
 ) -> PolicyLossOutput:
     """The clipped surrogate of GRPO/DAPO, aggregated per `cfg.token_level`.
 
     Per token: -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A), ratio = exp(logp - old).
+    With `behaviour_logprobs` (asynchronous RL: the samples came from an older policy), each
+    token's term is multiplied by the truncated importance weight
+    w = min(exp(old - behaviour), cfg.importance_cap) (decoupled PPO: `old` is the proximal policy
+    the ratio is clipped around, the weight corrects for having sampled from another one).
     `totals`: the whole batch's counts when this is one micro-batch of it (None: this batch's own);
     the loss and every metric except `tokens` are then this micro-batch's share, which sum up.
     """
@@ -183,6 +198,11 @@ def policy_loss(
     ratio = torch.exp(logprobs - old_logprobs.detach())
     clipped = ratio.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
     per_token = -torch.minimum(ratio * adv, clipped * adv)
+    weights = None
+    if behaviour_logprobs is not None:
+        raw = torch.exp(old_logprobs.detach() - behaviour_logprobs.detach().to(logprobs.dtype))
+        weights = raw.clamp(max=cfg.importance_cap)
+        per_token = per_token * weights
     loss = _aggregate(per_token, mask, cfg.token_level, totals)
     n = max(totals.tokens, 1.0)
     with torch.no_grad():
@@ -195,6 +215,9 @@ def policy_loss(
             "ratio_mean": float((ratio * mask).sum() / n),
             "tokens": float(mask.sum()),
         }
+        if weights is not None:
+            metrics["is_weight_mean"] = float((weights * mask).sum() / n)
+            metrics["is_weight_clipped_frac"] = float(((raw > cfg.importance_cap).to(mask.dtype) * mask).sum() / n)
     if cfg.kl_coef > 0.0:
         if ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs ref_logprobs (the reference policy's log-probs); pass them or set 0")

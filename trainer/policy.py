@@ -56,6 +56,9 @@ class TrainBatch:
     generated: Tensor | None = None
     """(B, S-1) 1 on every generated token, including those of groups the loss filters out:
     where the training–inference mismatch metric is taken; None: `mask`."""
+    off_policy: bool = False
+    """The samples came from an older policy (asynchronous RL): the loss weights each token by
+    its truncated importance weight against `rollout_logprobs` (`trainer.losses.policy_loss`)."""
 
     def __post_init__(self) -> None:
         b, s = self.tokens.shape
@@ -65,6 +68,8 @@ class TrainBatch:
                 raise ValueError(
                     f"{name} must be (B, S-1) = ({b}, {s - 1}) aligned with tokens[:, 1:], got {tuple(t.shape)}"
                 )
+        if self.off_policy and self.rollout_logprobs is None:
+            raise ValueError("an off-policy batch needs rollout_logprobs (the sampling policy's log-probs)")
         if tuple(self.advantages.shape) != (b,):
             raise ValueError(f"advantages must be (B,) = ({b},), got {tuple(self.advantages.shape)}")
 
@@ -82,6 +87,7 @@ class TrainBatch:
             rollout_logprobs=pick(self.rollout_logprobs),
             ref_logprobs=pick(self.ref_logprobs),
             generated=pick(self.generated),
+            off_policy=self.off_policy,
         )
 
     @classmethod
@@ -311,7 +317,13 @@ class Policy:
             old = batch.old_logprobs[part].to(dev) if batch.old_logprobs is not None else logp.detach()
             ref = batch.ref_logprobs[part].to(dev) if batch.ref_logprobs is not None else None
             adv = batch.advantages[part].to(dev)
-            out = policy_loss(logp, old, adv, mask, self.cfg.grpo, ref_logprobs=ref, totals=totals)
+            behaviour = None
+            if batch.off_policy:
+                assert batch.rollout_logprobs is not None
+                behaviour = batch.rollout_logprobs[part].to(dev)
+            out = policy_loss(
+                logp, old, adv, mask, self.cfg.grpo, ref_logprobs=ref, totals=totals, behaviour_logprobs=behaviour
+            )
             out.loss.backward()
             _add(metrics, out.metrics)
             logps.append(logp.detach())

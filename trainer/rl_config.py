@@ -85,6 +85,13 @@ class RolloutConfig:
     """DAPO dynamic sampling: when `algorithm.filter_equal_groups` drops groups whose rewards are
     all equal, draw fresh prompts for the missing groups, for at most this many extra generation
     rounds per step (0: no refill, the step trains on fewer groups). A step left short is reported."""
+    max_policy_lag: int = 0
+    """Asynchronous RL: generate up to this many weight versions ahead of training (0: the
+    synchronous loop, generate -> train -> push). With 1, step t+1's batch generates while step t
+    trains; pushes land while it generates (rows continue on the new weights), a sample is never
+    trained on more than this many versions after the weights of its first token (older groups
+    are regenerated, `rollout/stale_regenerated`), and the loss corrects for the older sampling
+    policy with truncated importance weights (`algorithm.importance_cap`)."""
 
     def __post_init__(self) -> None:
         if self.prompts_per_step < 1:
@@ -101,6 +108,13 @@ class RolloutConfig:
             raise ValueError(f"rollout.deadline_s must be > 0, got {self.deadline_s}")
         if self.refill_rounds < 0:
             raise ValueError(f"rollout.refill_rounds must be >= 0 (0: no refill), got {self.refill_rounds}")
+        if self.max_policy_lag < 0:
+            raise ValueError(f"rollout.max_policy_lag must be >= 0 (0: synchronous), got {self.max_policy_lag}")
+        if self.max_policy_lag and self.measure_plain:
+            raise ValueError(
+                "rollout.measure_plain times a plain generation beside each step's, which generation running "
+                "ahead of training would overlap; set rollout.measure_plain: false with rollout.max_policy_lag > 0"
+            )
 
 
 @dataclass(kw_only=True, slots=True)

@@ -25,9 +25,10 @@ import os
 import random
 import re
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
@@ -41,13 +42,14 @@ from sidecar.config_io import to_mapping, write_yaml
 from sidecar.model.model import ModelConfig
 from sidecar.types import GenerationRequest, Sample, SamplingParams, SpeculationCounters
 from trainer import platform
-from trainer.dynamic_sampling import Group, group_samples, select_groups, shaped_rewards
+from trainer.dynamic_sampling import Group, Selection, group_samples, select_groups, shaped_rewards
 from trainer.local_sidecars import LocalSidecars
 from trainer.losses import OverlongConfig, mismatch_metrics, sample_advantages
 from trainer.policy import Policy, TrainBatch
 from trainer.preflight import check_sidecars, preflight
 from trainer.reference import ReferencePolicy
 from trainer.rl_config import RLConfig
+from trainer.rollout_pipeline import RolloutPipeline
 from trainer.run_dir import RunDir
 from trainer.tasks import Problem, Task, distinct_problems
 from trainer.tokenizer import Tokenizer
@@ -69,6 +71,10 @@ class Run:
     run_dir: RunDir
     reference: ReferencePolicy | None = None
     """The frozen reference policy of the KL penalty (when algorithm.kl_coef > 0)."""
+    generating: threading.Lock = field(default_factory=threading.Lock)
+    """Held while a step's rollout or an evaluation generates (rank 0): with generation running
+    ahead in a thread of its own, an evaluation waits for the batch in progress, so neither's
+    speculation counters take in the other's decoding."""
 
     @property
     def leader(self) -> bool:
@@ -80,6 +86,25 @@ class Run:
         if self.sidecars is None:
             raise RuntimeError("only rank 0 talks to the sidecars")
         return self.sidecars
+
+
+STALE_SEED_BASE = 1_000
+"""Regenerated groups draw seeds derive_seed(run seed, step, STALE_SEED_BASE + group): apart
+from the step's own rounds (0 .. refill_rounds)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Rollout:
+    """Rank 0: one step's generated and rewarded groups, before they become its batch."""
+
+    step: int
+    groups: list[Group]
+    """`select_groups`' choice: informative groups first, padded with masked ones."""
+    informative: int
+    metrics: dict[str, float]
+    """Generation, reward, refill and speculation metrics of the step."""
+    events: list[str]
+    """What went wrong on the way (re-routes, short steps), logged with the step."""
 
 
 def policy_config(cfg: RLConfig) -> Policy.Config:
@@ -178,7 +203,8 @@ def evaluate(run: Run, size: int) -> tuple[float, float]:
     )
     prompts = [run.tokenizer.encode(p.prompt) for p in problems]
     request = GenerationRequest(prompts=prompts, sampling=sampling, speculation_k=run.cfg.rollout.request_k)
-    samples = run.fleet.generate(request).samples
+    with run.generating:
+        samples = run.fleet.generate(request).samples
     rewards = [run.task.reward(problems[s.prompt_index], run.tokenizer.decode(s.token_ids)) for s in samples]
     return mean_and_stderr(rewards)
 
@@ -253,20 +279,28 @@ def _score(run: Run, problems: list[Problem], prompts: list[list[int]], samples:
         task = torch.tensor([run.task.reward(problem, run.tokenizer.decode(s.token_ids)) for s in group])
         lengths = torch.tensor([len(s.token_ids) for s in group])
         groups.append(
-            Group(prompt=prompt, samples=group, rewards=shaped_rewards(task, lengths, overlong), task_rewards=task)
+            Group(
+                prompt=prompt,
+                samples=group,
+                rewards=shaped_rewards(task, lengths, overlong),
+                task_rewards=task,
+                problem=problem,
+            )
         )
     return groups
 
 
-def rl_step(run: Run, step: int) -> dict[str, float]:
+def rl_step(run: Run, step: int, rollouts: RolloutPipeline[Rollout] | None = None) -> dict[str, float]:
     """One RL step; returns its metrics (on every rank: rank 0's).
 
-    Multi-process (torchrun, tensor parallel): rank 0 generates and rewards, every rank gets the
-    same batch and trains its shard, every rank takes part in the weight export (a collective)
-    while rank 0 streams it to the sidecars."""
+    `rollouts` (rank 0): where the step's batch comes from; None generates it here and now (the
+    synchronous loop, as `rollout.max_policy_lag` = 0 does). Multi-process (torchrun, tensor
+    parallel): rank 0 generates and rewards, every rank gets the same batch and trains its shard,
+    every rank takes part in the weight export (a collective) while rank 0 streams it to the
+    sidecars."""
     cfg = run.cfg
     metrics: dict[str, float] = {}
-    batch = share(collect_batch(run, step, metrics) if run.leader else None)
+    batch = share(next_batch(run, step, rollouts, metrics) if run.leader else None)
     assert batch is not None
 
     # 3. log-prob recomputation with the trainer's policy (the PPO ratio's denominator): in a
@@ -303,6 +337,13 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
             run.policy.export_named_tensors, names=run.policy.export_names()
         ).seconds
         metrics["weights/version"] = float(run.fleet.version)
+        if rollouts is not None:
+            rollouts.trained(step)  # the batch `max_policy_lag` steps ahead may start
+        if cfg.rollout.max_policy_lag:  # the producer generates without bringing sidecars back
+            events: list[str] = []  # (a rejoin pushes the trainer's weights: only between updates)
+            run.fleet.rejoin(events, force=False)
+            if events:
+                log.warning("step %d: %s", step, "; ".join(events))
     else:
         for _ in run.policy.export_named_tensors():
             pass
@@ -312,7 +353,12 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     # are speculative here and would be plain without speculation)
     if run.leader:
         rest = metrics["time/refill"] + metrics["time/logprobs"] + metrics["time/train"] + metrics["time/weight_sync"]
-        metrics["time/step"] = metrics["time/generation"] + rest
+        if cfg.rollout.max_policy_lag:  # generation overlaps training: the trainer waits only for what is left
+            exposed = metrics["time/wait_generation"] + metrics["time/stale_regeneration"]
+            metrics["time/step"] = exposed + rest - metrics["time/refill"]
+            metrics["time/generation_exposed_share"] = exposed / metrics["time/step"]
+        else:
+            metrics["time/step"] = metrics["time/generation"] + rest
         metrics["time/generation_share"] = (metrics["time/generation"] + metrics["time/refill"]) / metrics["time/step"]
         if cfg.rollout.measure_plain:
             metrics["speedup/generation"] = metrics["time/generation_plain"] / metrics["time/generation"]
@@ -322,9 +368,20 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     return shared
 
 
-def collect_batch(run: Run, step: int, metrics: dict[str, float]) -> TrainBatch:
-    """Steps 1-2 (rank 0): generate, reward, refill, and pack the batch; adds their metrics."""
+def gather_rollout(run: Run, step: int) -> Rollout:
+    """Steps 1-2 (rank 0): generate, reward and refill one step's groups. Runs in the rollout
+    producer's thread when `rollout.max_policy_lag` > 0 (while earlier steps train); it holds
+    `run.generating`, so an evaluation's generations never mix into its counters."""
+    with run.generating:
+        metrics: dict[str, float] = {}
+        events: list[str] = []
+        chosen = _gather(run, step, metrics, events)
+    return Rollout(step=step, groups=chosen.groups, informative=chosen.informative, metrics=metrics, events=events)
+
+
+def _gather(run: Run, step: int, metrics: dict[str, float], events: list[str]) -> Selection:
     cfg, ro = run.cfg, run.cfg.rollout
+    rejoin = not ro.max_policy_lag  # asynchronous: the trainer brings sidecars back between updates
     rng = random.Random(cfg.seed * 1_000_003 + step)
     problems: list[Problem] = [run.task.sample(rng, "train") for _ in range(ro.prompts_per_step)]
     prompts = [run.tokenizer.encode(p.prompt) for p in problems]
@@ -339,12 +396,12 @@ def collect_batch(run: Run, step: int, metrics: dict[str, float]) -> TrainBatch:
     run.fleet.speculation_delta()  # baseline of the raw counters
     plain_first = ro.measure_plain and step % 2 == 1  # alternate the order of the side-by-side passes
     if plain_first:
-        metrics["time/generation_plain"] = run.fleet.generate(rollout_request(0)).seconds
+        metrics["time/generation_plain"] = run.fleet.generate(rollout_request(0), rejoin=rejoin).seconds
         run.fleet.speculation_delta()
-    rollout = run.fleet.generate(rollout_request(ro.request_k))
+    rollout = run.fleet.generate(rollout_request(ro.request_k), rejoin=rejoin)
     counters = run.fleet.speculation_delta()
     if ro.measure_plain and not plain_first:
-        metrics["time/generation_plain"] = run.fleet.generate(rollout_request(0)).seconds
+        metrics["time/generation_plain"] = run.fleet.generate(rollout_request(0), rejoin=rejoin).seconds
     samples = rollout.samples
     metrics["time/generation"] = rollout.seconds
     metrics["rollout/rerouted"] = float(rollout.rerouted)
@@ -353,7 +410,7 @@ def collect_batch(run: Run, step: int, metrics: dict[str, float]) -> TrainBatch:
     metrics["rollout/weight_version"] = float(min(s.weight_version for s in samples))
     metrics["rollout/response_len"] = sum(len(s.token_ids) for s in samples) / len(samples)
     metrics.update(length_quantiles([len(s.token_ids) for s in samples]))
-    events = list(rollout.events)
+    events += rollout.events
 
     # 2. rewards (with overlong shaping); DAPO dynamic sampling refills groups whose rewards are
     #    all equal with fresh prompts, for at most rollout.refill_rounds rounds
@@ -379,7 +436,8 @@ def collect_batch(run: Run, step: int, metrics: dict[str, float]) -> TrainBatch:
                 sampling=_sampling(run, step, rounds),
                 samples_per_prompt=ro.samples_per_prompt,
                 speculation_k=ro.request_k,
-            )
+            ),
+            rejoin=rejoin,
         )
         counters.add(run.fleet.speculation_delta())
         refill_seconds += extra.seconds
@@ -397,19 +455,92 @@ def collect_batch(run: Run, step: int, metrics: dict[str, float]) -> TrainBatch:
             f"dynamic sampling found {chosen.informative} of {ro.prompts_per_step} informative groups after "
             f"{rounds} refill round(s); the rest stay masked out (raise rollout.refill_rounds)"
         )
-    rewards = torch.stack([g.rewards for g in chosen.groups])  # (N, G)
+    return chosen
+
+
+def next_batch(run: Run, step: int, rollouts: RolloutPipeline[Rollout] | None, metrics: dict[str, float]) -> TrainBatch:
+    """Rank 0: the step's rollout (from `rollouts`, or generated now), its groups regenerated
+    where the lag bound is broken, packed into the batch; adds the metrics."""
+    if rollouts is None:
+        start = time.perf_counter()
+        rollout = gather_rollout(run, step)
+        waited, gated = time.perf_counter() - start, 0.0
+    else:
+        taken = rollouts.take(step)
+        rollout, waited, gated = taken.value, taken.waited_s, taken.gated_s
+    metrics.update(rollout.metrics)
+    metrics["time/wait_generation"] = waited
+    metrics["time/wait_weights"] = gated
+    events = list(rollout.events)
+    t = time.perf_counter()
+    metrics["rollout/stale_regenerated"] = float(refresh_stale_groups(run, rollout, events))
+    metrics["time/stale_regeneration"] = time.perf_counter() - t
+    lags = [run.fleet.version - s.weight_version for g in rollout.groups for s in g.samples]
+    metrics["rollout/policy_lag_mean"] = sum(lags) / len(lags)
+    metrics["rollout/policy_lag_max"] = float(max(lags))
+    if events:
+        log.warning("step %d: %s", step, "; ".join(events))
+    return pack_batch(run, rollout)
+
+
+def refresh_stale_groups(run: Run, rollout: Rollout, events: list[str]) -> int:
+    """Regenerate, from the served weights, every group with a sample whose first token came from
+    a version more than `rollout.max_policy_lag` behind the trainer's; returns how many samples
+    were regenerated. (The producer starts a batch only within the bound and asks the sidecars
+    for at least the fleet's version, so this is the guard against a sidecar that served older
+    weights than it was asked for, not the normal path.) Raises if a fresh generation is stale too."""
+    cfg = run.cfg
+    bound = run.fleet.version - cfg.rollout.max_policy_lag
+    regenerated = 0
+    for n, group in enumerate(rollout.groups):
+        if min(s.weight_version for s in group.samples) >= bound:
+            continue
+        assert group.problem is not None
+        sampling = dataclasses.replace(
+            _sampling(run, rollout.step, 0), seed=derive_seed(cfg.seed, rollout.step, STALE_SEED_BASE + n)
+        )
+        fresh = run.fleet.generate(
+            GenerationRequest(
+                prompts=[group.prompt],
+                sampling=sampling,
+                samples_per_prompt=cfg.rollout.samples_per_prompt,
+                speculation_k=cfg.rollout.request_k,
+                min_weight_version=bound,
+            )
+        )
+        oldest = min(s.weight_version for s in fresh.samples)
+        if oldest < bound:
+            raise RuntimeError(
+                f"step {rollout.step}: regenerated samples still came from weight version {oldest}, more than "
+                f"rollout.max_policy_lag={cfg.rollout.max_policy_lag} behind the trainer's {run.fleet.version}: "
+                "a sidecar serves weights older than it was asked for; check its logs (GetInfo weight_version)"
+            )
+        events += fresh.events
+        events.append(
+            f"regenerated group {n}: a sample was {run.fleet.version - min(s.weight_version for s in group.samples)} "
+            f"versions behind (rollout.max_policy_lag={cfg.rollout.max_policy_lag})"
+        )
+        rollout.groups[n] = _score(run, [group.problem], [group.prompt], fresh.samples)[0]
+        regenerated += len(group.samples)
+    return regenerated
+
+
+def pack_batch(run: Run, rollout: Rollout) -> TrainBatch:
+    """The rollout's groups as a training batch: advantages per group, filtered groups masked out,
+    off-policy when the loop runs ahead of training."""
+    cfg, groups = run.cfg, rollout.groups
+    rewards = torch.stack([g.rewards for g in groups])  # (N, G)
     advantages, keep = sample_advantages(rewards, cfg.algorithm)
     batch = TrainBatch.from_sequences(
-        [g.prompt for g in chosen.groups for _ in g.samples],
-        [s.token_ids for g in chosen.groups for s in g.samples],
+        [g.prompt for g in groups for _ in g.samples],
+        [s.token_ids for g in groups for s in g.samples],
         advantages,
-        rollout_logprobs=[s.logprobs for g in chosen.groups for s in g.samples],
+        rollout_logprobs=[s.logprobs for g in groups for s in g.samples],
         pad_id=run.tokenizer.pad_id,
     )
     batch.generated = batch.mask.clone()  # every generated token (the loss then drops filtered groups)
     batch.mask = batch.mask * keep.float()[:, None]
-    if events:
-        log.warning("step %d: %s", step, "; ".join(events))
+    batch.off_policy = cfg.rollout.max_policy_lag > 0
     return batch
 
 
@@ -516,9 +647,19 @@ def train(cfg: RLConfig, *, resume: bool = False, progress: bool = True) -> list
             if leader and cfg.eval_every and start == 0:
                 run_dir.log(0, evaluate_logged(run, progress))  # type: ignore[union-attr]
             last_plot = 0.0
+            rollouts = None
+            if leader and cfg.rollout.max_policy_lag:  # generation runs ahead in a thread of its own
+                rollouts = stack.enter_context(
+                    RolloutPipeline(
+                        lambda s: gather_rollout(run, s),
+                        first=start,
+                        last=cfg.steps,
+                        max_lag=cfg.rollout.max_policy_lag,
+                    )
+                )
             bar = tqdm(range(start, cfg.steps), desc="RL steps", disable=not progress, unit="step")
             for step in bar:
-                metrics = rl_step(run, step)
+                metrics = rl_step(run, step, rollouts)
                 done = step + 1
                 if leader and cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
                     metrics.update(evaluate_logged(run, progress))

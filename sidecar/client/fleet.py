@@ -402,9 +402,12 @@ class Fleet:
         return [], unanswered
 
     # ---- generation --------------------------------------------------------------------------
-    def generate(self, request: GenerationRequest) -> FleetResult:
+    def generate(self, request: GenerationRequest, *, rejoin: bool = True) -> FleetResult:
         """Every (prompt, sample) of `request` exactly once, spread over the live sidecars.
 
+        `rejoin`: first bring back down sidecars that answer again, pushing them the last pushed
+        weights (`rejoin`). A caller generating while the trainer updates those weights (the
+        asynchronous RL loop's producer thread) passes False and rejoins between updates instead.
         Raises `SidecarCallError` for a caller error (see the module docstring),
         `NoLiveSidecarError` when no sidecar is left to serve the rest.
         """
@@ -419,7 +422,8 @@ class Fleet:
         busy_here: set[str] = set()
         round_ = 0
         while missing:
-            self.rejoin(events, force=False)
+            if rejoin:
+                self.rejoin(events, force=False)
             live = self.live()
             if not live:
                 raise NoLiveSidecarError(
