@@ -64,3 +64,45 @@ def test_reward_plot_draws_held_out_evaluations_as_points_with_95_percent_error_
     run.log(3, {"reward/train_mean": 0.6, "reward/eval_mean": 0.7, "reward/eval_stderr": 0.02})
     assert (tmp_path / "r" / "plots" / "reward.png") in run.plot()
     assert drawn == [([0.5, 0.7], [pytest.approx(1.96 * 0.03), pytest.approx(1.96 * 0.02)])]  # train: a line
+
+
+def test_an_asynchronous_runs_step_bars_stack_what_the_trainer_waited_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With generation overlapping training, stacking its whole time would overstate the step:
+    the bars stack the exposed generation and a dashed line shows the overlapped generation."""
+    import matplotlib.axes
+
+    bars: list[tuple[str, list[float]]] = []
+    lines: list[tuple[str, list[float]]] = []
+    bar, plot = matplotlib.axes.Axes.bar, matplotlib.axes.Axes.plot
+
+    def spy_bar(self: matplotlib.axes.Axes, x: Any, h: Any, **kw: Any) -> Any:
+        bars.append((kw["label"], list(h)))
+        return bar(self, x, h, **kw)
+
+    def spy_plot(self: matplotlib.axes.Axes, *args: Any, **kw: Any) -> Any:
+        lines.append((kw.get("label", ""), list(args[1])))
+        return plot(self, *args, **kw)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "bar", spy_bar)
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", spy_plot)
+    run = RunDir(tmp_path / "r")
+    for step in (1, 2):
+        run.log(
+            step,
+            {
+                "time/generation": 3.0,
+                "time/refill": 1.0,
+                "time/wait_generation": 0.5,
+                "time/stale_regeneration": 0.0,
+                "time/train": 2.0,
+                "time/weight_sync": 0.1,
+                "time/generation_exposed_share": 0.5 / 2.6,
+            },
+        )
+    run.plot()
+    stacked = dict(bars)
+    assert stacked["wait_generation"] == [0.5, 0.5] and stacked["train"] == [2.0, 2.0]
+    assert "generation" not in stacked and "refill" not in stacked
+    assert ("generation (overlapped with training)", [4.0, 4.0]) in lines

@@ -108,6 +108,12 @@ def plot_metrics(rows: Iterable[Mapping[str, Any]], out_dir: Path) -> list[Path]
             continue
         fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
         if filename == "step_time.png":
+            overlapped = {}
+            if any("time/generation_exposed_share" in r for r in rows):  # asynchronous: stack what was waited for
+                overlapped = {
+                    r["step"]: r["time/generation"] + r.get("time/refill", 0.0) for r in rows if "time/generation" in r
+                }
+                series = {ASYNC_STACK.get(k, k): _series(rows, ASYNC_STACK.get(k, k)) for k in series}
             steps = sorted({s for v in series.values() for s, _ in v})
             bottom = [0.0] * len(steps)
             for key, points in series.items():
@@ -115,6 +121,11 @@ def plot_metrics(rows: Iterable[Mapping[str, Any]], out_dir: Path) -> list[Path]
                 heights = [value.get(s, 0.0) for s in steps]
                 ax.bar(steps, heights, bottom=bottom, label=key.split("/", 1)[1])
                 bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+            if overlapped:
+                xs = sorted(overlapped)
+                ax.plot(
+                    xs, [overlapped[x] for x in xs], "k--", marker=".", label="generation (overlapped with training)"
+                )
         else:
             for key, points in series.items():
                 xs, ys = zip(*points, strict=True)
@@ -135,6 +146,16 @@ def plot_metrics(rows: Iterable[Mapping[str, Any]], out_dir: Path) -> list[Path]
         plt.close(fig)
         written.append(path)
     return written
+
+
+ASYNC_STACK = {"time/generation": "time/wait_generation", "time/refill": "time/stale_regeneration"}
+"""With `rollout.max_policy_lag` > 0 generation runs while earlier steps train: the step-time bars
+stack what the trainer waited for (the exposed generation, regenerated stale groups) and a line
+shows the whole generation time it overlapped."""
+
+
+def _series(rows: list[Mapping[str, Any]], key: str) -> list[tuple[Any, float]]:
+    return [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float) and "step" in r]
 
 
 def _stderr_of(rows: list[Mapping[str, Any]], key: str) -> dict[Any, float] | None:
