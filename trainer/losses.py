@@ -18,7 +18,10 @@ DAPO (Yu et al. 2025, arXiv:2503.14476) adds four changes, each an option here:
 The KL penalty to a reference policy uses Schulman's k3 estimator, exp(r) - r - 1 with
 r = log pi_ref - log pi (unbiased, non-negative). The importance ratio between the trainer's
 recomputed log-probs and the rollout engine's log-probs is reported as a metric (`mismatch_metrics`):
-with identical weights it is 1 up to numerics (README, invariant 2).
+with identical weights it is 1 up to numerics (README, invariant 2). Under asynchronous RL the
+samples come from an older policy, and `policy_loss` weights each token by its truncated
+importance weight against the sampling policy (decoupled PPO, Hilton et al. 2021,
+arXiv:2110.00641, with truncation as in AReaL, arXiv:2505.24298).
 
 All functions are pure over tensors; shapes are given in comments (B samples, T response tokens,
 N groups of G samples, B = N * G).

@@ -13,6 +13,10 @@ log-probs: unless `separate_logprob_pass` is set they come, detached, from the t
 itself and the "log-probs" phase costs nothing. With
 `rollout.measure_plain`, the step's prompts are generated once more with speculation off on the
 same weights, so the speedup is measured side by side in the same run.
+
+With `rollout.max_policy_lag` > 0 (asynchronous RL) rank 0 generates in a producer thread
+(`trainer.rollout_pipeline`) while earlier steps train: `next_batch` takes the step's rollout,
+regenerates any group older than the bound, and packs an off-policy batch.
 """
 
 from __future__ import annotations
