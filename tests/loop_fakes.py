@@ -45,6 +45,10 @@ class FakeFleet:
     """Generate calls (1-based) whose samples report weights `stale_by` versions older than served."""
     stale_by: int = 5
     delay_s: float = 0.0
+    pushes: int = 0
+    refuse_push: int = 0
+    """Raise `push_failure` on this push (1-based; 0: never); the served version stays."""
+    push_failure: Callable[[], BaseException] = KeyboardInterrupt
     """Each generate call takes this long after noting the version its samples start from."""
 
     def start_version(self) -> int:
@@ -82,6 +86,9 @@ class FakeFleet:
         self.rejoins += 1
 
     def push_weights(self, *args: Any, **kw: Any) -> PushReport:
+        self.pushes += 1
+        if self.pushes == self.refuse_push:
+            raise self.push_failure()
         self.version += 1
         return PushReport(version=self.version, results={}, seconds=0.0)
 

@@ -93,3 +93,28 @@ def test_measuring_plain_beside_an_asynchronous_step_is_refused() -> None:
         RolloutConfig(max_policy_lag=1, measure_plain=True)
     with pytest.raises(ValueError, match="max_policy_lag must be >= 0"):
         RolloutConfig(max_policy_lag=-1)
+
+
+def test_a_refused_push_with_a_batch_in_flight_trains_nothing_stale_and_keeps_the_served_version() -> None:
+    """Step 1's push is refused (e.g. the weights do not match the served model) while step 2's
+    batch is generating: the error stops the run, the sidecars keep serving the last accepted
+    version, and the batch generated ahead is dropped, not trained on (a resume regenerates it)."""
+    import grpc
+
+    from sidecar.client.client import SidecarCallError
+
+    def refused() -> BaseException:
+        return SidecarCallError("fake:1", "PushWeights", grpc.StatusCode.INVALID_ARGUMENT, "shape mismatch")
+
+    fleet = FakeFleet(delay_s=0.01, refuse_push=2, push_failure=refused)
+    run, policy = _run(1, fleet)
+    trained: list[dict[str, float]] = []
+    with (
+        pytest.raises(SidecarCallError, match="shape mismatch"),
+        RolloutPipeline[Rollout](lambda s: gather_rollout(run, s), first=0, last=4, max_lag=1) as rollouts,
+    ):
+        for s in range(4):
+            trained.append(rl_step(run, s, rollouts))
+    assert len(trained) == 1 and len(policy.batches) == 2  # step 1 trained, its push refused
+    assert fleet.version == 2  # the first push only: the served weights are the last accepted ones
+    assert fleet.calls <= 3  # steps 0, 1 and at most the one batch generated ahead
