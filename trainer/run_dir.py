@@ -122,9 +122,13 @@ def plot_metrics(rows: Iterable[Mapping[str, Any]], out_dir: Path) -> list[Path]
                 ax.bar(steps, heights, bottom=bottom, label=key.split("/", 1)[1])
                 bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
             if overlapped:
-                xs = sorted(overlapped)
+                when = sorted(overlapped)
                 ax.plot(
-                    xs, [overlapped[x] for x in xs], "k--", marker=".", label="generation (overlapped with training)"
+                    when,
+                    [overlapped[x] for x in when],
+                    "k--",
+                    marker=".",
+                    label="generation (overlapped with training)",
                 )
         else:
             for key, points in series.items():
