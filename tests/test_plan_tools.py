@@ -26,18 +26,16 @@ def costs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cfg = ModelConfig.tiny(vocab_size=128, eos_token_id=[1])  # the demo's character prompts fit its vocab
     save_checkpoint(root / "policy", cfg, model_state_dict(build_model(cfg, seed=0)))
     out = root / "costs.json"
-    assert (
-        measure_cost_table.main(
-            ["--policy", str(root / "policy"), "--out", str(out), "--ks", "0,1,3", "--generations", "3"]
-        )
-        == 0
-    )
+    args = ["--policy", str(root / "policy"), "--out", str(out), "--ks", "0,1,3", "--generations", "3"]
+    assert measure_cost_table.main([*args, "--refill-generations", "2"]) == 0
     return out
 
 
 def test_the_measured_table_holds_rounds_prefill_and_the_workload(costs: Path) -> None:
     table = load_costs(costs)
     assert 0 in table.cells[max(table.cells)] and table.prefill
+    # a refill round's shape: one prompt's rows, measured from their first round at every k
+    assert set(table.cells[measure_cost_table.SAMPLES]) == {0, 1, 3}
     doc = json.loads(costs.read_text())["tables"][0]
     assert 0 <= doc["step_seconds"] < min(r["seconds"] for r in doc["rounds"])  # bookkeeping, not a round
     workload = doc["workload"]
@@ -77,3 +75,16 @@ def test_the_engine_check_predicts_fresh_generations(costs: Path, capsys: pytest
     assert validate_plan.main(args) == 0
     out = capsys.readouterr().out
     assert "| 0 |" in out and "| 2 |" in out and "ordering of k: rank correlation" in out
+
+
+@pytest.mark.slow
+def test_the_fleets_fixed_cost_is_cpu_seconds_less_the_prefill(costs: Path) -> None:
+    """Two local sidecars: the fixed cost per generation is one sidecar's CPU share plus the
+    client's, less the prefill the plan prices apart; the wall seconds are kept beside it."""
+    prompts, sampling = measure_cost_table.sweep_workload(measure_cost_table.PROMPTS)
+    prefill = 0.001
+    fixed, note = measure_cost_table.fleet_fixed_cost(
+        costs.parent / "policy", prompts, sampling, 1, prefill, costs.parent / "fleet-logs", tries=3
+    )
+    assert note["tries"] == 1 and note["one_token_wall_seconds"] > 0 and note["one_token_cpu_seconds"] > 0
+    assert fixed == pytest.approx(max(note["one_token_cpu_seconds"] - prefill, 0.0))

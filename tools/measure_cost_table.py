@@ -4,16 +4,20 @@ for `specrl plan --costs` (and the plan's validation, `tools/validate_plan.py`).
 
     .venv/bin/python tools/measure_cost_table.py --policy OUT/policy --out /tmp/demo-costs.json --fleet
 
-Why: the demo's sidecars decode batches of 1-8 rows of a 24-layer, hidden-128 policy on a CPU,
-where a round's cost is the engine's, not a roofline's. This runs one sidecar's share of the
+Why: the demo's sidecars decode batches of up to 32 rows of a 24-layer, hidden-128 policy on a
+CPU, where a round's cost is the engine's, not a roofline's. This runs one sidecar's share of the
 demo's rollout (`demo_config`'s prompts and samples over its two sidecars, temperature 1, up to
-40 tokens, EOS; the fleet's one request per prompt) in this process at every static k of `--ks`, interleaved, and keeps what
-the engine's controller measures of each decode round (`tools/cost_ceiling.measure_step_costs`:
-the engine's own clock, CPU time of its thread, median per (batch, k)). Also:
-- the prefill of 4 and 8 rows (this process's CPU time, drafting rows: the MTP prefill included);
+40 tokens, EOS; the fleet's one request per prompt) in this process at every static k of `--ks`,
+interleaved, and keeps what the engine's controller measures of each decode round
+(`tools/cost_ceiling.measure_step_costs`: the engine's own clock, CPU time of its thread, median
+per (batch, k)); then the same for one prompt's rows (`--refill-generations`), the shape of a
+DAPO refill round, whose small batches the full share reaches only in its last rounds. Also:
+- the prefill of one prompt's rows and of the share's (this process's CPU time, drafting rows:
+  the MTP prefill included);
 - with `--fleet`, the fixed cost of one generation through the fleet and two local sidecars
-  (wall seconds of a 1-token generation of the whole workload, less the prefill of one
-  sidecar's rows): fan-out, gRPC and streaming back;
+  (CPU seconds of a 1-token generation of the whole workload, one sidecar's share plus the
+  client's, less the prefill of one sidecar's rows): fan-out, gRPC and streaming back; wall
+  seconds are kept beside it (`fleet_fixed_cost`);
 - the workload's acceptance per draft position and response lengths at the largest k, pooled
   over the generations (the inputs a plan of this workload needs; `workload` in the file).
 """
@@ -34,12 +38,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_rl import sweep_workload
+from bench_rl import cpu_seconds, sweep_workload
 from cost_ceiling import FixedK
 
 from sidecar.client.fleet import Fleet, derive_seed
 from sidecar.engine.torch_engine import TorchEngine
-from sidecar.types import GenerationRequest, SpeculationCounters
+from sidecar.types import GenerationRequest, SamplingParams, SpeculationCounters
 from trainer.local_sidecars import LocalSidecars
 from trainer.planning.cost_table import cost_table_document
 from trainer.planning.inputs import cumulative_rates
@@ -109,13 +113,15 @@ class DemoShare:
         self.recorder = FixedK(max(ks))  # decides every step's k, records what the engine measured of it
         self.engine.set_speculation_policy(self.recorder)
 
-    def generate(self, seed: int, k: int) -> Generation:
+    def generate(self, seed: int, k: int, prompts: int | None = None) -> Generation:
+        """One generation of the share at k (of its first `prompts` prompts only: a refill round's shape)."""
+        mine = self.mine[:prompts] if prompts else self.mine
         self.recorder.k = k
         seen = {key: len(xs) for key, xs in self.recorder.samples.items()}
         before = SpeculationCounters()
         before.add(self.engine.stats()[-1].counters)
         t = time.thread_time()
-        for p in self.mine:
+        for p in mine:
             self.engine.submit(
                 GenerationRequest(
                     prompts=[self.prompts[p]],
@@ -125,7 +131,7 @@ class DemoShare:
                 )
             )
         done: list = []
-        while len(done) < len(self.mine) * SAMPLES:
+        while len(done) < len(mine) * SAMPLES:
             done += self.engine.step()
         seconds = time.thread_time() - t
         done.sort(key=lambda s: (s.request_id, s.sample_index))  # admission order
@@ -142,9 +148,9 @@ class DemoShare:
             timed=timed,
         )
 
-    def generations(self, count: int, seed: int = 30_000) -> list[Generation]:
+    def generations(self, count: int, seed: int = 30_000, prompts: int | None = None) -> list[Generation]:
         """`count` generations per k, k interleaved (the box's drift falls on every k alike)."""
-        return [self.generate(seed + n, k) for n in range(count) for k in self.ks]
+        return [self.generate(seed + n, k, prompts) for n in range(count) for k in self.ks]
 
     def measure_prefill(self) -> list[dict]:
         """CPU seconds of admitting one prompt's rows and the whole share's (drafting rows: the MTP
@@ -168,12 +174,48 @@ class DemoShare:
         return out
 
 
+def fleet_fixed_cost(
+    policy: Path,
+    prompts: list[list[int]],
+    sampling: SamplingParams,
+    k: int,
+    prefill_seconds: float,
+    logs: Path,
+    tries: int = 9,
+) -> tuple[float, dict]:
+    """The fixed cost of one generation through the fleet and two local sidecars, in CPU seconds
+    like the rest of the table: per 1-token generation of the whole workload, one sidecar's share
+    of the sidecars' CPU (both threads of work run side by side, one per core) plus this client's,
+    less the prefill of one sidecar's rows (which the plan prices on its own). Wall seconds are
+    recorded beside it: on a shared box they measure the other tenants (a 1-token generation took
+    0.3-2 s of wall for ~0.1 s of CPU at load 10-16, 2026-11-27), so they are not the cost."""
+    walls, cpus = [], []
+    with LocalSidecars(policy, ENGINES, logs, spec_k=k) as local, Fleet(local.start()) as fleet:
+        pids = [local.pid(i) for i in range(ENGINES)]
+        for r in range(tries):
+            request = GenerationRequest(
+                prompts=prompts, sampling=replace(sampling, max_new_tokens=1, seed=r), samples_per_prompt=SAMPLES
+            )
+            side, mine = cpu_seconds(pids), time.process_time()
+            walls.append(fleet.generate(request).seconds)
+            cpus.append((cpu_seconds(pids) - side) / ENGINES + time.process_time() - mine)
+    cpu, wall = statistics.median(cpus[2:]), statistics.median(walls[2:])  # the first two warm up
+    note = {"one_token_cpu_seconds": cpu, "one_token_wall_seconds": wall, "tries": tries - 2}
+    return max(cpu - prefill_seconds, 0.0), note
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--policy", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--ks", default="0,1,2,3,4,5,6")
     ap.add_argument("--generations", type=int, default=8, help="generations of the workload per k")
+    ap.add_argument(
+        "--refill-generations",
+        type=int,
+        default=4,
+        help="generations per k of one prompt (a refill round's shape: small batches measured from their start)",
+    )
     ap.add_argument("--fleet", action="store_true", help="also measure the fixed cost per generation through the fleet")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -184,7 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     prompts, sampling = share.prompts, share.sampling
     started = time.monotonic()
     measured = share.generations(args.generations)
-    rounds = rounds_table(measured)
+    # a refill round (DAPO's dynamic sampling) sends a sidecar one prompt: its batch starts at
+    # SAMPLES rows, which the full share's rounds pass only in their last few rounds
+    refill_shaped = share.generations(args.refill_generations, seed=40_000, prompts=1)
+    rounds = rounds_table(measured + refill_shaped)
     at_max = [g for g in measured if g.k == max(ks)]
     print(f"rounds measured in {time.monotonic() - started:.0f} s", flush=True)
     prefill = share.measure_prefill()
@@ -194,18 +239,21 @@ def main(argv: list[str] | None = None) -> int:
     for g in at_max:
         counters.add(g.counters)
 
-    request_seconds = 0.0
+    request_seconds, fleet_note = 0.0, {}
     if args.fleet:
-        logs = args.out.parent / (args.out.stem + "-sidecar-logs")
-        with LocalSidecars(args.policy, 2, logs, spec_k=max(ks)) as local, Fleet(local.start()) as fleet:
-            walls = []
-            for r in range(7):
-                request = GenerationRequest(
-                    prompts=prompts, sampling=replace(sampling, max_new_tokens=1, seed=r), samples_per_prompt=SAMPLES
-                )
-                walls.append(fleet.generate(request).seconds)
-        request_seconds = max(statistics.median(walls[2:]) - prefill[-1]["seconds"], 0.0)
-        print(f"fleet: 1-token generation {statistics.median(walls[2:]) * 1e3:.1f} ms wall", flush=True)
+        request_seconds, fleet_note = fleet_fixed_cost(
+            args.policy,
+            prompts,
+            sampling,
+            max(ks),
+            prefill[-1]["seconds"],
+            args.out.parent / (args.out.stem + "-sidecar-logs"),
+        )
+        print(
+            f"fleet: 1-token generation {1e3 * fleet_note['one_token_wall_seconds']:.1f} ms wall, "
+            f"{1e3 * fleet_note['one_token_cpu_seconds']:.1f} ms CPU (per sidecar + client)",
+            flush=True,
+        )
 
     drafted, accepted = counters.drafted_per_position, counters.accepted_per_position
     doc = cost_table_document(
@@ -218,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                 "rounds": rounds,
                 "prefill": prefill,
                 "request_seconds": request_seconds,
+                **({"request": fleet_note} if fleet_note else {}),
                 "step_seconds": step_seconds,
                 "workload": {
                     "prompts": PROMPTS,
