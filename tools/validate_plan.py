@@ -191,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         print(header)
         print("|---" * 7 + "|")
         ratios: dict[str, list[float]] = {"gen spec": [], "gen plain": [], "step spec": [], "step plain": []}
+        phases: dict[str, list[float]] = {"refill": [], "rest (leave-one-out)": []}
+        predicted_gen: list[tuple[float, float]] = []
         for i, row in enumerate(rows):
             lengths, acc = step_lengths(row), step_acceptance(row)
             if lengths is None or acc is None:
@@ -227,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
             }
             for key in ratios:
                 ratios[key].append(predicted[key] / measured[key])
+            phases["rest (leave-one-out)"].append(rest / rest_of[i])
+            predicted_gen.append((g_spec, g_plain))
+            if row["time/refill"] > 0:
+                phases["refill"].append(refill / row["time/refill"])
             cells = " | ".join(f"{measured[k]:.3f} / {predicted[k]:.3f}" for k in ratios)
             q50, q100 = row.get("rollout/response_len_q50"), row.get("rollout/response_len_q100")
             print(f"| {row['step']} | {acc.tau(args.k):.2f} | {q50:.0f}/{q100:.0f} | {cells} |")
@@ -237,8 +243,18 @@ def main(argv: list[str] | None = None) -> int:
                 f"{key}: predicted / measured, median {statistics.median(rs):.3f} (range {min(rs):.2f}-{max(rs):.2f}); "
                 f"median |error| {100 * statistics.median(errors):.1f}%"
             )
+        for key, rs in phases.items():
+            if rs:
+                print(
+                    f"phase {key}: predicted / measured, median {statistics.median(rs):.3f} "
+                    f"(range {min(rs):.2f}-{max(rs):.2f}, {len(rs)} steps)"
+                )
         spec_speedup = [r["time/generation_plain"] / r["time/generation"] for r in rows]
-        print(f"measured generation speedup, median {statistics.median(spec_speedup):.2f}x")
+        pred_speedup = [plain / spec for spec, plain in predicted_gen]
+        print(
+            f"generation speedup of k = {args.k} over plain, median: measured {statistics.median(spec_speedup):.2f}x "
+            f"(range {min(spec_speedup):.2f}-{max(spec_speedup):.2f}), predicted {statistics.median(pred_speedup):.2f}x"
+        )
 
     if args.sweep:
         raw = json.loads(args.sweep.read_text())
@@ -253,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         pred_wall, pred_cpu, meas_wall, meas_cpu = [], [], [], []
         for k in ks:
             g = generation(fleet, lengths, acc if k else None, k, costs, args.replications, 7)
-            pw, pc = 3 * g.seconds, 3 * ENGINES * float(g.engine_seconds.mean())
+            # the sidecars' CPU: each engine's rounds and prefills plus its share of the fixed cost per generation
+            pw, pc = 3 * g.seconds, 3 * ENGINES * (float(g.engine_seconds.mean()) + costs.request_seconds())
             mw, mc = statistics.median(raw["wall"][str(k)]), statistics.median(raw["cpu"][str(k)])
             pred_wall.append(pw)
             pred_cpu.append(pc)
