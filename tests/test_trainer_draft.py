@@ -144,3 +144,32 @@ def test_draft_only_step_leaves_the_trunk_and_learns(setup) -> None:
     assert all(torch.equal(trunk[n], state[n]) for n in trunk)
     assert all(p.grad is None for p in policy.model.parameters())  # no trunk backward at all
     assert losses[-1] < 0.8 * losses[0], losses
+
+
+def test_a_draft_step_on_kept_trunk_outputs_equals_one_that_runs_the_trunk(setup) -> None:
+    """Draft-init computes each sample's trunk outputs once (the trunk is frozen) and pads them
+    into every batch: the draft must learn exactly what it learns when each step runs the trunk,
+    here with rows of different lengths (right padding differs between the two paths)."""
+    mc, _, state, tokens = setup
+    mask = _batch(tokens, 6, [0.0] * 4).mask
+    mask[1, 15:] = 0.0  # row 1 ends early: its padded positions must not matter
+    mask[3, 10:] = 0.0
+    config = Policy.Config(draft_optimizer=HybridOptimizerConfig(lr=3e-3, weight_decay=0.0))
+    running, keeping = Policy(mc, config, dict(state)), Policy(mc, config, dict(state))
+    kept = [keeping.trunk_outputs(tokens[i : i + 1, : 7 + int(mask[i].sum())]) for i in range(4)]
+
+    def padded(j: int) -> torch.Tensor:
+        out = torch.zeros(4, tokens.shape[1], kept[0][j].shape[-1])
+        for i, t in enumerate(kept):
+            out[i, : t[j].shape[1]] = t[j][0]
+        return out
+
+    for _ in range(3):
+        a = running.train_draft_step(tokens, mask)
+        b = keeping.train_draft_step(tokens, mask, (padded(0), padded(1)))
+        assert b["draft_loss"] == pytest.approx(a["draft_loss"], rel=1e-5)
+    ran = dict(running.export_named_tensors())
+    for name, value in keeping.export_named_tensors():
+        torch.testing.assert_close(value, ran[name], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="do not match tokens"):
+        keeping.train_draft_step(tokens, mask, (padded(0)[:, :-1], padded(1)))

@@ -357,16 +357,32 @@ class Policy:
         dloss.backward()
         return dmetrics
 
-    def train_draft_step(self, tokens: Tensor, mask: Tensor) -> dict[str, float]:
+    def trunk_outputs(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """(logits (B, S, V/tp), hidden (B, S, H)) of the trunk on `tokens`, without gradients."""
+        self.model.eval()
+        with torch.no_grad():
+            return gpt.forward(self.model, tokens.to(platform.device()))
+
+    def train_draft_step(
+        self, tokens: Tensor, mask: Tensor, trunk: tuple[Tensor, Tensor] | None = None
+    ) -> dict[str, float]:
         """Update only the draft head on `tokens` (B, S) with `mask` (B, S-1); the trunk runs
-        without gradients. For warming a draft up on in-domain data before RL."""
+        without gradients. For warming a draft up on in-domain data before RL. `trunk`: the
+        trunk's `trunk_outputs(tokens)`, when the caller kept them (the trunk does not change
+        here, so a sample's outputs can be computed once and reused every epoch)."""
         if self.draft is None or self.draft_optimizer is None:
             raise ValueError("this model has no draft head (num_nextn_predict_layers is 0)")
         dev = platform.device()
         tokens, mask = tokens.to(dev), mask.to(dev)
-        self.model.eval()
-        with torch.no_grad():
-            logits, hidden = gpt.forward(self.model, tokens)
+        if trunk is None:
+            logits, hidden = self.trunk_outputs(tokens)
+        else:
+            logits, hidden = trunk[0].to(dev), trunk[1].to(dev)
+            if logits.shape[:2] != tokens.shape or hidden.shape[:2] != tokens.shape:
+                raise ValueError(
+                    f"trunk outputs {tuple(logits.shape)} / {tuple(hidden.shape)} do not match tokens "
+                    f"{tuple(tokens.shape)}: pass trunk_outputs(tokens) of these very tokens"
+                )
         self.draft_optimizer.zero_grad(set_to_none=True)
         metrics = self._draft_backward(tokens, hidden, logits, mask)
         self._reduce_gradients([self.draft])
