@@ -8,7 +8,8 @@ prompts (drawn from the target) and every random stream. `--rule` serves an engi
 acceptance rule is wrong (`sidecar.losslessness.wrong_rules.WRONG_RULES`, in `--fraction` of the
 rounds) instead. `--no-power` skips the certificate's power simulation (its verdict is then at
 best "underpowered"; the distribution test's own pass/fail is what is counted). Prints one line
-per seed and the verdict counts; `--json` keeps every certificate.
+per seed (with its wall and CPU seconds: the CPU of this process, so the verifier's and the
+in-process sidecar's together) and the verdict counts; `--json` keeps every certificate.
 
     OMP_NUM_THREADS=1 .venv/bin/python tools/bench_verify.py --model DEMO/policy --seeds 0-19 --k 0 --tokens 9
 """
@@ -83,9 +84,9 @@ def main() -> None:
                 wrong_rules=() if args.no_power else VerifyConfig().wrong_rules,
                 seed=seed,
             )
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             cert = verify_sidecar(c, model, config)
-            seconds = time.perf_counter() - started
+            seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
             verdicts[cert.verdict.value] += 1
             parts = []
             for check in cert.checks:
@@ -104,7 +105,11 @@ def main() -> None:
                         )
                 elif check.verdict.value != "pass":
                     parts.append(f"{check.name}: {check.verdict.value}: {check.summary}")
-            print(f"seed {seed}: {cert.verdict.value.upper()} ({seconds:.0f} s); " + "; ".join(parts), flush=True)
+            print(
+                f"seed {seed}: {cert.verdict.value.upper()} ({seconds:.0f} s wall, {cpu_seconds:.0f} s CPU); "
+                + "; ".join(parts),
+                flush=True,
+            )
             kept.append(certificate_to_json(cert))
     print(
         f"{len(args.seeds)} seeds: "
