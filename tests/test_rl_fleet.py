@@ -186,8 +186,8 @@ def recorded_run(
     seen: dict[int | None, list[Samples]] = {}
 
     class Recording(Fleet):
-        def generate(self, request: GenerationRequest) -> FleetResult:
-            result = super().generate(request)
+        def generate(self, request: GenerationRequest, *, rejoin: bool = True) -> FleetResult:
+            result = super().generate(request, rejoin=rejoin)
             rows = [(s.prompt_index, s.sample_index, tuple(s.token_ids)) for s in result.samples]
             seen.setdefault(request.speculation_k, []).append(rows)
             return result
