@@ -107,6 +107,16 @@ def drain_export(policy: Policy) -> None:
             pass
 
 
+def collective_failure(error: BaseException) -> bool:
+    """Whether `error` is a collective that failed on the transport (gloo raises a plain
+    RuntimeError naming itself, NCCL and the store a DistError), as when a peer process dies."""
+    text = str(error)
+    return isinstance(error, dist.DistError) or (
+        isinstance(error, RuntimeError)
+        and any(w in text for w in ("gloo", "NCCL", "Connection reset", "Connection closed"))
+    )
+
+
 class RankWatchdog:
     """Heartbeats and the shared abort record (module docstring). A context manager: the thread
     runs while the run does; `fail` records this rank's error for the others."""
@@ -138,16 +148,45 @@ class RankWatchdog:
 
     def fail(self, error: BaseException) -> RankFailure | None:
         """Record this rank's `error` for every rank (the first record wins). Returns the
-        RankFailure to raise instead when another rank failed first (its error is the cause)."""
+        RankFailure to raise instead when another rank failed first (its error is the cause) or
+        a dead peer was found to be the cause; None: raise `error` itself.
+
+        A failed collective usually means a peer died: the peers whose heartbeat stops within a
+        few beats are named as the cause."""
         mine = f"rank {self.rank}: {type(error).__name__}: {error}"
+        diagnosed = False
+        if collective_failure(error):
+            silent = self.silent_peers()
+            if silent:
+                diagnosed = True
+                mine = (
+                    f"rank {', '.join(map(str, silent))} died (heartbeat stopped); rank {self.rank}'s "
+                    f"collective failed: {type(error).__name__}: {error}"
+                )
         self._recorded = mine
         try:
             first = self._store.compare_set(ABORT_KEY, "", mine).decode()
         except Exception:  # the store is gone with rank 0's process: nothing to record into
-            return None
+            first = mine
+        self._linger()
         if first == mine:
-            return None
+            return RankFailure(mine) if diagnosed else None
         return RankFailure(f"stopped because {first}")
+
+    def _linger(self) -> None:
+        """Rank 0 may host the store (``init_distributed``; under torchrun the agent does): it
+        stays two beats longer, so every other rank reads the record before the store goes."""
+        if self.rank == 0:
+            time.sleep(2 * self.interval_s)
+
+    def silent_peers(self, beats: int = 3) -> list[int]:
+        """Peers whose heartbeat does not move during `beats` intervals (their process is gone)."""
+        try:
+            before = {p: self._store.add(self._beat_key(p), 0) for p in range(self.world) if p != self.rank}
+            time.sleep(beats * self.interval_s)
+            return [p for p, n in before.items() if self._store.add(self._beat_key(p), 0) == n]
+        except Exception:  # no store: rank 0 is gone (with the store it hosted)
+            return [0]
 
     def _beat_key(self, rank: int) -> str:
         return f"specrl/watchdog/beat/{rank}"
@@ -190,4 +229,5 @@ class RankWatchdog:
                 fn()
             except Exception as e:  # best effort: the process exits either way
                 print(f"specrl train: rank {self.rank}: cleanup failed: {e}", file=sys.stderr, flush=True)
+        self._linger()
         os._exit(EXIT_CODE)
