@@ -1,5 +1,5 @@
 """The RL loop under several processes (gloo), end to end with a real sidecar: tensor parallel 2;
-data parallel 2 x tensor parallel 2 (four processes); two "nodes" launched as separate
+data parallel 2 x tensor parallel 2 in four processes, launched as two "nodes" by separate
 `torchrun --nnodes 2` invocations; and rank 0 failing in the middle of a weight push.
 
 Only rank 0 may start local sidecars, push weights and write the run directory; the other ranks
@@ -28,7 +28,7 @@ from trainer import platform
 from trainer.ranks import EXIT_CODE
 
 
-def _config(ckpt: str, run_dir: str, *, tp: int, dp: int = 1, eval_every: int = 2) -> object:
+def _config(ckpt: str, run_dir: str, *, tp: int, eval_every: int = 2) -> object:
     from trainer.losses import GRPOConfig
     from trainer.rl_config import RLConfig, RolloutConfig, SidecarsConfig, TrainConfig
 
@@ -36,7 +36,7 @@ def _config(ckpt: str, run_dir: str, *, tp: int, dp: int = 1, eval_every: int = 
         model=Path(ckpt),
         rollout=RolloutConfig(prompts_per_step=2, samples_per_prompt=2, max_new_tokens=8, refill_rounds=0),
         algorithm=GRPOConfig(filter_equal_groups=False),
-        train=TrainConfig(tensor_parallel=tp, data_parallel=dp),
+        train=TrainConfig(tensor_parallel=tp),
         sidecars=SidecarsConfig(local=1),
         steps=2,
         eval_every=eval_every,
@@ -45,12 +45,12 @@ def _config(ckpt: str, run_dir: str, *, tp: int, dp: int = 1, eval_every: int = 
     )
 
 
-def _worker(rank: int, port: int, ckpt: str, run_dir: str, out: str, tp: int = 2, dp: int = 1) -> None:
+def _worker(rank: int, port: int, ckpt: str, run_dir: str, out: str) -> None:
     torch.set_num_threads(1)
-    join_group(rank, tp * dp, port)
+    join_group(rank, 2, port)
     from trainer.rl_loop import train
 
-    history = train(_config(ckpt, run_dir, tp=tp, dp=dp, eval_every=2 if dp == 1 else 0), progress=False)  # type: ignore[arg-type]
+    history = train(_config(ckpt, run_dir, tp=2), progress=False)  # type: ignore[arg-type]
     torch.save(history, f"{out}.{rank}")
     leave_group()
 
@@ -81,35 +81,15 @@ def test_two_tensor_parallel_ranks_run_the_loop_with_one_writer(tmp_path: Path) 
     assert {"rank00000.pt", "rank00001.pt"} <= {p.name for p in (run / "checkpoints" / "step_2").iterdir()}
 
 
-@pytest.mark.slow
-def test_two_replicas_of_two_shards_run_the_loop(tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    args = (str(_checkpoint(tmp_path)), str(run), str(tmp_path / "history"), 2, 2)
-    spawn(_worker, args, nprocs=4, timeout_s=400)
-    histories = [torch.load(tmp_path / f"history.{r}", weights_only=False) for r in range(4)]
-    assert all(h == histories[0] for h in histories)  # every rank returns rank 0's (reduced) metrics
-    h0 = histories[0]
-    assert [m["rollout/weight_version"] for m in h0] == [1.0, 2.0]
-    assert [m["weights/version"] for m in h0] == [2.0, 3.0]
-    # step 2 samples come from the pushed update; each replica compares them with its own weights
-    assert all(m["mismatch/logprob_abs_max"] < 1e-4 for m in h0), [m["mismatch/logprob_abs_max"] for m in h0]
-    # metrics are reduced over the replicas: the loss counted every response token of the batch
-    assert all(m["train/tokens"] == pytest.approx(4 * m["rollout/response_len"]) for m in h0)
-    assert [p.name for p in (run / "logs").iterdir()] == ["sidecar0.1.log"]
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2]
-    # replica 0 writes one file per tensor-parallel shard
-    assert sorted(p.name for p in (run / "checkpoints" / "step_2").glob("*.pt")) == ["rank00000.pt", "rank00001.pt"]
-
-
 def _node_command(node: int, port: int, ckpt: Path, run: Path) -> list[str]:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node)]
-    torchrun += ["--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+    torchrun += ["--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}"]
     train = ["-m", "trainer.cli", "train", "--model", str(ckpt), "--run-dir", str(run), "--local-sidecars", "1"]
     sets = [
         "steps=2",
         "eval_every=0",
         "train.data_parallel=2",
+        "train.tensor_parallel=2",
         "rollout.prompts_per_step=2",
         "rollout.samples_per_prompt=2",
         "rollout.max_new_tokens=8",
@@ -120,15 +100,26 @@ def _node_command(node: int, port: int, ckpt: Path, run: Path) -> list[str]:
 
 
 @pytest.mark.slow
-def test_two_nodes_launched_by_torchrun_train_end_to_end(tmp_path: Path) -> None:
+def test_two_nodes_of_two_ranks_train_data_x_tensor_parallel_end_to_end(tmp_path: Path) -> None:
+    """Two `torchrun --nnodes 2 --nproc-per-node 2` invocations: four processes, two data-parallel
+    replicas of two tensor-parallel shards (each replica on one "node"), a real sidecar."""
     ckpt, run, port = _checkpoint(tmp_path), tmp_path / "run", platform.free_port()
     env = {"OMP_NUM_THREADS": "1"}
-    (c0, o0), (c1, o1) = run_commands([_node_command(n, port, ckpt, run) for n in (0, 1)], timeout_s=400, env=env)
+    (c0, o0), (c1, o1) = run_commands([_node_command(n, port, ckpt, run) for n in (0, 1)], timeout_s=500, env=env)
     assert c0 == 0 and c1 == 0, (o0[-3000:], o1[-3000:])
     assert "done: 2 steps" in o0 and "done:" not in o1  # rank 0 (node 0) reports
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2] and all(r["mismatch/logprob_abs_max"] < 1e-4 for r in rows)
-    assert sorted(p.name for p in (run / "checkpoints" / "step_2").glob("*.pt")) == ["rank00000.pt"]
+    assert [r["step"] for r in rows] == [1, 2]  # one writer
+    assert [r["rollout/weight_version"] for r in rows] == [1.0, 2.0]
+    assert [r["weights/version"] for r in rows] == [2.0, 3.0]
+    # step 2's samples come from the pushed update; each replica compares them with its own weights
+    # on its own share, and the maximum is reduced over both
+    assert all(r["mismatch/logprob_abs_max"] < 1e-4 for r in rows), [r["mismatch/logprob_abs_max"] for r in rows]
+    # metrics are reduced over the replicas: the loss counted every response token of the batch
+    assert all(r["train/tokens"] == pytest.approx(4 * r["rollout/response_len"]) for r in rows)
+    assert [p.name for p in (run / "logs").iterdir()] == ["sidecar0.1.log"]  # one sidecar, by rank 0
+    # replica 0 writes one file per tensor-parallel shard
+    assert sorted(p.name for p in (run / "checkpoints" / "step_2").glob("*.pt")) == ["rank00000.pt", "rank00001.pt"]
 
 
 def _failing_push_worker(ckpt: str, run_dir: str) -> None:

@@ -12,7 +12,7 @@ What the RL loop (issue 8) uses:
 
 A step is ordered so that the two objectives cannot touch each other: the policy loss is
 backpropagated, then the draft loss on *detached* trunk outputs (computed before any weight
-moves), then gradients are reduced (tensor-parallel q/k-norm sums, data-parallel means), each
+moves), then gradients are reduced (tensor-parallel q/k-norm sums, data-parallel sums), each
 optimizer clips its own gradients and steps. The trunk's optimizer is the Muon/AdamW hybrid from
 `muon` (Q, K, V orthogonalised per query group); the draft has its own hybrid and clip.
 """
