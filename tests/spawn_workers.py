@@ -8,8 +8,11 @@ The parent never waits forever: a worker that hangs is killed and the test fails
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -45,3 +48,45 @@ def leave_group() -> None:
     """The worker side, on success: wait for every rank, then destroy the groups."""
     dist.barrier()
     platform.teardown()
+
+
+def run_commands(
+    commands: Sequence[Sequence[str]],
+    *,
+    timeout_s: float,
+    env: dict[str, str] | None = None,
+    envs: Sequence[dict[str, str]] | None = None,
+) -> list[tuple[int, str]]:
+    """Run `commands` as concurrent processes (the test's import path on PYTHONPATH, plus `env`
+    and each one's `envs[i]`); returns each one's (exit code, stdout + stderr). One still running
+    after `timeout_s` fails the test after every process is killed. For runs whose ranks are
+    expected to exit non-zero, and for `torchrun` launches."""
+    base = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **(env or {})}
+    procs = [
+        subprocess.Popen(
+            list(cmd),
+            env={**base, **(envs[i] if envs else {})},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i, cmd in enumerate(commands)
+    ]
+    deadline = time.monotonic() + timeout_s
+    out = []
+    for p in procs:
+        try:
+            text, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"a process was still running after {timeout_s:.0f} s: {' '.join(p.args)}")
+        out.append((p.returncode, text))
+    return out
+
+
+def python_call(function: str, *args: object) -> list[str]:
+    """A command that calls `module:function(*args)` (args as strings) in a fresh interpreter."""
+    module, name = function.split(":")
+    call = f"import sys; from {module} import {name}; {name}(*sys.argv[1:])"
+    return [sys.executable, "-c", call, *map(str, args)]

@@ -84,6 +84,7 @@ def test_every_policy_config_field_is_reachable_from_the_run_config() -> None:
     overrides = [
         "model=ckpt",
         "train.tensor_parallel=2",
+        "train.data_parallel=2",
         "seed=7",
         "rollout.temperature=0.7",
         "algorithm.eps_low=0.1",
@@ -234,6 +235,22 @@ def test_prompts_plus_new_tokens_must_fit_the_model(tmp_path: Path, jsonl_run: t
         _train_args(ckpt, data, tmp_path / "run", "--local-sidecars", "1", "--set", "rollout.max_new_tokens=4000")
     )
     assert code == 1 and "max_position_embeddings" in out and "rollout.max_new_tokens" in out, out
+
+
+@pytest.mark.parametrize(
+    ("layout", "fix"),
+    [
+        ("train.data_parallel=2", "set train.data_parallel=1"),
+        ("train.tensor_parallel=2", "not a multiple of train.tensor_parallel=2"),
+    ],
+)
+def test_a_process_count_other_than_data_x_tensor_parallel_says_what_to_set(
+    tmp_path: Path, jsonl_run: tuple[Path, Path], layout: str, fix: str
+) -> None:
+    ckpt, data = jsonl_run
+    code, out = _cli(_train_args(ckpt, data, tmp_path / "run", "--local-sidecars", "1", "--set", layout))
+    assert code == 1 and "1 processes but train.data_parallel=" in out and fix in out and "Traceback" not in out, out
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_reward_function_failing_mid_run_names_its_input() -> None:

@@ -1,7 +1,7 @@
 """Checkpoint bridge: HF -> Megatron -> HF is exact; tensor parallel 2 exports what TP 1 exports.
 
 The two-process tests spawn gloo workers (127.0.0.1, free port, with a deadline) that load the
-same checkpoint at tensor parallel 2 (or data parallel 2, one sample per rank), export, compute
+same checkpoint at tensor parallel 2 (or data parallel 2, one sample per replica), export, compute
 log-probs and take two training steps; the parent does the same in one process and compares.
 """
 
@@ -76,9 +76,9 @@ def _run(policy: Policy, mc: ModelConfig, rows: slice) -> dict[str, object]:
     return {"exported": exported, "logprobs": logprobs, "after": dict(policy.export_named_tensors())}
 
 
-def _config(tp: int) -> Policy.Config:
+def _config(tp: int, dp: int = 1) -> Policy.Config:
     fast = HybridOptimizerConfig(lr=1e-2, weight_decay=0.0)
-    return Policy.Config(tensor_parallel=tp, optimizer=fast, draft_optimizer=fast)
+    return Policy.Config(tensor_parallel=tp, data_parallel=dp, optimizer=fast, draft_optimizer=fast)
 
 
 def _worker(rank: int, port: int, mode: str, ckpt: str, out: str) -> None:
@@ -86,8 +86,8 @@ def _worker(rank: int, port: int, mode: str, ckpt: str, out: str) -> None:
     mc, tensors = load_checkpoint(ckpt)
     if mode == "tp2":  # both ranks see the whole batch; the model is sharded
         result = _run(Policy(mc, _config(2), tensors), mc, slice(None))
-    else:  # dp2: whole model on each rank, one sample each; gradients averaged
-        result = _run(Policy(mc, _config(1), tensors), mc, slice(rank, rank + 1))
+    else:  # dp2: whole model on each rank, each replica trains one of the two samples
+        result = _run(Policy(mc, _config(1, dp=2), tensors), mc, slice(None))
     if rank == 0:
         torch.save(result, out)
     leave_group()
@@ -108,8 +108,7 @@ def test_two_processes_export_and_train_like_one(tmp_path: Path, mode: str) -> N
     assert two["exported"].keys() == one["exported"].keys() == state.keys()
     for name, tensor in two["exported"].items():
         assert torch.equal(tensor, one["exported"][name]), name  # gathered shards == unsharded, exactly
-    rows = slice(None) if mode == "tp2" else slice(0, 1)
-    torch.testing.assert_close(two["logprobs"], one["logprobs"][rows], rtol=0, atol=1e-5)
+    torch.testing.assert_close(two["logprobs"], one["logprobs"], rtol=0, atol=1e-5)
     # Two Muon/AdamW steps at lr 1e-2: a wrong gradient reduction would move weights by ~1e-2.
     for name, tensor in two["after"].items():
         torch.testing.assert_close(tensor, one["after"][name], rtol=0, atol=2e-5, msg=name)

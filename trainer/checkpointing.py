@@ -1,8 +1,10 @@
 """Resumable training checkpoints: everything a step depends on, so resume continues bit for bit.
 
-A checkpoint is a directory with one ``rank{r:05d}.pt`` per process (this rank's model shard,
-draft head, both optimizers, step counter and RNG states) and ``config.json`` (the model config,
-written by rank 0). RNG states cover torch (CPU and, where present, CUDA), Python's ``random``,
+A checkpoint is a directory with one ``rank{r:05d}.pt`` per tensor-parallel shard r (that shard
+of the model, the draft head, both optimizers, step counter and RNG states) and ``config.json``
+(the model config, written by rank 0). Data-parallel replicas hold identical state, so only
+replica 0 writes and every replica reads its shard's file: a run resumes with any
+``train.data_parallel`` as long as ``train.tensor_parallel`` is unchanged. RNG states cover torch (CPU and, where present, CUDA), Python's ``random``,
 NumPy and megatron-core's RNG tracker, as Megatron-LM's own checkpoints do.
 
 Files are loaded with ``torch.load(weights_only=True)``: RNG states are stored as tensors and
@@ -31,6 +33,15 @@ FORMAT = "specrl.trainer.checkpoint/1"
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _shard() -> tuple[int, bool]:
+    """(this rank's tensor-parallel shard, whether it writes: data-parallel replica 0 does)."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return _rank(), True
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_data_parallel_rank() == 0
 
 
 def rng_state() -> dict[str, Any]:
@@ -68,14 +79,16 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_policy(policy: Policy, path: Path) -> None:
-    """Write this rank's state into `path` (every rank calls it; rank 0 writes config.json)."""
+    """Write this rank's state into `path` (every rank calls it; data-parallel replica 0 writes
+    one file per tensor-parallel shard, rank 0 writes config.json)."""
     path.mkdir(parents=True, exist_ok=True)
-    rank = _rank()
-    payload = {"format": FORMAT, "policy": policy.state(), "rng": rng_state()}
-    tmp = path / f"rank{rank:05d}.pt.tmp"
-    torch.save(payload, tmp)
-    tmp.replace(path / f"rank{rank:05d}.pt")  # atomic: a crash never leaves a half-written file
-    if rank == 0:
+    shard, writes = _shard()
+    if writes:
+        payload = {"format": FORMAT, "policy": policy.state(), "rng": rng_state()}
+        tmp = path / f"rank{shard:05d}.pt.tmp"
+        torch.save(payload, tmp)
+        tmp.replace(path / f"rank{shard:05d}.pt")  # atomic: a crash never leaves a half-written file
+    if _rank() == 0:
         (path / "config.json").write_text(json.dumps(policy.model_config.to_hf_dict(), indent=2, sort_keys=True))
     if dist.is_initialized():
         dist.barrier()
@@ -83,9 +96,9 @@ def save_policy(policy: Policy, path: Path) -> None:
 
 def load_policy(policy: Policy, path: Path) -> None:
     """Restore this rank's state from `path` (written by `save_policy` with the same layout)."""
-    file = path / f"rank{_rank():05d}.pt"
+    file = path / f"rank{_shard()[0]:05d}.pt"
     if not file.is_file():
-        raise CheckpointError(f"{file} does not exist: was the checkpoint written with the same number of processes?")
+        raise CheckpointError(f"{file} does not exist: was the checkpoint written with the same train.tensor_parallel?")
     payload = torch.load(file, map_location="cpu", weights_only=True)
     if payload.get("format") != FORMAT:
         raise CheckpointError(f"{file} is not a specrl trainer checkpoint (format {payload.get('format')!r})")

@@ -36,3 +36,6 @@ main.add_command(warmup)
 main.add_command(draft_init_cmd)
 main.add_command(demo)
 main.add_command(plan)
+
+if __name__ == "__main__":  # `torchrun ... -m trainer.cli train ...` (README, "Training on several nodes")
+    main()

@@ -12,13 +12,14 @@ What the RL loop (issue 8) uses:
 
 A step is ordered so that the two objectives cannot touch each other: the policy loss is
 backpropagated, then the draft loss on *detached* trunk outputs (computed before any weight
-moves), then gradients are reduced (tensor-parallel q/k-norm sums, data-parallel means), each
+moves), then gradients are reduced (tensor-parallel q/k-norm sums, data-parallel sums), each
 optimizer clips its own gradients and steps. The trunk's optimizer is the Muon/AdamW hybrid from
 `muon` (Q, K, V orthogonalised per query group); the draft has its own hybrid and clip.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ from torch import Tensor
 from muon import HybridOptimizer, HybridOptimizerConfig, QKVLayout, build_optimizer
 from sidecar.model.model import ModelConfig
 from trainer import bridge, gpt, platform
+from trainer.data_parallel import adopt_main_grads, balanced_rows, reduce_metrics, reduce_mismatch, row_lengths, wrap
 from trainer.draft_objective import DraftConfig, MTPDraft, draft_loss, draft_step_tokens
 from trainer.losses import BatchTotals, GRPOConfig, mismatch_metrics, policy_loss
 from trainer.schedules import LRScheduleConfig, build_scheduler
@@ -90,6 +92,33 @@ class TrainBatch:
             off_policy=self.off_policy,
         )
 
+    def crop(self, seq: int) -> TrainBatch:
+        """The first `seq` token columns (and seq - 1 of every aligned field): drops padding that
+        no row of this batch uses. Causal attention makes the kept positions' outputs unchanged."""
+
+        def cut(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t[:, : seq - 1]
+
+        return TrainBatch(
+            tokens=self.tokens[:, :seq],
+            mask=self.mask[:, : seq - 1],
+            advantages=self.advantages,
+            old_logprobs=cut(self.old_logprobs),
+            rollout_logprobs=cut(self.rollout_logprobs),
+            ref_logprobs=cut(self.ref_logprobs),
+            generated=cut(self.generated),
+            off_policy=self.off_policy,
+        )
+
+    def data_parallel_share(self, rank: int, replicas: int) -> TrainBatch:
+        """Data-parallel replica `rank`'s token-balanced rows of `replicas` (`trainer.data_parallel`),
+        cropped to the longest of them; the whole batch when `replicas` is 1."""
+        if replicas == 1:
+            return self
+        lengths = row_lengths(self.generated if self.generated is not None else self.mask)
+        rows = balanced_rows(lengths, replicas)[rank]
+        return self.select(torch.tensor(rows, dtype=torch.long)).crop(max(lengths[r] for r in rows))
+
     @classmethod
     def from_sequences(
         cls,
@@ -124,6 +153,10 @@ class Policy:
 
         tensor_parallel: int = 1
         """Tensor-parallel size (must divide heads, kv heads, ffn and vocab)."""
+        data_parallel: int = 1
+        """Data-parallel replicas: the process group must hold data_parallel x tensor_parallel
+        ranks. Every rank is given the whole batch and trains its replica's token-balanced share;
+        gradients are summed by megatron-core's DistributedDataParallel (`trainer.data_parallel`)."""
         seed: int = 1234
         """Seed of initialisation (for weights the checkpoint lacks) and of every RNG."""
         temperature: float = 1.0
@@ -154,6 +187,8 @@ class Policy:
         def __post_init__(self) -> None:
             if self.tensor_parallel < 1:
                 raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
+            if self.data_parallel < 1:
+                raise ValueError(f"data_parallel must be >= 1, got {self.data_parallel}")
             if self.micro_batch_rows < 0:
                 raise ValueError(f"micro_batch_rows must be >= 0 (0: whole batch), got {self.micro_batch_rows}")
             if self.total_updates < 0:
@@ -179,6 +214,12 @@ class Policy:
         if not dist.is_initialized():
             platform.init_single_process_group()
         platform.initialize_model_parallel(cfg.tensor_parallel, 1, seed=cfg.seed)
+        world = dist.get_world_size()
+        if world != cfg.data_parallel * cfg.tensor_parallel:
+            raise ValueError(
+                f"{world} processes but data_parallel={cfg.data_parallel} x tensor_parallel={cfg.tensor_parallel}: "
+                "launch data_parallel x tensor_parallel processes (torchrun --nproc-per-node, --nnodes)"
+            )
         self.cfg = cfg
         self.model_config = model_config
         self.hf = model_config.to_hf_dict()
@@ -190,6 +231,14 @@ class Policy:
             self.draft.init_weights()
         if tensors is not None:
             self.load_tensors(tensors)
+        # data parallel: megatron-core DDP sums each backward's gradients over the replicas into
+        # contiguous buffers (`main_grad`); the trunk's buckets are reduced while the backward
+        # runs, the small draft's in one synchronous call (its unused chain layers get no grad)
+        self._ddp: list[Any] = []  # megatron.core DistributedDataParallel (untyped)
+        if cfg.data_parallel > 1:
+            self._ddp.append(wrap(self.model, self.model.config, overlap=True))
+            if self.draft is not None and cfg.train_draft:
+                self._ddp.append(wrap(self.draft, self.model.config, overlap=False))
         self.step_count = 0
         self.optimizer = self._build_trunk_optimizer()
         self.draft_optimizer = (
@@ -288,9 +337,13 @@ class Policy:
     def backward(self, batch: TrainBatch) -> dict[str, float]:
         """Forward both objectives and accumulate their (reduced) gradients; no weight changes.
 
-        With `micro_batch_rows`, the batch goes through in slices of rows whose losses are each
-        divided by the whole batch's token (or sample) counts, so the accumulated gradient is the
-        unsplit batch's; metrics that are shares (losses, clip fractions) are summed."""
+        `batch` is the whole batch on every rank. With `micro_batch_rows`, and with data
+        parallelism (each replica takes its share, `TrainBatch.data_parallel_share`), the rows go
+        through in slices whose losses are each divided by the whole batch's token (or sample)
+        counts, so the gradients summed over slices and replicas are the unsplit batch's; metrics
+        that are shares (losses, clip fractions) are summed likewise."""
+        from megatron.core import parallel_state
+
         dev = platform.device()
         mask_all = batch.mask.to(dev)
         totals = BatchTotals.of(mask_all)
@@ -300,38 +353,55 @@ class Policy:
             if train_draft and self.draft is not None
             else None
         )
+        replicas = self.cfg.data_parallel
+        local = batch.data_parallel_share(parallel_state.get_data_parallel_rank() if replicas > 1 else 0, replicas)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         if train_draft and self.draft_optimizer is not None:
             self.draft_optimizer.zero_grad(set_to_none=True)
-        rows = batch.tokens.shape[0]
+        for ddp in self._ddp:
+            ddp.zero_grad_buffer()
+        rows = local.tokens.shape[0]
         size = self.cfg.micro_batch_rows or rows
         metrics: dict[str, float] = {}
         logps: list[Tensor] = []
         for start in range(0, rows, size):
             part = slice(start, min(rows, start + size))
-            tokens = batch.tokens[part].to(dev)
-            mask = mask_all[part]
-            logits, hidden = gpt.forward(self.model, tokens)
-            logp = gpt.token_logprobs(logits[:, :-1], tokens[:, 1:], self.cfg.temperature)
-            old = batch.old_logprobs[part].to(dev) if batch.old_logprobs is not None else logp.detach()
-            ref = batch.ref_logprobs[part].to(dev) if batch.ref_logprobs is not None else None
-            adv = batch.advantages[part].to(dev)
-            behaviour = None
-            if batch.off_policy:
-                assert batch.rollout_logprobs is not None
-                behaviour = batch.rollout_logprobs[part].to(dev)
-            out = policy_loss(
-                logp, old, adv, mask, self.cfg.grpo, ref_logprobs=ref, totals=totals, behaviour_logprobs=behaviour
+            with contextlib.ExitStack() as stack:
+                if part.stop < rows:  # reduce once, during the last slice's backward
+                    for ddp in self._ddp:
+                        stack.enter_context(ddp.no_sync())
+                tokens = local.tokens[part].to(dev)
+                mask = local.mask[part].to(dev)
+                logits, hidden = gpt.forward(self.model, tokens)
+                logp = gpt.token_logprobs(logits[:, :-1], tokens[:, 1:], self.cfg.temperature)
+                old = local.old_logprobs[part].to(dev) if local.old_logprobs is not None else logp.detach()
+                ref = local.ref_logprobs[part].to(dev) if local.ref_logprobs is not None else None
+                adv = local.advantages[part].to(dev)
+                behaviour = None
+                if local.off_policy:
+                    assert local.rollout_logprobs is not None
+                    behaviour = local.rollout_logprobs[part].to(dev)
+                out = policy_loss(
+                    logp, old, adv, mask, self.cfg.grpo, ref_logprobs=ref, totals=totals, behaviour_logprobs=behaviour
+                )
+                out.loss.backward()
+                _add(metrics, out.metrics)
+                logps.append(logp.detach())
+                if train_draft:
+                    _add(metrics, self._draft_backward(tokens, hidden, logits, mask, step_tokens))
+        group = parallel_state.get_data_parallel_group() if replicas > 1 else None
+        if group is not None:
+            metrics = reduce_metrics(metrics, group)
+        if local.rollout_logprobs is not None:
+            where = local.generated.to(dev) if local.generated is not None else local.mask.to(dev)
+            rollout = local.rollout_logprobs.to(dev)
+            train = torch.cat(logps)
+            metrics.update(
+                reduce_mismatch(train, rollout, where, group)
+                if group is not None
+                else mismatch_metrics(train, rollout, where)
             )
-            out.loss.backward()
-            _add(metrics, out.metrics)
-            logps.append(logp.detach())
-            if train_draft:
-                _add(metrics, self._draft_backward(tokens, hidden, logits, mask, step_tokens))
-        if batch.rollout_logprobs is not None:
-            where = batch.generated.to(dev) if batch.generated is not None else mask_all
-            metrics.update(mismatch_metrics(torch.cat(logps), batch.rollout_logprobs.to(dev), where))
         self._reduce_gradients([self.model] + ([self.draft] if self.draft is not None else []))
         return metrics
 
@@ -372,6 +442,11 @@ class Policy:
         here, so a sample's outputs can be computed once and reused every epoch)."""
         if self.draft is None or self.draft_optimizer is None:
             raise ValueError("this model has no draft head (num_nextn_predict_layers is 0)")
+        if self.cfg.data_parallel > 1:
+            raise ValueError(
+                "train_draft_step trains on the tokens it is given, in one replica: warm the draft up with "
+                "data_parallel=1 (specrl warmup runs in one process)"
+            )
         dev = platform.device()
         tokens, mask = tokens.to(dev), mask.to(dev)
         if trunk is None:
@@ -393,22 +468,19 @@ class Policy:
         return metrics
 
     def _reduce_gradients(self, modules: list[torch.nn.Module]) -> None:
-        """Sum q/k-norm grads over TP (each rank saw only its heads); average `modules` over DP."""
+        """Finish the data-parallel sums (DDP buffers become .grad), then sum q/k-norm grads over
+        TP (each rank saw only its heads)."""
         from megatron.core import parallel_state
 
+        for ddp in self._ddp:
+            if ddp.module in modules:
+                ddp.finish_grad_sync()
+                adopt_main_grads(ddp.module)
         if self.cfg.tensor_parallel > 1 and self.model in modules:
             tp_group = parallel_state.get_tensor_model_parallel_group()
             for name, p in self.model.named_parameters():
                 if p.grad is not None and ("q_layernorm" in name or "k_layernorm" in name):
                     dist.all_reduce(p.grad, group=tp_group)
-        dp = parallel_state.get_data_parallel_world_size()
-        if dp > 1:
-            dp_group = parallel_state.get_data_parallel_group()
-            for module in modules:
-                for p in module.parameters():
-                    if p.grad is not None:
-                        dist.all_reduce(p.grad, group=dp_group)
-                        p.grad.div_(dp)
 
     def step(self) -> dict[str, float]:
         """Clip and apply the accumulated gradients (each optimizer with its own clip)."""

@@ -134,13 +134,21 @@ def _parallel_layout(cfg: RLConfig, model: ModelConfig) -> None:
     bad = {k: v for k, v in sizes.items() if v % tp}
     if bad:
         raise PreflightError(f"train.tensor_parallel={tp} must divide the model's {bad}; choose a divisor")
+    import os
+
     import torch.distributed as dist
 
-    if dist.is_initialized() and dist.get_world_size() != tp:
+    dp = cfg.train.data_parallel
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    if world != dp * tp:
+        hint = (
+            f"set train.data_parallel={world // tp} (train.data_parallel x train.tensor_parallel = processes)"
+            if world % tp == 0
+            else f"{world} is not a multiple of train.tensor_parallel={tp}: launch a multiple of it"
+        )
         raise PreflightError(
-            f"train.tensor_parallel={tp} but {dist.get_world_size()} processes: the RL loop runs tensor parallel "
-            "only (data-parallel batch sharding is not implemented); launch as many processes as "
-            "train.tensor_parallel"
+            f"{world} processes but train.data_parallel={dp} x train.tensor_parallel={tp} = {dp * tp}: {hint}, "
+            f"or launch {dp * tp} processes (torchrun --nnodes N --nproc-per-node {dp * tp} / N)"
         )
 
 

@@ -283,8 +283,14 @@ class TrainConfig:
     """How the trainer runs the update: parallel layout and gradient clipping."""
 
     tensor_parallel: int = 1
-    """Tensor-parallel size of the trainer's policy (run under `torchrun --nproc-per-node N`; must
-    divide heads, kv heads, ffn and vocab)."""
+    """Tensor-parallel size T of the trainer's policy (must divide heads, kv heads, ffn and vocab)."""
+    data_parallel: int = 1
+    """Data-parallel replicas D of the (tensor-parallel) policy: `torchrun` starts D x T processes
+    (README, "Training on several nodes"); each replica trains a token-balanced share of every
+    update's samples, gradients summed over replicas (the update is the D = 1 update)."""
+    rank_timeout_s: float = 60.0
+    """Multi-process runs: a rank that stops answering (killed, hung) for this long, or that
+    fails, stops every rank with one error naming it (`trainer.rank_watchdog`)."""
     clip_grad: float = 1.0
     """Max global gradient norm of the trunk."""
     draft_clip_grad: float = 1.0
@@ -306,18 +312,23 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.tensor_parallel < 1:
             raise ValueError(f"train.tensor_parallel must be >= 1, got {self.tensor_parallel}")
+        if self.data_parallel < 1:
+            raise ValueError(f"train.data_parallel must be >= 1, got {self.data_parallel}")
+        if not self.rank_timeout_s > 0:
+            raise ValueError(f"train.rank_timeout_s must be > 0, got {self.rank_timeout_s}")
         if self.micro_batch_rows < 0:
             raise ValueError(f"train.micro_batch_rows must be >= 0 (0: whole batch), got {self.micro_batch_rows}")
         for name in ("epochs", "mini_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
 
-    @property
-    def updates_per_batch(self) -> int:
-        return self.epochs * self.mini_batches
         for name in ("clip_grad", "draft_clip_grad"):
             if not getattr(self, name) > 0.0:
                 raise ValueError(f"train.{name} must be > 0, got {getattr(self, name)}")
+
+    @property
+    def updates_per_batch(self) -> int:
+        return self.epochs * self.mini_batches
 
 
 @dataclass(kw_only=True, slots=True)
@@ -375,6 +386,12 @@ class RLConfig:
             raise ValueError(
                 f"train.mini_batches={self.train.mini_batches} exceeds the {rows} samples of a step "
                 f"(rollout.prompts_per_step x rollout.samples_per_prompt); lower it"
+            )
+        if rows // self.train.mini_batches < self.train.data_parallel:
+            raise ValueError(
+                f"train.data_parallel={self.train.data_parallel} replicas but updates of "
+                f"{rows // self.train.mini_batches} samples (rollout.prompts_per_step x rollout.samples_per_prompt "
+                f"/ train.mini_batches): every replica needs a sample; raise rollout.prompts_per_step"
             )
         if self.reward.overlong_buffer_len > self.rollout.max_new_tokens:
             raise ValueError(

@@ -25,19 +25,16 @@ import contextlib
 import dataclasses
 import logging
 import math
-import os
 import random
 import re
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from tqdm import tqdm
 
@@ -45,12 +42,20 @@ from sidecar.client.fleet import Fleet, FleetConfig, derive_seed
 from sidecar.config_io import to_mapping, write_yaml
 from sidecar.model.model import ModelConfig
 from sidecar.types import GenerationRequest, Sample, SamplingParams, SpeculationCounters
-from trainer import platform
 from trainer.dynamic_sampling import Group, Selection, group_samples, select_groups, shaped_rewards
 from trainer.local_sidecars import LocalSidecars
 from trainer.losses import OverlongConfig, mismatch_metrics, sample_advantages
 from trainer.policy import Policy, TrainBatch
 from trainer.preflight import check_sidecars, preflight
+from trainer.ranks import (
+    RankWatchdog,
+    drain_export,
+    is_leader,
+    join_torchrun_group,
+    multi_process,
+    on_leader,
+    share,
+)
 from trainer.reference import ReferencePolicy
 from trainer.rl_config import RLConfig
 from trainer.rollout_pipeline import RolloutPipeline
@@ -115,6 +120,7 @@ def policy_config(cfg: RLConfig) -> Policy.Config:
     """The policy's config from the run config: every `Policy.Config` field has a run-config key."""
     return Policy.Config(
         tensor_parallel=cfg.train.tensor_parallel,
+        data_parallel=cfg.train.data_parallel,
         seed=cfg.seed,
         temperature=cfg.rollout.temperature,
         grpo=cfg.algorithm,
@@ -166,23 +172,6 @@ def sidecar_fleet(cfg: RLConfig, run_dir: Path) -> Iterator[tuple[Fleet, LocalSi
             addresses = list(cfg.sidecars.addresses)
         fleet = stack.enter_context(Fleet(addresses, FleetConfig(client=client, deadline_s=cfg.rollout.deadline_s)))
         yield fleet, local
-
-
-def is_leader() -> bool:
-    """Rank 0 of the process group, or a process without one."""
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-T = TypeVar("T")
-
-
-def share(obj: T) -> T:
-    """Rank 0's `obj` on every rank (a broadcast when several processes train; else `obj`)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        obj = box[0]
-    return obj
 
 
 def logprobs_in_micro_batches(policy: Policy, tokens: Tensor, rows: int) -> Tensor:  # (B, S) -> (B, S-1)
@@ -298,9 +287,10 @@ def rl_step(run: Run, step: int, rollouts: RolloutPipeline[Rollout] | None = Non
     """One RL step; returns its metrics (on every rank: rank 0's).
 
     `rollouts` (rank 0): where the step's batch comes from; None generates it here and now (the
-    synchronous loop, as `rollout.max_policy_lag` = 0 does). Multi-process (torchrun, tensor
-    parallel): rank 0 generates and rewards, every rank gets the same batch and trains its shard,
-    every rank takes part in the weight export (a collective) while rank 0 streams it to the
+    synchronous loop, as `rollout.max_policy_lag` = 0 does). Multi-process (torchrun): rank 0
+    generates and rewards, every rank gets the same batch and its data-parallel replica trains a
+    token-balanced share of it on its tensor-parallel shard (`Policy.backward`); the ranks of
+    replica 0 take part in the weight export (a collective) while rank 0 streams it to the
     sidecars."""
     cfg = run.cfg
     metrics: dict[str, float] = {}
@@ -349,8 +339,7 @@ def rl_step(run: Run, step: int, rollouts: RolloutPipeline[Rollout] | None = Non
             if events:
                 log.warning("step %d: %s", step, "; ".join(events))
     else:
-        for _ in run.policy.export_named_tensors():
-            pass
+        drain_export(run.policy)
         metrics["time/weight_sync"] = 0.0
 
     # refill rounds count as the same cost on both sides of the step speedup (conservative: they
@@ -564,40 +553,30 @@ PLOT_INTERVAL_S = 10.0
 costs ~1 s of CPU for all of them), and always on the way out."""
 
 
-def join_torchrun_group() -> None:
-    """Under torchrun (WORLD_SIZE > 1 in the environment), join its process group before the
-    policy would otherwise make a world of one per process."""
-    if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        platform.init_distributed_from_env()
-
-
-def on_leader(fn: Callable[[], T]) -> T | None:
-    """Run `fn` on rank 0 only; if it raises, every rank raises it (nobody waits in a collective
-    for a rank that has already given up)."""
-    result: T | None = None
-    error: BaseException | None = None
-    if is_leader():
-        try:
-            result = fn()
-        except Exception as e:  # handed to every rank below, then raised everywhere
-            error = e
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [error]
-        dist.broadcast_object_list(box, src=0)
-        error = box[0]
-    if error is not None:
-        raise error
-    return result
-
-
 def train(cfg: RLConfig, *, resume: bool = False, progress: bool = True) -> list[dict[str, float]]:
     """Run `cfg` to the end; returns each step's metrics (also in run_dir/metrics.jsonl).
 
     Plots are redrawn as steps finish (at most every PLOT_INTERVAL_S) and once more on the way
-    out, so an interrupted run keeps them; the configured trackers get every row that metrics.jsonl gets. Under torchrun every rank
-    runs this; only rank 0 probes and starts sidecars, pushes weights, evaluates and writes the
-    run directory (the others train their tensor-parallel shard of the same batches)."""
+    out, so an interrupted run keeps them; the configured trackers get every row that
+    metrics.jsonl gets. Under torchrun every rank runs this; only rank 0 probes and starts
+    sidecars, pushes weights, evaluates and writes the run directory (`trainer.ranks`); each
+    data-parallel replica trains its share of the same batches on its tensor-parallel shards. A
+    rank that fails or dies stops every rank within about `train.rank_timeout_s`, with its error
+    (`trainer.ranks.RankWatchdog`)."""
     join_torchrun_group()
+    if not multi_process():
+        return _train(cfg, resume, progress, None)
+    with RankWatchdog(timeout_s=cfg.train.rank_timeout_s) as watchdog:
+        try:
+            return _train(cfg, resume, progress, watchdog)
+        except BaseException as e:
+            first = watchdog.fail(e)  # the others stop within a beat
+            if first is not None:  # another rank failed first: its error is the one to report
+                raise first from e
+            raise
+
+
+def _train(cfg: RLConfig, resume: bool, progress: bool, watchdog: RankWatchdog | None) -> list[dict[str, float]]:
     leader = is_leader()
     progress = progress and leader
     prepared = preflight(cfg, probe_sidecars=False)  # seconds, on every rank: nothing is built yet
@@ -628,7 +607,9 @@ def train(cfg: RLConfig, *, resume: bool = False, progress: bool = True) -> list
 
             def start_fleet() -> Fleet:
                 with phase(fleet, progress):
-                    orch, _local = stack.enter_context(sidecar_fleet(cfg, cfg.run_dir))
+                    orch, local = stack.enter_context(sidecar_fleet(cfg, cfg.run_dir))
+                if watchdog is not None and local is not None:
+                    watchdog.at_abort(local.close)  # stopped by another rank's failure: no orphans
                 return orch
 
             orch = on_leader(start_fleet)  # a failed start stops every rank
@@ -636,9 +617,8 @@ def train(cfg: RLConfig, *, resume: bool = False, progress: bool = True) -> list
             with phase(f"first weight push ({len(names)} tensors to the sidecars)", progress):
                 if orch is not None:
                     orch.push_weights(policy.export_named_tensors, orch.start_version(), names=names)
-                else:  # ranks > 0: rank 0's push gathers our tensor-parallel shards
-                    for _ in policy.export_named_tensors():
-                        pass
+                else:  # replica 0's other ranks: rank 0's push gathers their tensor-parallel shards
+                    drain_export(policy)
             run = Run(
                 cfg=cfg,
                 policy=policy,
