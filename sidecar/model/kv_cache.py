@@ -126,7 +126,7 @@ class KVCache:
             raise ValueError(f"num_new has {len(num_new)} rows, the cache has {self.batch}")
         s = width if width is not None else max(num_new, default=0)
         s = max(s, 1)
-        kv_len = max(self.lengths, default=0) + s
+        kv_len = (max(self.lengths) if self.lengths else 0) + s
         self._grow(kv_len)
         lengths = torch.tensor(self.lengths, dtype=torch.int64, device=self.device)  # (B,)
         offsets = torch.arange(s, device=self.device)  # (S,)

@@ -86,7 +86,7 @@ def test_the_round_traced_with_fullgraph_equals_eager_and_the_oracle(aligned_mod
     traced._round = counted
     with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=256):
         out = generate(traced, k)
-    assert rounds > 8 and backend.calls == rounds  # every round ran as one traced graph, none fell back
+    assert rounds >= 4 and backend.calls == rounds  # every round ran as one traced graph, none fell back
     assert [s.token_ids for s in out] == [s.token_ids for s in eager]
     for x, y in zip(out, eager, strict=True):
         torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-6, rtol=0)
