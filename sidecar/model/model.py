@@ -306,14 +306,12 @@ class DecodeWeights:
         )
 
 
-def _rms_w(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
-    """RMSNorm's operations with a given weight (the fused q/k table), or none."""
-    if x.dtype == torch.float32:  # the same operations as `RMSNorm`, in place where nothing else reads
-        out = x * x.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
-        return out if weight is None else out.mul_(weight)
+def _rms_w(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm's operations with a given weight (the fused q/k table)."""
+    if x.dtype == torch.float32:
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
     x32 = x.float()
-    out = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return out if weight is None else weight * out
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def _rms(x: Tensor, norm: RMSNorm) -> Tensor:
