@@ -370,8 +370,15 @@ class TorchEngine(Engine):
         return seq.to_sample(reason)
 
     def _keep_rows(self, keep: list[int]) -> None:
-        if keep == list(range(len(self._running))):
+        """Keep the rows `keep`: each row that leaves has its place taken by a kept row from the
+        end of the batch, so the static caches copy one row per leaving row, not every row after
+        it (the rows' order is free: a row's tokens do not depend on its batch)."""
+        n = len(self._running)
+        if keep == list(range(n)):
             return
+        kept = set(keep)
+        movers = iter([i for i in range(len(keep), n) if i in kept])
+        keep = [i if i in kept else next(movers) for i in range(len(keep))]
         self._running = [self._running[i] for i in keep]
         self._cache.keep_rows(keep)
         for c in self._mtp_caches:

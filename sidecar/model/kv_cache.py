@@ -201,8 +201,9 @@ class KVCache:
             if moved:
                 dst = torch.tensor([i for i, _ in moved], dtype=torch.int64, device=self.device)
                 src = torch.tensor([r for _, r in moved], dtype=torch.int64, device=self.device)
-                self._k[:, dst] = self._k[:, src]
-                self._v[:, dst] = self._v[:, src]
+                used = max(self.lengths[r] for _, r in moved)  # slots past a row's length are stale
+                self._k[:, dst, :, :used] = self._k[:, src, :, :used]
+                self._v[:, dst, :, :used] = self._v[:, src, :, :used]
         self.lengths = [self.lengths[r] for r in rows]
 
     def append_rows(self, other: KVCache) -> None:
