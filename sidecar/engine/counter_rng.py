@@ -69,10 +69,8 @@ def uniforms(keys: Tensor, words: Tensor) -> Tensor:
 
 def round_words(positions: Tensor, k: int) -> Tensor:
     """(B,) output positions -> (B, 2k + 1) words of one round: k draft samples, k acceptance
-    tests, the final token (the column layout the engine's round uses)."""
-    idx = torch.arange(k + 1, device=positions.device)
-    n = positions[:, None]
-    return torch.cat(
-        [key_words(n, ROLE_DRAFT, idx[:k]), key_words(n, ROLE_ACCEPT, idx[:k]), key_words(n, ROLE_FINAL, idx[:1])],
-        dim=1,
-    )
+    tests, the final token (the column layout the engine's round uses). `key_words` of each
+    column, as one product and one sum."""
+    offsets = [ROLE_DRAFT * MAX_INDEX + i for i in range(k)] + [ROLE_ACCEPT * MAX_INDEX + i for i in range(k)]
+    offsets.append(ROLE_FINAL * MAX_INDEX)
+    return positions[:, None] * 256 + torch.tensor(offsets, dtype=torch.int64, device=positions.device)

@@ -49,14 +49,64 @@ def sequence_seed(seed: int, prompt_index: int, sample_index: int) -> int:
 
 def step_counters(drafted: int, accepted: int, generated: int) -> SpeculationCounters:
     """The counters of one row's round: one verify, its drafts, the accepted ones, tokens emitted."""
-    return SpeculationCounters(
-        verify_steps=1,
-        drafted_tokens=drafted,
-        accepted_tokens=accepted,
-        generated_tokens=generated,
-        drafted_per_position=[1] * drafted,
-        accepted_per_position=[1] * accepted,
-    )
+    counters = SpeculationCounters()
+    add_rounds(counters, [drafted], [accepted], generated)
+    return counters
+
+
+def add_rounds(counters: SpeculationCounters, drafted: list[int], accepted: list[int], generated: int) -> None:
+    """Add the rounds of rows that drafted `drafted[i]` tokens and had `accepted[i]` accepted
+    (one verify each), `generated` tokens emitted in all, in place: what `counters.add` of each
+    row's `step_counters` would add, without building them (a round does this once per row and
+    once for the batch)."""
+    counters.verify_steps += len(drafted)
+    counters.drafted_tokens += sum(drafted)
+    counters.accepted_tokens += sum(accepted)
+    counters.generated_tokens += generated
+    for per, counts in ((counters.drafted_per_position, drafted), (counters.accepted_per_position, accepted)):
+        top = max(counts, default=0)
+        if len(per) < top:
+            per.extend([0] * (top - len(per)))
+        for i in range(top):
+            per[i] += sum(n > i for n in counts)
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """A run of a row's trunk hidden states the MTP layers have not consumed: `base[row, start :
+    start + count]`, where `base` (B', P, hidden) is a forward's whole output (a prefill's or a
+    verify's). Kept as a reference, not a slice, so a round slices nothing per row:
+    `gather_pending` moves every row's runs into the draft's input with one indexing per base."""
+
+    base: Tensor
+    row: int
+    start: int
+    count: int
+
+
+def gather_pending(seqs: list[Sequence], take: list[int], width: int) -> Tensor:  # (B, width, hidden)
+    """Each row's pending hidden states, right-padded with zeros: all of row b's runs when
+    take[b] > 0 (then take[b] == its num_pending), nothing otherwise."""
+    first = next(p.base for s, n in zip(seqs, take, strict=True) if n and s.pending for p in s.pending)
+    out = torch.zeros(len(seqs), width, first.shape[-1], dtype=first.dtype, device=first.device)
+    groups: dict[
+        int, tuple[Tensor, list[list[int]]]
+    ] = {}  # id(base) -> (base, [src rows, src cols, dst rows, dst cols])
+    for b, (s, n) in enumerate(zip(seqs, take, strict=True)):
+        if not n or s.pending is None:
+            continue
+        col = 0
+        for p in s.pending:
+            idx = groups.setdefault(id(p.base), (p.base, [[], [], [], []]))[1]
+            idx[0] += [p.row] * p.count
+            idx[1] += range(p.start, p.start + p.count)
+            idx[2] += [b] * p.count
+            idx[3] += range(col, col + p.count)
+            col += p.count
+    for base, idx in groups.values():
+        src_r, src_c, dst_r, dst_c = torch.tensor(idx, device=out.device).unbind(0)
+        out[dst_r, dst_c] = base[src_r, src_c]
+    return out
 
 
 @dataclass(kw_only=True, slots=True)
@@ -76,7 +126,7 @@ class Sequence:
     counters: SpeculationCounters = field(default_factory=SpeculationCounters)
     first_version: int = -1
     last_version: int = -1
-    pending: list[Tensor] | None = None  # chunks of (n, hidden) trunk states the MTP layers have not consumed
+    pending: list[Pending] | None = None  # runs of trunk states the MTP layers have not consumed, oldest first
 
     @property
     def drafts(self) -> bool:
@@ -85,7 +135,7 @@ class Sequence:
 
     @property
     def num_pending(self) -> int:
-        return sum(p.shape[0] for p in self.pending) if self.pending is not None else 0
+        return sum(p.count for p in self.pending) if self.pending is not None else 0
 
     @property
     def length(self) -> int:

@@ -50,13 +50,17 @@ import torch
 import sidecar
 from sidecar.engine import counter_rng
 from sidecar.engine.base import Engine
+from sidecar.engine.decode_round import RoundInput, decode_round
 from sidecar.engine.rows import (
     CATCH_UP_POSITIONS,
     REASON_LENGTH,
     REASON_STOP,
     BatchTensors,
+    Pending,
     Sequence,
+    add_rounds,
     cost_clock,
+    gather_pending,
     round_outcome,
     sequence_seed,
     step_counters,
@@ -69,7 +73,6 @@ from sidecar.engine.sampling import (
     sample_from,
 )
 from sidecar.engine.scoring import score
-from sidecar.engine.speculative import DraftInput, VerifyInput, draft, verify
 from sidecar.engine.validation import check_weights, validate_request
 from sidecar.engine.version_ledger import VersionLedger
 from sidecar.errors import InvalidRequestError, KVCacheCapacityError
@@ -165,6 +168,7 @@ class TorchEngine(Engine):
         self._cache = self._new_cache(self.config.num_hidden_layers, 0, slots, max_batch=rows)
         self._mtp_caches = [self._new_cache(1, 0, slots, max_batch=rows) for _ in range(self.num_mtp)]
         self._batch: BatchTensors | None = None
+        self._round = decode_round  # the round's device work (a test swaps in its traced form)
 
     def _slots_per_row(self) -> int:  # a row's context and the scratch columns a verify writes past it
         return self.max_context + self.max_speculation_k + 2
@@ -366,8 +370,15 @@ class TorchEngine(Engine):
         return seq.to_sample(reason)
 
     def _keep_rows(self, keep: list[int]) -> None:
-        if keep == list(range(len(self._running))):
+        """Keep the rows `keep`: each row that leaves has its place taken by a kept row from the
+        end of the batch, so the static caches copy one row per leaving row, not every row after
+        it (the rows' order is free: a row's tokens do not depend on its batch)."""
+        n = len(self._running)
+        if keep == list(range(n)):
             return
+        kept = set(keep)
+        movers = iter([i for i in range(len(keep), n) if i in kept])
+        keep = [i if i in kept else next(movers) for i in range(len(keep))]
         self._running = [self._running[i] for i in keep]
         self._cache.keep_rows(keep)
         for c in self._mtp_caches:
@@ -455,7 +466,7 @@ class TorchEngine(Engine):
                 finished.append(self._finish(s, _REASONS[int(reason)]))
                 continue
             if s.drafts and self.num_mtp:
-                s.pending = [hidden[i, lengths[i] - 1 : lengths[i]]]
+                s.pending = [Pending(base=hidden, row=i, start=lengths[i] - 1, count=1)]
             keep.append(i)
         if keep:
             cache.keep_rows(keep)
@@ -477,7 +488,6 @@ class TorchEngine(Engine):
         if self._batch is None:
             self._batch = BatchTensors.of(seqs, dev)
         batch = self._batch
-        rows = batch.rows
         started = self._clock()
         policy = self._policy if any(s.auto for s in seqs) else None
         decision: SpeculationDecision | None = (
@@ -491,57 +501,49 @@ class TorchEngine(Engine):
             for s in seqs
         ]
         kmax = max(k_eff)
-        host = torch.tensor([[len(s.output), s.last_tokens(1)[0], k] for s, k in zip(seqs, k_eff, strict=True)])
-        host = host.to(dev)
-        out_len, last, num_draft = host[:, 0], host[:, 1], host[:, 2]
-        u = batch.round_uniforms(out_len, kmax)  # (B, 2 kmax + 1); a row uses its first k_eff of each role
-        consumed = [False] * b
+        host = torch.tensor(
+            [[len(s.output), s.last_tokens(1)[0], k, len(s.prompt) - 1] for s, k in zip(seqs, k_eff, strict=True)]
+        ).to(dev)
+        inp = RoundInput(
+            out_len=host[:, 0],
+            last=host[:, 1],
+            num_draft=host[:, 2],
+            next_position=host[:, 0] + host[:, 3],
+            kmax=kmax,
+            num_new=[k + 1 for k in k_eff],
+        )
         catch_up = False
         if kmax > 0:
             num_refresh = [s.num_pending if k else 0 for s, k in zip(seqs, k_eff, strict=True)]
             width = max(num_refresh)
             catch_up = width > self._last_kmax + 1  # positions skipped by plain rounds (see CATCH_UP_POSITIONS)
-            ref_tokens = torch.zeros(b, width, dtype=torch.int64)
-            ref_hidden = torch.zeros(b, width, self.config.hidden_size, dtype=self.config.dtype, device=dev)
-            for i, (s, n) in enumerate(zip(seqs, num_refresh, strict=True)):
-                if n:
-                    assert s.pending is not None
-                    ref_tokens[i, :n] = torch.tensor(s.last_tokens(n))
-                    ref_hidden[i, :n] = s.pending[0] if len(s.pending) == 1 else torch.cat(s.pending)
-                    consumed[i] = True
             # MTP position t of each pending entry: they end at t = n - 2 (n = the row's length)
-            ends = torch.tensor([s.length - 1 - n for s, n in zip(seqs, num_refresh, strict=True)])
-            ref_positions = ends[:, None] + torch.arange(width)[None, :]
-            out = draft(
-                self.model,
-                self._mtp_caches,
-                DraftInput(
-                    refresh_tokens=ref_tokens.to(dev),
-                    refresh_hidden=ref_hidden,
-                    num_refresh=num_refresh,
-                    refresh_positions=ref_positions.to(dev),
-                    next_position=out_len + torch.tensor([len(s.prompt) - 1 for s in seqs], device=dev),
-                    num_draft=num_draft,
-                    uniforms=u[:, :kmax],
-                ),
-                rows,
-            )
-            draft_tokens, q = out.tokens, out.probs
-            if policy is not None and dev.type == "cuda":
-                torch.cuda.synchronize(dev)  # the draft phase's cost, not its launch
-            verify_tokens = torch.cat([last[:, None], draft_tokens], dim=1)
-        else:
-            draft_tokens = torch.zeros(b, 0, dtype=torch.int64, device=dev)
-            q = torch.zeros(b, 0, self.config.vocab_size, device=dev)
-            verify_tokens = last[:, None]
-        drafted_at = self._clock()
+            ends = [s.length - 1 - n for s, n in zip(seqs, num_refresh, strict=True)]
+            inp.refresh_tokens = torch.tensor(
+                [s.last_tokens(n) + [0] * (width - n) for s, n in zip(seqs, num_refresh, strict=True)]
+            ).to(dev)
+            inp.refresh_hidden = gather_pending(seqs, num_refresh, width)
+            inp.refresh_positions = (torch.tensor(ends)[:, None] + torch.arange(width)[None, :]).to(dev)
+            inp.num_refresh = num_refresh
+        drafted_at = started
+
+        def drafted() -> None:  # the draft phase's cost, not its launch
+            nonlocal drafted_at
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            drafted_at = self._clock()
+
         old_lengths = list(self._cache.lengths)
-        vout = verify(self.model, self._cache, VerifyInput(tokens=verify_tokens, num_new=[k + 1 for k in k_eff]), rows)
-        acc = self._acceptance_rule(draft_tokens, q, vout.probs, num_draft, u[:, kmax : 2 * kmax], u[:, 2 * kmax])
-        emitted = torch.cat([draft_tokens, torch.zeros(b, 1, dtype=torch.int64, device=dev)], dim=1)
-        emitted.scatter_(1, acc.num_accepted[:, None], acc.next_token[:, None])
-        logprobs = reported_logprobs(vout.logits, emitted, rows)
-        packed = round_outcome(batch, emitted, logprobs, acc.num_accepted, out_len).tolist()  # the one host copy
+        out = self._round(
+            self.model,
+            self._cache,
+            self._mtp_caches,
+            batch,
+            inp,
+            self._acceptance_rule,
+            drafted if policy is not None else None,
+        )
+        packed = out.packed.tolist()  # the one host copy
 
         finished, keep = [], []
         emitted_total = ended = 0
@@ -555,7 +557,7 @@ class TorchEngine(Engine):
             num_accepted.append(a)
             before = len(s.output)
             s.extend(row[:n], row[width_out : width_out + n], self._version)
-            self._count(s, drafted=k_eff[i], accepted=a, generated=n)
+            add_rounds(s.counters, [k_eff[i]], [a], n)
             if k_eff[i]:  # an accepted stop token ends the row: the drafts after it say nothing
                 evidence[0].append(min(k_eff[i], n))
                 evidence[1].append(min(a, n))
@@ -568,14 +570,15 @@ class TorchEngine(Engine):
                     policy.observe_finished_row(*s.position_one())
                 continue
             if s.drafts and self.num_mtp and s.pending is not None:
-                new_pending = vout.hidden[i, : a + 1]
-                if consumed[i]:
+                new_pending = Pending(base=out.hidden, row=i, start=0, count=a + 1)
+                if k_eff[i]:  # the round consumed the row's pending states
                     s.pending = [new_pending]
                 else:  # a round without drafting: keep only the latest positions (see CATCH_UP_POSITIONS)
                     s.pending = [*s.pending, new_pending]
-                    while len(s.pending) > 1 and s.num_pending - s.pending[0].shape[0] >= CATCH_UP_POSITIONS:
+                    while len(s.pending) > 1 and s.num_pending - s.pending[0].count >= CATCH_UP_POSITIONS:
                         s.pending.pop(0)
             keep.append(i)
+        add_rounds(self._stats[self._version].counters, k_eff, num_accepted, emitted_total)
         self._cache.truncate([n + a + 1 for n, a in zip(old_lengths, num_accepted, strict=True)])
         self._keep_rows(keep)
         if policy is not None:  # the controller learns from the steps it decided

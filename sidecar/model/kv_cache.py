@@ -41,6 +41,17 @@ class AttentionPlan:
     """The common start slot when every row has the same length (a slice write), else None."""
     num_new: list[int]
     """Valid new tokens per row (the rest of the S columns are padding)."""
+    keys_in: tuple[Tensor, ...] = ()
+    """Per layer, the view the new keys are written through: (B, S, kv_heads, head_dim) slots
+    [start, start + S) when `start` is set, else the whole (B, capacity, kv_heads, head_dim) row
+    written at `index`. Made once per forward (one `unbind` for all layers), so a layer's write
+    is one operation."""
+    values_in: tuple[Tensor, ...] = ()
+    keys_out: tuple[Tensor, ...] = ()
+    """Per layer, the (B, kv_heads, kv_len, head_dim) slots the forward reads."""
+    values_out: tuple[Tensor, ...] = ()
+    index: tuple[Tensor, Tensor] | None = None
+    """(rows (B, 1), positions (B, S)): where a ragged forward (no common `start`) writes."""
 
 
 class KVCache:
@@ -115,7 +126,7 @@ class KVCache:
             raise ValueError(f"num_new has {len(num_new)} rows, the cache has {self.batch}")
         s = width if width is not None else max(num_new, default=0)
         s = max(s, 1)
-        kv_len = max(self.lengths, default=0) + s
+        kv_len = (max(self.lengths) if self.lengths else 0) + s
         self._grow(kv_len)
         lengths = torch.tensor(self.lengths, dtype=torch.int64, device=self.device)  # (B,)
         offsets = torch.arange(s, device=self.device)  # (S,)
@@ -125,27 +136,46 @@ class KVCache:
         mask: Tensor | None = None
         if not (uniform and s == 1):
             slots = torch.arange(kv_len, device=self.device)  # (T,)
-            mask = (slots[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # (B, 1, S, T)
-        return AttentionPlan(positions=positions, mask=mask, kv_len=kv_len, start=start, num_new=list(num_new))
+            allowed = (slots[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # (B, 1, S, T)
+            # additive (0 / -inf) in the cache's dtype: what SDPA would convert a bool mask to, once per forward
+            mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, -torch.inf)
+        b = self.batch
+        k5, v5 = self._k[:, :b], self._v[:, :b]  # (L, B, kv_heads, capacity, head_dim)
+        index: tuple[Tensor, Tensor] | None = None
+        if start is not None:
+            k_in, v_in = k5[:, :, :, start : start + s], v5[:, :, :, start : start + s]
+        else:
+            k_in, v_in = k5, v5
+            index = (torch.arange(b, device=self.device)[:, None], positions)
+        return AttentionPlan(
+            positions=positions,
+            mask=mask,
+            kv_len=kv_len,
+            start=start,
+            num_new=list(num_new),
+            keys_in=k_in.transpose(2, 3).unbind(0),
+            values_in=v_in.transpose(2, 3).unbind(0),
+            keys_out=k5[:, :, :, :kv_len].unbind(0),
+            values_out=v5[:, :, :, :kv_len].unbind(0),
+            index=index,
+        )
 
     def write_and_read(
         self,
         layer: int,
-        k: Tensor,  # (B, kv_heads, S, head_dim)
-        v: Tensor,  # (B, kv_heads, S, head_dim)
+        k: Tensor,  # (B, S, kv_heads, head_dim)
+        v: Tensor,  # (B, S, kv_heads, head_dim)
         plan: AttentionPlan,
     ) -> tuple[Tensor, Tensor]:  # each (B, kv_heads, kv_len, head_dim)
-        """Store the new keys/values at the planned slots; return the slots this forward reads."""
-        s, b = k.shape[2], self.batch
-        keys, values = self._k[layer, :b], self._v[layer, :b]
-        if plan.start is not None:
-            keys[:, :, plan.start : plan.start + s] = k
-            values[:, :, plan.start : plan.start + s] = v
+        """Store the new keys/values at the planned slots; return the slots this forward reads
+        (views of the storage made by `plan`, which must be this cache's latest)."""
+        if plan.index is None:
+            plan.keys_in[layer].copy_(k)
+            plan.values_in[layer].copy_(v)
         else:
-            rows = torch.arange(b, device=self.device)[:, None]  # (B, 1)
-            keys[rows, :, plan.positions] = k.transpose(1, 2)
-            values[rows, :, plan.positions] = v.transpose(1, 2)
-        return keys[:, :, : plan.kv_len], values[:, :, : plan.kv_len]
+            plan.keys_in[layer].index_put_(plan.index, k)
+            plan.values_in[layer].index_put_(plan.index, v)
+        return plan.keys_out[layer], plan.values_out[layer]
 
     def commit(self, plan: AttentionPlan) -> None:
         """Make each row's planned new tokens part of its cached prefix."""
@@ -171,8 +201,9 @@ class KVCache:
             if moved:
                 dst = torch.tensor([i for i, _ in moved], dtype=torch.int64, device=self.device)
                 src = torch.tensor([r for _, r in moved], dtype=torch.int64, device=self.device)
-                self._k[:, dst] = self._k[:, src]
-                self._v[:, dst] = self._v[:, src]
+                used = max(self.lengths[r] for _, r in moved)  # slots past a row's length are stale
+                self._k[:, dst, :, :used] = self._k[:, src, :, :used]
+                self._v[:, dst, :, :used] = self._v[:, src, :, :used]
         self.lengths = [self.lengths[r] for r in rows]
 
     def append_rows(self, other: KVCache) -> None:

@@ -227,17 +227,18 @@ class Attention(nn.Module):
         layer: int,
         plan: AttentionPlan,
     ) -> Tensor:  # (B, S, hidden)
-        """The same attention over new tokens appended to a KV cache, written for few host-side
-        operations (one q|k|v projection, no module calls, the rotation by the sign-folded table —
-        bit-identical to `apply_rotary`): at decode sizes a step costs its operator launches."""
+        """The same attention over new tokens appended to a KV cache, written for few operator
+        calls: one q|k|v projection, the q/k norms as one norm and one table product, rotation in
+        the projection's (B, S, heads, head_dim) layout (no transposed copies), one write per
+        cache tensor through the plan's views. At decode sizes a step costs its operator calls."""
         b, s, _ = x.shape
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = F.linear(x, w.qkv).view(b, s, h + 2 * kv, d)
-        qk = rope.rotate(_rms_w(qkv[:, :, : h + kv], w.qk_norm, w.eps).transpose(1, 2))  # (B, h + kv, S, d)
-        v = qkv[:, :, h + kv :].transpose(1, 2)
-        keys, values = cache.write_and_read(layer, qk[:, h:], v, plan)
-        out = F.scaled_dot_product_attention(qk[:, :h], keys, values, attn_mask=plan.mask, enable_gqa=True)
-        return F.linear(out.transpose(1, 2).reshape(b, s, h * d), w.o)
+        qkv = w.project(x, w.qkv).view(b, s, h + 2 * kv, d)
+        qk = rope.rotate(_rms_w(qkv[:, :, : h + kv], w.qk_norm, w.eps))  # (B, S, h + kv, d)
+        keys, values = cache.write_and_read(layer, qk[:, :, h:], qkv[:, :, h + kv :], plan)
+        q = qk[:, :, :h].transpose(1, 2)  # (B, h, S, d)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=plan.mask, enable_gqa=True)
+        return w.project(out.transpose(1, 2).reshape(b, s, h * d), w.o)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -245,7 +246,13 @@ class DecodeWeights:
     """One decoder layer's weights as the cached forwards use them: q|k|v and gate|up fused into
     one matrix each and the q and k norms into one (heads, head_dim) table (copies, rebuilt
     whenever a source changes: `Qwen3WithMTP.decode_weights`), the rest the parameters
-    themselves (read without module attribute lookups)."""
+    themselves (read without module attribute lookups).
+
+    On CPU the four projections are stored by columns, (in, out) contiguous, and applied as
+    `x @ w`: the layer's weights do not fit the caches, so a decode step streams them from
+    memory, and MKL reads this layout about 20% faster at decode batch sizes (measured on the CPU
+    box: the 24 layers' projections of the demo policy 2.4 vs 3.0 ms at B = 1, 3.8 vs 5.0 ms at
+    B = 16). Elsewhere (out, in) and `F.linear`, which shares o and down with the parameters."""
 
     input_norm: Tensor
     qkv: Tensor
@@ -255,10 +262,15 @@ class DecodeWeights:
     gate_up: Tensor
     down: Tensor
     eps: float
+    by_columns: bool
+
+    def project(self, x: Tensor, w: Tensor) -> Tensor:
+        """x (..., in) times one of the projections: (..., out)."""
+        return torch.matmul(x, w) if self.by_columns else F.linear(x, w)
 
     @staticmethod
     def sources(layer: DecoderLayer) -> tuple[Tensor, ...]:
-        """The parameters the copies are made of: q, k, v, gate, up, q_norm, k_norm."""
+        """The parameters the copies are made of: q, k, v, gate, up, q_norm, k_norm, o, down."""
         a, m = layer.self_attn, layer.mlp
         return (
             a.q_proj.weight,
@@ -268,21 +280,29 @@ class DecodeWeights:
             m.up_proj.weight,
             a.q_norm.weight,
             a.k_norm.weight,
+            a.o_proj.weight,
+            m.down_proj.weight,
         )
 
     @classmethod
     def of(cls, layer: DecoderLayer) -> DecodeWeights:
         a = layer.self_attn
-        q, k, v, gate, up, qn, kn = cls.sources(layer)
+        q, k, v, gate, up, qn, kn, o, down = cls.sources(layer)
+        by_columns = q.device.type == "cpu"
+
+        def layout(w: Tensor) -> Tensor:
+            return w.t().contiguous() if by_columns else w
+
         return cls(
             input_norm=layer.input_layernorm.weight,
-            qkv=torch.cat([q, k, v]),
+            qkv=layout(torch.cat([q, k, v])),
             qk_norm=torch.cat([qn.expand(a.num_heads, -1), kn.expand(a.num_kv_heads, -1)]),
-            o=a.o_proj.weight,
+            o=layout(o),
             post_norm=layer.post_attention_layernorm.weight,
-            gate_up=torch.cat([gate, up]),
-            down=layer.mlp.down_proj.weight,
+            gate_up=layout(torch.cat([gate, up])),
+            down=layout(down),
             eps=layer.input_layernorm.eps,
+            by_columns=by_columns,
         )
 
 
@@ -301,16 +321,17 @@ def _rms(x: Tensor, norm: RMSNorm) -> Tensor:
 
 @dataclass(kw_only=True, slots=True)
 class RopeTable:
-    """cos and sign-folded sin of one forward's positions, (B, 1, S, head_dim) in the compute dtype.
+    """cos and sign-folded sin of one forward's positions, (B, S, 1, head_dim) in the compute dtype.
 
-    `rotate(x)` = x cos + rotate_half(x) sin, computed as x cos + swap_halves(x) sin_folded with
-    sin_folded = (-sin_1, sin_2): the same products (a sign flip is exact), fewer operations."""
+    `rotate(x)` = x cos + rotate_half(x) sin, computed as x cos + roll(x, head_dim / 2) sin_folded
+    with sin_folded = (-sin_1, sin_2): rolling by half the head swaps its halves, and a sign flip
+    is exact, so these are the same products in three operator calls."""
 
     cos: Tensor
     sin_folded: Tensor
 
-    def rotate(self, x: Tensor) -> Tensor:  # (B, heads, S, head_dim)
-        return x * self.cos + x.unflatten(-1, (2, -1)).flip(-2).flatten(-2) * self.sin_folded
+    def rotate(self, x: Tensor) -> Tensor:  # (B, S, heads, head_dim)
+        return torch.addcmul(x * self.cos, x.roll(x.shape[-1] // 2, -1), self.sin_folded)
 
 
 class MLP(nn.Module):
@@ -345,8 +366,8 @@ class DecoderLayer(nn.Module):
     ) -> Tensor:
         """`forward` over new tokens appended to a KV cache (see `Attention.cached`)."""
         x = x + self.self_attn.cached(_rms_w(x, w.input_norm, w.eps), w, rope, cache, layer, plan)
-        gate, up = F.linear(_rms_w(x, w.post_norm, w.eps), w.gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, w.down)
+        gate, up = w.project(_rms_w(x, w.post_norm, w.eps), w.gate_up).chunk(2, dim=-1)
+        return x + w.project(F.silu(gate) * up, w.down)
 
 
 class SharedHead(nn.Module):
@@ -447,7 +468,7 @@ class Qwen3WithMTP(nn.Module):
                 torch.cat([-sin[:, :half], sin[:, half:]], -1).to(dtype),
             )
         idx = positions.clamp(0, folded[0].shape[0] - 1)
-        return RopeTable(cos=folded[0][idx].unsqueeze(1), sin_folded=folded[1][idx].unsqueeze(1))
+        return RopeTable(cos=folded[0][idx].unsqueeze(2), sin_folded=folded[1][idx].unsqueeze(2))
 
     def decode_weights(self) -> list[DecodeWeights]:
         """`DecodeWeights` of the trunk's layers, then the MTP layers'; rebuilt when a source
@@ -545,14 +566,15 @@ class Qwen3WithMTP(nn.Module):
     ) -> Tensor:  # (B, S, hidden) MTP output before shared_head.norm
         """One MTP layer over new positions, attending to its own cached earlier positions."""
         mtp = self.mtp_layer(layer)
-        x = mtp.combine(F.embedding(tokens, self.model.embed_tokens.weight), hidden)
+        embedded = _rms(F.embedding(tokens, self.model.embed_tokens.weight), mtp.enorm)
+        x = F.linear(torch.cat([embedded, _rms(hidden, mtp.hnorm)], dim=-1), mtp.eh_proj.weight)  # `combine`
         rope = self.rope_table(plan.positions + 1 if rope_positions is None else rope_positions, x.dtype)
         weights = self.decode_weights()[self.config.num_hidden_layers + layer]
         return mtp.cached(x, weights, rope, cache, 0, plan)
 
     def mtp_head(self, layer: int, out: Tensor) -> Tensor:
         """Draft logits from an MTP output: shared lm_head(shared_head.norm(out))."""
-        return self.logits(self.mtp_layer(layer).shared_head.norm(out))
+        return self.logits(_rms(out, self.mtp_layer(layer).shared_head.norm))
 
 
 def init_weights(model: Qwen3WithMTP, seed: int, std: float = 0.02) -> None:

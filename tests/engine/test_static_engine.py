@@ -103,9 +103,9 @@ def test_the_rope_lookup_equals_the_checked_forward() -> None:
     positions = torch.tensor([[0, 5, 511], [100, 101, 102]])
     cos, sin = model.rope(positions)
     table = model.rope_table(positions, torch.float32)
-    assert torch.equal(table.cos[:, 0], cos)
+    assert torch.equal(table.cos[:, :, 0], cos)
     half = model.config.head_dim // 2
-    assert torch.equal(table.sin_folded[:, 0], torch.cat([-sin[..., :half], sin[..., half:]], -1))
+    assert torch.equal(table.sin_folded[:, :, 0], torch.cat([-sin[..., :half], sin[..., half:]], -1))
     assert model._rotary[0].table_size >= model.rope_positions()
 
 

@@ -1,0 +1,108 @@
+"""One decode round as device work: draft → verify → accept → the packed result.
+
+Why a function of its own: it is the piece a compiled or captured execution takes whole
+(`torch.compile(fullgraph=True)`; on GPUs a CUDA graph per batch bucket and k). Everything in it
+is tensor operations on the round's device; what it takes from the host are the round's shapes
+and per-row counts (`RoundInput`'s Python ints: they select a compiled graph, as a batch bucket
+would), and it never reads a tensor's value back. The engine builds the input before it and reads
+the one packed result after it (`rows.round_outcome`): `tests/engine/test_compiled_round.py`
+traces it with `fullgraph=True` (no graph break, no host read) and checks it equals eager.
+
+The KV caches' row lengths are host ints here (they choose the slice or the indexed write, and
+the slots a forward reads), so a graph is specific to them; capturing a round across lengths
+(CUDA graphs) needs them as device tensors read at a fixed width, which is not built yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from sidecar.engine.rows import BatchTensors, round_outcome
+from sidecar.engine.sampling import AcceptanceRule, reported_logprobs
+from sidecar.engine.speculative import DraftInput, VerifyInput, draft, verify
+from sidecar.model.kv_cache import KVCache
+from sidecar.model.model import Qwen3WithMTP
+
+
+@dataclass(kw_only=True, slots=True)
+class RoundInput:
+    """What a round of B rows drafting up to `kmax` tokens needs, built by the engine."""
+
+    out_len: Tensor
+    """(B,) int64 tokens each row has emitted (the counter-RNG position of the round)."""
+    last: Tensor
+    """(B,) int64 each row's last token (the first verified column)."""
+    num_draft: Tensor
+    """(B,) int64 drafts per row, <= kmax."""
+    next_position: Tensor
+    """(B,) int64 index of each row's last token in its sequence."""
+    kmax: int
+    num_new: list[int]
+    """Verified columns per row: its drafts + 1."""
+    refresh_tokens: Tensor | None = None
+    """(B, S) int64 (kmax > 0): the MTP inputs x_{t+1} of each row's pending positions, right-padded."""
+    refresh_hidden: Tensor | None = None
+    """(B, S, hidden) the pending trunk states h_t, right-padded."""
+    refresh_positions: Tensor | None = None
+    """(B, S) int64 their MTP positions t."""
+    num_refresh: list[int] | None = None
+    """Pending positions per row (0 on rows that do not draft)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RoundOutput:
+    packed: Tensor
+    """(B, 2(kmax + 1) + 3) float64: `rows.round_outcome`, the round's one host copy."""
+    hidden: Tensor
+    """(B, kmax + 1, hidden) the target's hidden states at the verified positions (the next
+    round's pending MTP inputs)."""
+
+
+def decode_round(
+    model: Qwen3WithMTP,
+    cache: KVCache,  # the target's; on return every row holds its num_new verified positions
+    mtp_caches: list[KVCache],
+    batch: BatchTensors,
+    inp: RoundInput,
+    accept: AcceptanceRule,
+    drafted: Callable[[], None] | None = None,  # called between draft and verify (the controller's clock)
+) -> RoundOutput:
+    b, k, dev = inp.last.shape[0], inp.kmax, inp.last.device
+    rows = batch.rows
+    u = batch.round_uniforms(inp.out_len, k)  # (B, 2k + 1); a row uses its first num_draft of each role
+    if k > 0:
+        assert inp.refresh_tokens is not None and inp.refresh_hidden is not None
+        assert inp.refresh_positions is not None and inp.num_refresh is not None
+        out = draft(
+            model,
+            mtp_caches,
+            DraftInput(
+                refresh_tokens=inp.refresh_tokens,
+                refresh_hidden=inp.refresh_hidden,
+                num_refresh=inp.num_refresh,
+                refresh_positions=inp.refresh_positions,
+                next_position=inp.next_position,
+                num_draft=inp.num_draft,
+                uniforms=u[:, :k],
+            ),
+            rows,
+        )
+        draft_tokens, q = out.tokens, out.probs
+        verify_tokens = torch.cat([inp.last[:, None], draft_tokens], dim=1)
+    else:
+        draft_tokens = inp.last.new_zeros(b, 0)
+        q = torch.zeros(b, 0, model.config.vocab_size, device=dev)
+        verify_tokens = inp.last[:, None]
+    if drafted is not None:
+        drafted()
+    vout = verify(model, cache, VerifyInput(tokens=verify_tokens, num_new=inp.num_new), rows)
+    acc = accept(draft_tokens, q, vout.probs, inp.num_draft, u[:, k : 2 * k], u[:, 2 * k])
+    emitted = torch.cat([draft_tokens, inp.last.new_zeros(b, 1)], dim=1)
+    emitted.scatter_(1, acc.num_accepted[:, None], acc.next_token[:, None])
+    logprobs = reported_logprobs(vout.logits, emitted, rows)
+    packed = round_outcome(batch, emitted, logprobs, acc.num_accepted, inp.out_len)
+    return RoundOutput(packed=packed, hidden=vout.hidden)
