@@ -486,7 +486,8 @@ def refresh_stale_groups(run: Run, rollout: Rollout, events: list[str]) -> int:
     bound = run.fleet.version - cfg.rollout.max_policy_lag
     regenerated = 0
     for n, group in enumerate(rollout.groups):
-        if min(s.weight_version for s in group.samples) >= bound:
+        behind = run.fleet.version - min(s.weight_version for s in group.samples)
+        if behind <= cfg.rollout.max_policy_lag:
             continue
         assert group.problem is not None
         sampling = dataclasses.replace(
@@ -510,8 +511,8 @@ def refresh_stale_groups(run: Run, rollout: Rollout, events: list[str]) -> int:
             )
         events += fresh.events
         events.append(
-            f"regenerated group {n}: a sample was {run.fleet.version - min(s.weight_version for s in group.samples)} "
-            f"versions behind (rollout.max_policy_lag={cfg.rollout.max_policy_lag})"
+            f"regenerated group {n}: a sample was {behind} versions behind "
+            f"(rollout.max_policy_lag={cfg.rollout.max_policy_lag})"
         )
         rollout.groups[n] = _score(run, [group.problem], [group.prompt], fresh.samples)[0]
         regenerated += len(group.samples)
