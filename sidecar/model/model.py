@@ -507,14 +507,22 @@ class Qwen3WithMTP(nn.Module):
         return self.config.max_position_embeddings + ROPE_MARGIN
 
     # ---- plain reference forward ---------------------------------------------------------
-    def hidden_states(self, input_ids: Tensor) -> Tensor:
-        """h (B, T, hidden): the trunk's output after the final norm, no cache."""
+    def hidden_states(
+        self, input_ids: Tensor, aux_layers: tuple[int, ...] = (), aux: list[Tensor] | None = None
+    ) -> Tensor:
+        """h (B, T, hidden): the trunk's output after the final norm, no cache. With `aux`, also
+        appends the residual stream entering each layer of `aux_layers` (an EAGLE-3 draft's taps)."""
         b, t = input_ids.shape
         positions = torch.arange(t, device=input_ids.device).expand(b, t)
         cos, sin = self.rope(positions)
         x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
+        taps: dict[int, Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            if i in aux_layers:
+                taps[i] = x
             x = layer(x, cos, sin)
+        if aux is not None:
+            aux.extend(taps[i] for i in aux_layers)
         return self.model.norm(x)
 
     def forward(self, input_ids: Tensor) -> Tensor:  # (B, T) -> logits (B, T, V)
@@ -546,13 +554,20 @@ class Qwen3WithMTP(nn.Module):
         input_ids: Tensor,  # (B, S) new tokens, right-padded per row
         cache: KVCache,  # one slot per trunk layer
         plan: AttentionPlan,  # positions of the new tokens, from cache.plan(...)
+        aux_layers: tuple[int, ...] = (),  # layers whose input an EAGLE-3 draft taps
+        aux: list[Tensor] | None = None,  # receives those inputs (B, S, hidden), in aux_layers' order
     ) -> Tensor:  # (B, S, hidden) final-normed hidden states
         """Run the trunk over new tokens appended to each row's cached prefix."""
         x = F.embedding(input_ids, self.model.embed_tokens.weight)
         rope = self.rope_table(plan.positions, x.dtype)
         weights = self.decode_weights()
+        taps: dict[int, Tensor] = {}
         for i, layer in enumerate(self.model.layers):
+            if i in aux_layers:
+                taps[i] = x
             x = cast(DecoderLayer, layer).cached(x, weights[i], rope, cache, i, plan)
+        if aux is not None:
+            aux.extend(taps[i] for i in aux_layers)
         return _rms(x, self.model.norm)
 
     def mtp_step(
