@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from sidecar.engine.drafters import Drafter
 from sidecar.engine.rows import BatchTensors, round_outcome
 from sidecar.engine.sampling import AcceptanceRule, reported_logprobs
 from sidecar.engine.speculative import DraftInput, VerifyInput, draft, verify
@@ -58,8 +59,8 @@ class RoundOutput:
     packed: Tensor
     """(B, 2(kmax + 1) + 3) float64: `rows.round_outcome`, the round's one host copy."""
     hidden: Tensor
-    """(B, kmax + 1, hidden) the target's hidden states at the verified positions (the next
-    round's pending MTP inputs)."""
+    """(B, kmax + 1, draft hidden) the draft's inputs at the verified positions (the next round's
+    pending inputs: the target's hidden states for MTP, fused taps for EAGLE-3)."""
 
 
 def decode_round(
@@ -70,7 +71,9 @@ def decode_round(
     inp: RoundInput,
     accept: AcceptanceRule,
     drafted: Callable[[], None] | None = None,  # called between draft and verify (the controller's clock)
+    drafter: Drafter | None = None,  # the draft kind; default the model's MTP layers
 ) -> RoundOutput:
+    drafter = drafter if drafter is not None else Drafter(model)
     b, k, dev = inp.last.shape[0], inp.kmax, inp.last.device
     rows = batch.rows
     u = batch.round_uniforms(inp.out_len, k)  # (B, 2k + 1); a row uses its first num_draft of each role
@@ -78,7 +81,7 @@ def decode_round(
         assert inp.refresh_tokens is not None and inp.refresh_hidden is not None
         assert inp.refresh_positions is not None and inp.num_refresh is not None
         out = draft(
-            model,
+            drafter,
             mtp_caches,
             DraftInput(
                 refresh_tokens=inp.refresh_tokens,
@@ -99,10 +102,10 @@ def decode_round(
         verify_tokens = inp.last[:, None]
     if drafted is not None:
         drafted()
-    vout = verify(model, cache, VerifyInput(tokens=verify_tokens, num_new=inp.num_new), rows)
+    vout = verify(drafter, cache, VerifyInput(tokens=verify_tokens, num_new=inp.num_new), rows)
     acc = accept(draft_tokens, q, vout.probs, inp.num_draft, u[:, k : 2 * k], u[:, 2 * k])
     emitted = torch.cat([draft_tokens, inp.last.new_zeros(b, 1)], dim=1)
     emitted.scatter_(1, acc.num_accepted[:, None], acc.next_token[:, None])
     logprobs = reported_logprobs(vout.logits, emitted, rows)
     packed = round_outcome(batch, emitted, logprobs, acc.num_accepted, inp.out_len)
-    return RoundOutput(packed=packed, hidden=vout.hidden)
+    return RoundOutput(packed=packed, hidden=vout.states)

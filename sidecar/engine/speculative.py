@@ -1,4 +1,7 @@
-"""The pure steps of MTP speculative decoding: draft, verify (accept is `sampling.rejection_sample`).
+"""The pure steps of speculative decoding: draft, verify (accept is `sampling.rejection_sample`).
+
+Written for the MTP draft below; an EAGLE-3 draft runs the same steps through the same
+`drafters.Drafter` interface, with "h_t" its fused low/middle/high target states and one layer.
 
 Per row, with n tokens so far (x_0 .. x_{n-1}, the last one not yet seen by the target):
 the target's KV cache holds positions 0..n-2, and its final-normed hidden states h_t are known
@@ -30,9 +33,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from sidecar.engine.drafters import Drafter
 from sidecar.engine.sampling import RowSampling, filtered_probs, sample_from
 from sidecar.model.kv_cache import KVCache
-from sidecar.model.model import Qwen3WithMTP
 
 
 @dataclass(kw_only=True, slots=True)
@@ -79,6 +82,8 @@ class VerifyInput:
 class VerifyOutput:
     hidden: Tensor
     """(B, K+1, hidden) the target's final-normed hidden states at the verified positions."""
+    states: Tensor
+    """(B, K+1, draft hidden) the draft's inputs at those positions (`Drafter.target_step`)."""
     logits: Tensor
     """(B, K+1, V) float32 target logits."""
     probs: Tensor
@@ -86,7 +91,7 @@ class VerifyOutput:
 
 
 def draft(
-    model: Qwen3WithMTP,
+    drafter: Drafter,
     caches: list[KVCache],  # one per MTP layer, rows aligned with the batch
     inp: DraftInput,
     rows: RowSampling,
@@ -99,23 +104,23 @@ def draft(
     out0: Tensor | None = None
     for j, cache in enumerate(caches):
         plan = cache.plan(inp.num_refresh, width=width)
-        out = model.mtp_step(j, inp.refresh_tokens, inp.refresh_hidden, cache, plan, inp.refresh_positions + 1)
+        out = drafter.step(j, inp.refresh_tokens, inp.refresh_hidden, cache, plan, inp.refresh_positions + 1)
         cache.commit(plan)
         if j == 0:
             out0 = out
     assert out0 is not None
     confirmed = [list(c.lengths) for c in caches]
     g = out0[batch, last]  # (B, hidden) MTP output at t = n-2
-    q = filtered_probs(model.mtp_head(0, g), rows)  # (B, V)
+    q = filtered_probs(drafter.head(0, g), rows)  # (B, V)
     token = sample_from(q, inp.uniforms[:, 0])
     tokens, probs = [token], [q]
     for d in range(1, k):
         j = min(d, len(caches) - 1)
         plan = caches[j].plan([1] * b, width=1)
         rope = (inp.next_position + d)[:, None]  # (B, 1): MTP position t = n-2+d, rotary t+1
-        g = model.mtp_step(j, token[:, None], g[:, None], caches[j], plan, rope)[:, 0]
+        g = drafter.step(j, token[:, None], g[:, None], caches[j], plan, rope)[:, 0]
         caches[j].commit(plan)
-        q = filtered_probs(model.mtp_head(j, g), rows)
+        q = filtered_probs(drafter.head(j, g), rows)
         token = sample_from(q, inp.uniforms[:, d])
         tokens.append(token)
         probs.append(q)
@@ -125,14 +130,14 @@ def draft(
 
 
 def verify(
-    model: Qwen3WithMTP,
+    drafter: Drafter,
     cache: KVCache,  # the target's cache; on return rows hold num_new more positions
     inp: VerifyInput,
     rows: RowSampling,
 ) -> VerifyOutput:
     """One target forward over each row's last token and its drafts."""
     plan = cache.plan(inp.num_new, width=inp.tokens.shape[1])
-    hidden = model.trunk_step(inp.tokens, cache, plan)
+    hidden, states = drafter.target_step(inp.tokens, cache, plan)
     cache.commit(plan)
-    logits = model.logits(hidden).float()
-    return VerifyOutput(hidden=hidden, logits=logits, probs=filtered_probs(logits, rows))
+    logits = drafter.model.logits(hidden).float()
+    return VerifyOutput(hidden=hidden, states=states, logits=logits, probs=filtered_probs(logits, rows))

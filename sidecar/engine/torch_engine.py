@@ -51,6 +51,7 @@ import sidecar
 from sidecar.engine import counter_rng
 from sidecar.engine.base import Engine
 from sidecar.engine.decode_round import RoundInput, decode_round
+from sidecar.engine.drafters import make_drafter
 from sidecar.engine.rows import (
     CATCH_UP_POSITIONS,
     REASON_LENGTH,
@@ -77,6 +78,7 @@ from sidecar.engine.validation import check_weights, validate_request
 from sidecar.engine.version_ledger import VersionLedger
 from sidecar.errors import InvalidRequestError, KVCacheCapacityError
 from sidecar.model.checkpoint import draft_tensor_shapes, load_checkpoint, target_tensor_shapes
+from sidecar.model.eagle3 import Eagle3Draft
 from sidecar.model.kv_cache import KVCache, rows_within_budget
 from sidecar.model.model import Qwen3WithMTP, build_model
 from sidecar.speculation.config import RowState, SpeculationDecision, SpeculationPolicyConfig
@@ -117,8 +119,9 @@ class TorchEngine(Engine):
         clock: Callable[[], float] | None = None,
         max_context: int | None = None,
         kv_cache_bytes: int | None = None,
+        draft: Eagle3Draft | None = None,
     ) -> None:
-        """`auto_speculation`: start in auto mode with maximum k `speculation_k`; `policy`: the
+        """`draft`: an EAGLE-3 draft for a target without MTP layers (`drafters`); `auto_speculation`: start in auto mode with maximum k `speculation_k`; `policy`: the
         controller's knobs (its max_k is set by the mode); `clock`: seconds, for the controller's
         cost measurements (tests inject one). Default: `cost_clock(device)`.
 
@@ -134,7 +137,8 @@ class TorchEngine(Engine):
         self.config = model.config
         self.device = model.output_weight().device
         self.name = name
-        self.num_mtp = self.config.num_nextn_predict_layers
+        self.drafter = make_drafter(model, draft)
+        self.num_mtp = self.drafter.num_layers  # draft layers (one KV cache each), of either kind
         self.max_speculation_k = max_speculation_k if self.num_mtp else 0
         context = self.config.max_position_embeddings
         self.max_context = context if max_context is None else max_context
@@ -143,13 +147,13 @@ class TorchEngine(Engine):
         c = self.config
         self.max_batch_size = rows_within_budget(
             wanted=max_batch_size,
-            row_bytes=(c.num_hidden_layers + self.num_mtp)
-            * KVCache.slot_bytes(c.num_key_value_heads, c.head_dim, c.dtype),
+            row_bytes=c.num_hidden_layers * KVCache.slot_bytes(c.num_key_value_heads, c.head_dim, c.dtype)
+            + self.drafter.slot_bytes(),
             slots=self._slots_per_row(),
             budget=kv_cache_bytes,
             device=self.device,
         )
-        # Without MTP layers speculation is unavailable: the default k is 0.
+        # Without a draft speculation is unavailable: the default k is 0.
         self._k = min(speculation_k, self.max_speculation_k) if self.num_mtp else 0
         self._auto = False  # new requests that do not pin k get the controller's k
         self._policy_config = policy
@@ -165,8 +169,8 @@ class TorchEngine(Engine):
         self._running: list[Sequence] = []
         self._live: dict[str, int] = {}  # request id -> unfinished sequences
         rows, slots = self.max_batch_size, self._slots_per_row()
-        self._cache = self._new_cache(self.config.num_hidden_layers, 0, slots, max_batch=rows)
-        self._mtp_caches = [self._new_cache(1, 0, slots, max_batch=rows) for _ in range(self.num_mtp)]
+        self._cache = self.drafter.target_cache(0, slots, max_batch=rows)
+        self._mtp_caches = [self.drafter.new_cache(0, slots, max_batch=rows) for _ in range(self.num_mtp)]
         self._batch: BatchTensors | None = None
         self._round = decode_round  # the round's device work (a test swaps in its traced form)
 
@@ -201,19 +205,6 @@ class TorchEngine(Engine):
             kv_cache_bytes=kv_cache_bytes,
         )
 
-    def _new_cache(self, layers: int, batch: int, capacity: int = 64, max_batch: int | None = None) -> KVCache:
-        c = self.config
-        return KVCache(
-            num_layers=layers,
-            num_kv_heads=c.num_key_value_heads,
-            head_dim=c.head_dim,
-            dtype=c.dtype,
-            device=self.device,
-            batch=batch,
-            capacity=capacity,
-            max_batch=max_batch,
-        )
-
     # ---- Engine interface: info and control --------------------------------------------------
     def info(self) -> EngineInfo:
         c = self.config
@@ -236,7 +227,7 @@ class TorchEngine(Engine):
             engine_version=getattr(sidecar, "__version__", "0.1.0"),
             device_kind=self.device.type,
             device_name=torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
-            speculation_method="mtp" if self.num_mtp else "",
+            speculation_method=self.drafter.name,
             speculation_k=self._k,
             max_speculation_k=self.max_speculation_k,
             speculation_status=self.speculation_status(),
@@ -253,7 +244,9 @@ class TorchEngine(Engine):
     def _check_k(self, k: int) -> None:
         if k < 0 or k > self.max_speculation_k:
             why = (
-                "the model has no MTP layers" if not self.num_mtp else f"max_speculation_k is {self.max_speculation_k}"
+                "the model has no MTP layers and no EAGLE-3 draft"
+                if not self.num_mtp
+                else f"max_speculation_k is {self.max_speculation_k}"
             )
             raise ValueError(f"speculation k must be in [0, {self.max_speculation_k}] ({why}), got {k}")
 
@@ -428,9 +421,9 @@ class TorchEngine(Engine):
         for i, s in enumerate(new):
             tokens[i, : lengths[i]] = torch.tensor(s.prompt)
         tokens = tokens.to(self.device)
-        cache = self._new_cache(self.config.num_hidden_layers, b, width + self.max_speculation_k + 2)
+        cache = self.drafter.target_cache(b, width + self.max_speculation_k + 2)
         plan = cache.plan(lengths, width=width)
-        hidden = self.model.trunk_step(tokens, cache, plan)  # (b, width, hidden)
+        hidden, states = self.drafter.target_step(tokens, cache, plan)  # (b, width, hidden), the draft's inputs
         cache.commit(plan)
         last = torch.tensor([n - 1 for n in lengths], device=self.device)
         logits = self.model.logits(hidden[torch.arange(b, device=self.device), last]).float()  # (b, V)
@@ -441,7 +434,7 @@ class TorchEngine(Engine):
         first = sample_from(filtered_probs(logits, rows), uniforms)
         logprobs = reported_logprobs(logits[:, None], first[:, None], rows)[:, 0]
         packed = round_outcome(batch, first[:, None], logprobs[:, None], zero, zero).tolist()
-        mtp_caches = [self._new_cache(1, b, width + self.max_speculation_k + 2) for _ in range(self.num_mtp)]
+        mtp_caches = [self.drafter.new_cache(b, width + self.max_speculation_k + 2) for _ in range(self.num_mtp)]
         drafting = [s.drafts for s in new]
         if any(drafting) and width > 1:
             # MTP positions t = 0..P-2 of the prompt (inputs h_t and x_{t+1}); h_{P-1} stays pending.
@@ -450,10 +443,7 @@ class TorchEngine(Engine):
             if timer is not None and self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the prefill's cost, not the trunk's before it
             started = self._clock()
-            for j, mc in enumerate(mtp_caches):
-                mplan = mc.plan(num, width=width - 1)
-                self.model.mtp_step(j, tokens[:, 1:], hidden[:, :-1], mc, mplan)
-                mc.commit(mplan)
+            self.drafter.prefill(mtp_caches, tokens, states, num)
             if timer is not None:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
@@ -466,7 +456,7 @@ class TorchEngine(Engine):
                 finished.append(self._finish(s, _REASONS[int(reason)]))
                 continue
             if s.drafts and self.num_mtp:
-                s.pending = [Pending(base=hidden, row=i, start=lengths[i] - 1, count=1)]
+                s.pending = [Pending(base=states, row=i, start=lengths[i] - 1, count=1)]
             keep.append(i)
         if keep:
             cache.keep_rows(keep)
@@ -542,6 +532,7 @@ class TorchEngine(Engine):
             inp,
             self._acceptance_rule,
             drafted if policy is not None else None,
+            self.drafter,
         )
         packed = out.packed.tolist()  # the one host copy
 

@@ -58,8 +58,9 @@ def validate_request(request: GenerationRequest, config: ModelConfig, max_specul
             raise InvalidRequestError(f"speculation_k must be >= 0 (0 = plain decoding), got {k}")
         if k > max_speculation_k:
             why = (
-                "the model has no MTP draft layers (num_nextn_predict_layers = 0), so only 0 is possible"
-                if config.num_nextn_predict_layers == 0
+                "the model has no MTP draft layers (num_nextn_predict_layers = 0) and no EAGLE-3 draft is "
+                "served beside it, so only 0 is possible"
+                if config.num_nextn_predict_layers == 0 and max_speculation_k == 0
                 else f"the engine's max_speculation_k is {max_speculation_k}"
             )
             raise InvalidRequestError(f"speculation_k={k} is not available: {why}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from sidecar.model.eagle3 import Eagle3Config, Eagle3Draft, build_eagle3
 from sidecar.model.model import ModelConfig, Qwen3WithMTP, build_model
 from sidecar.types import SamplingParams
 
@@ -43,3 +44,46 @@ def hf_probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:  # (...,
     if sp.top_p < 1:
         scores = TopPLogitsWarper(sp.top_p)(None, scores)
     return scores.softmax(-1)
+
+
+def eagle3_target(vocab_size: int = 64, seed: int = 5, eps: float = 0.002) -> Qwen3WithMTP:
+    """A 4-layer target without MTP layers, nearly a bigram model (see `aligned_draft_model`)."""
+    model = build_model(
+        ModelConfig.tiny(vocab_size=vocab_size, num_hidden_layers=4, num_nextn_predict_layers=0), seed=seed
+    )
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(eps)
+            layer.mlp.down_proj.weight.mul_(eps)
+    return model
+
+
+def aligned_eagle3(target: Qwen3WithMTP, draft_vocab: list[int] | None = None, sharpness: float = 3.0) -> Eagle3Draft:
+    """An EAGLE-3 draft that copies a near-bigram target by construction (acceptance high, not 1).
+
+    fc = 0, so refreshed positions carry no target state; q/k = the embedding half (q scaled by
+    `sharpness`), so a position attends mostly to itself and to earlier copies of its token;
+    v = norm(embed) - norm(state) and o = I, so the output is about norm(embed(x_{t+1})) (the
+    `- norm(state)` cancels the residual of chained steps); MLP off; lm_head = the target's rows of
+    the draft vocabulary. Its logits are then close to the target's prediction at t + 1."""
+    c = target.config
+    h = c.hidden_size
+    cfg = Eagle3Config.for_target(
+        c, num_key_value_heads=c.num_attention_heads, draft_vocab_size=len(draft_vocab) if draft_vocab else c.vocab_size
+    )
+    assert cfg.num_attention_heads * cfg.head_dim == h
+    draft = build_eagle3(cfg, seed=0)
+    eye = torch.eye(h)
+    with torch.no_grad():
+        draft.fc.weight.zero_()
+        attn = draft.midlayer.self_attn
+        for proj, half in ((attn.q_proj, sharpness * eye), (attn.k_proj, eye)):
+            proj.weight.zero_()
+            proj.weight[:, :h] = half
+        attn.v_proj.weight.copy_(torch.cat([eye, -eye], dim=1))
+        attn.o_proj.weight.copy_(eye)
+        draft.midlayer.mlp.down_proj.weight.zero_()
+        ids = torch.tensor(draft_vocab) if draft_vocab else torch.arange(c.vocab_size)
+        draft.lm_head.weight.copy_(target.output_weight()[ids])
+        draft.set_draft_vocab(ids)
+    return draft

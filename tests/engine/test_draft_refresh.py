@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sidecar.engine.drafters import Drafter
 from sidecar.engine.sampling import RowSampling
 from sidecar.engine.speculative import DraftInput, draft
 from sidecar.model.kv_cache import KVCache
@@ -59,7 +60,7 @@ def test_refresh_over_a_window_attends_to_what_the_cache_holds_at_the_true_posit
     t = torch.tensor(pending)
     rows = RowSampling.of([SamplingParams(temperature=1.0)])
     out = draft(
-        model,
+        Drafter(model),
         [cache],
         DraftInput(
             refresh_tokens=ids[:, t + 1],

@@ -1,0 +1,139 @@
+"""Draft kinds behind one interface: the target's MTP layers, or a separate EAGLE-3 draft.
+
+Why an interface: the speculative round (`speculative.draft`, `decode_round`) and the engine's
+bookkeeping (pending draft inputs, per-layer draft caches, prefill, rollback) are the same for
+every draft that reads one state per confirmed target position and chains on its own outputs;
+only four things differ, and a `Drafter` supplies them:
+
+- `target_step`: the target's cached forward, returning its final-normed hidden states (the
+  logits) and the draft's input state at each of those positions — the same hidden states for
+  MTP; fc(low | middle | high taps) for EAGLE-3 (`model.eagle3`);
+- `step(j, tokens, states, cache, plan, rope_positions)`: draft layer j over new positions;
+- `head(j, out)`: draft logits over the *target* vocabulary (EAGLE-3: -inf outside a reduced
+  draft vocabulary, so q is exactly 0 there and rejection sampling stays exact);
+- `new_cache`: a one-layer KV cache shaped for the draft's attention (an EAGLE-3 draft's heads
+  and head_dim need not be the target's).
+
+`num_layers` draft caches per row; 0 means the engine cannot speculate (kind "none").
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from sidecar.model.eagle3 import Eagle3Draft
+from sidecar.model.kv_cache import AttentionPlan, KVCache
+from sidecar.model.model import Qwen3WithMTP
+
+
+class Drafter:
+    """The MTP draft of a `Qwen3WithMTP` (none when it has no MTP layers); base of the others."""
+
+    kind = "mtp"
+
+    def __init__(self, model: Qwen3WithMTP) -> None:
+        self.model = model
+        c = model.config
+        self.num_layers = c.num_nextn_predict_layers
+        self.num_kv_heads, self.head_dim, self.dtype = c.num_key_value_heads, c.head_dim, c.dtype
+
+    @property
+    def name(self) -> str:
+        """ "mtp", "eagle3", or "" when there is no draft (GetInfo's speculation method)."""
+        return self.kind if self.num_layers else ""
+
+    def slot_bytes(self) -> int:
+        """KV bytes of one token in all the draft's layers."""
+        return self.num_layers * KVCache.slot_bytes(self.num_kv_heads, self.head_dim, self.dtype)
+
+    def new_cache(self, batch: int, capacity: int, max_batch: int | None = None) -> KVCache:
+        """One draft layer's KV cache (`max_batch` given: a static one, see `kv_cache`)."""
+        return self._cache(1, self.num_kv_heads, self.head_dim, batch, capacity, max_batch)
+
+    def target_cache(self, batch: int, capacity: int, max_batch: int | None = None) -> KVCache:
+        """The target's KV cache (all trunk layers)."""
+        c = self.model.config
+        return self._cache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, batch, capacity, max_batch)
+
+    def _cache(self, layers: int, heads: int, dim: int, batch: int, capacity: int, max_batch: int | None) -> KVCache:
+        device = self.model.output_weight().device
+        return KVCache(
+            num_layers=layers,
+            num_kv_heads=heads,
+            head_dim=dim,
+            dtype=self.dtype,
+            device=device,
+            batch=batch,
+            capacity=capacity,
+            max_batch=max_batch,
+        )
+
+    def target_step(
+        self,
+        tokens: Tensor,  # (B, S)
+        cache: KVCache,  # the target's
+        plan: AttentionPlan,
+    ) -> tuple[Tensor, Tensor]:  # (B, S, hidden) final-normed states, (B, S, draft hidden) draft inputs
+        hidden = self.model.trunk_step(tokens, cache, plan)
+        return hidden, hidden
+
+    def step(
+        self, j: int, tokens: Tensor, states: Tensor, cache: KVCache, plan: AttentionPlan, rope_positions: Tensor
+    ) -> Tensor:  # (B, S, draft hidden) pre-norm outputs
+        return self.model.mtp_step(j, tokens, states, cache, plan, rope_positions)
+
+    def head(self, j: int, out: Tensor) -> Tensor:  # (B, hidden) -> (B, vocab)
+        return self.model.mtp_head(j, out)
+
+    def prefill(self, caches: list[KVCache], tokens: Tensor, states: Tensor, num: list[int]) -> None:
+        """Draft positions t = 0..P-2 of freshly prefilled prompts (inputs states_t and x_{t+1},
+        rotary position t + 1): `num[b]` of them on row b (0: the row does not draft)."""
+        width = tokens.shape[1] - 1
+        for j, cache in enumerate(caches):
+            plan = cache.plan(num, width=width)
+            self.step(j, tokens[:, 1:], states[:, :-1], cache, plan, plan.positions + 1)
+            cache.commit(plan)
+
+
+class Eagle3Drafter(Drafter):
+    """A separate EAGLE-3 draft beside a target without MTP layers (one draft layer)."""
+
+    kind = "eagle3"
+
+    def __init__(self, model: Qwen3WithMTP, draft: Eagle3Draft) -> None:
+        super().__init__(model)
+        if model.config.num_nextn_predict_layers:
+            raise ValueError(
+                "the target has MTP layers and an EAGLE-3 draft was given too: serve one draft kind "
+                "(drop --draft, or use a checkpoint without num_nextn_predict_layers)"
+            )
+        draft.config.check_target(model.config)
+        draft.check_vocab()
+        if draft.config.dtype != model.config.dtype:
+            raise ValueError(
+                f"the draft's torch_dtype {draft.config.torch_dtype} differs from the target's "
+                f"{model.config.torch_dtype}: save the draft in the target's dtype"
+            )
+        self.draft = draft.to(model.output_weight().device)
+        self.taps = draft.config.aux_layers(model.config.num_hidden_layers)
+        c = draft.config
+        self.num_layers, self.num_kv_heads, self.head_dim = 1, c.num_key_value_heads, c.head_dim
+
+    def target_step(self, tokens: Tensor, cache: KVCache, plan: AttentionPlan) -> tuple[Tensor, Tensor]:
+        aux: list[Tensor] = []
+        hidden = self.model.trunk_step(tokens, cache, plan, aux_layers=self.taps, aux=aux)
+        return hidden, self.draft.fuse(torch.cat(aux, dim=-1))
+
+    def step(
+        self, j: int, tokens: Tensor, states: Tensor, cache: KVCache, plan: AttentionPlan, rope_positions: Tensor
+    ) -> Tensor:
+        return self.draft.step(tokens, states, self.model.model.embed_tokens.weight, cache, plan, rope_positions)
+
+    def head(self, j: int, out: Tensor) -> Tensor:
+        return self.draft.target_logits(out)
+
+
+def make_drafter(model: Qwen3WithMTP, draft: Eagle3Draft | None = None) -> Drafter:
+    """The drafter of a served model: its MTP layers, or the given EAGLE-3 draft."""
+    return Drafter(model) if draft is None else Eagle3Drafter(model, draft)
