@@ -131,9 +131,10 @@ def start_sidecar(
     limits: RequestLimits | None = None,
     scheduler: SchedulerConfig | None = None,
     max_message_mib: int = 64,
+    draft: Path | None = None,
     **config: object,
 ) -> Sidecar:
-    engine = TorchEngine.from_checkpoint(checkpoint, speculation_k=spec_k, max_batch_size=max_batch_size)
+    engine = TorchEngine.from_checkpoint(checkpoint, speculation_k=spec_k, max_batch_size=max_batch_size, draft=draft)
     cfg = SidecarConfig(
         server=ServerConfig(port=0, max_message_mib=max_message_mib),
         limits=limits or RequestLimits(max_prompts=64, max_samples=256, max_prompt_tokens=64, max_new_tokens=250),

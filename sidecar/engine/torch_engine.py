@@ -79,6 +79,7 @@ from sidecar.engine.version_ledger import VersionLedger
 from sidecar.errors import InvalidRequestError, KVCacheCapacityError
 from sidecar.model.checkpoint import draft_tensor_shapes, load_checkpoint, target_tensor_shapes
 from sidecar.model.eagle3 import Eagle3Draft
+from sidecar.model.eagle3_checkpoint import load_eagle3_draft
 from sidecar.model.kv_cache import KVCache, rows_within_budget
 from sidecar.model.model import Qwen3WithMTP, build_model
 from sidecar.speculation.config import RowState, SpeculationDecision, SpeculationPolicyConfig
@@ -189,13 +190,16 @@ class TorchEngine(Engine):
         auto_speculation: bool = False,
         max_context: int | None = None,
         kv_cache_bytes: int | None = None,
+        draft: str | Path | None = None,
     ) -> TorchEngine:
-        """Load a checkpoint directory (config.json + safetensors) onto `device`."""
+        """Load a checkpoint directory (config.json + safetensors) onto `device`, and the EAGLE-3
+        draft directory `draft` beside it (`eagle3_checkpoint`)."""
         config, tensors = load_checkpoint(path)
         model = build_model(config, device=device)
         model.load_state_dict(tensors, strict=True)
         return cls(
             model,
+            draft=None if draft is None else load_eagle3_draft(draft, device=device, target=config),
             speculation_k=speculation_k,
             max_speculation_k=max_speculation_k,
             max_batch_size=max_batch_size,

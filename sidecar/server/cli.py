@@ -71,9 +71,10 @@ def load_engine(
     sglang_args: dict[str, object] | None = None,
     max_context: int | None = None,
     kv_cache_gib: float | None = None,
+    draft: Path | None = None,
 ) -> Engine:
     """The engine serving `model` (an Engine); click.ClickException when it cannot be built.
-    spec_k "auto": automatic mode up to max_spec_k."""
+    spec_k "auto": automatic mode up to max_spec_k; `draft`: an EAGLE-3 draft directory beside it."""
     from sidecar.engine import create_engine
     from sidecar.errors import SpecrlError
 
@@ -86,6 +87,8 @@ def load_engine(
         options["max_context"] = max_context
     if kv_cache_gib is not None:
         options["kv_cache_bytes"] = int(kv_cache_gib * 2**30)
+    if draft is not None:
+        options["draft"] = draft
     try:
         built = create_engine(
             engine,
@@ -124,6 +127,12 @@ _D = ServeConfig()
     "model_dir",
     type=click.Path(exists=True, file_okay=False, path_type=Path),
     help="Checkpoint directory (config.json + model.safetensors); required here or in the config.",
+)
+@click.option(
+    "--draft",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=_D.draft,
+    help="EAGLE-3 draft directory (SGLang/vLLM layout) for a model without MTP layers (torch engine).",
 )
 @click.option("--engine", type=click.Choice(ENGINE_KINDS), default=_D.engine, show_default=True)
 @click.option("--host", default=_D.host, show_default=True, help="Bind address (loopback unless told otherwise).")
@@ -265,6 +274,8 @@ def resolve_serve_config(
         raise click.UsageError("no model: pass --model DIR or set model in the --config file")
     if not cfg.model.is_dir():
         raise click.ClickException(f"model: checkpoint directory {cfg.model} does not exist")
+    if cfg.draft is not None and not cfg.draft.is_dir():
+        raise click.ClickException(f"draft: EAGLE-3 draft directory {cfg.draft} does not exist")
     return cfg
 
 
@@ -318,6 +329,7 @@ def run_sidecar(cfg: ServeConfig, token: str | None = None) -> None:
         sglang_args=parse_sglang_args(cfg.sglang_args),
         max_context=cfg.max_context,
         kv_cache_gib=cfg.kv_cache_gib,
+        draft=cfg.draft,
     )
     try:
         sidecar = Sidecar(eng, config)
