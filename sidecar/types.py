@@ -368,7 +368,7 @@ class EngineInfo:
     """torch device type: "cpu" or "cuda"."""
     device_name: str
     speculation_method: str
-    """"mtp", or "" when the model has no draft."""
+    """The draft kind: "mtp" (the model's MTP layers), "eagle3" (a separate EAGLE-3 draft), or "" (none)."""
     speculation_k: int
     """The fixed default k, or in auto mode the largest k the controller may choose."""
     max_speculation_k: int
