@@ -9,6 +9,7 @@ wherever it was generated); and the exact set of (prompt, sample) pairs that was
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -23,7 +24,7 @@ import torch
 from muon import HybridOptimizerConfig
 from sidecar.client.client import ClientConfig
 from sidecar.client.fleet import Fleet, FleetConfig
-from sidecar.model.checkpoint import load_checkpoint
+from sidecar.model.checkpoint import load_checkpoint, save_checkpoint
 from sidecar.model.model import ModelConfig
 from sidecar.types import GenerationRequest, SamplingParams
 from tests.sidecar_fixtures import greedy_reference
@@ -79,6 +80,33 @@ def test_draft_init_beats_an_untrained_draft(checkpoints: dict[str, Path]) -> No
     untrained = acceptance_length(checkpoints["warm"], prompts, **kw)  # type: ignore[arg-type]
     initialised = acceptance_length(checkpoints["policy"], prompts, **kw)  # type: ignore[arg-type]
     assert initialised > untrained + 0.3, (untrained, initialised)
+
+
+@pytest.mark.slow
+def test_eagle3_draft_init_beats_an_untrained_eagle3_draft(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    # EAGLE-3 drafts serve targets without MTP layers: the warm policy's trunk without its MTP layer
+    config, tensors = load_checkpoint(checkpoints["warm"])
+    target = tmp_path / "target"
+    save_checkpoint(
+        target,
+        dataclasses.replace(config, num_nextn_predict_layers=0),
+        {n: t for n, t in tensors.items() if not n.startswith("mtp.")},
+    )
+    # the budget of the MTP draft-init above, into a separate draft directory; the target stays
+    losses = draft_init(
+        target, tmp_path / "eagle3", TASK, TOK, DraftInitConfig(prompts=256, steps=80, lr=3e-3, kind="eagle3")
+    )
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert load_checkpoint(target)[1].keys() == {n for n in tensors if not n.startswith("mtp.")}
+    draft_init(target, tmp_path / "start", TASK, TOK, DraftInitConfig(prompts=8, steps=1, lr=1e-9, kind="eagle3"))
+    rng = random.Random(5)
+    prompts = [TOK.encode(TASK.sample(rng, "eval").prompt) for _ in range(16)]
+    kw = {"k": 3, "temperature": 1.0, "max_new_tokens": 24, "stop": TOK.eos_id}
+    start = acceptance_length(target, prompts, draft=tmp_path / "start", **kw)  # type: ignore[arg-type]
+    trained = acceptance_length(target, prompts, draft=tmp_path / "eagle3", **kw)  # type: ignore[arg-type]
+    assert trained > start + 0.3, (start, trained)
+    with pytest.raises(ValueError, match="for kind 'eagle3' only"):
+        DraftInitConfig(draft_vocab=10)
 
 
 @pytest.mark.slow

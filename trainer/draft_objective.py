@@ -1,4 +1,9 @@
-"""The one draft-training objective of specrl: the MTP head on the target's *detached* hidden states.
+"""The one draft-training objective of specrl: a draft on the target's *detached* states.
+
+Two draft kinds, one objective (`draft_loss`): the MTP layers (`MTPDraft`, below) and a separate
+EAGLE-3 draft (`Eagle3Head`: the engine's `sidecar.model.eagle3` module with the teacher-forced
+chain; its input is the target's low/middle/high taps instead of the final hidden state, its
+output head its own, over a draft vocabulary the target's distribution is restricted to).
 
 Used by the RL trainer (`trainer.policy` trains the head online on the policy's rollouts) and by
 the self-distillation of `specrl draft-init`, tools and benchmarks (`trainer.draft_fit`), so the
@@ -45,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from sidecar.model.eagle3 import Eagle3Config, Eagle3Draft
 from sidecar.model.model import ModelConfig, MTPLayer, MTPStack
 from yarn import RotaryEmbedding
 
@@ -132,6 +138,85 @@ class MTPDraft(nn.Module):
         """The MTP layer that draft step j uses: min(j, n-1) (chain drafting)."""
         return cast(MTPLayer, self.layers[min(j, len(self.layers) - 1)])
 
+    def restrict(self, target_logits: Tensor) -> Tensor:
+        """The target's logits over the draft's vocabulary: all of it."""
+        return target_logits
+
+
+class Eagle3Head(Eagle3Draft):
+    """The EAGLE-3 draft (`sidecar.model.eagle3`, the engine's and SGLang's module, the same
+    parameter names) with the teacher-forced chain the trainer needs. Its input is the target's
+    low/middle/high taps (`trainer.gpt.forward_taps`), not the final hidden state.
+
+    Step 0 at entry t reads fc(taps_t) and x_{t+1} and predicts x_{t+2}; step j >= 1 reads step
+    j-1's pre-norm output at t and x_{t+j+1} and predicts x_{t+j+2}, as the engine chains it
+    (EAGLE-3's training-time test, here as MTP's teacher-forced chain: each step attends over its
+    own step's entries). Rotary position t + j + 1, as the engine's."""
+
+    def __init__(self, config: Eagle3Config) -> None:
+        super().__init__(config)
+
+    @classmethod
+    def of(cls, draft: Eagle3Draft) -> Eagle3Head:
+        """A trainable copy of a served draft (weights and token maps)."""
+        head = cls(draft.config).to(device=draft.fc.weight.device, dtype=draft.fc.weight.dtype)
+        head.load_state_dict(draft.state_dict())
+        return head
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        """One draft layer (the midlayer), reused at every chain step."""
+        return [self.midlayer]
+
+    def init_weights(self, std: float = 0.02) -> None:
+        """Normal(0, std) matrices, unit norm gains; the token maps are kept."""
+        with torch.no_grad():
+            for p in self.parameters():
+                if p.ndim == 1:
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, std)
+
+    def chain(
+        self,
+        tokens: Tensor,  # (B, S) int64
+        taps: Tensor,  # (B, S, 3H) the target's taps (detached by the caller)
+        embed: Callable[[Tensor], Tensor],
+        depth: int | None = None,
+    ) -> list[Tensor]:
+        """Outputs (pre-norm) of draft steps 0..depth-1 (default 1); step j is (B, S-1-j, H)."""
+        depth = 1 if depth is None else depth
+        batch, seq = tokens.shape
+        layer = self.midlayer
+        outs: list[Tensor] = []
+        h = self.fuse(taps)
+        for j in range(depth):
+            length = seq - 1 - j
+            if length <= 0:
+                break
+            positions = torch.arange(j + 1, j + 1 + length, device=tokens.device).expand(batch, length)
+            cos, sin = self.rope(positions)
+            state = h[:, :length]
+            x = layer.attention_input(embed(tokens[:, j + 1 : j + 1 + length]), state)
+            h = layer.finish(state, layer.self_attn(x, cos.to(x.dtype), sin.to(x.dtype)))
+            outs.append(h)
+        return outs
+
+    def logits(self, j: int, out: Tensor, head: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+        """Draft logits over the draft vocabulary (its own lm_head; `head` is not used)."""
+        return self.draft_logits(out)
+
+    def restrict(self, target_logits: Tensor) -> Tensor:
+        """The target's logits at the draft vocabulary's ids (d2t), renormalised by the softmax
+        that follows: the distribution the draft can match (the full one when nothing is cut)."""
+        if self.config.draft_vocab_size == self.config.vocab_size:
+            return target_logits
+        return target_logits.index_select(-1, self.draft_to_target())
+
+
+DraftHead = MTPDraft | Eagle3Head
+"""Either draft kind, as `draft_loss` trains it."""
+
 
 def draft_step_tokens(cfg: DraftConfig, layers: int, mask: Tensor) -> list[float]:  # mask: (B, S-1)
     """Response tokens each draft step of `draft_loss` is averaged over, for the whole batch."""
@@ -141,10 +226,10 @@ def draft_step_tokens(cfg: DraftConfig, layers: int, mask: Tensor) -> list[float
 
 
 def draft_loss(
-    draft: MTPDraft,
+    draft: DraftHead,
     cfg: DraftConfig,
     tokens: Tensor,  # (B, S) int64
-    hidden: Tensor,  # (B, S, H) trunk final-norm hidden states
+    hidden: Tensor,  # (B, S, H) trunk final-norm hidden states (MTP), or (B, S, 3H) taps (EAGLE-3)
     target_logits: Tensor,  # (B, S, V) trunk logits, full vocabulary
     mask: Tensor,  # (B, S-1) 1 where tokens[:, 1:] are response tokens (the policy's loss mask)
     embed: Callable[[Tensor], Tensor],  # ids -> trunk embeddings (B, L, H)
@@ -164,7 +249,13 @@ def draft_loss(
             return embed(ids)
 
     t = temperature if temperature > 0 else 1.0
+    if cfg.objective == "hard" and draft.restrict(target_logits[:1, :1]).shape[-1] != target_logits.shape[-1]:
+        raise ValueError(
+            "objective 'hard' needs the full vocabulary: a reduced EAGLE-3 draft vocabulary cannot score "
+            "tokens outside it; use objective 'kl'"
+        )
     outs = draft.chain(tokens, hidden, detached_embed, depth=cfg.chain_depth or None)
+    target_logits = draft.restrict(target_logits)
     seq = tokens.shape[1]
     total = hidden.new_zeros(())
     metrics: dict[str, float] = {}

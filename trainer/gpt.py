@@ -14,7 +14,7 @@ RL objective needs deterministic log-probs, and the engine has none.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -142,6 +142,31 @@ def forward(model: Any, tokens: Tensor) -> tuple[Tensor, Tensor]:  # tokens: (B,
     finally:
         handle.remove()
     return logits, captured[0].transpose(0, 1)  # decoder output is (S, B, H)
+
+
+def forward_taps(model: Any, tokens: Tensor, layers: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
+    """`forward`, plus the residual stream *entering* each of `layers` (0: the embedding's output),
+    concatenated low to high: (logits (B, S, V/tp), hidden (B, S, H), taps (B, S, len(layers) H)).
+
+    The taps an EAGLE-3 draft reads (`sidecar.model.eagle3`: the engine taps the same points of its
+    own forward). Captured with forward pre-hooks on the decoder's layers, so the computation is
+    `forward`'s, bit for bit; the taps share the forward's graph (detach them to train a draft)."""
+    found: dict[int, Tensor] = {}
+    handles = []
+    for i in layers:
+        if not 0 <= i < len(model.decoder.layers):
+            raise ValueError(f"tap layer {i} outside the decoder's {len(model.decoder.layers)} layers")
+
+        def hook(_m: Any, args: tuple[Any, ...], kwargs: dict[str, Any], i: int = i) -> None:
+            found[i] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+
+        handles.append(model.decoder.layers[i].register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        logits, hidden = forward(model, tokens)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return logits, hidden, torch.cat([found[i].transpose(0, 1) for i in layers], dim=-1)  # layers see (S, B, H)
 
 
 def token_logprobs(

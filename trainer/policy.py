@@ -23,17 +23,18 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from muon import HybridOptimizer, HybridOptimizerConfig, QKVLayout, build_optimizer
+from sidecar.model.eagle3 import Eagle3Config, Eagle3Draft
 from sidecar.model.model import ModelConfig
 from trainer import bridge, gpt, platform
 from trainer.data_parallel import adopt_main_grads, balanced_rows, reduce_metrics, reduce_mismatch, row_lengths, wrap
-from trainer.draft_objective import DraftConfig, MTPDraft, draft_loss, draft_step_tokens
+from trainer.draft_objective import DraftConfig, DraftHead, Eagle3Head, MTPDraft, draft_loss, draft_step_tokens
 from trainer.losses import BatchTotals, GRPOConfig, mismatch_metrics, policy_loss
 from trainer.schedules import LRScheduleConfig, build_scheduler
 
@@ -204,11 +205,14 @@ class Policy:
         model_config: ModelConfig,
         cfg: Policy.Config,
         tensors: dict[str, Tensor] | None = None,
+        eagle3: Eagle3Draft | Eagle3Config | None = None,
     ) -> None:
         """Build on the current process group (a world of one is created if none exists).
 
         `tensors`: contract-named weights (trunk, and draft if present); None keeps the seeded
         random initialisation (the draft is initialised when the checkpoint has no ``mtp.*``).
+        `eagle3`: train an EAGLE-3 draft (a served one's weights, or a fresh one of that shape)
+        instead of the MTP layers; the checkpoint's ``mtp.*`` tensors, if any, are then not loaded.
         """
         platform.apply_cpu_accommodations()
         if not dist.is_initialized():
@@ -224,8 +228,22 @@ class Policy:
         self.model_config = model_config
         self.hf = model_config.to_hf_dict()
         self.model = gpt.build_gpt_model(self.hf, tensor_parallel=cfg.tensor_parallel)
-        self.draft: MTPDraft | None = None
-        if model_config.num_nextn_predict_layers > 0:
+        self.draft: DraftHead | None = None
+        self.taps: tuple[int, ...] = ()
+        """Trunk layers whose input the draft reads (EAGLE-3's low/middle/high); () for MTP."""
+        if eagle3 is not None:
+            if isinstance(eagle3, Eagle3Draft):
+                eagle3.config.check_target(model_config)
+                self.draft = Eagle3Head.of(eagle3).to(platform.device())
+            else:
+                eagle3.check_target(model_config)
+                torch.manual_seed(cfg.seed)
+                self.draft = Eagle3Head(eagle3).to(platform.device())
+                self.draft.init_weights()
+            self.taps = self.draft.config.aux_layers(model_config.num_hidden_layers)
+            if tensors is not None:
+                tensors = {k: v for k, v in tensors.items() if not k.startswith(bridge.MTP_PREFIX)}
+        elif model_config.num_nextn_predict_layers > 0:
             torch.manual_seed(cfg.seed)
             self.draft = MTPDraft(model_config).to(platform.device())
             self.draft.init_weights()
@@ -253,12 +271,14 @@ class Policy:
         )
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path, cfg: Policy.Config) -> Policy:
-        """Load a naming-contract checkpoint (config.json + model.safetensors)."""
+    def from_checkpoint(
+        cls, path: str | Path, cfg: Policy.Config, eagle3: Eagle3Draft | Eagle3Config | None = None
+    ) -> Policy:
+        """Load a naming-contract checkpoint (config.json + model.safetensors); `eagle3` as in `__init__`."""
         from sidecar.model.checkpoint import load_checkpoint
 
         model_config, tensors = load_checkpoint(path)
-        return cls(model_config, cfg, tensors)
+        return cls(model_config, cfg, tensors, eagle3)
 
     def _build_trunk_optimizer(self) -> HybridOptimizer:
         from megatron.core import parallel_state
@@ -275,6 +295,8 @@ class Policy:
         """Copy contract-named tensors in (trunk always; the draft's when present)."""
         bridge.load_trunk(self.model, tensors, self.hf)
         draft = {k[len(bridge.MTP_PREFIX) :]: v for k, v in tensors.items() if k.startswith(bridge.MTP_PREFIX)}
+        if draft and isinstance(self.draft, Eagle3Head):
+            raise bridge.CheckpointMismatchError("mtp.* tensors given to a policy that trains an EAGLE-3 draft")
         if draft and self.draft is None:
             raise bridge.CheckpointMismatchError("checkpoint has mtp.* tensors but num_nextn_predict_layers is 0")
         if draft and self.draft is not None:
@@ -293,14 +315,26 @@ class Policy:
         Collective under tensor parallelism: every rank must consume the whole iterator.
         """
         yield from bridge.export_trunk(self.model, self.hf)
-        if self.draft is not None:
+        if isinstance(self.draft, MTPDraft):
             yield from bridge.export_draft(self.draft)
 
     def export_names(self) -> list[str]:
         """The names `export_named_tensors` yields, in its order (a streamed push's manifest)."""
         return bridge.export_names(self.model, self.hf) + (
-            bridge.draft_names(self.draft) if self.draft is not None else []
+            bridge.draft_names(self.draft) if isinstance(self.draft, MTPDraft) else []
         )
+
+    def save_draft(self, path: str | Path) -> None:
+        """Write the EAGLE-3 draft as a draft directory (`specrl serve --draft`, SGLang's and vLLM's
+        EAGLE-3 loaders) from rank 0. The MTP draft is part of the checkpoint `save_hf` writes."""
+        from sidecar.model.eagle3_checkpoint import save_eagle3_draft
+
+        if not isinstance(self.draft, Eagle3Head):
+            raise ValueError("this policy trains no EAGLE-3 draft (its draft, if any, is saved with save_hf)")
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            save_eagle3_draft(path, self.draft)
+        if dist.is_initialized():
+            dist.barrier()
 
     def save_hf(self, path: str | Path) -> None:
         """Write a serving checkpoint (config.json + model.safetensors, naming contract) from rank 0.
@@ -329,8 +363,8 @@ class Policy:
             raise ValueError("this model has no draft head (num_nextn_predict_layers is 0)")
         self.model.eval()
         with torch.no_grad():
-            _, hidden = gpt.forward(self.model, tokens)
-            outs = self.draft.chain(tokens, hidden, lambda ids: gpt.embed(self.model, ids), depth=layer + 1)
+            _, inputs = self._trunk(tokens)
+            outs = self.draft.chain(tokens, inputs, lambda ids: gpt.embed(self.model, ids), depth=layer + 1)
             return self.draft.logits(layer, outs[layer], gpt.shared_head(self.model))
 
     # ---- training ------------------------------------------------------------------------
@@ -373,7 +407,7 @@ class Policy:
                         stack.enter_context(ddp.no_sync())
                 tokens = local.tokens[part].to(dev)
                 mask = local.mask[part].to(dev)
-                logits, hidden = gpt.forward(self.model, tokens)
+                logits, hidden = self._trunk(tokens)
                 logp = gpt.token_logprobs(logits[:, :-1], tokens[:, 1:], self.cfg.temperature)
                 old = local.old_logprobs[part].to(dev) if local.old_logprobs is not None else logp.detach()
                 ref = local.ref_logprobs[part].to(dev) if local.ref_logprobs is not None else None
@@ -427,11 +461,20 @@ class Policy:
         dloss.backward()
         return dmetrics
 
+    def _trunk(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """The trunk's forward: (logits (B, S, V/tp), the draft's input): the final hidden states
+        (B, S, H) for MTP, the taps (B, S, 3H) for EAGLE-3 (`gpt.forward_taps`: the same
+        computation, the taps only captured)."""
+        if self.taps:
+            logits, _, taps = gpt.forward_taps(self.model, tokens, self.taps)
+            return logits, taps
+        return cast(tuple[Tensor, Tensor], gpt.forward(self.model, tokens))
+
     def trunk_outputs(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
-        """(logits (B, S, V/tp), hidden (B, S, H)) of the trunk on `tokens`, without gradients."""
+        """(logits (B, S, V/tp), the draft's input (`_trunk`)) on `tokens`, without gradients."""
         self.model.eval()
         with torch.no_grad():
-            return gpt.forward(self.model, tokens.to(platform.device()))
+            return self._trunk(tokens.to(platform.device()))
 
     def train_draft_step(
         self, tokens: Tensor, mask: Tensor, trunk: tuple[Tensor, Tensor] | None = None

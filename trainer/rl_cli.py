@@ -179,6 +179,22 @@ def warmup(
     help="Draft steps trained (use >= spec k).",
 )
 @click.option("--seed", type=int, default=_DRAFT_INIT.seed, show_default=True)
+@click.option(
+    "--draft",
+    "kind",
+    type=click.Choice(["mtp", "eagle3"]),
+    default=_DRAFT_INIT.kind,
+    show_default=True,
+    help="mtp: train the checkpoint's MTP layers, OUT is the whole checkpoint; eagle3: a separate "
+    "EAGLE-3 draft, OUT is its directory (specrl serve --model MODEL --draft OUT; SGLang/vLLM layout).",
+)
+@click.option(
+    "--draft-vocab",
+    type=click.IntRange(0),
+    default=_DRAFT_INIT.draft_vocab,
+    show_default=True,
+    help="eagle3: keep the draft's output to the N ids most frequent in the completions (0: all).",
+)
 def draft_init_cmd(
     model: Path,
     out: Path,
@@ -194,21 +210,28 @@ def draft_init_cmd(
     lr: float,
     chain_depth: int,
     seed: int,
+    kind: str,
+    draft_vocab: int,
 ) -> None:
-    """Initialise the MTP draft in-domain: fit it on the policy's own completions (trunk frozen)."""
+    """Initialise the draft in-domain: fit it on the policy's own completions (trunk frozen)."""
     from trainer.tokenizer import load_tokenizer
     from trainer.warmup import draft_init
 
-    cfg = DraftInitConfig(
-        prompts=prompts,
-        temperature=temperature,
-        max_new_tokens=max_new_tokens,
-        steps=steps,
-        batch_size=batch_size,
-        lr=lr,
-        chain_depth=chain_depth,
-        seed=seed,
-    )
+    try:
+        cfg = DraftInitConfig(
+            prompts=prompts,
+            temperature=temperature,
+            max_new_tokens=max_new_tokens,
+            steps=steps,
+            batch_size=batch_size,
+            lr=lr,
+            chain_depth=chain_depth,
+            seed=seed,
+            kind=kind,
+            draft_vocab=draft_vocab,
+        )
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
     with user_errors(), _bar(steps, "draft-init") as progress:
         losses = draft_init(model, out, _task(regime, digits, dataset), load_tokenizer(tokenizer), cfg, progress)
     click.echo(f"draft-init: draft loss {losses[0]:.3f} -> {losses[-1]:.3f}; wrote {out}")

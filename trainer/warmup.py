@@ -5,9 +5,10 @@ filtered), so a small model is first taught the task's reference solutions (`sup
 maximum likelihood, written as the policy-gradient loss with advantage 1 on on-policy log-probs,
 whose gradient is exactly ∇ log p). The draft head is left alone there.
 
-`draft_init` then fits the MTP draft on the policy's *own* completions of in-domain prompts, with
-the detached-hidden-state objective the RL step uses (`Policy.train_draft_step`: forward KL to the
-target's distribution; the trunk does not move). This is the reference study's main lever: an
+`draft_init` then fits the draft — the MTP layers, or a separate EAGLE-3 draft written as its own
+directory — on the policy's *own* completions of in-domain prompts, with the detached-state
+objective the RL step uses (`Policy.train_draft_step`: forward KL to the target's distribution;
+the trunk does not move). This is the reference study's main lever: an
 in-domain draft gave 1.77× where a generic one gave 1.51× (arXiv 2604.26779, §5).
 """
 
@@ -23,10 +24,11 @@ from torch import Tensor
 
 from muon import HybridOptimizerConfig
 from sidecar.engine.torch_engine import TorchEngine
-from sidecar.model.checkpoint import model_state_dict, save_checkpoint
+from sidecar.model.checkpoint import load_checkpoint, model_state_dict, save_checkpoint
+from sidecar.model.eagle3 import Eagle3Config
 from sidecar.model.model import ModelConfig, build_model
 from sidecar.types import GenerationRequest, SamplingParams
-from trainer.draft_objective import DraftConfig
+from trainer.draft_objective import DraftConfig, Eagle3Head
 from trainer.losses import GRPOConfig
 from trainer.policy import Policy, TrainBatch
 from trainer.tasks import Task
@@ -69,8 +71,21 @@ class DraftInitConfig:
     layer also learns from its own outputs (τ 2.42 → 2.73 at k = 3 on the demo); 0 = one step
     per MTP layer."""
     seed: int = 0
+    kind: str = "mtp"
+    """"mtp": train the checkpoint's MTP layers, write the whole checkpoint to `out`; "eagle3": a
+    fresh EAGLE-3 draft for this target (`sidecar.model.eagle3`), written to `out` as a draft
+    directory (`specrl serve --model CHECKPOINT --draft out`); the checkpoint is not rewritten."""
+    draft_vocab: int = 0
+    """EAGLE-3 only: keep the draft's output layer to the `draft_vocab` target ids most frequent in
+    the completions (0: the whole vocabulary). Exact either way: ids outside it get q = 0."""
 
     def __post_init__(self) -> None:
+        if self.kind not in ("mtp", "eagle3"):
+            raise ValueError(f"draft_init.kind must be 'mtp' or 'eagle3', got {self.kind!r}")
+        if self.draft_vocab < 0 or (self.draft_vocab and self.kind != "eagle3"):
+            raise ValueError(
+                f"draft_init.draft_vocab must be >= 0 and is for kind 'eagle3' only, got {self.draft_vocab}"
+            )
         for name in ("prompts", "max_new_tokens", "steps", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"draft_init.{name} must be >= 1, got {getattr(self, name)}")
@@ -178,15 +193,30 @@ def draft_init(
         stop=tokenizer.eos_id,
         seed=cfg.seed,
     )
-    policy = Policy.from_checkpoint(
-        checkpoint,
-        Policy.Config(
-            seed=cfg.seed,
-            temperature=cfg.temperature,
-            draft=DraftConfig(chain_depth=cfg.chain_depth),
-            draft_optimizer=HybridOptimizerConfig(lr=cfg.lr),
-        ),
+    policy_cfg = Policy.Config(
+        seed=cfg.seed,
+        temperature=cfg.temperature,
+        draft=DraftConfig(chain_depth=cfg.chain_depth),
+        draft_optimizer=HybridOptimizerConfig(lr=cfg.lr),
     )
+    model_config, tensors = load_checkpoint(checkpoint)
+    if cfg.kind == "eagle3":
+        vocab = cfg.draft_vocab or model_config.vocab_size
+        if vocab > model_config.vocab_size:
+            raise ValueError(f"draft_vocab {vocab} exceeds the target's vocabulary of {model_config.vocab_size}")
+        layers = model_config.num_hidden_layers  # the loaders' default taps need 4 layers; fewer: first, middle, last
+        taps = None if layers >= 4 else [0, layers // 2, layers - 1]
+        eagle3 = Eagle3Config.for_target(model_config, draft_vocab_size=vocab, aux_layer_ids=taps)
+        policy = Policy(model_config, policy_cfg, tensors, eagle3=eagle3)
+        assert isinstance(policy.draft, Eagle3Head)
+        if vocab < model_config.vocab_size:  # the ids the policy actually writes and reads here
+            seen = torch.bincount(
+                torch.tensor([t for p, c in zip(prompts, completions, strict=True) for t in p + c]),
+                minlength=model_config.vocab_size,
+            )
+            policy.draft.set_draft_vocab(seen.topk(vocab).indices.sort().values)
+    else:
+        policy = Policy(model_config, policy_cfg, tensors)
     # the trunk is frozen: each sample's trunk outputs are computed once and reused every epoch
     # (two thirds of a draft step's cost at the demo's shape). Causal attention makes a sample's
     # outputs independent of the right padding its batch adds.
@@ -214,7 +244,10 @@ def draft_init(
         losses.append(float(metrics["draft_loss"]))
         if progress is not None:
             progress(step + 1, {"draft_loss": losses[-1]})
-    policy.save_hf(out)
+    if cfg.kind == "eagle3":
+        policy.save_draft(out)
+    else:
+        policy.save_hf(out)
     return losses
 
 
@@ -227,9 +260,11 @@ def acceptance_length(
     max_new_tokens: int,
     stop: int,
     seed: int = 0,
+    draft: Path | None = None,
 ) -> float:
-    """τ (generated tokens per verify step) of the checkpoint's draft on `prompts` at draft length k."""
-    engine = TorchEngine.from_checkpoint(checkpoint, speculation_k=k, max_batch_size=64)
+    """τ (generated tokens per verify step) of the checkpoint's draft (or of the EAGLE-3 draft
+    directory `draft`) on `prompts` at draft length k."""
+    engine = TorchEngine.from_checkpoint(checkpoint, speculation_k=k, max_batch_size=64, draft=draft)
     request = GenerationRequest(
         prompts=prompts,
         sampling=SamplingParams(
