@@ -108,6 +108,25 @@ def test_eagle3_draft_init_beats_an_untrained_eagle3_draft(checkpoints: dict[str
     with pytest.raises(ValueError, match="for kind 'eagle3' only"):
         DraftInitConfig(draft_vocab=10)
 
+    # online: the sidecar serves the draft directory, the trainer trains it and pushes it each step
+    cfg = RLConfig(
+        model=target,
+        eagle3_draft=tmp_path / "eagle3",
+        task=TaskConfig(kind="arithmetic", regime="zero", digits=2),
+        rollout=RolloutConfig(
+            prompts_per_step=8, samples_per_prompt=4, temperature=0.7, max_new_tokens=24, speculation_k=3
+        ),
+        optimizer=HybridOptimizerConfig(lr=5e-4),
+        sidecars=SidecarsConfig(local=1),
+        steps=3,
+        eval_every=0,
+        run_dir=tmp_path / "run",
+    )
+    history = train(cfg, progress=False)
+    assert [m["weights/version"] for m in history] == [2.0, 3.0, 4.0]  # pushes with the draft were accepted
+    assert all(m["mismatch/logprob_abs_max"] < 1e-4 for m in history)
+    assert all(m["train/draft_loss"] > 0 and m["spec/acceptance_length"] > 1.5 for m in history), history
+
 
 @pytest.mark.slow
 def test_rl_steps_end_to_end(checkpoints: dict[str, Path], tmp_path: Path) -> None:

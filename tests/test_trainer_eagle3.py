@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -20,10 +21,10 @@ import torch
 from muon import HybridOptimizerConfig
 from sidecar.engine.torch_engine import TorchEngine
 from sidecar.model.checkpoint import model_state_dict, save_checkpoint
-from sidecar.model.eagle3 import Eagle3Config, build_eagle3
+from sidecar.model.eagle3 import PUSH_PREFIX, Eagle3Config, build_eagle3
 from sidecar.model.eagle3_checkpoint import load_eagle3_draft
 from sidecar.model.model import ModelConfig, Qwen3WithMTP, build_model
-from sidecar.types import GenerationRequest, SamplingParams
+from sidecar.types import GenerationRequest, SamplingParams, WeightSelector
 from trainer import gpt
 from trainer.draft_objective import DraftConfig, Eagle3Head
 from trainer.policy import Policy, TrainBatch
@@ -121,9 +122,9 @@ def test_draft_loss_decreases_and_the_trunk_stays(setup, draft_vocab: int | None
         counts = torch.bincount(tokens.flatten(), minlength=mc.vocab_size)
         policy.draft.set_draft_vocab(counts.topk(draft_vocab).indices.sort().values)
     batch = _batch(tokens, 6, [0.0, 0.0, 0.0, 0.0])
-    before = {n: t.clone() for n, t in policy.export_named_tensors()}
+    before = {n: t.clone() for n, t in policy.export_named_tensors() if not n.startswith(PUSH_PREFIX)}
     losses = [policy.train_step(batch)["draft_loss"] for _ in range(25)]
-    after = dict(policy.export_named_tensors())
+    after = {n: t for n, t in policy.export_named_tensors() if not n.startswith(PUSH_PREFIX)}
     assert before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < 0.7 * losses[0], losses
@@ -183,3 +184,37 @@ def test_a_trained_draft_is_served_and_accepts_more_than_its_start(setup, tmp_pa
     assert trained > start + 0.3, (start, trained)
     with pytest.raises(ValueError, match="no EAGLE-3 draft"):
         Policy(mc, Policy.Config(), dict(state)).save_draft(tmp_path / "x")
+
+
+def test_a_push_carries_the_trained_draft_and_generation_follows_it(setup, tmp_path: Path) -> None:
+    mc, _, state, tokens = setup
+    served = build_eagle3(_eagle3(mc), seed=3)
+    cfg = Policy.Config(
+        optimizer=HybridOptimizerConfig(lr=0.0, weight_decay=0.0),
+        draft_optimizer=HybridOptimizerConfig(lr=3e-3, weight_decay=0.0),
+    )
+    policy = Policy(mc, cfg, dict(state), eagle3=served)
+    target = build_model(mc)
+    target.load_state_dict(state)
+    engine = TorchEngine(target, speculation_k=2, draft=copy.deepcopy(served))
+    assert policy.export_names() == [n for n, _ in policy.export_named_tensors()]
+    assert set(policy.export_names()) == {s.name for s in engine.weight_specs(WeightSelector.ALL)}
+    assert {s.name for s in engine.weight_specs(WeightSelector.DRAFT)} == {
+        n for n in policy.export_names() if n.startswith(PUSH_PREFIX)
+    }
+    for _ in range(3):
+        policy.train_step(_batch(tokens, 6, [0.0, 0.0, 0.0, 0.0]))
+    engine.update_weights(dict(policy.export_named_tensors()), WeightSelector.ALL, version=1)
+    assert isinstance(policy.draft, Eagle3Head)
+    engine_draft = engine.drafter.pushed_parameters()
+    for name, p in policy.draft.named_parameters():
+        assert torch.equal(engine_draft[PUSH_PREFIX + name], p), name
+    # the oracle of the pushed weights: a fresh engine serving the saved draft
+    policy.save_draft(tmp_path / "pushed")
+    fresh = TorchEngine(copy.deepcopy(target), speculation_k=2, draft=load_eagle3_draft(tmp_path / "pushed", target=mc))
+    request = GenerationRequest(
+        prompts=tokens[:, :6].tolist(), sampling=SamplingParams(temperature=1.0, max_new_tokens=12, seed=3)
+    )
+    after_push, oracle = engine.generate(request), fresh.generate(request)
+    assert [s.token_ids for s in after_push] == [s.token_ids for s in oracle]
+    assert [s.counters.accepted_tokens for s in after_push] == [s.counters.accepted_tokens for s in oracle]

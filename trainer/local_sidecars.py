@@ -55,8 +55,10 @@ class LocalSidecars:
         engine: str = "torch",
         devices: tuple[str, ...] | list[str] = ("cpu",),
         token: str | None = None,
+        draft: Path | None = None,
     ) -> None:
-        """`devices`: one torch device for all sidecars, or one per sidecar."""
+        """`devices`: one torch device for all sidecars, or one per sidecar; `draft`: an EAGLE-3
+        draft directory they serve beside `model` (`serve --draft`)."""
         if count < 1:
             raise ValueError(f"count must be >= 1, got {count}")
         self.model = Path(model)
@@ -69,6 +71,7 @@ class LocalSidecars:
         self.startup_timeout_s = startup_timeout_s
         self.engine = engine
         self.devices = list(devices) or ["cpu"]
+        self.draft = draft
         self._token = token
         """Bearer token the sidecars require (passed in their environment, never on the command line)."""
         self._procs: list[_Proc | None] = [None] * count
@@ -117,6 +120,7 @@ class LocalSidecars:
             self.engine,
             "--device",
             self.devices[i % len(self.devices)],
+            *(["--draft", str(self.draft)] if self.draft is not None else []),
         ]
         env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), MKL_NUM_THREADS=str(self.threads))
         env.pop(TOKEN_ENV, None)  # exactly the token the trainer sends, not whatever the shell had

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from muon import HybridOptimizer, HybridOptimizerConfig, QKVLayout, build_optimizer
-from sidecar.model.eagle3 import Eagle3Config, Eagle3Draft
+from sidecar.model.eagle3 import PUSH_PREFIX, Eagle3Config, Eagle3Draft
 from sidecar.model.model import ModelConfig
 from trainer import bridge, gpt, platform
 from trainer.data_parallel import adopt_main_grads, balanced_rows, reduce_metrics, reduce_mismatch, row_lengths, wrap
@@ -317,9 +317,16 @@ class Policy:
         yield from bridge.export_trunk(self.model, self.hf)
         if isinstance(self.draft, MTPDraft):
             yield from bridge.export_draft(self.draft)
+        elif isinstance(self.draft, Eagle3Head):  # a push's DRAFT part; the token maps stay as served
+            for name, p in self.draft.named_parameters():
+                yield PUSH_PREFIX + name, p.detach().clone()
 
     def export_names(self) -> list[str]:
         """The names `export_named_tensors` yields, in its order (a streamed push's manifest)."""
+        if isinstance(self.draft, Eagle3Head):
+            return bridge.export_names(self.model, self.hf) + [
+                PUSH_PREFIX + n for n, _ in self.draft.named_parameters()
+            ]
         return bridge.export_names(self.model, self.hf) + (
             bridge.draft_names(self.draft) if isinstance(self.draft, MTPDraft) else []
         )

@@ -357,7 +357,11 @@ class RLConfig:
     same weights and the same float32 numbers, so the PPO ratio is exactly 1 either way), which
     saves one forward over the batch per step."""
     train_draft: bool = True
-    """Update the MTP draft head every step on detached hidden states."""
+    """Update the draft every step on detached states (the MTP layers, or the EAGLE-3 draft)."""
+    eagle3_draft: Path | None = None
+    """An EAGLE-3 draft directory (`specrl draft-init --draft eagle3`) for a `model` without MTP
+    layers: local sidecars serve it (`serve --draft`; start remote ones with the same directory),
+    the trainer trains it online and every push carries it (`eagle3.*`, DRAFT selector)."""
     draft: DraftConfig = field(default_factory=DraftConfig)
     draft_optimizer: HybridOptimizerConfig = field(default_factory=lambda: HybridOptimizerConfig(lr=1e-4))
     train: TrainConfig = field(default_factory=TrainConfig)

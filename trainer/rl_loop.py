@@ -138,7 +138,14 @@ def policy_config(cfg: RLConfig) -> Policy.Config:
 
 
 def build_policy(cfg: RLConfig) -> Policy:
-    return Policy.from_checkpoint(cfg.model, policy_config(cfg))
+    if cfg.eagle3_draft is None:
+        return Policy.from_checkpoint(cfg.model, policy_config(cfg))
+    from sidecar.model.checkpoint import load_checkpoint
+    from sidecar.model.eagle3_checkpoint import load_eagle3_draft
+
+    model_config, tensors = load_checkpoint(cfg.model)
+    draft = load_eagle3_draft(cfg.eagle3_draft, target=model_config)
+    return Policy(model_config, policy_config(cfg), tensors, eagle3=draft)
 
 
 @contextlib.contextmanager
@@ -163,6 +170,7 @@ def sidecar_fleet(cfg: RLConfig, run_dir: Path) -> Iterator[tuple[Fleet, LocalSi
             engine=cfg.sidecars.engine,
             devices=cfg.sidecars.devices,
             token=client.token,
+            draft=cfg.eagle3_draft,
         )
     with contextlib.ExitStack() as stack:
         if local is not None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sidecar.model.eagle3 import Eagle3Draft
+from sidecar.model.eagle3 import PUSH_PREFIX, Eagle3Draft
 from sidecar.model.kv_cache import AttentionPlan, KVCache
 from sidecar.model.model import Qwen3WithMTP
 
@@ -46,6 +46,11 @@ class Drafter:
     def slot_bytes(self) -> int:
         """KV bytes of one token in all the draft's layers."""
         return self.num_layers * KVCache.slot_bytes(self.num_kv_heads, self.head_dim, self.dtype)
+
+    def pushed_parameters(self) -> dict[str, Tensor]:
+        """Parameters a weight push addresses beside the model's own (part of its DRAFT selector):
+        none for MTP, whose layers are the model's `mtp.*` parameters."""
+        return {}
 
     def new_cache(self, batch: int, capacity: int, max_batch: int | None = None) -> KVCache:
         """One draft layer's KV cache (`max_batch` given: a static one, see `kv_cache`)."""
@@ -132,6 +137,10 @@ class Eagle3Drafter(Drafter):
 
     def head(self, j: int, out: Tensor) -> Tensor:
         return self.draft.target_logits(out)
+
+    def pushed_parameters(self) -> dict[str, Tensor]:
+        """The draft's weights as `eagle3.<checkpoint name>` (its token maps are not pushed)."""
+        return {PUSH_PREFIX + n: p for n, p in self.draft.named_parameters()}
 
 
 def make_drafter(model: Qwen3WithMTP, draft: Eagle3Draft | None = None) -> Drafter:

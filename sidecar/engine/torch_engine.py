@@ -616,6 +616,7 @@ class TorchEngine(Engine):
             shapes |= target_tensor_shapes(self.config)
         if selector in (WeightSelector.ALL, WeightSelector.DRAFT):
             shapes |= draft_tensor_shapes(self.config)
+            shapes |= {n: tuple(p.shape) for n, p in self.drafter.pushed_parameters().items()}
         return shapes
 
     def weight_specs(self, selector: WeightSelector) -> list[TensorSpec]:
@@ -624,7 +625,7 @@ class TorchEngine(Engine):
         ]
 
     def weight_checksums(self, selector: WeightSelector) -> dict[str, int]:
-        params = dict(self.model.named_parameters())
+        params = dict(self.model.named_parameters()) | self.drafter.pushed_parameters()
         return {name: tensor_crc32(params[name]) for name in self._selected_shapes(selector)}
 
     def update_weights(self, tensors: Mapping[str, torch.Tensor], selector: WeightSelector, version: int) -> None:
@@ -656,7 +657,7 @@ class TorchEngine(Engine):
         )
 
     def _swap_in(self, tensors: Mapping[str, torch.Tensor], *, adopt: bool) -> dict[str, torch.Tensor]:
-        params = dict(self.model.named_parameters())
+        params = dict(self.model.named_parameters()) | self.drafter.pushed_parameters()
         shared = self._shared_storages() if adopt else set()
         free: dict[str, torch.Tensor] = {}
         with torch.no_grad():

@@ -49,6 +49,9 @@ from sidecar.model.model import _DTYPES, ROPE_MARGIN, ModelConfig, Qwen3WithMTP,
 from yarn import RopeConfig, RotaryEmbedding, apply_rotary
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
+PUSH_PREFIX = "eagle3."
+"""Weight pushes name a served EAGLE-3 draft's parameters `eagle3.<checkpoint name>` (part of the
+DRAFT selector); the token maps are fixed at draft-init and never pushed."""
 
 
 def default_aux_layers(num_target_layers: int) -> tuple[int, int, int]:
