@@ -77,8 +77,9 @@ class Eagle3Config:
     torch_dtype: str = "float32"
     aux_layer_ids: list[int] | None = None
     """Target layers whose *input* residual stream is tapped (0 = the embedding's output), low to
-    high; None = `default_aux_layers` of the target. config.json key `eagle_aux_hidden_state_layer_ids`
-    (vLLM's convention, the same numbers)."""
+    high; None = `default_aux_layers` of the target. config.json: `eagle_aux_hidden_state_layer_ids`
+    (vLLM's convention, the same numbers) and `eagle_config.eagle_aux_hidden_state_layer_ids`
+    (SGLang's: the ids of layer outputs, one less)."""
     architectures: list[str] = field(default_factory=lambda: [ARCHITECTURE])
 
     def __post_init__(self) -> None:
@@ -163,7 +164,7 @@ class Eagle3Config:
         heads = d["num_attention_heads"]
         ids = d.get("eagle_aux_hidden_state_layer_ids")
         nested = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        if ids is None and nested is not None:  # SGLang's nested key: ids of layer *outputs*
+        if ids is None and nested is not None:  # SGLang's nested key: ids of layer *outputs* (it adds 1)
             ids = [int(i) + 1 for i in nested]
         return cls(
             vocab_size=int(d["vocab_size"]),
@@ -193,8 +194,9 @@ class Eagle3Config:
             mlp_bias=False,
             tie_word_embeddings=False,
         )
-        if self.aux_layer_ids is not None:
+        if self.aux_layer_ids is not None:  # vLLM reads layer inputs at the top level, SGLang layer outputs nested
             d["eagle_aux_hidden_state_layer_ids"] = list(self.aux_layer_ids)
+            d["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in self.aux_layer_ids]}
         return d
 
 

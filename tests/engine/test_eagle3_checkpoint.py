@@ -95,13 +95,15 @@ def test_the_draft_is_written_in_the_sglang_vllm_layout_and_reads_back_the_same(
     assert greedy(TorchEngine(target, draft=loaded)) == greedy(TorchEngine(target, draft=draft)) == plain
 
 
-def test_taps_are_written_in_vllms_convention_and_read_from_sglangs(tmp_path: Path, target: Qwen3WithMTP) -> None:
+def test_taps_are_written_in_both_loaders_conventions_and_read_from_sglangs(
+    tmp_path: Path, target: Qwen3WithMTP
+) -> None:
     cfg = Eagle3Config.for_target(target.config, aux_layer_ids=[1, 2, 3])
     save_eagle3_draft(tmp_path / "d", Eagle3Draft(cfg))
     raw = json.loads((tmp_path / "d" / "config.json").read_text())
-    assert raw["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert raw["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]  # vLLM: layer inputs
+    assert raw["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}  # SGLang: layer outputs
     del raw["eagle_aux_hidden_state_layer_ids"]
-    raw["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}  # SGLang: layer outputs
     (tmp_path / "d" / "config.json").write_text(json.dumps(raw))
     assert load_eagle3_draft(tmp_path / "d").config.aux_layers(4) == (1, 2, 3)
 
