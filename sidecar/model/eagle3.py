@@ -76,8 +76,7 @@ class Eagle3Config:
     max_position_embeddings: int = 4096
     torch_dtype: str = "float32"
     aux_layer_ids: list[int] | None = None
-    """Target layers whose *input* residual stream is tapped (0 = the embedding's output), low to
-    high; None = `default_aux_layers` of the target. config.json: `eagle_aux_hidden_state_layer_ids`
+    """Target layers whose *input* residual stream is tapped, 3 ascending ids in [1, L); None = `default_aux_layers` of the target. config.json: `eagle_aux_hidden_state_layer_ids`
     (vLLM's convention, the same numbers) and `eagle_config.eagle_aux_hidden_state_layer_ids`
     (SGLang's: the ids of layer outputs, one less)."""
     architectures: list[str] = field(default_factory=lambda: [ARCHITECTURE])
@@ -116,10 +115,13 @@ class Eagle3Config:
     def aux_layers(self, num_target_layers: int) -> tuple[int, int, int]:
         """The three tapped target layers for a target of `num_target_layers` layers, checked."""
         ids = tuple(self.aux_layer_ids) if self.aux_layer_ids is not None else default_aux_layers(num_target_layers)
-        if any(not 0 <= i < num_target_layers for i in ids):
+        if not 0 < ids[0] < ids[1] < ids[2] < num_target_layers:
+            # SGLang and vLLM capture a layer's input once, in layer order: taps must be distinct,
+            # ascending, and past layer 0 (SGLang's capture adds the residual, which layer 0 lacks).
             where = "aux_layer_ids" if self.aux_layer_ids is not None else "the default taps (2, L/2, L-3)"
             raise ValueError(
-                f"{where} {list(ids)} must lie in [0, {num_target_layers}) for a {num_target_layers}-layer target; "
+                f"{where} {list(ids)} must be 3 ascending layers in [1, {num_target_layers}) for a "
+                f"{num_target_layers}-layer target (the default needs L >= 7); "
                 "set eagle_aux_hidden_state_layer_ids in the draft's config.json"
             )
         return ids[0], ids[1], ids[2]

@@ -13,7 +13,7 @@ Files
   ``tie_word_embeddings: false``, ``torch_dtype``), ``vocab_size`` (the target's) and
   ``draft_vocab_size``; when the taps are not the loaders' default (inputs of layers 2, L/2,
   L-3), both loaders' keys for them: ``eagle_aux_hidden_state_layer_ids`` (vLLM's, top level:
-  target layer *inputs*, 0 = the embedding output) and ``eagle_config:
+  target layer *inputs*) and ``eagle_config:
   {eagle_aux_hidden_state_layer_ids}`` (SGLang's, nested: layer *outputs*, one less; SGLang adds
   one back). Reading, the top-level key wins, else the nested one.
 - ``model.safetensors`` with (no biases; the token embedding is the target's, not stored)::

@@ -86,7 +86,7 @@ def test_the_draft_is_written_in_the_sglang_vllm_layout_and_reads_back_the_same(
     config = json.loads((path / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
     assert (config["vocab_size"], config["draft_vocab_size"], config["hidden_size"]) == (64, 35, 64)
-    assert config["tie_word_embeddings"] is False and "eagle_aux_hidden_state_layer_ids" not in config  # default taps
+    assert config["tie_word_embeddings"] is False and config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
     loaded = load_eagle3_draft(path, target=target.config)
     assert loaded.config == draft.config
     for (n, a), (m, b) in zip(draft.state_dict().items(), loaded.state_dict().items(), strict=True):
