@@ -4,8 +4,9 @@
    ModelConfig, as its draft worker does) and filled by its own ``load_weights``: every parameter
    holds our tensors (q/k/v and gate/up fused), its ``hot_token_id`` is our draft vocabulary, and
    the target's ``set_eagle3_layers_to_capture`` with the ids our config carries taps our layers.
-2. End to end, SGLang's EAGLE3 algorithm (``--speculative-algorithm EAGLE3`` with the directory as
-   ``speculative_draft_model_path``, chain drafting k = 3): greedy output equals the embedded
+2. End to end, ``specrl serve --engine sglang --draft DIR`` (SGLang's EAGLE3 algorithm with the
+   directory as ``speculative_draft_model_path``, chain drafting k = 3) over gRPC: GetInfo says
+   eagle3, and greedy output equals the embedded
    engine's plain greedy output, and each sample's acceptance length equals the embedded engine's
    with the same draft — the two compute the same proposals. The draft is partly aligned and its
    q depends on which tap is which (`make_draft`), so a tap, name or vocabulary-map misread shows
@@ -16,7 +17,6 @@ CPU here (``tools/test-sglang``; SGLang's CPU engine with ``tests/sglang_cpu_sup
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,16 +24,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from sidecar.client.client import SidecarClient
 from sidecar.engine.sglang import names
-from sidecar.engine.sglang.engine import SGLangEngine, SGLangEngineConfig, build_server_args
+from sidecar.engine.sglang.engine import SGLangEngineConfig, build_server_args
 from sidecar.engine.torch_engine import TorchEngine
-from sidecar.model.checkpoint import model_state_dict
+from sidecar.model.checkpoint import model_state_dict, save_checkpoint
 from sidecar.model.eagle3 import Eagle3Draft
 from sidecar.model.eagle3_checkpoint import load_eagle3_draft, save_eagle3_draft
 from sidecar.model.model import Qwen3WithMTP, build_model
 from sidecar.types import GenerationRequest, SamplingParams
 from tests.engine.engine_fixtures import aligned_eagle3
-from tests.with_sglang.served import DEVICE, NEEDS_SGLANG, sglang_test_args, small_config
+from tests.with_sglang.served import NEEDS_SGLANG, small_config, specrl_serve
 
 pytestmark = NEEDS_SGLANG
 
@@ -69,52 +70,32 @@ def make_draft(target: Qwen3WithMTP) -> Eagle3Draft:
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Qwen3WithMTP, Path, Path]:
+    """(target, its specrl checkpoint, the EAGLE-3 draft directory)."""
     root = tmp_path_factory.mktemp("eagle3")
     target = make_target()
-    layout = names.write_sglang_checkpoint(CONFIG, model_state_dict(target), root / "sglang")
+    save_checkpoint(root / "ckpt", CONFIG, model_state_dict(target))
     save_eagle3_draft(root / "draft", make_draft(target))
-    return target, layout.target_dir, root / "draft"
-
-
-def sglang_config(target_dir: Path, draft_dir: Path) -> SGLangEngineConfig:
-    args = sglang_test_args()
-    batch = int(args.pop("max_running_requests"))  # type: ignore[call-overload]
-    return SGLangEngineConfig(
-        model_path=str(target_dir),
-        speculative_algorithm="EAGLE3",
-        draft_model_path=str(draft_dir),
-        speculation_k=K,
-        device=DEVICE,
-        max_running_requests=batch,
-        extra_server_args=args,
-    )
-
-
-@pytest.fixture(scope="module")
-def sglang_engine(dirs: tuple[Qwen3WithMTP, Path, Path]) -> Iterator[SGLangEngine]:
-    _, target_dir, draft_dir = dirs
-    engine = SGLangEngine(sglang_config(target_dir, draft_dir), CONFIG)
-    try:
-        yield engine
-    finally:
-        engine.close()
+    return target, root / "ckpt", root / "draft"
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_sglang_eagle3_generates_with_our_draft_as_the_embedded_engine_does(
-    dirs: tuple[Qwen3WithMTP, Path, Path], sglang_engine: SGLangEngine
+def test_specrl_serve_sglang_with_our_draft_generates_as_the_embedded_engine_does(
+    dirs: tuple[Qwen3WithMTP, Path, Path],
 ) -> None:
-    target, _, draft_dir = dirs
+    """`specrl serve --engine sglang --draft DIR`: SGLang's EAGLE3 with our directory, over gRPC."""
+    target, ckpt, draft_dir = dirs
     request = GenerationRequest(prompts=PROMPTS, sampling=SamplingParams(temperature=0.0, max_new_tokens=24))
-    got = sglang_engine.generate(request)
+    with specrl_serve(ckpt, spec_k=K, extra=("--draft", str(draft_dir))) as address, SidecarClient(address) as client:
+        info = client.info().engine
+        got = client.generate(request)
+    assert (info.engine, info.speculation_method, info.speculation_k) == ("sglang", "eagle3", K)
     plain = TorchEngine(target, speculation_k=0).generate(request)
     ours = TorchEngine(target, speculation_k=K, draft=load_eagle3_draft(draft_dir)).generate(request)
     assert [s.token_ids for s in got] == [s.token_ids for s in plain] == [s.token_ids for s in ours]
     taus = [s.counters.acceptance_length for s in got]
     assert taus == pytest.approx([s.counters.acceptance_length for s in ours])  # the same proposals
     assert sum(taus) / len(taus) > 1.15  # the draft was used, and partly accepted
-    assert sglang_engine.info().speculation_k == K
 
 
 def test_sglangs_loader_fills_the_eagle3_model_with_our_tensors(dirs: tuple[Qwen3WithMTP, Path, Path]) -> None:
@@ -124,8 +105,12 @@ def test_sglangs_loader_fills_the_eagle3_model_with_our_tensors(dirs: tuple[Qwen
     from sglang.srt.server_args import ServerArgs
     from sglang.test.layer_ut_utils import init_single_process_dist
 
-    _, target_dir, draft_dir = dirs
-    sa = ServerArgs(**build_server_args(sglang_config(target_dir, draft_dir)))
+    target, ckpt, draft_dir = dirs
+    target_dir = names.write_sglang_checkpoint(CONFIG, model_state_dict(target), ckpt.parent / "layout").target_dir
+    config = SGLangEngineConfig(
+        model_path=str(target_dir), speculative_algorithm="EAGLE3", draft_model_path=str(draft_dir), speculation_k=K
+    )
+    sa = ServerArgs(**build_server_args(config))
     sa.resolve_once()
     init_single_process_dist()
     with pytest.MonkeyPatch.context() as mp:
