@@ -79,9 +79,9 @@ class Eagle3Config:
     max_position_embeddings: int = 4096
     torch_dtype: str = "float32"
     aux_layer_ids: list[int] | None = None
-    """Target layers whose *input* residual stream is tapped (0 = the embedding's output), low to
-    high; None = `default_aux_layers` of the target. config.json key `eagle_aux_hidden_state_layer_ids`
-    (vLLM's convention, the same numbers)."""
+    """Target layers whose *input* residual stream is tapped, 3 ascending ids in [1, L); None = `default_aux_layers` of the target. config.json: `eagle_aux_hidden_state_layer_ids`
+    (vLLM's convention, the same numbers) and `eagle_config.eagle_aux_hidden_state_layer_ids`
+    (SGLang's: the ids of layer outputs, one less)."""
     architectures: list[str] = field(default_factory=lambda: [ARCHITECTURE])
 
     def __post_init__(self) -> None:
@@ -118,10 +118,13 @@ class Eagle3Config:
     def aux_layers(self, num_target_layers: int) -> tuple[int, int, int]:
         """The three tapped target layers for a target of `num_target_layers` layers, checked."""
         ids = tuple(self.aux_layer_ids) if self.aux_layer_ids is not None else default_aux_layers(num_target_layers)
-        if any(not 0 <= i < num_target_layers for i in ids):
+        if not 0 < ids[0] < ids[1] < ids[2] < num_target_layers:
+            # SGLang and vLLM capture a layer's input once, in layer order: taps must be distinct,
+            # ascending, and past layer 0 (SGLang's capture adds the residual, which layer 0 lacks).
             where = "aux_layer_ids" if self.aux_layer_ids is not None else "the default taps (2, L/2, L-3)"
             raise ValueError(
-                f"{where} {list(ids)} must lie in [0, {num_target_layers}) for a {num_target_layers}-layer target; "
+                f"{where} {list(ids)} must be 3 ascending layers in [1, {num_target_layers}) for a "
+                f"{num_target_layers}-layer target (the default needs L >= 7); "
                 "set eagle_aux_hidden_state_layer_ids in the draft's config.json"
             )
         return ids[0], ids[1], ids[2]
@@ -166,7 +169,7 @@ class Eagle3Config:
         heads = d["num_attention_heads"]
         ids = d.get("eagle_aux_hidden_state_layer_ids")
         nested = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        if ids is None and nested is not None:  # SGLang's nested key: ids of layer *outputs*
+        if ids is None and nested is not None:  # SGLang's nested key: ids of layer *outputs* (it adds 1)
             ids = [int(i) + 1 for i in nested]
         return cls(
             vocab_size=int(d["vocab_size"]),
@@ -196,8 +199,9 @@ class Eagle3Config:
             mlp_bias=False,
             tie_word_embeddings=False,
         )
-        if self.aux_layer_ids is not None:
+        if self.aux_layer_ids is not None:  # vLLM reads layer inputs at the top level, SGLang layer outputs nested
             d["eagle_aux_hidden_state_layer_ids"] = list(self.aux_layer_ids)
+            d["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in self.aux_layer_ids]}
         return d
 
 

@@ -11,11 +11,11 @@ Files
   ``hidden_size``, ``intermediate_size``, ``num_attention_heads``, ``num_key_value_heads``,
   ``head_dim``, ``rms_norm_eps``, ``rope_theta``, ``rope_scaling``, ``max_position_embeddings``,
   ``tie_word_embeddings: false``, ``torch_dtype``), ``vocab_size`` (the target's) and
-  ``draft_vocab_size``; ``eagle_aux_hidden_state_layer_ids`` only when the taps are not the
-  loaders' default (2, L/2, L-3). The ids are vLLM's: target layer *inputs* (0 = the embedding
-  output). SGLang reads only a nested ``eagle_config.eagle_aux_hidden_state_layer_ids`` and adds
-  one (layer *outputs*); this loader reads that form too, but writes the top-level key only, so a
-  draft with non-default taps is not yet read right by SGLang (its default taps are).
+  ``draft_vocab_size``; when the taps are not the loaders' default (inputs of layers 2, L/2,
+  L-3), both loaders' keys for them: ``eagle_aux_hidden_state_layer_ids`` (vLLM's, top level:
+  target layer *inputs*) and ``eagle_config:
+  {eagle_aux_hidden_state_layer_ids}`` (SGLang's, nested: layer *outputs*, one less; SGLang adds
+  one back). Reading, the top-level key wins, else the nested one.
 - ``model.safetensors`` with (no biases; the token embedding is the target's, not stored)::
 
     fc.weight                                   [hidden, 3*hidden]

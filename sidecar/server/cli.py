@@ -132,7 +132,7 @@ _D = ServeConfig()
     "--draft",
     type=click.Path(exists=True, file_okay=False, path_type=Path),
     default=_D.draft,
-    help="EAGLE-3 draft directory (SGLang/vLLM layout) for a model without MTP layers (torch engine).",
+    help="EAGLE-3 draft directory (SGLang/vLLM layout) for a model without MTP layers.",
 )
 @click.option("--engine", type=click.Choice(ENGINE_KINDS), default=_D.engine, show_default=True)
 @click.option("--host", default=_D.host, show_default=True, help="Bind address (loopback unless told otherwise).")

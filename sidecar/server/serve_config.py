@@ -21,7 +21,8 @@ class ServeConfig:
     """Checkpoint directory (config.json + model.safetensors); required."""
     draft: Path | None = None
     """An EAGLE-3 draft directory (SGLang/vLLM layout, `sidecar.model.eagle3_checkpoint`) served
-    beside a model without MTP layers (torch engine); None: the model's own MTP layers, if any."""
+    beside a model without MTP layers (torch engine; SGLang's EAGLE3 with --engine sglang); None:
+    the model's own MTP layers, if any."""
     engine: Literal["torch", "sglang"] = "torch"
     host: str = "127.0.0.1"
     """Bind address (loopback unless told otherwise: whoever can push weights owns the model)."""
@@ -95,10 +96,6 @@ class ServeConfig:
             raise ValueError(f"kv_cache_gib must be > 0 or unset, got {self.kv_cache_gib}")
         if (self.max_context is not None or self.kv_cache_gib is not None) and self.engine != "torch":
             raise ValueError("max_context and kv_cache_gib size the torch engine's KV cache; SGLang sizes its own")
-        if self.draft is not None and self.engine != "torch":
-            raise ValueError(
-                "draft (an EAGLE-3 draft directory) is served by the torch engine; --engine sglang takes none"
-            )
         if self.grace < 0:
             raise ValueError(f"grace must be >= 0, got {self.grace}")
 

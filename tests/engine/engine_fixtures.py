@@ -46,6 +46,10 @@ def hf_probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:  # (...,
     return scores.softmax(-1)
 
 
+TAPS = [1, 2, 3]
+"""The EAGLE-3 taps of the 4-layer `eagle3_target` (the default 2, L/2, L-3 needs L >= 7)."""
+
+
 def eagle3_target(vocab_size: int = 64, seed: int = 5, eps: float = 0.002) -> Qwen3WithMTP:
     """A 4-layer target without MTP layers, nearly a bigram model (see `aligned_draft_model`)."""
     model = build_model(
@@ -69,7 +73,10 @@ def aligned_eagle3(target: Qwen3WithMTP, draft_vocab: list[int] | None = None, s
     c = target.config
     h = c.hidden_size
     cfg = Eagle3Config.for_target(
-        c, num_key_value_heads=c.num_attention_heads, draft_vocab_size=len(draft_vocab) if draft_vocab else c.vocab_size
+        c,
+        num_key_value_heads=c.num_attention_heads,
+        draft_vocab_size=len(draft_vocab) if draft_vocab else c.vocab_size,
+        aux_layer_ids=TAPS if c.num_hidden_layers < 7 else None,
     )
     assert cfg.num_attention_heads * cfg.head_dim == h
     draft = build_eagle3(cfg, seed=0)

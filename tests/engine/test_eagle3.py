@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from engine_fixtures import aligned_eagle3, eagle3_target
+from engine_fixtures import TAPS, aligned_eagle3, eagle3_target
 
 from sidecar.engine.drafters import Drafter, Eagle3Drafter
 from sidecar.engine.sampling import RowSampling
@@ -36,8 +36,11 @@ def target() -> Qwen3WithMTP:
 
 @pytest.fixture(scope="module")
 def drafts(target: Qwen3WithMTP) -> dict[str, Eagle3Draft]:
-    random = build_eagle3(Eagle3Config.for_target(target.config, num_key_value_heads=1, head_dim=8), seed=3)
-    reduced = build_eagle3(Eagle3Config.for_target(target.config, draft_vocab_size=len(REDUCED)), seed=4)
+    shaped = Eagle3Config.for_target(target.config, num_key_value_heads=1, head_dim=8, aux_layer_ids=TAPS)
+    random = build_eagle3(shaped, seed=3)
+    reduced = build_eagle3(
+        Eagle3Config.for_target(target.config, draft_vocab_size=len(REDUCED), aux_layer_ids=TAPS), seed=4
+    )
     reduced.set_draft_vocab(torch.tensor(REDUCED))
     return {
         "aligned": aligned_eagle3(target),
@@ -155,11 +158,13 @@ def test_the_engine_draft_path_equals_the_uncached_forwards(
 def test_the_taps_default_to_the_loaders_layers_and_config_checks_name_the_field() -> None:
     assert default_aux_layers(36) == (2, 18, 33)  # Qwen3-8B: SGLang's / vLLM's default
     cfg = ModelConfig.tiny(num_hidden_layers=4, num_nextn_predict_layers=0)
-    assert Eagle3Config.for_target(cfg).aux_layers(4) == (2, 2, 1)
-    with pytest.raises(ValueError, match="aux_layer_ids"):
-        Eagle3Config.for_target(cfg, aux_layer_ids=[0, 1, 4]).aux_layers(4)
+    assert Eagle3Config.for_target(cfg).aux_layers(7) == (2, 3, 4)
+    assert Eagle3Config.for_target(cfg, aux_layer_ids=TAPS).aux_layers(4) == (1, 2, 3)
+    for taps in ([1, 2, 4], [2, 1, 3], [1, 1, 2], [0, 1, 2]):  # past the end, not ascending, repeated, layer 0
+        with pytest.raises(ValueError, match="aux_layer_ids"):
+            Eagle3Config.for_target(cfg, aux_layer_ids=taps).aux_layers(4)
     with pytest.raises(ValueError, match="default taps"):
-        Eagle3Config.for_target(cfg).aux_layers(2)
+        Eagle3Config.for_target(cfg).aux_layers(4)  # (2, 2, 1): SGLang would capture two states
     with pytest.raises(ValueError, match="draft_vocab_size"):
         Eagle3Config.for_target(cfg, draft_vocab_size=65)
     with pytest.raises(ValueError, match="num_key_value_heads"):

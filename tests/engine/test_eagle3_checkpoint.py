@@ -86,7 +86,7 @@ def test_the_draft_is_written_in_the_sglang_vllm_layout_and_reads_back_the_same(
     config = json.loads((path / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
     assert (config["vocab_size"], config["draft_vocab_size"], config["hidden_size"]) == (64, 35, 64)
-    assert config["tie_word_embeddings"] is False and "eagle_aux_hidden_state_layer_ids" not in config  # default taps
+    assert config["tie_word_embeddings"] is False and config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
     loaded = load_eagle3_draft(path, target=target.config)
     assert loaded.config == draft.config
     for (n, a), (m, b) in zip(draft.state_dict().items(), loaded.state_dict().items(), strict=True):
@@ -95,13 +95,15 @@ def test_the_draft_is_written_in_the_sglang_vllm_layout_and_reads_back_the_same(
     assert greedy(TorchEngine(target, draft=loaded)) == greedy(TorchEngine(target, draft=draft)) == plain
 
 
-def test_taps_are_written_in_vllms_convention_and_read_from_sglangs(tmp_path: Path, target: Qwen3WithMTP) -> None:
+def test_taps_are_written_in_both_loaders_conventions_and_read_from_sglangs(
+    tmp_path: Path, target: Qwen3WithMTP
+) -> None:
     cfg = Eagle3Config.for_target(target.config, aux_layer_ids=[1, 2, 3])
     save_eagle3_draft(tmp_path / "d", Eagle3Draft(cfg))
     raw = json.loads((tmp_path / "d" / "config.json").read_text())
-    assert raw["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert raw["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]  # vLLM: layer inputs
+    assert raw["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}  # SGLang: layer outputs
     del raw["eagle_aux_hidden_state_layer_ids"]
-    raw["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}  # SGLang: layer outputs
     (tmp_path / "d" / "config.json").write_text(json.dumps(raw))
     assert load_eagle3_draft(tmp_path / "d").config.aux_layers(4) == (1, 2, 3)
 
@@ -143,8 +145,7 @@ def test_serving_a_draft_reports_its_kind_and_names_a_mismatch(tmp_path: Path, d
     save_checkpoint(mtp_dir, config, model_state_dict(build_model(config, seed=1)))
     with pytest.raises(click.ClickException, match="one draft kind"):
         load_engine("torch", mtp_dir, device="cpu", spec_k=2, max_spec_k=4, max_batch_size=8, draft=path)
-    with pytest.raises(ValueError, match="torch engine"):
-        ServeConfig(engine="sglang", draft=path)
+    assert ServeConfig(engine="sglang", draft=path).draft == path  # SGLang's EAGLE3 (tests/with_sglang)
     out = CliRunner().invoke(main, ["serve", "--model", str(target_dir), "--draft", str(path), "--print-config"])
     assert out.exit_code == 0 and f"draft: {path}" in out.output, out.output
     out = CliRunner().invoke(

@@ -65,6 +65,7 @@ from sidecar.engine.validation import check_weights, validate_request
 from sidecar.engine.version_ledger import VersionLedger
 from sidecar.errors import InvalidRequestError
 from sidecar.model.checkpoint import draft_tensor_shapes, load_checkpoint, target_tensor_shapes
+from sidecar.model.eagle3_checkpoint import load_eagle3_draft
 from sidecar.model.model import ModelConfig
 from sidecar.types import (
     EngineInfo,
@@ -270,9 +271,11 @@ class SGLangEngine(Engine):
         max_speculation_k: int | None = None,
         max_batch_size: int = 64,
         work_dir: str | Path | None = None,
+        draft: str | Path | None = None,
         **options: Any,
     ) -> SGLangEngine:
-        """Serve a specrl checkpoint (naming contract) with SGLang NEXTN.
+        """Serve a specrl checkpoint (naming contract) with SGLang NEXTN, or with SGLang EAGLE3 and
+        `draft`, an EAGLE-3 draft directory (`eagle3_checkpoint`; the target has no MTP layers).
 
         Writes SGLang's target and draft directories under `work_dir` (default:
         ``<path>/sglang``), then launches SGLang. SGLang fixes k at launch, so
@@ -285,21 +288,28 @@ class SGLangEngine(Engine):
                 "SGLang fixes k at launch: serving k=%d, max_speculation_k=%d ignored", speculation_k, max_speculation_k
             )
         model, tensors = load_checkpoint(path)
+        if draft is not None:
+            if model.num_nextn_predict_layers:
+                raise ValueError("the target has MTP layers and an EAGLE-3 draft was given too: serve one draft kind")
+            eagle3 = load_eagle3_draft(draft, target=model)  # fail before SGLang starts: names, shapes, fit
         tp = int(options.get("tp_size", 1))
         layout = names.write_sglang_checkpoint(model, tensors, Path(work_dir or Path(path) / "sglang"), num_experts=tp)
-        spec = layout.draft_dir is not None and speculation_k > 0
+        draft_dir = layout.draft_dir if draft is None else Path(draft)
+        spec = draft_dir is not None and speculation_k > 0
         config = SGLangEngineConfig(
             model_path=str(layout.target_dir),
-            speculative_algorithm="NEXTN" if spec else None,
+            speculative_algorithm=("NEXTN" if draft is None else "EAGLE3") if spec else None,
             speculation_k=speculation_k if spec else 0,
-            draft_model_path=str(layout.draft_dir) if spec else None,
+            draft_model_path=str(draft_dir) if spec else None,
             max_running_requests=max_batch_size,
             served_name=Path(path).name,
             device=device,
             **options,
         )
-        _, draft = names.split_contract(model, tensors)
-        return cls(config, model, draft_digests={n: tensor_digest(t) for n, t in draft.items()})
+        if draft is not None:
+            return cls(config, model, draft_digests={n: tensor_digest(t) for n, t in eagle3.state_dict().items()})
+        _, contract_draft = names.split_contract(model, tensors)
+        return cls(config, model, draft_digests={n: tensor_digest(t) for n, t in contract_draft.items()})
 
     def _read_draft_specs(self) -> dict[str, tuple[int, ...]]:
         if self.config.speculative_algorithm is None:
@@ -336,7 +346,9 @@ class SGLangEngine(Engine):
             engine_version=SGLANG_VERSION,
             device_kind="cpu" if self.config.device == "cpu" else "cuda",
             device_name=self._backend.device_name(),
-            speculation_method="mtp" if self._k else "",
+            speculation_method=("eagle3" if self.config.speculative_algorithm == "EAGLE3" else "mtp")
+            if self._k
+            else "",
             speculation_k=self._k,
             max_speculation_k=self._k,
         )
