@@ -24,7 +24,7 @@ import torch
 from muon import HybridOptimizerConfig
 from sidecar.client.client import ClientConfig
 from sidecar.client.fleet import Fleet, FleetConfig
-from sidecar.model.checkpoint import load_checkpoint, save_checkpoint
+from sidecar.model.checkpoint import load_checkpoint
 from sidecar.model.model import ModelConfig
 from sidecar.types import GenerationRequest, SamplingParams
 from tests.sidecar_fixtures import greedy_reference
@@ -83,21 +83,20 @@ def test_draft_init_beats_an_untrained_draft(checkpoints: dict[str, Path]) -> No
 
 
 @pytest.mark.slow
-def test_eagle3_draft_init_beats_an_untrained_eagle3_draft(checkpoints: dict[str, Path], tmp_path: Path) -> None:
-    # EAGLE-3 drafts serve targets without MTP layers: the warm policy's trunk without its MTP layer
-    config, tensors = load_checkpoint(checkpoints["warm"])
-    target = tmp_path / "target"
-    save_checkpoint(
-        target,
-        dataclasses.replace(config, num_nextn_predict_layers=0),
-        {n: t for n, t in tensors.items() if not n.startswith("mtp.")},
+def test_eagle3_draft_init_beats_an_untrained_eagle3_draft(tmp_path: Path) -> None:
+    # EAGLE-3 drafts serve targets without MTP layers, of at least 4 layers (3 ascending taps past layer 0)
+    make_model(tmp_path / "init", dataclasses.replace(tiny(), num_hidden_layers=4, num_nextn_predict_layers=0), seed=0)
+    supervised_warmup(
+        tmp_path / "init", tmp_path / "target", TASK, TOK, WarmupConfig(steps=100, batch_size=32, lr=3e-3)
     )
+    target = tmp_path / "target"
+    tensors = load_checkpoint(target)[1]
     # the budget of the MTP draft-init above, into a separate draft directory; the target stays
     losses = draft_init(
         target, tmp_path / "eagle3", TASK, TOK, DraftInitConfig(prompts=256, steps=80, lr=3e-3, kind="eagle3")
     )
     assert losses[-1] < 0.5 * losses[0], losses
-    assert load_checkpoint(target)[1].keys() == {n for n in tensors if not n.startswith("mtp.")}
+    assert all(torch.equal(t, tensors[n]) for n, t in load_checkpoint(target)[1].items())  # the target stays
     draft_init(target, tmp_path / "start", TASK, TOK, DraftInitConfig(prompts=8, steps=1, lr=1e-9, kind="eagle3"))
     rng = random.Random(5)
     prompts = [TOK.encode(TASK.sample(rng, "eval").prompt) for _ in range(16)]

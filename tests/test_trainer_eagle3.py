@@ -29,7 +29,7 @@ from trainer import gpt
 from trainer.draft_objective import DraftConfig, Eagle3Head
 from trainer.policy import Policy, TrainBatch
 
-TAPS = [0, 2, 3]
+TAPS = [1, 2, 3]
 
 
 def _sample(engine: Qwen3WithMTP, prompts: torch.Tensor, new: int, seed: int) -> torch.Tensor:

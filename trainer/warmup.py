@@ -204,8 +204,8 @@ def draft_init(
         vocab = cfg.draft_vocab or model_config.vocab_size
         if vocab > model_config.vocab_size:
             raise ValueError(f"draft_vocab {vocab} exceeds the target's vocabulary of {model_config.vocab_size}")
-        layers = model_config.num_hidden_layers  # the loaders' default taps need 4 layers; fewer: first, middle, last
-        taps = None if layers >= 4 else [0, layers // 2, layers - 1]
+        layers = model_config.num_hidden_layers  # the loaders' default taps (2, L/2, L-3) need 7 layers
+        taps = None if layers >= 7 else [1, layers // 2, layers - 1]
         eagle3 = Eagle3Config.for_target(model_config, draft_vocab_size=vocab, aux_layer_ids=taps)
         policy = Policy(model_config, policy_cfg, tensors, eagle3=eagle3)
         assert isinstance(policy.draft, Eagle3Head)
