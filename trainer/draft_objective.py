@@ -177,30 +177,16 @@ class Eagle3Head(Eagle3Draft):
                 else:
                     p.normal_(0.0, std)
 
-    def chain(
+    def chain(  # MTPDraft's argument order, for draft_loss
         self,
         tokens: Tensor,  # (B, S) int64
         taps: Tensor,  # (B, S, 3H) the target's taps (detached by the caller)
         embed: Callable[[Tensor], Tensor],
         depth: int | None = None,
     ) -> list[Tensor]:
-        """Outputs (pre-norm) of draft steps 0..depth-1 (default 1); step j is (B, S-1-j, H)."""
-        depth = 1 if depth is None else depth
-        batch, seq = tokens.shape
-        layer = self.midlayer
-        outs: list[Tensor] = []
-        h = self.fuse(taps)
-        for j in range(depth):
-            length = seq - 1 - j
-            if length <= 0:
-                break
-            positions = torch.arange(j + 1, j + 1 + length, device=tokens.device).expand(batch, length)
-            cos, sin = self.rope(positions)
-            state = h[:, :length]
-            x = layer.attention_input(embed(tokens[:, j + 1 : j + 1 + length]), state)
-            h = layer.finish(state, layer.self_attn(x, cos.to(x.dtype), sin.to(x.dtype)))
-            outs.append(h)
-        return outs
+        """Outputs (pre-norm) of draft steps 0..depth-1 (default 1); step j is (B, S-1-j, H):
+        the served module's own chain (`Eagle3Draft.chain`)."""
+        return super().chain(taps, tokens, embed, 1 if depth is None else depth)
 
     def logits(self, j: int, out: Tensor, head: Callable[[Tensor], Tensor] | None = None) -> Tensor:
         """Draft logits over the draft vocabulary (its own lm_head; `head` is not used)."""

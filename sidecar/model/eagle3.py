@@ -36,7 +36,7 @@ positions appended to a `KVCache` (the engine's `drafters.Eagle3Drafter`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -364,6 +364,33 @@ class Eagle3Draft(nn.Module):
         layer = self.midlayer
         x = layer.attention_input(F.embedding(input_ids[:, 1:], embed), hidden)
         return self.draft_logits(layer.finish(hidden, layer.self_attn(x, cos, sin)))
+
+    def chain(
+        self,
+        aux: Tensor,  # (B, T, 3h) target taps (detached by the caller)
+        input_ids: Tensor,  # (B, T)
+        embed: Callable[[Tensor], Tensor],  # ids -> the target's embeddings (B, L, h)
+        depth: int = 1,
+    ) -> list[Tensor]:  # step j: (B, T-1-j, h) pre-norm outputs
+        """Teacher-forced chain over whole sequences (EAGLE-3's training-time test, in the form
+        the engine drafts): step 0 at entry t reads fc(aux_t) and x_{t+1}; step j >= 1 reads
+        step j-1's output at t and x_{t+j+1}; step j's entry t predicts x_{t+j+2} (`draft_logits`)
+        at rotary position t + j + 1. Each step attends over its own step's entries."""
+        b, t = input_ids.shape
+        layer = self.midlayer
+        outs: list[Tensor] = []
+        h = self.fuse(aux)
+        for j in range(depth):
+            length = t - 1 - j
+            if length <= 0:
+                break
+            positions = torch.arange(j + 1, j + 1 + length, device=input_ids.device).expand(b, length)
+            cos, sin = self.rope(positions)
+            state = h[:, :length]
+            x = layer.attention_input(embed(input_ids[:, j + 1 : j + 1 + length]), state)
+            h = layer.finish(state, layer.self_attn(x, cos.to(x.dtype), sin.to(x.dtype)))
+            outs.append(h)
+        return outs
 
     # ---- cached steps (the engine) -----------------------------------------------------------
     def step(
