@@ -27,20 +27,24 @@ counts them), whatever number of versions it spans.
 Calibration (tools/collapse_calibration.py simulates the rule's sequential check after every
 engine step over a version's life of 4,096 drafting rounds; rows with per-row acceptance
 ~ Beta(mean, relative sd 0.5), finishing after a geometric number of rounds; 20,000 versions per
-line; README, "Drafts cannot silently go stale", has the table):
+line, 2026-11-27; README, "Drafts cannot silently go stale", has the table):
 
-- a working draft of per-token acceptance 0.3 (tau 1.3 at k = 1, the hardest k; 1.42 at k = 3):
-  0 alarms in 20,000 versions (< 1.5e-4 at 95%) at batch 1 with rows of 256 rounds and at batch
-  8 with rows of 64; independent rounds would give P(Binomial(256, 0.3) <= 12) = 1.1e-22 at the
-  first check. A weak draft of acceptance 0.1 alarms on ~0.1% of versions (batch 1, rows of 256);
-  0.05, the threshold itself, on about half;
-- a dead draft (acceptance 0, tau exactly 1.0) fires on every version, after `min_rounds`
-  drafting rounds and `min_samples` samples; a near-dead one of acceptance 0.02 (a random draft
-  over a small vocabulary) on >99.9% of versions.
+- false alarms: a working draft of per-token acceptance 0.3 (tau 1.3 at k = 1, the hardest k;
+  1.42 at k = 3) raised 0 alarms in 20,000 versions (< 1.5e-4 at 95%) at batch 1 with rows of
+  256 rounds, at batch 8 with rows of 64, and at k = 3; so did acceptance 0.2. Independent rounds
+  would give P(Binomial(256, 0.3) <= 12) = 1.2e-24 at the first check: rows, not rounds, make the
+  evidence noisy. A weak draft of acceptance 0.1 alarms on 0.5-0.9% of versions; 0.05, the
+  threshold itself, on 85%;
+- power: a dead draft (acceptance 0, tau exactly 1.0) fires on every version that reaches
+  `min_rounds` drafting rounds and `min_samples` samples (99.1% of the simulated lives at batch 1
+  with rows of 256 rounds: the rest finished fewer than 8 rows); a near-dead one of acceptance
+  0.02 (a random draft over a small vocabulary) on 99.0% there and on 100% at batch 8, 0.03 on
+  100%.
 
-`min_rounds` = 256 makes the verdict cost at most 256 drafting rounds per version: 4 engine steps
-at batch 64. `min_samples` = 4 keeps one prompt the draft cannot predict (a long row whose
-rounds are all low) from judging a version alone.
+`min_rounds` = 256: a collapsed version drafts in vain for 256 rounds (4 engine steps at batch 64)
+before automatic k holds it. `min_samples` = 8 keeps a few prompts the draft cannot predict (long
+rows whose rounds are all low) from judging a version alone: with 4, a working draft (0.3)
+alarmed on 1 of 2,000 simulated versions at batch 1 with rows of 256 rounds.
 
 Pure logic: counters in, verdicts out (no torch, no clock); `fires` works elementwise on numbers
 or tensors alike, so the calibration simulates this very rule.
