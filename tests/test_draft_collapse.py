@@ -265,6 +265,8 @@ def test_automatic_k_stops_drafting_a_collapsed_version_and_resumes_on_the_next(
     assert snap.info.speculation_status.reason == "collapsed"
     served.push(_draft(state), WeightSelector.DRAFT)  # version 3: judged afresh, automatic k may draft again
     assert served.engine._policy is not None and served.engine._policy.held == ""
+    served.scheduler.set_speculation_k(3)  # a fixed k again: new requests have nothing to hold
+    assert not served.engine.hold_drafting("collapsed")
 
 
 # ---- what the user sees: GetStats, Prometheus, the fleet's log ------------------------------------

@@ -43,10 +43,6 @@ class DraftAlarms:
         log.warning(message)
         return message
 
-    def forget(self, address: str) -> None:
-        """The sidecar left (down or restarted unseen): its next reading starts afresh."""
-        self._raised.pop(address, None)
-
     def raised(self) -> dict[str, DraftCollapse]:
         """The collapse each sidecar raises now, by address (as of its latest reading)."""
         return {address: condition for address, (_, condition) in self._raised.items()}

@@ -92,11 +92,11 @@ class Engine(ABC):
     def hold_drafting(self, why: str) -> bool:
         """Automatic k drafts nothing until the next weight version (the served version's draft
         collapsed: `sidecar.speculation.collapse`); fixed and request-pinned k are left alone.
-        True if automatic k is held; False where the engine has no automatic k running."""
+        True if new requests get automatic k (now held); False where they get a fixed k."""
         if self._policy is None:
             return False
-        self._policy.hold(why)
-        return True
+        self._policy.hold(why)  # also rows still running from an earlier automatic mode
+        return self.speculation_status().auto
 
     def speculation_status(self) -> SpeculationStatus:
         """The k in use and why (engines without automatic mode: the fixed default k)."""

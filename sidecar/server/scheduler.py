@@ -583,7 +583,7 @@ class Scheduler:
         condition = self._collapse.observe(versions)
         if condition is None:
             if was:
-                log.warning("the draft works again from weight version %d on", self._collapse.recovered_at)
+                log.info("the draft works again from weight version %d on", self._collapse.recovered_at)
             return None
         served = self._engine.weight_version
         held = self._collapse.collapsed(served) and self._engine.hold_drafting(condition.describe())
