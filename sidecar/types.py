@@ -343,7 +343,8 @@ class SpeculationStatus:
     """k of the latest decode step of auto-mode sequences (the fixed default k when not auto)."""
     reason: str = "fixed"
     """"fixed" (not auto), "model" (best predicted k), "probe" (measuring another k), "guard"
-    (backed off to plain: realised throughput fell below plain's), "off" (max k is 0)."""
+    (backed off to plain: realised throughput fell below plain's), "collapsed" (k = 0: the served
+    version's draft collapsed, until the next weight version), "off" (max k is 0)."""
     detail: str = ""
     """The numbers behind `reason`, human-readable."""
     expected_speedup: float = 1.0
@@ -417,6 +418,36 @@ class SidecarInfo:
 
 
 @dataclass(kw_only=True, slots=True)
+class DraftCollapse:
+    """A weight version whose draft stopped working: its tau over drafting verify steps fell to
+    ~1.0 where an earlier version's was well above (`sidecar.speculation.collapse`). Raised from
+    the first collapsed version until a later version's draft works again."""
+
+    weight_version: int
+    """The first collapsed version of this collapse (the alarm's identity: one per collapse)."""
+    latest_version: int
+    """The newest version judged collapsed (later versions that stayed collapsed move it)."""
+    reference_version: int
+    """The newest version whose draft worked before the collapse."""
+    tau_before: float
+    """tau over drafting verify steps of `reference_version`."""
+    tau_after: float
+    """tau over drafting verify steps of `latest_version`."""
+    verify_steps: int
+    """Drafting verify steps (row rounds) of `latest_version` behind `tau_after`."""
+
+    def describe(self) -> str:
+        """One line for a log: what collapsed, from what to what, on how much evidence."""
+        later = f" (still at version {self.latest_version})" if self.latest_version != self.weight_version else ""
+        return (
+            f"draft collapsed at weight version {self.weight_version}{later}: tau over drafting verify steps "
+            f"{self.tau_after:.3f} over {self.verify_steps} steps, was {self.tau_before:.3f} at version "
+            f"{self.reference_version}; the draft weights are stale or lost (push the draft with the target: "
+            "selector ALL, or DRAFT after a target push)"
+        )
+
+
+@dataclass(kw_only=True, slots=True)
 class SidecarStats:
     """Everything GetStats reports: raw counters per weight version and the load."""
 
@@ -428,6 +459,10 @@ class SidecarStats:
     uptime_seconds: float = 0.0
     speculation: SpeculationStatus = field(default_factory=SpeculationStatus)
     """The k in use and why, as of the latest engine step."""
+    draft_collapsed: DraftCollapse | None = None
+    """The draft-collapse alarm while raised (`sidecar.speculation.collapse`), else None."""
+    draft_collapses: int = 0
+    """Collapses raised since the sidecar started (monotonic)."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sidecar.client.draft_alarm import DraftAlarms
 from sidecar.client.fleet import FleetResult, PushReport
-from sidecar.types import FinishReason, GenerationRequest, Sample, SpeculationCounters
+from sidecar.types import DraftCollapse, FinishReason, GenerationRequest, Sample, SidecarStats, SpeculationCounters
 from trainer.policy import TrainBatch
 from trainer.tasks import Problem
 from trainer.tokenizer import CharTokenizer
@@ -50,6 +51,12 @@ class FakeFleet:
     """Raise `push_failure` on this push (1-based; 0: never); the served version stays."""
     push_failure: Callable[[], BaseException] = KeyboardInterrupt
     """Each generate call takes this long after noting the version its samples start from."""
+    collapse: DraftCollapse | None = None
+    """What the (one) sidecar's GetStats reports as `draft_collapsed` (a test raises and clears it)."""
+    collapses: int = 0
+    """... and as `draft_collapses`."""
+    alarms: DraftAlarms = field(default_factory=DraftAlarms)
+    new_alarms: list[str] = field(default_factory=list)
 
     def start_version(self) -> int:
         return self.version + 1
@@ -80,7 +87,24 @@ class FakeFleet:
         return FleetResult(samples=samples, seconds=0.01)
 
     def speculation_delta(self) -> SpeculationCounters:
+        stats = SidecarStats(
+            versions=[],
+            total=SpeculationCounters(),
+            weight_version=self.version,
+            draft_collapsed=self.collapse,
+            draft_collapses=self.collapses,
+        )
+        alarm = self.alarms.observe(self.clients[0], stats)  # the fleet's own rule: Fleet.speculation_delta
+        if alarm is not None:
+            self.new_alarms.append(alarm)
         return SpeculationCounters()
+
+    def draft_collapses(self) -> dict[str, DraftCollapse]:
+        return self.alarms.raised()
+
+    def take_draft_alarms(self) -> list[str]:
+        out, self.new_alarms = self.new_alarms, []
+        return out
 
     def rejoin(self, events: list[str], *, force: bool = True) -> None:
         self.rejoins += 1

@@ -15,9 +15,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sidecar.errors import InvalidRequestError
-from sidecar.protocol import convert
+from sidecar.protocol import convert, convert_stats
 from sidecar.protocol.specrl.v1 import common_pb2, control_pb2, rollout_pb2, weights_pb2
 from sidecar.types import (
+    DraftCollapse,
     EngineInfo,
     FinishReason,
     GenerationRequest,
@@ -258,7 +259,13 @@ def test_info_and_stats_round_trip() -> None:
         running_sequences=3,
         uptime_seconds=9.25,
     )
-    assert convert.stats_from_pb(convert.stats_to_pb(stats)) == stats
+    assert convert_stats.stats_from_pb(convert_stats.stats_to_pb(stats)) == stats
+    assert not convert_stats.stats_to_pb(stats).HasField("draft_collapsed")  # absent while no alarm is raised
+    stats.draft_collapsed = DraftCollapse(
+        weight_version=7, latest_version=9, reference_version=6, tau_before=2.5, tau_after=1.0, verify_steps=640
+    )
+    stats.draft_collapses = 2
+    assert convert_stats.stats_from_pb(convert_stats.stats_to_pb(stats)) == stats
 
 
 def test_counter_arithmetic_against_hand_counts() -> None:

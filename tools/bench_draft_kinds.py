@@ -123,7 +123,9 @@ def online(out: Path, demo: DemoConfig, steps: int, weak_steps: int) -> dict[str
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--ks", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 3, 4, 5])
+    ap.add_argument(
+        "--ks", type=lambda s: [int(x) for x in s.split(",") if x], default=[1, 2, 3, 4, 5], help='"": skip'
+    )
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=3)

@@ -27,6 +27,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import sidecar.protocol.convert as convert
+import sidecar.protocol.convert_stats as convert_stats
 import sidecar.protocol.weight_wire as weight_wire
 from sidecar.client.transport import DataPlaneSession, TransportChoice, TransportConfig
 from sidecar.client.weight_sender import DEFAULT_CHUNK_BYTES, CollectiveSender, DataPlaneSender, iter_push_requests
@@ -181,7 +182,7 @@ class SidecarClient:
 
     def stats(self) -> SidecarStats:
         msg = self._unary("GetStats", self._control.GetStats, control_pb2.GetStatsRequest(), retry=True)
-        return convert.stats_from_pb(msg)
+        return convert_stats.stats_from_pb(msg)
 
     def pause(self) -> bool:
         """Pause; returns whether it was already paused."""

@@ -51,9 +51,11 @@ import grpc
 import torch
 
 from sidecar.client.client import ClientConfig, SidecarCallError, SidecarClient
+from sidecar.client.draft_alarm import DraftAlarms
 from sidecar.client.weight_fanout import WeightFanout, WeightSender, WeightSource, send_weight_stream
 from sidecar.errors import SpecrlError
 from sidecar.types import (
+    DraftCollapse,
     GenerationRequest,
     PushResult,
     Sample,
@@ -207,6 +209,8 @@ class Fleet:
         self._busy_until: dict[str, float] = {}
         self._busy_backoff: dict[str, float] = {}
         self._counters: dict[str, tuple[float, SpeculationCounters]] = {}
+        self._alarms = DraftAlarms()
+        self._new_alarms: list[str] = []
         self._fanout = WeightFanout(
             stream_bytes=self.config.stream_bytes,
             deadline_s=self.config.deadline_s,
@@ -575,19 +579,34 @@ class Fleet:
 
     # ---- statistics --------------------------------------------------------------------------
     def speculation_delta(self) -> SpeculationCounters:
-        """Raw speculation counters accumulated on the live sidecars since the last call."""
+        """Raw speculation counters accumulated on the live sidecars since the last call; each
+        sidecar's draft-collapse alarm is read on the way (`draft_collapses`, `take_draft_alarms`)."""
         total = SpeculationCounters()
         for c in self.live():
             try:
                 stats = c.stats()
             except SidecarCallError:
                 continue
+            alarm = self._alarms.observe(c.address, stats)  # logged once per collapse
+            if alarm is not None:
+                self._new_alarms.append(alarm)
             before = self._counters.get(c.address)
             if before is None or stats.uptime_seconds < before[0]:  # first reading, or restarted
                 before = (0.0, SpeculationCounters())
             total.add(stats.total.minus(before[1]))
             self._counters[c.address] = (stats.uptime_seconds, stats.total)
         return total
+
+    def draft_collapses(self) -> dict[str, DraftCollapse]:
+        """The draft collapse each sidecar raised at its latest reading (`speculation_delta`), by
+        address; empty while every draft works."""
+        live = {c.address for c in self.live()}
+        return {a: c for a, c in self._alarms.raised().items() if a in live}
+
+    def take_draft_alarms(self) -> list[str]:
+        """The warning lines of the collapses raised since the last call, one per collapse."""
+        out, self._new_alarms = self._new_alarms, []
+        return out
 
     def close(self) -> None:
         for c in self.clients:

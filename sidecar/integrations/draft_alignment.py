@@ -166,10 +166,13 @@ class DraftAligner:
         assert self.head is not None, "bind(policy) first"
         return [(n, p.detach()) for n, p in self.head.named_parameters()]
 
-    def due(self) -> bool:
-        """Count one policy sync; True when this one should refit."""
+    def due(self, collapsed: bool = False) -> bool:
+        """Count one policy sync; True when this one should refit: every `every`-th sync, and at
+        once while the sidecar reports its draft collapsed (GetStats `draft_collapsed`: the served
+        draft no longer predicts the policy, and every rollout until the next scheduled refit
+        would run at tau ~1)."""
         self._syncs += 1
-        return self._syncs % self.config.every == 0
+        return collapsed or self._syncs % self.config.every == 0
 
     def fit(self, sequences: Sequence[Sequence[int]]) -> list[float]:
         """Fit the draft to the bound policy on `sequences` (prompt + completion token ids)."""

@@ -37,9 +37,11 @@ from typing import Any, ClassVar
 import torch
 
 from sidecar.client.client import ClientConfig, SidecarClient
+from sidecar.client.draft_alarm import DraftAlarms
 from sidecar.integrations.draft_alignment import DraftAligner
 from sidecar.integrations.weight_session import SessionConfig, WeightUpdateSession
 from sidecar.types import (
+    DraftCollapse,
     GenerationRequest,
     LogprobMode,
     PushResult,
@@ -110,6 +112,10 @@ class SpecrlVLLMClient:
         self.draft_aligner: DraftAligner | None = None
         """Refits and pushes the draft after policy syncs (see `SpecrlGRPOTrainer(draft_aligner=)`)."""
         self._last_sequences: list[list[int]] = []
+        self.draft_collapse: DraftCollapse | None = None
+        """The sidecar's draft-collapse alarm as of the latest `generate` (None: the draft works);
+        warned once per collapse, and it makes the `draft_aligner`'s refit due at the next sync."""
+        self._alarms = DraftAlarms()
 
     # --- server ---------------------------------------------------------------------------
 
@@ -220,6 +226,9 @@ class SpecrlVLLMClient:
         for s in samples:
             total.add(s.counters)
         self.counters.append(total)
+        stats = self.sidecar.stats()  # the draft-collapse alarm (a warning once per collapse)
+        self._alarms.observe(self.sidecar.address, stats)
+        self.draft_collapse = stats.draft_collapsed
         self._last_sequences = [token_prompts[s.prompt_index] + list(s.token_ids) for s in samples]
         return {
             "prompt_ids": token_prompts,
@@ -295,7 +304,7 @@ class SpecrlVLLMClient:
     def _after_policy_sync(self) -> None:
         """Refit the draft to the just-synced policy on the latest rollouts and push it (DRAFT)."""
         aligner = self.draft_aligner
-        if aligner is None or not aligner.due() or not self._last_sequences:
+        if aligner is None or not aligner.due(collapsed=self.draft_collapse is not None) or not self._last_sequences:
             return
         aligner.fit(self._last_sequences)
         tensors = aligner.draft_tensors()

@@ -34,12 +34,10 @@ from sidecar.types import (
     ShmPlacement,
     ShmProbe,
     SidecarInfo,
-    SidecarStats,
     SpeculationCounters,
     SpeculationStatus,
     TensorDelta,
     TensorSpec,
-    VersionStats,
     WeightChunk,
     WeightCommit,
     WeightManifest,
@@ -656,44 +654,4 @@ def info_from_pb(msg: control_pb2.GetInfoResponse) -> SidecarInfo:
         ],
         protocol=msg.protocol,
         specrl_version=msg.specrl_version,
-    )
-
-
-def stats_to_pb(stats: SidecarStats) -> control_pb2.GetStatsResponse:
-    return control_pb2.GetStatsResponse(
-        versions=[
-            control_pb2.VersionStats(
-                weight_version=v.weight_version,
-                counters=counters_to_pb(v.counters),
-                samples_finished=v.samples_finished,
-                busy_seconds=v.busy_seconds,
-            )
-            for v in stats.versions
-        ],
-        total=counters_to_pb(stats.total),
-        weight_version=stats.weight_version,
-        queued_sequences=stats.queued_sequences,
-        running_sequences=stats.running_sequences,
-        uptime_seconds=stats.uptime_seconds,
-        speculation=speculation_status_to_pb(stats.speculation),
-    )
-
-
-def stats_from_pb(msg: control_pb2.GetStatsResponse) -> SidecarStats:
-    return SidecarStats(
-        versions=[
-            VersionStats(
-                weight_version=v.weight_version,
-                counters=counters_from_pb(v.counters),
-                samples_finished=v.samples_finished,
-                busy_seconds=v.busy_seconds,
-            )
-            for v in msg.versions
-        ],
-        total=counters_from_pb(msg.total),
-        weight_version=msg.weight_version,
-        queued_sequences=msg.queued_sequences,
-        running_sequences=msg.running_sequences,
-        uptime_seconds=msg.uptime_seconds,
-        speculation=speculation_status_from_pb(msg.speculation, msg.speculation.reason not in ("", "fixed")),
     )

@@ -16,7 +16,11 @@ Exported (prefix `specrl_`):
   step: in automatic mode the controller's choice), `speculation_automatic`,
   `speculation_expected_speedup` (the controller's prediction for that k),
   `speculation_reason{reason}` (1 for the reason of the latest decision: fixed, model, probe,
-  guard, off), counter `speculation_guard_trips_total`.
+  guard, collapsed, off), counter `speculation_guard_trips_total`;
+- the draft-collapse alarm (`sidecar.speculation.collapse`): gauges `draft_collapsed` (1 while
+  raised), `draft_collapse_version` (the first collapsed weight version; 0 when not raised),
+  `draft_collapse_tau{when}` (tau over drafting verify steps before: the last working version,
+  after: the collapsed one), counter `draft_collapses_total`. Alert on `specrl_draft_collapsed == 1`.
 
 GPU telemetry comes from NVML (nvidia-ml-py) and is cleanly absent where there is no NVIDIA
 driver: on a CPU-only machine `pynvml` imports but `nvmlInit` raises `NVMLError` (no driver
@@ -37,7 +41,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from sidecar.server.scheduler import Scheduler
-from sidecar.types import GpuTelemetry, SpeculationCounters
+from sidecar.types import DraftCollapse, GpuTelemetry, SpeculationCounters
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -81,9 +85,10 @@ class SidecarMetrics(Collector):
         reason = GaugeMetricFamily(
             "specrl_speculation_reason", "Why k is what it is (1 on the latest decision's reason)", labels=["reason"]
         )
-        for r in ("fixed", "model", "probe", "guard", "off"):
+        for r in ("fixed", "model", "probe", "guard", "collapsed", "off"):
             reason.add_metric([r], float(spec.reason == r))
         yield reason
+        yield from _collapse_metrics(snap.draft_collapsed, snap.draft_collapses)
         gauges = (
             ("acceptance_length", current.acceptance_length, "Acceptance length tau of the served weight version"),
             ("acceptance_rate", current.acceptance_rate, "Accepted over drafted tokens of the served version"),
@@ -114,6 +119,28 @@ class SidecarMetrics(Collector):
         """Start the HTTP endpoint on a daemon thread; returns (server, bound port)."""
         server, _thread = start_http_server(port, addr=host, registry=self.registry)
         return server, server.server_port
+
+
+def _collapse_metrics(condition: DraftCollapse | None, collapses: int) -> Iterator[Any]:
+    """The draft-collapse alarm's series (module docstring)."""
+    count = CounterMetricFamily("specrl_draft_collapses", "Draft collapses raised since the sidecar started")
+    count.add_metric([], collapses)
+    yield count
+    raised = GaugeMetricFamily("specrl_draft_collapsed", "1 while a weight version's draft is collapsed (tau ~ 1.0)")
+    raised.add_metric([], float(condition is not None))
+    yield raised
+    version = GaugeMetricFamily("specrl_draft_collapse_version", "First collapsed weight version (0: none raised)")
+    version.add_metric([], float(condition.weight_version if condition is not None else 0))
+    yield version
+    tau = GaugeMetricFamily(
+        "specrl_draft_collapse_tau",
+        "tau over drafting verify steps: before (last working version), after (collapsed version)",
+        labels=["when"],
+    )
+    if condition is not None:
+        tau.add_metric(["before"], condition.tau_before)
+        tau.add_metric(["after"], condition.tau_after)
+    yield tau
 
 
 # --- GPU telemetry (NVML) ---------------------------------------------------------------

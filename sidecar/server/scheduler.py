@@ -45,7 +45,9 @@ from sidecar.errors import (
     ShuttingDownError,
 )
 from sidecar.server.weight_receiver import StagedWeights
+from sidecar.speculation.collapse import CollapseRule, CollapseWatch
 from sidecar.types import (
+    DraftCollapse,
     EngineInfo,
     GenerationRequest,
     Sample,
@@ -75,6 +77,9 @@ class SchedulerConfig:
     """Longest an RPC waits for the scheduler thread to run a command (abort, set k)."""
     throughput_window_s: float = 10.0
     """Window of the tokens/s gauge."""
+    collapse: CollapseRule = field(default_factory=CollapseRule)
+    """When a weight version's draft counts as collapsed (GetStats `draft_collapsed`; automatic
+    k then drafts nothing until the next version)."""
 
     def __post_init__(self) -> None:
         if self.max_live_sequences < 1:
@@ -161,6 +166,10 @@ class Snapshot:
     queued: int = 0
     running: int = 0
     paused: bool = False
+    draft_collapsed: DraftCollapse | None = None
+    """The draft-collapse alarm while raised (`sidecar.speculation.collapse`)."""
+    draft_collapses: int = 0
+    """Collapses raised since start (monotonic)."""
 
 
 class Scheduler:
@@ -181,6 +190,8 @@ class Scheduler:
         self._busy_earlier = 0.0  # ... and of all older ones
         self._throughput: collections.deque[tuple[float, int]] = collections.deque(maxlen=4096)
         self._specs = {s: list(engine.weight_specs(s)) for s in Selector}
+        self._collapse = CollapseWatch(self.config.collapse)
+        self._announced: tuple[int, int] | None = None  # (collapse count, version) last logged
         self._snapshot = Snapshot(info=engine.info(), weight_version=engine.weight_version)
         self._refresh_snapshot()
         self._thread = threading.Thread(target=self._run, name="specrl-scheduler", daemon=True)
@@ -348,6 +359,8 @@ class Scheduler:
                 queued=s.queued,
                 running=s.running,
                 paused=s.paused,
+                draft_collapsed=s.draft_collapsed,
+                draft_collapses=s.draft_collapses,
             )
 
     @property
@@ -542,6 +555,7 @@ class Scheduler:
             for v in recent
         ]
         total_generated = earlier.counters.generated_tokens + sum(v.counters.generated_tokens for v in versions)
+        collapsed = self._watch_draft(versions)
         new_info = self._engine.info() if info else None
         speculation = self._engine.speculation_status()
         with self._lock:
@@ -556,7 +570,34 @@ class Scheduler:
                 lv.handle.expected for lv in self._live.values() if not lv.in_engine
             )
             s.running = self._engine.num_running()
+            s.draft_collapsed = collapsed
+            s.draft_collapses = self._collapse.collapses
             self._throughput.append((time.monotonic(), total_generated))
+
+    def _watch_draft(self, versions: list[VersionStats]) -> DraftCollapse | None:
+        """Judge the versions' drafts (`CollapseWatch`); while the served version's draft is
+        collapsed, automatic k drafts nothing (the engine's controller lifts the hold on the next
+        weight version, whose draft is then judged afresh). Logs each collapse once, and each
+        later version it spans once. Returns a copy of the raised condition (or None)."""
+        was = self._collapse.condition is not None
+        condition = self._collapse.observe(versions)
+        if condition is None:
+            if was:
+                log.info("the draft works again from weight version %d on", self._collapse.recovered_at)
+            return None
+        served = self._engine.weight_version
+        held = self._collapse.collapsed(served) and self._engine.hold_drafting(condition.describe())
+        announce = (self._collapse.collapses, condition.latest_version)
+        if announce != self._announced:
+            self._announced = announce
+            log.warning(
+                "%s; %s",
+                condition.describe(),
+                "automatic k drafts nothing until the next weight version"
+                if held
+                else "fixed or request-pinned k keeps drafting",
+            )
+        return dataclasses.replace(condition)
 
 
 def _step_timeout(what: str, timeout: float) -> ApplyTimeoutError:

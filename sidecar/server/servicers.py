@@ -27,6 +27,7 @@ from typing import Any, NoReturn
 import grpc
 
 import sidecar.protocol.convert as convert
+import sidecar.protocol.convert_stats as convert_stats
 from sidecar import errors
 from sidecar.protocol import services
 from sidecar.protocol.specrl.v1 import control_pb2, rollout_pb2, weights_pb2
@@ -364,13 +365,15 @@ class ControlService(services.ControlServicer):
             running_sequences=snap.running,
             uptime_seconds=time.monotonic() - self._scheduler.started_at,
             speculation=snap.info.speculation_status,
+            draft_collapsed=snap.draft_collapsed,
+            draft_collapses=snap.draft_collapses,
         )
 
     async def GetInfo(self, request: control_pb2.GetInfoRequest, context: grpc.aio.ServicerContext) -> Any:
         return convert.info_to_pb(await asyncio.to_thread(self.info))  # NVML reads may block
 
     async def GetStats(self, request: control_pb2.GetStatsRequest, context: grpc.aio.ServicerContext) -> Any:
-        return convert.stats_to_pb(self.stats())
+        return convert_stats.stats_to_pb(self.stats())
 
     async def Pause(self, request: control_pb2.PauseRequest, context: grpc.aio.ServicerContext) -> Any:
         return control_pb2.PauseResponse(was_paused=self._scheduler.pause())

@@ -142,7 +142,8 @@ class SpeculationDecision:
     reason: str
     """'model' (best predicted k; k = 0 also when joining rows were admitted without a draft,
     `SpeculationPolicy.may_draft`), 'probe' (measuring a neighbour or plain), 'guard' (backed off
-    after realised throughput fell below plain), 'off' (max k is 0)."""
+    after realised throughput fell below plain), 'collapsed' (k = 0: the served version's draft
+    collapsed, `SpeculationPolicy.hold`, until the next weight version), 'off' (max k is 0)."""
     batch_size: int
     expected_speedup: float = 1.0
     """Predicted tokens/s of k over plain decoding's, at this batch size (1.0 when unknown)."""

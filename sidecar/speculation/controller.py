@@ -38,6 +38,9 @@ class SpeculationPolicy:
             k=0, reason="off" if not config.max_k else "probe", batch_size=0, detail="no decode step yet"
         )
         self._pending_reason = ""
+        self.held = ""
+        """Why drafting is held off until the next weight version ('' when it is not): the
+        served version's draft collapsed (`hold`)."""
 
     # ---- predictions ------------------------------------------------------------------------
     def _bucket(self, batch: int) -> BucketCosts:
@@ -250,6 +253,9 @@ class SpeculationPolicy:
         cfg = self.config
         if cfg.max_k == 0:
             self.last = SpeculationDecision(k=0, reason="off", batch_size=batch, detail="max k is 0")
+            return self.last
+        if self.held:
+            self.last = SpeculationDecision(k=0, reason="collapsed", batch_size=batch, detail=self.held)
             return self.last
         b = self._bucket(batch)
         b.steps += 1
@@ -532,5 +538,13 @@ class SpeculationPolicy:
         self.acceptance.observe_row(drafted, accepted)
 
     def on_weight_version(self) -> None:
-        """A weight push landed: the old version's acceptance becomes a weak prior."""
+        """A weight push landed: the old version's acceptance becomes a weak prior, and a hold
+        (`hold`) ends: the new version's draft is judged afresh."""
         self.acceptance.discount(self.config.version_discount)
+        self.held = ""
+
+    def hold(self, why: str) -> None:
+        """Draft nothing (k = 0, reason "collapsed") until the next weight version: the served
+        version's draft collapsed (`sidecar.speculation.collapse`). Rows keep their draft inputs,
+        so drafting resumes on the next version without a new prefill."""
+        self.held = why

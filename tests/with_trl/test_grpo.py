@@ -30,6 +30,7 @@ from sidecar.integrations.trl import (
     UnsupportedBySidecar,
     check_trl_seam,
 )
+from sidecar.types import WeightSelector
 from tests.with_trl.serve import ServeProcess
 
 STEPS = 3
@@ -222,3 +223,57 @@ def test_draft_aligner_keeps_tau_where_the_stale_draft_decays(checkpoint: Path, 
     aligned = sum(taus[True][late]) / 4
     print(f"\nτ per step, stale draft {taus[False]}\nτ per step, aligned draft {taus[True]}")
     assert aligned > 1.5 and aligned > stale + 0.3, (stale, aligned)
+
+
+def test_a_lost_draft_is_reported_once_and_the_aligner_refits_at_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The sidecar's draft weights are lost (zeroed, as a sleep/wake that did not restore them
+    would): the client warns once (GetStats `draft_collapsed`) however often it generates, and a
+    DraftAligner whose next scheduled refit is 10 syncs away refits at the next policy sync and
+    pushes the draft, after which the alarm clears. The model: a draft aligned with its target by
+    construction, the output head sharpened (on the flat tiny model any draft is accepted half
+    the time at temperature 1, a zeroed one included)."""
+    import logging
+
+    from sidecar.model.checkpoint import model_state_dict, save_checkpoint
+    from sidecar.model.model import ModelConfig
+    from tests.engine.engine_fixtures import aligned_draft_model
+
+    config = ModelConfig.tiny(vocab_size=256)
+    aligned = aligned_draft_model(config, seed=3)
+    with torch.no_grad():
+        aligned.output_weight().mul_(10.0)
+    save_checkpoint(tmp_path / "aligned", config, model_state_dict(aligned))
+    serve = ServeProcess(tmp_path / "aligned", spec_k=2)
+    caplog.set_level(logging.WARNING)
+    try:
+        client = SpecrlVLLMClient(serve.address, SidecarGenerationConfig(seed=0))
+        prompts = [[1 + i, (7 * i) % 256, (3 * i + 5) % 256] for i in range(48)]
+
+        def generate() -> None:
+            client.generate(prompts, max_tokens=32, temperature=1.0, generation_kwargs={"ignore_eos": True})
+
+        generate()  # version 0: the checkpoint's working draft
+        assert client.draft_collapse is None
+        with SidecarClient(serve.address) as direct:
+            specs, _ = direct.describe_weights(WeightSelector.DRAFT)
+            zeros = {s.name: torch.zeros(s.shape) for s in specs}
+            direct.push_weights(zeros, version=1, selector=WeightSelector.DRAFT)
+        for _ in range(3):
+            generate()
+        assert client.draft_collapse is not None and client.draft_collapse.weight_version == 1
+        warned = [r for r in caplog.records if r.name == "sidecar.client.draft_alarm"]
+        assert len(warned) == 1 and "weight version 1" in warned[0].getMessage()
+
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "aligned", dtype=torch.float32)
+        aligner = DraftAligner(tmp_path / "aligned", DraftAlignConfig(every=10, steps=5))
+        aligner.bind(model)
+        client.draft_aligner = aligner
+        client._version = 1  # the direct push above moved the served version past the client's
+        client.update_model_params(model)  # policy sync (version 2); the alarm makes the refit due now
+        assert [r.version for r in client.push_results] == [2, 3]  # the draft followed at once
+        generate()
+        assert client.draft_collapse is None
+    finally:
+        serve.stop()

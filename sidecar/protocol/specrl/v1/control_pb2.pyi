@@ -150,7 +150,7 @@ class VersionStats(_message.Message):
     def __init__(self, weight_version: _Optional[int] = ..., counters: _Optional[_Union[_common_pb2.SpeculationCounters, _Mapping]] = ..., samples_finished: _Optional[int] = ..., busy_seconds: _Optional[float] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("versions", "total", "weight_version", "queued_sequences", "running_sequences", "uptime_seconds", "speculation")
+    __slots__ = ("versions", "total", "weight_version", "queued_sequences", "running_sequences", "uptime_seconds", "speculation", "draft_collapsed", "draft_collapses")
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +158,8 @@ class GetStatsResponse(_message.Message):
     RUNNING_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_COLLAPSED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_COLLAPSES_FIELD_NUMBER: _ClassVar[int]
     versions: _containers.RepeatedCompositeFieldContainer[VersionStats]
     total: _common_pb2.SpeculationCounters
     weight_version: int
@@ -165,7 +167,25 @@ class GetStatsResponse(_message.Message):
     running_sequences: int
     uptime_seconds: float
     speculation: SpeculationDecision
-    def __init__(self, versions: _Optional[_Iterable[_Union[VersionStats, _Mapping]]] = ..., total: _Optional[_Union[_common_pb2.SpeculationCounters, _Mapping]] = ..., weight_version: _Optional[int] = ..., queued_sequences: _Optional[int] = ..., running_sequences: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., speculation: _Optional[_Union[SpeculationDecision, _Mapping]] = ...) -> None: ...
+    draft_collapsed: DraftCollapse
+    draft_collapses: int
+    def __init__(self, versions: _Optional[_Iterable[_Union[VersionStats, _Mapping]]] = ..., total: _Optional[_Union[_common_pb2.SpeculationCounters, _Mapping]] = ..., weight_version: _Optional[int] = ..., queued_sequences: _Optional[int] = ..., running_sequences: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., speculation: _Optional[_Union[SpeculationDecision, _Mapping]] = ..., draft_collapsed: _Optional[_Union[DraftCollapse, _Mapping]] = ..., draft_collapses: _Optional[int] = ...) -> None: ...
+
+class DraftCollapse(_message.Message):
+    __slots__ = ("weight_version", "latest_version", "reference_version", "tau_before", "tau_after", "verify_steps")
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TAU_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    TAU_AFTER_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    weight_version: int
+    latest_version: int
+    reference_version: int
+    tau_before: float
+    tau_after: float
+    verify_steps: int
+    def __init__(self, weight_version: _Optional[int] = ..., latest_version: _Optional[int] = ..., reference_version: _Optional[int] = ..., tau_before: _Optional[float] = ..., tau_after: _Optional[float] = ..., verify_steps: _Optional[int] = ...) -> None: ...
 
 class PauseRequest(_message.Message):
     __slots__ = ()

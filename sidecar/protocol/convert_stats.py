@@ -1,0 +1,87 @@
+"""GetStats across the gRPC edge: per-version counters, the k in use, the draft-collapse alarm.
+
+Split from `convert.py` (one concern a module: the stats a trainer or a dashboard reads, apart
+from the messages of generation and weight pushes); the same one-function-per-message-pair rule.
+"""
+
+from __future__ import annotations
+
+from sidecar.protocol.convert import (
+    counters_from_pb,
+    counters_to_pb,
+    speculation_status_from_pb,
+    speculation_status_to_pb,
+)
+from sidecar.protocol.specrl.v1 import control_pb2
+from sidecar.types import DraftCollapse, SidecarStats, VersionStats
+
+
+def stats_to_pb(stats: SidecarStats) -> control_pb2.GetStatsResponse:
+    return control_pb2.GetStatsResponse(
+        versions=[
+            control_pb2.VersionStats(
+                weight_version=v.weight_version,
+                counters=counters_to_pb(v.counters),
+                samples_finished=v.samples_finished,
+                busy_seconds=v.busy_seconds,
+            )
+            for v in stats.versions
+        ],
+        total=counters_to_pb(stats.total),
+        weight_version=stats.weight_version,
+        queued_sequences=stats.queued_sequences,
+        running_sequences=stats.running_sequences,
+        uptime_seconds=stats.uptime_seconds,
+        speculation=speculation_status_to_pb(stats.speculation),
+        draft_collapsed=draft_collapse_to_pb(stats.draft_collapsed),
+        draft_collapses=stats.draft_collapses,
+    )
+
+
+def draft_collapse_to_pb(c: DraftCollapse | None) -> control_pb2.DraftCollapse | None:
+    if c is None:
+        return None
+    return control_pb2.DraftCollapse(
+        weight_version=c.weight_version,
+        latest_version=c.latest_version,
+        reference_version=c.reference_version,
+        tau_before=c.tau_before,
+        tau_after=c.tau_after,
+        verify_steps=c.verify_steps,
+    )
+
+
+def draft_collapse_from_pb(msg: control_pb2.GetStatsResponse) -> DraftCollapse | None:
+    if not msg.HasField("draft_collapsed"):
+        return None
+    c = msg.draft_collapsed
+    return DraftCollapse(
+        weight_version=c.weight_version,
+        latest_version=c.latest_version,
+        reference_version=c.reference_version,
+        tau_before=c.tau_before,
+        tau_after=c.tau_after,
+        verify_steps=c.verify_steps,
+    )
+
+
+def stats_from_pb(msg: control_pb2.GetStatsResponse) -> SidecarStats:
+    return SidecarStats(
+        versions=[
+            VersionStats(
+                weight_version=v.weight_version,
+                counters=counters_from_pb(v.counters),
+                samples_finished=v.samples_finished,
+                busy_seconds=v.busy_seconds,
+            )
+            for v in msg.versions
+        ],
+        total=counters_from_pb(msg.total),
+        weight_version=msg.weight_version,
+        queued_sequences=msg.queued_sequences,
+        running_sequences=msg.running_sequences,
+        uptime_seconds=msg.uptime_seconds,
+        speculation=speculation_status_from_pb(msg.speculation, msg.speculation.reason not in ("", "fixed")),
+        draft_collapsed=draft_collapse_from_pb(msg),
+        draft_collapses=msg.draft_collapses,
+    )
