@@ -229,6 +229,35 @@ def test_a_sidecar_serving_another_model_is_a_clear_mismatch(tmp_path: Path, jso
     assert code == 1 and "different model shape" in out and "Traceback" not in out, out
 
 
+def test_an_eagle3_draft_is_checked_against_the_model_and_the_sidecars(
+    tmp_path: Path, jsonl_run: tuple[Path, Path]
+) -> None:
+    from sidecar.model.eagle3 import Eagle3Config, build_eagle3
+    from sidecar.model.eagle3_checkpoint import load_eagle3_draft, save_eagle3_draft
+    from sidecar.model.model import ModelConfig
+
+    _, data = jsonl_run
+    ckpt = _checkpoint(tmp_path / "target", num_hidden_layers=4, num_nextn_predict_layers=0)
+    target = ModelConfig.tiny(
+        vocab_size=128, max_position_embeddings=256, num_hidden_layers=4, num_nextn_predict_layers=0
+    )
+    draft = tmp_path / "draft"
+    save_eagle3_draft(draft, build_eagle3(Eagle3Config.for_target(target, aux_layer_ids=[1, 2, 3]), seed=0))
+    load_eagle3_draft(draft, target=target)  # a valid draft for this model
+    # a directory that is not a draft, before anything starts
+    code, out = _cli(
+        _train_args(ckpt, data, tmp_path / "run", "--local-sidecars", "1", "--set", f"eagle3_draft={data}")
+    )
+    assert code == 1 and "eagle3_draft=" in out and "Traceback" not in out, out
+    assert not (tmp_path / "run").exists()
+    # a sidecar that serves the model without the draft: the pushes would carry tensors it lacks
+    with start_sidecar(ckpt) as sidecar:
+        code, out = _cli(
+            _train_args(ckpt, data, tmp_path / "run", "--sidecar", sidecar.address, "--set", f"eagle3_draft={draft}")
+        )
+    assert code == 1 and "serve the run's EAGLE-3 draft there" in out and "Traceback" not in out, out
+
+
 def test_prompts_plus_new_tokens_must_fit_the_model(tmp_path: Path, jsonl_run: tuple[Path, Path]) -> None:
     ckpt, data = jsonl_run
     code, out = _cli(
