@@ -223,7 +223,7 @@ class TorchEngine(Engine):
                 max_position_embeddings=c.max_position_embeddings,
                 rope_type=rope.rope_type,
                 rope_factor=rope.factor,
-                num_mtp_layers=self.num_mtp,
+                num_mtp_layers=c.num_nextn_predict_layers,
                 dtype=c.torch_dtype,
                 eos_token_ids=tuple(c.eos_token_id),
             ),

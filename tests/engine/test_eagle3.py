@@ -183,6 +183,7 @@ def test_a_draft_is_refused_beside_mtp_layers_and_an_engine_reports_its_draft_ki
     with pytest.raises(ValueError, match="one draft kind"):
         TorchEngine(mtp, draft=drafts["aligned"])
     assert TorchEngine(mtp).info().speculation_method == Drafter(mtp).name == "mtp"
-    assert TorchEngine(target, draft=drafts["aligned"]).info().speculation_method == "eagle3"
+    info = TorchEngine(target, draft=drafts["aligned"]).info()
+    assert (info.speculation_method, info.model.num_mtp_layers) == ("eagle3", 0)
     plain = TorchEngine(target)
     assert plain.info().speculation_method == "" and plain.speculation_k == 0
