@@ -169,6 +169,11 @@ def test_the_taps_default_to_the_loaders_layers_and_config_checks_name_the_field
         Eagle3Config.for_target(cfg, draft_vocab_size=65)
     with pytest.raises(ValueError, match="num_key_value_heads"):
         Eagle3Config.for_target(cfg, num_key_value_heads=3)
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    with pytest.raises(ValueError, match="does not understand"):
+        Eagle3Config.for_target(cfg, rope_scaling=llama3)
+    with pytest.raises(ValueError, match="'dynamic' is not supported"):
+        Eagle3Config.for_target(cfg, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     with pytest.raises(ValueError, match="hidden_size"):
         Eagle3Config.for_target(cfg, hidden_size=32).check_target(cfg)
     draft = build_eagle3(Eagle3Config.for_target(cfg, draft_vocab_size=4))
