@@ -192,3 +192,20 @@ def test_a_draft_is_refused_beside_mtp_layers_and_an_engine_reports_its_draft_ki
     assert (info.speculation_method, info.model.num_mtp_layers) == ("eagle3", 0)
     plain = TorchEngine(target)
     assert plain.info().speculation_method == "" and plain.speculation_k == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_an_eagle3_draft_on_cuda_matches_cpu_greedy_and_acceptance(
+    target: Qwen3WithMTP, drafts: dict[str, Eagle3Draft]
+) -> None:
+    cuda_target = build_model(target.config, device="cuda")
+    cuda_target.load_state_dict(target.state_dict())
+    cuda_draft = build_eagle3(drafts["aligned-reduced"].config, device="cuda")
+    cuda_draft.load_state_dict(drafts["aligned-reduced"].state_dict())
+    cpu = run(TorchEngine(target, speculation_k=3, draft=drafts["aligned-reduced"]), 3)
+    gpu_engine = TorchEngine(cuda_target, speculation_k=3, draft=cuda_draft)
+    assert gpu_engine.info().device_kind == "cuda"
+    gpu = run(gpu_engine, 3)
+    assert gpu[0] == cpu[0] == [naive_greedy(target, p, NEW) for p in PROMPTS]
+    assert gpu[1] == pytest.approx(cpu[1], abs=0.05)  # the same drafts, up to rounding near ties
