@@ -80,6 +80,7 @@ def run(engine: TorchEngine, k: int) -> tuple[list[list[int]], float]:
     return [out[f"r{i}"] for i in range(len(PROMPTS))], engine.stats()[-1].counters.acceptance_rate
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["aligned", "random", "reduced", "aligned-reduced"])
 def test_greedy_speculation_with_an_eagle3_draft_equals_plain_decoding(
     target: Qwen3WithMTP, drafts: dict[str, Eagle3Draft], kind: str
