@@ -33,7 +33,7 @@ from sidecar.server.grpc_server import ServerConfig
 from sidecar.server.process import Sidecar, SidecarConfig
 from sidecar.types import Sample, WeightSelector
 from sidecar.weight_sync.tensors import tensor_crc32
-from tests.engine.engine_fixtures import aligned_draft_model
+from tests.engine.engine_fixtures import aligned_draft_model, aligned_eagle3, eagle3_target
 from trainer.cli import main
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -227,3 +227,20 @@ def test_drawn_prompts_start_with_the_given_token_and_are_reproducible(model: Qw
     prompts = draw_prompts(model, 3, 5, seed=4, first_token=1)
     assert [len(p) for p in prompts] == [5, 5, 5] and all(p[0] == 1 for p in prompts)
     assert draw_prompts(model, 3, 5, seed=4, first_token=1) == prompts
+
+
+@pytest.mark.slow
+def test_a_sidecar_with_an_eagle3_draft_is_certified_with_the_drafts_power_and_underpowered_without_it() -> None:
+    target = eagle3_target(8, eps=0.1)
+    draft = aligned_eagle3(target)
+    with serving(TorchEngine(target, speculation_k=3, max_batch_size=300, draft=draft)) as client:
+        config = VerifyConfig(**(FAST | {"ks": (3,), "temperatures": (1.0,)}))  # type: ignore[arg-type]
+        cert = verify_sidecar(client, target, config, draft=draft)
+        without = verify_sidecar(client, target, config)
+    assert cert.engine["speculation_method"] == "eagle3"
+    assert verdicts(cert) == {"weights": Verdict.PASS, "distribution k=3 T=1.0": Verdict.PASS, "logprobs": Verdict.PASS}
+    check = cert.checks[1]
+    assert {p["rule"] for p in check.details["power"] if p["detected"]} == set(POWER_RULES)
+    assert 0.2 < check.details["acceptance_rate"] < 0.9
+    assert verdicts(without)["distribution k=3 T=1.0"] == Verdict.UNDERPOWERED  # no power statement without it
+    assert "--draft" in without.checks[1].summary + str(without.checks[1].details.get("why", ""))

@@ -87,8 +87,9 @@ def compare(
             out / "target", speculation_k=0, max_speculation_k=kmax, draft=out / "eagle3"
         ),
     }
-    for engine in engines.values():  # warm-up
-        measure(engine, prompts[:4], kmax, 8)
+    for engine in engines.values():  # warm-up at the measured shapes (a first batch pays one-time costs)
+        for k in (0, kmax):
+            measure(engine, prompts, k, new_tokens)
     runs: dict[str, dict[str, list[list[float]]]] = {arm: {} for arm in engines}
     for r in range(repeats):
         for k in [0, *ks]:

@@ -1,10 +1,11 @@
-"""The embedded PyTorch engine: continuous batching with MTP speculative decoding (CPU and CUDA).
+"""The embedded PyTorch engine: continuous batching with speculative decoding (CPU and CUDA).
 
 One `step()` = admit queued sequences (one prefill forward, which emits their first token)
-and advance every running sequence by one speculative round: draft k tokens with the MTP
-layer(s), verify them in one target forward over k+1 positions, accept by exact rejection
-sampling, roll back the rejected KV entries (`speculative.py` holds the pure steps,
-`sampling.py` the acceptance rule). k = 0 is plain decoding through the same path.
+and advance every running sequence by one speculative round: draft k tokens with the draft
+(`drafters`: the MTP layer(s), or a separate EAGLE-3 draft), verify them in one target forward
+over k+1 positions, accept by exact rejection sampling, roll back the rejected KV entries
+(`speculative.py` holds the pure steps, `sampling.py` the acceptance rule). k = 0 is plain
+decoding through the same path.
 
 Reproducibility: each uniform a sequence uses is a pure function of (its seed, the output
 position where the round starts, role, index) — `counter_rng`, a hash computed on the device — with
@@ -122,9 +123,10 @@ class TorchEngine(Engine):
         kv_cache_bytes: int | None = None,
         draft: Eagle3Draft | None = None,
     ) -> None:
-        """`draft`: an EAGLE-3 draft for a target without MTP layers (`drafters`); `auto_speculation`: start in auto mode with maximum k `speculation_k`; `policy`: the
-        controller's knobs (its max_k is set by the mode); `clock`: seconds, for the controller's
-        cost measurements (tests inject one). Default: `cost_clock(device)`.
+        """`draft`: an EAGLE-3 draft for a target without MTP layers (`drafters`); `auto_speculation`:
+        start in auto mode with maximum k `speculation_k`; `policy`: the controller's knobs (its
+        max_k is set by the mode); `clock`: seconds, for the controller's cost measurements (tests
+        inject one). Default: `cost_clock(device)`.
 
         KV caches: allocated once, `max_batch_size` rows of `max_context` tokens (default: the
         model's context) within `kv_cache_bytes` (`kv_cache.rows_within_budget`; fewer rows fit →
@@ -223,7 +225,7 @@ class TorchEngine(Engine):
                 max_position_embeddings=c.max_position_embeddings,
                 rope_type=rope.rope_type,
                 rope_factor=rope.factor,
-                num_mtp_layers=self.num_mtp,
+                num_mtp_layers=c.num_nextn_predict_layers,
                 dtype=c.torch_dtype,
                 eos_token_ids=tuple(c.eos_token_id),
             ),

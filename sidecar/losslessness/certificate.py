@@ -50,6 +50,7 @@ from sidecar.engine.torch_engine import TorchEngine
 from sidecar.losslessness.exact_target import ExactTokens, draw_prompts, exact_tokens, weight_mismatches
 from sidecar.losslessness.statistics import Fit, combine, conditional_fit
 from sidecar.losslessness.wrong_rules import POWER_RULES, WRONG_RULES, in_fraction_of_rounds, with_acceptance_rule
+from sidecar.model.eagle3 import Eagle3Draft
 from sidecar.model.model import Qwen3WithMTP
 from sidecar.types import GenerationRequest, Sample, SamplingParams, SpeculationCounters, WeightSelector
 
@@ -190,9 +191,11 @@ def verify_sidecar(
     model: Qwen3WithMTP | None,
     config: VerifyConfig | None = None,
     progress: Progress = _no_progress,
+    draft: Eagle3Draft | None = None,
 ) -> Certificate:
     """Certify the sidecar behind `client`; `model` is the verifier's copy of the served
-    checkpoint (None: only the checks that need no model run; the others are underpowered)."""
+    checkpoint (None: only the checks that need no model run; the others are underpowered), and
+    `draft` that of the EAGLE-3 draft it serves beside it, if any (for the power simulation)."""
     config = config or VerifyConfig()
     started = time.perf_counter()
     info = client.info()
@@ -222,7 +225,7 @@ def verify_sidecar(
             if t > 0:
                 progress(f"distribution check, k={k}, temperature={t}")
                 checks.append(
-                    _distribution_check(client, oracle, prompts, k, t, config, logprob_errors, refused, progress)
+                    _distribution_check(client, oracle, prompts, k, t, config, logprob_errors, refused, progress, draft)
                 )
     checks.append(_logprob_check(logprob_errors, oracle, config, refused))
     _, version_after = client.describe_weights(WeightSelector.ALL)
@@ -457,6 +460,7 @@ def _distribution_check(
     logprob_errors: list[float],
     refused: str | None,
     progress: Progress,
+    draft: Eagle3Draft | None = None,
 ) -> Check:
     name = f"distribution k={k} T={temperature}"
     tokens = config.sample_tokens or 2 * k + 3
@@ -507,20 +511,21 @@ def _distribution_check(
             f"(alpha {config.alpha}, {n * len(prompts)} samples)",
             details=details,
         )
-    power = _power(oracle, prompts, k, temperature, tokens, config, progress)
+    power = _power(oracle, prompts, k, temperature, tokens, config, progress, draft)
     details["power"] = power
     details["power_runs"] = config.power_runs
     details["power_target"] = config.power_target
     weak = [p["rule"] for p in power if p["fraction"] == 1.0 and not p["detected"]]
     if k > 0 and counters.drafted_tokens == 0:
         verdict, why = Verdict.UNDERPOWERED, "the sidecar drafted nothing: speculation was not exercised"
-    elif weak or (k > 0 and oracle.config.num_nextn_predict_layers > 0 and not power):
+    elif weak or (k > 0 and not power):
         verdict = Verdict.UNDERPOWERED
         why = (
             f"the test detects the wrong rule(s) {weak} in fewer than {config.power_target:.0%} of simulated runs "
             "at this sample size; raise --samples"
             if weak
-            else "no wrong rule was simulated, so the test's power is unknown"
+            else "no wrong rule was simulated, so the test's power is unknown "
+            "(a sidecar serving an EAGLE-3 draft: give the verifier its --draft)"
         )
     else:
         verdict, why = Verdict.PASS, ""
@@ -559,12 +564,13 @@ def _power(
     tokens: int,
     config: VerifyConfig,
     progress: Progress,
+    draft: Eagle3Draft | None = None,
 ) -> list[dict[str, Any]]:
     """The same test on samples of each wrong rule in each fraction of rounds (largest first),
     simulated on the verifier side with the embedded engine on the same weights and draft,
     `power_runs` times each: a fraction is detected when at least `power_target` of its runs
     reject. Runs stop once that is decided, and fractions once one is not detected."""
-    if k == 0 or model.config.num_nextn_predict_layers == 0:
+    if k == 0 or (model.config.num_nextn_predict_layers == 0 and draft is None):
         return []
     out = []
     n = config.samples_per_prompt
@@ -579,7 +585,7 @@ def _power(
                 seed = _seed(config.seed, rule_name, fraction, run, k, temperature)
                 rule = in_fraction_of_rounds(WRONG_RULES[rule_name], fraction, seed=seed)
                 engine = with_acceptance_rule(
-                    TorchEngine(model, speculation_k=k, max_speculation_k=k, max_batch_size=n), rule
+                    TorchEngine(model, speculation_k=k, max_speculation_k=k, max_batch_size=n, draft=draft), rule
                 )
                 exact = []
                 for j, prompt in enumerate(prompts):

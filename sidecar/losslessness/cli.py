@@ -61,6 +61,13 @@ def _prompts(path: Path) -> list[list[int]]:
     default=None,
     help="The checkpoint the sidecar serves (proven by CRC-32); without it only the greedy comparison runs.",
 )
+@click.option(
+    "--draft",
+    "draft_dir",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    help="The EAGLE-3 draft directory the sidecar serves beside --model (for the power simulation).",
+)
 @click.option("--k", "ks", default=None, help="Draft lengths to certify, e.g. 1,3 (default: the sidecar's k).")
 @click.option("--temperature", "temperatures", default="0,1.0", show_default=True, help="0: greedy check.")
 @click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True)
@@ -100,6 +107,7 @@ def _prompts(path: Path) -> list[list[int]]:
 def verify(
     address: str,
     model_dir: Path | None,
+    draft_dir: Path | None,
     ks: str | None,
     temperatures: str,
     top_p: float,
@@ -158,13 +166,23 @@ def verify(
             model = load_model(model_dir)
         except (SpecrlError, FileNotFoundError, ValueError) as e:
             raise CannotVerify(f"cannot load --model {model_dir}: {e}") from None
+    draft = None
+    if draft_dir is not None:
+        from sidecar.model.eagle3_checkpoint import load_eagle3_draft
+
+        if model is None:
+            raise click.UsageError("--draft needs --model (the target it drafts for)")
+        try:
+            draft = load_eagle3_draft(draft_dir, target=model.config)
+        except SpecrlError as e:
+            raise CannotVerify(f"cannot load --draft {draft_dir}: {e}") from None
 
     def progress(line: str) -> None:
         click.echo(line, err=True)
 
     with SidecarClient(address, client_config) as client:
         try:
-            cert = verify_sidecar(client, model, config, progress)
+            cert = verify_sidecar(client, model, config, progress, draft)
         except SidecarCallError as e:
             hint = f"; is a sidecar serving on {address}?" if e.code == grpc.StatusCode.UNAVAILABLE else ""
             raise CannotVerify(f"{e}{hint}") from None

@@ -10,11 +10,14 @@ and a reduced-vocabulary draft).
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
 from engine_fixtures import TAPS, aligned_eagle3, eagle3_target
 
+from sidecar.engine.decode_round import decode_round
 from sidecar.engine.drafters import Drafter, Eagle3Drafter
 from sidecar.engine.sampling import RowSampling
 from sidecar.engine.speculative import DraftInput, draft
@@ -77,6 +80,7 @@ def run(engine: TorchEngine, k: int) -> tuple[list[list[int]], float]:
     return [out[f"r{i}"] for i in range(len(PROMPTS))], engine.stats()[-1].counters.acceptance_rate
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["aligned", "random", "reduced", "aligned-reduced"])
 def test_greedy_speculation_with_an_eagle3_draft_equals_plain_decoding(
     target: Qwen3WithMTP, drafts: dict[str, Eagle3Draft], kind: str
@@ -169,6 +173,11 @@ def test_the_taps_default_to_the_loaders_layers_and_config_checks_name_the_field
         Eagle3Config.for_target(cfg, draft_vocab_size=65)
     with pytest.raises(ValueError, match="num_key_value_heads"):
         Eagle3Config.for_target(cfg, num_key_value_heads=3)
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    with pytest.raises(ValueError, match="does not understand"):
+        Eagle3Config.for_target(cfg, rope_scaling=llama3)
+    with pytest.raises(ValueError, match="'dynamic' is not supported"):
+        Eagle3Config.for_target(cfg, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     with pytest.raises(ValueError, match="hidden_size"):
         Eagle3Config.for_target(cfg, hidden_size=32).check_target(cfg)
     draft = build_eagle3(Eagle3Config.for_target(cfg, draft_vocab_size=4))
@@ -183,6 +192,56 @@ def test_a_draft_is_refused_beside_mtp_layers_and_an_engine_reports_its_draft_ki
     with pytest.raises(ValueError, match="one draft kind"):
         TorchEngine(mtp, draft=drafts["aligned"])
     assert TorchEngine(mtp).info().speculation_method == Drafter(mtp).name == "mtp"
-    assert TorchEngine(target, draft=drafts["aligned"]).info().speculation_method == "eagle3"
+    info = TorchEngine(target, draft=drafts["aligned"]).info()
+    assert (info.speculation_method, info.model.num_mtp_layers) == ("eagle3", 0)
     plain = TorchEngine(target)
     assert plain.info().speculation_method == "" and plain.speculation_k == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_an_eagle3_draft_on_cuda_matches_cpu_greedy_and_acceptance(
+    target: Qwen3WithMTP, drafts: dict[str, Eagle3Draft]
+) -> None:
+    cuda_target = build_model(target.config, device="cuda")
+    cuda_target.load_state_dict(target.state_dict())
+    cuda_draft = build_eagle3(drafts["aligned-reduced"].config, device="cuda")
+    cuda_draft.load_state_dict(drafts["aligned-reduced"].state_dict())
+    cpu = run(TorchEngine(target, speculation_k=3, draft=drafts["aligned-reduced"]), 3)
+    gpu_engine = TorchEngine(cuda_target, speculation_k=3, draft=cuda_draft)
+    assert gpu_engine.info().device_kind == "cuda"
+    gpu = run(gpu_engine, 3)
+    assert gpu[0] == cpu[0] == [naive_greedy(target, p, NEW) for p in PROMPTS]
+    assert gpu[1] == pytest.approx(cpu[1], abs=0.05)  # the same drafts, up to rounding near ties
+
+
+@pytest.mark.slow
+def test_the_round_with_an_eagle3_draft_traces_whole_and_equals_eager(
+    target: Qwen3WithMTP, drafts: dict[str, Eagle3Draft]
+) -> None:
+    """`test_compiled_round` with the other draft kind: dynamo traces the round (draft chain over the
+    reduced vocabulary, verify with the taps) with fullgraph=True, and the traced rounds give the
+    eager engine's tokens and log-probs."""
+    from test_compiled_round import CountingBackend, generate
+
+    torch._dynamo.reset()
+    draft_ = drafts["aligned-reduced"]
+    eager = generate(TorchEngine(target, max_context=64, draft=draft_), 3)
+    backend = CountingBackend()
+    compiled = torch.compile(decode_round, fullgraph=True, backend=backend)
+    traced = TorchEngine(target, max_context=64, draft=draft_)
+    rounds = 0
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal rounds
+        rounds += 1
+        return compiled(*args, **kwargs)
+
+    traced._round = counted
+    with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=256):
+        out = generate(traced, 3)
+    assert rounds >= 4 and backend.calls == rounds  # every round ran as one traced graph
+    assert [s.token_ids for s in out] == [s.token_ids for s in eager]
+    for x, y in zip(out, eager, strict=True):
+        torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-6, rtol=0)
+    assert sum(s.counters.accepted_tokens for s in out) > 0  # the EAGLE-3 chain was traced and used
