@@ -50,7 +50,7 @@ from sidecar.engine.torch_engine import TorchEngine
 from sidecar.losslessness.exact_target import ExactTokens, draw_prompts, exact_tokens, weight_mismatches
 from sidecar.losslessness.statistics import Fit, combine, conditional_fit
 from sidecar.losslessness.wrong_rules import POWER_RULES, WRONG_RULES, in_fraction_of_rounds, with_acceptance_rule
-from sidecar.model.eagle3 import Eagle3Draft
+from sidecar.model.eagle3 import PUSH_PREFIX, Eagle3Draft
 from sidecar.model.model import Qwen3WithMTP
 from sidecar.types import GenerationRequest, Sample, SamplingParams, SpeculationCounters, WeightSelector
 
@@ -200,7 +200,7 @@ def verify_sidecar(
     started = time.perf_counter()
     info = client.info()
     specs, version = client.describe_weights(WeightSelector.ALL, include_checksums=True)
-    weights = _weights_check(specs, version, model)
+    weights = _weights_check(specs, version, model, draft)
     # A proven or unprovable (no checksums: the weights check says so) model is the oracle; a
     # disproven one is not: every check that needs it is refused.
     oracle = model if weights.verdict != Verdict.FAIL else None
@@ -268,7 +268,9 @@ def _config_dict(config: VerifyConfig, ks: tuple[int, ...]) -> dict[str, Any]:
 # --- weights ---------------------------------------------------------------------------------
 
 
-def _weights_check(specs: list[Any], version: int, model: Qwen3WithMTP | None) -> Check:
+def _weights_check(
+    specs: list[Any], version: int, model: Qwen3WithMTP | None, draft: Eagle3Draft | None = None
+) -> Check:
     known = [s for s in specs if s.crc32 != 0]
     details: dict[str, Any] = {"weight_version": version, "tensors": len(specs), "checksummed": len(known)}
     if len(known) < len(specs):
@@ -286,8 +288,10 @@ def _weights_check(specs: list[Any], version: int, model: Qwen3WithMTP | None) -
             summary=f"version {version}, {len(specs)} checksums recorded; not compared (pass --model CKPT)",
             details=details,
         )
-    problems = weight_mismatches(model, specs)
+    problems = weight_mismatches(model, specs, draft)
     details["mismatches"] = problems[:20]
+    if draft is None:
+        details["draft_tensors_not_compared"] = sum(s.name.startswith(PUSH_PREFIX) for s in specs)
     if problems:
         return Check(
             name="weights",

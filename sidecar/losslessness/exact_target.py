@@ -17,7 +17,7 @@ distribution plain sampling would have used after that sample's own prefix.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +26,7 @@ from torch import Tensor
 
 from sidecar.engine.sampling import RowSampling, filtered_probs, token_logprobs
 from sidecar.model.checkpoint import load_checkpoint
+from sidecar.model.eagle3 import PUSH_PREFIX, Eagle3Draft
 from sidecar.model.model import Qwen3WithMTP, build_model
 from sidecar.types import SamplingParams, TensorSpec
 from sidecar.weight_sync.tensors import tensor_crc32
@@ -39,10 +40,16 @@ def load_model(path: str | Path) -> Qwen3WithMTP:
     return model.eval()
 
 
-def weight_mismatches(model: Qwen3WithMTP, served: Sequence[TensorSpec]) -> list[str]:
-    """Why `model` is not the served model (empty when every served tensor's name, dtype, shape
-    and CRC-32 equal the local one's). `served` comes from DescribeWeights(include_checksums)."""
-    params: Mapping[str, Tensor] = dict(model.named_parameters())
+def weight_mismatches(model: Qwen3WithMTP, served: Sequence[TensorSpec], draft: Eagle3Draft | None = None) -> list[str]:
+    """Why `model` (and `draft`, the served EAGLE-3 draft's local copy) is not the served model
+    (empty when every served tensor's name, dtype, shape and CRC-32 equal the local one's).
+    `served` comes from DescribeWeights(include_checksums). Without `draft`, a served EAGLE-3
+    draft's tensors (`eagle3.*`) are not compared: a draft's weights do not bear on exactness."""
+    params: dict[str, Tensor] = dict(model.named_parameters())
+    if draft is not None:
+        params |= {PUSH_PREFIX + n: p for n, p in draft.named_parameters()}
+    else:
+        served = [s for s in served if not s.name.startswith(PUSH_PREFIX)]
     problems = []
     for spec in served:
         local = params.get(spec.name)
