@@ -14,7 +14,7 @@ is run against SGLang:
 - SGLang's speculative sampling on the path this machine runs. On CPU SGLang 0.5.23 verifies
   drafts GREEDILY whatever the temperature (``eagle_utils._verify_uses_greedy`` returns True
   for ``is_cpu``): every token after a verify step is the target's argmax. The harness detects
-  this (p < 1e-6), which is why `SGLangEngine` refuses temperature > 0 with speculation on CPU
+  this (p < 1e-4), which is why `SGLangEngine` refuses temperature > 0 with speculation on CPU
   (test_serve.py). On a GPU the same test instead requires SGLang's sampling verification to
   pass — not run here (no GPU in this project's sessions so far).
 
@@ -136,7 +136,8 @@ def test_cpu_speculative_sampling_is_greedy_verification_not_lossless(
     outs = raw_samples(speculative, SAMPLING, N // 2)
     assert sum(int(o["meta_info"].get("spec_verify_ct", 0) or 0) for o in outs) > 0  # drafts were verified
     p = chi_square_pvalue(cells([o["output_ids"] for o in outs]), exact_joint(model, SAMPLING))
-    assert p < 1e-6, f"SGLang's CPU speculative sampling now passes (p={p}): lift the refusal in SGLangEngine"
+    # the Monte Carlo p-value cannot go below ~1e-5 (its replicates); 1e-4 is ten times below the harness's α
+    assert p < 1e-4, f"SGLang's CPU speculative sampling now passes (p={p}): lift the refusal in SGLangEngine"
     # ...because every verified token is the target's argmax given its prefix
     greedy_next = TorchEngine(model, speculation_k=0)
     first_two = {tuple(o["output_ids"][:1]) for o in outs}
