@@ -258,6 +258,21 @@ def test_an_eagle3_draft_is_checked_against_the_model_and_the_sidecars(
     assert code == 1 and "serve the run's EAGLE-3 draft there" in out and "Traceback" not in out, out
 
 
+def test_draft_init_writes_an_eagle3_draft_directory_and_refuses_draft_vocab_for_mtp(tmp_path: Path) -> None:
+    from sidecar.model.checkpoint import load_checkpoint
+    from sidecar.model.eagle3_checkpoint import load_eagle3_draft
+
+    ckpt = _checkpoint(tmp_path / "target", num_hidden_layers=4, num_nextn_predict_layers=0)
+    small = ["--prompts", "8", "--steps", "2", "--batch-size", "4", "--max-new-tokens", "8"]
+    args = ["draft-init", "--model", str(ckpt), "--out", str(tmp_path / "draft"), *small]
+    code, out = _cli([*args, "--draft", "eagle3", "--draft-vocab", "40"])
+    assert code == 0 and "wrote" in out, out
+    draft = load_eagle3_draft(tmp_path / "draft", target=load_checkpoint(ckpt)[0])
+    assert draft.config.draft_vocab_size == 40 and draft.config.aux_layer_ids == [1, 2, 3]
+    code, out = _cli([*args, "--draft", "mtp", "--draft-vocab", "10"])
+    assert code != 0 and "for kind 'eagle3' only" in out and "Traceback" not in out, out
+
+
 def test_prompts_plus_new_tokens_must_fit_the_model(tmp_path: Path, jsonl_run: tuple[Path, Path]) -> None:
     ckpt, data = jsonl_run
     code, out = _cli(
