@@ -165,3 +165,39 @@ def test_two_replicas_make_the_one_process_update(tmp_path: Path) -> None:
     for name, w in resumed.export_named_tensors():
         assert torch.equal(w, two[0][False]["weights"][name]), name
     assert resumed.step_count == 1
+
+
+MC_EAGLE3 = ModelConfig.tiny(max_position_embeddings=64, num_hidden_layers=4, num_nextn_predict_layers=0)
+
+
+def _eagle3_policy(state: dict[str, torch.Tensor], replicas: int) -> Policy:
+    from sidecar.model.eagle3 import Eagle3Config
+
+    cfg = Policy.Config(data_parallel=replicas, seed=5, micro_batch_rows=2, optimizer=FAST, draft_optimizer=FAST)
+    draft = Eagle3Config.for_target(MC_EAGLE3, aux_layer_ids=[1, 2, 3], draft_vocab_size=48)
+    return Policy(MC_EAGLE3, cfg, {k: v.clone() for k, v in state.items()}, eagle3=draft)
+
+
+def _eagle3_worker(rank: int, port: int, state_path: str, out: str) -> None:
+    torch.set_num_threads(1)
+    join_group(rank, 2, port)
+    state = torch.load(state_path, weights_only=True)
+    torch.save(_update(_eagle3_policy(state, 2), _batch()), f"{out}.{rank}")
+    leave_group()
+
+
+@pytest.mark.slow
+def test_two_replicas_train_an_eagle3_draft_like_one_process(tmp_path: Path) -> None:
+    state = model_state_dict(build_model(MC_EAGLE3, seed=11))
+    torch.save(state, tmp_path / "state.pt")
+    spawn(_eagle3_worker, (str(tmp_path / "state.pt"), str(tmp_path / "out")), nprocs=2, timeout_s=240)
+    one = _update(_eagle3_policy(state, 1), _batch())
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"out.{rank}", weights_only=True)
+        assert got["grads"].keys() == one["grads"].keys() and any(k.startswith("draft.fc") for k in got["grads"])
+        for name, g in one["grads"].items():
+            torch.testing.assert_close(got["grads"][name], g, atol=ATOL, rtol=RTOL, msg=lambda m, n=name: f"{n}: {m}")
+        for name, w in one["weights"].items():  # eagle3.* included: the pushed draft
+            torch.testing.assert_close(
+                got["weights"][name], w, atol=WEIGHT_ATOL, rtol=0, msg=lambda m, n=name: f"{n}: {m}"
+            )
