@@ -14,6 +14,7 @@ import torch
 
 from muon import HybridOptimizerConfig
 from sidecar.model.checkpoint import load_checkpoint, model_state_dict, save_checkpoint
+from sidecar.model.eagle3 import Eagle3Config
 from sidecar.model.model import ModelConfig, build_model
 from tests.spawn_workers import join_group, leave_group, spawn
 from trainer import bridge
@@ -86,6 +87,8 @@ def _worker(rank: int, port: int, mode: str, ckpt: str, out: str) -> None:
     mc, tensors = load_checkpoint(ckpt)
     if mode == "tp2":  # both ranks see the whole batch; the model is sharded
         result = _run(Policy(mc, _config(2), tensors), mc, slice(None))
+    elif mode == "tp2-eagle3":  # the same, training an EAGLE-3 draft (replicated) on the sharded trunk's taps
+        result = _run(Policy(mc, _config(2), tensors, eagle3=_eagle3(mc)), mc, slice(None))
     else:  # dp2: whole model on each rank, each replica trains one of the two samples
         result = _run(Policy(mc, _config(1, dp=2), tensors), mc, slice(None))
     if rank == 0:
@@ -111,4 +114,23 @@ def test_two_processes_export_and_train_like_one(tmp_path: Path, mode: str) -> N
     torch.testing.assert_close(two["logprobs"], one["logprobs"], rtol=0, atol=1e-5)
     # Two Muon/AdamW steps at lr 1e-2: a wrong gradient reduction would move weights by ~1e-2.
     for name, tensor in two["after"].items():
+        torch.testing.assert_close(tensor, one["after"][name], rtol=0, atol=2e-5, msg=name)
+
+
+def _eagle3(mc: ModelConfig) -> Eagle3Config:
+    return Eagle3Config.for_target(mc, aux_layer_ids=[1, 2, 3])
+
+
+@pytest.mark.slow
+def test_two_tensor_parallel_ranks_train_an_eagle3_draft_like_one_process(tmp_path: Path) -> None:
+    mc = ModelConfig.tiny(num_hidden_layers=4, num_nextn_predict_layers=0)
+    save_checkpoint(tmp_path / "ckpt", mc, _state(mc, seed=9))
+    out = tmp_path / "rank0.pt"
+    spawn(_worker, ("tp2-eagle3", str(tmp_path / "ckpt"), str(out)), nprocs=2)
+    two = torch.load(out, weights_only=True)
+    mc1, tensors = load_checkpoint(tmp_path / "ckpt")
+    one = _run(Policy(mc1, _config(1), tensors, eagle3=_eagle3(mc1)), mc1, slice(None))
+    assert two["after"].keys() == one["after"].keys() and any(n.startswith("eagle3.") for n in one["after"])
+    for name, tensor in two["after"].items():  # trunk and draft after two steps
+        assert not torch.equal(tensor, one["exported"][name]) or "norm" in name, name  # it trained
         torch.testing.assert_close(tensor, one["after"][name], rtol=0, atol=2e-5, msg=name)
