@@ -25,27 +25,12 @@ from sidecar.model.eagle3 import PUSH_PREFIX, Eagle3Config, build_eagle3
 from sidecar.model.eagle3_checkpoint import load_eagle3_draft
 from sidecar.model.model import ModelConfig, Qwen3WithMTP, build_model
 from sidecar.types import GenerationRequest, SamplingParams, WeightSelector
+from tests.test_trainer_draft import _batch, _sample
 from trainer import gpt
 from trainer.draft_objective import DraftConfig, Eagle3Head
-from trainer.policy import Policy, TrainBatch
+from trainer.policy import Policy
 
 TAPS = [1, 2, 3]
-
-
-def _sample(engine: Qwen3WithMTP, prompts: torch.Tensor, new: int, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    tokens = prompts
-    with torch.no_grad():
-        for _ in range(new):
-            probs = torch.softmax(engine(tokens)[:, -1].float(), -1)
-            tokens = torch.cat([tokens, torch.multinomial(probs, 1, generator=gen)], dim=1)
-    return tokens
-
-
-def _batch(tokens: torch.Tensor, prompt_len: int, advantages: list[float]) -> TrainBatch:
-    mask = torch.zeros(tokens.shape[0], tokens.shape[1] - 1)
-    mask[:, prompt_len - 1 :] = 1.0
-    return TrainBatch(tokens=tokens, mask=mask, advantages=torch.tensor(advantages))
 
 
 @pytest.fixture(scope="module")

@@ -77,6 +77,17 @@ class DraftConfig:
             raise ValueError(f"chain_depth must be >= 0 (0: one step per MTP layer), got {self.chain_depth}")
 
 
+def init_draft_weights(module: nn.Module, std: float) -> None:
+    """A fresh draft's parameters: normal(0, std) matrices, unit norm gains (deterministic under
+    torch.manual_seed)."""
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.ndim == 1:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std)
+
+
 class MTPDraft(nn.Module):
     """The draft head: the engine's own MTP layers (state-dict keys ``layers.{j}.*``).
 
@@ -95,12 +106,7 @@ class MTPDraft(nn.Module):
 
     def init_weights(self, std: float = 0.02) -> None:
         """Normal(0, std) matrices, unit norm gains (deterministic under torch.manual_seed)."""
-        with torch.no_grad():
-            for p in self.parameters():
-                if p.ndim == 1:
-                    p.fill_(1.0)
-                else:
-                    p.normal_(0.0, std)
+        init_draft_weights(self, std)
 
     def chain(
         self,
@@ -169,13 +175,8 @@ class Eagle3Head(Eagle3Draft):
         return [self.midlayer]
 
     def init_weights(self, std: float = 0.02) -> None:
-        """Normal(0, std) matrices, unit norm gains; the token maps are kept."""
-        with torch.no_grad():
-            for p in self.parameters():
-                if p.ndim == 1:
-                    p.fill_(1.0)
-                else:
-                    p.normal_(0.0, std)
+        """Normal(0, std) matrices, unit norm gains; the token maps (buffers) are kept."""
+        init_draft_weights(self, std)
 
     def chain(  # MTPDraft's argument order, for draft_loss
         self,

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sidecar.model.kv_cache import AttentionPlan, KVCache
-from sidecar.model.model import _DTYPES, ROPE_MARGIN, ModelConfig, Qwen3WithMTP, RMSNorm, _rms
+from sidecar.model.model import _DTYPES, MLP, ROPE_MARGIN, ModelConfig, Qwen3WithMTP, RMSNorm, _rms
 from yarn import RopeConfig, RotaryEmbedding, apply_rotary
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -246,19 +246,6 @@ class Eagle3Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
-class Eagle3MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
-
-    def __init__(self, cfg: Eagle3Config) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class Eagle3Layer(nn.Module):
     """The midlayer: input_layernorm (embedding), hidden_norm (fused state), attention, MLP."""
 
@@ -268,7 +255,7 @@ class Eagle3Layer(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Eagle3Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = Eagle3MLP(cfg)
+        self.mlp = MLP(cfg)  # the target's SwiGLU (the same parameter names)
 
     def attention_input(self, embedded: Tensor, hidden: Tensor) -> Tensor:  # (B, S, 2h)
         return torch.cat([_rms(embedded, self.input_layernorm), _rms(hidden, self.hidden_norm)], dim=-1)

@@ -26,7 +26,7 @@ import contextlib
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -334,10 +334,17 @@ class RopeTable:
         return torch.addcmul(x * self.cos, x.roll(x.shape[-1] // 2, -1), self.sin_folded)
 
 
+class MLPShape(Protocol):
+    """What an MLP's shape is read from (a ModelConfig, or an EAGLE-3 draft's config)."""
+
+    hidden_size: int
+    intermediate_size: int
+
+
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: MLPShape) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
