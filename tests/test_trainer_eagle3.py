@@ -23,6 +23,7 @@ from sidecar.engine.torch_engine import TorchEngine
 from sidecar.model.checkpoint import model_state_dict, save_checkpoint
 from sidecar.model.eagle3 import PUSH_PREFIX, Eagle3Config, build_eagle3
 from sidecar.model.eagle3_checkpoint import load_eagle3_draft
+from sidecar.model.kv_cache import KVCache
 from sidecar.model.model import ModelConfig, Qwen3WithMTP, build_model
 from sidecar.types import GenerationRequest, SamplingParams, WeightSelector
 from tests.test_trainer_draft import _batch, _sample
@@ -78,18 +79,41 @@ def test_policy_gradient_identical_with_and_without_eagle3_training(setup) -> No
             assert torch.equal(grads[0][name], other[name]), name
 
 
-def test_chain_step_zero_is_the_served_modules_forward(setup) -> None:
+def test_the_chain_equals_its_entries_run_one_at_a_time_through_a_kv_cache(setup) -> None:
+    """The teacher-forced chain (whole sequences, causal attention) against the engine's cached step
+    fed one entry at a time: step 0 from fc(taps), step 1 from step 0's outputs, each in its own cache
+    at rotary position t + j + 1. The whole-sequence forward is step 0 through the draft's head."""
     mc, engine, _, tokens = setup
     head = Eagle3Head.of(build_eagle3(_eagle3(mc), seed=3))
+    cfg = head.config
     with torch.no_grad():
         aux: list[torch.Tensor] = []
         engine.hidden_states(tokens, aux_layers=tuple(TAPS), aux=aux)
         taps = torch.cat(aux, dim=-1)
         embed = engine.model.embed_tokens.weight
         outs = head.chain(tokens, taps, lambda ids: torch.nn.functional.embedding(ids, embed), depth=2)
-        reference = head(taps, tokens, embed)
-    assert [o.shape[1] for o in outs] == [tokens.shape[1] - 1, tokens.shape[1] - 2]
-    torch.testing.assert_close(head.logits(0, outs[0]), reference, atol=1e-5, rtol=1e-5)
+        b, n = tokens.shape
+        inputs = head.fuse(taps)
+        for j, out in enumerate(outs):
+            cache = KVCache(
+                num_layers=1,
+                num_kv_heads=cfg.num_key_value_heads,
+                head_dim=cfg.head_dim,
+                dtype=inputs.dtype,
+                device="cpu",
+                batch=b,
+                capacity=n,
+            )
+            steps = []
+            for t in range(n - 1 - j):
+                plan = cache.plan([1] * b, width=1)
+                token = tokens[:, t + j + 1 : t + j + 2]
+                steps.append(head.step(token, inputs[:, t : t + 1], embed, cache, plan, plan.positions + 1 + j))
+                cache.commit(plan)
+            torch.testing.assert_close(out, torch.cat(steps, dim=1), atol=1e-5, rtol=1e-5)
+            inputs = out
+        torch.testing.assert_close(head.logits(0, outs[0]), head(taps, tokens, embed))
+    assert [o.shape[1] for o in outs] == [n - 1, n - 2]
 
 
 @pytest.mark.parametrize("draft_vocab", [None, 40])

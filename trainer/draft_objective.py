@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from sidecar.model.eagle3 import Eagle3Config, Eagle3Draft
+from sidecar.model.eagle3 import Eagle3Draft
 from sidecar.model.model import ModelConfig, MTPLayer, MTPStack
 from yarn import RotaryEmbedding
 
@@ -151,16 +151,9 @@ class MTPDraft(nn.Module):
 
 class Eagle3Head(Eagle3Draft):
     """The EAGLE-3 draft (`sidecar.model.eagle3`, the engine's and SGLang's module, the same
-    parameter names) with the teacher-forced chain the trainer needs. Its input is the target's
-    low/middle/high taps (`trainer.gpt.forward_taps`), not the final hidden state.
-
-    Step 0 at entry t reads fc(taps_t) and x_{t+1} and predicts x_{t+2}; step j >= 1 reads step
-    j-1's pre-norm output at t and x_{t+j+1} and predicts x_{t+j+2}, as the engine chains it
-    (EAGLE-3's training-time test, here as MTP's teacher-forced chain: each step attends over its
-    own step's entries). Rotary position t + j + 1, as the engine's."""
-
-    def __init__(self, config: Eagle3Config) -> None:
-        super().__init__(config)
+    parameter names) with what `draft_loss` asks of a draft besides the module's own teacher-forced
+    `chain` (EAGLE-3's training-time test in the form the engine drafts). Its input is the target's
+    low/middle/high taps (`trainer.gpt.forward_taps`), not the final hidden state."""
 
     @classmethod
     def of(cls, draft: Eagle3Draft) -> Eagle3Head:
@@ -177,17 +170,6 @@ class Eagle3Head(Eagle3Draft):
     def init_weights(self, std: float = 0.02) -> None:
         """Normal(0, std) matrices, unit norm gains; the token maps (buffers) are kept."""
         init_draft_weights(self, std)
-
-    def chain(  # MTPDraft's argument order, for draft_loss
-        self,
-        tokens: Tensor,  # (B, S) int64
-        taps: Tensor,  # (B, S, 3H) the target's taps (detached by the caller)
-        embed: Callable[[Tensor], Tensor],
-        depth: int | None = None,
-    ) -> list[Tensor]:
-        """Outputs (pre-norm) of draft steps 0..depth-1 (default 1); step j is (B, S-1-j, H):
-        the served module's own chain (`Eagle3Draft.chain`)."""
-        return super().chain(taps, tokens, embed, 1 if depth is None else depth)
 
     def logits(self, j: int, out: Tensor, head: Callable[[Tensor], Tensor] | None = None) -> Tensor:
         """Draft logits over the draft vocabulary (its own lm_head; `head` is not used)."""

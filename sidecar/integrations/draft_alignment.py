@@ -216,7 +216,7 @@ class DraftAligner:
         try:
             for _ in range(self.config.steps):
                 if self.eagle3 is not None:  # chain step j, entry t predicts x_{t+j+2}: log_p[:, t + j]
-                    outs = self.eagle3.chain(hidden, ids, lambda x: F.embedding(x, embed), self.config.chain_depth)
+                    outs = self.eagle3.chain(ids, hidden, lambda x: F.embedding(x, embed), self.config.chain_depth)
                     steps = [(j, self.eagle3.draft_logits(out)) for j, out in enumerate(outs)]
                 else:
                     steps = [(0, cast(DraftHead, self.head)(ids, hidden))]

@@ -52,6 +52,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -165,7 +166,25 @@ def save_checkpoint(path: str | Path, config: ModelConfig, state_dict: Mapping[s
     (path / CONFIG_FILE).write_text(json.dumps(config.to_hf_dict(), indent=2, sort_keys=True) + "\n")
 
 
-def _read_tensors(path: Path) -> dict[str, Tensor]:
+def read_config_json(path: Path, kind: str) -> dict[str, Any]:
+    """The config.json of the `kind` directory `path` (a checkpoint, a draft) as a dict;
+    CheckpointError naming the file when the directory, the file or its JSON object is missing."""
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: {kind} directory does not exist")
+    cfg_path = path / CONFIG_FILE
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{cfg_path}: missing; a {kind} needs config.json next to its weights") from e
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{cfg_path}: must hold a JSON object")
+    return raw
+
+
+def read_tensors(path: Path) -> dict[str, Tensor]:
+    """Every tensor of the safetensors files in `path` (one file or an index of shards), CPU."""
     single, index = path / WEIGHTS_FILE, path / INDEX_FILE
     try:
         if single.is_file():
@@ -199,24 +218,15 @@ def load_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, Tensor]]:
     config.json, unreadable safetensors, and missing, unknown or misshapen tensors.
     """
     path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: checkpoint directory does not exist")
+    raw = read_config_json(path, "checkpoint")
     cfg_path = path / CONFIG_FILE
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except FileNotFoundError as e:
-        raise CheckpointError(f"{cfg_path}: missing; a checkpoint needs config.json next to the weights") from e
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from e
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{cfg_path}: must hold a JSON object")
     try:
         config = ModelConfig.from_hf_dict(raw)
     except KeyError as e:
         raise CheckpointError(f"{cfg_path}: required key {e} is missing") from e
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{cfg_path}: invalid model config: {e}") from e
-    tensors = _read_tensors(path)
+    tensors = read_tensors(path)
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # some tied checkpoints store the duplicate anyway
     check_state_dict(config, tensors, source=str(path))

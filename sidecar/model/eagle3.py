@@ -344,27 +344,26 @@ class Eagle3Draft(nn.Module):
         input_ids: Tensor,  # (B, T)
         embed: Tensor,  # (vocab, h) the target's token embedding
     ) -> Tensor:  # (B, T-1, draft_vocab) position t predicts x_{t+2}
-        """Teacher-forced draft logits over whole sequences: entry t reads fc(aux_t) and x_{t+1}."""
-        b, t = input_ids.shape
-        positions = torch.arange(1, t, device=input_ids.device).expand(b, t - 1)
-        cos, sin = self._rotary[0].to(input_ids.device)(positions)
-        hidden = self.fuse(aux[:, :-1])
-        layer = self.midlayer
-        x = layer.attention_input(F.embedding(input_ids[:, 1:], embed), hidden)
-        return self.draft_logits(layer.finish(hidden, layer.self_attn(x, cos, sin)))
+        """Teacher-forced draft logits over whole sequences: entry t reads fc(aux_t) and x_{t+1}
+        (`chain`'s step 0, through the draft's own head)."""
+        outs = self.chain(input_ids, aux, lambda ids: F.embedding(ids, embed))
+        if not outs:  # one position: nothing to predict
+            return aux.new_zeros(input_ids.shape[0], 0, self.config.draft_vocab_size)
+        return self.draft_logits(outs[0])
 
     def chain(
         self,
-        aux: Tensor,  # (B, T, 3h) target taps (detached by the caller)
         input_ids: Tensor,  # (B, T)
+        aux: Tensor,  # (B, T, 3h) target taps (detached by the caller)
         embed: Callable[[Tensor], Tensor],  # ids -> the target's embeddings (B, L, h)
-        depth: int = 1,
+        depth: int | None = None,  # steps (None: 1); the MTP draft's argument order, for the trainer
     ) -> list[Tensor]:  # step j: (B, T-1-j, h) pre-norm outputs
         """Teacher-forced chain over whole sequences (EAGLE-3's training-time test, in the form
         the engine drafts): step 0 at entry t reads fc(aux_t) and x_{t+1}; step j >= 1 reads
         step j-1's output at t and x_{t+j+1}; step j's entry t predicts x_{t+j+2} (`draft_logits`)
         at rotary position t + j + 1. Each step attends over its own step's entries."""
         b, t = input_ids.shape
+        depth = 1 if depth is None else depth
         layer = self.midlayer
         outs: list[Tensor] = []
         h = self.fuse(aux)

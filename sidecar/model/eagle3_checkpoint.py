@@ -45,16 +45,14 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor
 
 from sidecar.errors import CheckpointError
+from sidecar.model.checkpoint import CONFIG_FILE, WEIGHTS_FILE, read_config_json, read_tensors
 from sidecar.model.eagle3 import Eagle3Config, Eagle3Draft
 from sidecar.model.model import ModelConfig
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
 _INDEX_TYPES = ("d2t", "t2d")
 
 
@@ -109,17 +107,8 @@ def load_eagle3_draft(
     another architecture, unreadable safetensors, missing, unknown or misshapen tensors, token maps
     that disagree, or a draft that does not fit `target` (vocabulary, hidden size, taps)."""
     path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: EAGLE-3 draft directory does not exist")
+    raw = read_config_json(path, "EAGLE-3 draft")
     cfg_path = path / CONFIG_FILE
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except FileNotFoundError as e:
-        raise CheckpointError(f"{cfg_path}: missing; an EAGLE-3 draft needs config.json next to its weights") from e
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from e
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{cfg_path}: must hold a JSON object")
     arch = list(raw.get("architectures") or [])
     if not any("eagle3" in a.lower() for a in arch):
         raise CheckpointError(
@@ -142,12 +131,7 @@ def load_eagle3_draft(
             config.check_target(target)
         except ValueError as e:
             raise CheckpointError(f"{path}: the draft does not fit the target: {e}") from e
-    try:
-        tensors = load_file(str(path / WEIGHTS_FILE))
-    except FileNotFoundError as e:
-        raise CheckpointError(f"{path}: {WEIGHTS_FILE} is missing") from e
-    except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{path}: cannot read {WEIGHTS_FILE} ({e}); the file is truncated or corrupt") from e
+    tensors = read_tensors(path)
     tensors.pop("embed_tokens.weight", None)  # some drafts store a copy of the target's embedding
     _check_tensors(config, tensors, str(path))
     draft = Eagle3Draft(config).to(config.dtype)
