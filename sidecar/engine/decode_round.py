@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from sidecar.engine.drafters import Drafter
+from sidecar.engine.forwards import Forwards
 from sidecar.engine.rows import BatchTensors, round_outcome
 from sidecar.engine.sampling import AcceptanceRule, reported_logprobs
 from sidecar.engine.speculative import DraftInput, VerifyInput, draft, verify
@@ -72,6 +73,7 @@ def decode_round(
     accept: AcceptanceRule,
     drafted: Callable[[], None] | None = None,  # called between draft and verify (the controller's clock)
     drafter: Drafter | None = None,  # the draft kind; default the model's MTP layers
+    fw: Forwards | None = None,  # how the cached forwards run (`forwards`); default eagerly
 ) -> RoundOutput:
     drafter = drafter if drafter is not None else Drafter(model)
     b, k, dev = inp.last.shape[0], inp.kmax, inp.last.device
@@ -93,6 +95,7 @@ def decode_round(
                 uniforms=u[:, :k],
             ),
             rows,
+            fw,
         )
         draft_tokens, q = out.tokens, out.probs
         verify_tokens = torch.cat([inp.last[:, None], draft_tokens], dim=1)
@@ -102,7 +105,7 @@ def decode_round(
         verify_tokens = inp.last[:, None]
     if drafted is not None:
         drafted()
-    vout = verify(drafter, cache, VerifyInput(tokens=verify_tokens, num_new=inp.num_new), rows)
+    vout = verify(drafter, cache, VerifyInput(tokens=verify_tokens, num_new=inp.num_new), rows, fw)
     acc = accept(draft_tokens, q, vout.probs, inp.num_draft, u[:, k : 2 * k], u[:, 2 * k])
     emitted = torch.cat([draft_tokens, inp.last.new_zeros(b, 1)], dim=1)
     emitted.scatter_(1, acc.num_accepted[:, None], acc.next_token[:, None])

@@ -53,6 +53,7 @@ from sidecar.engine import counter_rng
 from sidecar.engine.base import Engine
 from sidecar.engine.decode_round import RoundInput, decode_round
 from sidecar.engine.drafters import make_drafter
+from sidecar.engine.forwards import make_forwards
 from sidecar.engine.rows import (
     CATCH_UP_POSITIONS,
     REASON_LENGTH,
@@ -122,6 +123,7 @@ class TorchEngine(Engine):
         max_context: int | None = None,
         kv_cache_bytes: int | None = None,
         draft: Eagle3Draft | None = None,
+        compile: str = "auto",
     ) -> None:
         """`draft`: an EAGLE-3 draft for a target without MTP layers (`drafters`); `auto_speculation`:
         start in auto mode with maximum k `speculation_k`; `policy`: the controller's knobs (its
@@ -130,7 +132,11 @@ class TorchEngine(Engine):
 
         KV caches: allocated once, `max_batch_size` rows of `max_context` tokens (default: the
         model's context) within `kv_cache_bytes` (`kv_cache.rows_within_budget`; fewer rows fit →
-        `max_batch_size` is what fits). Longer requests: `KVCacheCapacityError` (RESOURCE_EXHAUSTED)."""
+        `max_batch_size` is what fits). Longer requests: `KVCacheCapacityError` (RESOURCE_EXHAUSTED).
+
+        `compile`: "auto" (CUDA graphs on a CUDA device, eager elsewhere), "on" (fixed-shape
+        forwards: captured as CUDA graphs on CUDA, run eagerly on a CPU) or "off" (eager at the
+        batch's own shapes, the reference path); see `forwards`."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if not 0 <= max_speculation_k <= MAX_SPECULATION_K:
@@ -176,6 +182,8 @@ class TorchEngine(Engine):
         self._mtp_caches = [self.drafter.new_cache(0, slots, max_batch=rows) for _ in range(self.num_mtp)]
         self._batch: BatchTensors | None = None
         self._round = decode_round  # the round's device work (a test swaps in its traced form)
+        self._forwards = make_forwards(compile, self.device)
+        self.compile = compile
 
     def _slots_per_row(self) -> int:  # a row's context and the scratch columns a verify writes past it
         return self.max_context + self.max_speculation_k + 2
@@ -193,6 +201,7 @@ class TorchEngine(Engine):
         max_context: int | None = None,
         kv_cache_bytes: int | None = None,
         draft: str | Path | None = None,
+        compile: str = "auto",
     ) -> TorchEngine:
         """Load a checkpoint directory (config.json + safetensors) onto `device`, and the EAGLE-3
         draft directory `draft` beside it (`eagle3_checkpoint`)."""
@@ -209,6 +218,7 @@ class TorchEngine(Engine):
             auto_speculation=auto_speculation,
             max_context=max_context,
             kv_cache_bytes=kv_cache_bytes,
+            compile=compile,
         )
 
     # ---- Engine interface: info and control --------------------------------------------------
@@ -530,6 +540,7 @@ class TorchEngine(Engine):
             drafted_at = self._clock()
 
         old_lengths = list(self._cache.lengths)
+        self._forwards.check_weights(self._read_tensors())
         out = self._round(
             self.model,
             self._cache,
@@ -539,6 +550,7 @@ class TorchEngine(Engine):
             self._acceptance_rule,
             drafted if policy is not None else None,
             self.drafter,
+            self._forwards,
         )
         packed = out.packed.tolist()  # the one host copy
 
@@ -593,6 +605,11 @@ class TorchEngine(Engine):
             )
         self._last_kmax = kmax
         return finished
+
+    def _read_tensors(self) -> list[torch.Tensor]:
+        """Every tensor a round's forwards read (a captured graph holds their addresses)."""
+        fused = [t for w in self.model.decode_weights() for t in w.tensors()]
+        return [*self.model.parameters(), *self.drafter.pushed_parameters().values(), *fused]
 
     @staticmethod
     def _row_state(s: Sequence) -> RowState:

@@ -160,6 +160,47 @@ class KVCache:
             index=index,
         )
 
+    def plan_fixed(self, lengths: Tensor, width: int, read: int) -> AttentionPlan:
+        """A forward of fixed shape: rows [0, R) of the static storage (R = lengths' size, the live
+        rows first, then free rows padded with length 0), `width` new columns each, every row
+        reading slots [0, read) under an additive mask. Row lengths come from the device tensor
+        `lengths` (R,), not from the host list: nothing here reads a tensor's value or depends on
+        it, so the forward is one fixed sequence of device work for a given (R, width, read) —
+        what a CUDA graph captures once and replays. Writes go by index (a padded row writes
+        slots [0, width) of its free row, which a joining row overwrites). Host lengths are not
+        touched: the caller commits them (`commit_counts`)."""
+        r = int(lengths.shape[0])
+        if not self.static:
+            raise ValueError("plan_fixed needs a static cache (max_batch given)")
+        if r > self.max_batch or read > self.capacity or width < 1:
+            raise ValueError(
+                f"a fixed forward of {r} rows reading {read} slots does not fit the static cache "
+                f"({self.max_batch} rows of {self.capacity} slots)"
+            )
+        positions = lengths[:, None] + torch.arange(width, device=self.device)[None, :]  # (R, S)
+        slots = torch.arange(read, device=self.device)
+        allowed = (slots[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # (R, 1, S, read)
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, -torch.inf)
+        k5, v5 = self._k[:, :r], self._v[:, :r]
+        return AttentionPlan(
+            positions=positions,
+            mask=mask,
+            kv_len=read,
+            start=None,
+            num_new=[],
+            keys_in=k5.transpose(2, 3).unbind(0),
+            values_in=v5.transpose(2, 3).unbind(0),
+            keys_out=k5[:, :, :, :read].unbind(0),
+            values_out=v5[:, :, :, :read].unbind(0),
+            index=(torch.arange(r, device=self.device)[:, None], positions),
+        )
+
+    def commit_counts(self, num_new: list[int]) -> None:
+        """`commit` of a fixed forward: each live row keeps its num_new[b] new tokens."""
+        if len(num_new) != self.batch:
+            raise ValueError(f"num_new has {len(num_new)} rows, the cache has {self.batch}")
+        self.lengths = [n + a for n, a in zip(self.lengths, num_new, strict=True)]
+
     def write_and_read(
         self,
         layer: int,

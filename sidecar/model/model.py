@@ -264,6 +264,10 @@ class DecodeWeights:
     eps: float
     by_columns: bool
 
+    def tensors(self) -> tuple[Tensor, ...]:
+        """Every tensor the cached forward reads from here."""
+        return (self.input_norm, self.qkv, self.qk_norm, self.o, self.post_norm, self.gate_up, self.down)
+
     def project(self, x: Tensor, w: Tensor) -> Tensor:
         """x (..., in) times one of the projections: (..., out)."""
         return torch.matmul(x, w) if self.by_columns else F.linear(x, w)
@@ -304,6 +308,49 @@ class DecodeWeights:
             eps=layer.input_layernorm.eps,
             by_columns=by_columns,
         )
+
+    def refresh(self, layer: DecoderLayer) -> bool:
+        """Rewrite the copies in place from `layer`'s parameters (a captured CUDA graph reads these
+        storages: new tensors would leave it reading the old weights). False when that cannot be
+        done (a field would change identity, shape or kind): rebuild with `of` instead."""
+        new = DecodeWeights.of(layer) if self.by_columns else None
+        a = layer.self_attn
+        q, k, v, gate, up, qn, kn, o, down = DecodeWeights.sources(layer)
+        own: dict[str, Tensor] = {  # fields that are the parameters themselves (GPU layout) must still be them
+            "input_norm": layer.input_layernorm.weight,
+            "post_norm": layer.post_attention_layernorm.weight,
+        }
+        if not self.by_columns:
+            own |= {"o": o, "down": down}
+        if any(getattr(self, f) is not t for f, t in own.items()):
+            return False
+        with torch.no_grad():
+            fused = {
+                "qkv": [q, k, v],
+                "gate_up": [gate, up],
+                "qk_norm": [qn.expand(a.num_heads, -1), kn.expand(a.num_kv_heads, -1)],
+            }
+            for name, parts in fused.items():
+                dst = getattr(self, name)
+                if dst.is_inference() or any(t.is_inference() for t in parts):
+                    return False
+                if new is not None and name != "qk_norm":
+                    src = getattr(new, name)
+                    if src.shape != dst.shape:
+                        return False
+                    dst.copy_(src)
+                else:
+                    if dst.shape != (sum(t.shape[0] for t in parts), parts[0].shape[1]):
+                        return False
+                    torch.cat(parts, out=dst)
+            if new is not None:
+                for name in ("o", "down"):
+                    dst, src = getattr(self, name), getattr(new, name)
+                    if dst.is_inference() or src.shape != dst.shape:
+                        return False
+                    dst.copy_(src)
+        self.eps = layer.input_layernorm.eps
+        return True
 
 
 def _rms_w(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -478,9 +525,11 @@ class Qwen3WithMTP(nn.Module):
         return RopeTable(cos=folded[0][idx].unsqueeze(2), sin_folded=folded[1][idx].unsqueeze(2))
 
     def decode_weights(self) -> list[DecodeWeights]:
-        """`DecodeWeights` of the trunk's layers, then the MTP layers'; rebuilt when a source
+        """`DecodeWeights` of the trunk's layers, then the MTP layers'; refreshed when a source
         parameter was written (its version counter) or given new storage, and on every call for
-        parameters created under inference mode (which keep no version counter)."""
+        parameters created under inference mode (which keep no version counter). A refresh writes
+        the existing copies in place where it can (`DecodeWeights.refresh`), so a captured forward
+        reads the new weights."""
         if self._fused is None:
             layers = [cast(DecoderLayer, m) for m in [*self.model.layers, *self.mtp.layers]]
             self._fused = ([], [t for layer in layers for t in DecodeWeights.sources(layer)], [])
@@ -492,8 +541,10 @@ class Qwen3WithMTP(nn.Module):
         except RuntimeError:  # an inference tensor has no version counter: rebuild every time
             now = []
         if not now or now != signature:
+            layers = [cast(DecoderLayer, m) for m in [*self.model.layers, *self.mtp.layers]]
             with torch.no_grad():
-                built[:] = [DecodeWeights.of(cast(DecoderLayer, m)) for m in [*self.model.layers, *self.mtp.layers]]
+                if not (len(built) == len(layers) and all(w.refresh(m) for w, m in zip(built, layers, strict=True))):
+                    built[:] = [DecodeWeights.of(m) for m in layers]
             signature[:] = now
         return built
 

@@ -72,6 +72,7 @@ def load_engine(
     max_context: int | None = None,
     kv_cache_gib: float | None = None,
     draft: Path | None = None,
+    compile: str = "auto",
 ) -> Engine:
     """The engine serving `model` (an Engine); click.ClickException when it cannot be built.
     spec_k "auto": automatic mode up to max_spec_k; `draft`: an EAGLE-3 draft directory beside it."""
@@ -89,6 +90,8 @@ def load_engine(
         options["kv_cache_bytes"] = int(kv_cache_gib * 2**30)
     if draft is not None:
         options["draft"] = draft
+    if compile != "auto":
+        options["compile"] = compile
     try:
         built = create_engine(
             engine,
@@ -166,6 +169,13 @@ _D = ServeConfig()
     type=click.FloatRange(0, min_open=True),
     default=_D.kv_cache_gib,
     help="GiB the torch engine's KV cache may take. Default: 90% of free GPU memory; no bound on CPU.",
+)
+@click.option(
+    "--compile",
+    type=click.Choice(["auto", "on", "off"]),
+    default=_D.compile,
+    show_default=True,
+    help="Torch engine: run decode forwards as CUDA graphs (on), eagerly (off), or on for CUDA devices only (auto).",
 )
 @click.option("--device", default=_D.device, show_default=True, help="torch device: cpu, cuda, cuda:1 ...")
 @click.option(
@@ -330,6 +340,7 @@ def run_sidecar(cfg: ServeConfig, token: str | None = None) -> None:
         max_context=cfg.max_context,
         kv_cache_gib=cfg.kv_cache_gib,
         draft=cfg.draft,
+        compile=cfg.compile,
     )
     try:
         sidecar = Sidecar(eng, config)

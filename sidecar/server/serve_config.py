@@ -40,6 +40,10 @@ class ServeConfig:
     kv_cache_gib: float | None = None
     """Most memory the torch engine's KV cache may take (None: 90% of the free memory on CUDA, no
     bound on CPU); fewer rows than max_batch_size fit → the batch is capped at what fits."""
+    compile: Literal["auto", "on", "off"] = "auto"
+    """How the torch engine runs a decode round's forwards: "on" at fixed shapes captured as CUDA
+    graphs (on a CPU run eagerly), "off" eagerly at the batch's own shapes, "auto" on for CUDA
+    devices and off on CPUs (where fixed shapes only add work)."""
     max_live_sequences: int = 4096
     device: str = "cpu"
     """torch device: cpu, cuda, cuda:1 ..."""
@@ -94,6 +98,10 @@ class ServeConfig:
             raise ValueError(f"max_context must be >= 2 or unset (the model's context), got {self.max_context}")
         if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
             raise ValueError(f"kv_cache_gib must be > 0 or unset, got {self.kv_cache_gib}")
+        if self.compile not in ("auto", "on", "off"):
+            raise ValueError(f"compile must be auto, on or off, got {self.compile!r}")
+        if self.compile != "auto" and self.engine != "torch":
+            raise ValueError("compile chooses how the torch engine runs its forwards; SGLang runs its own")
         if (self.max_context is not None or self.kv_cache_gib is not None) and self.engine != "torch":
             raise ValueError("max_context and kv_cache_gib size the torch engine's KV cache; SGLang sizes its own")
         if self.grace < 0:
