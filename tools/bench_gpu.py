@@ -179,25 +179,41 @@ def engine_part(args: argparse.Namespace, shape: str, device: torch.device, out:
             "bytes": read,
             "ms": 1e3 * read / out.reference["copy"]["bytes_per_s"],
         }
-    table = out.tables.setdefault(
-        shape,
-        {
-            "name": shape,
-            "device": out.meta["device"],
-            "source": f"tools/bench_gpu.py: TorchEngine, random bf16 weights, greedy, prompt {args.prompt}",
-            "date": out.meta["date"],
-            "model": cfg.to_hf_dict(),
-            "context_tokens": args.prompt + 3 * args.new_tokens // 4,
-            "rounds": [],
-            "prefill": [],
-            "request_seconds": 0.0,
-        },
-    )
-    engine = TorchEngine(model, speculation_k=0, max_speculation_k=max(args.ks), max_batch_size=max(args.batches))
+    tables = {}
+    for mode in args.compile:
+        name = shape if mode == args.compile[0] else f"{shape} compile={mode}"
+        tables[mode] = out.tables.setdefault(
+            name,
+            {
+                "name": name,
+                "device": out.meta["device"],
+                "source": f"tools/bench_gpu.py: TorchEngine (compile={mode}), random bf16 weights, greedy, "
+                f"prompt {args.prompt}",
+                "date": out.meta["date"],
+                "model": cfg.to_hf_dict(),
+                "context_tokens": args.prompt + 3 * args.new_tokens // 4,
+                "rounds": [],
+                "prefill": [],
+                "request_seconds": 0.0,
+            },
+        )
+    # One engine per compile mode over the same weights; KV rows just long enough for the runs, so
+    # that two engines' caches fit beside an 8B model.
+    engines = {
+        mode: TorchEngine(
+            model,
+            speculation_k=0,
+            max_speculation_k=max(args.ks),
+            max_batch_size=max(args.batches),
+            max_context=args.prompt + args.new_tokens + 8,
+            compile=mode,
+        )
+        for mode in args.compile
+    }
     gen = torch.Generator().manual_seed(1)
     short = max(args.new_tokens // 2, 2)
 
-    def run(prompts: list[list[int]], k: int, new: int) -> tuple[float, int, float]:
+    def run(engine: TorchEngine, prompts: list[list[int]], k: int, new: int) -> tuple[float, int, float]:
         """Seconds, decode rounds and accepted fraction of drafts of one generation."""
         before = engine.stats()[-1].counters
         drafted0, accepted0 = before.drafted_tokens, before.accepted_tokens
@@ -221,31 +237,38 @@ def engine_part(args: argparse.Namespace, shape: str, device: torch.device, out:
         prompts = torch.randint(0, cfg.vocab_size, (batch, args.prompt), generator=gen).tolist()
         if part.over(f"batch {batch} and beyond"):
             break
-        run(prompts, max(args.ks), 4)  # warm up this batch size's shapes
-        samples: dict[int, list[float]] = {k: [] for k in args.ks}
-        prefills: list[float] = []
-        accepted: dict[int, float] = {}
-        for _ in range(args.repeats):
-            if part.over(f"batch {batch}: repeats after {len(prefills)}"):
-                break
-            prefills.append(run(prompts, 0, 1)[0])
+        for mode, engine in engines.items():  # warm up (and capture) this batch size's shapes
+            captured, t = engine._forwards.captured, time.monotonic()
             for k in args.ks:
-                long_s, long_r, acc = run(prompts, k, args.new_tokens)
-                short_s, short_r, _ = run(prompts, k, short)
-                if long_r > short_r:
-                    samples[k].append((long_s - short_s) / (long_r - short_r))
-                accepted[k] = acc
-        for k, xs in samples.items():
+                run(engine, prompts, k, 4)
+            out.log({"part": part.name, "batch": batch, "compile": mode, "warmup_s": round(time.monotonic() - t, 3),
+                     "graphs_captured": engine._forwards.captured - captured})  # fmt: skip
+        samples: dict[tuple[str, int], list[float]] = {(m, k): [] for m in engines for k in args.ks}
+        prefills: dict[str, list[float]] = {m: [] for m in engines}
+        accepted: dict[tuple[str, int], float] = {}
+        for rep in range(args.repeats):
+            if part.over(f"batch {batch}: repeats after {rep}"):
+                break
+            for mode, engine in engines.items():
+                prefills[mode].append(run(engine, prompts, 0, 1)[0])
+                for k in args.ks:
+                    long_s, long_r, acc = run(engine, prompts, k, args.new_tokens)
+                    short_s, short_r, _ = run(engine, prompts, k, short)
+                    if long_r > short_r:
+                        samples[(mode, k)].append((long_s - short_s) / (long_r - short_r))
+                    accepted[(mode, k)] = acc
+        for (mode, k), xs in samples.items():
             if not xs:
                 continue
             seconds = statistics.median(xs)
-            table["rounds"].append({"batch": batch, "k": k, "seconds": max(seconds, 1e-7), "samples": len(xs)})
-            out.log({"part": part.name, "batch": batch, "k": k, "round_ms": round(1e3 * seconds, 4),
-                     "accepted_fraction": round(accepted.get(k, 0.0), 3), "repeats": len(xs)})  # fmt: skip
-        if prefills:
-            table["prefill"].append(
-                {"rows": batch, "prompt_tokens": args.prompt, "seconds": statistics.median(prefills)}
-            )
+            tables[mode]["rounds"].append({"batch": batch, "k": k, "seconds": max(seconds, 1e-7), "samples": len(xs)})
+            out.log({"part": part.name, "compile": mode, "batch": batch, "k": k, "round_ms": round(1e3 * seconds, 4),
+                     "accepted_fraction": round(accepted.get((mode, k), 0.0), 3), "repeats": len(xs)})  # fmt: skip
+        for mode, xs in prefills.items():
+            if xs:
+                tables[mode]["prefill"].append(
+                    {"rows": batch, "prompt_tokens": args.prompt, "seconds": statistics.median(xs)}
+                )
         out.flush()
 
 
@@ -350,7 +373,8 @@ def summary(out: Output, args: argparse.Namespace) -> None:
         lines.append(f"device copy: {copy['bytes_per_s'] / 1e12:.3f} TB/s ({args.copy_mib} MiB)")
     lines += ["", "| shape | B | " + " | ".join(f"k={k} round ms" for k in args.ks) + " | HF eager ms | SGLang ms | weight-read limit ms |",
               "|---|---|" + "---|" * (len(args.ks) + 3)]  # fmt: skip
-    for shape, table in out.tables.items():
+    for name, table in out.tables.items():
+        shape = name.split(" compile=")[0]
         cells = {(r["batch"], r["k"]): r["seconds"] for r in table["rounds"]}
         for b in sorted({r["batch"] for r in table["rounds"]}):
             ks = " | ".join(f"{1e3 * cells[(b, k)]:.3f}" if (b, k) in cells else "—" for k in args.ks)
@@ -358,7 +382,7 @@ def summary(out: Output, args: argparse.Namespace) -> None:
             sg = out.reference["sglang"].get(shape, {}).get(str(b), {}).get("step_ms")
             lim = out.reference["weight_read_limit_ms"].get(shape, {}).get("ms") if b == min(args.batches) else None
             fmt = lambda v: "—" if v is None else f"{v:.3f}"  # noqa: E731
-            lines.append(f"| {shape} | {b} | {ks} | {fmt(hf)} | {fmt(sg)} | {fmt(lim)} |")
+            lines.append(f"| {name} | {b} | {ks} | {fmt(hf)} | {fmt(sg)} | {fmt(lim)} |")
     if out.skipped:
         lines += ["", "skipped:"] + [f"- {s}" for s in out.skipped]
     (out.out / "summary.md").write_text("\n".join(lines) + "\n")
@@ -378,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--copy-mib", type=int, default=1024)
     ap.add_argument("--part-s", type=float, default=80.0, help="time limit of each part (seconds)")
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--compile", default="auto",
+                    help="engine compile modes, side by side (e.g. on,off); the first one's table is named by the shape")  # fmt: skip
     args = ap.parse_args(argv)
     if problem := device_problem(args.device):
         ap.error(problem)
@@ -386,6 +412,9 @@ def main(argv: list[str] | None = None) -> int:
         args.prompt, args.new_tokens, args.repeats, args.copy_mib = 8, 8, 1, 8
     args.batches = [int(b) for b in args.batches.split(",")]
     args.ks = [int(k) for k in args.ks.split(",")]
+    args.compile = args.compile.split(",")
+    if bad := [m for m in args.compile if m not in ("auto", "on", "off")]:
+        ap.error(f"--compile takes auto, on, off; got {bad}")
     if 0 not in args.ks:
         ap.error("--ks must include 0: plain decoding is the baseline of a cost table")
     shapes = args.shapes.split(",")

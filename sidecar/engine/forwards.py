@@ -123,7 +123,11 @@ class FixedShapeForwards(Forwards):
             return hidden, states, drafter.model.logits(hidden).float()
 
         out = self._run(
-            ("target", id(cache), rows, s, read), forward, _pad_rows(tokens, rows), self._lengths(cache, rows)
+            ("target", id(cache), rows, s, read),
+            forward,
+            _pad_rows(tokens, rows),
+            self._lengths(cache, rows),
+            borrowed=1,  # the logits are read within the round, before any other replay
         )
         cache.commit_counts(num_new)
         hidden, states, logits = (t[:b] for t in out)
@@ -173,8 +177,15 @@ class FixedShapeForwards(Forwards):
         return torch.tensor(lengths, dtype=torch.int64).to(cache.device, non_blocking=True)
 
     def _run(
-        self, key: tuple[object, ...], forward: Callable[..., tuple[Tensor, ...]], *inputs: Tensor
+        self,
+        key: tuple[object, ...],
+        forward: Callable[..., tuple[Tensor, ...]],
+        *inputs: Tensor,
+        borrowed: int = 0,
     ) -> tuple[Tensor, ...]:
+        """`forward(*inputs)`, replayed from its graph when capturing. Outputs are copied out of
+        the graphs' shared memory pool (the next replay of any graph may overwrite it), except the
+        last `borrowed` ones: those stay valid only until the next replay."""
         if not self.capture:
             return forward(*inputs)
         graph = self._graphs.get(key)
@@ -184,7 +195,12 @@ class FixedShapeForwards(Forwards):
             for dst, src in zip(graph.inputs, inputs, strict=True):
                 dst.copy_(src, non_blocking=True)
         graph.graph.replay()
-        return tuple(t.clone() for t in graph.outputs)  # the pool is overwritten by the next replay
+        n = len(graph.outputs) - borrowed
+        copies: dict[int, Tensor] = {}  # an output returned twice (MTP: hidden = draft inputs) is copied once
+        for t in graph.outputs[:n]:
+            if id(t) not in copies:
+                copies[id(t)] = t.clone()
+        return tuple(copies[id(t)] for t in graph.outputs[:n]) + graph.outputs[n:]
 
     def _capture(self, forward: Callable[..., tuple[Tensor, ...]], inputs: tuple[Tensor, ...]) -> _Graph:
         if self._pool is None:
@@ -196,7 +212,8 @@ class FixedShapeForwards(Forwards):
             forward(*static)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: a sidecar's other threads may use CUDA while this one captures
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             outputs = forward(*static)
         self.captured += 1
         return _Graph(graph=graph, inputs=static, outputs=outputs)

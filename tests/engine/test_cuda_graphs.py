@@ -1,0 +1,116 @@
+"""The round's forwards captured as CUDA graphs (compile="on" on a CUDA device) against oracles.
+
+Runs only where CUDA is (`pytest -m gpu`): CI has no GPU, and tests the same fixed-shape code
+eagerly on its CPU (tests/engine/test_fixed_shape_forwards.py). Oracles: the plain full forward
+decoding one token at a time (greedy), the same engine eager (compile="off": sampled tokens and
+log-probs), a request run alone (rows joining and leaving a running batch), and the plain forward
+of the pushed weights after a weight push — copying (the graphs read the same storages) and
+adopting (new storages: the graphs must be recaptured, never replayed over the old weights).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_fixtures import aligned_draft_model, aligned_eagle3, eagle3_target
+from test_static_engine import oracle_greedy
+
+from sidecar.engine.torch_engine import TorchEngine
+from sidecar.model.checkpoint import model_state_dict
+from sidecar.model.eagle3 import build_eagle3
+from sidecar.model.model import ModelConfig, Qwen3WithMTP, build_model
+from sidecar.types import GenerationRequest, SamplingParams, WeightSelector
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+PROMPTS = [[1, 2, 3], [5], [7, 8, 9, 10, 11, 12, 13], [4, 4]]
+NEW = 14
+
+
+def on_cuda(model: Qwen3WithMTP) -> Qwen3WithMTP:
+    cuda = build_model(model.config, device="cuda")
+    cuda.load_state_dict(model_state_dict(model))
+    return cuda
+
+
+@pytest.fixture(scope="module")
+def aligned() -> Qwen3WithMTP:
+    return aligned_draft_model(ModelConfig.tiny(), seed=2)
+
+
+def generate(engine: TorchEngine, k: int, temperature: float = 0.0) -> list[tuple[list[int], list[float]]]:
+    req = GenerationRequest(
+        prompts=PROMPTS,
+        sampling=SamplingParams(temperature=temperature, max_new_tokens=NEW, seed=7),
+        speculation_k=k,
+        samples_per_prompt=2 if temperature else 1,
+    )
+    return [(s.token_ids, s.logprobs) for s in engine.generate(req)]
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_captured_greedy_equals_eager_and_the_plain_forward(aligned: Qwen3WithMTP, k: int) -> None:
+    model = on_cuda(aligned)
+    graphs = TorchEngine(model, speculation_k=k, compile="on")
+    got = generate(graphs, k)
+    captured = graphs._forwards.captured
+    assert captured > 0  # the rounds ran as graphs
+    assert [t for t, _ in got] == [t for t, _ in generate(TorchEngine(model, compile="off"), k)]
+    assert [t for t, _ in got] == [oracle_greedy(aligned, p, NEW) for p in PROMPTS]
+    again = generate(graphs, k)
+    assert again == got and graphs._forwards.captured == captured  # the same shapes replay, nothing recaptured
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_captured_sampling_equals_eager(aligned: Qwen3WithMTP, k: int) -> None:
+    model = on_cuda(aligned)
+    graphs = generate(TorchEngine(model, compile="on"), k, temperature=1.0)
+    eager = generate(TorchEngine(model, compile="off"), k, temperature=1.0)
+    assert [t for t, _ in graphs] == [t for t, _ in eager]
+    for (_, a), (_, b) in zip(graphs, eager, strict=True):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=0)
+
+
+def test_rows_joining_a_captured_batch_decode_as_alone(aligned: Qwen3WithMTP) -> None:
+    model = on_cuda(aligned)
+    engine = TorchEngine(model, speculation_k=3, compile="on")
+    sp = SamplingParams(temperature=0.0, max_new_tokens=NEW)
+    engine.submit(GenerationRequest(prompts=PROMPTS[:2], sampling=sp, speculation_k=3, request_id="a"))
+    out = engine.step() + engine.step()
+    engine.submit(GenerationRequest(prompts=PROMPTS[2:], sampling=sp, speculation_k=1, request_id="b"))
+    while engine.has_work():
+        out += engine.step()
+    got = {(s.request_id, s.prompt_index): s.token_ids for s in out}
+    want = {("a", i): oracle_greedy(aligned, p, NEW) for i, p in enumerate(PROMPTS[:2])}
+    want |= {("b", i): oracle_greedy(aligned, p, NEW) for i, p in enumerate(PROMPTS[2:])}
+    assert got == want
+
+
+@pytest.mark.parametrize("adopt", [False, True])
+@pytest.mark.parametrize("k", [0, 3])
+def test_push_then_generate_on_captured_graphs_equals_the_pushed_oracle(adopt: bool, k: int) -> None:
+    old, new = build_model(ModelConfig.tiny(), seed=31), build_model(ModelConfig.tiny(), seed=32)
+    engine = TorchEngine(on_cuda(old), speculation_k=k, compile="on")
+    before = generate(engine, k)
+    captured = engine._forwards.captured
+    tensors = {n: t.to("cuda").clone() for n, t in model_state_dict(new).items()}
+    if adopt:
+        engine.adopt_weights(tensors, WeightSelector.ALL, version=1)
+    else:
+        engine.update_weights(tensors, WeightSelector.ALL, version=1)
+    after = [t for t, _ in generate(engine, k)]
+    assert after == [oracle_greedy(new, p, NEW) for p in PROMPTS]
+    assert after != [t for t, _ in before]
+    if adopt:  # new storages: every graph was dropped and captured again
+        assert engine._forwards.captured > captured
+
+
+def test_captured_rounds_with_an_eagle3_draft_equal_the_plain_forward() -> None:
+    target = eagle3_target()
+    draft = aligned_eagle3(target)
+    cuda_draft = build_eagle3(draft.config, device="cuda")
+    cuda_draft.load_state_dict(draft.state_dict())
+    engine = TorchEngine(on_cuda(target), speculation_k=3, draft=cuda_draft, compile="on")
+    got = [t for t, _ in generate(engine, 3)]
+    assert engine._forwards.captured > 0 and engine.stats()[-1].counters.acceptance_rate > 0.5
+    assert got == [oracle_greedy(target, p, NEW) for p in PROMPTS]
