@@ -22,7 +22,6 @@ import torch
 from torch import Tensor
 
 from sidecar.engine.drafters import Drafter
-from sidecar.engine.forwards import Forwards
 from sidecar.engine.rows import BatchTensors, round_outcome
 from sidecar.engine.sampling import AcceptanceRule, reported_logprobs
 from sidecar.engine.speculative import DraftInput, VerifyInput, draft, verify
@@ -73,7 +72,6 @@ def decode_round(
     accept: AcceptanceRule,
     drafted: Callable[[], None] | None = None,  # called between draft and verify (the controller's clock)
     drafter: Drafter | None = None,  # the draft kind; default the model's MTP layers
-    fw: Forwards | None = None,  # how the cached forwards run (`forwards`); default eagerly
 ) -> RoundOutput:
     drafter = drafter if drafter is not None else Drafter(model)
     b, k, dev = inp.last.shape[0], inp.kmax, inp.last.device
@@ -95,7 +93,6 @@ def decode_round(
                 uniforms=u[:, :k],
             ),
             rows,
-            fw,
         )
         draft_tokens, q = out.tokens, out.probs
         verify_tokens = torch.cat([inp.last[:, None], draft_tokens], dim=1)
@@ -105,10 +102,27 @@ def decode_round(
         verify_tokens = inp.last[:, None]
     if drafted is not None:
         drafted()
-    vout = verify(drafter, cache, VerifyInput(tokens=verify_tokens, num_new=inp.num_new), rows, fw)
-    acc = accept(draft_tokens, q, vout.probs, inp.num_draft, u[:, k : 2 * k], u[:, 2 * k])
-    emitted = torch.cat([draft_tokens, inp.last.new_zeros(b, 1)], dim=1)
-    emitted.scatter_(1, acc.num_accepted[:, None], acc.next_token[:, None])
-    logprobs = reported_logprobs(vout.logits, emitted, rows)
-    packed = round_outcome(batch, emitted, logprobs, acc.num_accepted, inp.out_len)
+    vout = verify(drafter, cache, VerifyInput(tokens=verify_tokens, num_new=inp.num_new), rows)
+    packed = accept_round(batch, accept, draft_tokens, q, vout.logits, vout.probs, inp.num_draft, inp.out_len, u)
     return RoundOutput(packed=packed, hidden=vout.states)
+
+
+def accept_round(
+    batch: BatchTensors,
+    accept: AcceptanceRule,
+    draft_tokens: Tensor,  # (B, k)
+    q: Tensor,  # (B, k, V) the draft distributions
+    logits: Tensor,  # (B, k + 1, V) float32 target logits at the verified positions
+    probs: Tensor,  # (B, k + 1, V) their filtered distributions p
+    num_draft: Tensor,  # (B,)
+    out_len: Tensor,  # (B,)
+    u: Tensor,  # (B, 2k + 1) the round's uniforms
+) -> Tensor:  # (B, 2(k + 1) + 3) the packed result (`rows.round_outcome`)
+    """Accept or reject the drafts, emit the tokens and their log-probs: the round's tail, the same
+    whether its forwards ran at the batch's own shapes or at fixed ones (`fixed_round`)."""
+    b, k = draft_tokens.shape
+    acc = accept(draft_tokens, q, probs, num_draft, u[:, k : 2 * k], u[:, 2 * k])
+    emitted = torch.cat([draft_tokens, draft_tokens.new_zeros(b, 1)], dim=1)
+    emitted.scatter_(1, acc.num_accepted[:, None], acc.next_token[:, None])
+    logprobs = reported_logprobs(logits, emitted, batch.rows)
+    return round_outcome(batch, emitted, logprobs, acc.num_accepted, out_len)

@@ -34,9 +34,8 @@ import torch
 from torch import Tensor
 
 from sidecar.engine.drafters import Drafter
-from sidecar.engine.forwards import Forwards
 from sidecar.engine.sampling import RowSampling, filtered_probs, sample_from
-from sidecar.model.kv_cache import KVCache
+from sidecar.model.kv_cache import KVCache, upload
 
 
 @dataclass(kw_only=True, slots=True)
@@ -96,18 +95,17 @@ def draft(
     caches: list[KVCache],  # one per MTP layer, rows aligned with the batch
     inp: DraftInput,
     rows: RowSampling,
-    fw: Forwards | None = None,  # how the cached forwards run (default eagerly)
 ) -> DraftOutput:
     """Refresh the MTP caches on confirmed positions, then chain-draft K tokens per row."""
-    fw = fw if fw is not None else Forwards()
     b, k = inp.uniforms.shape
+    width = max(max(inp.num_refresh), 1)
     batch = torch.arange(b, device=inp.uniforms.device)
-    last = torch.tensor([max(n - 1, 0) for n in inp.num_refresh], device=inp.uniforms.device)
+    last = upload([max(n - 1, 0) for n in inp.num_refresh], inp.uniforms.device)
     out0: Tensor | None = None
     for j, cache in enumerate(caches):
-        out = fw.draft(
-            drafter, j, cache, inp.refresh_tokens, inp.refresh_hidden, inp.num_refresh, inp.refresh_positions + 1
-        )
+        plan = cache.plan(inp.num_refresh, width=width)
+        out = drafter.step(j, inp.refresh_tokens, inp.refresh_hidden, cache, plan, inp.refresh_positions + 1)
+        cache.commit(plan)
         if j == 0:
             out0 = out
     assert out0 is not None
@@ -118,8 +116,10 @@ def draft(
     tokens, probs = [token], [q]
     for d in range(1, k):
         j = min(d, len(caches) - 1)
+        plan = caches[j].plan([1] * b, width=1)
         rope = (inp.next_position + d)[:, None]  # (B, 1): MTP position t = n-2+d, rotary t+1
-        g = fw.draft(drafter, j, caches[j], token[:, None], g[:, None], [1] * b, rope)[:, 0]
+        g = drafter.step(j, token[:, None], g[:, None], caches[j], plan, rope)[:, 0]
+        caches[j].commit(plan)
         q = filtered_probs(drafter.head(j, g), rows)
         token = sample_from(q, inp.uniforms[:, d])
         tokens.append(token)
@@ -134,9 +134,10 @@ def verify(
     cache: KVCache,  # the target's cache; on return rows hold num_new more positions
     inp: VerifyInput,
     rows: RowSampling,
-    fw: Forwards | None = None,  # how the cached forward runs (default eagerly)
 ) -> VerifyOutput:
     """One target forward over each row's last token and its drafts."""
-    fw = fw if fw is not None else Forwards()
-    hidden, states, logits = fw.target(drafter, cache, inp.tokens, inp.num_new)
+    plan = cache.plan(inp.num_new, width=inp.tokens.shape[1])
+    hidden, states = drafter.target_step(inp.tokens, cache, plan)
+    cache.commit(plan)
+    logits = drafter.model.logits(hidden).float()
     return VerifyOutput(hidden=hidden, states=states, logits=logits, probs=filtered_probs(logits, rows))

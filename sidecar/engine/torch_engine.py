@@ -53,7 +53,7 @@ from sidecar.engine import counter_rng
 from sidecar.engine.base import Engine
 from sidecar.engine.decode_round import RoundInput, decode_round
 from sidecar.engine.drafters import make_drafter
-from sidecar.engine.forwards import make_forwards
+from sidecar.engine.round_graphs import make_rounds
 from sidecar.engine.rows import (
     CATCH_UP_POSITIONS,
     REASON_LENGTH,
@@ -182,7 +182,7 @@ class TorchEngine(Engine):
         self._mtp_caches = [self.drafter.new_cache(0, slots, max_batch=rows) for _ in range(self.num_mtp)]
         self._batch: BatchTensors | None = None
         self._round = decode_round  # the round's device work (a test swaps in its traced form)
-        self._forwards = make_forwards(compile, self.device)
+        self._rounds = make_rounds(compile, self.device)  # None: `decode_round` at the batch's shapes
         self.compile = compile
 
     def _slots_per_row(self) -> int:  # a row's context and the scratch columns a verify writes past it
@@ -540,18 +540,28 @@ class TorchEngine(Engine):
             drafted_at = self._clock()
 
         old_lengths = list(self._cache.lengths)
-        self._forwards.check_weights(self._read_tensors())
-        out = self._round(
-            self.model,
-            self._cache,
-            self._mtp_caches,
-            batch,
-            inp,
-            self._acceptance_rule,
-            drafted if policy is not None else None,
-            self.drafter,
-            self._forwards,
-        )
+        if self._rounds is None:
+            out = self._round(
+                self.model,
+                self._cache,
+                self._mtp_caches,
+                batch,
+                inp,
+                self._acceptance_rule,
+                drafted if policy is not None else None,
+                self.drafter,
+            )
+        else:
+            self._rounds.check_weights(self._read_tensors())
+            out = self._rounds.run(
+                self.drafter,
+                self._cache,
+                self._mtp_caches,
+                batch,
+                inp,
+                self._acceptance_rule,
+                drafted if policy is not None else None,
+            )
         packed = out.packed.tolist()  # the one host copy
 
         finished, keep = [], []

@@ -128,7 +128,7 @@ class KVCache:
         s = max(s, 1)
         kv_len = (max(self.lengths) if self.lengths else 0) + s
         self._grow(kv_len)
-        lengths = torch.tensor(self.lengths, dtype=torch.int64, device=self.device)  # (B,)
+        lengths = upload(self.lengths, self.device)  # (B,)
         offsets = torch.arange(s, device=self.device)  # (S,)
         positions = lengths[:, None] + offsets[None, :]  # (B, S)
         uniform = len(set(self.lengths)) <= 1
@@ -283,6 +283,16 @@ class KVCache:
     def nbytes(self) -> int:
         """Bytes of the storage (a static cache's whole allocation)."""
         return self._k.numel() * self._k.element_size() * 2
+
+
+def upload(values: list[int], device: torch.device) -> Tensor:
+    """Host ints as an int64 tensor on `device`. On CUDA through pinned memory, asynchronously: a
+    copy from ordinary (pageable) memory waits for the device to finish all the work queued before
+    it, so one in the middle of a round would stall the host there every forward."""
+    t = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def rows_within_budget(*, wanted: int, row_bytes: int, slots: int, budget: int | None, device: torch.device) -> int:

@@ -53,12 +53,12 @@ def test_captured_greedy_equals_eager_and_the_plain_forward(aligned: Qwen3WithMT
     model = on_cuda(aligned)
     graphs = TorchEngine(model, speculation_k=k, compile="on")
     got = generate(graphs, k)
-    captured = graphs._forwards.captured
+    captured = graphs._rounds.captured
     assert captured > 0  # the rounds ran as graphs
     assert [t for t, _ in got] == [t for t, _ in generate(TorchEngine(model, compile="off"), k)]
     assert [t for t, _ in got] == [oracle_greedy(aligned, p, NEW) for p in PROMPTS]
     again = generate(graphs, k)
-    assert again == got and graphs._forwards.captured == captured  # the same shapes replay, nothing recaptured
+    assert again == got and graphs._rounds.captured == captured  # the same shapes replay, nothing recaptured
 
 
 @pytest.mark.parametrize("k", [0, 3])
@@ -92,7 +92,7 @@ def test_push_then_generate_on_captured_graphs_equals_the_pushed_oracle(adopt: b
     old, new = build_model(ModelConfig.tiny(), seed=31), build_model(ModelConfig.tiny(), seed=32)
     engine = TorchEngine(on_cuda(old), speculation_k=k, compile="on")
     before = generate(engine, k)
-    captured = engine._forwards.captured
+    captured = engine._rounds.captured
     tensors = {n: t.to("cuda").clone() for n, t in model_state_dict(new).items()}
     if adopt:
         engine.adopt_weights(tensors, WeightSelector.ALL, version=1)
@@ -102,7 +102,7 @@ def test_push_then_generate_on_captured_graphs_equals_the_pushed_oracle(adopt: b
     assert after == [oracle_greedy(new, p, NEW) for p in PROMPTS]
     assert after != [t for t, _ in before]
     if adopt:  # new storages: every graph was dropped and captured again
-        assert engine._forwards.captured > captured
+        assert engine._rounds.captured > captured
 
 
 def test_captured_rounds_with_an_eagle3_draft_equal_the_plain_forward() -> None:
@@ -112,5 +112,5 @@ def test_captured_rounds_with_an_eagle3_draft_equal_the_plain_forward() -> None:
     cuda_draft.load_state_dict(draft.state_dict())
     engine = TorchEngine(on_cuda(target), speculation_k=3, draft=cuda_draft, compile="on")
     got = [t for t, _ in generate(engine, 3)]
-    assert engine._forwards.captured > 0 and engine.stats()[-1].counters.acceptance_rate > 0.5
+    assert engine._rounds.captured > 0 and engine.stats()[-1].counters.acceptance_rate > 0.5
     assert got == [oracle_greedy(target, p, NEW) for p in PROMPTS]

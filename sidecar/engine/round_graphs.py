@@ -1,0 +1,292 @@
+"""Decode rounds at fixed shapes, captured as CUDA graphs on CUDA devices (`compile: on`).
+
+Why: on a GPU an eager decode round is launch-bound — hundreds of small kernels, each costing the
+host more than the device — so a step took about as long at 0.6B parameters as at 8B
+(BENCHMARKS.md, "The engine on a GPU"). A CUDA graph replays a whole phase with one launch, but
+only a phase whose shapes and memory addresses never change: `fixed_round` is the round written
+that way, and `FixedRounds` runs it:
+
+- rows padded to a batch bucket (`batch_bucket`: 1, 2, 4, 8, then multiples of 8, as SGLang's
+  CUDA-graph runner pads); padded rows have length 0 and write only scratch slots of free cache
+  rows; per-row sampling settings of padded rows copy row 0's;
+- KV reads at bucketed widths (`read_bucket`: a power of two of at least `MIN_READ` slots);
+- two graphs a round, `draft_phase` and `verify_phase`, each captured the first time its shape
+  occurs (one warm-up run on a side stream, then the capture; both write the cache slots the
+  replay writes, with the same values); the verify graph reads the draft graph's outputs where
+  they are (its key holds the draft graph's), inputs are copied into each graph's own tensors and
+  outputs kept past the next replay are copied out of the shared memory pool;
+- the host side a replay cannot do (committing row lengths) done here after the replays.
+
+A graph reads the weights at the addresses it was captured with: `DecodeWeights.refresh` rewrites
+the fused copies in place and pushes copy into the parameters, and `check_weights` drops every
+graph when any weight's address changed anyway (a push that adopted new storage), so generation
+after a push always computes with the pushed weights.
+
+On a CPU the same fixed-shape rounds run eagerly (nothing to capture): that is how CI tests the
+code a GPU captures (`tests/engine/test_fixed_shape_forwards.py`). It is slower there than
+`decode_round` at the batch's own shapes, so `compile: auto` keeps CPUs on the eager path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from sidecar.engine.decode_round import RoundInput, RoundOutput
+from sidecar.engine.drafters import Drafter
+from sidecar.engine.fixed_round import FixedInput, FixedShape, draft_phase, verify_phase
+from sidecar.engine.rows import BatchTensors
+from sidecar.engine.sampling import AcceptanceRule, RowSampling
+from sidecar.model.kv_cache import KVCache, upload
+
+MIN_READ = 256
+"""Smallest KV read width of a fixed-shape forward (slots): contexts up to it share one graph."""
+
+COMPILE_MODES = ("auto", "on", "off")
+
+
+def batch_bucket(rows: int, max_batch: int) -> int:
+    """The rows a fixed-shape round of `rows` live rows runs: 1, 2, 4, 8, then the next multiple
+    of 8, never more than the cache's `max_batch`."""
+    bucket = 1 << max(rows - 1, 0).bit_length() if rows <= 8 else -(-rows // 8) * 8
+    return min(bucket, max_batch)
+
+
+def read_bucket(needed: int, capacity: int) -> int:
+    """The KV slots a fixed-shape forward reads when it needs `needed`: the next power of two of at
+    least MIN_READ, never more than the cache's capacity."""
+    return min(max(MIN_READ, 1 << max(needed - 1, 0).bit_length()), capacity)
+
+
+@dataclass(slots=True)
+class _Graph:
+    graph: Any  # torch.cuda.CUDAGraph
+    inputs: tuple[Tensor, ...]
+    outputs: tuple[Tensor, ...]
+
+
+class FixedRounds:
+    """Runs decode rounds at fixed shapes (see the module docstring); `capture`: as CUDA graphs
+    (CUDA devices only), else eagerly."""
+
+    def __init__(self, *, capture: bool) -> None:
+        self.capture = capture
+        self._graphs: dict[tuple[object, ...], _Graph] = {}
+        self._pool: Any = None  # one memory pool for all graphs (replays never overlap)
+        self._signature: list[int] = []
+        self._padded: tuple[int, int, BatchTensors] | None = None  # (id of the batch, rows, its padded form)
+        self.captured = 0
+        """Graphs captured so far (first occurrences of shapes, and recaptures after new weight storage)."""
+
+    def run(
+        self,
+        drafter: Drafter,
+        cache: KVCache,  # the target's (static)
+        draft_caches: list[KVCache],
+        batch: BatchTensors,
+        inp: RoundInput,
+        accept: AcceptanceRule,
+        drafted: Callable[[], None] | None = None,  # called between the phases (the controller's clock)
+    ) -> RoundOutput:
+        """`decode_round` of the same inputs: on return the target cache holds each row's k + 1
+        verified positions and each draft cache its refreshed ones (the engine rolls back)."""
+        b, k = inp.last.shape[0], inp.kmax
+        num_refresh = inp.num_refresh if k > 0 and inp.num_refresh is not None else [0] * b
+        width = max(num_refresh) if k > 0 else 0
+        rows = batch_bucket(b, cache.max_batch)
+        read_draft = 0
+        if k > 0:
+            needed = max(max(c.lengths) for c in draft_caches) + width + k
+            read_draft = read_bucket(needed, draft_caches[0].capacity)
+        shape = FixedShape(
+            rows=rows,
+            k=k,
+            width=width,
+            read_draft=read_draft,
+            read_target=read_bucket(max(cache.lengths) + k + 1, cache.capacity),
+        )
+        fixed = self._input(inp, cache, draft_caches if k > 0 else [], num_refresh, shape)
+        padded = self._pad_batch(batch, rows)
+        flags = (padded.rows.any_greedy, padded.rows.any_top_k, padded.rows.any_top_p, padded.rows.any_processed)
+        batch_inputs = _tensors(padded)
+        draft_key = ("draft", id(drafter), shape, flags)
+        draft_inputs = (*_tensors(fixed), *batch_inputs)
+
+        def draft_fn(*t: Tensor) -> tuple[Tensor, ...]:
+            return draft_phase(drafter, draft_caches, _batch_of(t[-len(batch_inputs) :], padded), _input_of(t), shape)
+
+        drafts, q, u = self._run(draft_key, draft_fn, draft_inputs, by_reference=(), keep=())
+        if drafted is not None:
+            drafted()
+
+        def verify_fn(*t: Tensor) -> tuple[Tensor, ...]:
+            d, qq, uu = t[:3]
+            rest = t[3:]
+            return verify_phase(
+                drafter, cache, _batch_of(rest[-len(batch_inputs) :], padded), _input_of(rest), shape, accept, d, qq, uu
+            )
+
+        packed, states = self._run(
+            ("verify", draft_key, id(accept)), verify_fn, draft_inputs, by_reference=(drafts, q, u), keep=(1,)
+        )
+        cache.commit_counts(inp.num_new)
+        for c in draft_caches if k > 0 else []:
+            c.commit_counts(num_refresh)
+        return RoundOutput(packed=packed[:b], hidden=states[:b])
+
+    def check_weights(self, tensors: Iterable[Tensor]) -> None:
+        """Drop every captured graph when a tensor the rounds read has moved since they were captured."""
+        if not self.capture:
+            return
+        signature = [t.data_ptr() for t in tensors]
+        if signature != self._signature:
+            self._graphs.clear()
+            self._signature = signature
+
+    # ---- inputs --------------------------------------------------------------------------------
+    @staticmethod
+    def _input(
+        inp: RoundInput, cache: KVCache, draft_caches: list[KVCache], num_refresh: list[int], shape: FixedShape
+    ) -> FixedInput:
+        b, r, dev = inp.last.shape[0], shape.rows, inp.last.device
+        pad = [0] * (r - b)
+        # every host-known length in one upload: the target's, each draft cache's, the refresh counts
+        lengths = upload(
+            [*cache.lengths, *pad, *(n for c in draft_caches for n in [*c.lengths, *pad]), *num_refresh, *pad], dev
+        ).view(-1, r)
+        hidden_size = inp.refresh_hidden.shape[-1] if inp.refresh_hidden is not None else 1
+        dtype = inp.refresh_hidden.dtype if inp.refresh_hidden is not None else torch.float32
+        width = max(shape.width, 1)
+        return FixedInput(
+            out_len=_pad_rows(inp.out_len, r),
+            last=_pad_rows(inp.last, r),
+            num_draft=_pad_rows(inp.num_draft, r),
+            next_position=_pad_rows(inp.next_position, r),
+            target_lengths=lengths[0],
+            draft_lengths=lengths[1 : 1 + len(draft_caches)],
+            num_refresh=lengths[-1],
+            refresh_tokens=_pad_rows(inp.refresh_tokens, r)
+            if inp.refresh_tokens is not None
+            else torch.zeros(r, width, dtype=torch.int64, device=dev),
+            refresh_hidden=_pad_rows(inp.refresh_hidden, r)
+            if inp.refresh_hidden is not None
+            else torch.zeros(r, width, hidden_size, dtype=dtype, device=dev),
+            refresh_positions=_pad_rows(inp.refresh_positions, r)
+            if inp.refresh_positions is not None
+            else torch.zeros(r, width, dtype=torch.int64, device=dev),
+        )
+
+    def _pad_batch(self, batch: BatchTensors, rows: int) -> BatchTensors:
+        """`batch` with rows up to `rows` copying row 0's settings (built once per batch and bucket)."""
+        if self._padded is not None and self._padded[:2] == (id(batch), rows):
+            return self._padded[2]
+        b = batch.keys.shape[0]
+        index = torch.cat([torch.arange(b), torch.zeros(rows - b, dtype=torch.int64)]).to(batch.keys.device)
+        sampling = batch.rows
+        padded = BatchTensors(
+            rows=RowSampling(
+                **{f.name: getattr(sampling, f.name).index_select(0, index) for f in _ROW_TENSORS},
+                any_greedy=sampling.any_greedy,
+                any_top_k=sampling.any_top_k,
+                any_top_p=sampling.any_top_p,
+                any_processed=sampling.any_processed,
+            ),
+            keys=batch.keys.index_select(0, index),
+            stops=batch.stops.index_select(0, index),
+            max_new=batch.max_new.index_select(0, index),
+        )
+        self._padded = (id(batch), rows, padded)
+        return padded
+
+    # ---- capture and replay ----------------------------------------------------------------------
+    def _run(
+        self,
+        key: tuple[object, ...],
+        fn: Callable[..., tuple[Tensor, ...]],
+        inputs: tuple[Tensor, ...],
+        *,
+        by_reference: tuple[Tensor, ...],
+        keep: tuple[int, ...],
+    ) -> tuple[Tensor, ...]:
+        """`fn(*by_reference, *inputs)`, replayed from its graph when capturing. `by_reference`:
+        inputs at fixed addresses (another graph's outputs; the key must pin them), used as they
+        are. Outputs numbered in `keep` are copied out of the graphs' shared pool; the others are
+        valid only until the next replay."""
+        if not self.capture:
+            return fn(*by_reference, *inputs)
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._graphs[key] = self._capture(fn, by_reference, inputs)
+        else:
+            for dst, src in zip(graph.inputs, inputs, strict=True):
+                dst.copy_(src, non_blocking=True)
+        graph.graph.replay()
+        return tuple(t.clone() if i in keep else t for i, t in enumerate(graph.outputs))
+
+    def _capture(
+        self, fn: Callable[..., tuple[Tensor, ...]], by_reference: tuple[Tensor, ...], inputs: tuple[Tensor, ...]
+    ) -> _Graph:
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        static = tuple(t.clone() for t in inputs)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # lazy initialisation (cuBLAS workspaces, ...) outside the capture
+            fn(*by_reference, *static)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: a sidecar's other threads may use CUDA while this one captures
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            outputs = fn(*by_reference, *static)
+        self.captured += 1
+        return _Graph(graph=graph, inputs=static, outputs=tuple(outputs))
+
+
+_ROW_TENSORS = [f for f in fields(RowSampling) if not f.name.startswith("any_")]
+_INPUT_FIELDS = [f.name for f in fields(FixedInput)]
+
+
+def _tensors(x: FixedInput | BatchTensors) -> tuple[Tensor, ...]:
+    """A round's inputs as a flat tuple (the order `_input_of` / `_batch_of` read back)."""
+    if isinstance(x, FixedInput):
+        return tuple(getattr(x, n) for n in _INPUT_FIELDS)
+    return (*(getattr(x.rows, f.name) for f in _ROW_TENSORS), x.keys, x.stops, x.max_new)
+
+
+def _input_of(t: tuple[Tensor, ...]) -> FixedInput:
+    return FixedInput(**dict(zip(_INPUT_FIELDS, t[: len(_INPUT_FIELDS)], strict=True)))
+
+
+def _batch_of(t: tuple[Tensor, ...], like: BatchTensors) -> BatchTensors:
+    n = len(_ROW_TENSORS)
+    s = like.rows
+    rows = RowSampling(
+        **{f.name: v for f, v in zip(_ROW_TENSORS, t[:n], strict=True)},
+        any_greedy=s.any_greedy,
+        any_top_k=s.any_top_k,
+        any_top_p=s.any_top_p,
+        any_processed=s.any_processed,
+    )
+    return BatchTensors(rows=rows, keys=t[n], stops=t[n + 1], max_new=t[n + 2])
+
+
+def _pad_rows(t: Tensor, rows: int) -> Tensor:
+    """`t` (B, ...) with rows B..rows-1 added as zeros."""
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+
+def make_rounds(mode: str, device: torch.device) -> FixedRounds | None:
+    """The rounds of `compile` mode "on" (fixed shapes; CUDA graphs on CUDA), or None for "off"
+    (`decode_round` eagerly at the batch's own shapes) and for "auto" off CUDA (on a CPU the fixed
+    shapes only add work)."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
+    if mode == "off" or (mode == "auto" and device.type != "cuda"):
+        return None
+    return FixedRounds(capture=device.type == "cuda")
