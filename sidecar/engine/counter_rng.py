@@ -71,6 +71,7 @@ def round_words(positions: Tensor, k: int) -> Tensor:
     """(B,) output positions -> (B, 2k + 1) words of one round: k draft samples, k acceptance
     tests, the final token (the column layout the engine's round uses). `key_words` of each
     column, as one product and one sum."""
-    offsets = [ROLE_DRAFT * MAX_INDEX + i for i in range(k)] + [ROLE_ACCEPT * MAX_INDEX + i for i in range(k)]
-    offsets.append(ROLE_FINAL * MAX_INDEX)
-    return positions[:, None] * 256 + torch.tensor(offsets, dtype=torch.int64, device=positions.device)
+    i = torch.arange(k, dtype=torch.int64, device=positions.device)  # made on the device: no host copy
+    final = torch.full((1,), ROLE_FINAL * MAX_INDEX, dtype=torch.int64, device=positions.device)
+    offsets = torch.cat([ROLE_DRAFT * MAX_INDEX + i, ROLE_ACCEPT * MAX_INDEX + i, final])
+    return positions[:, None] * 256 + offsets

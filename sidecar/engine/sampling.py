@@ -92,7 +92,9 @@ def _filtered_scaled(logits: Tensor, rows: RowSampling) -> Tensor:
             mass_before = probs_sorted.cumsum(dim=-1) - probs_sorted
             top_p = _per_row(rows.top_p, logits)
             remove_sorted |= (mass_before >= top_p) & (top_p < 1.0)  # top_p = 1 never cuts (rounding)
-            remove_sorted[..., 0] = False  # the most likely token stays even if top_p rounds to 0 in float32
+            remove_sorted[..., 0].fill_(
+                False
+            )  # (no host scalar copied: capturable) the most likely token stays even if top_p rounds to 0 in float32
         remove = torch.zeros_like(remove_sorted).scatter(-1, sorted_idx, remove_sorted)
         scaled = scaled.masked_fill(remove, float("-inf"))
     return scaled
