@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from sidecar.model.kv_cache import AttentionPlan, KVCache
+from sidecar.model.kv_cache import AttentionPlan, KVCache, attend
 from sidecar.model.model import _DTYPES, MLP, ROPE_MARGIN, ModelConfig, Qwen3WithMTP, RMSNorm, _rms
 from yarn import RopeConfig, RotaryEmbedding, apply_rotary
 
@@ -239,11 +239,9 @@ class Eagle3Attention(nn.Module):
 
     def cached(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, plan: AttentionPlan) -> Tensor:
         """The same attention over new positions appended to a one-layer KV cache."""
-        b, s, _ = x.shape
         q, k, v = self._qkv(x, cos, sin)
         keys, values = cache.write_and_read(0, k, v, plan)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=plan.mask, enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+        return self.o_proj(attend(q, keys, values, plan))
 
 
 class Eagle3Layer(nn.Module):

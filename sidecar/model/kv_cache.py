@@ -21,9 +21,10 @@ rows by concatenation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -52,6 +53,11 @@ class AttentionPlan:
     values_out: tuple[Tensor, ...] = ()
     index: tuple[Tensor, Tensor] | None = None
     """(rows (B, 1), positions (B, S)): where a ragged forward (no common `start`) writes."""
+    grouped: bool = False
+    """Attend with each key/value head's query heads folded into its query rows (`attend`): one
+    attention kernel over the cache, no key/value copies per query head. Fixed-shape forwards."""
+    group_masks: dict[int, Tensor] = field(default_factory=dict)
+    """`mask` repeated for G query heads per key/value head, made once per forward (by `attend`)."""
 
 
 class KVCache:
@@ -193,6 +199,7 @@ class KVCache:
             keys_out=k5[:, :, :, :read].unbind(0),
             values_out=v5[:, :, :, :read].unbind(0),
             index=(torch.arange(r, device=self.device)[:, None], positions),
+            grouped=True,
         )
 
     def commit_counts(self, num_new: list[int]) -> None:
@@ -283,6 +290,31 @@ class KVCache:
     def nbytes(self) -> int:
         """Bytes of the storage (a static cache's whole allocation)."""
         return self._k.numel() * self._k.element_size() * 2
+
+
+def attend(
+    q: Tensor,  # (B, S, heads, head_dim) the new positions' queries
+    keys: Tensor,  # (B, kv_heads, T, head_dim) from `KVCache.write_and_read`
+    values: Tensor,
+    plan: AttentionPlan,
+) -> Tensor:  # (B, S, heads * head_dim)
+    """Grouped-query attention of new positions over the cached slots the plan reads (query head
+    i uses key/value head i // G, G = heads / kv_heads). A grouped plan folds each key/value head's
+    G query heads into its query rows — (B, kv_heads, G * S, head_dim) against the mask repeated G
+    times — so the attention is one kernel with no copies of keys and values per query head; the
+    arithmetic is the same (each query row meets the same keys, values and mask)."""
+    b, s, h, d = q.shape
+    kv = keys.shape[1]
+    if plan.grouped and plan.mask is not None and h != kv:
+        g = h // kv
+        mask = plan.group_masks.get(g)
+        if mask is None:
+            mask = plan.group_masks[g] = plan.mask.repeat(1, 1, g, 1)  # row j * S + s is query s
+        folded = q.view(b, s, kv, g, d).permute(0, 2, 3, 1, 4).reshape(b, kv, g * s, d)
+        out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask)
+        return out.view(b, kv, g, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, h * d)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=plan.mask, enable_gqa=True)
+    return out.transpose(1, 2).reshape(b, s, h * d)
 
 
 def upload(values: list[int], device: torch.device) -> Tensor:

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from sidecar.model.kv_cache import AttentionPlan, KVCache
+from sidecar.model.kv_cache import AttentionPlan, KVCache, attend
 from yarn import RopeConfig, RotaryEmbedding, apply_rotary
 
 ROPE_MARGIN = 72
@@ -236,9 +236,7 @@ class Attention(nn.Module):
         qkv = w.project(x, w.qkv).view(b, s, h + 2 * kv, d)
         qk = rope.rotate(_rms_w(qkv[:, :, : h + kv], w.qk_norm, w.eps))  # (B, S, h + kv, d)
         keys, values = cache.write_and_read(layer, qk[:, :, h:], qkv[:, :, h + kv :], plan)
-        q = qk[:, :, :h].transpose(1, 2)  # (B, h, S, d)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=plan.mask, enable_gqa=True)
-        return w.project(out.transpose(1, 2).reshape(b, s, h * d), w.o)
+        return w.project(attend(qk[:, :, :h], keys, values, plan), w.o)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -354,11 +352,10 @@ class DecodeWeights:
 
 
 def _rms_w(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """RMSNorm's operations with a given weight (the fused q/k table)."""
-    if x.dtype == torch.float32:
-        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-    x32 = x.float()
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    """RMSNorm with a given weight (the fused q/k table): normalised in float32 and rounded to x's
+    dtype by `F.rms_norm` (one fused kernel where torch has one), then the weight — `RMSNorm`'s
+    order of operations (Hugging Face's), in two kernels instead of six."""
+    return weight * F.rms_norm(x, (x.shape[-1],), None, eps)
 
 
 def _rms(x: Tensor, norm: RMSNorm) -> Tensor:
