@@ -78,7 +78,7 @@ class FixedRounds:
         self._graphs: dict[tuple[object, ...], _Graph] = {}
         self._pool: Any = None  # one memory pool for all graphs (replays never overlap)
         self._signature: list[int] = []
-        self._padded: tuple[int, int, BatchTensors] | None = None  # (id of the batch, rows, its padded form)
+        self._padded: tuple[BatchTensors, int, BatchTensors] | None = None  # (batch, rows, its padded form)
         self.captured = 0
         """Graphs captured so far (first occurrences of shapes, and recaptures after new weight storage)."""
 
@@ -113,7 +113,7 @@ class FixedRounds:
         padded = self._pad_batch(batch, rows)
         flags = (padded.rows.any_greedy, padded.rows.any_top_k, padded.rows.any_top_p, padded.rows.any_processed)
         batch_inputs = _tensors(padded)
-        draft_key = ("draft", id(drafter), shape, flags)
+        draft_key = ("draft", drafter, shape, flags)  # objects, not ids: the dict holds them
         draft_inputs = (*_tensors(fixed), *batch_inputs)
 
         def draft_fn(*t: Tensor) -> tuple[Tensor, ...]:
@@ -131,7 +131,7 @@ class FixedRounds:
             )
 
         packed, states = self._run(
-            ("verify", draft_key, id(accept)), verify_fn, draft_inputs, by_reference=(drafts, q, u), keep=(1,)
+            ("verify", draft_key, accept), verify_fn, draft_inputs, by_reference=(drafts, q, u), keep=(1,)
         )
         cache.commit_counts(inp.num_new)
         for c in draft_caches if k > 0 else []:
@@ -182,7 +182,9 @@ class FixedRounds:
 
     def _pad_batch(self, batch: BatchTensors, rows: int) -> BatchTensors:
         """`batch` with rows up to `rows` copying row 0's settings (built once per batch and bucket)."""
-        if self._padded is not None and self._padded[:2] == (id(batch), rows):
+        # held, not keyed by id(): a new batch may get a freed one's id (a stale max_new_tokens
+        # then let rows run past their budget: found on a GPU run)
+        if self._padded is not None and self._padded[0] is batch and self._padded[1] == rows:
             return self._padded[2]
         b = batch.keys.shape[0]
         index = torch.cat([torch.arange(b), torch.zeros(rows - b, dtype=torch.int64)]).to(batch.keys.device)
@@ -199,7 +201,7 @@ class FixedRounds:
             stops=batch.stops.index_select(0, index),
             max_new=batch.max_new.index_select(0, index),
         )
-        self._padded = (id(batch), rows, padded)
+        self._padded = (batch, rows, padded)
         return padded
 
     # ---- capture and replay ----------------------------------------------------------------------
