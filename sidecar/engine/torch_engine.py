@@ -183,6 +183,7 @@ class TorchEngine(Engine):
         self._batch: BatchTensors | None = None
         self._round = decode_round  # the round's device work (a test swaps in its traced form)
         self._rounds = make_rounds(compile, self.device)  # None: `decode_round` at the batch's shapes
+        self._parameters: list[torch.Tensor] | None = None  # `_read_tensors`' parameter objects
         self.compile = compile
 
     def _slots_per_row(self) -> int:  # a row's context and the scratch columns a verify writes past it
@@ -552,7 +553,8 @@ class TorchEngine(Engine):
                 self.drafter,
             )
         else:
-            self._rounds.check_weights(self._read_tensors())
+            if self._rounds.capture:
+                self._rounds.check_weights(self._read_tensors())
             out = self._rounds.run(
                 self.drafter,
                 self._cache,
@@ -617,9 +619,13 @@ class TorchEngine(Engine):
         return finished
 
     def _read_tensors(self) -> list[torch.Tensor]:
-        """Every tensor a round's forwards read (a captured graph holds their addresses)."""
+        """Every tensor a round's forwards read (a captured graph holds their addresses). The
+        parameter objects are listed once (walking the module tree cost ~6 us a module a round);
+        their addresses are read each round."""
+        if self._parameters is None:
+            self._parameters = [*self.model.parameters(), *self.drafter.pushed_parameters().values()]
         fused = [t for w in self.model.decode_weights() for t in w.tensors()]
-        return [*self.model.parameters(), *self.drafter.pushed_parameters().values(), *fused]
+        return [*self._parameters, *fused]
 
     @staticmethod
     def _row_state(s: Sequence) -> RowState:
