@@ -53,7 +53,7 @@ from sidecar.engine import counter_rng
 from sidecar.engine.base import Engine
 from sidecar.engine.decode_round import RoundInput, decode_round
 from sidecar.engine.drafters import make_drafter
-from sidecar.engine.round_graphs import make_rounds
+from sidecar.engine.round_graphs import batch_bucket, make_rounds
 from sidecar.engine.rows import (
     CATCH_UP_POSITIONS,
     REASON_LENGTH,
@@ -92,6 +92,7 @@ from sidecar.types import (
     GenerationRequest,
     ModelInfo,
     Sample,
+    SamplingParams,
     ScoreRequest,
     SpeculationStatus,
     TensorSpec,
@@ -185,6 +186,36 @@ class TorchEngine(Engine):
         self._rounds = make_rounds(compile, self.device)  # None: `decode_round` at the batch's shapes
         self._parameters: list[torch.Tensor] | None = None  # `_read_tensors`' parameter objects
         self.compile = compile
+
+    def warm_up(self, progress: Callable[[int, int], None] | None = None) -> int:
+        """Run a fixed-shape round at every batch bucket, plainly and at the default k, before
+        serving: on CUDA those shapes' graphs are captured here rather than in the first requests
+        that meet them (longer contexts, other k and refresh widths are captured when they first
+        occur). `progress(done, total)` after each shape; returns the graphs captured. The
+        warm-up's requests pin k (the controller learns nothing from them) and its tokens leave no
+        trace in the statistics. Nothing to do without fixed-shape rounds (`compile` off, or auto on
+        a CPU)."""
+        if self._rounds is None:
+            return 0
+        if self.has_work():
+            raise RuntimeError("warm_up runs before serving: the engine already has requests")
+        buckets = sorted({batch_bucket(b, self.max_batch_size) for b in range(1, self.max_batch_size + 1)})
+        shapes = [(b, k) for b in buckets for k in sorted({0, self._k})]
+        before = self._rounds.captured
+        for i, (rows, k) in enumerate(shapes):
+            self.generate(
+                GenerationRequest(
+                    prompts=[[0, 0]] * rows,
+                    sampling=SamplingParams(temperature=0.0, max_new_tokens=k + 2),
+                    speculation_k=k,
+                    request_id=f"warm-up-{rows}-{k}",
+                )
+            )
+            if progress is not None:
+                progress(i + 1, len(shapes))
+        self._stats = VersionLedger()
+        self._stats.serve(self._version)
+        return self._rounds.captured - before
 
     def _slots_per_row(self) -> int:  # a row's context and the scratch columns a verify writes past it
         return self.max_context + self.max_speculation_k + 2

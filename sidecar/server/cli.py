@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import sys
 import threading
+import time
 from pathlib import Path
 from types import FrameType
 
@@ -289,6 +291,29 @@ def resolve_serve_config(
     return cfg
 
 
+def warm_up(eng: Engine) -> None:
+    """Capture the engine's common decode shapes before serving (the torch engine with CUDA graphs;
+    nothing elsewhere), with a progress bar on stderr."""
+    run = getattr(eng, "warm_up", None)
+    if run is None:
+        return
+    from tqdm import tqdm
+
+    bar: tqdm | None = None
+
+    def progress(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=total, desc="warm-up: decode rounds", unit="shape", file=sys.stderr)
+        bar.update(done - bar.n)
+
+    started = time.perf_counter()
+    captured = run(progress)
+    if bar is not None:
+        bar.close()
+        log.info("warm-up: %d CUDA graphs captured in %.1f s", captured, time.perf_counter() - started)
+
+
 def run_sidecar(cfg: ServeConfig, token: str | None = None) -> None:
     """Serve `cfg.model` until SIGTERM/SIGINT."""
     assert cfg.model is not None
@@ -342,6 +367,7 @@ def run_sidecar(cfg: ServeConfig, token: str | None = None) -> None:
         draft=cfg.draft,
         compile=cfg.compile,
     )
+    warm_up(eng)
     try:
         sidecar = Sidecar(eng, config)
     except OSError as e:
