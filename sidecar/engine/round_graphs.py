@@ -73,8 +73,11 @@ class FixedRounds:
     """Runs decode rounds at fixed shapes (see the module docstring); `capture`: as CUDA graphs
     (CUDA devices only), else eagerly."""
 
-    def __init__(self, *, capture: bool) -> None:
+    def __init__(self, *, capture: bool, device: torch.device | None = None) -> None:
         self.capture = capture
+        self.device = device
+        """The CUDA device the graphs run on (captures and replays run with it current: a sidecar
+        serving cuda:1 must not capture on cuda:0's streams)."""
         self._graphs: dict[tuple[object, ...], _Graph] = {}
         self._pool: Any = None  # one memory pool for all graphs (replays never overlap)
         self._signature: list[int] = []
@@ -220,14 +223,15 @@ class FixedRounds:
         valid only until the next replay."""
         if not self.capture:
             return fn(*by_reference, *inputs)
-        graph = self._graphs.get(key)
-        if graph is None:
-            graph = self._graphs[key] = self._capture(fn, by_reference, inputs)
-        else:
-            for dst, src in zip(graph.inputs, inputs, strict=True):
-                dst.copy_(src, non_blocking=True)
-        graph.graph.replay()
-        return tuple(t.clone() if i in keep else t for i, t in enumerate(graph.outputs))
+        with torch.cuda.device(self.device):
+            graph = self._graphs.get(key)
+            if graph is None:
+                graph = self._graphs[key] = self._capture(fn, by_reference, inputs)
+            else:
+                for dst, src in zip(graph.inputs, inputs, strict=True):
+                    dst.copy_(src, non_blocking=True)
+            graph.graph.replay()
+            return tuple(t.clone() if i in keep else t for i, t in enumerate(graph.outputs))
 
     def _capture(
         self, fn: Callable[..., tuple[Tensor, ...]], by_reference: tuple[Tensor, ...], inputs: tuple[Tensor, ...]
@@ -291,4 +295,4 @@ def make_rounds(mode: str, device: torch.device) -> FixedRounds | None:
         raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
     if mode == "off" or (mode == "auto" and device.type != "cuda"):
         return None
-    return FixedRounds(capture=device.type == "cuda")
+    return FixedRounds(capture=device.type == "cuda", device=device if device.type == "cuda" else None)

@@ -114,3 +114,12 @@ def test_captured_rounds_with_an_eagle3_draft_equal_the_plain_forward() -> None:
     got = [t for t, _ in generate(engine, 3)]
     assert engine._rounds.captured > 0 and engine.stats()[-1].counters.acceptance_rate > 0.5
     assert got == [oracle_greedy(target, p, NEW) for p in PROMPTS]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second CUDA device")
+def test_graphs_on_a_second_device_equal_the_plain_forward(aligned: Qwen3WithMTP) -> None:
+    """A sidecar serving cuda:1 while cuda:0 is the current device captures on cuda:1's streams."""
+    model = build_model(aligned.config, device="cuda:1")
+    model.load_state_dict(model_state_dict(aligned))
+    engine = TorchEngine(model, speculation_k=3, compile="on")
+    assert [t for t, _ in generate(engine, 3)] == [oracle_greedy(aligned, p, NEW) for p in PROMPTS]
