@@ -43,7 +43,7 @@ import dataclasses
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -76,10 +76,11 @@ from sidecar.engine.sampling import (
     sample_from,
 )
 from sidecar.engine.scoring import score
-from sidecar.engine.validation import check_weights, validate_request
+from sidecar.engine.served_weights import ServedWeights
+from sidecar.engine.validation import validate_request
 from sidecar.engine.version_ledger import VersionLedger
 from sidecar.errors import InvalidRequestError, KVCacheCapacityError
-from sidecar.model.checkpoint import draft_tensor_shapes, load_checkpoint, target_tensor_shapes
+from sidecar.model.checkpoint import load_checkpoint
 from sidecar.model.eagle3 import Eagle3Draft
 from sidecar.model.eagle3_checkpoint import load_eagle3_draft
 from sidecar.model.kv_cache import KVCache, rows_within_budget
@@ -95,11 +96,8 @@ from sidecar.types import (
     SamplingParams,
     ScoreRequest,
     SpeculationStatus,
-    TensorSpec,
     VersionStats,
-    WeightSelector,
 )
-from sidecar.weight_sync.tensors import tensor_crc32
 
 _REASONS = {REASON_STOP: FinishReason.STOP, REASON_LENGTH: FinishReason.LENGTH}
 
@@ -107,7 +105,7 @@ MAX_SPECULATION_K = counter_rng.MAX_INDEX - 1
 """Largest k a round can draw keyed uniforms for (and that the rotary tables have room for)."""
 
 
-class TorchEngine(Engine):
+class TorchEngine(ServedWeights, Engine):
     """Embedded engine over a `Qwen3WithMTP`; see the module docstring."""
 
     def __init__(
@@ -674,87 +672,3 @@ class TorchEngine(Engine):
     def score(self, request: ScoreRequest) -> list[list[float]]:
         """Teacher-forced log-probs with the plain full forward (`scoring.score`)."""
         return score(self.model, request)
-
-    # ---- weights -----------------------------------------------------------------------------
-    def _selected_shapes(self, selector: WeightSelector) -> dict[str, tuple[int, ...]]:
-        shapes: dict[str, tuple[int, ...]] = {}
-        if selector in (WeightSelector.ALL, WeightSelector.TARGET):
-            shapes |= target_tensor_shapes(self.config)
-        if selector in (WeightSelector.ALL, WeightSelector.DRAFT):
-            shapes |= draft_tensor_shapes(self.config)
-            shapes |= {n: tuple(p.shape) for n, p in self.drafter.pushed_parameters().items()}
-        return shapes
-
-    def weight_specs(self, selector: WeightSelector) -> list[TensorSpec]:
-        return [
-            TensorSpec(name=n, dtype=self.config.dtype, shape=s) for n, s in self._selected_shapes(selector).items()
-        ]
-
-    def weight_checksums(self, selector: WeightSelector) -> dict[str, int]:
-        params = dict(self.model.named_parameters()) | self.drafter.pushed_parameters()
-        return {name: tensor_crc32(params[name]) for name in self._selected_shapes(selector)}
-
-    def update_weights(self, tensors: Mapping[str, torch.Tensor], selector: WeightSelector, version: int) -> None:
-        self._check_update(tensors, selector, version)
-        self._swap_in(tensors, adopt=False)
-        self._served(version)
-
-    def adopt_weights(
-        self, tensors: Mapping[str, torch.Tensor], selector: WeightSelector, version: int
-    ) -> dict[str, torch.Tensor]:
-        """Serve `tensors` themselves where they can be the parameters' storage (same device,
-        contiguous, and a parameter that shares its storage with nothing else); copy the rest.
-        Returns the displaced storages (and the copied-from tensors), which nothing here holds
-        any more."""
-        self._check_update(tensors, selector, version)
-        free = self._swap_in(tensors, adopt=True)
-        self._served(version)
-        return free
-
-    def _check_update(self, tensors: Mapping[str, torch.Tensor], selector: WeightSelector, version: int) -> None:
-        check_weights(
-            tensors,
-            selector=selector,
-            version=version,
-            served_version=self._version,
-            expected=self._selected_shapes(selector),
-            all_names=set(self._selected_shapes(WeightSelector.ALL)),
-            dtype=self.config.dtype,
-        )
-
-    def _swap_in(self, tensors: Mapping[str, torch.Tensor], *, adopt: bool) -> dict[str, torch.Tensor]:
-        params = dict(self.model.named_parameters()) | self.drafter.pushed_parameters()
-        shared = self._shared_storages() if adopt else set()
-        free: dict[str, torch.Tensor] = {}
-        with torch.no_grad():
-            for name, t in tensors.items():
-                p = params[name]
-                # dtype and shape are the parameter's already (`_check_update`)
-                if (
-                    adopt
-                    and t.device == p.device
-                    and t.is_contiguous()
-                    and p.is_contiguous()
-                    and p.untyped_storage().data_ptr() not in shared
-                ):
-                    free[name], p.data = p.data, t
-                else:
-                    p.copy_(t)
-                    free[name] = t
-        return free
-
-    def _shared_storages(self) -> set[int]:
-        """Storages that more than one parameter or buffer uses: those are copied into, never
-        swapped, so what shares them keeps sharing them."""
-        seen: set[int] = set()
-        shared: set[int] = set()
-        for t in [*self.model.parameters(), *self.model.buffers()]:
-            ptr = t.untyped_storage().data_ptr()
-            (shared if ptr in seen else seen).add(ptr)
-        return shared
-
-    def _served(self, version: int) -> None:
-        self._version = version
-        self._stats.serve(version)
-        if self._policy is not None:
-            self._policy.on_weight_version()
