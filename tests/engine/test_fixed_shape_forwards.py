@@ -191,7 +191,9 @@ def test_plan_fixed_refuses_what_does_not_fit() -> None:
 
 # ---- 3. greedy against the plain full forward ---------------------------------------------------
 
-PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7], [3] * 11, [60], [5, 6] * 9]
+PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7], [3] * 11, [60], [5, 6] * 9, [7, 1, 2] * 83 + [7, 1]]
+"""Ragged; the last (251 tokens) reads cross MIN_READ while it decodes (257 slots needed at 256)."""
+assert len(PROMPTS[-1]) == MIN_READ - 5
 NEW = 12
 
 
@@ -221,7 +223,7 @@ def greedy_outputs(engine: TorchEngine, prompts: list[list[int]], k: int) -> lis
 def test_greedy_on_fixed_shapes_equals_the_plain_forward(kind: str, k: int) -> None:
     engine = TorchEngine(mtp_model(kind), speculation_k=k, max_batch_size=8, compile="on")
     assert isinstance(engine._rounds, FixedRounds)
-    assert greedy_outputs(engine, PROMPTS, k) == oracle(kind)  # batched: 5 rows in a bucket of 8
+    assert greedy_outputs(engine, PROMPTS, k) == oracle(kind)  # batched: 6 rows in a bucket of 8
     for p, want in zip(PROMPTS, oracle(kind), strict=True):  # alone: a bucket of 1
         assert greedy_outputs(engine, [p], k) == [want]
     c = engine.stats()[0].counters
@@ -261,11 +263,59 @@ def test_greedy_with_an_eagle3_draft_on_fixed_shapes_equals_the_plain_forward(ki
     want = [oracle_greedy(target, p, NEW) for p in PROMPTS]
     for k in (1, 3):
         engine = TorchEngine(target, speculation_k=k, draft=draft, max_batch_size=8, compile="on")
-        assert eagle3_run(engine, PROMPTS, k) == want, k  # batched: 5 rows in a bucket of 8
+        assert eagle3_run(engine, PROMPTS, k) == want, k  # batched: 6 rows in a bucket of 8
         for p, w in zip(PROMPTS, want, strict=True):  # alone: a bucket of 1
             assert eagle3_run(engine, [p], k) == [w], k
         rate = engine.stats()[-1].counters.acceptance_rate
         assert rate > 0.6 if kind == "aligned" else rate < 0.3
+
+
+def sampled_run(engine: TorchEngine, k: int, temperature: float) -> list[Sample]:
+    req = GenerationRequest(
+        prompts=PROMPTS,
+        sampling=SamplingParams(temperature=temperature, max_new_tokens=NEW, seed=9),
+        speculation_k=k,
+        samples_per_prompt=2,
+    )
+    return engine.generate(req)
+
+
+@pytest.mark.parametrize("draft", ["mtp", "eagle3"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_fixed_shapes_draft_sample_and_accept_as_the_eager_round_does(draft: str, temperature: float) -> None:
+    """Against `decode_round` at the batch's own shapes (compile="off"), with drafts whose attention
+    matters (an aligned MTP layer given back a random attention output; the aligned EAGLE-3 draft
+    attends by construction): the same tokens and log-probs, and the same drafts (drafted and
+    accepted counts), so the fixed-shape draft chain reads and writes its caches as eager does."""
+    options: dict[str, Any] = {}
+    if draft == "mtp":
+        target = aligned_draft_model(ModelConfig.tiny(), seed=2)
+        with torch.no_grad():
+            o = target.mtp.layers[0].self_attn.o_proj.weight
+            o.copy_(torch.randn(o.shape, generator=torch.Generator().manual_seed(3)) * 0.05)
+    else:
+        target = eagle3_target()
+        options["draft"] = aligned_eagle3(target)
+    on = sampled_run(TorchEngine(target, speculation_k=3, compile="on", **options), 3, temperature)
+    off = sampled_run(TorchEngine(target, speculation_k=3, compile="off", **options), 3, temperature)
+    assert [s.token_ids for s in on] == [s.token_ids for s in off]
+    for x, y in zip(on, off, strict=True):
+        assert x.counters.drafted_tokens == y.counters.drafted_tokens
+        assert x.counters.accepted_tokens == y.counters.accepted_tokens
+        torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)
+    accepted, drafted = (sum(getattr(s.counters, f) for s in on) for f in ("accepted_tokens", "drafted_tokens"))
+    assert 0.2 * drafted < accepted < 0.95 * drafted, (accepted, drafted)  # accepted and rejected drafts
+
+
+def test_plain_rounds_on_fixed_shapes_equal_the_eager_round_across_read_buckets() -> None:
+    """k = 0 on a random model (attention carries weight): a row's length passes every value, so the
+    longest prompt's verify needs 257 slots at length 256 — one past the first read bucket."""
+    target = build_model(ModelConfig.tiny(), seed=1)
+    on = sampled_run(TorchEngine(target, compile="on"), 0, 1.0)
+    off = sampled_run(TorchEngine(target, compile="off"), 0, 1.0)
+    assert [s.token_ids for s in on] == [s.token_ids for s in off]
+    for x, y in zip(on, off, strict=True):
+        torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)
 
 
 # ---- 4. the chi-square harness ------------------------------------------------------------------
