@@ -25,6 +25,7 @@ replays it; here the same code runs eagerly, so CI checks what the GPU replays. 
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
@@ -443,36 +444,51 @@ def test_a_moved_weight_drops_the_captured_graphs() -> None:
 
 HOST_READS = {"item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__"}
 """Tensor methods that copy a value to the host. `fullgraph=True` does not refuse them: dynamo
-(torch 2.13) traces `int(t)`, `t.item()` and `t.tolist()` into the graph as `item` calls, and such
-a graph cannot be captured (a device-to-host read during capture), so the graphs are searched."""
+(torch 2.13) traces `int(t)`, `t.item()` and `t.tolist()` into the graph as `item` calls."""
+
+
+def host_transfers(gm: torch.fx.GraphModule) -> list[str]:
+    """The nodes of a traced graph that move data between host and device, which a CUDA graph
+    cannot capture: host reads (`HOST_READS`), tensors made from Python data (`torch.tensor`:
+    a copy from pageable host memory), and a Python scalar assigned into a tensor (`t[i] = x`
+    copies x to the device)."""
+
+    def transfers(node: torch.fx.Node) -> bool:
+        if node.op == "call_method":
+            return node.target in HOST_READS
+        return node.op == "call_function" and (
+            node.target in (torch.tensor, torch.as_tensor)
+            or "_local_scalar_dense" in str(node.target)
+            or (node.target is operator.setitem and not isinstance(node.args[2], torch.fx.Node))
+        )
+
+    return [node.format_node() for node in gm.graph.nodes if transfers(node)]
 
 
 class HostReadCheckingBackend(CountingBackend):
-    """`CountingBackend` that also records every host read in the graphs it is given."""
+    """`CountingBackend` that also records every host transfer in the graphs it is given."""
 
     def __init__(self) -> None:
         super().__init__()
         self.host_reads: list[str] = []
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        for node in gm.graph.nodes:
-            if (node.op == "call_method" and node.target in HOST_READS) or (
-                node.op == "call_function" and "_local_scalar_dense" in str(node.target)
-            ):
-                self.host_reads.append(node.format_node())
+        self.host_reads += host_transfers(gm)
         return super().__call__(gm, example_inputs)
 
 
-def test_the_host_read_check_can_fail() -> None:
+def test_the_host_transfer_check_can_fail() -> None:
     """The check above finds what fullgraph lets through (so the trace test below can fail)."""
     backend = HostReadCheckingBackend()
 
-    def reads(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        return x + int(lengths.max()) + lengths.tolist()[0]
+    def transfers(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        y = x + int(lengths.max()) + lengths.tolist()[0] + torch.tensor([1.0, 2.0], device=x.device)
+        y[..., 0] = 0.5
+        return y
 
     torch._dynamo.reset()
-    torch.compile(reads, fullgraph=True, backend=backend, dynamic=False)(torch.zeros(2), torch.tensor([1, 2]))
-    assert len(backend.host_reads) == 2, backend.host_reads
+    torch.compile(transfers, fullgraph=True, backend=backend, dynamic=False)(torch.zeros(2), torch.tensor([1, 2]))
+    assert len(backend.host_reads) == 4, backend.host_reads
     torch._dynamo.reset()
 
 
@@ -514,10 +530,11 @@ TRACE_PROMPTS = [[1, 2, 3], [5], [7, 8, 9, 10, 11, 12, 13], [4] * (MIN_READ - 6)
 
 
 def traffic_run(engine: TorchEngine, k: int) -> list[Sample]:
-    """Sampled and greedy requests, the second joining while the first runs (rows join and leave)."""
+    """Sampled (top-k, top-p) and greedy requests, the second joining while the first runs (rows
+    join and leave)."""
     first = GenerationRequest(
         prompts=TRACE_PROMPTS,
-        sampling=SamplingParams(temperature=1.0, max_new_tokens=10, seed=5),
+        sampling=SamplingParams(temperature=1.0, top_k=20, top_p=0.9, max_new_tokens=10, seed=5),
         speculation_k=k,
         request_id="a",
     )
@@ -565,7 +582,7 @@ def test_fixed_shape_rounds_trace_whole_with_one_graph_per_key() -> None:
             greedy = [s for s in out if s.request_id == "b"]
             assert [s.token_ids for s in greedy] == [oracle_greedy(engine.model, p, 8) for p in TRACE_PROMPTS[:2]]
     assert backend.calls == len(traced.keys)  # every phase ran as a traced graph, none fell back
-    assert backend.host_reads == []  # nothing a capture could not replay
+    assert backend.host_reads == []  # no host transfer: nothing a capture could not replay
     assert backend.graphs == len(set(traced.keys))  # one graph per key
     shapes = {shape_of(key) for key in traced.keys}
     assert {MIN_READ, 2 * MIN_READ} <= {s.read_target for s in shapes}  # the long row crossed a read bucket
