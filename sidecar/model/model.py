@@ -322,6 +322,8 @@ class DecodeWeights:
             own |= {"o": o, "down": down}
         if any(getattr(self, f) is not t for f, t in own.items()):
             return False
+        # copies built inside an engine step are inference tensors: writable in place only in inference mode
+        writable = torch.is_inference_mode_enabled()
         with torch.no_grad():
             fused = {
                 "qkv": [q, k, v],
@@ -330,7 +332,7 @@ class DecodeWeights:
             }
             for name, parts in fused.items():
                 dst = getattr(self, name)
-                if dst.is_inference() or any(t.is_inference() for t in parts):
+                if (dst.is_inference() and not writable) or any(t.is_inference() for t in parts):
                     return False
                 if new is not None and name != "qk_norm":
                     src = getattr(new, name)
@@ -344,7 +346,7 @@ class DecodeWeights:
             if new is not None:
                 for name in ("o", "down"):
                     dst, src = getattr(self, name), getattr(new, name)
-                    if dst.is_inference() or src.shape != dst.shape:
+                    if (dst.is_inference() and not writable) or src.shape != dst.shape:
                         return False
                     dst.copy_(src)
         self.eps = layer.input_layernorm.eps

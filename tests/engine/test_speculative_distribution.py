@@ -62,10 +62,15 @@ def exact_joint(model: Qwen3WithMTP, sp: SamplingParams) -> torch.Tensor:  # (V*
 
 
 def engine_counts(
-    model: Qwen3WithMTP, sp: SamplingParams, k: int, acceptance_rule: AcceptanceRule | None = None
+    model: Qwen3WithMTP,
+    sp: SamplingParams,
+    k: int,
+    acceptance_rule: AcceptanceRule | None = None,
+    compile: str = "auto",
 ) -> tuple[torch.Tensor, float]:
-    """Counts of (t1, t2, t3) over N samples (V**3 cells), and the acceptance rate."""
-    engine = TorchEngine(model, speculation_k=k, max_batch_size=1000)
+    """Counts of (t1, t2, t3) over N samples (V**3 cells), and the acceptance rate; `compile`: the
+    engine's forwards (`TorchEngine`)."""
+    engine = TorchEngine(model, speculation_k=k, max_batch_size=1000, compile=compile)
     if acceptance_rule is not None:
         with_acceptance_rule(engine, acceptance_rule)
     req = GenerationRequest(prompts=[PROMPT], sampling=sp, samples_per_prompt=N, speculation_k=k)
