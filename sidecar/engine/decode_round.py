@@ -1,16 +1,11 @@
-"""One decode round as device work: draft → verify → accept → the packed result.
+"""One decode round at the batch's own shapes: draft → verify → accept → the packed result.
 
-Why a function of its own: it is the piece a compiled or captured execution takes whole
-(`torch.compile(fullgraph=True)`; on GPUs a CUDA graph per batch bucket and k). Everything in it
-is tensor operations on the round's device; what it takes from the host are the round's shapes
-and per-row counts (`RoundInput`'s Python ints: they select a compiled graph, as a batch bucket
-would), and it never reads a tensor's value back. The engine builds the input before it and reads
-the one packed result after it (`rows.round_outcome`): `tests/engine/test_compiled_round.py`
-traces it with `fullgraph=True` (no graph break, no host read) and checks it equals eager.
-
-The KV caches' row lengths are host ints here (they choose the slice or the indexed write, and
-the slots a forward reads), so a graph is specific to them; capturing a round across lengths
-(CUDA graphs) needs them as device tensors read at a fixed width, which is not built yet.
+The eager round (`compile: off`, and `auto` on CPUs): every forward reads the KV slots its rows
+need and writes at the rows' host-known lengths, so it does no more arithmetic than the batch
+needs — the fastest form on a CPU. Its device work reads nothing back: the engine builds the input
+before it and reads the one packed result after it (`rows.round_outcome`). On CUDA the engine runs
+the same round at fixed shapes instead (`fixed_round`, captured as CUDA graphs by
+`round_graphs`); `accept_round`, the round's tail, is shared by both.
 """
 
 from __future__ import annotations

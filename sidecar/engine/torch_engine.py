@@ -180,7 +180,6 @@ class TorchEngine(ServedWeights, Engine):
         self._cache = self.drafter.target_cache(0, slots, max_batch=rows)
         self._mtp_caches = [self.drafter.new_cache(0, slots, max_batch=rows) for _ in range(self.num_mtp)]
         self._batch: BatchTensors | None = None
-        self._round = decode_round  # the round's device work (a test swaps in its traced form)
         self._rounds = make_rounds(compile, self.device)  # None: `decode_round` at the batch's shapes
         self._parameters: list[torch.Tensor] | None = None  # `_read_tensors`' parameter objects
         self.compile = compile
@@ -571,7 +570,7 @@ class TorchEngine(ServedWeights, Engine):
 
         old_lengths = list(self._cache.lengths)
         if self._rounds is None:
-            out = self._round(
+            out = decode_round(
                 self.model,
                 self._cache,
                 self._mtp_caches,

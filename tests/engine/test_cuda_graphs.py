@@ -103,6 +103,8 @@ def test_push_then_generate_on_captured_graphs_equals_the_pushed_oracle(adopt: b
     assert after != [t for t, _ in before]
     if adopt:  # new storages: every graph was dropped and captured again
         assert engine._rounds.captured > captured
+    else:  # copied into the storages the graphs read: replayed, nothing captured again
+        assert engine._rounds.captured == captured
 
 
 def test_captured_rounds_with_an_eagle3_draft_equal_the_plain_forward() -> None:

@@ -10,14 +10,11 @@ and a reduced-vocabulary draft).
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 import torch.nn.functional as F
 from engine_fixtures import TAPS, aligned_eagle3, eagle3_target
 
-from sidecar.engine.decode_round import decode_round
 from sidecar.engine.drafters import Drafter, Eagle3Drafter
 from sidecar.engine.sampling import RowSampling
 from sidecar.engine.speculative import DraftInput, draft
@@ -213,35 +210,3 @@ def test_an_eagle3_draft_on_cuda_matches_cpu_greedy_and_acceptance(
     gpu = run(gpu_engine, 3)
     assert gpu[0] == cpu[0] == [naive_greedy(target, p, NEW) for p in PROMPTS]
     assert gpu[1] == pytest.approx(cpu[1], abs=0.05)  # the same drafts, up to rounding near ties
-
-
-@pytest.mark.slow
-def test_the_round_with_an_eagle3_draft_traces_whole_and_equals_eager(
-    target: Qwen3WithMTP, drafts: dict[str, Eagle3Draft]
-) -> None:
-    """`test_compiled_round` with the other draft kind: dynamo traces the round (draft chain over the
-    reduced vocabulary, verify with the taps) with fullgraph=True, and the traced rounds give the
-    eager engine's tokens and log-probs."""
-    from test_compiled_round import CountingBackend, generate
-
-    torch._dynamo.reset()
-    draft_ = drafts["aligned-reduced"]
-    eager = generate(TorchEngine(target, max_context=64, draft=draft_), 3)
-    backend = CountingBackend()
-    compiled = torch.compile(decode_round, fullgraph=True, backend=backend)
-    traced = TorchEngine(target, max_context=64, draft=draft_)
-    rounds = 0
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        nonlocal rounds
-        rounds += 1
-        return compiled(*args, **kwargs)
-
-    traced._round = counted
-    with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=256):
-        out = generate(traced, 3)
-    assert rounds >= 4 and backend.calls == rounds  # every round ran as one traced graph
-    assert [s.token_ids for s in out] == [s.token_ids for s in eager]
-    for x, y in zip(out, eager, strict=True):
-        torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-6, rtol=0)
-    assert sum(s.counters.accepted_tokens for s in out) > 0  # the EAGLE-3 chain was traced and used

@@ -37,7 +37,6 @@ from click.testing import CliRunner
 from engine_fixtures import TAPS, aligned_draft_model, aligned_eagle3, eagle3_target
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_compiled_round import CountingBackend
 from test_continuous_batching import MAX_K, check_against_alone, greedy_model, run_plan, traffic
 from test_speculative_distribution import ALPHA, SETTINGS, V, chi_square_pvalue, engine_counts, exact_joint
 from test_static_engine import oracle_greedy
@@ -445,6 +444,23 @@ def test_a_moved_weight_drops_the_captured_graphs() -> None:
 HOST_READS = {"item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__"}
 """Tensor methods that copy a value to the host. `fullgraph=True` does not refuse them: dynamo
 (torch 2.13) traces `int(t)`, `t.item()` and `t.tolist()` into the graph as `item` calls."""
+
+
+class CountingBackend:
+    """A dynamo backend that runs each traced graph as it is and counts graphs and their calls."""
+
+    def __init__(self) -> None:
+        self.graphs = 0
+        self.calls = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        self.graphs += 1
+
+        def run(*args: Any) -> Any:
+            self.calls += 1
+            return gm.forward(*args)
+
+        return run
 
 
 def host_transfers(gm: torch.fx.GraphModule) -> list[str]:

@@ -7,8 +7,9 @@ two phases a graph captures (`fixed_round.draft_phase`, `verify_phase`) run unde
 that records every operator, through whole generations (MTP with one and two layers, EAGLE-3,
 greedy and top-k/top-p rows, k = 0..3): none may create a tensor from host data (`lift_fresh`),
 read one back (`.item()`, `int(t)`, `bool(t)`) or depend on values for its shape (`nonzero`). The
-oracle is the capture failures seen on the H200. (`.tolist()` does not dispatch an operator; the
-traced round, `torch.compile(fullgraph=True)`, refuses it.)
+oracle is the capture failures seen on the H200. (`.tolist()` dispatches no operator, so this
+recorder cannot see it; the traced phases' graphs are searched for it in
+tests/engine/test_fixed_shape_forwards.py, `host_transfers`.)
 
 And the host-side cache of a batch's padded form must follow the batch it was made for: keyed by
 `id()`, a new batch that reuses a freed one's id read the old max_new_tokens (rows ran past their
