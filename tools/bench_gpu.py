@@ -238,12 +238,11 @@ def engine_part(args: argparse.Namespace, shape: str, device: torch.device, out:
         if part.over(f"batch {batch} and beyond"):
             break
         for mode, engine in engines.items():  # warm up (and capture) this batch size's shapes
-            graphs = engine._rounds
-            captured, t = graphs.captured if graphs else 0, time.monotonic()
+            captured, t = engine._rounds.captured, time.monotonic()
             for k in args.ks:
                 run(engine, prompts, k, 4)
             out.log({"part": part.name, "batch": batch, "compile": mode, "warmup_s": round(time.monotonic() - t, 3),
-                     "graphs_captured": (graphs.captured if graphs else 0) - captured})  # fmt: skip
+                     "graphs_captured": engine._rounds.captured - captured})  # fmt: skip
         samples: dict[tuple[str, int], list[float]] = {(m, k): [] for m in engines for k in args.ks}
         prefills: dict[str, list[float]] = {m: [] for m in engines}
         accepted: dict[tuple[str, int], float] = {}

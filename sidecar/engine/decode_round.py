@@ -121,3 +121,23 @@ def accept_round(
     emitted.scatter_(1, acc.num_accepted[:, None], acc.next_token[:, None])
     logprobs = reported_logprobs(logits, emitted, batch.rows)
     return round_outcome(batch, emitted, logprobs, acc.num_accepted, out_len)
+
+
+class EagerRounds:
+    """`decode_round` behind the interface of `round_graphs.FixedRounds` (`compile: off`, and
+    `auto` on CPUs): nothing is captured."""
+
+    capture = False
+    captured = 0
+
+    def run(
+        self,
+        drafter: Drafter,
+        cache: KVCache,
+        draft_caches: list[KVCache],
+        batch: BatchTensors,
+        inp: RoundInput,
+        accept: AcceptanceRule,
+        drafted: Callable[[], None] | None = None,
+    ) -> RoundOutput:
+        return decode_round(drafter.model, cache, draft_caches, batch, inp, accept, drafted, drafter)

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from sidecar.engine.decode_round import RoundInput, RoundOutput
+from sidecar.engine.decode_round import EagerRounds, RoundInput, RoundOutput
 from sidecar.engine.drafters import Drafter
 from sidecar.engine.fixed_round import FixedInput, FixedShape, draft_phase, verify_phase
 from sidecar.engine.rows import BatchTensors
@@ -287,12 +287,12 @@ def _pad_rows(t: Tensor, rows: int) -> Tensor:
     return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
 
 
-def make_rounds(mode: str, device: torch.device) -> FixedRounds | None:
-    """The rounds of `compile` mode "on" (fixed shapes; CUDA graphs on CUDA), or None for "off"
-    (`decode_round` eagerly at the batch's own shapes) and for "auto" off CUDA (on a CPU the fixed
-    shapes only add work)."""
+def make_rounds(mode: str, device: torch.device) -> FixedRounds | EagerRounds:
+    """The rounds of `compile` mode "on" (fixed shapes; CUDA graphs on CUDA), or `decode_round`
+    eagerly at the batch's own shapes for "off", and for "auto" off CUDA (on a CPU the fixed shapes
+    only add work)."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
     if mode == "off" or (mode == "auto" and device.type != "cuda"):
-        return None
+        return EagerRounds()
     return FixedRounds(capture=device.type == "cuda", device=device if device.type == "cuda" else None)

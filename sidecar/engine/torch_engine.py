@@ -51,9 +51,9 @@ import torch
 import sidecar
 from sidecar.engine import counter_rng
 from sidecar.engine.base import Engine
-from sidecar.engine.decode_round import RoundInput, decode_round
+from sidecar.engine.decode_round import RoundInput
 from sidecar.engine.drafters import make_drafter
-from sidecar.engine.round_graphs import batch_bucket, make_rounds
+from sidecar.engine.round_graphs import FixedRounds, batch_bucket, make_rounds
 from sidecar.engine.rows import (
     CATCH_UP_POSITIONS,
     REASON_LENGTH,
@@ -180,7 +180,7 @@ class TorchEngine(ServedWeights, Engine):
         self._cache = self.drafter.target_cache(0, slots, max_batch=rows)
         self._mtp_caches = [self.drafter.new_cache(0, slots, max_batch=rows) for _ in range(self.num_mtp)]
         self._batch: BatchTensors | None = None
-        self._rounds = make_rounds(compile, self.device)  # None: `decode_round` at the batch's shapes
+        self._rounds = make_rounds(compile, self.device)
         self._parameters: list[torch.Tensor] | None = None  # `_read_tensors`' parameter objects
         self.compile = compile
 
@@ -192,7 +192,7 @@ class TorchEngine(ServedWeights, Engine):
         warm-up's requests pin k (the controller learns nothing from them) and its tokens leave no
         trace in the statistics. Nothing to do without fixed-shape rounds (`compile` off, or auto on
         a CPU)."""
-        if self._rounds is None:
+        if not isinstance(self._rounds, FixedRounds):
             return 0
         if self.has_work():
             raise RuntimeError("warm_up runs before serving: the engine already has requests")
@@ -569,29 +569,17 @@ class TorchEngine(ServedWeights, Engine):
             drafted_at = self._clock()
 
         old_lengths = list(self._cache.lengths)
-        if self._rounds is None:
-            out = decode_round(
-                self.model,
-                self._cache,
-                self._mtp_caches,
-                batch,
-                inp,
-                self._acceptance_rule,
-                drafted if policy is not None else None,
-                self.drafter,
-            )
-        else:
-            if self._rounds.capture:
-                self._rounds.check_weights(self._read_tensors())
-            out = self._rounds.run(
-                self.drafter,
-                self._cache,
-                self._mtp_caches,
-                batch,
-                inp,
-                self._acceptance_rule,
-                drafted if policy is not None else None,
-            )
+        if isinstance(self._rounds, FixedRounds) and self._rounds.capture:
+            self._rounds.check_weights(self._read_tensors())
+        out = self._rounds.run(
+            self.drafter,
+            self._cache,
+            self._mtp_caches,
+            batch,
+            inp,
+            self._acceptance_rule,
+            drafted if policy is not None else None,
+        )
         packed = out.packed.tolist()  # the one host copy
 
         finished, keep = [], []

@@ -58,23 +58,25 @@ def naive_greedy(model: Qwen3WithMTP, prompt: list[int], n: int) -> list[int]:
     return ids[len(prompt) :]
 
 
-def run(engine: TorchEngine, k: int) -> tuple[list[list[int]], float]:
+def run(
+    engine: TorchEngine, k: int, prompts: list[list[int]] = PROMPTS, new: int = NEW
+) -> tuple[list[list[int]], float]:
     """Every prompt as its own request, all in one batch; outputs and the acceptance rate."""
-    for i, p in enumerate(PROMPTS):
+    for i, p in enumerate(prompts):
         engine.submit(
             GenerationRequest(
                 prompts=[p],
-                sampling=SamplingParams(temperature=0.0, max_new_tokens=NEW),
+                sampling=SamplingParams(temperature=0.0, max_new_tokens=new),
                 speculation_k=k,
                 request_id=f"r{i}",
             )
         )
     out: dict[str, list[int]] = {}
-    for _ in range(10 * NEW):
+    for _ in range(10 * new):
         out |= {s.request_id: s.token_ids for s in engine.step()}
         if not engine.has_work():
             break
-    return [out[f"r{i}"] for i in range(len(PROMPTS))], engine.stats()[-1].counters.acceptance_rate
+    return [out[f"r{i}"] for i in range(len(prompts))], engine.stats()[-1].counters.acceptance_rate
 
 
 @pytest.mark.slow

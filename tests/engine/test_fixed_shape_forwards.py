@@ -38,9 +38,11 @@ from engine_fixtures import TAPS, aligned_draft_model, aligned_eagle3, eagle3_ta
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_continuous_batching import MAX_K, check_against_alone, greedy_model, run_plan, traffic
+from test_eagle3 import run as run_alone_in_one_batch
 from test_speculative_distribution import ALPHA, SETTINGS, V, chi_square_pvalue, engine_counts, exact_joint
 from test_static_engine import oracle_greedy
 
+from sidecar.engine.decode_round import EagerRounds
 from sidecar.engine.fixed_round import FixedShape
 from sidecar.engine.round_graphs import MIN_READ, FixedRounds, batch_bucket, read_bucket
 from sidecar.engine.torch_engine import TorchEngine
@@ -234,22 +236,8 @@ def test_greedy_on_fixed_shapes_equals_the_plain_forward(kind: str, k: int) -> N
 
 
 def eagle3_run(engine: TorchEngine, prompts: list[list[int]], k: int) -> list[list[int]]:
-    """Every prompt its own request, all in one batch (as `test_eagle3.run`)."""
-    for i, p in enumerate(prompts):
-        engine.submit(
-            GenerationRequest(
-                prompts=[p],
-                sampling=SamplingParams(temperature=0.0, max_new_tokens=NEW),
-                speculation_k=k,
-                request_id=f"r{i}",
-            )
-        )
-    out: dict[str, list[int]] = {}
-    for _ in range(10 * NEW):
-        out |= {s.request_id: s.token_ids for s in engine.step()}
-        if not engine.has_work():
-            break
-    return [out[f"r{i}"] for i in range(len(prompts))]
+    """Every prompt its own request, all in one batch (`test_eagle3.run`)."""
+    return run_alone_in_one_batch(engine, k, prompts, NEW)[0]
 
 
 @pytest.mark.parametrize("kind", ["aligned", "random"])
@@ -630,7 +618,7 @@ def test_compile_is_validated_and_reaches_the_engine(tmp_path: Path, monkeypatch
         )
         assert isinstance(engine, TorchEngine)
         kinds[mode] = type(engine._rounds)
-    assert kinds == {"auto": type(None), "on": FixedRounds, "off": type(None)}  # auto: eager on a CPU
+    assert kinds == {"auto": EagerRounds, "on": FixedRounds, "off": EagerRounds}  # auto: eager on a CPU
 
     seen: dict[str, object] = {}
 
