@@ -158,8 +158,9 @@ def test_every_finished_row_tells_the_controller_how_it_accepted(aligned_model) 
     assert len(samples) == 3 and kept and sorted(policy.acceptance.finished_rows) == kept
 
 
-def test_greedy_output_is_plain_under_the_real_controller_and_rows_joining_late(aligned_model) -> None:
-    engine = TorchEngine(aligned_model, speculation_k=4, auto_speculation=True, max_batch_size=2)
+@pytest.mark.parametrize("compile_mode", ["auto", "on"])  # on: the fixed-shape rounds a GPU captures
+def test_greedy_output_is_plain_under_the_real_controller_and_rows_joining_late(aligned_model, compile_mode) -> None:
+    engine = TorchEngine(aligned_model, speculation_k=4, auto_speculation=True, max_batch_size=2, compile=compile_mode)
     assert engine.speculation_auto and engine.info().speculation_status.auto
     assert run_all(engine, PROMPTS) == [naive_greedy(aligned_model, p, NEW) for p in PROMPTS]
     status = engine.speculation_status()
