@@ -15,7 +15,9 @@ that way, and `FixedRounds` runs it:
   replay writes, with the same values); the verify graph reads the draft graph's outputs where
   they are (its key holds the draft graph's), inputs are copied into each graph's own tensors and
   outputs kept past the next replay are copied out of the shared memory pool;
-- the host side a replay cannot do (committing row lengths) done here after the replays.
+- the host side a replay cannot do (committing row lengths) done here after the replays;
+- a capture that fails (a kernel some torch version or device cannot capture) logs a warning once
+  and the engine goes on without graphs: `compile: auto` never stops a sidecar that eager serves.
 
 A graph reads the weights at the addresses it was captured with: `DecodeWeights.refresh` rewrites
 the fused copies in place and pushes copy into the parameters, and `check_weights` drops every
@@ -29,6 +31,7 @@ code a GPU captures (`tests/engine/test_fixed_shape_forwards.py`). It is slower 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 from typing import Any
@@ -42,6 +45,8 @@ from sidecar.engine.fixed_round import FixedInput, FixedShape, draft_phase, veri
 from sidecar.engine.rows import BatchTensors
 from sidecar.engine.sampling import AcceptanceRule, RowSampling
 from sidecar.model.kv_cache import KVCache, upload
+
+log = logging.getLogger(__name__)
 
 MIN_READ = 256
 """Smallest KV read width of a fixed-shape forward (slots): contexts up to it share one graph."""
@@ -226,7 +231,17 @@ class FixedRounds:
         with torch.cuda.device(self.device):
             graph = self._graphs.get(key)
             if graph is None:
-                graph = self._graphs[key] = self._capture(fn, by_reference, inputs)
+                try:
+                    graph = self._graphs[key] = self._capture(fn, by_reference, inputs)
+                except RuntimeError as e:  # a kernel this torch or device cannot capture
+                    log.warning(
+                        "CUDA graph capture failed, so this engine runs its rounds without graphs "
+                        "(correct, slower; serve with --compile off to skip the attempt): %s",
+                        e,
+                    )
+                    self.capture = False
+                    self._graphs.clear()
+                    return fn(*by_reference, *inputs)
             else:
                 for dst, src in zip(graph.inputs, inputs, strict=True):
                     dst.copy_(src, non_blocking=True)

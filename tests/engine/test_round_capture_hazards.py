@@ -130,3 +130,46 @@ def test_the_padded_batch_follows_its_batch_when_ids_are_reused() -> None:
         padded = rounds._pad_batch(batch, 2)
         assert padded.max_new.tolist() == [n, n] and torch.equal(padded.keys[0], batch.keys[0])
         del batch, padded
+
+
+def test_a_failed_capture_falls_back_to_uncaptured_rounds_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A capture refused mid-generation (here: the verify phase's, after the draft phase's was
+    captured and replayed) leaves the engine generating correctly without graphs, with a warning."""
+    from test_static_engine import oracle_greedy
+
+    model = aligned_draft_model(ModelConfig.tiny(), seed=3)
+    engine = TorchEngine(model, speculation_k=3, compile="on")
+    rounds = engine._rounds
+    assert isinstance(rounds, FixedRounds)
+    rounds.capture = True  # as on CUDA; the capture itself is faked (no GPU here)
+    captures: list[tuple[object, ...]] = []
+
+    class Replayable:
+        def __init__(self, fn: Callable[..., Any], by_reference: Any, static: Any) -> None:
+            self.fn, self.by_reference, self.static = fn, by_reference, static
+            self.outputs = fn(*by_reference, *static)
+
+        def replay(self) -> None:  # recompute into the same output tensors, as a graph would
+            for out, new in zip(self.outputs, self.fn(*self.by_reference, *self.static), strict=True):
+                out.copy_(new)
+
+    def capture(fn: Callable[..., Any], by_reference: Any, inputs: Any) -> Any:
+        captures.append(by_reference)
+        if by_reference:  # the verify phase (it reads the draft phase's outputs)
+            raise RuntimeError("operation not permitted when stream is capturing")
+        static = tuple(t.clone() for t in inputs)
+        graph = Replayable(fn, by_reference, static)
+        return round_graphs._Graph(graph=graph, inputs=static, outputs=tuple(graph.outputs))
+
+    monkeypatch.setattr(rounds, "_capture", capture)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: torch.device("cpu"))  # a no-op context
+    prompts = [[1, 2, 3], [7, 8, 9, 10]]
+    with caplog.at_level("WARNING", logger="sidecar.engine.round_graphs"):
+        out = engine.generate(
+            GenerationRequest(prompts=prompts, sampling=SamplingParams(temperature=0.0, max_new_tokens=10))
+        )
+    assert [s.token_ids for s in out] == [oracle_greedy(model, p, 10) for p in prompts]
+    assert len(captures) == 2 and not rounds.capture  # one capture each phase, then no more attempts
+    assert "CUDA graph capture failed" in caplog.text and "--compile off" in caplog.text
