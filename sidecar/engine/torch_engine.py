@@ -133,6 +133,10 @@ class TorchEngine(ServedWeights, Engine):
         model's context) within `kv_cache_bytes` (`kv_cache.rows_within_budget`; fewer rows fit →
         `max_batch_size` is what fits). Longer requests: `KVCacheCapacityError` (RESOURCE_EXHAUSTED).
 
+        On a CUDA device the model's q|k|v and gate|up parameters are joined into one tensor each
+        (`Qwen3WithMTP.join_projections`: views, same values), which the decode path reads without
+        copies.
+
         `compile`: "auto" (CUDA graphs on a CUDA device, eager elsewhere), "on" (fixed-shape
         forwards: captured as CUDA graphs on CUDA, run eagerly on a CPU) or "off" (eager at the
         batch's own shapes, the reference path); see `forwards`."""
@@ -141,6 +145,8 @@ class TorchEngine(ServedWeights, Engine):
         if not 0 <= max_speculation_k <= MAX_SPECULATION_K:
             raise ValueError(f"max_speculation_k must be in [0, {MAX_SPECULATION_K}], got {max_speculation_k}")
         self.model = model
+        if model.output_weight().device.type == "cuda":
+            model.join_projections()  # the decode path reads q|k|v and gate|up as they are: no copies
         self._acceptance_rule: AcceptanceRule = rejection_sample  # only `wrong_rules.with_acceptance_rule` changes it
         self.config = model.config
         self.device = model.output_weight().device

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from sidecar.model.decode_weights import DecodeWeights, joined_rows
 from sidecar.model.kv_cache import AttentionPlan, KVCache, attend
 from yarn import RopeConfig, RotaryEmbedding, apply_rotary
 
@@ -239,120 +240,6 @@ class Attention(nn.Module):
         return w.project(attend(qk[:, :, :h], keys, values, plan), w.o)
 
 
-@dataclass(kw_only=True, slots=True)
-class DecodeWeights:
-    """One decoder layer's weights as the cached forwards use them: q|k|v and gate|up fused into
-    one matrix each and the q and k norms into one (heads, head_dim) table (copies, rebuilt
-    whenever a source changes: `Qwen3WithMTP.decode_weights`), the rest the parameters
-    themselves (read without module attribute lookups).
-
-    On CPU the four projections are stored by columns, (in, out) contiguous, and applied as
-    `x @ w`: the layer's weights do not fit the caches, so a decode step streams them from
-    memory, and MKL reads this layout about 20% faster at decode batch sizes (measured on the CPU
-    box: the 24 layers' projections of the demo policy 2.4 vs 3.0 ms at B = 1, 3.8 vs 5.0 ms at
-    B = 16). Elsewhere (out, in) and `F.linear`, which shares o and down with the parameters."""
-
-    input_norm: Tensor
-    qkv: Tensor
-    qk_norm: Tensor
-    o: Tensor
-    post_norm: Tensor
-    gate_up: Tensor
-    down: Tensor
-    eps: float
-    by_columns: bool
-
-    def tensors(self) -> tuple[Tensor, ...]:
-        """Every tensor the cached forward reads from here."""
-        return (self.input_norm, self.qkv, self.qk_norm, self.o, self.post_norm, self.gate_up, self.down)
-
-    def project(self, x: Tensor, w: Tensor) -> Tensor:
-        """x (..., in) times one of the projections: (..., out)."""
-        return torch.matmul(x, w) if self.by_columns else F.linear(x, w)
-
-    @staticmethod
-    def sources(layer: DecoderLayer) -> tuple[Tensor, ...]:
-        """The parameters the copies are made of: q, k, v, gate, up, q_norm, k_norm, o, down."""
-        a, m = layer.self_attn, layer.mlp
-        return (
-            a.q_proj.weight,
-            a.k_proj.weight,
-            a.v_proj.weight,
-            m.gate_proj.weight,
-            m.up_proj.weight,
-            a.q_norm.weight,
-            a.k_norm.weight,
-            a.o_proj.weight,
-            m.down_proj.weight,
-        )
-
-    @classmethod
-    def of(cls, layer: DecoderLayer) -> DecodeWeights:
-        a = layer.self_attn
-        q, k, v, gate, up, qn, kn, o, down = cls.sources(layer)
-        by_columns = q.device.type == "cpu"
-
-        def layout(w: Tensor) -> Tensor:
-            return w.t().contiguous() if by_columns else w
-
-        return cls(
-            input_norm=layer.input_layernorm.weight,
-            qkv=layout(torch.cat([q, k, v])),
-            qk_norm=torch.cat([qn.expand(a.num_heads, -1), kn.expand(a.num_kv_heads, -1)]),
-            o=layout(o),
-            post_norm=layer.post_attention_layernorm.weight,
-            gate_up=layout(torch.cat([gate, up])),
-            down=layout(down),
-            eps=layer.input_layernorm.eps,
-            by_columns=by_columns,
-        )
-
-    def refresh(self, layer: DecoderLayer) -> bool:
-        """Rewrite the copies in place from `layer`'s parameters (a captured CUDA graph reads these
-        storages: new tensors would leave it reading the old weights). False when that cannot be
-        done (a field would change identity, shape or kind): rebuild with `of` instead."""
-        new = DecodeWeights.of(layer) if self.by_columns else None
-        a = layer.self_attn
-        q, k, v, gate, up, qn, kn, o, down = DecodeWeights.sources(layer)
-        own: dict[str, Tensor] = {  # fields that are the parameters themselves (GPU layout) must still be them
-            "input_norm": layer.input_layernorm.weight,
-            "post_norm": layer.post_attention_layernorm.weight,
-        }
-        if not self.by_columns:
-            own |= {"o": o, "down": down}
-        if any(getattr(self, f) is not t for f, t in own.items()):
-            return False
-        # copies built inside an engine step are inference tensors: writable in place only in inference mode
-        writable = torch.is_inference_mode_enabled()
-        with torch.no_grad():
-            fused = {
-                "qkv": [q, k, v],
-                "gate_up": [gate, up],
-                "qk_norm": [qn.expand(a.num_heads, -1), kn.expand(a.num_kv_heads, -1)],
-            }
-            for name, parts in fused.items():
-                dst = getattr(self, name)
-                if (dst.is_inference() and not writable) or any(t.is_inference() for t in parts):
-                    return False
-                if new is not None and name != "qk_norm":
-                    src = getattr(new, name)
-                    if src.shape != dst.shape:
-                        return False
-                    dst.copy_(src)
-                else:
-                    if dst.shape != (sum(t.shape[0] for t in parts), parts[0].shape[1]):
-                        return False
-                    torch.cat(parts, out=dst)
-            if new is not None:
-                for name in ("o", "down"):
-                    dst, src = getattr(self, name), getattr(new, name)
-                    if (dst.is_inference() and not writable) or src.shape != dst.shape:
-                        return False
-                    dst.copy_(src)
-        self.eps = layer.input_layernorm.eps
-        return True
-
-
 def _rms_w(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm with a given weight (the fused q/k table): normalised in float32 and rounded to x's
     dtype by `F.rms_norm` (one fused kernel where torch has one), then the weight — `RMSNorm`'s
@@ -482,6 +369,9 @@ class Qwen3WithMTP(nn.Module):
         # decode_weights: (built, their source parameters, the sources' (storage, version) when built)
         self._fused: tuple[list[DecodeWeights], list[Tensor], list[tuple[int, int]]] | None = None
         self._frozen = False
+        self.decode_by_columns: bool | None = None
+        """The cached forwards' weight layout: (in, out) copies (True), the parameters' own (out, in)
+        (False), or by device (None: by columns on CPUs, `DecodeWeights`)."""
 
     # ---- shared pieces -------------------------------------------------------------------
     def mtp_layer(self, j: int) -> MTPLayer:
@@ -543,7 +433,7 @@ class Qwen3WithMTP(nn.Module):
             layers = [cast(DecoderLayer, m) for m in [*self.model.layers, *self.mtp.layers]]
             with torch.no_grad():
                 if not (len(built) == len(layers) and all(w.refresh(m) for w, m in zip(built, layers, strict=True))):
-                    built[:] = [DecodeWeights.of(m) for m in layers]
+                    built[:] = [DecodeWeights.of(m, self.decode_by_columns) for m in layers]
             signature[:] = now
         return built
 
@@ -557,6 +447,26 @@ class Qwen3WithMTP(nn.Module):
             yield
         finally:
             self._frozen = False
+
+    def join_projections(self) -> None:
+        """Store each decoder layer's q|k|v and gate|up weights as consecutive row blocks of one
+        tensor (the parameters become views of it; values unchanged), so that where the cached
+        forwards multiply by (out, in) weights (not CPUs: `DecodeWeights`) their fused projections
+        are the parameters themselves instead of copies: ~70% of each layer's weights less memory.
+        Pushes copy into the views (`TorchEngine` never swaps a storage parameters share)."""
+        with torch.no_grad():
+            for layer in (cast(DecoderLayer, m) for m in [*self.model.layers, *self.mtp.layers]):
+                a, mlp = layer.self_attn, layer.mlp
+                for group in ((a.q_proj, a.k_proj, a.v_proj), (mlp.gate_proj, mlp.up_proj)):
+                    if joined_rows([lin.weight for lin in group]) is not None:
+                        continue
+                    joined = torch.cat([lin.weight for lin in group])
+                    start = 0
+                    for lin in group:
+                        rows = lin.weight.shape[0]
+                        lin.weight.data = joined[start : start + rows]
+                        start += rows
+        self._fused = None  # the decode weights are rebuilt over the joined storage
 
     def rope_positions(self) -> int:
         """Positions the cached forwards' tables hold: the context plus room for the scratch

@@ -1,0 +1,97 @@
+"""Joined q|k|v and gate|up parameters: the decode path reads the weights without copies (issue 40).
+
+On a CUDA device the engine stores each layer's q, k, v (and gate, up) weights as row blocks of one
+tensor (`Qwen3WithMTP.join_projections`), so `DecodeWeights` multiplies by the parameters themselves
+instead of fused copies (which took ~70% of each layer's weights again: ~11 GB at Qwen3-8B in bf16).
+CPUs keep their (in, out) copies, so here the GPU layout is chosen explicitly
+(`decode_by_columns = False`) to run the same code. Oracles: the plain full forward (greedy), the
+pushed weights' plain forward after a copying or an adopting push, and the parameters' storages
+(no copy made, none swapped).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_fixtures import aligned_draft_model
+from test_static_engine import oracle_greedy
+
+from sidecar.engine.torch_engine import TorchEngine
+from sidecar.model.checkpoint import model_state_dict
+from sidecar.model.model import ModelConfig, Qwen3WithMTP, build_model
+from sidecar.types import GenerationRequest, SamplingParams, WeightSelector
+
+PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7], [3] * 11]
+NEW = 12
+
+
+def joined(model: Qwen3WithMTP) -> Qwen3WithMTP:
+    model.decode_by_columns = False  # the CUDA layout, on this CPU
+    model.join_projections()
+    return model
+
+
+def private_copy_bytes(model: Qwen3WithMTP) -> int:
+    """Bytes of decode weights stored apart from every parameter."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return sum(
+        t.numel() * t.element_size()
+        for w in model.decode_weights()
+        for t in (w.qkv, w.gate_up, w.o, w.down)
+        if t.untyped_storage().data_ptr() not in params
+    )
+
+
+def greedy(engine: TorchEngine, k: int) -> list[list[int]]:
+    req = GenerationRequest(
+        prompts=PROMPTS, sampling=SamplingParams(temperature=0.0, max_new_tokens=NEW), speculation_k=k
+    )
+    return [s.token_ids for s in engine.generate(req)]
+
+
+def test_joining_keeps_the_values_and_the_decode_path_then_copies_nothing() -> None:
+    model = aligned_draft_model(ModelConfig.tiny(), seed=2)
+    before = {n: t.clone() for n, t in model_state_dict(model).items()}
+    model.decode_by_columns = False
+    copies = private_copy_bytes(model)
+    layer = model.model.layers[0]
+    assert copies > 0  # fused copies of separate parameters
+    joined(model)
+    assert all(torch.equal(before[n], t) for n, t in model_state_dict(model).items())
+    attn = layer.self_attn
+    storages = {p.weight.untyped_storage().data_ptr() for p in (attn.q_proj, attn.k_proj, attn.v_proj)}
+    assert len(storages) == 1
+    assert private_copy_bytes(model) == 0  # qkv, gate_up, o, down are the parameters themselves
+    w = model.decode_weights()[0]
+    assert w.qkv.data_ptr() == attn.q_proj.weight.data_ptr()
+    assert w.gate_up.data_ptr() == layer.mlp.gate_proj.weight.data_ptr()
+    joined(model)  # idempotent: already joined
+    assert model.decode_weights()[0].qkv.data_ptr() == attn.q_proj.weight.data_ptr()
+
+
+@pytest.mark.parametrize("compile_mode", ["off", "on"])
+@pytest.mark.parametrize("k", [0, 3])
+def test_greedy_on_joined_projections_equals_the_plain_forward(compile_mode: str, k: int) -> None:
+    reference = aligned_draft_model(ModelConfig.tiny(), seed=2)
+    engine = TorchEngine(joined(aligned_draft_model(ModelConfig.tiny(), seed=2)), speculation_k=k, compile=compile_mode)
+    assert greedy(engine, k) == [oracle_greedy(reference, p, NEW) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("adopt", [False, True])
+def test_a_push_lands_in_the_joined_storage_and_generation_follows_it(adopt: bool) -> None:
+    model = joined(build_model(ModelConfig.tiny(), seed=31))
+    engine = TorchEngine(model, speculation_k=3, compile="on")
+    before = greedy(engine, 3)
+    attn = model.model.layers[1].self_attn
+    storage = attn.q_proj.weight.untyped_storage().data_ptr()
+    pushed = build_model(ModelConfig.tiny(), seed=32)
+    tensors = {n: t.clone() for n, t in model_state_dict(pushed).items()}
+    if adopt:
+        engine.adopt_weights(tensors, WeightSelector.ALL, version=1)
+    else:
+        engine.update_weights(tensors, WeightSelector.ALL, version=1)
+    after = greedy(engine, 3)
+    assert after == [oracle_greedy(pushed, p, NEW) for p in PROMPTS] and after != before
+    # copied into the shared storage (never swapped): still joined, still no decode copies
+    assert {p.weight.untyped_storage().data_ptr() for p in (attn.q_proj, attn.k_proj, attn.v_proj)} == {storage}
+    assert private_copy_bytes(model) == 0
