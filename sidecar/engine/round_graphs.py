@@ -31,6 +31,7 @@ code a GPU captures (`tests/engine/test_fixed_shape_forwards.py`). It is slower 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
@@ -166,9 +167,12 @@ class FixedRounds:
         lengths = upload(
             [*cache.lengths, *pad, *(n for c in draft_caches for n in [*c.lengths, *pad]), *num_refresh, *pad], dev
         ).view(-1, r)
-        hidden_size = inp.refresh_hidden.shape[-1] if inp.refresh_hidden is not None else 1
-        dtype = inp.refresh_hidden.dtype if inp.refresh_hidden is not None else torch.float32
         width = max(shape.width, 1)
+
+        def refresh(t: Tensor | None, dtype: torch.dtype, *features: int) -> Tensor:
+            """A refresh input padded to `r` rows, or zeros of its shape when the round does not draft."""
+            return _pad_rows(t, r) if t is not None else torch.zeros(r, width, *features, dtype=dtype, device=dev)
+
         return FixedInput(
             out_len=_pad_rows(inp.out_len, r),
             last=_pad_rows(inp.last, r),
@@ -177,15 +181,9 @@ class FixedRounds:
             target_lengths=lengths[0],
             draft_lengths=lengths[1 : 1 + len(draft_caches)],
             num_refresh=lengths[-1],
-            refresh_tokens=_pad_rows(inp.refresh_tokens, r)
-            if inp.refresh_tokens is not None
-            else torch.zeros(r, width, dtype=torch.int64, device=dev),
-            refresh_hidden=_pad_rows(inp.refresh_hidden, r)
-            if inp.refresh_hidden is not None
-            else torch.zeros(r, width, hidden_size, dtype=dtype, device=dev),
-            refresh_positions=_pad_rows(inp.refresh_positions, r)
-            if inp.refresh_positions is not None
-            else torch.zeros(r, width, dtype=torch.int64, device=dev),
+            refresh_tokens=refresh(inp.refresh_tokens, torch.int64),
+            refresh_hidden=refresh(inp.refresh_hidden, torch.float32, 1),
+            refresh_positions=refresh(inp.refresh_positions, torch.int64),
         )
 
     def _pad_batch(self, batch: BatchTensors, rows: int) -> BatchTensors:
@@ -196,19 +194,7 @@ class FixedRounds:
             return self._padded[2]
         b = batch.keys.shape[0]
         index = torch.cat([torch.arange(b), torch.zeros(rows - b, dtype=torch.int64)]).to(batch.keys.device)
-        sampling = batch.rows
-        padded = BatchTensors(
-            rows=RowSampling(
-                **{f.name: getattr(sampling, f.name).index_select(0, index) for f in _ROW_TENSORS},
-                any_greedy=sampling.any_greedy,
-                any_top_k=sampling.any_top_k,
-                any_top_p=sampling.any_top_p,
-                any_processed=sampling.any_processed,
-            ),
-            keys=batch.keys.index_select(0, index),
-            stops=batch.stops.index_select(0, index),
-            max_new=batch.max_new.index_select(0, index),
-        )
+        padded = _batch_of(tuple(t.index_select(0, index) for t in _tensors(batch)), batch)
         self._padded = (batch, rows, padded)
         return padded
 
@@ -233,6 +219,7 @@ class FixedRounds:
             if graph is None:
                 try:
                     graph = self._graphs[key] = self._capture(fn, by_reference, inputs)
+                    self.captured += 1
                 except RuntimeError as e:  # a kernel this torch or device cannot capture
                     log.warning(
                         "CUDA graph capture failed, so this engine runs its rounds without graphs "
@@ -263,7 +250,6 @@ class FixedRounds:
         # thread_local: a sidecar's other threads may use CUDA while this one captures
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             outputs = fn(*by_reference, *static)
-        self.captured += 1
         return _Graph(graph=graph, inputs=static, outputs=tuple(outputs))
 
 
@@ -283,15 +269,10 @@ def _input_of(t: tuple[Tensor, ...]) -> FixedInput:
 
 
 def _batch_of(t: tuple[Tensor, ...], like: BatchTensors) -> BatchTensors:
+    """`like` with its per-row tensors taken from `t` (in `_tensors`' order); its flags kept."""
     n = len(_ROW_TENSORS)
-    s = like.rows
-    rows = RowSampling(
-        **{f.name: v for f, v in zip(_ROW_TENSORS, t[:n], strict=True)},
-        any_greedy=s.any_greedy,
-        any_top_k=s.any_top_k,
-        any_top_p=s.any_top_p,
-        any_processed=s.any_processed,
-    )
+    tensors: dict[str, Any] = {f.name: v for f, v in zip(_ROW_TENSORS, t[:n], strict=True)}
+    rows = dataclasses.replace(like.rows, **tensors)
     return BatchTensors(rows=rows, keys=t[n], stops=t[n + 1], max_new=t[n + 2])
 
 

@@ -33,6 +33,7 @@ class ServedWeights:
     _version: int
     _stats: VersionLedger
     _policy: SpeculationPolicy | None
+    _swaps: int
 
     def _selected_shapes(self, selector: WeightSelector) -> dict[str, tuple[int, ...]]:
         shapes: dict[str, tuple[int, ...]] = {}
@@ -81,6 +82,7 @@ class ServedWeights:
         )
 
     def _swap_in(self, tensors: Mapping[str, torch.Tensor], *, adopt: bool) -> dict[str, torch.Tensor]:
+        self._swaps += 1  # captured rounds check the weights' addresses again (`TorchEngine._decode`)
         params = dict(self.model.named_parameters()) | self.drafter.pushed_parameters()
         shared = self._shared_storages() if adopt else set()
         free: dict[str, torch.Tensor] = {}

@@ -187,7 +187,8 @@ class TorchEngine(ServedWeights, Engine):
         self._mtp_caches = [self.drafter.new_cache(0, slots, max_batch=rows) for _ in range(self.num_mtp)]
         self._batch: BatchTensors | None = None
         self._rounds = make_rounds(compile, self.device)
-        self._parameters: list[torch.Tensor] | None = None  # `_read_tensors`' parameter objects
+        self._swaps = 0  # weight updates swapped in (`ServedWeights._swap_in`)
+        self._weights_checked: tuple[int, int] | None = None  # (swaps, decode-weight builds) last checked
         self.compile = compile
 
     def warm_up(self, progress: Callable[[int, int], None] | None = None) -> int:
@@ -575,8 +576,10 @@ class TorchEngine(ServedWeights, Engine):
             drafted_at = self._clock()
 
         old_lengths = list(self._cache.lengths)
-        if isinstance(self._rounds, FixedRounds) and self._rounds.capture:
+        moved = (self._swaps, self.model.decode_builds)  # weights move only by a push or a rebuild
+        if isinstance(self._rounds, FixedRounds) and self._rounds.capture and moved != self._weights_checked:
             self._rounds.check_weights(self._read_tensors())
+            self._weights_checked = moved
         out = self._rounds.run(
             self.drafter,
             self._cache,
@@ -641,13 +644,11 @@ class TorchEngine(ServedWeights, Engine):
         return finished
 
     def _read_tensors(self) -> list[torch.Tensor]:
-        """Every tensor a round's forwards read (a captured graph holds their addresses). The
-        parameter objects are listed once (walking the module tree cost ~6 us a module a round);
-        their addresses are read each round."""
-        if self._parameters is None:
-            self._parameters = [*self.model.parameters(), *self.drafter.pushed_parameters().values()]
+        """Every tensor a round's forwards read (a captured graph holds their addresses). Read after
+        a push or a rebuild of the decode weights only: in between nothing here moves them (writes
+        into parameters in place, and `DecodeWeights.refresh`, keep every address)."""
         fused = [t for w in self.model.decode_weights() for t in w.tensors()]
-        return [*self._parameters, *fused]
+        return [*self.model.parameters(), *self.drafter.pushed_parameters().values(), *fused]
 
     @staticmethod
     def _row_state(s: Sequence) -> RowState:

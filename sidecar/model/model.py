@@ -370,6 +370,8 @@ class Qwen3WithMTP(nn.Module):
         self._fused: tuple[list[DecodeWeights], list[Tensor], list[tuple[int, int]]] | None = None
         self._frozen = False
         self.decode_by_columns: bool | None = None
+        self.decode_builds = 0
+        """Times `decode_weights` built new tensors (rather than refreshing them in place)."""
         """The cached forwards' weight layout: (in, out) copies (True), the parameters' own (out, in)
         (False), or by device (None: by columns on CPUs, `DecodeWeights`)."""
 
@@ -434,6 +436,7 @@ class Qwen3WithMTP(nn.Module):
             with torch.no_grad():
                 if not (len(built) == len(layers) and all(w.refresh(m) for w, m in zip(built, layers, strict=True))):
                     built[:] = [DecodeWeights.of(m, self.decode_by_columns) for m in layers]
+                    self.decode_builds += 1
             signature[:] = now
         return built
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from engine_fixtures import TAPS, aligned_eagle3, eagle3_target
+from test_speculative_greedy import naive_greedy
 
 from sidecar.engine.drafters import Drafter, Eagle3Drafter
 from sidecar.engine.sampling import RowSampling
@@ -48,14 +49,6 @@ def drafts(target: Qwen3WithMTP) -> dict[str, Eagle3Draft]:
         "reduced": reduced,
         "aligned-reduced": aligned_eagle3(target, REDUCED),
     }
-
-
-def naive_greedy(model: Qwen3WithMTP, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    return ids[len(prompt) :]
 
 
 def run(

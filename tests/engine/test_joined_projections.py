@@ -14,15 +14,12 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_fixtures import aligned_draft_model
-from test_static_engine import oracle_greedy
+from test_static_engine import NEW, PROMPTS, greedy, oracle_greedy
 
 from sidecar.engine.torch_engine import TorchEngine
 from sidecar.model.checkpoint import model_state_dict
 from sidecar.model.model import ModelConfig, Qwen3WithMTP, build_model
-from sidecar.types import GenerationRequest, SamplingParams, WeightSelector
-
-PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7], [3] * 11]
-NEW = 12
+from sidecar.types import WeightSelector
 
 
 def joined(model: Qwen3WithMTP) -> Qwen3WithMTP:
@@ -40,13 +37,6 @@ def private_copy_bytes(model: Qwen3WithMTP) -> int:
         for t in (w.qkv, w.gate_up, w.o, w.down)
         if t.untyped_storage().data_ptr() not in params
     )
-
-
-def greedy(engine: TorchEngine, k: int) -> list[list[int]]:
-    req = GenerationRequest(
-        prompts=PROMPTS, sampling=SamplingParams(temperature=0.0, max_new_tokens=NEW), speculation_k=k
-    )
-    return [s.token_ids for s in engine.generate(req)]
 
 
 def test_joining_keeps_the_values_and_the_decode_path_then_copies_nothing() -> None:

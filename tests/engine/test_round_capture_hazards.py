@@ -14,6 +14,12 @@ tests/engine/test_fixed_shape_forwards.py, `host_transfers`.)
 And the host-side cache of a batch's padded form must follow the batch it was made for: keyed by
 `id()`, a new batch that reuses a freed one's id read the old max_new_tokens (rows ran past their
 budget on the GPU).
+
+The capture bookkeeping, with `Replayable` standing in for a CUDA graph (it recomputes into its
+captured output tensors): weights' addresses checked after pushes only, graphs kept over a copying
+push and captured again after an adopting one; a refused capture falls back to uncaptured rounds
+with a warning; `warm_up` (what `specrl serve` runs first) captures every batch bucket. Oracle: the
+plain full forward's greedy tokens. The real capture runs in tests/engine/test_cuda_graphs.py.
 """
 
 from __future__ import annotations
@@ -32,8 +38,9 @@ from sidecar.engine import fixed_round, round_graphs
 from sidecar.engine.round_graphs import FixedRounds
 from sidecar.engine.rows import BatchTensors, Sequence
 from sidecar.engine.torch_engine import TorchEngine
+from sidecar.model.checkpoint import model_state_dict
 from sidecar.model.model import ModelConfig
-from sidecar.types import GenerationRequest, SamplingParams
+from sidecar.types import GenerationRequest, SamplingParams, WeightSelector
 
 FORBIDDEN = ("lift_fresh", "_local_scalar_dense", "item", "is_nonzero", "nonzero")
 """Host data made a tensor; a value read back (`.item()`, `int(t)`, `bool(t)`: `item` and
@@ -132,6 +139,76 @@ def test_the_padded_batch_follows_its_batch_when_ids_are_reused() -> None:
         del batch, padded
 
 
+class Replayable:
+    """A stand-in for a CUDA graph on the CPU: "captures" by running the phase once on its own
+    input tensors, and replays by recomputing into the same output tensors."""
+
+    def __init__(self, fn: Callable[..., Any], by_reference: Any, static: Any) -> None:
+        self.fn, self.by_reference, self.static = fn, by_reference, static
+        self.outputs = fn(*by_reference, *static)
+
+    def replay(self) -> None:
+        for out, new in zip(self.outputs, self.fn(*self.by_reference, *self.static), strict=True):
+            out.copy_(new)
+
+
+def faked_capture(
+    monkeypatch: pytest.MonkeyPatch, engine: TorchEngine, fail_verify: bool = False
+) -> tuple[FixedRounds, list[tuple[object, ...]]]:
+    """Turn `engine`'s fixed rounds to capturing, with `Replayable` graphs (no GPU here); returns
+    the rounds and the list of captures (each the phase's by-reference inputs: empty for the draft
+    phase). `fail_verify`: the verify phase's capture raises as a CUDA capture refusal does."""
+    rounds = engine._rounds
+    assert isinstance(rounds, FixedRounds)
+    rounds.capture = True
+    captures: list[tuple[object, ...]] = []
+
+    def capture(fn: Callable[..., Any], by_reference: Any, inputs: Any) -> Any:
+        captures.append(by_reference)
+        if fail_verify and by_reference:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        static = tuple(t.clone() for t in inputs)
+        graph = Replayable(fn, by_reference, static)
+        return round_graphs._Graph(graph=graph, inputs=static, outputs=tuple(graph.outputs))
+
+    monkeypatch.setattr(rounds, "_capture", capture)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: torch.device("cpu"))  # a no-op context
+    return rounds, captures
+
+
+def test_captured_rounds_check_the_weights_after_pushes_only_and_recapture_after_new_storage(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The weights' addresses are read on the first round and after each push, not every round; a
+    copying push keeps every graph, an adopting one drops them (captured again), and generation
+    after either equals the pushed weights' plain forward."""
+    from test_static_engine import oracle_greedy
+
+    old, new = (aligned_draft_model(ModelConfig.tiny(), seed=s) for s in (3, 4))
+    engine = TorchEngine(old, speculation_k=3, compile="on")
+    rounds, captures = faked_capture(monkeypatch, engine)
+    checks: list[int] = []
+    check = rounds.check_weights
+    monkeypatch.setattr(rounds, "check_weights", lambda tensors: (checks.append(1), check(tensors)))
+    prompts = [[1, 2, 3], [7, 8, 9, 10]]
+
+    def greedy() -> list[list[int]]:
+        sp = SamplingParams(temperature=0.0, max_new_tokens=10)
+        return [s.token_ids for s in engine.generate(GenerationRequest(prompts=prompts, sampling=sp))]
+
+    assert greedy() == [oracle_greedy(old, p, 10) for p in prompts]
+    assert len(checks) == 1 and captures  # one check for a whole generation
+    captured = len(captures)
+    assert greedy() == [oracle_greedy(old, p, 10) for p in prompts] and len(captures) == captured
+    tensors = {n: t.clone() for n, t in model_state_dict(new).items()}
+    engine.update_weights(tensors, WeightSelector.ALL, version=1)
+    assert greedy() == [oracle_greedy(new, p, 10) for p in prompts]
+    assert len(checks) == 2 and len(captures) == captured  # checked again; replayed, nothing recaptured
+    engine.adopt_weights({n: t.clone() for n, t in model_state_dict(old).items()}, WeightSelector.ALL, version=2)
+    assert greedy() == [oracle_greedy(old, p, 10) for p in prompts]
+    assert len(checks) == 3 and len(captures) > captured  # new storage: the graphs were captured again
+
+
 def test_a_failed_capture_falls_back_to_uncaptured_rounds_and_says_so(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -141,30 +218,7 @@ def test_a_failed_capture_falls_back_to_uncaptured_rounds_and_says_so(
 
     model = aligned_draft_model(ModelConfig.tiny(), seed=3)
     engine = TorchEngine(model, speculation_k=3, compile="on")
-    rounds = engine._rounds
-    assert isinstance(rounds, FixedRounds)
-    rounds.capture = True  # as on CUDA; the capture itself is faked (no GPU here)
-    captures: list[tuple[object, ...]] = []
-
-    class Replayable:
-        def __init__(self, fn: Callable[..., Any], by_reference: Any, static: Any) -> None:
-            self.fn, self.by_reference, self.static = fn, by_reference, static
-            self.outputs = fn(*by_reference, *static)
-
-        def replay(self) -> None:  # recompute into the same output tensors, as a graph would
-            for out, new in zip(self.outputs, self.fn(*self.by_reference, *self.static), strict=True):
-                out.copy_(new)
-
-    def capture(fn: Callable[..., Any], by_reference: Any, inputs: Any) -> Any:
-        captures.append(by_reference)
-        if by_reference:  # the verify phase (it reads the draft phase's outputs)
-            raise RuntimeError("operation not permitted when stream is capturing")
-        static = tuple(t.clone() for t in inputs)
-        graph = Replayable(fn, by_reference, static)
-        return round_graphs._Graph(graph=graph, inputs=static, outputs=tuple(graph.outputs))
-
-    monkeypatch.setattr(rounds, "_capture", capture)
-    monkeypatch.setattr(torch.cuda, "device", lambda device: torch.device("cpu"))  # a no-op context
+    rounds, captures = faked_capture(monkeypatch, engine, fail_verify=True)
     prompts = [[1, 2, 3], [7, 8, 9, 10]]
     with caplog.at_level("WARNING", logger="sidecar.engine.round_graphs"):
         out = engine.generate(
@@ -173,3 +227,43 @@ def test_a_failed_capture_falls_back_to_uncaptured_rounds_and_says_so(
     assert [s.token_ids for s in out] == [oracle_greedy(model, p, 10) for p in prompts]
     assert len(captures) == 2 and not rounds.capture  # one capture each phase, then no more attempts
     assert "CUDA graph capture failed" in caplog.text and "--compile off" in caplog.text
+
+
+def test_warm_up_captures_every_batch_bucket_before_serving_and_leaves_no_trace(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`TorchEngine.warm_up` (what `specrl serve` runs before listening): every batch bucket, plain
+    and at the default k, captured; progress reported per shape; no statistics left; the first
+    request after it replays (captures nothing at those shapes) and equals the plain forward; an
+    engine with requests refuses it; eager rounds have nothing to warm up."""
+    from test_static_engine import oracle_greedy
+
+    model = aligned_draft_model(ModelConfig.tiny(), seed=3)
+    assert TorchEngine(model, speculation_k=3).warm_up() == 0  # compile auto on a CPU: eager rounds
+    engine = TorchEngine(model, speculation_k=3, max_batch_size=12, compile="on")
+    rounds, captures = faked_capture(monkeypatch, engine)
+    progress: list[tuple[int, int]] = []
+    captured = engine.warm_up(lambda done, total: progress.append((done, total)))
+    assert progress == [(i, 10) for i in range(1, 11)]  # buckets 1, 2, 4, 8, 12 x k in {0, 3}
+    assert captured == len(captures) == rounds.captured >= 20  # two phases per shape at least
+    stats = engine.stats()
+    assert len(stats) == 1 and stats[0].counters.generated_tokens == 0 and stats[0].samples_finished == 0
+    sp = SamplingParams(temperature=0.0, max_new_tokens=1 + 1)
+    out = engine.generate(GenerationRequest(prompts=[[5, 6]], sampling=sp, speculation_k=3))
+    assert out[0].token_ids == oracle_greedy(model, [5, 6], 2) and len(captures) == captured
+    engine.submit(GenerationRequest(prompts=[[1]], sampling=sp, request_id="busy"))
+    with pytest.raises(RuntimeError, match="before serving"):
+        engine.warm_up()
+
+
+def test_serve_warms_up_behind_a_progress_bar_and_skips_engines_without_warm_up(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from sidecar.server.cli import warm_up
+
+    model = aligned_draft_model(ModelConfig.tiny(), seed=3)
+    warm_up(TorchEngine(model, speculation_k=3, max_batch_size=2, compile="on"))
+    assert "warm-up: decode rounds" in capsys.readouterr().err  # buckets 1, 2 x k in {0, 3}
+    warm_up(TorchEngine(model, speculation_k=3))  # eager rounds: nothing to warm up, no bar
+    warm_up(object())  # type: ignore[arg-type]  # an engine without warm_up (SGLang)
+    assert capsys.readouterr().err == ""
