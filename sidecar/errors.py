@@ -11,6 +11,11 @@ class InvalidRequestError(SpecrlError, ValueError):
     """A generation request the engine cannot serve as given (INVALID_ARGUMENT)."""
 
 
+class NonFiniteWeightsError(InvalidRequestError):
+    """Pushed weights holding a NaN or an infinity (INVALID_ARGUMENT): refused before anything is
+    applied, so the served weights and version stay as they were."""
+
+
 class UnknownTensorError(SpecrlError, KeyError):
     """A weight name the model does not have (NOT_FOUND)."""
 

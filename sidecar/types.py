@@ -258,6 +258,11 @@ class Sample:
     """Weight version that produced the last token (differs if a push landed mid-sample)."""
     counters: SpeculationCounters = field(default_factory=SpeculationCounters)
 
+    @property
+    def nonfinite(self) -> bool:
+        """A log-prob is NaN or infinite: the weights that served it, or their activations, are broken."""
+        return not all(math.isfinite(x) for x in self.logprobs)
+
 
 class DeltaEncoding(enum.IntEnum):
     """How a sparse delta names its changed positions (sidecar.weight_sync.delta)."""
@@ -313,6 +318,8 @@ class VersionStats:
     counters: SpeculationCounters = field(default_factory=SpeculationCounters)
     samples_finished: int = 0
     busy_seconds: float = 0.0
+    samples_nonfinite: int = 0
+    """Finished samples whose log-probs hold a NaN or an infinity (`Sample.nonfinite`)."""
 
 
 @dataclass(kw_only=True, slots=True)

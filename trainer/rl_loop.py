@@ -408,6 +408,7 @@ def _gather(run: Run, step: int, metrics: dict[str, float], events: list[str]) -
     metrics["rollout/rerouted"] = float(rollout.rerouted)
     metrics["rollout/duplicates"] = float(rollout.duplicates)
     metrics["rollout/regenerated"] = float(rollout.regenerated)
+    metrics["rollout/samples_nonfinite"] = float(rollout.nonfinite)  # the fleet warned, naming the sidecars
     metrics["rollout/weight_version"] = float(min(s.weight_version for s in samples))
     metrics["rollout/response_len"] = sum(len(s.token_ids) for s in samples) / len(samples)
     metrics.update(length_quantiles([len(s.token_ids) for s in samples]))

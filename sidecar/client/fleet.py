@@ -150,6 +150,9 @@ class FleetResult:
     """Samples already held that came back again with a re-routed prompt (dropped)."""
     duplicates: int = 0
     """Samples received twice from one call (dropped; should stay 0)."""
+    nonfinite: int = 0
+    """Samples whose log-probs hold a NaN or an infinity (kept as they came; a warning names the
+    sidecars and weight versions that served them)."""
     events: list[str] = field(default_factory=list)
 
 
@@ -419,6 +422,7 @@ class Fleet:
         rid = request.request_id or f"fleet-{time.time_ns():x}"
         g = request.samples_per_prompt
         got: dict[tuple[int, int], Sample] = {}
+        broken: dict[str, set[int]] = {}  # sidecar address -> weight versions that served non-finite samples
         missing = {p: list(range(g)) for p in range(len(request.prompts))}
         events: list[str] = []
         result = FleetResult(samples=[], seconds=0.0, events=events)
@@ -461,6 +465,8 @@ class Fleet:
                         continue
                     s.prompt_index, s.request_id = job.prompt, rid
                     got[key] = s
+                    if s.nonfinite:
+                        broken.setdefault(job.client.address, set()).add(s.last_weight_version)
                 if not outcome.why:
                     saw_success = True
                     self._busy_backoff.pop(job.client.address, None)
@@ -503,6 +509,16 @@ class Fleet:
                 )
         result.samples = [got[k] for k in sorted(got)]
         result.seconds = time.perf_counter() - start
+        result.nonfinite = sum(s.nonfinite for s in result.samples)
+        if result.nonfinite:
+            where = "; ".join(f"{a} (weight versions {sorted(v)})" for a, v in sorted(broken.items()))
+            msg = (
+                f"{result.nonfinite} of {len(result.samples)} samples have NaN or infinite log-probs, served by "
+                f"{where}: the pushed weights (or their activations) are not finite; check the training run "
+                "for divergence and push finite weights before training on these samples"
+            )
+            log.warning(msg)
+            events.append(msg)
         return result
 
     def _wait_for_ready(self, live: list[SidecarClient]) -> list[SidecarClient]:

@@ -118,7 +118,10 @@ class FixedRounds:
             read_draft=read_draft,
             read_target=read_bucket(max(cache.lengths) + k + 1, cache.capacity),
         )
-        fixed = self._input(inp, cache, draft_caches if k > 0 else [], num_refresh, shape)
+        drafting = draft_caches if k > 0 else []
+        for c in [cache, *drafting]:  # slots past the rows' lengths read as zeros (`KVCache.scrub`)
+            c.scrub()
+        fixed = self._input(inp, cache, drafting, num_refresh, shape)
         padded = self._pad_batch(batch, rows)
         flags = (padded.rows.any_greedy, padded.rows.any_top_k, padded.rows.any_top_p, padded.rows.any_processed)
         batch_inputs = _tensors(padded)
@@ -142,8 +145,16 @@ class FixedRounds:
         packed, states = self._run(
             ("verify", draft_key, accept), verify_fn, draft_inputs, by_reference=(drafts, q, u), keep=(1,)
         )
+        # what the replays wrote: k + 1 verified columns a row (padded rows from slot 0); the draft
+        # refresh's `width` columns, then up to k chain entries past the refreshed positions
+        pad = [0] * (rows - b)
+        cache.mark_written([n + k + 1 for n in [*cache.lengths, *pad]])
+        for c in drafting:
+            c.mark_written(
+                [n + max(width, r + k) for n, r in zip([*c.lengths, *pad], [*num_refresh, *pad], strict=True)]
+            )
         cache.commit_counts(inp.num_new)
-        for c in draft_caches if k > 0 else []:
+        for c in drafting:
             c.commit_counts(num_refresh)
         return RoundOutput(packed=packed[:b], hidden=states[:b])
 

@@ -411,8 +411,11 @@ class TorchEngine(ServedWeights, Engine):
         self._live[seq.request_id] -= 1
         if not self._live[seq.request_id]:
             del self._live[seq.request_id]
-        self._stats[self._version].samples_finished += 1
-        return seq.to_sample(reason)
+        sample = seq.to_sample(reason)
+        stats = self._stats[self._version]
+        stats.samples_finished += 1
+        stats.samples_nonfinite += sample.nonfinite
+        return sample
 
     def _keep_rows(self, keep: list[int]) -> None:
         """Keep the rows `keep`: each row that leaves has its place taken by a kept row from the

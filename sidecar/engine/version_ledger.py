@@ -20,6 +20,7 @@ def fold(into: VersionStats, stats: VersionStats) -> None:
     """Add `stats`' counters, samples and busy time to `into`."""
     into.counters.add(stats.counters)
     into.samples_finished += stats.samples_finished
+    into.samples_nonfinite += stats.samples_nonfinite
     into.busy_seconds += stats.busy_seconds
 
 

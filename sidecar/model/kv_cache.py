@@ -4,12 +4,19 @@ Continuous batching with speculative decoding needs three things of a KV cache:
 - rows of different lengths in one forward (each row appends its own number of new tokens,
   right-padded to the longest; padded positions write scratch slots past the row's length);
 - rollback: after verification a row keeps only the accepted prefix — lengths shrink and the
-  stale slots are simply overwritten later (they are masked until then);
+  rejected slots become stale;
 - rows join (after prefill) and leave (finished or aborted) between steps.
 
-Storage is one tensor per k and v of shape (num_layers, rows, kv_heads, capacity, head_dim),
-zero-initialised so that masked scratch slots are always finite (a NaN under a zero attention
-weight would still poison the output). A *static* cache (`max_batch` given: the engine's) is
+Storage is one tensor per k and v of shape (num_layers, rows, kv_heads, capacity, head_dim).
+A forward reads a whole range of slots under an additive mask, and a zero attention weight times
+a non-finite value is still NaN: a slot at or past a row's length must hold zeros, or whatever
+another request (or a rejected draft) left there reaches the row's output. So the cache keeps,
+per storage row, how far slots may have been written (`_written`, host ints: a plan's writes,
+`mark_written` for fixed-shape forwards whose writes the host does not plan), and `scrub` zeroes
+every live row's slots in [length, written) — one indexed write for all layers — before the
+next forward reads them (`plan` scrubs itself; a fixed-shape round's runner calls it). A row
+that takes a storage row inherits the old occupant's written extent, so it is scrubbed too. A
+*static* cache (`max_batch` given: the engine's) is
 allocated once, `max_batch` rows of `capacity` slots, and never reallocated: a forward reads a
 view of its first `batch` rows and its first kv_len slots, rollback moves lengths only, a row
 leaving moves the rows after it down by one copy of theirs, a row joining is copied into the
@@ -86,6 +93,8 @@ class KVCache:
         self._k = torch.zeros(shape, dtype=dtype, device=self.device)
         self._v = torch.zeros(shape, dtype=dtype, device=self.device)
         self.lengths: list[int] = [0] * batch
+        self._written: list[int] = [0] * rows
+        """Per storage row: slots [0, written) may hold values, those past it are zeros (module docstring)."""
 
     @property
     def k(self) -> Tensor:
@@ -134,6 +143,8 @@ class KVCache:
         s = max(s, 1)
         kv_len = (max(self.lengths) if self.lengths else 0) + s
         self._grow(kv_len)
+        self.scrub()
+        self.mark_written([n + s for n in self.lengths])
         lengths = upload(self.lengths, self.device)  # (B,)
         offsets = torch.arange(s, device=self.device)  # (S,)
         positions = lengths[:, None] + offsets[None, :]  # (B, S)
@@ -202,6 +213,32 @@ class KVCache:
             grouped=True,
         )
 
+    def mark_written(self, extents: list[int]) -> None:
+        """Storage rows [0, len(extents)) may now hold values in slots [0, extents[r]): what a
+        fixed-shape forward writes (`plan_fixed` runs only when a graph is captured, so the
+        round's host side says what each replay wrote)."""
+        for r, e in enumerate(extents):
+            if e > self._written[r]:
+                self._written[r] = min(e, self.capacity)
+
+    def scrub(self) -> None:
+        """Zero every live row's slots in [length, written): stale keys and values (rejected
+        drafts, padding columns, a former occupant's tokens) then weigh exactly nothing under
+        the mask, even where they were not finite. One indexed write per k and v for all layers,
+        nothing when no slot is stale."""
+        rows: list[int] = []
+        slots: list[int] = []
+        for b, n in enumerate(self.lengths):
+            w = self._written[b]
+            if w > n:
+                rows += [b] * (w - n)
+                slots += range(n, w)
+                self._written[b] = n
+        if rows:
+            r, t = upload(rows, self.device), upload(slots, self.device)
+            self._k[:, r, :, t] = 0
+            self._v[:, r, :, t] = 0
+
     def commit_counts(self, num_new: list[int]) -> None:
         """`commit` of a fixed forward: each live row keeps its num_new[b] new tokens."""
         if len(num_new) != self.batch:
@@ -244,6 +281,7 @@ class KVCache:
             index = torch.tensor(rows, dtype=torch.int64, device=self.device)
             self._k = self._k.index_select(1, index)
             self._v = self._v.index_select(1, index)
+            self._written = [self._written[r] for r in rows]
         else:  # move only the rows whose place changes (the source rows are gathered first)
             moved = [(i, r) for i, r in enumerate(rows) if r != i]
             if moved:
@@ -252,6 +290,8 @@ class KVCache:
                 used = max(self.lengths[r] for _, r in moved)  # slots past a row's length are stale
                 self._k[:, dst, :, :used] = self._k[:, src, :, :used]
                 self._v[:, dst, :, :used] = self._v[:, src, :, :used]
+                for i, _ in moved:  # past `used` the row still holds what its former occupant wrote
+                    self._written[i] = max(self._written[i], used)
         self.lengths = [self.lengths[r] for r in rows]
 
     def append_rows(self, other: KVCache) -> None:
@@ -259,18 +299,20 @@ class KVCache:
         if other.batch == 0:
             return
         if self.static:
-            n, b, cap = other.batch, self.batch, other.capacity
+            n, b = other.batch, self.batch
             if b + n > self.max_batch:
                 raise ValueError(f"{b} rows + {n} joining exceed the static cache's {self.max_batch} rows")
-            if cap > self.capacity:  # only slots below other's lengths matter
-                cap = max(other.lengths)
-                self._grow(cap)
+            cap = max(other.lengths)  # only slots below other's lengths matter
+            self._grow(cap)
             self._k[:, b : b + n, :, :cap] = other._k[:, :n, :, :cap]
             self._v[:, b : b + n, :, :cap] = other._v[:, :n, :, :cap]
+            for r in range(b, b + n):  # past `cap` the row may hold what a former occupant wrote
+                self._written[r] = max(self._written[r], cap)
             self.lengths = self.lengths + list(other.lengths)
             return
         if self.batch == 0:
             self._k, self._v, self.lengths = other.k, other.v, list(other.lengths)
+            self._written = list(other._written[: other.batch])
             return
         self._grow(other.capacity)  # may double past other.capacity: pad other to ours below
         cap = self.capacity
@@ -280,6 +322,7 @@ class KVCache:
             ok, ov = torch.nn.functional.pad(ok, pad), torch.nn.functional.pad(ov, pad)
         self._k = torch.cat([self.k, ok], dim=1)
         self._v = torch.cat([self.v, ov], dim=1)
+        self._written = self._written[: self.batch] + other._written[: other.batch]
         self.lengths = self.lengths + list(other.lengths)
 
     @staticmethod

@@ -24,6 +24,7 @@ def stats_to_pb(stats: SidecarStats) -> control_pb2.GetStatsResponse:
                 counters=counters_to_pb(v.counters),
                 samples_finished=v.samples_finished,
                 busy_seconds=v.busy_seconds,
+                samples_nonfinite=v.samples_nonfinite,
             )
             for v in stats.versions
         ],
@@ -73,6 +74,7 @@ def stats_from_pb(msg: control_pb2.GetStatsResponse) -> SidecarStats:
                 counters=counters_from_pb(v.counters),
                 samples_finished=v.samples_finished,
                 busy_seconds=v.busy_seconds,
+                samples_nonfinite=v.samples_nonfinite,
             )
             for v in msg.versions
         ],

@@ -7,7 +7,7 @@ tests) in one process do not collide in the global registry.
 
 Exported (prefix `specrl_`):
 - counters `verify_steps_total`, `drafted_tokens_total`, `accepted_tokens_total`,
-  `generated_tokens_total`, `samples_finished_total`, `busy_seconds_total`;
+  `generated_tokens_total`, `samples_finished_total`, `samples_nonfinite_total`, `busy_seconds_total`;
 - gauges `acceptance_length` (tau = generated / verify steps, bonus token included),
   `acceptance_rate` (accepted / drafted), `position_acceptance_rate{position}` (per draft
   position), all over the served weight version so they follow the current policy;
@@ -59,11 +59,13 @@ class SidecarMetrics(Collector):
         snap = self._scheduler.snapshot()
         total = SpeculationCounters()
         samples = 0
+        nonfinite = 0
         busy = 0.0
         current = SpeculationCounters()
         for v in [snap.earlier, *snap.versions]:
             total.add(v.counters)
             samples += v.samples_finished
+            nonfinite += v.samples_nonfinite
             busy += v.busy_seconds
             if v.weight_version == snap.weight_version:
                 current = v.counters
@@ -73,6 +75,7 @@ class SidecarMetrics(Collector):
             ("accepted_tokens", total.accepted_tokens, "Draft tokens accepted by the target"),
             ("generated_tokens", total.generated_tokens, "Tokens emitted to samples"),
             ("samples_finished", samples, "Samples finished"),
+            ("samples_nonfinite", nonfinite, "Samples finished with a NaN or infinite log-prob (broken weights)"),
             ("busy_seconds", busy, "Seconds the engine spent computing"),
         ):
             c = CounterMetricFamily(f"specrl_{name}", doc)

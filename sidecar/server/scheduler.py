@@ -550,6 +550,7 @@ class Scheduler:
                 weight_version=v.weight_version,
                 counters=v.counters,
                 samples_finished=v.samples_finished,
+                samples_nonfinite=v.samples_nonfinite,
                 busy_seconds=max(v.busy_seconds, self._busy.get(v.weight_version, 0.0)),
             )
             for v in recent

@@ -35,6 +35,7 @@ import torch
 from sidecar.errors import (
     DeltaBaseError,
     InvalidRequestError,
+    NonFiniteWeightsError,
     PushCancelledError,
     PushInProgressError,
     SpecrlError,
@@ -69,7 +70,7 @@ from sidecar.weight_sync import collective, shm
 from sidecar.weight_sync.checksum import crc32
 from sidecar.weight_sync.delta import apply_delta
 from sidecar.weight_sync.shm import DEFAULT_PROC_DIR
-from sidecar.weight_sync.tensors import tensor_bytes
+from sidecar.weight_sync.tensors import is_finite, tensor_bytes
 
 _IN_FLIGHT = 2
 """Pieces a receiver holds beyond the one being read (bounds memory to a few chunk sizes)."""
@@ -311,10 +312,18 @@ class WeightReceiver:
                 )
             if t.spec.byte_length == 0 and t.spec.crc32 != 0:
                 raise InvalidRequestError(f"tensor {t.spec.name!r} is empty but its manifest crc32 is not 0")
+        tensors = {t.spec.name: self._rebuilt(t) for t in staged}
+        broken = [name for name, t in tensors.items() if not is_finite(t)]
+        if broken:
+            raise NonFiniteWeightsError(
+                f"{len(broken)} pushed tensor(s) hold NaN or infinite values, e.g. {broken[:3]}; nothing was "
+                f"applied and version {self._served_version()} still serves. The training run has probably "
+                "diverged: push finite weights"
+            )
         return StagedWeights(
             version=first.version,
             selector=first.selector,
-            tensors={t.spec.name: self._rebuilt(t) for t in staged},
+            tensors=tensors,
             bytes_received=bytes_received,
             receive_seconds=time.perf_counter() - started,
             transport=first.transport,

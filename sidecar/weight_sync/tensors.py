@@ -27,5 +27,15 @@ def tensor_crc32(tensor: torch.Tensor) -> int:
     return crc32(tensor_bytes(tensor))
 
 
+def is_finite(tensor: torch.Tensor) -> bool:
+    """No NaN and no infinity in `tensor` (integer tensors always are). One reduction that keeps
+    NaN and infinities (its min and max), with no temporary the size of the tensor: on CPU about
+    half the speed of the CRC-32 every pushed byte already gets (BENCHMARKS, "Weight data planes")."""
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return True
+    low, high = torch.aminmax(tensor.detach())
+    return bool(torch.isfinite(low) & torch.isfinite(high))
+
+
 def spec_of(name: str, tensor: torch.Tensor) -> TensorSpec:
     return TensorSpec(name=name, dtype=tensor.dtype, shape=tuple(tensor.shape))

@@ -156,8 +156,9 @@ def test_a_fixed_plan_reads_and_writes_what_the_dynamic_plan_does(
     before = fixed._k.clone(), fixed._v.clone()
     x = torch.randn(rows, s, model.config.hidden_size, generator=torch.Generator().manual_seed(seed + 1))
 
-    want = attend(model, x[:b], dynamic, dynamic.plan(num_new, width=s))
-    dynamic.commit(dynamic.plan(num_new, width=s))
+    plan = dynamic.plan(num_new, width=s)
+    want = attend(model, x[:b], dynamic, plan)
+    dynamic.commit(plan)
     padded_lengths = torch.tensor(lengths + [0] * (rows - b))
     got = attend(model, x, fixed, fixed.plan_fixed(padded_lengths, s, read))
     fixed.commit_counts(num_new)

@@ -101,3 +101,45 @@ def test_append_rows_from_a_cache_of_larger_but_not_double_capacity(random_model
     for b in range(2):
         seqs[b] += nxt[b]
         torch.testing.assert_close(hs[b], oracle(random_model, seqs[b])[-len(nxt[b]) :], atol=1e-5, rtol=0)
+
+
+def test_slots_past_a_rows_length_read_as_zeros_whatever_was_written_there() -> None:
+    """Stale slots — a former occupant's tokens, rejected drafts, padding columns — are zeroed
+    before any forward reads them (`KVCache.scrub`), so a NaN written there weighs nothing under
+    the attention mask. Static storage: a row writes NaN past its length, leaves; rows shift down
+    over it; a joining row takes its storage; a fixed-shape forward's writes are marked by the
+    caller. Oracle: every slot at or past a live row's length is exactly 0 when a plan is made."""
+    nan = float("nan")
+    cache = KVCache(
+        num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float32, device="cpu", max_batch=3, capacity=16
+    )
+
+    def join(lengths: list[int]) -> None:
+        other = KVCache(num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float32, device="cpu", batch=len(lengths))
+        other.lengths = list(lengths)
+        other._grow(max(lengths))
+        other._k.fill_(1.0)
+        other._v.fill_(1.0)
+        cache.append_rows(other)
+
+    def stale_is_zero() -> bool:
+        return all(bool((t[:, b, :, n:] == 0).all()) for t in (cache._k, cache._v) for b, n in enumerate(cache.lengths))
+
+    join([3, 5])
+    plan = cache.plan([4, 1], width=4)  # row 1 writes 3 padding columns past what it commits
+    for layer in range(2):
+        cache.write_and_read(layer, torch.full((2, 4, 1, 4), nan), torch.full((2, 4, 1, 4), nan), plan)
+    cache.commit(plan)
+    cache.truncate([4, 5])  # row 0 rolls back 3 of its 4 new slots: NaN past its length
+    cache.plan([1, 1])
+    assert stale_is_zero()
+    cache.keep_rows([1])  # row 0 leaves; row 1 (NaN past its length before the scrub) moves down
+    join([2])  # takes storage row 1, where NaN stood
+    cache.plan([1, 1])
+    assert stale_is_zero()
+    cache.plan_fixed(torch.tensor([6, 2, 0]), 3, 16)  # what a replayed graph writes, the host marks
+    cache._k[:, :3, :, :9] = nan
+    cache.mark_written([9, 9, 9])
+    cache.scrub()
+    assert stale_is_zero()
+    assert bool((cache._k[:, 2, :, :3] != 0).all())  # a free row is scrubbed when a row takes it, not before

@@ -492,6 +492,7 @@ class SGLangEngine(Engine):
         stats = self._stats[sample.last_weight_version]
         stats.counters.add(sample.counters)
         stats.samples_finished += 1
+        stats.samples_nonfinite += sample.nonfinite
         return sample
 
     def _require_usable(self) -> None:

@@ -138,16 +138,18 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class VersionStats(_message.Message):
-    __slots__ = ("weight_version", "counters", "samples_finished", "busy_seconds")
+    __slots__ = ("weight_version", "counters", "samples_finished", "busy_seconds", "samples_nonfinite")
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FINISHED_FIELD_NUMBER: _ClassVar[int]
     BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_NONFINITE_FIELD_NUMBER: _ClassVar[int]
     weight_version: int
     counters: _common_pb2.SpeculationCounters
     samples_finished: int
     busy_seconds: float
-    def __init__(self, weight_version: _Optional[int] = ..., counters: _Optional[_Union[_common_pb2.SpeculationCounters, _Mapping]] = ..., samples_finished: _Optional[int] = ..., busy_seconds: _Optional[float] = ...) -> None: ...
+    samples_nonfinite: int
+    def __init__(self, weight_version: _Optional[int] = ..., counters: _Optional[_Union[_common_pb2.SpeculationCounters, _Mapping]] = ..., samples_finished: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., samples_nonfinite: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
     __slots__ = ("versions", "total", "weight_version", "queued_sequences", "running_sequences", "uptime_seconds", "speculation", "draft_collapsed", "draft_collapses")

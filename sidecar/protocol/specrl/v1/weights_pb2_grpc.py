@@ -77,7 +77,10 @@ class WeightServiceServicer:
         manifest, anything after the commit, chunk for an
         unknown tensor index, chunk out of order or past the
         tensor's byte_length), chunk or tensor checksum
-        mismatch, missing bytes at commit, unknown dtype.
+        mismatch, missing bytes at commit, unknown dtype;
+        a tensor holding NaN or infinite values (a
+        diverged run's: nothing is applied, push finite
+        weights).
         NOT_FOUND            a manifest tensor name the model does not have.
         FAILED_PRECONDITION  dtype or shape differs from the model's tensor; the
         manifest lacks tensors of the selected part; the
