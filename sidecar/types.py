@@ -344,10 +344,10 @@ class ModelInfo:
 class SpeculationStatus:
     """The draft length in use and why (GetInfo, GetStats, Prometheus)."""
 
-    auto: bool = False
-    """True: the engine chooses k per step (auto mode, up to EngineInfo.speculation_k)."""
-    k: int = 0
-    """k of the latest decode step of auto-mode sequences (the fixed default k when not auto)."""
+    speculation_auto: bool = False
+    """True: the engine chooses k per step (automatic mode, up to EngineInfo.speculation_k)."""
+    speculation_k: int = 0
+    """k of the latest decode step of automatic-mode sequences (the fixed default k otherwise)."""
     reason: str = "fixed"
     """"fixed" (not auto), "model" (best predicted k), "probe" (measuring another k), "guard"
     (backed off to plain: realised throughput fell below plain's), "collapsed" (k = 0: the served

@@ -132,7 +132,7 @@ def test_no_alarm_without_a_working_version_before_or_enough_evidence() -> None:
 
 
 def test_a_held_controller_drafts_nothing_until_the_next_version() -> None:
-    policy = SpeculationPolicy(SpeculationPolicyConfig(max_k=3))
+    policy = SpeculationPolicy(SpeculationPolicyConfig(max_speculation_k=3))
     policy.hold("draft collapsed at weight version 2")
     decision = policy.decide(4)
     assert (decision.k, decision.reason) == (0, "collapsed") and "version 2" in decision.detail
@@ -257,7 +257,7 @@ def test_automatic_k_stops_drafting_a_collapsed_version_and_resumes_on_the_next(
     served.push({n: torch.zeros_like(t) for n, t in _draft(state).items()}, WeightSelector.DRAFT)
     served.generate()  # fixed k = 3: the evidence of version 2
     assert served.scheduler.snapshot().draft_collapsed is not None
-    served.scheduler.set_speculation_k(3, automatic=True)
+    served.scheduler.set_speculation_k(3, speculation_auto=True)
     drafted = served.scheduler.snapshot().versions[-1].counters.drafted_tokens
     served.generate()
     snap = served.scheduler.snapshot()
@@ -276,7 +276,7 @@ def test_getstats_prometheus_and_the_fleet_report_the_collapse_once(
     model = peaked_aligned_model()
     state = {n: t.clone() for n, t in model_state_dict(model).items()}
     save_checkpoint(tmp_path / "ckpt", CONFIG, state)
-    sidecar = start_sidecar(tmp_path / "ckpt", spec_k=3, max_batch_size=PROMPTS)
+    sidecar = start_sidecar(tmp_path / "ckpt", speculation_k=3, max_batch_size=PROMPTS)
     request = GenerationRequest(
         prompts=[[1 + i, (7 * i) % 256] for i in range(PROMPTS)],
         sampling=SamplingParams(temperature=1.0, max_new_tokens=NEW_TOKENS, seed=1),

@@ -196,7 +196,7 @@ def test_bad_generate_requests_get_their_status(  # type: ignore[no-untyped-def]
 def test_control_rpcs_refuse_bad_values(client: SidecarClient) -> None:
     with pytest.raises(SidecarCallError) as err:
         client.set_speculation(99)
-    assert err.value.code == Code.INVALID_ARGUMENT and "max_k" in err.value.details
+    assert err.value.code == Code.INVALID_ARGUMENT and "max_speculation_k" in err.value.details
     with pytest.raises(grpc.RpcError) as raw:
         services.WeightStub(client.channel).DescribeWeights(
             weights_pb2.DescribeWeightsRequest(selector=42), timeout=DEADLINE
@@ -282,23 +282,23 @@ def test_speculation_off_gives_the_same_greedy_output(client: SidecarClient, ora
 def test_automatic_speculation_over_grpc_is_lossless_and_says_why(
     sidecar: Sidecar, client: SidecarClient, oracle: list[list[int]]
 ) -> None:
-    assert not client.info().engine.speculation_status.auto
-    assert client.set_speculation(3, automatic=True) == 2
+    assert not client.info().engine.speculation_status.speculation_auto
+    assert client.set_speculation(3, speculation_auto=True) == 2
     try:
         info = client.info()
-        assert info.engine.speculation_status.auto and info.engine.speculation_k == 3
+        assert info.engine.speculation_status.speculation_auto and info.engine.speculation_k == 3
         assert greedy_tokens(client) == oracle  # whatever k the controller picks per step
         status = client.stats().speculation
-        assert status.auto and status.reason in ("model", "probe", "guard") and status.batch_size >= 1
+        assert status.speculation_auto and status.reason in ("model", "probe", "guard") and status.batch_size >= 1
         assert len(status.acceptance) == 3 and status.detail
         body = urllib.request.urlopen(f"http://127.0.0.1:{sidecar.metrics_port}/metrics", timeout=DEADLINE)
         text = body.read().decode()
-        assert "specrl_speculation_automatic 1.0" in text
+        assert "specrl_speculation_auto 1.0" in text
         assert f'specrl_speculation_reason{{reason="{status.reason}"}} 1.0' in text
         assert "specrl_speculation_guard_trips_total" in text
     finally:
         client.set_speculation(2)
-    assert client.stats().speculation.reason == "fixed" and not client.info().engine.speculation_status.auto
+    assert client.stats().speculation.reason == "fixed" and not client.info().engine.speculation_status.speculation_auto
 
 
 def test_abort_returns_partial_samples(checkpoint: Path) -> None:

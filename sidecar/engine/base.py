@@ -84,8 +84,8 @@ class Engine(ABC):
     def set_speculation_k(self, k: int) -> None:
         """Set the default draft length (0 turns speculation off); ValueError beyond max."""
 
-    def set_speculation_auto(self, max_k: int) -> None:
-        """Automatic mode: k in [0, max_k] chosen per engine step (see
+    def set_speculation_auto(self, k: int) -> None:
+        """Automatic mode: a k in [0, k] chosen per engine step (see
         `sidecar.speculation.controller`). ValueError where the engine has none."""
         raise ValueError(f"the {self.info().engine} engine has no automatic speculation mode; set a fixed k")
 
@@ -96,12 +96,12 @@ class Engine(ABC):
         if self._policy is None:
             return False
         self._policy.hold(why)  # also rows still running from an earlier automatic mode
-        return self.speculation_status().auto
+        return self.speculation_status().speculation_auto
 
     def speculation_status(self) -> SpeculationStatus:
         """The k in use and why (engines without automatic mode: the fixed default k)."""
         k = self.info().speculation_k
-        return SpeculationStatus(auto=False, k=k, reason="fixed", detail=f"fixed default k={k}")
+        return SpeculationStatus(speculation_auto=False, speculation_k=k, reason="fixed", detail=f"fixed default k={k}")
 
     @abstractmethod
     def weight_specs(self, selector: WeightSelector) -> list[TensorSpec]:

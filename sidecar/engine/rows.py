@@ -117,7 +117,7 @@ class Sequence:
     prompt: list[int]
     params: SamplingParams
     k: int
-    auto: bool
+    speculation_auto: bool
     """k is chosen per step by the engine's SpeculationPolicy (`k` is then unused)."""
     seed: int
     """`sequence_seed(...)`: the key of the row's counter-based uniforms."""
@@ -131,7 +131,7 @@ class Sequence:
     @property
     def drafts(self) -> bool:
         """May draft in some step (so its MTP inputs must be kept)."""
-        return self.auto or self.k > 0
+        return self.speculation_auto or self.k > 0
 
     @property
     def num_pending(self) -> int:

@@ -529,7 +529,7 @@ def describe_weights_from_pb(msg: weights_pb2.DescribeWeightsResponse) -> tuple[
 
 def speculation_status_to_pb(s: SpeculationStatus) -> control_pb2.SpeculationDecision:
     return control_pb2.SpeculationDecision(
-        k=s.k,
+        speculation_k=s.speculation_k,
         reason=s.reason,
         detail=s.detail,
         expected_speedup=s.expected_speedup,
@@ -539,10 +539,10 @@ def speculation_status_to_pb(s: SpeculationStatus) -> control_pb2.SpeculationDec
     )
 
 
-def speculation_status_from_pb(msg: control_pb2.SpeculationDecision, automatic: bool) -> SpeculationStatus:
+def speculation_status_from_pb(msg: control_pb2.SpeculationDecision, speculation_auto: bool) -> SpeculationStatus:
     return SpeculationStatus(
-        auto=automatic,
-        k=msg.k,
+        speculation_auto=speculation_auto,
+        speculation_k=msg.speculation_k,
         reason=msg.reason or "fixed",
         detail=msg.detail,
         expected_speedup=msg.expected_speedup,
@@ -570,9 +570,9 @@ def info_to_pb(info: SidecarInfo) -> control_pb2.GetInfoResponse:
         ),
         speculation=control_pb2.SpeculationInfo(
             method=e.speculation_method,
-            k=e.speculation_k,
-            max_k=e.max_speculation_k,
-            automatic=e.speculation_status.auto,
+            speculation_k=e.speculation_k,
+            max_speculation_k=e.max_speculation_k,
+            speculation_auto=e.speculation_status.speculation_auto,
             decision=speculation_status_to_pb(e.speculation_status),
         ),
         engine=e.engine,
@@ -628,9 +628,9 @@ def info_from_pb(msg: control_pb2.GetInfoResponse) -> SidecarInfo:
             device_kind=msg.device.kind,
             device_name=msg.device.name,
             speculation_method=msg.speculation.method,
-            speculation_k=msg.speculation.k,
-            max_speculation_k=msg.speculation.max_k,
-            speculation_status=speculation_status_from_pb(msg.speculation.decision, msg.speculation.automatic),
+            speculation_k=msg.speculation.speculation_k,
+            max_speculation_k=msg.speculation.max_speculation_k,
+            speculation_status=speculation_status_from_pb(msg.speculation.decision, msg.speculation.speculation_auto),
         ),
         weight_version=msg.weight_version,
         paused=msg.paused,

@@ -45,30 +45,14 @@ def parse_sglang_args(pairs: tuple[str, ...]) -> dict[str, object]:
     return out
 
 
-class SpecK(click.ParamType):
-    """--spec-k: a fixed draft length N >= 0, or "auto" (k chosen per engine step, up to --max-spec-k)."""
-
-    name = "N|auto"
-
-    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> int | str:
-        if isinstance(value, int) or value == "auto":
-            return value
-        try:
-            k = int(str(value))
-        except ValueError:
-            k = -1
-        if k < 0:
-            self.fail(f"{value!r} is neither a draft length >= 0 nor 'auto'", param, ctx)
-        return k
-
-
 def load_engine(
     engine: str,
     model: Path,
     *,
     device: str,
-    spec_k: int | str,
-    max_spec_k: int,
+    speculation_k: int,
+    max_speculation_k: int,
+    speculation_auto: bool = False,
     max_batch_size: int,
     sglang_args: dict[str, object] | None = None,
     max_context: int | None = None,
@@ -77,7 +61,7 @@ def load_engine(
     compile: str = "auto",
 ) -> Engine:
     """The engine serving `model` (an Engine); click.ClickException when it cannot be built.
-    spec_k "auto": automatic mode up to max_spec_k; `draft`: an EAGLE-3 draft directory beside it."""
+    `speculation_auto`: automatic k up to speculation_k; `draft`: an EAGLE-3 draft directory beside it."""
     from sidecar.engine import create_engine
     from sidecar.errors import SpecrlError
 
@@ -99,13 +83,13 @@ def load_engine(
             engine,
             model,
             device=device,
-            speculation_k=max_spec_k if spec_k == "auto" else spec_k,
-            max_speculation_k=max_spec_k,
+            speculation_k=speculation_k,
+            max_speculation_k=max_speculation_k,
             max_batch_size=max_batch_size,
             **options,
         )
-        if spec_k == "auto":
-            built.set_speculation_auto(built.info().max_speculation_k)
+        if speculation_auto:
+            built.set_speculation_auto(speculation_k)
         return built
     except ImportError as e:
         raise click.ClickException(f"{SGLANG_UNAVAILABLE} ({e})") from None
@@ -143,20 +127,25 @@ _D = ServeConfig()
 @click.option("--host", default=_D.host, show_default=True, help="Bind address (loopback unless told otherwise).")
 @click.option("--port", type=click.IntRange(0, 65535), default=_D.port, show_default=True, help="0 picks a free port.")
 @click.option(
-    "--spec-k",
-    type=SpecK(),
-    default=_D.spec_k,
+    "--speculation-k",
+    type=click.IntRange(0),
+    default=_D.speculation_k,
     show_default=True,
-    help="Default draft length (0: off), or 'auto': the sidecar chooses k in 0..--max-spec-k for every engine "
-    "step from its measured costs and acceptance (lossless; at temperature > 0 not bit-reproducible from the "
-    "seed, pin k per request for that).",
+    help="Default draft length (0: off); with --speculation-auto the largest k the sidecar may choose.",
 )
 @click.option(
-    "--max-spec-k",
-    type=click.IntRange(0),
-    default=_D.max_spec_k,
+    "--speculation-auto/--no-speculation-auto",
+    default=_D.speculation_auto,
     show_default=True,
-    help="Largest k (auto: its range).",
+    help="Automatic k: the sidecar chooses k in 0..--speculation-k for every engine step from its measured costs "
+    "and acceptance (lossless; at temperature > 0 not bit-reproducible from the seed, pin k per request for that).",
+)
+@click.option(
+    "--max-speculation-k",
+    type=click.IntRange(0),
+    default=_D.max_speculation_k,
+    show_default=True,
+    help="Largest k a request or SetSpeculation may ask for.",
 )
 @click.option("--max-batch-size", type=click.IntRange(1), default=_D.max_batch_size, show_default=True)
 @click.option("--max-live-sequences", type=click.IntRange(1), default=_D.max_live_sequences, show_default=True)
@@ -217,8 +206,8 @@ _D = ServeConfig()
     "weights make this sidecar join its torch.distributed group.",
 )
 @click.option(
-    "--weight-deltas/--no-weight-deltas",
-    default=_D.weight_deltas,
+    "--sparse-deltas/--no-sparse-deltas",
+    default=_D.sparse_deltas,
     show_default=True,
     help="Accept sparse delta weight pushes (weights.proto, 'Sparse deltas'). Deltas are rebuilt from the "
     "served tensors themselves (torch engine: no extra memory); an engine that copies what it is pushed "
@@ -346,7 +335,7 @@ def run_sidecar(cfg: ServeConfig, token: str | None = None) -> None:
             metrics_host=host,
             keep_staging=cfg.keep_staging and engine == "torch",
             data_planes=DataPlaneConfig(
-                shm="shm" in offered, collective="collective" in offered, deltas=cfg.weight_deltas
+                shm="shm" in offered, collective="collective" in offered, deltas=cfg.sparse_deltas
             ),
             shutdown_grace_s=grace,
         )
@@ -358,8 +347,9 @@ def run_sidecar(cfg: ServeConfig, token: str | None = None) -> None:
         engine,
         cfg.model,
         device=cfg.device,
-        spec_k=cfg.spec_k,
-        max_spec_k=cfg.max_spec_k,
+        speculation_k=cfg.speculation_k,
+        max_speculation_k=cfg.max_speculation_k,
+        speculation_auto=cfg.speculation_auto,
         max_batch_size=cfg.max_batch_size,
         sglang_args=parse_sglang_args(cfg.sglang_args),
         max_context=cfg.max_context,

@@ -268,19 +268,19 @@ class Scheduler:
 
         self._commands.put(run)
 
-    def set_speculation_k(self, k: int, automatic: bool = False) -> tuple[int, bool]:
-        """Set the engine's default k (automatic: the maximum of automatic mode); returns the
-        previous (k, automatic). ValueError beyond max or without an automatic mode."""
-        return self._call(lambda: self._do_set_k(k, automatic))
+    def set_speculation_k(self, k: int, speculation_auto: bool = False) -> tuple[int, bool]:
+        """Set the engine's default k (speculation_auto: the maximum of automatic mode); returns the
+        previous (k, speculation_auto). ValueError beyond max or without an automatic mode."""
+        return self._call(lambda: self._do_set_k(k, speculation_auto))
 
-    async def set_speculation_k_async(self, k: int, automatic: bool = False) -> tuple[int, bool]:
+    async def set_speculation_k_async(self, k: int, speculation_auto: bool = False) -> tuple[int, bool]:
         """`set_speculation_k` for a handler on an event loop."""
-        return await self._call_async(lambda: self._do_set_k(k, automatic))
+        return await self._call_async(lambda: self._do_set_k(k, speculation_auto))
 
-    def _do_set_k(self, k: int, automatic: bool) -> tuple[int, bool]:
+    def _do_set_k(self, k: int, speculation_auto: bool) -> tuple[int, bool]:
         info = self._engine.info()
-        previous = (info.speculation_k, info.speculation_status.auto)
-        if automatic:
+        previous = (info.speculation_k, info.speculation_status.speculation_auto)
+        if speculation_auto:
             self._engine.set_speculation_auto(k)
         else:
             self._engine.set_speculation_k(k)

@@ -130,7 +130,7 @@ def test_the_padded_batch_follows_its_batch_when_ids_are_reused() -> None:
             prompt=[1],
             params=SamplingParams(max_new_tokens=n),
             k=0,
-            auto=False,
+            speculation_auto=False,
             seed=n,
         )
         batch = BatchTensors.of([seq], torch.device("cpu"))

@@ -38,36 +38,36 @@ class ModelInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., rope_type: _Optional[str] = ..., rope_factor: _Optional[float] = ..., num_mtp_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SpeculationInfo(_message.Message):
-    __slots__ = ("method", "k", "max_k", "automatic", "decision")
+    __slots__ = ("method", "speculation_k", "max_speculation_k", "speculation_auto", "decision")
     METHOD_FIELD_NUMBER: _ClassVar[int]
-    K_FIELD_NUMBER: _ClassVar[int]
-    MAX_K_FIELD_NUMBER: _ClassVar[int]
-    AUTOMATIC_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_K_FIELD_NUMBER: _ClassVar[int]
+    MAX_SPECULATION_K_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_AUTO_FIELD_NUMBER: _ClassVar[int]
     DECISION_FIELD_NUMBER: _ClassVar[int]
     method: str
-    k: int
-    max_k: int
-    automatic: bool
+    speculation_k: int
+    max_speculation_k: int
+    speculation_auto: bool
     decision: SpeculationDecision
-    def __init__(self, method: _Optional[str] = ..., k: _Optional[int] = ..., max_k: _Optional[int] = ..., automatic: _Optional[bool] = ..., decision: _Optional[_Union[SpeculationDecision, _Mapping]] = ...) -> None: ...
+    def __init__(self, method: _Optional[str] = ..., speculation_k: _Optional[int] = ..., max_speculation_k: _Optional[int] = ..., speculation_auto: _Optional[bool] = ..., decision: _Optional[_Union[SpeculationDecision, _Mapping]] = ...) -> None: ...
 
 class SpeculationDecision(_message.Message):
-    __slots__ = ("k", "reason", "detail", "expected_speedup", "batch_size", "position_acceptance", "guard_trips")
-    K_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("speculation_k", "reason", "detail", "expected_speedup", "batch_size", "position_acceptance", "guard_trips")
+    SPECULATION_K_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_SPEEDUP_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     POSITION_ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
     GUARD_TRIPS_FIELD_NUMBER: _ClassVar[int]
-    k: int
+    speculation_k: int
     reason: str
     detail: str
     expected_speedup: float
     batch_size: int
     position_acceptance: _containers.RepeatedScalarFieldContainer[float]
     guard_trips: int
-    def __init__(self, k: _Optional[int] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ..., expected_speedup: _Optional[float] = ..., batch_size: _Optional[int] = ..., position_acceptance: _Optional[_Iterable[float]] = ..., guard_trips: _Optional[int] = ...) -> None: ...
+    def __init__(self, speculation_k: _Optional[int] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ..., expected_speedup: _Optional[float] = ..., batch_size: _Optional[int] = ..., position_acceptance: _Optional[_Iterable[float]] = ..., guard_trips: _Optional[int] = ...) -> None: ...
 
 class RequestLimits(_message.Message):
     __slots__ = ("max_prompts", "max_samples", "max_prompt_tokens", "max_new_tokens")
@@ -210,21 +210,21 @@ class ResumeResponse(_message.Message):
     def __init__(self, was_paused: _Optional[bool] = ...) -> None: ...
 
 class SetSpeculationRequest(_message.Message):
-    __slots__ = ("k", "automatic")
-    K_FIELD_NUMBER: _ClassVar[int]
-    AUTOMATIC_FIELD_NUMBER: _ClassVar[int]
-    k: int
-    automatic: bool
-    def __init__(self, k: _Optional[int] = ..., automatic: _Optional[bool] = ...) -> None: ...
+    __slots__ = ("speculation_k", "speculation_auto")
+    SPECULATION_K_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_AUTO_FIELD_NUMBER: _ClassVar[int]
+    speculation_k: int
+    speculation_auto: bool
+    def __init__(self, speculation_k: _Optional[int] = ..., speculation_auto: _Optional[bool] = ...) -> None: ...
 
 class SetSpeculationResponse(_message.Message):
-    __slots__ = ("previous_k", "k", "previous_automatic", "automatic")
-    PREVIOUS_K_FIELD_NUMBER: _ClassVar[int]
-    K_FIELD_NUMBER: _ClassVar[int]
-    PREVIOUS_AUTOMATIC_FIELD_NUMBER: _ClassVar[int]
-    AUTOMATIC_FIELD_NUMBER: _ClassVar[int]
-    previous_k: int
-    k: int
-    previous_automatic: bool
-    automatic: bool
-    def __init__(self, previous_k: _Optional[int] = ..., k: _Optional[int] = ..., previous_automatic: _Optional[bool] = ..., automatic: _Optional[bool] = ...) -> None: ...
+    __slots__ = ("previous_speculation_k", "speculation_k", "previous_speculation_auto", "speculation_auto")
+    PREVIOUS_SPECULATION_K_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_K_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_SPECULATION_AUTO_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_AUTO_FIELD_NUMBER: _ClassVar[int]
+    previous_speculation_k: int
+    speculation_k: int
+    previous_speculation_auto: bool
+    speculation_auto: bool
+    def __init__(self, previous_speculation_k: _Optional[int] = ..., speculation_k: _Optional[int] = ..., previous_speculation_auto: _Optional[bool] = ..., speculation_auto: _Optional[bool] = ...) -> None: ...

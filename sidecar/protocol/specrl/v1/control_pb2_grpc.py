@@ -102,7 +102,7 @@ class ControlServiceServicer:
         """Sets the default draft length k for requests that do not override it:
         a fixed k (0 turns speculation off), or automatic mode, where the
         sidecar chooses k in 0..k for every engine step from its measured costs
-        and acceptance. INVALID_ARGUMENT if k exceeds max_k, or if the engine
+        and acceptance. INVALID_ARGUMENT if k exceeds max_speculation_k, or if the engine
         has no automatic mode (SGLang).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
