@@ -274,7 +274,7 @@ class TorchEngine(ServedWeights, Engine):
                 eos_token_ids=tuple(c.eos_token_id),
             ),
             engine="torch",
-            engine_version=getattr(sidecar, "__version__", "0.1.0"),
+            engine_version=sidecar.__version__,
             device_kind=self.device.type,
             device_name=torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
             speculation_method=self.drafter.name,
