@@ -36,7 +36,7 @@ class FixedK3(SpeculationPolicy):
 def settle(model: Path, discount: float) -> str:
     """One run at `discount`: acceptance before and after the push, and the steps it takes to settle."""
     engine = TorchEngine.from_checkpoint(model, speculation_k=3, max_speculation_k=3, max_batch_size=8)
-    pol = FixedK3(SpeculationPolicyConfig(max_k=3, version_discount=discount))
+    pol = FixedK3(SpeculationPolicyConfig(max_speculation_k=3, version_discount=discount))
     engine.set_speculation_policy(pol)
     gen = torch.Generator().manual_seed(5)
     sp = SamplingParams(temperature=1.0, max_new_tokens=400, seed=1)
