@@ -5,11 +5,15 @@ engines -> model, with muon and yarn at the bottom (README, "Layout"). The serve
 `specrl serve` runs) never imports the client side (what a trainer or another framework runs),
 nor the reverse; engines, the model and the speculation controller know neither side nor the
 protocol (protobuf stays at the edge). Every import counts, including those inside functions.
+
+README's layout table names every product module (generated stubs and `__init__.py` aside), and
+only files that exist.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,3 +117,71 @@ def test_no_product_file_outgrows_one_concern() -> None:
     sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in _product_files()}
     over = {path: n for path, n in sizes.items() if n > MAX_LINES}
     assert set(over) == set(OVERSIZED), f"split these by concern (> {MAX_LINES} lines)"
+
+
+LAYOUT_HEADING = "## Layout: where each mechanism lives"
+TABLE_ROOTS = ("proto/", "sidecar/", "trainer/", "muon/", "yarn/", "tests/", "tools/")
+
+
+def layout_table_paths(readme: str) -> set[str]:
+    """The files the README's layout table names, as paths from the repository root.
+
+    A row's first cell names a folder or a file (its folder is the row's base); a backticked path
+    that starts at the root (`tools/bench_gpu.py`) or a subfolder (`sglang/`) moves the base there,
+    and a bare name (`convert.py`) is a file in the current base. Backticked words that are not
+    paths (`SidecarClient`) are skipped."""
+    section = readme.split(LAYOUT_HEADING, 1)[1].split("\n## ", 1)[0]
+    named: set[str] = set()
+    for line in section.splitlines():
+        cells = line.split("|")
+        if not line.startswith("| `") or len(cells) < 4:
+            continue
+        base = ""
+        for cell in cells[1:3]:
+            for token in re.findall(r"`([^`]+)`", cell):
+                if not re.fullmatch(r"[\w./]+", token) or not (token.endswith(("/", ".py")) or "." in token):
+                    continue
+                absolute = token.startswith(TABLE_ROOTS)
+                path = token if absolute else base + token
+                if token.endswith("/"):
+                    base = path
+                    continue
+                if "/" in token:
+                    base = path.rsplit("/", 1)[0] + "/"
+                named.add(path)
+    return named
+
+
+def _modules_and_table() -> tuple[set[str], set[str]]:
+    modules = {str(p.relative_to(ROOT)) for p in _product_files() if p.name != "__init__.py"}
+    return modules, layout_table_paths((ROOT / "README.md").read_text())
+
+
+def test_the_layout_table_names_every_module() -> None:
+    modules, named = _modules_and_table()
+    missing = sorted(modules - named)
+    assert not missing, f"name these modules in README.md's table 'Layout: where each mechanism lives': {missing}"
+
+
+def test_the_layout_table_names_only_files_that_exist() -> None:
+    _, named = _modules_and_table()
+    assert len(named) > 100
+    gone = sorted(p for p in named if not (ROOT / p).is_file())
+    assert not gone, f"README.md's layout table names files that do not exist: {gone}"
+
+
+def test_the_table_parser_reads_bases_and_subfolders() -> None:
+    """The parser itself: bare names take the row's folder, a path moves it, prose is skipped."""
+    readme = (
+        f"{LAYOUT_HEADING}\n\n| folder / file | what it holds |\n|---|---|\n"
+        "| `sidecar/engine/` | `base.py` (`Engine`), `sglang/` (`engine.py`), `tools/x.py`, `y.py` |\n"
+        "| `trainer/cli.py`, `demo.py` | the `specrl` command |\n\n## Next\n| `muon/z.py` | not in the section |\n"
+    )
+    assert layout_table_paths(readme) == {
+        "sidecar/engine/base.py",
+        "sidecar/engine/sglang/engine.py",
+        "tools/x.py",
+        "tools/y.py",
+        "trainer/cli.py",
+        "trainer/demo.py",
+    }

@@ -11,6 +11,7 @@ change. Why it matters: an RL push barely moves acceptance (BENCHMARKS.md), but 
 draft must show within a few steps.
 """
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -22,18 +23,20 @@ from sidecar.speculation.config import SpeculationPolicyConfig
 from sidecar.speculation.controller import SpeculationPolicy
 from sidecar.types import GenerationRequest, SamplingParams, WeightSelector
 
-torch.set_num_threads(1)
-MODEL = sys.argv[sys.argv.index("--model") + 1] if "--model" in sys.argv else "/tmp/specrl-bench-engine-model"
-for discount in (1.0, 0.05, 0.01, 0.0):
-    engine = TorchEngine.from_checkpoint(MODEL, speculation_k=3, max_speculation_k=3, max_batch_size=8)
 
-    class Fixed(SpeculationPolicy):
-        def decide(self, batch, tokens_left=None, rows=None):
-            d = super().decide(batch, tokens_left, rows)
-            d.k = 3
-            return d
+class FixedK3(SpeculationPolicy):
+    """The controller's acceptance estimate, k = 3 every step."""
 
-    pol = Fixed(SpeculationPolicyConfig(max_speculation_k=3, version_discount=discount))
+    def decide(self, batch, tokens_left=None, rows=None):
+        d = super().decide(batch, tokens_left, rows)
+        d.k = 3
+        return d
+
+
+def settle(model: Path, discount: float) -> str:
+    """One run at `discount`: acceptance before and after the push, and the steps it takes to settle."""
+    engine = TorchEngine.from_checkpoint(model, speculation_k=3, max_speculation_k=3, max_batch_size=8)
+    pol = FixedK3(SpeculationPolicyConfig(max_speculation_k=3, version_discount=discount))
     engine.set_speculation_policy(pol)
     gen = torch.Generator().manual_seed(5)
     sp = SamplingParams(temperature=1.0, max_new_tokens=400, seed=1)
@@ -56,12 +59,28 @@ for discount in (1.0, 0.05, 0.01, 0.0):
         engine.step()
         trace.append(pol.acceptance.rates()[0])
     final = sum(trace[-10:]) / 10
-    settle = next(
+    steps = next(
         i + 1
         for i in range(len(trace))
         if all(abs(t - final) < 0.1 * max(before - final, 1e-9) + 0.02 for t in trace[i:])
     )
-    print(
-        f"discount {discount}: alpha_1 before push {before:.2f}, after {final:.2f}; estimate within 10% of the change after {settle} engine steps; trace "
+    return (
+        f"discount {discount}: alpha_1 before push {before:.2f}, after {final:.2f}; estimate within 10% of the change after {steps} engine steps; trace "
         + " ".join(f"{t:.2f}" for t in trace[:12])
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--model", type=Path, default=Path("/tmp/specrl-bench-engine-model"), help="built by bench_engine.py"
+    )
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    for discount in (1.0, 0.05, 0.01, 0.0):
+        print(settle(args.model, discount), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from sidecar.types import Sample
@@ -78,9 +77,3 @@ def group_samples(prompts: list[list[int]], samples: list[Sample], per_prompt: i
     if any(len(g) != per_prompt for g in out):
         raise ValueError(f"expected {per_prompt} samples per prompt, got {[len(g) for g in out]}")
     return out
-
-
-def keep_mask(groups: list[Group], filter_equal: bool) -> Tensor:
-    """(N*G,) bool per sample, group-major: which samples count in the loss."""
-    keep = [(g.informative or not filter_equal) for g in groups for _ in g.samples]
-    return torch.tensor(keep, dtype=torch.bool)

@@ -1,6 +1,6 @@
 """The trainer's policy: megatron-core trunk + MTP draft head, their optimizers, and one RL step.
 
-What the RL loop (issue 8) uses:
+What the RL loop uses:
 
     policy = Policy.from_checkpoint("ckpt/", Policy.Config(...))   # or Policy(model_config, cfg)
     logp = policy.logprobs(tokens)                                 # (B, S-1) float32, no grad

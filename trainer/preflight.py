@@ -1,8 +1,8 @@
 """Checks that run before anything expensive: a bad run config fails in a second, not after minutes.
 
 Megatron takes seconds to build and local sidecars tens of seconds to start; a typo in a reward
-function's name, a tokenizer that does not fit the model, or an unreachable sidecar used to
-surface only after that (as a traceback). `preflight(cfg)` builds everything cheap first — the
+function's name, a tokenizer that does not fit the model, or an unreachable sidecar would
+otherwise surface only after that (as a traceback). `preflight(cfg)` builds everything cheap first — the
 model's config.json, the tokenizer, the task with its reward function (imported *and called* on a
 real problem), the parallel layout — and asks remote sidecars for their model, so that each
 problem is one `PreflightError` naming the key to change.

@@ -6,9 +6,9 @@ metrics; the ranks of data-parallel replica 0 walk the weight export with it (`w
 the export all-gathers tensor-parallel shards, a collective of that replica's group only); every
 rank trains its replica's share.
 
-Failure: collectives wait for every peer, so one rank that raises or dies used to leave the
-others blocked until the process group's timeout (minutes: the longest legitimate wait is rank 0
-generating a batch). `RankWatchdog` bounds it. A thread on every rank beats a counter in the
+Failure: collectives wait for every peer, so one rank that raises or dies would leave the others
+blocked until the process group's timeout (minutes: the longest legitimate wait is rank 0
+generating a batch). `RankWatchdog` bounds that wait. A thread on every rank beats a counter in the
 rendezvous store (torchrun's, or the TCP store of ``init_distributed``) once a second and
 watches the others'. A rank whose step raises records "rank r: <error>" in the store (`fail`)
 before it unwinds; every other rank's watchdog reads it within a beat, prints that one message

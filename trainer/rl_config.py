@@ -290,7 +290,7 @@ class TrainConfig:
     update's samples, gradients summed over replicas (the update is the D = 1 update)."""
     rank_timeout_s: float = 60.0
     """Multi-process runs: a rank that stops answering (killed, hung) for this long, or that
-    fails, stops every rank with one error naming it (`trainer.rank_watchdog`)."""
+    fails, stops every rank with one error naming it (`trainer.ranks.RankWatchdog`)."""
     clip_grad: float = 1.0
     """Max global gradient norm of the trunk."""
     draft_clip_grad: float = 1.0

@@ -33,8 +33,6 @@ _LANE_B = (0x7FEB352D, 0x2C1B3C6D)  # below 2^31 (exact int64 products), odd
 ROLE_DRAFT, ROLE_ACCEPT, ROLE_FINAL = 0, 1, 2
 MAX_INDEX = 64
 """Indices per role and position (the engine's maximum speculation k is MAX_INDEX - 1)."""
-MAX_POSITION = 1 << 24
-"""Output positions a key can hold (word = position * 256 + role * 64 + index < 2^32)."""
 
 
 def _mix(x: Tensor, c: tuple[int, int]) -> Tensor:
@@ -54,11 +52,6 @@ def row_keys(seeds: Tensor) -> Tensor:
     return torch.stack([a, b], dim=-1)
 
 
-def key_words(positions: Tensor, role: int, index: Tensor) -> Tensor:
-    """The word of (position, role, index): position * 256 + role * 64 + index."""
-    return positions * 256 + (role * MAX_INDEX) + index
-
-
 def uniforms(keys: Tensor, words: Tensor) -> Tensor:
     """keys (B, 2) from `row_keys`, words (B, N) int64 -> (B, N) float32 uniforms in [0, 1)."""
     a = _mix(keys[:, :1] ^ words, _LANE_A)
@@ -69,8 +62,8 @@ def uniforms(keys: Tensor, words: Tensor) -> Tensor:
 
 def round_words(positions: Tensor, k: int) -> Tensor:
     """(B,) output positions -> (B, 2k + 1) words of one round: k draft samples, k acceptance
-    tests, the final token (the column layout the engine's round uses). `key_words` of each
-    column, as one product and one sum."""
+    tests, the final token (the column layout the engine's round uses). The word of (position,
+    role, index) is position * 256 + role * 64 + index, made as one product and one sum."""
     i = torch.arange(k, dtype=torch.int64, device=positions.device)  # made on the device: no host copy
     final = torch.full((1,), ROLE_FINAL * MAX_INDEX, dtype=torch.int64, device=positions.device)
     offsets = torch.cat([ROLE_DRAFT * MAX_INDEX + i, ROLE_ACCEPT * MAX_INDEX + i, final])

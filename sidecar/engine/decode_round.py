@@ -21,7 +21,6 @@ from sidecar.engine.rows import BatchTensors, round_outcome
 from sidecar.engine.sampling import AcceptanceRule, reported_logprobs
 from sidecar.engine.speculative import DraftInput, VerifyInput, draft, verify
 from sidecar.model.kv_cache import KVCache
-from sidecar.model.model import Qwen3WithMTP
 
 
 @dataclass(kw_only=True, slots=True)
@@ -59,16 +58,14 @@ class RoundOutput:
 
 
 def decode_round(
-    model: Qwen3WithMTP,
+    drafter: Drafter,  # the draft kind, holding the target model
     cache: KVCache,  # the target's; on return every row holds its num_new verified positions
     mtp_caches: list[KVCache],
     batch: BatchTensors,
     inp: RoundInput,
     accept: AcceptanceRule,
     drafted: Callable[[], None] | None = None,  # called between draft and verify (the controller's clock)
-    drafter: Drafter | None = None,  # the draft kind; default the model's MTP layers
 ) -> RoundOutput:
-    drafter = drafter if drafter is not None else Drafter(model)
     b, k, dev = inp.last.shape[0], inp.round_k, inp.last.device
     rows = batch.rows
     u = batch.round_uniforms(inp.out_len, k)  # (B, 2k + 1); a row uses its first num_draft of each role
@@ -93,7 +90,7 @@ def decode_round(
         verify_tokens = torch.cat([inp.last[:, None], draft_tokens], dim=1)
     else:
         draft_tokens = inp.last.new_zeros(b, 0)
-        q = torch.zeros(b, 0, model.config.vocab_size, device=dev)
+        q = torch.zeros(b, 0, drafter.model.config.vocab_size, device=dev)
         verify_tokens = inp.last[:, None]
     if drafted is not None:
         drafted()
@@ -140,4 +137,4 @@ class EagerRounds:
         accept: AcceptanceRule,
         drafted: Callable[[], None] | None = None,
     ) -> RoundOutput:
-        return decode_round(drafter.model, cache, draft_caches, batch, inp, accept, drafted, drafter)
+        return decode_round(drafter, cache, draft_caches, batch, inp, accept, drafted)

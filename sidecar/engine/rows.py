@@ -25,8 +25,7 @@ CATCH_UP_POSITIONS = 8
 """Most pending MTP inputs an auto sequence keeps while the controller chooses k = 0. Resuming
 then refreshes at most this many positions (a steady drafting round refreshes a + 1 <= k + 1),
 so the price of keeping a draft alive through plain rounds is bounded by one ordinary draft
-phase instead of growing with the idle stretch (measured in BENCHMARKS.md, "Adaptive
-speculation": resuming after 30-40 plain rounds used to refresh every skipped position)."""
+phase instead of growing with the idle stretch (BENCHMARKS.md, "Adaptive speculation")."""
 
 REASON_NONE, REASON_STOP, REASON_LENGTH = 0, 1, 2
 

@@ -11,9 +11,7 @@ Reproducibility: each uniform a sequence uses is a pure function of (its seed, t
 position where the round starts, role, index) — `counter_rng`, a hash computed on the device — with
 the seed from (request seed, prompt_index, sample_index). A round at output position n draws k
 draft samples, k acceptance tests and the final token. So a sequence's tokens do not depend on the
-other sequences in its batch (batched == unbatched), and no per-row host work draws them. (Before
-this generator, each sequence owned a `torch.Generator`; the same seed now gives different, equally
-distributed samples than those versions gave.)
+other sequences in its batch (batched == unbatched), and no per-row host work draws them.
 
 The KV caches are allocated once (`kv_cache.KVCache` static rows, sized by max_batch_size,
 max_context and a memory budget); a round's result comes back in one packed host copy.
@@ -26,7 +24,7 @@ Weight updates land between steps; sequences in flight keep their cached prefix 
 with the old weights) and continue with the new ones (`Sample.last_weight_version`).
 
 Adaptive k (`set_speculation_auto`): sequences that do not pin k take, in each decode step, the
-k chosen by `speculation_policy.SpeculationPolicy` from the engine's own measurements (seconds of
+k chosen by `speculation.controller.SpeculationPolicy` from the engine's own measurements (seconds of
 the draft phase and of the whole step, per batch size; per-position acceptance). Such sequences
 keep their latest `CATCH_UP_POSITIONS` MTP inputs pending while k = 0, so drafting can resume at
 any step at the cost of an ordinary draft phase (older skipped positions are never fed to the MTP
@@ -139,7 +137,7 @@ class TorchEngine(ServedWeights, Engine):
 
         `compile`: "auto" (CUDA graphs on a CUDA device, eager elsewhere), "on" (fixed-shape
         forwards: captured as CUDA graphs on CUDA, run eagerly on a CPU) or "off" (eager at the
-        batch's own shapes, the reference path); see `forwards`."""
+        batch's own shapes, the reference path); see `round_graphs` and `decode_round`."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if not 0 <= max_speculation_k <= MAX_SPECULATION_K:
@@ -276,7 +274,7 @@ class TorchEngine(ServedWeights, Engine):
                 eos_token_ids=tuple(c.eos_token_id),
             ),
             engine="torch",
-            engine_version=getattr(sidecar, "__version__", "0.1.0"),
+            engine_version=sidecar.__version__,
             device_kind=self.device.type,
             device_name=torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
             speculation_method=self.drafter.name,

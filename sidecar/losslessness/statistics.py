@@ -52,10 +52,10 @@ positions' statistics, as the old joint test did, is not: a position's tables â€
 groups â€” are made of the previous position's tokens, so its null law and the previous
 statistic are dependent.)
 
-Total-variation estimates (`total_variation`): lower bounds of the mean per-prefix TV, from the
-token and the rank marginals, reported with their noise floor under the null (normal
-approximation), so a reader can tell a deviation from sampling noise. They are descriptive;
-the verdicts come from the p-values.
+Total-variation estimates (`Fit.tv`, from `conditional_fit`): lower bounds of the mean
+per-prefix TV, from the token and the rank marginals, reported with their noise floor under the
+null (normal approximation), so a reader can tell a deviation from sampling noise. They are
+descriptive; the verdicts come from the p-values.
 """
 
 from __future__ import annotations
@@ -335,9 +335,11 @@ def _tv_and_noise(observed: Tensor, probs: Tensor) -> tuple[float, float]:
     return 0.5 * float(diff.abs().sum()), 0.5 * float(noise)
 
 
-def total_variation(
+def _total_variation(
     probs: Tensor,  # (n, V) exact distributions
     tokens: Tensor,  # (n,) drawn tokens
+    sorted_p: Tensor,  # (n, V) probs sorted descending
+    order: Tensor,  # (n, V) the token ids in that order
 ) -> tuple[float, float]:
     """(TV estimate, its expected value under the null).
 
@@ -347,13 +349,6 @@ def total_variation(
     mean per-prefix TV (a mixture and a relabelling never increase TV); the one further above
     its noise floor is returned, with that floor.
     """
-    if len(probs) == 0:
-        return 0.0, 0.0
-    probs = probs.double()
-    return _total_variation(probs, tokens, *probs.sort(dim=-1, descending=True, stable=True))
-
-
-def _total_variation(probs: Tensor, tokens: Tensor, sorted_p: Tensor, order: Tensor) -> tuple[float, float]:
     one_hot = torch.zeros_like(probs).scatter_(1, tokens[:, None], 1.0)
     by_token = _tv_and_noise(one_hot, probs)
     by_rank = _tv_and_noise(one_hot.gather(1, order), sorted_p)

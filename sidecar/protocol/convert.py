@@ -46,8 +46,6 @@ from sidecar.types import (
     WeightTransport,
 )
 
-PROTOCOL = "specrl.v1"
-
 _SELECTOR_TO_PB = {
     WeightSelector.ALL: common_pb2.WEIGHT_SELECTOR_ALL,
     WeightSelector.TARGET: common_pb2.WEIGHT_SELECTOR_TARGET,
@@ -372,13 +370,6 @@ def manifest_from_pb(m: weights_pb2.WeightManifest) -> WeightManifest:
 
 def transport_to_pb(transport: WeightTransport) -> weights_pb2.WeightTransport:
     return _TRANSPORT_TO_PB[transport]
-
-
-def transport_from_pb(value: int) -> WeightTransport:
-    try:
-        return _TRANSPORT_FROM_PB[value]  # type: ignore[index]
-    except KeyError:
-        raise InvalidRequestError(f"transport {value} is not a WeightTransport value") from None
 
 
 def prepare_transport_to_pb(request: ShmProbe | CollectiveRendezvous) -> weights_pb2.PrepareTransportRequest:

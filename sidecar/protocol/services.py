@@ -1,7 +1,4 @@
-"""The specrl.v1 services as gRPC sees them: names, servicer bases, registration and stubs.
-
-`SERVICE_NAMES` lists the fully qualified names that health checking and reflection publish.
-"""
+"""The specrl.v1 services as gRPC sees them: names, servicer bases, registration and stubs."""
 
 from __future__ import annotations
 
@@ -22,7 +19,6 @@ from sidecar.protocol.specrl.v1 import (
 ROLLOUT = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
 WEIGHTS = weights_pb2.DESCRIPTOR.services_by_name["WeightService"].full_name
 CONTROL = control_pb2.DESCRIPTOR.services_by_name["ControlService"].full_name
-SERVICE_NAMES: tuple[str, ...] = (ROLLOUT, WEIGHTS, CONTROL)
 
 RolloutServicer = rollout_pb2_grpc.RolloutServiceServicer
 WeightServicer = weights_pb2_grpc.WeightServiceServicer

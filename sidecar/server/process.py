@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import sidecar
 from sidecar.engine.base import Engine
 from sidecar.protocol import services
 from sidecar.security import SecurityConfig, TokenAuthInterceptor, server_credentials
@@ -60,15 +61,9 @@ class Sidecar:
     """A running specrl.v1 server around one engine: `start()`, then `stop()`."""
 
     def __init__(self, engine: Engine, config: SidecarConfig | None = None) -> None:
-        from importlib.metadata import PackageNotFoundError, version
-
         self.config = config or SidecarConfig()
-        try:
-            specrl_version = version("specrl")
-        except PackageNotFoundError:
-            specrl_version = "unknown"
         self.scheduler = Scheduler(engine, self.config.scheduler)
-        self.control = ControlService(self.scheduler, self.config.limits, specrl_version)
+        self.control = ControlService(self.scheduler, self.config.limits, sidecar.__version__)
         self.rollout = RolloutService(self.scheduler, self.config.limits)
         self.weights = WeightService(
             self.scheduler, keep_staging=self.config.keep_staging, data_planes=self.config.data_planes

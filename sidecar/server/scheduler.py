@@ -321,12 +321,9 @@ class Scheduler:
         previous, free = self._call(run, timeout_s or self.config.apply_timeout_s, what="weight update")
         return previous, time.perf_counter() - started, free
 
-    def score(self, request: ScoreRequest) -> ScoreResult:
-        """Score on the scheduler thread between two engine steps: one weight version throughout."""
-        return self._call(lambda: self._do_score(request), what="score")
-
     async def score_async(self, request: ScoreRequest) -> ScoreResult:
-        """`score` for a handler on an event loop: the wait for the step boundary holds no thread."""
+        """Score on the scheduler thread between two engine steps (one weight version throughout);
+        the handler's wait for the step boundary holds no thread."""
         return await self._call_async(lambda: self._do_score(request), what="score")
 
     def _do_score(self, request: ScoreRequest) -> ScoreResult:

@@ -24,9 +24,8 @@ class SpeculationPolicyConfig:
     """Relative gain over plain decoding that a k > 0 must predict to be chosen, and the relative
     loss within which joining rows are never refused a draft (see the module docstring, "Margin";
     `SpeculationPolicy.may_draft`).
-    It covers the model's noise only: the stragglers that a 10% margin used to stand for (at
-    greedy batch 4, k = 1 gained ~1.04x per step and lost 4-8% end to end) are priced by
-    `SpeculationPolicy.straggler_factor`."""
+    It covers the model's noise only: stragglers (at greedy batch 4, k = 1 gains ~1.04x per step
+    and can lose 4-8% end to end) are priced by `SpeculationPolicy.straggler_factor`."""
     acceptance_halflife: float = 256.0
     """Verify rounds (rows that drafted, summed over steps) after which old acceptance evidence
     weighs half (tracks a drifting draft). Counted in rounds, not engine steps: a plain step brings

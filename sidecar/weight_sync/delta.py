@@ -15,7 +15,7 @@ caller then checks the reconstructed tensor's CRC-32 against the manifest.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -157,14 +157,6 @@ class PlannedPush:
     full: dict[str, torch.Tensor]
     """The served-dtype tensors this push makes the sidecar serve (the next base)."""
 
-    @property
-    def wire_bytes(self) -> int:
-        return sum(s.wire_length for s in self.specs)
-
-    @property
-    def dense_bytes(self) -> int:
-        return sum(s.byte_length for s in self.specs)
-
 
 def plan_push(named_tensors: Iterable[tuple[str, torch.Tensor]], base: DeltaBase) -> PlannedPush:
     """Per tensor: a delta against `base` when the base holds it (same dtype and shape) and the
@@ -194,10 +186,6 @@ def plan_push(named_tensors: Iterable[tuple[str, torch.Tensor]], base: DeltaBase
         wire.append((name, torch.from_numpy(payload)))
     deltas = any(s.delta is not None for s in specs)
     return PlannedPush(specs=specs, wire=wire, base_version=base.version if deltas else 0, full=full)
-
-
-def wire_tensors(plan: PlannedPush) -> Iterator[tuple[str, torch.Tensor]]:
-    yield from plan.wire
 
 
 __all__ = [

@@ -102,9 +102,6 @@ class TableCosts:
         self.notes: set[str] = set()
         self._per_k: dict[int, np.ndarray] = {}
 
-    def measured_ks(self) -> list[int]:
-        return sorted({k for row in self.cells.values() for k in row})
-
     def _at_batch(self, b: int, k: int) -> float:
         row = self.cells[b]
         if k in row:

@@ -39,12 +39,6 @@ class HardwareProfile:
     def flops_per_s(self) -> float:
         return self.bf16_dense_tflops * 1e12
 
-    @property
-    def ridge_tokens(self) -> float:
-        """Tokens per forward at which a bf16 matmul (2 FLOPs per 2-byte weight per token) turns
-        compute-bound: below it a decode step costs a weight read whatever the batch."""
-        return self.flops_per_s / self.bytes_per_s
-
 
 PROFILES: dict[str, HardwareProfile] = {
     p.name: p

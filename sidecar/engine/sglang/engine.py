@@ -404,7 +404,7 @@ class SGLangEngine(Engine):
                 "top-p to the probabilities before top-k renormalisation (sglang/srt/layers/sampler.py), specrl "
                 "after it, so the served distribution would differ; use one of the two"
             )
-        # Not mapped onto SGLang yet (issue 18): refused rather than silently answered differently.
+        # Not mapped onto SGLang yet: refused rather than silently answered differently.
         if request.sampling.logprob_mode is not LogprobMode.RAW:
             raise InvalidRequestError(
                 "logprob_mode PROCESSED is not available on the sglang engine (it reports log-probs before "
