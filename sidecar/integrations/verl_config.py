@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from sidecar.client.client import ClientConfig, SidecarCallError, SidecarClient
-from sidecar.integrations.draft_alignment import DraftAlignConfig
+from sidecar.integrations.draft_alignment import DraftAlignConfig, read_draft_tensors
+from sidecar.model.model import ModelConfig
 from sidecar.security import read_token
-from sidecar.types import SidecarInfo
+from sidecar.types import SidecarInfo, WeightSelector
 
 CONFIG_KEY = "actor_rollout_ref.rollout.engine_kwargs.specrl"
 """Where the options live in verl's Hydra config (one place, named in every error)."""
@@ -161,4 +162,36 @@ def attach(address: str, options: SpecrlRolloutOptions, model_path: str | Path |
                 f"{model_path} with {want}; start the sidecar with the model verl trains "
                 "(actor_rollout_ref.model.path, plus its mtp.* draft layers)"
             )
+    if options.draft_checkpoint is not None:
+        check_draft(address, options, Path(options.draft_checkpoint))
     return info
+
+
+def check_draft(address: str, options: SpecrlRolloutOptions, checkpoint: Path) -> None:
+    """SpecrlConfigError unless the draft layers in `checkpoint` (what DraftAligner refits and
+    pushes) are the ones the sidecar serves: same names and shapes (DescribeWeights, selector
+    draft). A mismatch would otherwise fail the first push of training, not verl's start."""
+    try:
+        config = ModelConfig.from_hf_dict(json.loads((checkpoint / "config.json").read_text()))
+        ours = (
+            {n: tuple(t.shape) for n, t in read_draft_tensors(checkpoint).items()}
+            if config.num_nextn_predict_layers
+            else {}
+        )
+    except (OSError, ValueError, KeyError) as e:
+        raise SpecrlConfigError(
+            f"{CONFIG_KEY}.draft_checkpoint {checkpoint} cannot be read ({e}); point it at a checkpoint directory"
+        ) from None
+    client = SidecarClient(address, options.client_config())
+    try:
+        specs, _ = client.describe_weights(WeightSelector.DRAFT)
+    finally:
+        client.close()
+    served = {s.name: tuple(s.shape) for s in specs}
+    if ours != served:
+        differ = sorted(n for n in ours.keys() | served.keys() if ours.get(n) != served.get(n))
+        raise SpecrlConfigError(
+            f"{CONFIG_KEY}.draft_checkpoint {checkpoint} holds draft layers that do not match what the sidecar at "
+            f"{address} serves ({len(ours)} tensors against {len(served)}; they differ in {differ[:3]}); point "
+            "draft_checkpoint at the checkpoint the sidecar was started with"
+        )
