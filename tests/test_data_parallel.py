@@ -21,6 +21,7 @@ from sidecar.model.checkpoint import model_state_dict
 from sidecar.model.model import ModelConfig, build_model
 from tests.spawn_workers import join_group, leave_group, spawn
 from trainer.data_parallel import balanced_rows, row_lengths
+from trainer.draft_objective import DraftConfig
 from trainer.losses import GRPOConfig
 from trainer.policy import Policy, TrainBatch
 
@@ -95,7 +96,7 @@ def _policy(state: dict[str, torch.Tensor], replicas: int, token_level: bool) ->
         micro_batch_rows=2,
         grpo=GRPOConfig(token_level=token_level),
         optimizer=FAST,
-        draft_optimizer=FAST,
+        draft=DraftConfig(optimizer=FAST),
     )
     return Policy(MC, cfg, {k: v.clone() for k, v in state.items()})
 

@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.loop_fakes import FakeFleet, RecordingPolicy, RuleTask
+from trainer.draft_objective import DraftConfig
 from trainer.dynamic_sampling import Group, select_groups, shaped_rewards
 from trainer.losses import OverlongConfig
 from trainer.policy import TrainBatch
@@ -112,7 +113,7 @@ def test_reference_policy_is_frozen_and_feeds_the_kl() -> None:
 
     mc = ModelConfig.tiny(max_position_embeddings=64)
     state = model_state_dict(build_model(mc, seed=4))
-    policy = Policy(mc, Policy.Config(grpo=GRPOConfig(kl_coef=0.5), train_draft=False), dict(state))
+    policy = Policy(mc, Policy.Config(grpo=GRPOConfig(kl_coef=0.5), draft=DraftConfig(train=False)), dict(state))
     reference = ReferencePolicy(mc, dict(state), tensor_parallel=1, temperature=1.0)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, mc.vocab_size, (4, 16), generator=gen)

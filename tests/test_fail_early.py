@@ -50,8 +50,8 @@ def test_yaml_1_1_oddities_stay_strings(text: str) -> None:
 
 
 def test_lr_3e_minus_4_is_accepted_from_overrides_and_files(tmp_path: Path) -> None:
-    cfg = resolve_config(None, ["model=ckpt", "optimizer.lr=3e-4", "draft_optimizer.lr=1e-3"])
-    assert cfg.optimizer.lr == pytest.approx(3e-4) and cfg.draft_optimizer.lr == pytest.approx(1e-3)
+    cfg = resolve_config(None, ["model=ckpt", "optimizer.lr=3e-4", "draft.optimizer.lr=1e-3"])
+    assert cfg.optimizer.lr == pytest.approx(3e-4) and cfg.draft.optimizer.lr == pytest.approx(1e-3)
     f = tmp_path / "run.yaml"
     f.write_text("model: ckpt\noptimizer: {lr: 3e-4}\nalgorithm: {std_eps: 1e-6}\n")
     cfg = resolve_config(f, [])
@@ -90,13 +90,13 @@ def test_every_policy_config_field_is_reachable_from_the_run_config() -> None:
         "algorithm.eps_low=0.1",
         "optimizer.lr=2e-3",
         "train.clip_grad=0.5",
-        "train_draft=false",
+        "draft.train=false",
         "draft.chain_depth=5",
-        "draft_optimizer.lr=5e-3",
-        "train.draft_clip_grad=0.25",
+        "draft.optimizer.lr=5e-3",
+        "draft.clip_grad=0.25",
         "train.micro_batch_rows=4",
         "train.lr_schedule.warmup_steps=3",
-        "train.draft_lr_schedule.decay=cosine",
+        "draft.lr_schedule.decay=cosine",
         "train.epochs=2",  # total_updates = steps x epochs x mini_batches
     ]
     got = policy_config(resolve_config(None, overrides))
@@ -246,14 +246,14 @@ def test_an_eagle3_draft_is_checked_against_the_model_and_the_sidecars(
     load_eagle3_draft(draft, target=target)  # a valid draft for this model
     # a directory that is not a draft, before anything starts
     code, out = _cli(
-        _train_args(ckpt, data, tmp_path / "run", "--local-sidecars", "1", "--set", f"eagle3_draft={data}")
+        _train_args(ckpt, data, tmp_path / "run", "--local-sidecars", "1", "--set", f"draft.eagle3={data}")
     )
-    assert code == 1 and "eagle3_draft=" in out and "Traceback" not in out, out
+    assert code == 1 and "draft.eagle3=" in out and "Traceback" not in out, out
     assert not (tmp_path / "run").exists()
     # a sidecar that serves the model without the draft: the pushes would carry tensors it lacks
     with start_sidecar(ckpt) as sidecar:
         code, out = _cli(
-            _train_args(ckpt, data, tmp_path / "run", "--sidecar", sidecar.address, "--set", f"eagle3_draft={draft}")
+            _train_args(ckpt, data, tmp_path / "run", "--sidecar", sidecar.address, "--set", f"draft.eagle3={draft}")
         )
     assert code == 1 and "serve the run's EAGLE-3 draft there" in out and "Traceback" not in out, out
 

@@ -18,6 +18,7 @@ from sidecar.model.eagle3 import Eagle3Config
 from sidecar.model.model import ModelConfig, build_model
 from tests.spawn_workers import join_group, leave_group, spawn
 from trainer import bridge
+from trainer.draft_objective import DraftConfig
 from trainer.policy import Policy, TrainBatch
 
 
@@ -79,7 +80,7 @@ def _run(policy: Policy, mc: ModelConfig, rows: slice) -> dict[str, object]:
 
 def _config(tp: int, dp: int = 1) -> Policy.Config:
     fast = HybridOptimizerConfig(lr=1e-2, weight_decay=0.0)
-    return Policy.Config(tensor_parallel=tp, data_parallel=dp, optimizer=fast, draft_optimizer=fast)
+    return Policy.Config(tensor_parallel=tp, data_parallel=dp, optimizer=fast, draft=DraftConfig(optimizer=fast))
 
 
 def _worker(rank: int, port: int, mode: str, ckpt: str, out: str) -> None:

@@ -13,6 +13,7 @@ from muon import HybridOptimizerConfig
 from sidecar.errors import CheckpointError
 from sidecar.model.checkpoint import load_checkpoint, model_state_dict
 from sidecar.model.model import ModelConfig, build_model
+from trainer.draft_objective import DraftConfig
 from trainer.policy import Policy, TrainBatch
 
 
@@ -29,7 +30,7 @@ def _batches(mc: ModelConfig, n: int) -> list[TrainBatch]:
 
 def _cfg() -> Policy.Config:
     return Policy.Config(
-        optimizer=HybridOptimizerConfig(lr=1e-2), draft_optimizer=HybridOptimizerConfig(lr=1e-2), seed=77
+        optimizer=HybridOptimizerConfig(lr=1e-2), draft=DraftConfig(optimizer=HybridOptimizerConfig(lr=1e-2)), seed=77
     )
 
 

@@ -53,7 +53,7 @@ def test_policy_gradient_identical_with_and_without_draft_loss(setup, tied: bool
     batch = _batch(tokens, 6, [1.0, -1.0, 0.5, -0.5])
     grads = []
     for train_draft in (False, True):
-        policy = Policy(mc, Policy.Config(train_draft=train_draft), dict(state))
+        policy = Policy(mc, Policy.Config(draft=DraftConfig(train=train_draft)), dict(state))
         metrics = policy.backward(batch)
         assert ("draft_loss" in metrics) == train_draft
         if train_draft:  # the draft did get a gradient of its own
@@ -70,8 +70,7 @@ def test_draft_loss_decreases_on_fixed_policy_samples(setup, objective: str) -> 
     frozen = HybridOptimizerConfig(lr=0.0, weight_decay=0.0)  # the policy stays fixed
     cfg = Policy.Config(
         optimizer=frozen,
-        draft=DraftConfig(objective=objective),
-        draft_optimizer=HybridOptimizerConfig(lr=3e-3, weight_decay=0.0),
+        draft=DraftConfig(objective=objective, optimizer=HybridOptimizerConfig(lr=3e-3, weight_decay=0.0)),
     )
     policy = Policy(mc, cfg, dict(state))
     batch = _batch(tokens, 6, [0.0, 0.0, 0.0, 0.0])
@@ -137,7 +136,9 @@ def test_two_layer_chain_step_matches_engine_building_blocks() -> None:
 
 def test_draft_only_step_leaves_the_trunk_and_learns(setup) -> None:
     mc, _, state, tokens = setup
-    policy = Policy(mc, Policy.Config(draft_optimizer=HybridOptimizerConfig(lr=3e-3, weight_decay=0.0)), dict(state))
+    policy = Policy(
+        mc, Policy.Config(draft=DraftConfig(optimizer=HybridOptimizerConfig(lr=3e-3, weight_decay=0.0))), dict(state)
+    )
     mask = _batch(tokens, 6, [0.0] * 4).mask
     losses = [policy.train_draft_step(tokens, mask)["draft_loss"] for _ in range(15)]
     trunk = {n: t for n, t in policy.export_named_tensors() if not n.startswith("mtp.")}
@@ -154,7 +155,7 @@ def test_a_draft_step_on_kept_trunk_outputs_equals_one_that_runs_the_trunk(setup
     mask = _batch(tokens, 6, [0.0] * 4).mask
     mask[1, 15:] = 0.0  # row 1 ends early: its padded positions must not matter
     mask[3, 10:] = 0.0
-    config = Policy.Config(draft_optimizer=HybridOptimizerConfig(lr=3e-3, weight_decay=0.0))
+    config = Policy.Config(draft=DraftConfig(optimizer=HybridOptimizerConfig(lr=3e-3, weight_decay=0.0)))
     running, keeping = Policy(mc, config, dict(state)), Policy(mc, config, dict(state))
     kept = [keeping.trunk_outputs(tokens[i : i + 1, : 7 + int(mask[i].sum())]) for i in range(4)]
 

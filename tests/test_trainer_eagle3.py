@@ -66,7 +66,7 @@ def test_policy_gradient_identical_with_and_without_eagle3_training(setup) -> No
     batch = _batch(tokens, 6, [1.0, -1.0, 0.5, -0.5])
     grads = []
     for eagle3, train_draft in ((None, False), (_eagle3(mc), False), (_eagle3(mc), True)):
-        policy = Policy(mc, Policy.Config(train_draft=train_draft), dict(state), eagle3=eagle3)
+        policy = Policy(mc, Policy.Config(draft=DraftConfig(train=train_draft)), dict(state), eagle3=eagle3)
         metrics = policy.backward(batch)
         assert ("draft_loss" in metrics) == train_draft
         if train_draft:
@@ -122,8 +122,7 @@ def test_draft_loss_decreases_and_the_trunk_stays(setup, draft_vocab: int | None
     overrides = {} if draft_vocab is None else {"draft_vocab_size": draft_vocab}
     cfg = Policy.Config(
         optimizer=HybridOptimizerConfig(lr=0.0, weight_decay=0.0),
-        draft=DraftConfig(chain_depth=2),
-        draft_optimizer=HybridOptimizerConfig(lr=3e-3, weight_decay=0.0),
+        draft=DraftConfig(chain_depth=2, optimizer=HybridOptimizerConfig(lr=3e-3, weight_decay=0.0)),
     )
     policy = Policy(mc, cfg, dict(state), eagle3=_eagle3(mc, **overrides))
     assert isinstance(policy.draft, Eagle3Head)
@@ -171,8 +170,7 @@ def test_a_trained_draft_is_served_and_accepts_more_than_its_start(setup, tmp_pa
     save_checkpoint(target, mc, state)
     cfg = Policy.Config(
         optimizer=HybridOptimizerConfig(lr=0.0, weight_decay=0.0),
-        draft=DraftConfig(chain_depth=3),
-        draft_optimizer=HybridOptimizerConfig(lr=1e-2, weight_decay=0.0),
+        draft=DraftConfig(chain_depth=3, optimizer=HybridOptimizerConfig(lr=1e-2, weight_decay=0.0)),
     )
     policy = Policy.from_checkpoint(target, cfg, eagle3=_eagle3(mc))
     policy.save_draft(tmp_path / "start")
@@ -200,7 +198,7 @@ def test_a_push_carries_the_trained_draft_and_generation_follows_it(setup, tmp_p
     served = build_eagle3(_eagle3(mc), seed=3)
     cfg = Policy.Config(
         optimizer=HybridOptimizerConfig(lr=0.0, weight_decay=0.0),
-        draft_optimizer=HybridOptimizerConfig(lr=3e-3, weight_decay=0.0),
+        draft=DraftConfig(optimizer=HybridOptimizerConfig(lr=3e-3, weight_decay=0.0)),
     )
     policy = Policy(mc, cfg, dict(state), eagle3=served)
     target = build_model(mc)

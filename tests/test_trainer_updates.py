@@ -16,6 +16,7 @@ import torch
 
 from sidecar.model.checkpoint import model_state_dict
 from sidecar.model.model import ModelConfig, build_model
+from trainer.draft_objective import DraftConfig
 from trainer.losses import GRPOConfig
 from trainer.policy import Policy, TrainBatch
 from trainer.schedules import LRScheduleConfig
@@ -115,9 +116,8 @@ def test_policy_and_draft_lrs_follow_their_schedules_and_resume(tmp_path: Path) 
     draft = LRScheduleConfig(decay="cosine", min_lr_ratio=0.5)
     kw = {
         "optimizer": HybridOptimizerConfig(lr=1e-3),
-        "draft_optimizer": HybridOptimizerConfig(lr=2e-3),
+        "draft": DraftConfig(optimizer=HybridOptimizerConfig(lr=2e-3), lr_schedule=draft),
         "lr_schedule": trunk,
-        "draft_lr_schedule": draft,
         "total_updates": 6,
     }
     policy = _policy(**kw)

@@ -12,7 +12,7 @@
    measurements alternate between arms and repeat (medians), so load falls on both alike.
 4. --online-steps N: the analogue of the study's "online adaptation rescues a weak draft": an
    EAGLE-3 draft initialised weakly (--weak-steps of draft-init) served through N steps of the
-   demo's RL, once trained online and once frozen (`train_draft` off); τ per step of each.
+   demo's RL, once trained online and once frozen (`draft.train` off); τ per step of each.
 
     OMP_NUM_THREADS=1 .venv/bin/python tools/bench_draft_kinds.py --out /tmp/kinds --ks 1,2,3,4,5
     OMP_NUM_THREADS=1 .venv/bin/python tools/bench_draft_kinds.py --out /tmp/kinds --online-steps 20
@@ -111,8 +111,8 @@ def online(out: Path, demo: DemoConfig, steps: int, weak_steps: int) -> dict[str
     taus: dict[str, list[float]] = {}
     for arm, train_draft in (("online", True), ("frozen", False)):
         cfg = demo_config(out / "target", out / "runs" / f"{arm}_weak{weak_steps}_{steps}")
-        cfg.eagle3_draft = weak
-        cfg.train_draft = train_draft
+        cfg.draft.eagle3 = weak
+        cfg.draft.train = train_draft
         cfg.steps = steps
         cfg.eval_every = 0
         cfg.rollout.measure_plain = False

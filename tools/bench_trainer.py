@@ -38,6 +38,7 @@ def main() -> None:
 
     from sidecar.model.checkpoint import model_state_dict
     from sidecar.model.model import ModelConfig, build_model
+    from trainer.draft_objective import DraftConfig
     from trainer.policy import Policy, TrainBatch
 
     mc = ModelConfig.tiny(
@@ -57,8 +58,8 @@ def main() -> None:
     mask[:, args.seq // 4 :] = 1.0
     batch = TrainBatch(tokens=tokens, mask=mask, advantages=torch.randn(args.batch))
 
-    with_draft = Policy(mc, Policy.Config(train_draft=True), dict(state))
-    without = Policy(mc, Policy.Config(train_draft=False), dict(state))
+    with_draft = Policy(mc, Policy.Config(draft=DraftConfig(train=True)), dict(state))
+    without = Policy(mc, Policy.Config(draft=DraftConfig(train=False)), dict(state))
     print(
         f"model: hidden {mc.hidden_size}, {mc.num_hidden_layers} layers, vocab {mc.vocab_size}, 1 MTP layer; "
         f"batch {args.batch} x {args.seq} tokens; {torch.get_num_threads()} threads; median of {args.repeats}"

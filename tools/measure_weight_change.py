@@ -30,6 +30,7 @@ tool runs the demo's warm-up and draft initialisation first (minutes).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -116,20 +117,20 @@ def build_policy(policy_dir: Path, optimizer: str, lr_mode: str, seed: int):
                 temperature=demo.rollout.temperature,
                 grpo=demo.algorithm,
                 optimizer=HybridOptimizerConfig(lr=trunk_lr, **route),
-                train_draft=True,
-                draft=demo.draft,
-                draft_optimizer=HybridOptimizerConfig(lr=draft_lr, **route),
+                draft=dataclasses.replace(
+                    demo.draft, train=True, optimizer=HybridOptimizerConfig(lr=draft_lr, **route)
+                ),
             ),
         )
 
-    policy = build(demo.optimizer.lr, demo.draft_optimizer.lr)
+    policy = build(demo.optimizer.lr, demo.draft.optimizer.lr)
     rms = hidden_rms(policy)
     if lr_mode == "real":
         lr = 1e-6 / 0.02 * rms
         policy = build(lr, lr)
         lrs = (lr, lr)
     else:
-        lrs = (demo.optimizer.lr, demo.draft_optimizer.lr)
+        lrs = (demo.optimizer.lr, demo.draft.optimizer.lr)
     return policy, lrs, rms
 
 

@@ -43,22 +43,34 @@ gradient into the trunk's hidden states (``MTPLossAutoScaler``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from muon import HybridOptimizerConfig
 from sidecar.model.eagle3 import Eagle3Draft
 from sidecar.model.model import ModelConfig, MTPLayer, MTPStack
+from trainer.schedules import LRScheduleConfig
 from yarn import RotaryEmbedding
 
 
 @dataclass(kw_only=True, slots=True)
 class DraftConfig:
-    """How the draft head learns."""
+    """The draft, all in one place: which kind, whether and how it learns (its objective, its own
+    optimizer, clip and schedule). The run config's `draft` section and `Policy.Config.draft`."""
 
+    train: bool = True
+    """Update the draft every step on detached states (the MTP layers, or the EAGLE-3 draft); the
+    policy gradient is the same either way."""
+    eagle3: Path | None = None
+    """An EAGLE-3 draft directory (`specrl draft-init --draft eagle3`) for a model without MTP
+    layers: local sidecars serve it (`serve --draft`; start remote ones with the same directory),
+    the trainer trains it online and every push carries it (`eagle3.*`, DRAFT selector). None: the
+    model's own MTP layers."""
     objective: str = "kl"
     """"kl": forward KL to the target's detached distribution (default, see module docstring);
     "hard": cross-entropy on the sampled tokens."""
@@ -67,8 +79,16 @@ class DraftConfig:
     chain_depth: int = 0
     """Teacher-forced chain steps trained: 0 = one per MTP layer; n > layers also trains the last
     layer on its own outputs, as the engine reuses it when drafting k > layers tokens."""
+    optimizer: HybridOptimizerConfig = field(default_factory=lambda: HybridOptimizerConfig(lr=1e-4))
+    """The draft's own optimizer."""
+    clip_grad: float = 1.0
+    """Max gradient norm of the draft (its own clip)."""
+    lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+    """The draft's learning-rate schedule, per optimizer update."""
 
     def __post_init__(self) -> None:
+        if not self.clip_grad > 0.0:
+            raise ValueError(f"draft.clip_grad must be > 0, got {self.clip_grad}")
         if self.objective not in ("kl", "hard"):
             raise ValueError(f"objective must be 'kl' or 'hard', got {self.objective!r}")
         if not self.loss_weight > 0.0:

@@ -167,21 +167,14 @@ class Policy:
         """Trunk optimizer (Muon for hidden matrices, AdamW for the rest)."""
         clip_grad: float = 1.0
         """Max global gradient norm of the trunk."""
-        train_draft: bool = True
-        """Train the MTP head (when the model has one) in the same step."""
         draft: DraftConfig = field(default_factory=DraftConfig)
-        draft_optimizer: HybridOptimizerConfig = field(default_factory=lambda: HybridOptimizerConfig(lr=1e-4))
-        """The draft head's own optimizer."""
-        draft_clip_grad: float = 1.0
-        """Max gradient norm of the draft head (its own clip)."""
+        """The draft: whether it trains in the same step, its objective, optimizer, clip, schedule."""
         micro_batch_rows: int = 0
         """Rows per forward/backward; an update accumulates the gradients of all micro-batches, each
         normalised by the whole batch's counts, so it equals the unsplit update up to float32
         summation order (tested). 0: the whole batch in one forward."""
         lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
         """Learning-rate schedule of the trunk optimizer."""
-        draft_lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
-        """Learning-rate schedule of the draft optimizer."""
         total_updates: int = 0
         """Optimizer updates of the whole run: the span of a schedule whose total_steps is 0."""
 
@@ -196,7 +189,7 @@ class Policy:
                 raise ValueError(f"total_updates must be >= 0, got {self.total_updates}")
             if not self.temperature >= 0.0:
                 raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-            for name in ("clip_grad", "draft_clip_grad"):
+            for name in ("clip_grad",):
                 if not getattr(self, name) > 0.0:
                     raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
@@ -255,17 +248,17 @@ class Policy:
         self._ddp: list[Any] = []  # megatron.core DistributedDataParallel (untyped)
         if cfg.data_parallel > 1:
             self._ddp.append(wrap(self.model, self.model.config, overlap=True))
-            if self.draft is not None and cfg.train_draft:
+            if self.draft is not None and cfg.draft.train:
                 self._ddp.append(wrap(self.draft, self.model.config, overlap=False))
         self.step_count = 0
         self.optimizer = self._build_trunk_optimizer()
         self.draft_optimizer = (
-            build_optimizer(self.draft.named_parameters(), cfg.draft_optimizer) if self.draft is not None else None
+            build_optimizer(self.draft.named_parameters(), cfg.draft.optimizer) if self.draft is not None else None
         )
         total = cfg.total_updates or None
         self.scheduler = build_scheduler(self.optimizer, cfg.lr_schedule, total)
         self.draft_scheduler = (
-            build_scheduler(self.draft_optimizer, cfg.draft_lr_schedule, total)
+            build_scheduler(self.draft_optimizer, cfg.draft.lr_schedule, total)
             if self.draft_optimizer is not None
             else None
         )
@@ -388,7 +381,7 @@ class Policy:
         dev = platform.device()
         mask_all = batch.mask.to(dev)
         totals = BatchTotals.of(mask_all)
-        train_draft = self.draft is not None and self.cfg.train_draft
+        train_draft = self.draft is not None and self.cfg.draft.train
         step_tokens = (
             draft_step_tokens(self.cfg.draft, len(self.draft.layers), mask_all)
             if train_draft and self.draft is not None
@@ -511,7 +504,7 @@ class Policy:
         self.draft_optimizer.zero_grad(set_to_none=True)
         metrics = self._draft_backward(tokens, hidden, logits, mask)
         self._reduce_gradients([self.draft])
-        metrics["draft_grad_norm"] = float(self.draft_optimizer.clip_grad_norm_(self.cfg.draft_clip_grad))
+        metrics["draft_grad_norm"] = float(self.draft_optimizer.clip_grad_norm_(self.cfg.draft.clip_grad))
         self.draft_optimizer.step()
         if self.draft_scheduler is not None:
             self.draft_scheduler.step()
@@ -540,8 +533,8 @@ class Policy:
         }
         self.optimizer.step()
         self.scheduler.step()
-        if self.draft is not None and self.cfg.train_draft and self.draft_optimizer is not None:
-            metrics["draft_grad_norm"] = float(self.draft_optimizer.clip_grad_norm_(self.cfg.draft_clip_grad))
+        if self.draft is not None and self.cfg.draft.train and self.draft_optimizer is not None:
+            metrics["draft_grad_norm"] = float(self.draft_optimizer.clip_grad_norm_(self.cfg.draft.clip_grad))
             metrics["draft_lr"] = float(self.draft_optimizer.param_groups[0]["lr"])
             self.draft_optimizer.step()
             if self.draft_scheduler is not None:

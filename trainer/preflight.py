@@ -50,14 +50,14 @@ def preflight(cfg: RLConfig, *, probe_sidecars: bool = True) -> Prepared:
                 f"reference_model={cfg.reference_model} has a different model config than model={cfg.model}; "
                 "the KL penalty compares the two token by token: give a checkpoint of the same model"
             )
-    if cfg.eagle3_draft is not None:
+    if cfg.draft.eagle3 is not None:
         from sidecar.errors import CheckpointError
         from sidecar.model.eagle3_checkpoint import load_eagle3_draft
 
         try:
-            load_eagle3_draft(cfg.eagle3_draft, target=model_config)
+            load_eagle3_draft(cfg.draft.eagle3, target=model_config)
         except (CheckpointError, ValueError) as e:
-            raise PreflightError(f"eagle3_draft={cfg.eagle3_draft}: {e}") from None
+            raise PreflightError(f"draft.eagle3={cfg.draft.eagle3}: {e}") from None
     problems = check_trackers(cfg.trackers)
     if problems:
         raise PreflightError("; ".join(problems))
@@ -195,11 +195,11 @@ def check_sidecars(cfg: RLConfig, model: ModelConfig) -> None:
                 "serve the run's checkpoint there"
             )
         method = info.engine.speculation_method
-        if (cfg.eagle3_draft is not None) != (method == "eagle3"):
+        if (cfg.draft.eagle3 is not None) != (method == "eagle3"):
             raise PreflightError(
-                f"sidecar {address} drafts with {method or 'no draft'!r} but eagle3_draft={cfg.eagle3_draft}: "
-                "serve the run's EAGLE-3 draft there (`specrl serve --draft DIR`) or unset eagle3_draft"
-                if cfg.eagle3_draft is not None
+                f"sidecar {address} drafts with {method or 'no draft'!r} but draft.eagle3={cfg.draft.eagle3}: "
+                "serve the run's EAGLE-3 draft there (`specrl serve --draft DIR`) or unset draft.eagle3"
+                if cfg.draft.eagle3 is not None
                 else f"sidecar {address} serves an EAGLE-3 draft, which this run would not train or push: "
-                "set eagle3_draft to its directory, or serve the model without --draft"
+                "set draft.eagle3 to its directory, or serve the model without --draft"
             )

@@ -293,8 +293,6 @@ class TrainConfig:
     fails, stops every rank with one error naming it (`trainer.ranks.RankWatchdog`)."""
     clip_grad: float = 1.0
     """Max global gradient norm of the trunk."""
-    draft_clip_grad: float = 1.0
-    """Max gradient norm of the draft head (its own clip)."""
     micro_batch_rows: int = 0
     """Samples per forward/backward (gradient accumulation; the update equals the unsplit one up to
     float32 summation order). 0: each update's whole batch in one forward."""
@@ -306,8 +304,6 @@ class TrainConfig:
     `separate_logprob_pass`)."""
     lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
     """Trunk learning-rate schedule (warm-up, constant/linear/cosine decay), per optimizer update."""
-    draft_lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
-    """Draft learning-rate schedule, per optimizer update."""
 
     def __post_init__(self) -> None:
         if self.tensor_parallel < 1:
@@ -322,9 +318,8 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
 
-        for name in ("clip_grad", "draft_clip_grad"):
-            if not getattr(self, name) > 0.0:
-                raise ValueError(f"train.{name} must be > 0, got {getattr(self, name)}")
+        if not self.clip_grad > 0.0:
+            raise ValueError(f"train.clip_grad must be > 0, got {self.clip_grad}")
 
     @property
     def updates_per_batch(self) -> int:
@@ -356,14 +351,9 @@ class RLConfig:
     current policy's: by default they are taken, detached, from the training forward itself (the
     same weights and the same float32 numbers, so the PPO ratio is exactly 1 either way), which
     saves one forward over the batch per step."""
-    train_draft: bool = True
-    """Update the draft every step on detached states (the MTP layers, or the EAGLE-3 draft)."""
-    eagle3_draft: Path | None = None
-    """An EAGLE-3 draft directory (`specrl draft-init --draft eagle3`) for a `model` without MTP
-    layers: local sidecars serve it (`serve --draft`; start remote ones with the same directory),
-    the trainer trains it online and every push carries it (`eagle3.*`, DRAFT selector)."""
     draft: DraftConfig = field(default_factory=DraftConfig)
-    draft_optimizer: HybridOptimizerConfig = field(default_factory=lambda: HybridOptimizerConfig(lr=1e-4))
+    """The draft: its kind (MTP layers, or `draft.eagle3`), whether it trains, its objective,
+    optimizer, clip and schedule."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Parallel layout, gradient clipping (and, see the README, batching and schedules)."""
     sidecars: SidecarsConfig = field(default_factory=SidecarsConfig)
@@ -426,8 +416,7 @@ def demo_config(model: Path, run_dir: Path) -> RLConfig:
             prompts_per_step=8, samples_per_prompt=8, temperature=1.0, max_new_tokens=40, measure_plain=True
         ),
         optimizer=HybridOptimizerConfig(lr=3e-4),
-        draft=DraftConfig(chain_depth=4),
-        draft_optimizer=HybridOptimizerConfig(lr=1e-3),
+        draft=DraftConfig(chain_depth=4, optimizer=HybridOptimizerConfig(lr=1e-3)),
         sidecars=SidecarsConfig(local=2),
         steps=20,
         eval_every=5,

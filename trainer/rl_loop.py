@@ -126,25 +126,21 @@ def policy_config(cfg: RLConfig) -> Policy.Config:
         grpo=cfg.algorithm,
         optimizer=cfg.optimizer,
         clip_grad=cfg.train.clip_grad,
-        train_draft=cfg.train_draft,
         draft=cfg.draft,
-        draft_optimizer=cfg.draft_optimizer,
-        draft_clip_grad=cfg.train.draft_clip_grad,
         micro_batch_rows=cfg.train.micro_batch_rows,
         lr_schedule=cfg.train.lr_schedule,
-        draft_lr_schedule=cfg.train.draft_lr_schedule,
         total_updates=cfg.steps * cfg.train.updates_per_batch,
     )
 
 
 def build_policy(cfg: RLConfig) -> Policy:
-    if cfg.eagle3_draft is None:
+    if cfg.draft.eagle3 is None:
         return Policy.from_checkpoint(cfg.model, policy_config(cfg))
     from sidecar.model.checkpoint import load_checkpoint
     from sidecar.model.eagle3_checkpoint import load_eagle3_draft
 
     model_config, tensors = load_checkpoint(cfg.model)
-    draft = load_eagle3_draft(cfg.eagle3_draft, target=model_config)
+    draft = load_eagle3_draft(cfg.draft.eagle3, target=model_config)
     return Policy(model_config, policy_config(cfg), tensors, eagle3=draft)
 
 
@@ -170,7 +166,7 @@ def sidecar_fleet(cfg: RLConfig, run_dir: Path) -> Iterator[tuple[Fleet, LocalSi
             engine=cfg.sidecars.engine,
             devices=cfg.sidecars.devices,
             token=client.token,
-            draft=cfg.eagle3_draft,
+            draft=cfg.draft.eagle3,
         )
     with contextlib.ExitStack() as stack:
         if local is not None:

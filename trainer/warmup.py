@@ -133,7 +133,7 @@ def supervised_warmup(
             seed=cfg.seed,
             optimizer=HybridOptimizerConfig(lr=cfg.lr),
             grpo=GRPOConfig(filter_equal_groups=False, normalize_std=False),
-            train_draft=False,
+            draft=DraftConfig(train=False),
         ),
     )
     rng = random.Random(cfg.seed)
@@ -196,8 +196,7 @@ def draft_init(
     policy_cfg = Policy.Config(
         seed=cfg.seed,
         temperature=cfg.temperature,
-        draft=DraftConfig(chain_depth=cfg.chain_depth),
-        draft_optimizer=HybridOptimizerConfig(lr=cfg.lr),
+        draft=DraftConfig(chain_depth=cfg.chain_depth, optimizer=HybridOptimizerConfig(lr=cfg.lr)),
     )
     model_config, tensors = load_checkpoint(checkpoint)
     if cfg.kind == "eagle3":
