@@ -131,7 +131,7 @@ def test_unknown_option_fails_at_start(checkpoint: Path, serve: ServeProcess) ->
     config = compose_config(
         checkpoint,
         [serve.address],
-        extra=(*STANDALONE, "+actor_rollout_ref.rollout.engine_kwargs.specrl.speculation_k=3"),
+        extra=(*STANDALONE, "+actor_rollout_ref.rollout.engine_kwargs.specrl.speculaton_k=3"),  # a typo: not an option
     )
-    with pytest.raises(SpecrlConfigError, match=r"unknown option\(s\) \['speculation_k'\]"):
+    with pytest.raises(SpecrlConfigError, match=r"unknown option\(s\) \[.speculaton_k.\]"):
         LLMServerManager.create(config=config, worker_group=None)
