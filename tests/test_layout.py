@@ -1,12 +1,12 @@
 """The code's layout holds: imports run one way, and no product file outgrows one concern.
 
 Imports run tools -> trainer -> sidecar client side -> protocol/types <- sidecar server side ->
-engines -> model, with muon and yarn at the bottom (README, "Layout"). The server side (what
+engines -> model, with muon and yarn at the bottom (docs/layout.md). The server side (what
 `specrl serve` runs) never imports the client side (what a trainer or another framework runs),
 nor the reverse; engines, the model and the speculation controller know neither side nor the
 protocol (protobuf stays at the edge). Every import counts, including those inside functions.
 
-README's layout table names every product module (generated stubs and `__init__.py` aside), and
+docs/layout.md names every product module (generated stubs and `__init__.py` aside), and
 only files that exist.
 """
 
@@ -119,7 +119,7 @@ def test_no_product_file_outgrows_one_concern() -> None:
     assert set(over) == set(OVERSIZED), f"split these by concern (> {MAX_LINES} lines)"
 
 
-LAYOUT_HEADING = "## Layout: where each mechanism lives"
+LAYOUT_HEADING = "## The table"
 TABLE_ROOTS = ("proto/", "sidecar/", "trainer/", "muon/", "yarn/", "tests/", "tools/")
 
 
@@ -154,20 +154,20 @@ def layout_table_paths(readme: str) -> set[str]:
 
 def _modules_and_table() -> tuple[set[str], set[str]]:
     modules = {str(p.relative_to(ROOT)) for p in _product_files() if p.name != "__init__.py"}
-    return modules, layout_table_paths((ROOT / "README.md").read_text())
+    return modules, layout_table_paths((ROOT / "docs" / "layout.md").read_text())
 
 
 def test_the_layout_table_names_every_module() -> None:
     modules, named = _modules_and_table()
     missing = sorted(modules - named)
-    assert not missing, f"name these modules in README.md's table 'Layout: where each mechanism lives': {missing}"
+    assert not missing, f"name these modules in docs/layout.md: {missing}"
 
 
 def test_the_layout_table_names_only_files_that_exist() -> None:
     _, named = _modules_and_table()
     assert len(named) > 100
     gone = sorted(p for p in named if not (ROOT / p).is_file())
-    assert not gone, f"README.md's layout table names files that do not exist: {gone}"
+    assert not gone, f"docs/layout.md names files that do not exist: {gone}"
 
 
 def test_the_table_parser_reads_bases_and_subfolders() -> None:

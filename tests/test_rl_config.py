@@ -87,53 +87,6 @@ def test_weight_sync_keys_set_up_the_data_planes(tmp_path: Path) -> None:
         )
 
 
-def _reference_rows() -> dict[str, str]:
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    table = readme.split("<!-- config-reference:", 1)[1].split("\n\n", 1)[0]
-    rows = {}
-    for line in table.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 3 and cells[0].startswith("`"):
-            rows[cells[0].strip("`")] = cells[1]
-    return rows
-
-
-def test_the_readme_config_reference_matches_rlconfig() -> None:
-    """Every RLConfig field is in the README's table (a section as one row or field by field),
-    with the default the code has; no row names a key that does not exist."""
-    import dataclasses
-
-    from sidecar.config_io import to_mapping, yaml_load
-
-    rows = _reference_rows()
-    cfg = RLConfig(model=Path("ckpt"))
-    expected: set[str] = set()
-    for f in dataclasses.fields(RLConfig):
-        value = getattr(cfg, f.name)
-        if f.name in rows or not dataclasses.is_dataclass(value):
-            expected.add(f.name)
-            continue
-        expected |= {f"{f.name}.{g.name}" for g in dataclasses.fields(value)}
-    assert set(rows) == expected, (sorted(expected - set(rows)), sorted(set(rows) - expected))
-    for key, default in rows.items():
-        section, _, name = key.partition(".")
-        if default == "(required)":
-            continue
-        if name and not default.startswith("`"):  # a nested section: "field `value`" names one of its defaults
-            field_name, value = default.split(" ", 1)
-            nested = getattr(getattr(cfg, section), name)
-            assert yaml_load(value.strip("`")) == to_mapping(getattr(nested, field_name)), (key, default)
-        elif name:
-            field_default = {g.name: g.default for g in dataclasses.fields(getattr(cfg, section))}[name]
-            actual = None if field_default is None else to_mapping(getattr(getattr(cfg, section), name))
-            assert yaml_load(default.strip("`")) == actual, (key, default, actual)
-        elif default.startswith("`"):
-            assert yaml_load(default.strip("`")) == to_mapping(getattr(cfg, key)), (key, default)
-        else:  # a section row: "field `value`" names one default of the section
-            field_name, value = default.split(" ", 1)
-            assert yaml_load(value.strip("`")) == to_mapping(getattr(getattr(cfg, key), field_name)), (key, default)
-
-
 def test_a_partial_section_keeps_the_run_defaults_it_does_not_name() -> None:
     cfg = resolve_config(None, ["model=x", "optimizer.weight_decay=0.0", "sidecars.devices=[cpu]"])
     assert cfg.optimizer.lr == RLConfig(model=Path("x")).optimizer.lr == 1e-5  # not HybridOptimizerConfig's 3e-4

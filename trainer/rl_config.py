@@ -63,6 +63,7 @@ class RolloutConfig:
     temperature: float = 1.0
     """Sampling temperature (the trainer's log-probs use the same)."""
     max_new_tokens: int = 64
+    """Longest response, in tokens."""
     speculation_k: int = 3
     """Draft tokens per verify step (0: plain decoding); with speculation_auto, the largest k."""
     speculation_auto: bool = False
@@ -152,6 +153,7 @@ class SidecarSecurityConfig:
     client_cert: Path | None = None
     """PEM certificate the trainer presents for mutual TLS (with client_key)."""
     client_key: Path | None = None
+    """Client key for mutual TLS (with client_cert)."""
 
     def __post_init__(self) -> None:
         if (self.client_cert is None) != (self.client_key is None):
@@ -358,6 +360,7 @@ class RLConfig:
     """Parallel layout, gradient clipping (and, see the README, batching and schedules)."""
     sidecars: SidecarsConfig = field(default_factory=SidecarsConfig)
     steps: int = 10
+    """RL steps."""
     eval_every: int = 5
     """Evaluate on the held-out split every this many steps (and before the first); 0: never."""
     eval_size: int = 32
@@ -365,7 +368,9 @@ class RLConfig:
     checkpoint_every: int = 0
     """Save a resumable checkpoint every this many steps (0: only at the end)."""
     seed: int = 0
+    """Seed of sampling, initialisation and problem draws."""
     run_dir: Path = Path("runs/rl")
+    """Run directory: the config, metrics.jsonl, plots, checkpoints."""
     trackers: TrackersConfig = field(default_factory=TrackersConfig)
     """Optional TensorBoard / Weights & Biases reporting (metrics.jsonl and plots are always written)."""
 

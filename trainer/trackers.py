@@ -30,6 +30,7 @@ class TrackersConfig:
     """"offline": a local run under run_dir/wandb, uploaded later with `wandb sync`; "online" needs
     network and `wandb login`."""
     wandb_project: str = "specrl"
+    """Weights & Biases project."""
     wandb_name: str = ""
     """Run name; "": the run directory's name."""
 

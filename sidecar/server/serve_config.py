@@ -24,6 +24,7 @@ class ServeConfig:
     beside a model without MTP layers (torch engine; SGLang's EAGLE3 with --engine sglang); None:
     the model's own MTP layers, if any."""
     engine: Literal["torch", "sglang"] = "torch"
+    """"torch": the embedded PyTorch engine; "sglang": SGLang (GPU nodes, the sglang extra)."""
     host: str = "127.0.0.1"
     """Bind address (loopback unless told otherwise: whoever can push weights owns the model)."""
     port: int = 50051
@@ -38,6 +39,7 @@ class ServeConfig:
     max_speculation_k: int = 8
     """Largest k a request or SetSpeculation may ask for (the engine sizes its scratch for it)."""
     max_batch_size: int = 64
+    """Most sequences decoded together in one engine step (the KV cache holds this many rows)."""
     max_context: int | None = None
     """Tokens (prompt + max_new_tokens) one sequence may hold: the length of a KV cache row (torch
     engine; None: the model's max_position_embeddings). Longer requests are refused with
@@ -50,10 +52,13 @@ class ServeConfig:
     graphs (on a CPU run eagerly), "off" eagerly at the batch's own shapes, "auto" on for CUDA
     devices and off on CPUs (where fixed shapes only add work)."""
     max_live_sequences: int = 4096
+    """Most sequences queued or running at once; past it Generate is refused with RESOURCE_EXHAUSTED."""
     device: str = "cpu"
     """torch device: cpu, cuda, cuda:1 ..."""
     tls_cert: Path | None = None
+    """PEM server certificate (TLS; with tls_key)."""
     tls_key: Path | None = None
+    """PEM key of tls_cert."""
     tls_client_ca: Path | None = None
     """CA bundle clients must be signed by (mutual TLS)."""
     token_file: Path | None = None
@@ -78,6 +83,7 @@ class ServeConfig:
     grace: float = 5.0
     """Shutdown grace seconds."""
     log_level: str = "INFO"
+    """Logging level of the sidecar process (DEBUG, INFO, WARNING, ...)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
