@@ -52,8 +52,9 @@ TOK = CharTokenizer()
 PROMPTS, G = 6, 4
 ROWS = PROMPTS * G
 RUN_BOUND_S = 240.0
-"""A faulty run of a few steps ends (trained, or stopped with its error) within this; a healthy
-one takes 20-60 s on a loaded 2-core box."""
+"""A faulty run of a few steps ends (trained, or stopped with its error) within this; one takes
+3-30 s on a 2-core box. In the default suite: (a), (c) at lags 1 and 2, (b) and (d) at lag 1
+(about a minute); the rest is marked `long` (pytest --long)."""
 WAIT_S = 60.0
 """How long an injected fault waits for the moment it targets."""
 
@@ -220,7 +221,9 @@ def assert_nothing_lost(history: list[dict[str, float]], w: Watch, *, lag: int, 
     assert [s for s, _ in w.trained] == list(range(steps))  # none twice, none skipped
     assert all(rows == ROWS for _, rows in w.trained), w.trained
     assert [m["weights/version"] for m in history] == [float(v) for v in range(2, steps + 2)]
-    assert all(0.0 <= m["rollout/policy_lag_max"] <= lag for m in history), [m["rollout/policy_lag_max"] for m in history]
+    assert all(0.0 <= m["rollout/policy_lag_max"] <= lag for m in history), [
+        m["rollout/policy_lag_max"] for m in history
+    ]
     assert all(m["rollout/duplicates"] == 0 for m in history)
     # the oldest sample of each step: within the bound of the version the trainer held then
     for m, held in zip(history, w.versions_at_update, strict=True):
@@ -228,7 +231,6 @@ def assert_nothing_lost(history: list[dict[str, float]], w: Watch, *, lag: int, 
 
 
 @pytest.mark.slow
-@pytest.mark.long
 @pytest.mark.parametrize("lag", [1, 2])
 def test_a_sidecar_killed_while_the_producer_generates_loses_nothing(
     checkpoint: Path, tmp_path: Path, watch: Watch, lag: int
@@ -253,7 +255,7 @@ def train_run(cfg: RLConfig, **kwargs: Any) -> list[dict[str, float]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lag", [pytest.param(1, marks=pytest.mark.long), 2])
+@pytest.mark.parametrize("lag", [1, 2])
 def test_a_sidecar_restarted_empty_serves_only_after_it_has_the_current_weights(
     checkpoint: Path, tmp_path: Path, watch: Watch, lag: int
 ) -> None:
@@ -285,8 +287,7 @@ def test_a_sidecar_restarted_empty_serves_only_after_it_has_the_current_weights(
 
 
 @pytest.mark.slow
-@pytest.mark.long
-@pytest.mark.parametrize("lag", [1, 2])
+@pytest.mark.parametrize("lag", [1, pytest.param(2, marks=pytest.mark.long)])
 def test_a_push_refused_with_a_batch_in_flight_stops_the_run_naming_the_sidecar(
     checkpoint: Path, tmp_path: Path, watch: Watch, lag: int
 ) -> None:
@@ -368,8 +369,7 @@ def _train_command(checkpoint: Path, run: Path, *, lag: int, steps: int, resume:
 
 
 @pytest.mark.slow
-@pytest.mark.long
-@pytest.mark.parametrize("lag", [1, 2])
+@pytest.mark.parametrize("lag", [1, pytest.param(2, marks=pytest.mark.long)])
 def test_a_trainer_killed_mid_step_resumes_without_training_a_step_twice_or_skipping_one(
     checkpoint: Path, tmp_path: Path, lag: int
 ) -> None:
@@ -464,8 +464,8 @@ def test_a_rank_killed_with_a_batch_in_flight_stops_every_rank_and_its_sidecars(
     envs = [{"RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)} for r in (0, 1)]
     (c0, o0), (c1, _) = run_commands(commands, timeout_s=RUN_BOUND_S, envs=envs, env={"OMP_NUM_THREADS": "1"})
     assert c1 == -signal.SIGKILL
-    assert c0 == EXIT_CODE, o0[-3000:]
-    assert "rank 1 died" in o0 or "rank 1: silent" in o0, o0[-3000:]
+    assert c0 in (1, EXIT_CODE), o0[-3000:]  # its own collective failed (1), or its watchdog stopped it
+    assert "RankFailure: rank 1 died" in o0 or "rank 1: silent" in o0, o0[-3000:]
     assert "finished without noticing" not in o0
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1]  # step 0 trained on both ranks; step 1 on neither
