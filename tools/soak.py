@@ -402,7 +402,9 @@ class Soak:
         expected = len(request.prompts) * request.samples_per_prompt
         if len(got) != expected:
             if same:
-                self.violation(f"{request.request_id}: stream ended with {len(got)} of {expected} samples, no error")
+                self.violation(
+                    f"{request.request_id} ({mode}): stream ended with {len(got)} of {expected} samples, no error"
+                )
             return "lost_to_kill"
         if aborted and mode != "abort":
             self.violation(f"{request.request_id}: a sample was aborted though nobody aborted it")
