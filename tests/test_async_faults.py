@@ -279,7 +279,8 @@ def test_a_sidecar_restarted_empty_serves_only_after_it_has_the_current_weights(
     history = train_run(config(checkpoint, tmp_path / "run", lag=lag, steps=steps))
     assert time.monotonic() - t < RUN_BOUND_S
     watch.faults_done()
-    assert_nothing_lost(history, watch, lag=lag, steps=steps)  # no sample of version 0 trained
+    assert_nothing_lost(history, watch, lag=lag, steps=steps)
+    assert all(m["test/min_version"] >= 1 for m in history)  # none from the restarted sidecar's version 0
     assert history[watch.killed_during]["rollout/rerouted"] > 0  # the kill broke streams in flight
     assert served["version0"] == served["version1"] == watch.versions_at_update[-1], served
     assert served["tokens0"] > 0, served  # the restarted sidecar took work again
