@@ -126,7 +126,7 @@ def greedy_tokens(
 def start_sidecar(
     checkpoint: Path,
     *,
-    spec_k: int = 2,
+    speculation_k: int = 2,
     max_batch_size: int = 64,
     limits: RequestLimits | None = None,
     scheduler: SchedulerConfig | None = None,
@@ -134,7 +134,9 @@ def start_sidecar(
     draft: Path | None = None,
     **config: object,
 ) -> Sidecar:
-    engine = TorchEngine.from_checkpoint(checkpoint, speculation_k=spec_k, max_batch_size=max_batch_size, draft=draft)
+    engine = TorchEngine.from_checkpoint(
+        checkpoint, speculation_k=speculation_k, max_batch_size=max_batch_size, draft=draft
+    )
     cfg = SidecarConfig(
         server=ServerConfig(port=0, max_message_mib=max_message_mib),
         limits=limits or RequestLimits(max_prompts=64, max_samples=256, max_prompt_tokens=64, max_new_tokens=250),

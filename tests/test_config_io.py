@@ -15,7 +15,7 @@ from sidecar.config_io import ConfigError, from_mapping, load_file, merge_overri
 class Rollout:
     samples_per_prompt: int = 4
     temperature: float = 1.0
-    spec_k: int | None = 3
+    speculation_k: int | None = 3
 
     def __post_init__(self) -> None:
         if self.samples_per_prompt < 1:
@@ -32,11 +32,13 @@ class Run:
 
 
 def test_yaml_and_toml_give_the_same_config(tmp_path: Path) -> None:
-    (tmp_path / "a.yaml").write_text("name: x\nrollout:\n  temperature: 0\n  spec_k: null\nsidecars: [h:1, h:2]\n")
+    (tmp_path / "a.yaml").write_text(
+        "name: x\nrollout:\n  temperature: 0\n  speculation_k: null\nsidecars: [h:1, h:2]\n"
+    )
     (tmp_path / "a.toml").write_text('name = "x"\nsidecars = ["h:1", "h:2"]\n[rollout]\ntemperature = 0\n')
     a = from_mapping(Run, load_file(tmp_path / "a.yaml"))
-    b = from_mapping(Run, merge_overrides(load_file(tmp_path / "a.toml"), ["rollout.spec_k=null"]))
-    assert a == b == Run(name="x", sidecars=["h:1", "h:2"], rollout=Rollout(temperature=0.0, spec_k=None))
+    b = from_mapping(Run, merge_overrides(load_file(tmp_path / "a.toml"), ["rollout.speculation_k=null"]))
+    assert a == b == Run(name="x", sidecars=["h:1", "h:2"], rollout=Rollout(temperature=0.0, speculation_k=None))
 
 
 def test_overrides_parse_values_and_round_trip_through_the_resolved_file(tmp_path: Path) -> None:

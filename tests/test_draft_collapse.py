@@ -132,7 +132,7 @@ def test_no_alarm_without_a_working_version_before_or_enough_evidence() -> None:
 
 
 def test_a_held_controller_drafts_nothing_until_the_next_version() -> None:
-    policy = SpeculationPolicy(SpeculationPolicyConfig(max_k=3))
+    policy = SpeculationPolicy(SpeculationPolicyConfig(max_speculation_k=3))
     policy.hold("draft collapsed at weight version 2")
     decision = policy.decide(4)
     assert (decision.k, decision.reason) == (0, "collapsed") and "version 2" in decision.detail
@@ -276,7 +276,7 @@ def test_getstats_prometheus_and_the_fleet_report_the_collapse_once(
     model = peaked_aligned_model()
     state = {n: t.clone() for n, t in model_state_dict(model).items()}
     save_checkpoint(tmp_path / "ckpt", CONFIG, state)
-    sidecar = start_sidecar(tmp_path / "ckpt", spec_k=3, max_batch_size=PROMPTS)
+    sidecar = start_sidecar(tmp_path / "ckpt", speculation_k=3, max_batch_size=PROMPTS)
     request = GenerationRequest(
         prompts=[[1 + i, (7 * i) % 256] for i in range(PROMPTS)],
         sampling=SamplingParams(temperature=1.0, max_new_tokens=NEW_TOKENS, seed=1),

@@ -26,7 +26,7 @@ class EchoControl(services.ControlServicer):
 
     async def SetSpeculation(self, request, context):
         await context.abort(
-            grpc.StatusCode.INVALID_ARGUMENT, f"k={request.k} exceeds max_k=0; this servicer has no draft"
+            grpc.StatusCode.INVALID_ARGUMENT, f"k={request.k} exceeds max_speculation_k=0; this servicer has no draft"
         )
 
 
@@ -76,7 +76,7 @@ def test_servicer_answers_and_errors_carry_status_and_message(channel: grpc.Chan
     with pytest.raises(grpc.RpcError) as err:
         stub.SetSpeculation(control_pb2.SetSpeculationRequest(k=3), timeout=DEADLINE)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "exceeds max_k" in err.value.details()
+    assert "exceeds max_speculation_k" in err.value.details()
     with pytest.raises(grpc.RpcError) as err:  # unimplemented methods say so instead of hanging
         stub.GetStats(control_pb2.GetStatsRequest(), timeout=DEADLINE)
     assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED

@@ -200,7 +200,7 @@ def test_acceptance_comes_from_a_sidecars_getstats(tmp_path: Path) -> None:
     from sidecar.types import GenerationRequest, SamplingParams, SpeculationCounters
     from trainer.planning.inputs import acceptance_from_sidecar
 
-    sidecar = start_sidecar(make_checkpoint(tmp_path / "ckpt"), spec_k=3)
+    sidecar = start_sidecar(make_checkpoint(tmp_path / "ckpt"), speculation_k=3)
     try:
         with SidecarClient(sidecar.address) as client:
             sampling = SamplingParams(temperature=1.0, max_new_tokens=24, seed=5)  # a random draft accepts often here

@@ -196,7 +196,7 @@ def test_bad_generate_requests_get_their_status(  # type: ignore[no-untyped-def]
 def test_control_rpcs_refuse_bad_values(client: SidecarClient) -> None:
     with pytest.raises(SidecarCallError) as err:
         client.set_speculation(99)
-    assert err.value.code == Code.INVALID_ARGUMENT and "max_k" in err.value.details
+    assert err.value.code == Code.INVALID_ARGUMENT and "max_speculation_k" in err.value.details
     with pytest.raises(grpc.RpcError) as raw:
         services.WeightStub(client.channel).DescribeWeights(
             weights_pb2.DescribeWeightsRequest(selector=42), timeout=DEADLINE

@@ -54,7 +54,7 @@ def checkpoint_seed() -> int:
 @pytest.fixture(scope="module")
 def sidecar_settings() -> dict[str, Any]:
     return dict(
-        spec_k=2,
+        speculation_k=2,
         max_batch_size=6,  # small: requests also wait in the engine's queue
         limits=RequestLimits(max_prompts=4, max_samples=16, max_prompt_tokens=CONTEXT, max_new_tokens=MAX_NEW),
         scheduler=SchedulerConfig(max_live_sequences=256),

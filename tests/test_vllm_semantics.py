@@ -71,7 +71,7 @@ def test_stop_at_eos_matches_greedy_reference_truncated_at_eos(prompt: list[int]
 def test_get_info_publishes_eos_and_stop_at_eos_crosses_the_wire(tmp_path: Path) -> None:
     config, state = eos_model([7, 9])
     save_checkpoint(tmp_path / "ckpt", config, state)
-    sidecar = start_sidecar(tmp_path / "ckpt", spec_k=2)
+    sidecar = start_sidecar(tmp_path / "ckpt", speculation_k=2)
     try:
         with SidecarClient(sidecar.address) as client:
             assert client.info().engine.model.eos_token_ids == (7, 9)

@@ -207,7 +207,7 @@ def test_fifty_delta_pushes_serve_exactly_the_senders_copy(
 
 
 def delta_client(address: str, transport: WeightTransport = WeightTransport.GRPC) -> SidecarClient:
-    return SidecarClient(address, ClientConfig(transports=TRANSPORTS[transport], timeout_s=30.0, delta_pushes=True))
+    return SidecarClient(address, ClientConfig(transports=TRANSPORTS[transport], timeout_s=30.0, sparse_deltas=True))
 
 
 @pytest.mark.parametrize("transport", list(TRANSPORTS), ids=lambda t: t.value)
@@ -507,9 +507,9 @@ def test_the_run_config_turns_delta_pushes_on_for_every_client(checkpoint: Path)
     cfg = from_mapping(RLConfig, {"model": "m", "sidecars": {"local": 1, "weight_sync": {"deltas": True}}})
     assert cfg.sidecars.weight_sync.deltas and not RLConfig(model=Path("m")).sidecars.weight_sync.deltas
     state = weights(1)
-    fleet_cfg = FleetConfig(client=ClientConfig(delta_pushes=True))
+    fleet_cfg = FleetConfig(client=ClientConfig(sparse_deltas=True))
     with start_sidecar(checkpoint) as sc, Fleet([sc.address], fleet_cfg) as orch:
-        assert all(c.config.delta_pushes for c in orch.clients)
+        assert all(c.config.sparse_deltas for c in orch.clients)
         orch.push_weights(lambda: iter(state.items()), 1, names=list(state))
         assert orch.clients[0].delta_base.version == 1  # the next push can be a delta
         state = sparse_step(state, torch.Generator().manual_seed(7), 0.01)

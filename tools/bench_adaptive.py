@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Adaptive speculation (automatic k) against plain decoding and every static k, in one run.
 
-    tools/bench_adaptive.py [--model DIR] [--batches 1,4,16,64] [--ks 1,2,3,5] [--max-k 5]
+    tools/bench_adaptive.py [--model DIR] [--batches 1,4,16,64] [--ks 1,2,3,5] [--max-speculation-k 5]
                             [--temperatures 0,1] [--new-tokens 64,64,48,32] [--repeats 3]
                             [--device cpu|cuda]
 
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, default=Path("/tmp/specrl-bench-engine-model"))
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--ks", default="1,2,3,5")
-    ap.add_argument("--max-k", type=int, default=5, help="automatic mode's largest k")
+    ap.add_argument("--max-speculation-k", type=int, default=5, help="automatic mode's largest k")
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--new-tokens", default="64,64,48,32", help="per batch size")
     ap.add_argument("--min-prompts", type=int, default=2, help="small batches run in turn over this many prompts")
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         args.model,
         device=args.device,
         speculation_k=0,
-        max_speculation_k=max(*ks, args.max_k),
+        max_speculation_k=max(*ks, args.max_speculation_k),
         max_batch_size=max(batches),
     )
     model = static.model
@@ -129,9 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: {_device_name(static.device)}; clock: {bench_clock(static.device)[1]} seconds", flush=True)
     print(header, flush=True)
     for temperature in [float(t) for t in args.temperatures.split(",")]:
-        policy = CountingPolicy(SpeculationPolicyConfig(max_k=args.max_k))
+        policy = CountingPolicy(SpeculationPolicyConfig(max_speculation_k=args.max_speculation_k))
         auto = TorchEngine(
-            model, speculation_k=args.max_k, max_speculation_k=max(*ks, args.max_k), max_batch_size=max(batches)
+            model,
+            speculation_k=args.max_speculation_k,
+            max_speculation_k=max(*ks, args.max_speculation_k),
+            max_batch_size=max(batches),
         )
         auto.set_speculation_policy(policy)
         gen = torch.Generator().manual_seed(1)

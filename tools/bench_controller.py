@@ -26,11 +26,11 @@ from sidecar.speculation.config import RowState, SpeculationPolicyConfig
 from sidecar.speculation.controller import SpeculationPolicy
 
 
-def taught(batch: int, max_k: int, rng: random.Random) -> SpeculationPolicy:
+def taught(batch: int, max_speculation_k: int, rng: random.Random) -> SpeculationPolicy:
     """A controller after 400 steps of a synthetic workload at this batch size (every k measured)."""
-    policy = SpeculationPolicy(SpeculationPolicyConfig(max_k=max_k))
+    policy = SpeculationPolicy(SpeculationPolicyConfig(max_speculation_k=max_speculation_k))
     for step in range(400):
-        k = step % (max_k + 1)
+        k = step % (max_speculation_k + 1)
         accepted = []
         for _ in range(batch):
             a = 0
@@ -63,10 +63,10 @@ def per_call_us(fn: Callable[[], object], calls: int) -> float:
     return statistics.median(rounds)
 
 
-def time_batch(batch: int, max_k: int, low: int, high: int, calls: int) -> tuple[float, float, float]:
+def time_batch(batch: int, max_speculation_k: int, low: int, high: int, calls: int) -> tuple[float, float, float]:
     """Microseconds of decide with one cap, decide with a cap per row, may_draft with a cap per row."""
     rng = random.Random(batch)
-    policy = taught(batch, max_k, rng)
+    policy = taught(batch, max_speculation_k, rng)
     positions = [rng.randint(0, 100) for _ in range(batch)]
     shared = [RowState(p, left=high - p) for p in positions]
     own = [RowState(p, left=rng.randint(low, high) - p) for p in positions]
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,8,64,128,256")
     ap.add_argument("--caps", default="2000-4000", help="LOW-HIGH: the per-row caps' range (tokens)")
-    ap.add_argument("--max-k", type=int, default=6)
+    ap.add_argument("--max-speculation-k", type=int, default=6)
     ap.add_argument("--calls", type=int, default=200)
     args = ap.parse_args(argv)
     try:
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| batch | decide, one cap (us) | decide, a cap per row (us) | may_draft, a cap per row (us) |")
     print("|---|---|---|---|")
     for batch in (int(b) for b in args.batches.split(",")):
-        one, each, admit = time_batch(batch, args.max_k, low, high, args.calls)
+        one, each, admit = time_batch(batch, args.max_speculation_k, low, high, args.calls)
         print(f"| {batch} | {one:.0f} | {each:.0f} | {admit:.0f} |", flush=True)
     return 0
 

@@ -80,15 +80,15 @@ def compare(
 ) -> dict[str, dict[str, list[float]]]:
     rng = random.Random(99)
     prompts = [TOK.encode(TASK.sample(rng, "eval").prompt) for _ in range(n_prompts)]
-    kmax = max(ks)
+    round_k = max(ks)
     engines = {
-        "mtp": TorchEngine.from_checkpoint(out / "mtp_policy", speculation_k=0, max_speculation_k=kmax),
+        "mtp": TorchEngine.from_checkpoint(out / "mtp_policy", speculation_k=0, max_speculation_k=round_k),
         "eagle3": TorchEngine.from_checkpoint(
-            out / "target", speculation_k=0, max_speculation_k=kmax, draft=out / "eagle3"
+            out / "target", speculation_k=0, max_speculation_k=round_k, draft=out / "eagle3"
         ),
     }
     for engine in engines.values():  # warm-up at the measured shapes (a first batch pays one-time costs)
-        for k in (0, kmax):
+        for k in (0, round_k):
             measure(engine, prompts, k, new_tokens)
     runs: dict[str, dict[str, list[list[float]]]] = {arm: {} for arm in engines}
     for r in range(repeats):

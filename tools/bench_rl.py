@@ -8,7 +8,7 @@
    8 prompts × 8 samples since 2026-11-27, 4 × 4 before; temperature 1, the draft-initialised
    policy): repeats interleaved k by k, medians, τ from the
    sidecars' raw counters — where longer drafts stop paying; plus automatic mode ("auto": the sidecars, started with
-   `--spec-k auto --max-spec-k max(ks)`, choose k per engine step; their first generations, untimed, are its learning
+   `--speculation-k auto --max-speculation-k max(ks)`, choose k per engine step; their first generations, untimed, are its learning
    pass), against the best static k: chosen on the same repeats (biased against auto) and held out
    (each repeat against the k fastest on the others), with 90% bootstrap intervals (tools/bench_stats.py).
    `--in-process` runs the sweep on one sidecar's share of the workload in this process instead
@@ -85,7 +85,10 @@ def k_sweep(
     wall: dict[int | str, list[float]] = {k: [] for k in configs}
     cpu: dict[int | str, list[float]] = {k: [] for k in configs}
     taus: dict[int | str, list[float]] = {k: [] for k in configs}
-    with LocalSidecars(policy, 2, logs, spec_k=max(ks), spec_auto=True) as local, Fleet(local.start()) as orch:
+    with (
+        LocalSidecars(policy, 2, logs, speculation_k=max(ks), speculation_auto=True) as local,
+        Fleet(local.start()) as orch,
+    ):
         pids = [local.pid(i) for i in range(2)]
         for n in range(rounds):  # warm the processes up; automatic mode's learning pass
             orch.generate(
@@ -185,7 +188,7 @@ def k_sweep_in_process(
     mine = list(range(0, prompts_n, 2))
     static = TorchEngine.from_checkpoint(policy, device=device, speculation_k=0, max_speculation_k=max(ks))
     clock, clock_name = bench_clock(static.device)
-    auto = TorchEngine(static.model, speculation_k=max(ks), max_speculation_k=max(ks), auto_speculation=True)
+    auto = TorchEngine(static.model, speculation_k=max(ks), max_speculation_k=max(ks), speculation_auto=True)
 
     def generate(engine: TorchEngine, seed: int, k: int | None) -> None:
         for p in mine:
@@ -204,9 +207,9 @@ def k_sweep_in_process(
 
     engines = {"auto": auto}
     if ceiling:  # one more engine: it measures the table, then runs on it
-        ceil = TorchEngine(static.model, speculation_k=max(ks), max_speculation_k=max(ks), auto_speculation=True)
+        ceil = TorchEngine(static.model, speculation_k=max(ks), max_speculation_k=max(ks), speculation_auto=True)
         table = measure_step_costs(ceil, lambda engine, seed: generate(engine, seed, None), [0, *ks], ceiling)
-        ceil.set_speculation_policy(TablePriced(SpeculationPolicyConfig(max_k=max(ks)), table))
+        ceil.set_speculation_policy(TablePriced(SpeculationPolicyConfig(max_speculation_k=max(ks)), table))
         engines["auto@costs"] = ceil
     for n in range(rounds):  # automatic mode's learning pass
         for engine in engines.values():

@@ -110,7 +110,7 @@ def main() -> None:
             save_checkpoint(ckpt, config, model_state_dict(model))
             del model
             torch.cuda.empty_cache() if torch.cuda.is_available() else None
-            serve = ServeProcess(ckpt, spec_k=0)
+            serve = ServeProcess(ckpt, speculation_k=0)
             try:
                 for version, mode in enumerate(("session", "gather", "session", "gather"), start=1):  # A/B
                     out = subprocess.run(

@@ -52,8 +52,8 @@ def main() -> None:
     tokens: dict[str, list[int]] = {"torch": [], "sglang": []}
     taus: dict[str, list[float]] = {"torch": [], "sglang": []}
     with (
-        specrl_serve(policy, spec_k=3, engine="torch") as torch_addr,
-        specrl_serve(policy, spec_k=3, engine="sglang") as sglang_addr,
+        specrl_serve(policy, speculation_k=3, engine="torch") as torch_addr,
+        specrl_serve(policy, speculation_k=3, engine="sglang") as sglang_addr,
         SidecarClient(torch_addr) as t,
         SidecarClient(sglang_addr) as s,
     ):

@@ -242,7 +242,7 @@ def bench_generate(workdir: Path, concurrency: list[int], requests_per_stream: i
     save_checkpoint(ckpt, config, model_state_dict(build_model(config, seed=1)))
     specrl = str(Path(sys.executable).parent / "specrl")
     sidecar = Served(
-        [specrl, "serve", "--model", str(ckpt), "--port", "0", "--spec-k", "2", "--max-batch-size", "64",
+        [specrl, "serve", "--model", str(ckpt), "--port", "0", "--speculation-k", "2", "--max-batch-size", "64",
          "--log-level", "WARNING"]
     )  # fmt: skip
     rows = []

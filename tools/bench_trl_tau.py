@@ -42,7 +42,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = build_tiny_checkpoint(Path(tmp) / "ckpt")
         for lr, align in runs:
-            serve = ServeProcess(ckpt, spec_k=2)
+            serve = ServeProcess(ckpt, speculation_k=2)
             try:
                 client = SpecrlVLLMClient(serve.address, SidecarGenerationConfig(seed=0))
                 aligner = DraftAligner(ckpt, DraftAlignConfig(steps=args.align_steps)) if align else None

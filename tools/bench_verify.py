@@ -64,8 +64,8 @@ def main() -> None:
     model = load_model(args.model)
     engine = TorchEngine(
         load_model(args.model),
-        speculation_k=int(serve.spec_k),
-        max_speculation_k=serve.max_spec_k,
+        speculation_k=int(serve.speculation_k),
+        max_speculation_k=serve.max_speculation_k,
         max_batch_size=serve.max_batch_size,
     )
     if args.rule:

@@ -33,7 +33,7 @@ for discount in (1.0, 0.05, 0.01, 0.0):
             d.k = 3
             return d
 
-    pol = Fixed(SpeculationPolicyConfig(max_k=3, version_discount=discount))
+    pol = Fixed(SpeculationPolicyConfig(max_speculation_k=3, version_discount=discount))
     engine.set_speculation_policy(pol)
     gen = torch.Generator().manual_seed(5)
     sp = SamplingParams(temperature=1.0, max_new_tokens=400, seed=1)

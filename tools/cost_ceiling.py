@@ -35,8 +35,8 @@ class FixedK(SpeculationPolicy):
     """Decides `k` for every step, never refuses a draft, and records what the engine reports of
     each decode step and of each draft prefill (also `tools/sim_adaptive.py --measure`'s recorder)."""
 
-    def __init__(self, max_k: int) -> None:
-        super().__init__(SpeculationPolicyConfig(max_k=max_k))
+    def __init__(self, max_speculation_k: int) -> None:
+        super().__init__(SpeculationPolicyConfig(max_speculation_k=max_speculation_k))
         self.k = 0
         self.samples: dict[tuple[int, int], list[tuple[float, float]]] = {}
         """(batch, k) -> (draft phase, rest of the step) seconds of each decode step."""
@@ -91,7 +91,7 @@ class TablePriced(SpeculationPolicy):
 
     def __init__(self, config: SpeculationPolicyConfig, table: StepCosts) -> None:
         super().__init__(config)
-        missing = [k for k in range(config.max_k + 1) if not any(k in row for row in table.values())]
+        missing = [k for k in range(config.max_speculation_k + 1) if not any(k in row for row in table.values())]
         if missing:
             raise ValueError(f"the cost table has no batch size measured at k = {missing}")
         self.table = table

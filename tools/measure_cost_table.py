@@ -108,7 +108,7 @@ class DemoShare:
         self.mine = list(range(0, PROMPTS, ENGINES))  # sidecar 0's prompts under the fleet's round-robin
         self.ks = ks
         self.engine = TorchEngine.from_checkpoint(
-            policy, speculation_k=max(ks), max_speculation_k=max(ks), max_batch_size=MAX_BATCH, auto_speculation=True
+            policy, speculation_k=max(ks), max_speculation_k=max(ks), max_batch_size=MAX_BATCH, speculation_auto=True
         )
         self.recorder = FixedK(max(ks))  # decides every step's k, records what the engine measured of it
         self.engine.set_speculation_policy(self.recorder)
@@ -190,7 +190,7 @@ def fleet_fixed_cost(
     recorded beside it: on a shared box they measure the other tenants (a 1-token generation took
     0.3-2 s of wall for ~0.1 s of CPU at load 10-16, 2026-11-27), so they are not the cost."""
     walls, cpus = [], []
-    with LocalSidecars(policy, ENGINES, logs, spec_k=k) as local, Fleet(local.start()) as fleet:
+    with LocalSidecars(policy, ENGINES, logs, speculation_k=k) as local, Fleet(local.start()) as fleet:
         pids = [local.pid(i) for i in range(ENGINES)]
         for r in range(tries):
             request = GenerationRequest(

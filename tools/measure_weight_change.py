@@ -242,7 +242,7 @@ def push_bench(policy_dir: Path, lr_mode: str, steps: int, seed: int, transport:
             torch_engine = TorchEngine.from_checkpoint(ckpt, speculation_k=3)
             sc = Sidecar(torch_engine, SidecarConfig(server=ServerConfig(port=0), shutdown_grace_s=1.0)).start()
             sidecars[d, mode] = sc
-            cfg = ClientConfig(transports=TransportConfig(shm=transport == "shm"), delta_pushes=mode == "delta")
+            cfg = ClientConfig(transports=TransportConfig(shm=transport == "shm"), sparse_deltas=mode == "delta")
             clients[d, mode] = SidecarClient(sc.address, cfg)
     rows: dict[tuple[str, str], list[tuple[int, float]]] = defaultdict(list)
     try:

@@ -126,7 +126,7 @@ def simulate(
     rng = random.Random(seed)
     load = random.Random(seed + 10**6)  # the same load for every configuration
     rho = math.exp(-1.0 / drift_steps)
-    max_k = max(costs[min(costs)])
+    max_speculation_k = max(costs[min(costs)])
     seconds, steps, last_k, x = 0.0, 0, 0, 0.0
     for _ in range(generations):
         waiting = [[_new_row(work, end, rng) for _ in range(work.rows)] for end in work.ends]
@@ -167,10 +167,10 @@ def simulate(
                 ).k
             else:
                 chosen = k or 0
-            k_eff = [min(chosen, lf - 1) if r.drafts else 0 for r, lf in zip(running, left, strict=True)]
-            kmax = max(k_eff)
-            draft_s, verify_s = costs[_nearest(costs, b)][min(kmax, max_k)]
-            catch_up = kmax > last_k + 1 and last_k == 0
+            row_k = [min(chosen, lf - 1) if r.drafts else 0 for r, lf in zip(running, left, strict=True)]
+            round_k = max(row_k)
+            draft_s, verify_s = costs[_nearest(costs, b)][min(round_k, max_speculation_k)]
+            catch_up = round_k > last_k + 1 and last_k == 0
             x = rho * x + math.sqrt(1.0 - rho * rho) * drift * load.gauss(0.0, 1.0)
             draft_s = (draft_s + (costs[_nearest(costs, b)][1][0] if catch_up else 0.0)) * math.exp(
                 noise * rng.gauss(0.0, 1.0) + x
@@ -178,7 +178,7 @@ def simulate(
             verify_s *= math.exp(noise * rng.gauss(0.0, 1.0) + x)
             ends, drafted, accepted, finished = [], [], [], []
             emitted_total = ended = 0
-            for row, ke, lf in zip(running, k_eff, left, strict=True):
+            for row, ke, lf in zip(running, row_k, left, strict=True):
                 a, n, stopped = _step(row, ke, lf, work, rng)
                 if ke:
                     drafted.append(min(ke, n))
@@ -195,9 +195,9 @@ def simulate(
                 policy.observe_acceptance(drafted, accepted)
                 policy.observe_step(
                     batch=b,
-                    k=kmax,
-                    draft_seconds=draft_s if kmax else 0.0,
-                    step_seconds=draft_s * (kmax > 0) + verify_s,
+                    k=round_k,
+                    draft_seconds=draft_s if round_k else 0.0,
+                    step_seconds=draft_s * (round_k > 0) + verify_s,
                     tokens=emitted_total,
                     chosen=True,
                     catch_up=catch_up,
@@ -207,9 +207,9 @@ def simulate(
                 for row in finished:
                     policy.observe_finished_row(row.drafted_one, row.accepted_one)
             running = [r for r in running if r not in finished]
-            seconds += draft_s * (kmax > 0) + verify_s
+            seconds += draft_s * (round_k > 0) + verify_s
             steps += 1
-            last_k = kmax
+            last_k = round_k
     return seconds, steps
 
 
@@ -239,7 +239,9 @@ class _RandomK(SpeculationPolicy):
         self._rng = random.Random(seed)
 
     def decide(self, batch: int, tokens_left: int | None = None, rows: list[RowState] | None = None):
-        self.last = SpeculationDecision(k=self._rng.randint(0, self.config.max_k), reason="probe", batch_size=batch)
+        self.last = SpeculationDecision(
+            k=self._rng.randint(0, self.config.max_speculation_k), reason="probe", batch_size=batch
+        )
         return self.last
 
     def may_draft(self, *args: object, **kwargs: object) -> bool:
@@ -251,7 +253,7 @@ def finish_seconds(costs: Costs, work: Workload, k: int, length: int, trials: in
     `length`) to finish under static k (drafts capped by each row's tokens left; a row stops at
     its request's end, or anywhere with probability `other_end`, or at the cap): the truth that
     the controller's price of k from this state (`SpeculationPolicy.expected_rates`) is for."""
-    max_k = max(costs[min(costs)])
+    max_speculation_k = max(costs[min(costs)])
     total = 0.0
     for _ in range(trials):
         rows = [_new_row(work, end, rng) for end in work.ends for _ in range(work.rows)]
@@ -261,12 +263,12 @@ def finish_seconds(costs: Costs, work: Workload, k: int, length: int, trials: in
                 row.end = work.max_new_tokens
         while rows:
             left = [work.max_new_tokens - r.length for r in rows]
-            k_eff = [min(k, lf - 1) for lf in left]
-            kmax = max(k_eff)
-            draft_s, verify_s = costs[_nearest(costs, len(rows))][min(kmax, max_k)]
-            total += draft_s * (kmax > 0) + verify_s
+            row_k = [min(k, lf - 1) for lf in left]
+            round_k = max(row_k)
+            draft_s, verify_s = costs[_nearest(costs, len(rows))][min(round_k, max_speculation_k)]
+            total += draft_s * (round_k > 0) + verify_s
             running = []
-            for row, ke, lf in zip(rows, k_eff, left, strict=True):
+            for row, ke, lf in zip(rows, row_k, left, strict=True):
                 _, n, stopped = _step(row, ke, lf, work, rng)
                 row.length += n
                 if not stopped and row.length < work.max_new_tokens:
@@ -276,25 +278,32 @@ def finish_seconds(costs: Costs, work: Workload, k: int, length: int, trials: in
 
 
 def calibrate(
-    costs: Costs, work: Workload, max_k: int, lefts: list[int], generations: int, trials: int, seed: int, noise: float
+    costs: Costs,
+    work: Workload,
+    max_speculation_k: int,
+    lefts: list[int],
+    generations: int,
+    trials: int,
+    seed: int,
+    noise: float,
 ) -> None:
     """Print, for a batch of the workload's rows all with `left` tokens to go, each static k's
     true speedup over plain to the batch's end (`finish_seconds`, Monte Carlo) next to the
     controller's price of it, after `generations` generations of random k taught it the
     workload's acceptance, stop positions and (noisy) costs."""
-    policy = _RandomK(SpeculationPolicyConfig(max_k=max_k), seed)
+    policy = _RandomK(SpeculationPolicyConfig(max_speculation_k=max_speculation_k), seed)
     simulate(costs, work, policy, generations, seed, noise)
     rng = random.Random(seed + 1)
     n = work.rows * len(work.ends)
     a = policy.acceptance
     click.echo(
         f"learnt: acceptance {' '.join(f'{x:.3f}' for x in a.rates())}, spread {a.spread():.3f}, "
-        f"tokens per step {' '.join(f'{x:.3f}' for x in a.tokens_by_k(max_k))}"
+        f"tokens per step {' '.join(f'{x:.3f}' for x in a.tokens_by_k(max_speculation_k))}"
     )
-    click.echo(f"batch {n}; per k = 0..{max_k}: true speedup to the batch's end | the controller's price")
+    click.echo(f"batch {n}; per k = 0..{max_speculation_k}: true speedup to the batch's end | the controller's price")
     for left in lefts:
         length = work.max_new_tokens - left
-        seconds = [finish_seconds(costs, work, k, length, trials, rng) for k in range(max_k + 1)]
+        seconds = [finish_seconds(costs, work, k, length, trials, rng) for k in range(max_speculation_k + 1)]
         rates = policy.expected_rates(n, left, [RowState(length, left)] * n)
         assert rates is not None
         true = " ".join(f"{seconds[0] / t:.3f}" for t in seconds)
@@ -303,7 +312,7 @@ def calibrate(
 
 
 def measure(
-    model: Path, batches: list[int], max_k: int, steps: int, rounds: int, prompt_tokens: int = 16
+    model: Path, batches: list[int], max_speculation_k: int, steps: int, rounds: int, prompt_tokens: int = 16
 ) -> tuple[Costs, float]:
     """(draft, verify) seconds per decode step of the real engine, per batch and k: the median over
     `rounds` passes (each the median of `steps` steps), so that one slow moment of the box does not
@@ -315,13 +324,15 @@ def measure(
     from sidecar.types import GenerationRequest, SamplingParams
 
     torch.set_num_threads(1)
-    engine = TorchEngine.from_checkpoint(str(model), speculation_k=max_k, max_speculation_k=max_k, max_batch_size=64)
-    policy = FixedK(max_k)
+    engine = TorchEngine.from_checkpoint(
+        str(model), speculation_k=max_speculation_k, max_speculation_k=max_speculation_k, max_batch_size=64
+    )
+    policy = FixedK(max_speculation_k)
     engine.set_speculation_policy(policy)
     passes: dict[tuple[int, int], list[tuple[float, float]]] = {}
     for r in range(rounds):
         for b in batches:
-            for k in range(max_k + 1):
+            for k in range(max_speculation_k + 1):
                 policy.k = k
                 policy.samples.clear()
                 params = SamplingParams(temperature=1.0, max_new_tokens=(steps + 4) * (k + 1), seed=r)
@@ -366,7 +377,7 @@ def _setting(text: str) -> tuple[str, int | float]:
 @click.option(
     "--measure", "model", type=click.Path(path_type=Path), help="Measure the cost table on this checkpoint first."
 )
-@click.option("--max-k", default=6, show_default=True)
+@click.option("--max-speculation-k", default=6, show_default=True)
 @click.option("--generations", default=400, show_default=True, help="Generations per configuration and seed.")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--seeds", default=1, show_default=True, help="Seeds seed .. seed + seeds - 1, each a whole replay.")
@@ -397,7 +408,7 @@ def _setting(text: str) -> tuple[str, int | float]:
 def main(
     costs_path: Path,
     model: Path | None,
-    max_k: int,
+    max_speculation_k: int,
     generations: int,
     seed: int,
     seeds: int,
@@ -416,7 +427,7 @@ def main(
         )
     if model is not None:
         rows = w["rows"] * len(w["ends"].split(","))
-        table, prefill = measure(model, list(range(1, rows + 1)), max_k, 12, 3, w["prompt_tokens"])
+        table, prefill = measure(model, list(range(1, rows + 1)), max_speculation_k, 12, 3, w["prompt_tokens"])
         saved = {PREFILL_KEY: prefill, **{b: {k: list(v) for k, v in t.items()} for b, t in table.items()}}
         costs_path.write_text(json.dumps(saved, indent=1))
     loaded = json.loads(costs_path.read_text())
@@ -432,7 +443,7 @@ def main(
         prompt_tokens=w["prompt_tokens"],
         prefill_per_token=table_prefill if w["prefill_per_token"] is None else w["prefill_per_token"],
     )
-    k_top = min(max_k, len(work.alphas))
+    k_top = min(max_speculation_k, len(work.alphas))
     if lefts is not None:
         try:
             tokens = [int(x) for x in lefts.split(",")]
@@ -446,7 +457,7 @@ def main(
         return
     settings = dict(_setting(o) for o in overrides)
     try:
-        SpeculationPolicyConfig(max_k=k_top, **settings)
+        SpeculationPolicyConfig(max_speculation_k=k_top, **settings)
     except (TypeError, ValueError) as e:
         raise click.BadParameter(str(e), param_hint="--set") from None
     ratios = []
@@ -454,7 +465,7 @@ def main(
         results = {}
         for k in range(k_top + 1):
             results[f"k={k}"] = simulate(costs, work, k, generations, s, noise, drift, drift_steps)
-        policy = _Recording(SpeculationPolicyConfig(max_k=k_top, **settings))
+        policy = _Recording(SpeculationPolicyConfig(max_speculation_k=k_top, **settings))
         results["auto"] = simulate(costs, work, policy, generations, s, noise, drift, drift_steps)
         plain = results["k=0"][0]
         best = min((v[0], name) for name, v in results.items() if name != "auto")

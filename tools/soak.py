@@ -3,7 +3,7 @@
 bounded time, checking the sidecar's invariants all the while (DESIGN.md, "Running for days").
 
 What runs (all on 127.0.0.1, a tiny model built here, no downloads):
-- 2-3 sidecars (`trainer.local_sidecars`), the last one with automatic k (`--spec-k auto`);
+- 2-3 sidecars (`trainer.local_sidecars`), the last one with automatic k (`--speculation-k auto`);
 - traffic threads sending Generate of random shapes (prompts, lengths, samples, max new tokens,
   temperature 0 or 1, k 0..3 or the sidecar's own/automatic choice); some are cancelled by the
   client mid-stream (it disconnects), some aborted by request id, some given a deadline too short
@@ -157,8 +157,16 @@ class Soak:
         logs = self.root / "logs"
         fixed = self.cfg.sidecars - 1
         self.fleets = [
-            LocalSidecars(model, fixed, logs, spec_k=3, max_batch_size=16, startup_timeout_s=180),
-            LocalSidecars(model, 1, logs / "auto", spec_k=3, spec_auto=True, max_batch_size=16, startup_timeout_s=180),
+            LocalSidecars(model, fixed, logs, speculation_k=3, max_batch_size=16, startup_timeout_s=180),
+            LocalSidecars(
+                model,
+                1,
+                logs / "auto",
+                speculation_k=3,
+                speculation_auto=True,
+                max_batch_size=16,
+                startup_timeout_s=180,
+            ),
         ]
         self.slots = [(f, i) for f in self.fleets for i in range(len(f._procs))]
         addresses = [a for f in self.fleets for a in f.start()]
@@ -180,7 +188,7 @@ class Soak:
                 timeout_s=10.0,
                 retries=1,
                 transports=TransportConfig(shm=shm),
-                delta_pushes=deltas,
+                sparse_deltas=deltas,
                 generate_timeout_s=GENERATE_DEADLINE_S,
             ),
         )

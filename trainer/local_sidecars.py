@@ -49,8 +49,8 @@ class LocalSidecars:
         count: int,
         log_dir: Path,
         *,
-        spec_k: int = 3,
-        spec_auto: bool = False,
+        speculation_k: int = 3,
+        speculation_auto: bool = False,
         max_batch_size: int = 64,
         threads: int = 1,
         startup_timeout_s: float = 120.0,
@@ -66,8 +66,8 @@ class LocalSidecars:
         self.model = Path(model)
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.spec_k = spec_k
-        self.spec_auto = spec_auto
+        self.speculation_k = speculation_k
+        self.speculation_auto = speculation_auto
         self.max_batch_size = max_batch_size
         self.threads = threads
         self.startup_timeout_s = startup_timeout_s
@@ -110,9 +110,9 @@ class LocalSidecars:
             "--port",
             str(port),
             *(
-                ["--spec-k", "auto", "--max-spec-k", str(self.spec_k)]
-                if self.spec_auto
-                else ["--spec-k", str(self.spec_k)]
+                ["--speculation-k", "auto", "--max-speculation-k", str(self.speculation_k)]
+                if self.speculation_auto
+                else ["--speculation-k", str(self.speculation_k)]
             ),
             "--max-batch-size",
             str(self.max_batch_size),

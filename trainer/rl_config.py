@@ -68,7 +68,7 @@ class RolloutConfig:
     speculation_auto: bool = False
     """The sidecars choose k in 0..speculation_k for every engine step from their measured costs
     and acceptance (local sidecars start in that mode; remote ones must be started with
-    `specrl serve --spec-k auto`). Lossless, but at temperature > 0 a sample then depends on the
+    `specrl serve --speculation-k auto`). Lossless, but at temperature > 0 a sample then depends on the
     k chosen per step, so it is not bit-reproducible from the run seed."""
 
     @property

@@ -155,15 +155,15 @@ def sidecar_fleet(cfg: RLConfig, run_dir: Path) -> Iterator[tuple[Fleet, LocalSi
     local = None
     client = cfg.sidecars.security.client_config(timeout_s=cfg.sidecars.call_timeout_s)
     client = dataclasses.replace(
-        client, transports=cfg.sidecars.weight_sync.transport_config(), delta_pushes=cfg.sidecars.weight_sync.deltas
+        client, transports=cfg.sidecars.weight_sync.transport_config(), sparse_deltas=cfg.sidecars.weight_sync.deltas
     )
     if cfg.sidecars.local:
         local = LocalSidecars(
             cfg.model,
             int(cfg.sidecars.local),
             run_dir / "logs",
-            spec_k=cfg.rollout.speculation_k,
-            spec_auto=cfg.rollout.speculation_auto,
+            speculation_k=cfg.rollout.speculation_k,
+            speculation_auto=cfg.rollout.speculation_auto,
             max_batch_size=cfg.sidecars.max_batch_size,
             threads=cfg.sidecars.threads,
             startup_timeout_s=cfg.sidecars.startup_timeout_s,

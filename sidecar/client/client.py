@@ -97,7 +97,7 @@ class ClientConfig:
     transports: TransportConfig = field(default_factory=TransportConfig)
     """Weight data planes to negotiate (shm with a proven same-host sidecar by default;
     collective when configured); grpc always works."""
-    delta_pushes: bool = False
+    sparse_deltas: bool = False
     """Send each tensor as a sparse delta against the last push to that sidecar when that is
     smaller (weights.proto, "Sparse deltas"); keeps one served-dtype copy of the pushed tensors
     per sidecar. Off by default: measured (BENCHMARKS.md, "Sparse delta pushes"), it saves bytes
@@ -201,7 +201,7 @@ class SidecarClient:
             control_pb2.SetSpeculationRequest(k=k, automatic=automatic),
             retry=True,
         )
-        return int(msg.previous_k)
+        return int(msg.previous_speculation_k)
 
     def health(self, service: str = "") -> bool:
         """True when the sidecar (or one of its services) reports SERVING; never raises."""
@@ -311,7 +311,7 @@ class SidecarClient:
         """Push new weights over the negotiated data plane and return once the sidecar serves
         `version` (`PushResult.transport` says which plane carried the bytes).
 
-        With `ClientConfig.delta_pushes`, tensors go as sparse deltas against this client's last
+        With `ClientConfig.sparse_deltas`, tensors go as sparse deltas against this client's last
         push where smaller; the first push, `full=True`, and the push after a failed one are
         sent in full, and a delta push the sidecar refuses is sent again in full at once.
 
@@ -321,7 +321,7 @@ class SidecarClient:
         """
         if specs is None and not isinstance(named_tensors, Mapping):
             specs, _ = self.describe_weights(selector)
-        if self.config.delta_pushes:
+        if self.config.sparse_deltas:
             return self._push_with_deltas(named_tensors, specs, version, selector, chunk_bytes, timeout_s, full)
         return self._push_planned(named_tensors, version, selector, chunk_bytes, specs, timeout_s)
 

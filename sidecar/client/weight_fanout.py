@@ -134,7 +134,9 @@ class WeightFanout:
         if self.send is not send_weight_stream or not self.share_shm:
             return []
         sharing = [
-            c for c in clients if not c.config.delta_pushes and c.negotiate_transport().transport is WeightTransport.SHM
+            c
+            for c in clients
+            if not c.config.sparse_deltas and c.negotiate_transport().transport is WeightTransport.SHM
         ]
         if sharing and self.region is None:
             self.region = ShmRegion()

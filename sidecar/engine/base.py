@@ -84,8 +84,8 @@ class Engine(ABC):
     def set_speculation_k(self, k: int) -> None:
         """Set the default draft length (0 turns speculation off); ValueError beyond max."""
 
-    def set_speculation_auto(self, max_k: int) -> None:
-        """Automatic mode: k in [0, max_k] chosen per engine step (see
+    def set_speculation_auto(self, max_speculation_k: int) -> None:
+        """Automatic mode: k in [0, max_speculation_k] chosen per engine step (see
         `sidecar.speculation.controller`). ValueError where the engine has none."""
         raise ValueError(f"the {self.info().engine} engine has no automatic speculation mode; set a fixed k")
 

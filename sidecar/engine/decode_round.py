@@ -26,21 +26,21 @@ from sidecar.model.model import Qwen3WithMTP
 
 @dataclass(kw_only=True, slots=True)
 class RoundInput:
-    """What a round of B rows drafting up to `kmax` tokens needs, built by the engine."""
+    """What a round of B rows drafting up to `round_k` tokens needs, built by the engine."""
 
     out_len: Tensor
     """(B,) int64 tokens each row has emitted (the counter-RNG position of the round)."""
     last: Tensor
     """(B,) int64 each row's last token (the first verified column)."""
     num_draft: Tensor
-    """(B,) int64 drafts per row, <= kmax."""
+    """(B,) int64 drafts per row, <= round_k."""
     next_position: Tensor
     """(B,) int64 index of each row's last token in its sequence."""
-    kmax: int
+    round_k: int
     num_new: list[int]
     """Verified columns per row: its drafts + 1."""
     refresh_tokens: Tensor | None = None
-    """(B, S) int64 (kmax > 0): the MTP inputs x_{t+1} of each row's pending positions, right-padded."""
+    """(B, S) int64 (round_k > 0): the MTP inputs x_{t+1} of each row's pending positions, right-padded."""
     refresh_hidden: Tensor | None = None
     """(B, S, hidden) the pending trunk states h_t, right-padded."""
     refresh_positions: Tensor | None = None
@@ -52,9 +52,9 @@ class RoundInput:
 @dataclass(kw_only=True, slots=True)
 class RoundOutput:
     packed: Tensor
-    """(B, 2(kmax + 1) + 3) float64: `rows.round_outcome`, the round's one host copy."""
+    """(B, 2(round_k + 1) + 3) float64: `rows.round_outcome`, the round's one host copy."""
     hidden: Tensor
-    """(B, kmax + 1, draft hidden) the draft's inputs at the verified positions (the next round's
+    """(B, round_k + 1, draft hidden) the draft's inputs at the verified positions (the next round's
     pending inputs: the target's hidden states for MTP, fused taps for EAGLE-3)."""
 
 
@@ -69,7 +69,7 @@ def decode_round(
     drafter: Drafter | None = None,  # the draft kind; default the model's MTP layers
 ) -> RoundOutput:
     drafter = drafter if drafter is not None else Drafter(model)
-    b, k, dev = inp.last.shape[0], inp.kmax, inp.last.device
+    b, k, dev = inp.last.shape[0], inp.round_k, inp.last.device
     rows = batch.rows
     u = batch.round_uniforms(inp.out_len, k)  # (B, 2k + 1); a row uses its first num_draft of each role
     if k > 0:

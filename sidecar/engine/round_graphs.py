@@ -103,7 +103,7 @@ class FixedRounds:
     ) -> RoundOutput:
         """`decode_round` of the same inputs: on return the target cache holds each row's k + 1
         verified positions and each draft cache its refreshed ones (the engine rolls back)."""
-        b, k = inp.last.shape[0], inp.kmax
+        b, k = inp.last.shape[0], inp.round_k
         num_refresh = inp.num_refresh if k > 0 and inp.num_refresh is not None else [0] * b
         width = max(num_refresh) if k > 0 else 0
         rows = batch_bucket(b, cache.max_batch)

@@ -116,7 +116,7 @@ class TorchEngine(ServedWeights, Engine):
         max_speculation_k: int = 8,
         max_batch_size: int = 64,
         name: str = "",
-        auto_speculation: bool = False,
+        speculation_auto: bool = False,
         policy: SpeculationPolicyConfig | None = None,
         clock: Callable[[], float] | None = None,
         max_context: int | None = None,
@@ -124,9 +124,9 @@ class TorchEngine(ServedWeights, Engine):
         draft: Eagle3Draft | None = None,
         compile: str = "auto",
     ) -> None:
-        """`draft`: an EAGLE-3 draft for a target without MTP layers (`drafters`); `auto_speculation`:
+        """`draft`: an EAGLE-3 draft for a target without MTP layers (`drafters`); `speculation_auto`:
         start in auto mode with maximum k `speculation_k`; `policy`: the controller's knobs (its
-        max_k is set by the mode); `clock`: seconds, for the controller's cost measurements (tests
+        max_speculation_k is set by the mode); `clock`: seconds, for the controller's cost measurements (tests
         inject one). Default: `cost_clock(device)`.
 
         KV caches: allocated once, `max_batch_size` rows of `max_context` tokens (default: the
@@ -172,10 +172,10 @@ class TorchEngine(ServedWeights, Engine):
         self._auto = False  # new requests that do not pin k get the controller's k
         self._policy_config = policy
         self._policy: SpeculationPolicy | None = None  # kept while auto rows may still run
-        self._last_kmax = 0  # drafts of the previous decode step (a larger refresh is a catch-up)
+        self._last_round_k = 0  # drafts of the previous decode step (a larger refresh is a catch-up)
         self.set_speculation_k(self._k)
         self._clock = clock or cost_clock(self.device)
-        if auto_speculation:
+        if speculation_auto:
             self.set_speculation_auto(self._k)
         self._version = 0
         self._stats = VersionLedger()
@@ -233,7 +233,7 @@ class TorchEngine(ServedWeights, Engine):
         speculation_k: int = 3,
         max_speculation_k: int = 8,
         max_batch_size: int = 64,
-        auto_speculation: bool = False,
+        speculation_auto: bool = False,
         max_context: int | None = None,
         kv_cache_bytes: int | None = None,
         draft: str | Path | None = None,
@@ -251,7 +251,7 @@ class TorchEngine(ServedWeights, Engine):
             max_speculation_k=max_speculation_k,
             max_batch_size=max_batch_size,
             name=Path(path).name,
-            auto_speculation=auto_speculation,
+            speculation_auto=speculation_auto,
             max_context=max_context,
             kv_cache_bytes=kv_cache_bytes,
             compile=compile,
@@ -308,19 +308,19 @@ class TorchEngine(ServedWeights, Engine):
         self._k = k
         self._auto = False  # running auto-mode sequences keep the controller
 
-    def set_speculation_auto(self, max_k: int) -> None:
+    def set_speculation_auto(self, max_speculation_k: int) -> None:
         """Auto default: requests submitted from now on that do not pin k get a per-step k in
-        [0, max_k] from the controller (its measurements are kept while max_k stays the same)."""
-        self._check_k(max_k)
-        self._k, self._auto = max_k, True
-        if self._policy is None or self._policy.config.max_k != max_k:
-            cfg = self._policy_config or SpeculationPolicyConfig(max_k=max_k)
-            self._policy = SpeculationPolicy(dataclasses.replace(cfg, max_k=max_k))
+        [0, max_speculation_k] from the controller (its measurements are kept while max_speculation_k stays the same)."""
+        self._check_k(max_speculation_k)
+        self._k, self._auto = max_speculation_k, True
+        if self._policy is None or self._policy.config.max_speculation_k != max_speculation_k:
+            cfg = self._policy_config or SpeculationPolicyConfig(max_speculation_k=max_speculation_k)
+            self._policy = SpeculationPolicy(dataclasses.replace(cfg, max_speculation_k=max_speculation_k))
 
     def set_speculation_policy(self, policy: SpeculationPolicy) -> None:
         """Auto mode with a given controller (tools and tests install a scripted or configured one)."""
-        self._check_k(policy.config.max_k)
-        self._k, self._auto = policy.config.max_k, True
+        self._check_k(policy.config.max_speculation_k)
+        self._k, self._auto = policy.config.max_speculation_k, True
         self._policy = policy
 
     @property
@@ -538,27 +538,27 @@ class TorchEngine(ServedWeights, Engine):
             else None
         )
         auto_k = decision.k if decision is not None else 0
-        k_eff = [
+        row_k = [
             min(auto_k if s.auto else s.k, s.params.max_new_tokens - len(s.output) - 1) if s.pending is not None else 0
             for s in seqs
         ]
-        kmax = max(k_eff)
+        round_k = max(row_k)
         host = torch.tensor(
-            [[len(s.output), s.last_tokens(1)[0], k, len(s.prompt) - 1] for s, k in zip(seqs, k_eff, strict=True)]
+            [[len(s.output), s.last_tokens(1)[0], k, len(s.prompt) - 1] for s, k in zip(seqs, row_k, strict=True)]
         ).to(dev)
         inp = RoundInput(
             out_len=host[:, 0],
             last=host[:, 1],
             num_draft=host[:, 2],
             next_position=host[:, 0] + host[:, 3],
-            kmax=kmax,
-            num_new=[k + 1 for k in k_eff],
+            round_k=round_k,
+            num_new=[k + 1 for k in row_k],
         )
         catch_up = False
-        if kmax > 0:
-            num_refresh = [s.num_pending if k else 0 for s, k in zip(seqs, k_eff, strict=True)]
+        if round_k > 0:
+            num_refresh = [s.num_pending if k else 0 for s, k in zip(seqs, row_k, strict=True)]
             width = max(num_refresh)
-            catch_up = width > self._last_kmax + 1  # positions skipped by plain rounds (see CATCH_UP_POSITIONS)
+            catch_up = width > self._last_round_k + 1  # positions skipped by plain rounds (see CATCH_UP_POSITIONS)
             # MTP position t of each pending entry: they end at t = n - 2 (n = the row's length)
             ends = [s.length - 1 - n for s, n in zip(seqs, num_refresh, strict=True)]
             inp.refresh_tokens = torch.tensor(
@@ -595,7 +595,7 @@ class TorchEngine(ServedWeights, Engine):
         emitted_total = ended = 0
         ends_: list[tuple[int, int, bool]] = []  # per row: output length before the step, emitted, stopped
         evidence: tuple[list[int], list[int]] = ([], [])  # per drafting row: drafts before its end, accepted
-        width_out = kmax + 1
+        width_out = round_k + 1
         num_accepted: list[int] = []
         for i, s in enumerate(seqs):
             row = packed[i]
@@ -603,9 +603,9 @@ class TorchEngine(ServedWeights, Engine):
             num_accepted.append(a)
             before = len(s.output)
             s.extend(row[:n], row[width_out : width_out + n], self._version)
-            add_rounds(s.counters, [k_eff[i]], [a], n)
-            if k_eff[i]:  # an accepted stop token ends the row: the drafts after it say nothing
-                evidence[0].append(min(k_eff[i], n))
+            add_rounds(s.counters, [row_k[i]], [a], n)
+            if row_k[i]:  # an accepted stop token ends the row: the drafts after it say nothing
+                evidence[0].append(min(row_k[i], n))
                 evidence[1].append(min(a, n))
             emitted_total += n
             ends_.append((before, n, reason == REASON_STOP))
@@ -617,30 +617,30 @@ class TorchEngine(ServedWeights, Engine):
                 continue
             if s.drafts and self.num_mtp and s.pending is not None:
                 new_pending = Pending(base=out.hidden, row=i, start=0, count=a + 1)
-                if k_eff[i]:  # the round consumed the row's pending states
+                if row_k[i]:  # the round consumed the row's pending states
                     s.pending = [new_pending]
                 else:  # a round without drafting: keep only the latest positions (see CATCH_UP_POSITIONS)
                     s.pending = [*s.pending, new_pending]
                     while len(s.pending) > 1 and s.num_pending - s.pending[0].count >= CATCH_UP_POSITIONS:
                         s.pending.pop(0)
             keep.append(i)
-        add_rounds(self._stats[self._version].counters, k_eff, num_accepted, emitted_total)
+        add_rounds(self._stats[self._version].counters, row_k, num_accepted, emitted_total)
         self._cache.truncate([n + a + 1 for n, a in zip(old_lengths, num_accepted, strict=True)])
         self._keep_rows(keep)
         if policy is not None:  # the controller learns from the steps it decided
             policy.observe_acceptance(*evidence)
             policy.observe_step(
                 batch=b,
-                k=kmax,
+                k=round_k,
                 draft_seconds=drafted_at - started,
                 step_seconds=self._clock() - started,
                 tokens=emitted_total,
-                chosen=kmax == auto_k,
+                chosen=round_k == auto_k,
                 catch_up=catch_up,
                 ended=ended,
                 rows=ends_,
             )
-        self._last_kmax = kmax
+        self._last_round_k = round_k
         return finished
 
     def _read_tensors(self) -> list[torch.Tensor]:

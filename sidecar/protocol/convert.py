@@ -571,7 +571,7 @@ def info_to_pb(info: SidecarInfo) -> control_pb2.GetInfoResponse:
         speculation=control_pb2.SpeculationInfo(
             method=e.speculation_method,
             k=e.speculation_k,
-            max_k=e.max_speculation_k,
+            max_speculation_k=e.max_speculation_k,
             automatic=e.speculation_status.auto,
             decision=speculation_status_to_pb(e.speculation_status),
         ),
@@ -629,7 +629,7 @@ def info_from_pb(msg: control_pb2.GetInfoResponse) -> SidecarInfo:
             device_name=msg.device.name,
             speculation_method=msg.speculation.method,
             speculation_k=msg.speculation.k,
-            max_speculation_k=msg.speculation.max_k,
+            max_speculation_k=msg.speculation.max_speculation_k,
             speculation_status=speculation_status_from_pb(msg.speculation.decision, msg.speculation.automatic),
         ),
         weight_version=msg.weight_version,

@@ -47,7 +47,7 @@ def parse_sglang_args(pairs: tuple[str, ...]) -> dict[str, object]:
 
 
 class SpecK(click.ParamType):
-    """--spec-k: a fixed draft length N >= 0, or "auto" (k chosen per engine step, up to --max-spec-k)."""
+    """--speculation-k: a fixed draft length N >= 0, or "auto" (k chosen per engine step, up to --max-speculation-k)."""
 
     name = "N|auto"
 
@@ -68,8 +68,8 @@ def load_engine(
     model: Path,
     *,
     device: str,
-    spec_k: int | str,
-    max_spec_k: int,
+    speculation_k: int | str,
+    max_speculation_k: int,
     max_batch_size: int,
     sglang_args: dict[str, object] | None = None,
     max_context: int | None = None,
@@ -78,7 +78,7 @@ def load_engine(
     compile: str = "auto",
 ) -> Engine:
     """The engine serving `model` (an Engine); click.ClickException when it cannot be built.
-    spec_k "auto": automatic mode up to max_spec_k; `draft`: an EAGLE-3 draft directory beside it."""
+    speculation_k "auto": automatic mode up to max_speculation_k; `draft`: an EAGLE-3 draft directory beside it."""
     from sidecar.engine import create_engine
     from sidecar.errors import SpecrlError
 
@@ -100,12 +100,12 @@ def load_engine(
             engine,
             model,
             device=device,
-            speculation_k=max_spec_k if spec_k == "auto" else spec_k,
-            max_speculation_k=max_spec_k,
+            speculation_k=max_speculation_k if speculation_k == "auto" else speculation_k,
+            max_speculation_k=max_speculation_k,
             max_batch_size=max_batch_size,
             **options,
         )
-        if spec_k == "auto":
+        if speculation_k == "auto":
             built.set_speculation_auto(built.info().max_speculation_k)
         return built
     except ImportError as e:
@@ -144,18 +144,18 @@ _D = ServeConfig()
 @click.option("--host", default=_D.host, show_default=True, help="Bind address (loopback unless told otherwise).")
 @click.option("--port", type=click.IntRange(0, 65535), default=_D.port, show_default=True, help="0 picks a free port.")
 @click.option(
-    "--spec-k",
+    "--speculation-k",
     type=SpecK(),
-    default=_D.spec_k,
+    default=_D.speculation_k,
     show_default=True,
-    help="Default draft length (0: off), or 'auto': the sidecar chooses k in 0..--max-spec-k for every engine "
+    help="Default draft length (0: off), or 'auto': the sidecar chooses k in 0..--max-speculation-k for every engine "
     "step from its measured costs and acceptance (lossless; at temperature > 0 not bit-reproducible from the "
     "seed, pin k per request for that).",
 )
 @click.option(
-    "--max-spec-k",
+    "--max-speculation-k",
     type=click.IntRange(0),
-    default=_D.max_spec_k,
+    default=_D.max_speculation_k,
     show_default=True,
     help="Largest k (auto: its range).",
 )
@@ -218,8 +218,8 @@ _D = ServeConfig()
     "weights make this sidecar join its torch.distributed group.",
 )
 @click.option(
-    "--weight-deltas/--no-weight-deltas",
-    default=_D.weight_deltas,
+    "--sparse-deltas/--no-sparse-deltas",
+    default=_D.sparse_deltas,
     show_default=True,
     help="Accept sparse delta weight pushes (weights.proto, 'Sparse deltas'). Deltas are rebuilt from the "
     "served tensors themselves (torch engine: no extra memory); an engine that copies what it is pushed "
@@ -354,7 +354,7 @@ def run_sidecar(cfg: ServeConfig, token: str | None = None) -> None:
             metrics_host=host,
             keep_staging=cfg.keep_staging and engine == "torch",
             data_planes=DataPlaneConfig(
-                shm="shm" in offered, collective="collective" in offered, deltas=cfg.weight_deltas
+                shm="shm" in offered, collective="collective" in offered, deltas=cfg.sparse_deltas
             ),
             shutdown_grace_s=grace,
         )
@@ -366,8 +366,8 @@ def run_sidecar(cfg: ServeConfig, token: str | None = None) -> None:
         engine,
         cfg.model,
         device=cfg.device,
-        spec_k=cfg.spec_k,
-        max_spec_k=cfg.max_spec_k,
+        speculation_k=cfg.speculation_k,
+        max_speculation_k=cfg.max_speculation_k,
         max_batch_size=cfg.max_batch_size,
         sglang_args=parse_sglang_args(cfg.sglang_args),
         max_context=cfg.max_context,

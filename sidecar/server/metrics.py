@@ -13,7 +13,7 @@ Exported (prefix `specrl_`):
   position), all over the served weight version so they follow the current policy;
   `tokens_per_second` (over the scheduler's throughput window), `queue_depth`,
   `running_sequences`, `weight_version`, `paused`, `speculation_k` (the k in use at the latest
-  step: in automatic mode the controller's choice), `speculation_automatic`,
+  step: in automatic mode the controller's choice), `speculation_auto`,
   `speculation_expected_speedup` (the controller's prediction for that k),
   `speculation_reason{reason}` (1 for the reason of the latest decision: fixed, model, probe,
   guard, collapsed, off), counter `speculation_guard_trips_total`;
@@ -98,7 +98,7 @@ class SidecarMetrics(Collector):
             ("weight_version", snap.weight_version, "Served weight version"),
             ("paused", int(snap.paused), "1 while paused"),
             ("speculation_k", spec.k, "Draft length k in use (automatic mode: chosen at the latest step)"),
-            ("speculation_automatic", int(spec.auto), "1 while the sidecar chooses k per step"),
+            ("speculation_auto", int(spec.auto), "1 while the sidecar chooses k per step"),
             ("speculation_expected_speedup", spec.expected_speedup, "Predicted tokens/s of k over plain decoding"),
         )
         for name, value, doc in gauges:

@@ -28,10 +28,10 @@ class ServeConfig:
     """Bind address (loopback unless told otherwise: whoever can push weights owns the model)."""
     port: int = 50051
     """0 picks a free port (printed as `listening on HOST:PORT`)."""
-    spec_k: int | Literal["auto"] = 3
+    speculation_k: int | Literal["auto"] = 3
     """Default draft length (0: plain decoding), or "auto": the sidecar chooses k in
-    0..max_spec_k for every engine step from its measured costs and acceptance."""
-    max_spec_k: int = 8
+    0..max_speculation_k for every engine step from its measured costs and acceptance."""
+    max_speculation_k: int = 8
     max_batch_size: int = 64
     max_context: int | None = None
     """Tokens (prompt + max_new_tokens) one sequence may hold: the length of a KV cache row (torch
@@ -63,7 +63,7 @@ class ServeConfig:
     """Weight data planes offered besides the gRPC stream (comma-separated: shm, collective; ''
     for grpc only). A client proves shm (same host) before using it; collective lets a client that
     may push weights make this sidecar join its torch.distributed group."""
-    weight_deltas: bool = True
+    sparse_deltas: bool = True
     """Accept sparse delta weight pushes (weights.proto, "Sparse deltas"). Deltas are rebuilt from
     the served tensors themselves (torch engine: no extra memory); an engine that copies what it is
     pushed (SGLang) keeps the last push's tensors as the base, ~1x the model in host memory."""
@@ -81,12 +81,14 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535 (0 = free), got {self.port}")
-        if self.max_spec_k < 0:
-            raise ValueError(f"max_spec_k must be >= 0, got {self.max_spec_k}")
-        if self.spec_k != "auto" and self.spec_k < 0:
-            raise ValueError(f"spec_k must be >= 0 or 'auto', got {self.spec_k}")
-        if self.spec_k != "auto" and self.spec_k > self.max_spec_k:
-            raise ValueError(f"spec_k={self.spec_k} exceeds max_spec_k={self.max_spec_k}; raise max_spec_k")
+        if self.max_speculation_k < 0:
+            raise ValueError(f"max_speculation_k must be >= 0, got {self.max_speculation_k}")
+        if self.speculation_k != "auto" and self.speculation_k < 0:
+            raise ValueError(f"speculation_k must be >= 0 or 'auto', got {self.speculation_k}")
+        if self.speculation_k != "auto" and self.speculation_k > self.max_speculation_k:
+            raise ValueError(
+                f"speculation_k={self.speculation_k} exceeds max_speculation_k={self.max_speculation_k}; raise max_speculation_k"
+            )
         for name in ("max_batch_size", "max_live_sequences"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -384,18 +384,21 @@ class ControlService(services.ControlServicer):
     async def SetSpeculation(
         self, request: control_pb2.SetSpeculationRequest, context: grpc.aio.ServicerContext
     ) -> Any:
-        max_k = self._scheduler.snapshot().info.max_speculation_k
-        if request.k > max_k:
+        max_speculation_k = self._scheduler.snapshot().info.max_speculation_k
+        if request.k > max_speculation_k:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"k={request.k} exceeds max_k={max_k}; ask for 0..{max_k} (0 turns speculation off)",
+                f"k={request.k} exceeds max_speculation_k={max_speculation_k}; ask for 0..{max_speculation_k} (0 turns speculation off)",
             )
         try:
-            previous, was_automatic = await self._scheduler.set_speculation_k_async(request.k, request.automatic)
+            previous, was_auto = await self._scheduler.set_speculation_k_async(request.k, request.automatic)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"k={request.k} refused: {e}")
         except Exception as e:
             await _abort(context, e)
         return control_pb2.SetSpeculationResponse(
-            previous_k=previous, k=request.k, previous_automatic=was_automatic, automatic=request.automatic
+            previous_speculation_k=previous,
+            k=request.k,
+            previous_speculation_auto=was_auto,
+            automatic=request.automatic,
         )

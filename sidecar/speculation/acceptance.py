@@ -14,8 +14,8 @@ class AcceptanceEstimate:
 
     def __init__(self, config: SpeculationPolicyConfig) -> None:
         self.config = config
-        self.reached = [0.0] * config.max_k  # rounds that drafted position i with all before it accepted
-        self.accepted = [0.0] * config.max_k  # ... of which position i was accepted
+        self.reached = [0.0] * config.max_speculation_k  # rounds that drafted position i with all before it accepted
+        self.accepted = [0.0] * config.max_speculation_k  # ... of which position i was accepted
         self.stops = StopHazard(
             halflife=config.acceptance_halflife, prior_tokens=config.stop_prior_tokens, rate_prior=config.prior_strength
         )

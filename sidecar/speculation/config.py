@@ -11,7 +11,7 @@ from typing import NamedTuple
 class SpeculationPolicyConfig:
     """Knobs of the adaptive controller (defaults are what the engine uses)."""
 
-    max_k: int
+    max_speculation_k: int
     """Largest k the controller may choose (the 'auto' mode's maximum)."""
     cost_window: int = 5
     """Measurements per (batch bucket, width) whose median is the cost estimate (one probe's
@@ -94,8 +94,8 @@ class SpeculationPolicyConfig:
     than measured: the guard must catch it. Keep 1.0 in production."""
 
     def __post_init__(self) -> None:
-        if self.max_k < 0:
-            raise ValueError(f"max_k must be >= 0, got {self.max_k}")
+        if self.max_speculation_k < 0:
+            raise ValueError(f"max_speculation_k must be >= 0, got {self.max_speculation_k}")
         for name in ("acceptance_halflife", "prior_strength", "stop_prior_tokens", "cost_bias"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -35,7 +35,7 @@ class SpeculationPolicy:
         self._prefill = CostSamples(config.cost_window)
         """Seconds per prompt token of the draft's prefill at admission (`observe_draft_prefill`)."""
         self.last = SpeculationDecision(
-            k=0, reason="off" if not config.max_k else "probe", batch_size=0, detail="no decode step yet"
+            k=0, reason="off" if not config.max_speculation_k else "probe", batch_size=0, detail="no decode step yet"
         )
         self._pending_reason = ""
         self.held = ""
@@ -222,7 +222,7 @@ class SpeculationPolicy:
     def expected_rates(
         self, batch: int, tokens_left: int | None = None, rows: list[RowState] | None = None
     ) -> list[float] | None:
-        """Predicted tokens per second per row for k = 0..max_k (None before plain is measured).
+        """Predicted tokens per second per row for k = 0..max_speculation_k (None before plain is measured).
         `tokens_left`: the most tokens a row of the batch may still emit when nothing waits to
         take a finished row's place (then no row drafts more than it may emit, and k > 0 pays
         for the batch's stragglers: `straggler_factor`); None while requests wait. `rows`: the
@@ -234,10 +234,13 @@ class SpeculationPolicy:
     def _price(
         self, batch: int, tokens_left: int | None, rows: list[RowState] | None
     ) -> list[tuple[float, float, float]] | None:
-        """(tokens per row, step seconds, straggler factor) per k = 0..max_k, every k in one pass
+        """(tokens per row, step seconds, straggler factor) per k = 0..max_speculation_k, every k in one pass
         (this runs every decode step); None before plain is measured."""
-        tokens = self.acceptance.batch_tokens(rows, self.config.max_k)
-        drafts = [k if tokens_left is None else min(k, max(tokens_left - 1, 0)) for k in range(self.config.max_k + 1)]
+        tokens = self.acceptance.batch_tokens(rows, self.config.max_speculation_k)
+        drafts = [
+            k if tokens_left is None else min(k, max(tokens_left - 1, 0))
+            for k in range(self.config.max_speculation_k + 1)
+        ]
         seconds = self.predicted_steps(batch, drafts)
         if seconds is None:
             return None
@@ -251,7 +254,7 @@ class SpeculationPolicy:
         """k for the next decode step of a batch of `batch` rows (`tokens_left`, `rows`: see
         `expected_rates`)."""
         cfg = self.config
-        if cfg.max_k == 0:
+        if cfg.max_speculation_k == 0:
             self.last = SpeculationDecision(k=0, reason="off", batch_size=batch, detail="max k is 0")
             return self.last
         if self.held:
@@ -341,12 +344,14 @@ class SpeculationPolicy:
         from a probe's last step (bursts of 3 starting every 4 steps had left a bucket that
         learns — a batch size seen a few steps per generation — one step in four its own)."""
         cfg = self.config
-        challenger = max(range(1, cfg.max_k + 1), key=lambda k: (rates[k], -k))
+        challenger = max(range(1, cfg.max_speculation_k + 1), key=lambda k: (rates[k], -k))
         candidates = {best - 1, best + 1, 0, challenger}
         if best == 0:  # every k > 0 near break-even takes its turn: a fresh reading can make k = 1
             # the best k > 0 and lock out a k = 3 measured in a slow stretch (never best + 1)
-            candidates |= {k for k in range(1, cfg.max_k + 1) if rates[k] >= (1.0 - cfg.min_gain) * rates[0]}
-        options = sorted({k for k in candidates if 0 <= k <= cfg.max_k and k != best})
+            candidates |= {
+                k for k in range(1, cfg.max_speculation_k + 1) if rates[k] >= (1.0 - cfg.min_gain) * rates[0]
+            }
+        options = sorted({k for k in candidates if 0 <= k <= cfg.max_speculation_k and k != best})
         if not options:
             return None
         probe = min(options, key=lambda k: (b.measured(k) >= cfg.min_cost_samples, b.last_measured.get(k, -1), k))

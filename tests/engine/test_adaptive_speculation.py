@@ -160,7 +160,7 @@ def test_every_finished_row_tells_the_controller_how_it_accepted(aligned_model) 
 
 @pytest.mark.parametrize("compile_mode", ["auto", "on"])  # on: the fixed-shape rounds a GPU captures
 def test_greedy_output_is_plain_under_the_real_controller_and_rows_joining_late(aligned_model, compile_mode) -> None:
-    engine = TorchEngine(aligned_model, speculation_k=4, auto_speculation=True, max_batch_size=2, compile=compile_mode)
+    engine = TorchEngine(aligned_model, speculation_k=4, speculation_auto=True, max_batch_size=2, compile=compile_mode)
     assert engine.speculation_auto and engine.info().speculation_status.auto
     assert run_all(engine, PROMPTS) == [naive_greedy(aligned_model, p, NEW) for p in PROMPTS]
     status = engine.speculation_status()
@@ -177,7 +177,7 @@ def test_cuda_auto_speculation_prices_steps_by_wall_clock_and_stays_greedy_exact
     device, rows of different lengths in one ragged batch."""
     cuda_model = build_model(tiny_config, device="cuda")
     cuda_model.load_state_dict(model_state_dict(aligned_model))
-    auto = TorchEngine(cuda_model, speculation_k=4, auto_speculation=True, max_batch_size=4)
+    auto = TorchEngine(cuda_model, speculation_k=4, speculation_auto=True, max_batch_size=4)
     assert auto._clock is time.perf_counter
     plain = TorchEngine(cuda_model, speculation_k=0)
     assert run_all(auto, PROMPTS) == run_all(plain, PROMPTS)
@@ -213,8 +213,10 @@ def test_the_guard_trips_inside_the_engine_on_a_wrong_cost_model_and_output_stay
     model = aligned_draft_model(ModelConfig.tiny(), seed=3)
     ref: list[TorchEngine] = []
     clock = FakeClock(ref, draft=0.004, verify=0.010, slope=2.0)  # every k > 0 loses to plain
-    wrong = SpeculationPolicyConfig(max_k=4, cost_bias=0.01, guard_rows=24, guard_min_steps=4, backoff_steps=8)
-    engine = TorchEngine(model, speculation_k=4, auto_speculation=True, policy=wrong, clock=clock)
+    wrong = SpeculationPolicyConfig(
+        max_speculation_k=4, cost_bias=0.01, guard_rows=24, guard_min_steps=4, backoff_steps=8
+    )
+    engine = TorchEngine(model, speculation_k=4, speculation_auto=True, policy=wrong, clock=clock)
     ref.append(engine)
     reasons = []
     prompts = PROMPTS * 2
@@ -230,7 +232,7 @@ def test_the_guard_trips_inside_the_engine_on_a_wrong_cost_model_and_output_stay
         reasons.append(engine.speculation_status().reason)
     assert engine.speculation_status().guard_trips >= 1 and "guard" in reasons
     assert [out[str(i)] for i in range(len(prompts))] == [naive_greedy(model, p, 64) for p in prompts]
-    right = TorchEngine(model, speculation_k=4, auto_speculation=True, clock=FakeClock([], 0.004, 0.010, 2.0))
+    right = TorchEngine(model, speculation_k=4, speculation_auto=True, clock=FakeClock([], 0.004, 0.010, 2.0))
     right._clock.engine_ref.append(right)  # type: ignore[attr-defined]
     run_all(right, PROMPTS, new=64)
     assert right.speculation_status().guard_trips == 0  # measured costs alone keep it at plain
@@ -272,7 +274,7 @@ class AdmissionRecorder(SpeculationPolicy):
     """The real controller, recording what the engine tells it at admission."""
 
     def __init__(self, refuse: bool) -> None:
-        super().__init__(SpeculationPolicyConfig(max_k=3))
+        super().__init__(SpeculationPolicyConfig(max_speculation_k=3))
         self.refuse = refuse
         self.asked: list[dict] = []
         self.rows: list[list[RowState]] = []

@@ -20,7 +20,7 @@ from sidecar.types import GenerationRequest, SamplingParams
 
 
 def test_the_table_holds_every_static_k_that_ran(random_model: Qwen3WithMTP) -> None:
-    engine = TorchEngine(random_model, speculation_k=3, max_speculation_k=3, auto_speculation=True)
+    engine = TorchEngine(random_model, speculation_k=3, max_speculation_k=3, speculation_auto=True)
 
     def generate(e: TorchEngine, seed: int) -> None:
         e.generate(

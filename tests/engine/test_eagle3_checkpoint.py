@@ -138,13 +138,15 @@ def test_a_bad_draft_directory_is_one_clear_error(
 
 def test_serving_a_draft_reports_its_kind_and_names_a_mismatch(tmp_path: Path, dirs: tuple[Path, Path]) -> None:
     target_dir, path = dirs
-    engine = load_engine("torch", target_dir, device="cpu", spec_k=2, max_spec_k=4, max_batch_size=8, draft=path)
+    engine = load_engine(
+        "torch", target_dir, device="cpu", speculation_k=2, max_speculation_k=4, max_batch_size=8, draft=path
+    )
     assert engine.info().speculation_method == "eagle3" and engine.info().speculation_k == 2
     mtp_dir = tmp_path / "mtp"
     config = ModelConfig.tiny(num_hidden_layers=4)
     save_checkpoint(mtp_dir, config, model_state_dict(build_model(config, seed=1)))
     with pytest.raises(click.ClickException, match="one draft kind"):
-        load_engine("torch", mtp_dir, device="cpu", spec_k=2, max_spec_k=4, max_batch_size=8, draft=path)
+        load_engine("torch", mtp_dir, device="cpu", speculation_k=2, max_speculation_k=4, max_batch_size=8, draft=path)
     assert ServeConfig(engine="sglang", draft=path).draft == path  # SGLang's EAGLE3 (tests/with_sglang)
     out = CliRunner().invoke(main, ["serve", "--model", str(target_dir), "--draft", str(path), "--print-config"])
     assert out.exit_code == 0 and f"draft: {path}" in out.output, out.output
@@ -156,7 +158,7 @@ def test_serving_a_draft_reports_its_kind_and_names_a_mismatch(tmp_path: Path, d
 
 def test_getinfo_over_grpc_reports_the_eagle3_draft(dirs: tuple[Path, Path]) -> None:
     target_dir, path = dirs
-    with start_sidecar(target_dir, spec_k=2, draft=path) as sc, SidecarClient(sc.address) as c:
+    with start_sidecar(target_dir, speculation_k=2, draft=path) as sc, SidecarClient(sc.address) as c:
         info = c.info()
         assert info.engine.speculation_method == "eagle3" and info.engine.speculation_k == 2
         samples = c.generate(

@@ -594,7 +594,7 @@ def test_compile_is_validated_and_reaches_the_engine(tmp_path: Path, monkeypatch
     kinds = {}
     for mode in ("auto", "on", "off"):
         engine = cli.load_engine(
-            "torch", tmp_path, device="cpu", spec_k=2, max_spec_k=4, max_batch_size=4, compile=mode
+            "torch", tmp_path, device="cpu", speculation_k=2, max_speculation_k=4, max_batch_size=4, compile=mode
         )
         assert isinstance(engine, TorchEngine)
         kinds[mode] = type(engine._rounds)

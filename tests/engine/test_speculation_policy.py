@@ -22,7 +22,7 @@ from sidecar.speculation.controller import SpeculationPolicy
 from sidecar.speculation.costs import expected_max_of_normals
 
 K = 5
-MARGIN = SpeculationPolicyConfig(max_k=K).min_gain
+MARGIN = SpeculationPolicyConfig(max_speculation_k=K).min_gain
 
 
 def feed_acceptance(policy: SpeculationPolicy, alphas: list[float], rows: int = 20000) -> None:
@@ -41,7 +41,7 @@ def feed_acceptance(policy: SpeculationPolicy, alphas: list[float], rows: int = 
 
 def feed_costs(policy: SpeculationPolicy, batch: int, verify: list[float], draft: float) -> None:
     """Exact cost measurements of every k (verify[w - 1]: a width-w step without its draft)."""
-    for k in range(policy.config.max_k + 1):
+    for k in range(policy.config.max_speculation_k + 1):
         for _ in range(3):
             policy.observe_step(
                 batch=batch,
@@ -83,7 +83,7 @@ def oracle_best(
 
 
 def exact_config(**kw) -> SpeculationPolicyConfig:
-    return SpeculationPolicyConfig(max_k=K, prior_strength=1e-9, acceptance_halflife=1e9, **kw)
+    return SpeculationPolicyConfig(max_speculation_k=K, prior_strength=1e-9, acceptance_halflife=1e9, **kw)
 
 
 def test_gpu_like_costs_and_a_good_draft_choose_a_long_draft_cpu_like_costs_choose_plain() -> None:
@@ -125,7 +125,7 @@ def test_decision_is_the_closed_form_argmax(alphas: list[float], slope: float, d
 
 
 def test_unmeasured_widths_are_interpolated_and_plain_is_measured_first() -> None:
-    policy = SpeculationPolicy(SpeculationPolicyConfig(max_k=K))
+    policy = SpeculationPolicy(SpeculationPolicyConfig(max_speculation_k=K))
     first = policy.decide(4)
     assert (first.k, first.reason) == (0, "probe")  # plain decoding is the guard's baseline
     policy.observe_step(batch=4, k=0, draft_seconds=0.0, step_seconds=0.010, tokens=4)
@@ -252,7 +252,7 @@ def test_a_slow_stretch_does_not_keep_a_long_running_bucket_at_plain() -> None:
     k = 3 predicted within the margin of it, a near tie: it is re-measured within `probe_every`
     steps, not after the long interval that the bucket's many uneventful probes had reached
     (that kept such buckets at plain for up to ~1,300 steps: 0.88-0.91x of static k = 3)."""
-    bucket = Batch1(SpeculationPolicyConfig(max_k=3, prior_strength=1e-9), seed=0)
+    bucket = Batch1(SpeculationPolicyConfig(max_speculation_k=3, prior_strength=1e-9), seed=0)
     for _ in range(3000):  # a long quiet run at k = 3
         bucket.step()
     assert bucket.policy.decide(1).k == 3
@@ -269,7 +269,9 @@ def test_a_bucket_at_plain_re_measures_every_near_break_even_k_not_only_the_best
     options only the best's neighbour and the best k > 0, k = 1 would be re-probed for good and k = 3
     never again (0 model steps of k = 3 in 400 before this test). Every k > 0 within the margin of
     plain takes its turn, so k = 3 is re-measured and kept."""
-    policy = SpeculationPolicy(SpeculationPolicyConfig(max_k=3, prior_strength=1e-9, acceptance_halflife=1e9))
+    policy = SpeculationPolicy(
+        SpeculationPolicyConfig(max_speculation_k=3, prior_strength=1e-9, acceptance_halflife=1e9)
+    )
     feed_acceptance(policy, BATCH_1_ALPHAS)
 
     def observe(k: int, seconds: float) -> None:
@@ -296,7 +298,7 @@ def test_acceptance_noise_at_batch_1_does_not_send_a_winning_k_to_plain(halflife
     at k = 3; with 64 rounds (what batch 1 had when evidence aged per engine step) the noise takes
     it to plain for a large share of the steps."""
     extra = {} if halflife is None else {"acceptance_halflife": halflife}
-    config = SpeculationPolicyConfig(max_k=3, prior_strength=1e-9, **extra)
+    config = SpeculationPolicyConfig(max_speculation_k=3, prior_strength=1e-9, **extra)
     shares = []
     for seed in range(3):
         bucket = Batch1(config, seed)
@@ -328,7 +330,9 @@ def run_against(policy: SpeculationPolicy, true_seconds, alphas: list[float], ba
 def test_guard_trips_on_a_wrong_cost_model_and_reprobes_later() -> None:
     alphas = [0.5] * K
     true = lambda k: 0.010 * (1 + 0.8 * k)  # noqa: E731  CPU-like: every k > 0 is slower than plain
-    wrong = SpeculationPolicy(SpeculationPolicyConfig(max_k=K, cost_bias=0.01, backoff_steps=40, guard_min_steps=12))
+    wrong = SpeculationPolicy(
+        SpeculationPolicyConfig(max_speculation_k=K, cost_bias=0.01, backoff_steps=40, guard_min_steps=12)
+    )
     tokens, seconds, decisions = run_against(wrong, true, alphas, batch=16, steps=600)
     assert wrong.trips >= 2
     reasons = [d.reason for d in decisions]
@@ -337,7 +341,7 @@ def test_guard_trips_on_a_wrong_cost_model_and_reprobes_later() -> None:
     assert "model" in reasons[first_guard + 41 :]  # re-probed after the back-off
     plain_rate = 16 / true(0)
     assert tokens / seconds > 0.85 * plain_rate  # the guard bounds the damage (always-max-k: ~0.4x)
-    right = SpeculationPolicy(SpeculationPolicyConfig(max_k=K))
+    right = SpeculationPolicy(SpeculationPolicyConfig(max_speculation_k=K))
     tokens, seconds, decisions = run_against(right, true, alphas, batch=16, steps=600)
     assert right.trips == 0 and tokens / seconds > 0.97 * plain_rate
 
@@ -345,7 +349,7 @@ def test_guard_trips_on_a_wrong_cost_model_and_reprobes_later() -> None:
 def test_guard_needs_the_realised_rate_below_plain() -> None:
     alphas = [0.9] * K
     true = lambda k: 0.010 * (1 + 0.05 * k)  # noqa: E731  speculation really pays
-    policy = SpeculationPolicy(SpeculationPolicyConfig(max_k=K, cost_bias=0.5))  # wrong, but not harmful
+    policy = SpeculationPolicy(SpeculationPolicyConfig(max_speculation_k=K, cost_bias=0.5))  # wrong, but not harmful
     tokens, seconds, _ = run_against(policy, true, alphas, batch=4, steps=300)
     assert policy.trips == 0 and tokens / seconds > 2 * 4 / true(0)
 
@@ -366,25 +370,25 @@ def test_a_slow_step_in_the_guard_window_does_not_trip_it() -> None:
         step += 1
         return true(k) * (5.0 if step % 13 == 0 else 1.0)
 
-    policy = SpeculationPolicy(SpeculationPolicyConfig(max_k=K))
+    policy = SpeculationPolicy(SpeculationPolicyConfig(max_speculation_k=K))
     _, _, decisions = run_against(policy, with_hiccups, alphas, batch=16, steps=600)
     assert policy.trips == 0, [d.detail for d in decisions if d.reason == "guard"][:1]
     assert [d.reason for d in decisions[300:]].count("model") > 250
     true = lambda k: 0.010 * (1 + 0.8 * k)  # noqa: E731  every k > 0 slower than plain, hiccups and all
-    wrong = SpeculationPolicy(SpeculationPolicyConfig(max_k=K, cost_bias=0.01))
+    wrong = SpeculationPolicy(SpeculationPolicyConfig(max_speculation_k=K, cost_bias=0.01))
     run_against(wrong, with_hiccups, alphas, batch=16, steps=600)
     assert wrong.trips >= 2
 
 
 def test_a_weight_version_change_discounts_the_old_acceptance() -> None:
-    policy = SpeculationPolicy(SpeculationPolicyConfig(max_k=3, version_discount=0.01))
+    policy = SpeculationPolicy(SpeculationPolicyConfig(max_speculation_k=3, version_discount=0.01))
     for _ in range(50):
         policy.observe_acceptance([3] * 8, [3] * 8)  # the old version: everything accepted
     assert policy.acceptance.rates()[0] > 0.95
     policy.on_weight_version()
     policy.observe_acceptance([3] * 8, [0] * 8)  # one step of the new version: nothing accepted
     assert policy.acceptance.rates()[0] < 0.35
-    without = SpeculationPolicy(SpeculationPolicyConfig(max_k=3))  # the same without the push
+    without = SpeculationPolicy(SpeculationPolicyConfig(max_speculation_k=3))  # the same without the push
     for _ in range(50):
         without.observe_acceptance([3] * 8, [3] * 8)
     without.observe_acceptance([3] * 8, [0] * 8)
@@ -392,7 +396,7 @@ def test_a_weight_version_change_discounts_the_old_acceptance() -> None:
 
 
 def test_acceptance_counts_are_conditional_per_position() -> None:
-    est = AcceptanceEstimate(SpeculationPolicyConfig(max_k=4, acceptance_halflife=1e9))
+    est = AcceptanceEstimate(SpeculationPolicyConfig(max_speculation_k=4, acceptance_halflife=1e9))
     est.observe([3, 3, 2, 4], [1, 3, 2, 0])
     assert est.reached == pytest.approx([4, 3, 1, 0])  # row (3, 1) reaches positions 0-1, (4, 0) only 0
     assert est.accepted == pytest.approx([3, 2, 1, 0])
@@ -405,7 +409,7 @@ def test_acceptance_evidence_ages_by_rounds_not_by_steps() -> None:
     estimate where the draft's last rounds put it (aged per step, it forgot them and drifted to
     the prior), and a step of 8 drafting rows ages the evidence as much as 8 steps of one row
     (aged per step, batch 1 kept an eighth of batch 8's evidence)."""
-    config = SpeculationPolicyConfig(max_k=2, acceptance_halflife=64.0)
+    config = SpeculationPolicyConfig(max_speculation_k=2, acceptance_halflife=64.0)
     one, eight = AcceptanceEstimate(config), AcceptanceEstimate(config)
     for est in (one, eight):
         est.observe([2] * 64, [2] * 16 + [0] * 48)
@@ -430,7 +434,7 @@ def test_acceptance_evidence_ages_by_rounds_not_by_steps() -> None:
 def test_the_stop_token_rate_ages_by_emitted_tokens() -> None:
     """Like acceptance, the stop-token evidence ages by what replaces it: a step emitting 8 tokens
     ages it as much as 8 steps of one token; a step emitting nothing does not age it."""
-    config = SpeculationPolicyConfig(max_k=2, acceptance_halflife=64.0)
+    config = SpeculationPolicyConfig(max_speculation_k=2, acceptance_halflife=64.0)
     one, eight = AcceptanceEstimate(config), AcceptanceEstimate(config)
     for est in (one, eight):
         est.observe_ends(64, 16)
@@ -455,14 +459,14 @@ def test_batch_buckets_are_narrow_and_monotonic() -> None:
 @pytest.mark.parametrize(
     ("kw", "message"),
     [
-        ({"max_k": -1}, "max_k"),
-        ({"max_k": 3, "guard_ratio": 1.5}, "guard_ratio"),
-        ({"max_k": 3, "guard_outlier": 0.5}, "guard_outlier"),
-        ({"max_k": 3, "prior_acceptance": 1.0}, "prior_acceptance"),
-        ({"max_k": 3, "probe_every": 0}, "probe_every"),
-        ({"max_k": 3, "learn_every": 0}, "learn_every"),
-        ({"max_k": 3, "refuse_every": 0}, "refuse_every"),
-        ({"max_k": 3, "stop_prior_tokens": 0.0}, "stop_prior_tokens"),
+        ({"max_speculation_k": -1}, "max_speculation_k"),
+        ({"max_speculation_k": 3, "guard_ratio": 1.5}, "guard_ratio"),
+        ({"max_speculation_k": 3, "guard_outlier": 0.5}, "guard_outlier"),
+        ({"max_speculation_k": 3, "prior_acceptance": 1.0}, "prior_acceptance"),
+        ({"max_speculation_k": 3, "probe_every": 0}, "probe_every"),
+        ({"max_speculation_k": 3, "learn_every": 0}, "learn_every"),
+        ({"max_speculation_k": 3, "refuse_every": 0}, "refuse_every"),
+        ({"max_speculation_k": 3, "stop_prior_tokens": 0.0}, "stop_prior_tokens"),
     ],
 )
 def test_bad_config_names_the_field(kw, message: str) -> None:
@@ -487,7 +491,7 @@ def test_per_row_ends_that_do_not_add_up_are_refused_and_change_nothing() -> Non
 
 
 def test_a_new_batch_size_borrows_the_nearest_measured_relative_costs() -> None:
-    policy = SpeculationPolicy(SpeculationPolicyConfig(max_k=3))
+    policy = SpeculationPolicy(SpeculationPolicyConfig(max_speculation_k=3))
     feed_costs(policy, 8, verify=[0.010, 0.012, 0.014, 0.016], draft=0.002)
     policy.observe_step(batch=16, k=0, draft_seconds=0.0, step_seconds=0.020, tokens=16)  # only plain at 16
     assert policy.predicted_seconds(16, 2) == pytest.approx(0.020 * 1.4 + 2 * 0.004)
@@ -520,7 +524,7 @@ def test_k_above_zero_must_beat_plain_by_the_margin(gain: float, drafts: bool, k
     generation)."""
     alpha = 0.5
     policy = SpeculationPolicy(
-        SpeculationPolicyConfig(max_k=1, prior_strength=1e-9, acceptance_halflife=1e9, min_gain=0.05)
+        SpeculationPolicyConfig(max_speculation_k=1, prior_strength=1e-9, acceptance_halflife=1e9, min_gain=0.05)
     )
     feed_acceptance(policy, [alpha])
     step1 = 0.010 * (1 + alpha) / gain  # tokens/s of k = 1: (1 + alpha) / step1 = gain / 0.010
@@ -550,7 +554,7 @@ def test_a_draft_is_refused_only_where_keeping_it_is_worth_less_than_its_prefill
     open. At temperature 1, batch 4 a refusal on such an estimate had turned a 5% gain off for a
     whole grid cell."""
     policy = SpeculationPolicy(
-        SpeculationPolicyConfig(max_k=1, prior_strength=1e-9, acceptance_halflife=1e9, cost_window=5)
+        SpeculationPolicyConfig(max_speculation_k=1, prior_strength=1e-9, acceptance_halflife=1e9, cost_window=5)
     )
     feed_acceptance(policy, [0.5])
     plain, step1 = 0.010, 0.015 / (1 - loss)  # k = 1: 1.5 tokens per step1 = (1 - loss) x plain's rate
@@ -580,7 +584,7 @@ def test_a_slow_step_among_steady_ones_does_not_make_a_loss_look_uncertain() -> 
     deviation of the logs (~0.4 here) the loss looked uncertain, rows kept drafts they never
     used, and 24% of the cell's steps were probes of k = 1."""
     policy = SpeculationPolicy(
-        SpeculationPolicyConfig(max_k=1, prior_strength=1e-9, acceptance_halflife=1e9, cost_window=5)
+        SpeculationPolicyConfig(max_speculation_k=1, prior_strength=1e-9, acceptance_halflife=1e9, cost_window=5)
     )
     feed_acceptance(policy, [0.5])
     plain, step1 = 0.036, 1.5 * 0.036 / 0.91
@@ -596,7 +600,7 @@ def test_a_slow_step_among_steady_ones_does_not_make_a_loss_look_uncertain() -> 
 
 
 def test_a_width_measured_once_is_taken_from_the_nearest_bucket() -> None:
-    policy = SpeculationPolicy(SpeculationPolicyConfig(max_k=3))
+    policy = SpeculationPolicy(SpeculationPolicyConfig(max_speculation_k=3))
     feed_costs(policy, 8, verify=[0.010, 0.012, 0.014, 0.016], draft=0.002)
     for _ in range(3):
         policy.observe_step(batch=16, k=0, draft_seconds=0.0, step_seconds=0.020, tokens=16)
@@ -611,7 +615,9 @@ def test_without_a_measured_neighbour_a_bucket_trusts_its_own_few_measurements_o
     """Batch 64 on a CPU: one probe of k = 1 measured it 1.6x a plain step. With no other bucket
     measured, that beats the priors (verify +15% per token, draft 10% of plain), which predict a
     gain."""
-    policy = SpeculationPolicy(SpeculationPolicyConfig(max_k=2, prior_strength=1e-9, acceptance_halflife=1e9))
+    policy = SpeculationPolicy(
+        SpeculationPolicyConfig(max_speculation_k=2, prior_strength=1e-9, acceptance_halflife=1e9)
+    )
     feed_acceptance(policy, [0.5, 0.5])
     for _ in range(3):
         policy.observe_step(batch=64, k=0, draft_seconds=0.0, step_seconds=0.100, tokens=64)
@@ -624,7 +630,7 @@ def test_without_a_measured_neighbour_a_bucket_trusts_its_own_few_measurements_o
 
 
 def test_only_own_measurements_refuse_a_draft_and_refused_buckets_re_measure_now_and_then() -> None:
-    policy = SpeculationPolicy(SpeculationPolicyConfig(max_k=1, refuse_every=4, prior_strength=1e-9))
+    policy = SpeculationPolicy(SpeculationPolicyConfig(max_speculation_k=1, refuse_every=4, prior_strength=1e-9))
     feed_acceptance(policy, [0.5])
     feed_costs(policy, 1, verify=[0.010, 0.020], draft=0.005)  # batch 1: k = 1 costs 2.5 plain steps
     for _ in range(3):
@@ -801,7 +807,7 @@ def test_catch_up_steps_do_not_price_the_draft_and_the_draft_has_a_fixed_part() 
     """The draft phase is measured per k (it has a fixed part: the refresh and the first head):
     k = 2 is interpolated between k = 1 and 3, k = 5 extrapolated with their slope; a step that
     also caught up positions skipped by plain rounds records its verify but not its draft."""
-    policy = SpeculationPolicy(SpeculationPolicyConfig(max_k=5))
+    policy = SpeculationPolicy(SpeculationPolicyConfig(max_speculation_k=5))
     for _ in range(3):
         policy.observe_step(batch=2, k=0, draft_seconds=0.0, step_seconds=0.010, tokens=2)
         policy.observe_step(batch=2, k=1, draft_seconds=0.003, step_seconds=0.016, tokens=3)

@@ -110,7 +110,7 @@ class SwitchingPolicy(SpeculationPolicy):
     the rounds of every sequence, 0 included)."""
 
     def __init__(self, cycle: list[int], **config: float) -> None:
-        super().__init__(SpeculationPolicyConfig(max_k=max(cycle), **config))
+        super().__init__(SpeculationPolicyConfig(max_speculation_k=max(cycle), **config))
         self.cycle, self.calls = cycle, 0
 
     def decide(

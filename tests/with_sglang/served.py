@@ -96,7 +96,7 @@ def sglang_test_env() -> dict[str, str]:
 
 @contextmanager
 def specrl_serve(
-    checkpoint: Path, *, spec_k: int, extra: tuple[str, ...] = (), engine: str = "sglang"
+    checkpoint: Path, *, speculation_k: int, extra: tuple[str, ...] = (), engine: str = "sglang"
 ) -> Iterator[str]:
     """Run ``specrl serve --engine ENGINE`` on `checkpoint` (port 0); yield its address; SIGTERM it after."""
     specrl = Path(sys.executable).parent / "specrl"
@@ -111,10 +111,10 @@ def specrl_serve(
         DEVICE,
         "--port",
         "0",
-        "--spec-k",
-        str(spec_k),
-        "--max-spec-k",
-        str(spec_k),
+        "--speculation-k",
+        str(speculation_k),
+        "--max-speculation-k",
+        str(speculation_k),
         "--max-batch-size",
         "16",
         "--grace",
@@ -126,7 +126,7 @@ def specrl_serve(
         if key != "max_running_requests" and engine == "sglang":  # --max-batch-size sets it
             cmd += ["--sglang-arg", f"{key}={str(value).lower() if isinstance(value, bool) else value}"]
     cmd += list(extra)
-    log = checkpoint.parent / f"serve-{engine}-k{spec_k}.log"
+    log = checkpoint.parent / f"serve-{engine}-k{speculation_k}.log"
     with open(log, "w+") as err:
         proc = subprocess.Popen(cmd, stderr=err, stdout=subprocess.DEVNULL, env=sglang_test_env(), text=True)
         try:

@@ -69,7 +69,7 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def client(ckpt: Path) -> Iterator[SidecarClient]:
-    with specrl_serve(ckpt, spec_k=K) as address, SidecarClient(address) as c:
+    with specrl_serve(ckpt, speculation_k=K) as address, SidecarClient(address) as c:
         yield c
 
 

@@ -86,7 +86,10 @@ def test_specrl_serve_sglang_with_our_draft_generates_as_the_embedded_engine_doe
     """`specrl serve --engine sglang --draft DIR`: SGLang's EAGLE3 with our directory, over gRPC."""
     target, ckpt, draft_dir = dirs
     request = GenerationRequest(prompts=PROMPTS, sampling=SamplingParams(temperature=0.0, max_new_tokens=24))
-    with specrl_serve(ckpt, spec_k=K, extra=("--draft", str(draft_dir))) as address, SidecarClient(address) as client:
+    with (
+        specrl_serve(ckpt, speculation_k=K, extra=("--draft", str(draft_dir))) as address,
+        SidecarClient(address) as client,
+    ):
         info = client.info().engine
         got = client.generate(request)
     assert (info.engine, info.speculation_method, info.speculation_k) == ("sglang", "eagle3", K)

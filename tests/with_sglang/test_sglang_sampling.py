@@ -80,7 +80,7 @@ def cells(token_ids: list[list[int]]) -> torch.Tensor:  # (V**3,) counts of (t1,
 
 @pytest.fixture(scope="module")
 def plain(ckpt: Path) -> Iterator[SidecarClient]:
-    with specrl_serve(ckpt, spec_k=0) as address, SidecarClient(address) as c:
+    with specrl_serve(ckpt, speculation_k=0) as address, SidecarClient(address) as c:
         yield c
 
 

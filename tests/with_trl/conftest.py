@@ -20,7 +20,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def serve(checkpoint: Path) -> Iterator[ServeProcess]:
     """A fresh sidecar per test (weight version 0, k = 2)."""
-    process = ServeProcess(checkpoint, spec_k=2)
+    process = ServeProcess(checkpoint, speculation_k=2)
     try:
         yield process
     finally:

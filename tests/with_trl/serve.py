@@ -14,11 +14,11 @@ STARTUP_S = 120.0
 class ServeProcess:
     """`specrl serve` in a child process; `address` once it listens."""
 
-    def __init__(self, checkpoint: Path, spec_k: int) -> None:
+    def __init__(self, checkpoint: Path, speculation_k: int) -> None:
         env = dict(os.environ, OMP_NUM_THREADS="1")
         specrl = Path(sys.executable).with_name("specrl")  # the console script a user runs
         cmd = [str(specrl), "serve", "--model", str(checkpoint), "--port", "0"]
-        cmd += ["--spec-k", str(spec_k), "--log-level", "WARNING"]
+        cmd += ["--speculation-k", str(speculation_k), "--log-level", "WARNING"]
         self.proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + STARTUP_S
         lines = []

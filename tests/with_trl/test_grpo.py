@@ -207,7 +207,7 @@ def test_draft_aligner_keeps_tau_where_the_stale_draft_decays(checkpoint: Path, 
     steps, late = 8, slice(4, 8)
     taus = {}
     for align in (False, True):
-        serve = ServeProcess(checkpoint, spec_k=2)
+        serve = ServeProcess(checkpoint, speculation_k=2)
         try:
             client = SpecrlVLLMClient(serve.address, SidecarGenerationConfig(seed=0))
             aligner = DraftAligner(checkpoint, DraftAlignConfig(steps=20)) if align else None
@@ -245,7 +245,7 @@ def test_a_lost_draft_is_reported_once_and_the_aligner_refits_at_once(
     with torch.no_grad():
         aligned.output_weight().mul_(10.0)
     save_checkpoint(tmp_path / "aligned", config, model_state_dict(aligned))
-    serve = ServeProcess(tmp_path / "aligned", spec_k=2)
+    serve = ServeProcess(tmp_path / "aligned", speculation_k=2)
     caplog.set_level(logging.WARNING)
     try:
         client = SpecrlVLLMClient(serve.address, SidecarGenerationConfig(seed=0))

@@ -373,7 +373,7 @@ class SGLangEngine(Engine):
         if k != self._k:
             raise ValueError(
                 f"speculation k is fixed at {self._k} for SGLang (speculative_num_steps and its CUDA graphs are set "
-                f"at launch), got {k}; restart the sidecar with --spec-k {k}"
+                f"at launch), got {k}; restart the sidecar with --speculation-k {k}"
             )
 
     def weight_specs(self, selector: WeightSelector) -> list[TensorSpec]:
@@ -394,7 +394,7 @@ class SGLangEngine(Engine):
             raise InvalidRequestError(
                 f"temperature={request.sampling.temperature} with speculation is refused on CPU: SGLang 0.5.23 "
                 "verifies drafts greedily there (sglang/srt/speculative/eagle_utils.py, _verify_uses_greedy), so "
-                "its samples would not follow the target distribution; use temperature 0, serve with --spec-k 0, "
+                "its samples would not follow the target distribution; use temperature 0, serve with --speculation-k 0, "
                 "or run on a GPU"
             )
         sp = request.sampling
