@@ -84,3 +84,21 @@ def pair(checkpoint: Path) -> Iterator[tuple[Sidecar, Sidecar]]:
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A CA, a server certificate for 127.0.0.1/localhost and a client certificate (openssl CLI)."""
     return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--long",
+        action="store_true",
+        help="also run the tests marked `long` (fault scenarios and soaks beyond the default suite's budget)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`long` tests would push the default suite past its ~7 minutes on 2 cores: they run with --long."""
+    if config.getoption("--long"):
+        return
+    skip = pytest.mark.skip(reason="a long test: run with --long (e.g. tools/test --long -m long)")
+    for item in items:
+        if "long" in item.keywords:
+            item.add_marker(skip)

@@ -44,6 +44,20 @@ def test_an_existing_run_is_not_overwritten_without_resume(tmp_path: Path) -> No
     assert [r["step"] for r in resumed.read_metrics()] == [0, 1]
 
 
+def test_a_resume_drops_the_rows_of_steps_trained_after_its_checkpoint(tmp_path: Path) -> None:
+    """Killed after logging step 3 with the last checkpoint at step 2: step 3 trains again, so its
+    first row (from the lost trajectory) goes; the end-to-end case is in tests/test_async_faults.py."""
+    run = RunDir(tmp_path)
+    for step in range(4):
+        run.log(step, {"reward/train_mean": float(step)})
+    resumed = RunDir(tmp_path, resume=True)
+    assert resumed.rewind(2) == [3]
+    assert [r["step"] for r in resumed.read_metrics()] == [0, 1, 2]
+    assert resumed.rewind(2) == []  # nothing more to drop
+    assert resumed.rewind(0) == [0, 1, 2]  # no checkpoint: the run starts over
+    assert resumed.read_metrics() == []
+
+
 def test_reward_plot_draws_held_out_evaluations_as_points_with_95_percent_error_bars(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -315,6 +315,38 @@ def test_abort_returns_partial_samples(checkpoint: Path) -> None:
         assert c.resume() is True
 
 
+def test_an_abort_that_overtakes_its_request_still_answers_every_sample(checkpoint: Path) -> None:
+    """An Abort handled before the Generate it names reaches the engine (the abort was queued on
+    the scheduler first: the two calls raced) still ends that stream with every sample, as ABORT
+    samples without tokens (rollout.proto: "Its unfinished samples are streamed with
+    FINISH_REASON_ABORT"), never with an OK stream short of samples. Found by tools/soak."""
+    with start_sidecar(checkpoint) as sc:
+        scheduler = sc.scheduler
+        holding, release = threading.Event(), threading.Event()
+
+        def hold() -> None:  # keeps the scheduler thread between two commands
+            holding.set()
+            release.wait(DEADLINE)
+
+        scheduler._schedule(hold)
+        assert holding.wait(DEADLINE)
+        answer: list[tuple[bool, int]] = []
+        aborter = threading.Thread(target=lambda: answer.append(scheduler.abort("overtaken")))
+        aborter.start()
+        wait_until(lambda: scheduler._commands.qsize() == 1, what="the abort queued")
+        handle = scheduler.submit(greedy_request([[1, 2], [3]], n=8, request_id="overtaken", samples_per_prompt=2))
+        release.set()
+        aborter.join(DEADLINE)
+        got = []
+        while (sample := handle.get(DEADLINE)) is not None:
+            got.append(sample)
+        assert answer == [(True, 4)]
+        assert sorted((s.prompt_index, s.sample_index) for s in got) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        assert all(s.finish_reason is FinishReason.ABORT and s.token_ids == [] for s in got)
+        assert all(s.weight_version == s.last_weight_version == scheduler._engine.weight_version for s in got)
+        assert not scheduler._live
+
+
 def test_pause_holds_work_and_resume_finishes_it(checkpoint: Path, oracle: list[list[int]]) -> None:
     with start_sidecar(checkpoint) as sc, SidecarClient(sc.address) as c:
         assert c.pause() is False and c.info().paused

@@ -3,8 +3,10 @@
 Each sidecar is a real process (the same binary a cluster runs), bound to loopback on port 0;
 its address is read from the `listening on HOST:PORT` line it prints once serving, with a
 deadline. Output goes to a log file in the run directory. Teardown is graceful (SIGTERM, which
-`specrl serve` answers by draining), then SIGKILL after a grace period; `restart(i)` brings a
-dead sidecar back on its old port (the fleet pushes it the current weights before use). With a
+`specrl serve` answers by draining), then SIGKILL after a grace period; a sidecar whose trainer
+died without tearing it down (SIGKILL, OOM) stops by itself within seconds (`serve --parent-pid`).
+`restart(i)` brings a dead sidecar back on its old port (the fleet pushes it the current weights
+before use). With a
 `token`, each sidecar requires it (given in its environment as $SPECRL_TOKEN, never in argv).
 """
 
@@ -116,6 +118,8 @@ class LocalSidecars:
             str(self.max_batch_size),
             "--grace",
             "2",
+            "--parent-pid",  # a SIGKILLed trainer cannot tear its sidecars down: they stop themselves
+            str(os.getpid()),
             "--engine",
             self.engine,
             "--device",

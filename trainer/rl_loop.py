@@ -603,6 +603,13 @@ def _train(cfg: RLConfig, resume: bool, progress: bool, watchdog: RankWatchdog |
         start, path = found
         policy.load(path)
         log.info("resumed from %s (step %d)", path, start)
+    if resume and run_dir is not None and (dropped := run_dir.rewind(start)):
+        log.warning(
+            "resuming after step %d: dropped the metrics of steps %s, trained after the last checkpoint "
+            "(they train again now; checkpoint_every sets how much a crash loses)",
+            start,
+            dropped,
+        )
     history: list[dict[str, float]] = []
     fleet = (
         f"starting {cfg.sidecars.local} local sidecar(s) (engine {cfg.sidecars.engine}, "

@@ -10,7 +10,9 @@ Layout of `runs/<name>/`:
     checkpoints/       model, draft, optimizer and RNG state (see trainer/checkpointing.py)
 
 Metric keys are `group/name`; plots select them by group, so a new metric needs no plotting
-code. Writes are append-and-flush, so a crashed run keeps every finished step.
+code. Writes are append-and-flush, so a crashed run keeps every finished step; a resumed run
+first drops the rows of steps after the checkpoint it resumes from (`rewind`), so each step's row
+comes from the trajectory that continues.
 """
 
 from __future__ import annotations
@@ -71,6 +73,26 @@ class RunDir:
             f.flush()
         for tracker in self.trackers:
             tracker.log(step, metrics)  # type: ignore[arg-type]
+
+    def rewind(self, step: int) -> list[int]:
+        """Drop the rows of steps after `step` (a resume from checkpoint `step_{step}`: those steps
+        were trained after it, their updates are lost and they train again); with `step` 0 the
+        run starts over and every row goes. Returns the steps dropped. Trackers that already got
+        those rows keep them."""
+        if not self.metrics_path.exists():
+            return []
+        kept, dropped = [], []
+        for line in self.metrics_path.read_text().splitlines():
+            row_step = json.loads(line)["step"]
+            if step > 0 and row_step <= step:
+                kept.append(line)
+            else:
+                dropped.append(row_step)
+        if dropped:
+            tmp = self.metrics_path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            tmp.replace(self.metrics_path)  # atomic: a crash now leaves the old or the new file
+        return dropped
 
     def close(self) -> None:
         """Close the trackers (metrics.jsonl is flushed after every row)."""

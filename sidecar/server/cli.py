@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -223,6 +224,13 @@ _D = ServeConfig()
     "e.g. --sglang-arg mem_fraction_static=0.5 --sglang-arg max_total_tokens=4096.",
 )
 @click.option("--grace", type=click.FloatRange(0), default=_D.grace, show_default=True, help="Shutdown grace seconds.")
+@click.option(
+    "--parent-pid",
+    type=click.IntRange(1),
+    default=_D.parent_pid,
+    help="Shut down gracefully once process PID is no longer this sidecar's parent (it died); "
+    "the trainer's local sidecars get its pid.",
+)
 @click.option("--log-level", default=_D.log_level, show_default=True)
 @click.pass_context
 def serve(
@@ -373,8 +381,10 @@ def run_sidecar(cfg: ServeConfig, token: str | None = None) -> None:
     signal.signal(signal.SIGINT, on_signal)
     sidecar.start()
     click.echo(f"specrl sidecar listening on {sidecar.address}", err=True)
-    while not stop.wait(timeout=1.0):  # ends on SIGTERM/SIGINT
-        pass
+    while not stop.wait(timeout=1.0):  # ends on SIGTERM/SIGINT, or when the parent is gone
+        if cfg.parent_pid is not None and os.getppid() != cfg.parent_pid:
+            log.warning("parent process %d is gone; shutting down (grace %.1fs)", cfg.parent_pid, grace)
+            break
     try:
         sidecar.stop(grace)
     finally:

@@ -49,6 +49,7 @@ from sidecar.speculation.collapse import CollapseRule, CollapseWatch
 from sidecar.types import (
     DraftCollapse,
     EngineInfo,
+    FinishReason,
     GenerationRequest,
     Sample,
     ScoreRequest,
@@ -515,11 +516,28 @@ class Scheduler:
             live = self._live.get(request_id)
         if live is None:
             return False, 0
-        samples = self._engine.abort(request_id) if live.in_engine else []
+        if live.in_engine:
+            samples = self._engine.abort(request_id)
+        else:  # the abort overtook its request's admission: every sample is unfinished, none started
+            request = live.request
+            samples = [
+                Sample(
+                    request_id=request_id,
+                    prompt_index=p,
+                    sample_index=i,
+                    token_ids=[],
+                    logprobs=[],
+                    finish_reason=FinishReason.ABORT,
+                    weight_version=-1,  # no producing version: `_deliver` reports the served one
+                    last_weight_version=-1,
+                )
+                for p in range(len(request.prompts))
+                for i in range(request.samples_per_prompt)
+            ]
         if deliver:
             for s in samples:
                 self._deliver(s)
-        if request_id in self._live:  # not all samples came back (e.g. not yet admitted): end the stream
+        if request_id in self._live:  # not delivered (cancelled: deliver=False): end the stream
             self._finish(request_id, _DONE if deliver else RequestCancelled())
         self._refresh_snapshot()
         return True, len(samples)

@@ -82,6 +82,10 @@ class ServeConfig:
     it can be), e.g. mem_fraction_static=0.5."""
     grace: float = 5.0
     """Shutdown grace seconds."""
+    parent_pid: int | None = None
+    """Shut down (gracefully) once the process with this id is no longer this sidecar's parent:
+    a sidecar started by a trainer (`trainer.local_sidecars`) must not outlive it, even when the
+    trainer is SIGKILLed and cannot tear it down. Unset: serve until signalled."""
     log_level: str = "INFO"
     """Logging level of the sidecar process (DEBUG, INFO, WARNING, ...)."""
 
@@ -120,6 +124,8 @@ class ServeConfig:
             raise ValueError("max_context and kv_cache_gib size the torch engine's KV cache; SGLang sizes its own")
         if self.grace < 0:
             raise ValueError(f"grace must be >= 0, got {self.grace}")
+        if self.parent_pid is not None and self.parent_pid < 1:
+            raise ValueError(f"parent_pid must be a process id (>= 1) or unset, got {self.parent_pid}")
 
     @property
     def offered_transports(self) -> set[str]:
