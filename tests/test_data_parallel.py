@@ -174,7 +174,9 @@ MC_EAGLE3 = ModelConfig.tiny(max_position_embeddings=64, num_hidden_layers=4, nu
 def _eagle3_policy(state: dict[str, torch.Tensor], replicas: int) -> Policy:
     from sidecar.model.eagle3 import Eagle3Config
 
-    cfg = Policy.Config(data_parallel=replicas, seed=5, micro_batch_rows=2, optimizer=FAST, draft_optimizer=FAST)
+    cfg = Policy.Config(
+        data_parallel=replicas, seed=5, micro_batch_rows=2, optimizer=FAST, draft=DraftConfig(optimizer=FAST)
+    )
     draft = Eagle3Config.for_target(MC_EAGLE3, aux_layer_ids=[1, 2, 3], draft_vocab_size=48)
     return Policy(MC_EAGLE3, cfg, {k: v.clone() for k, v in state.items()}, eagle3=draft)
 

@@ -26,7 +26,8 @@ class EchoControl(services.ControlServicer):
 
     async def SetSpeculation(self, request, context):
         await context.abort(
-            grpc.StatusCode.INVALID_ARGUMENT, f"k={request.k} exceeds max_speculation_k=0; this servicer has no draft"
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"speculation_k={request.speculation_k} exceeds max_speculation_k=0; this servicer has no draft",
         )
 
 

@@ -28,6 +28,7 @@ from sidecar.model.checkpoint import load_checkpoint
 from sidecar.model.model import ModelConfig
 from sidecar.types import GenerationRequest, SamplingParams
 from tests.sidecar_fixtures import greedy_reference
+from trainer.draft_objective import DraftConfig
 from trainer.local_sidecars import LocalSidecars
 from trainer.rl_config import RLConfig, RolloutConfig, SidecarsConfig, TaskConfig
 from trainer.rl_loop import train
@@ -110,7 +111,7 @@ def test_eagle3_draft_init_beats_an_untrained_eagle3_draft(tmp_path: Path) -> No
     # online: the sidecar serves the draft directory, the trainer trains it and pushes it each step
     cfg = RLConfig(
         model=target,
-        eagle3_draft=tmp_path / "eagle3",
+        draft=DraftConfig(eagle3=tmp_path / "eagle3"),
         task=TaskConfig(kind="arithmetic", regime="zero", digits=2),
         rollout=RolloutConfig(
             prompts_per_step=8, samples_per_prompt=4, temperature=0.7, max_new_tokens=24, speculation_k=3
