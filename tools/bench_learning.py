@@ -89,6 +89,7 @@ def run_arm(cfg: RLConfig) -> dict[str, Any]:
         "eval_stderr": [r["reward/eval_stderr"] for r in evals],
         "train_step": [r["step"] for r in steps],
         "train_mean": [r["reward/train_mean"] for r in steps],
+        "response_len": [r["rollout/response_len"] for r in steps],
         "generation_s": sum(r["time/generation"] + r.get("time/refill", 0.0) for r in steps),
         "tau": statistics.mean(r["spec/acceptance_length"] for r in steps),
     }
