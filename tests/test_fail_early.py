@@ -157,7 +157,11 @@ def test_serve_takes_config_file_then_set_then_options(tmp_path: Path) -> None:
     assert code == 0, out
     got = yaml.safe_load(out)
     assert got["port"] == 0 and got["speculation_k"] == 4 and got["max_batch_size"] == 16
-    assert got["device"] == "cuda:1" and got["keep_staging"] is False and got["grace"] == ServeConfig().grace
+    assert (
+        got["device"] == "cuda:1"
+        and got["keep_staging"] is False
+        and got["shutdown_grace_s"] == ServeConfig().shutdown_grace_s
+    )
     code, out = _cli(["serve", "--set", "no_such=1", "--model", str(tmp_path)])
     assert code != 0 and "no_such" in out and "Traceback" not in out
 

@@ -36,7 +36,18 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]
     checkpoint = make_checkpoint(tmp_path_factory.mktemp("nonfinite") / "ckpt", seed=0)
     specrl = Path(sys.executable).parent / "specrl"
     proc = subprocess.Popen(
-        [str(specrl), "serve", "--model", str(checkpoint), "--port", "0", "--metrics-port", "0", "--grace", "1"],
+        [
+            str(specrl),
+            "serve",
+            "--model",
+            str(checkpoint),
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--shutdown-grace-s",
+            "1",
+        ],
         stderr=subprocess.PIPE,
         text=True,
     )

@@ -211,7 +211,18 @@ def test_serve_with_sglang_fails_clearly(checkpoint: Path) -> None:
 def test_specrl_serve_runs_and_stops_gracefully_on_sigterm(checkpoint: Path) -> None:
     specrl = Path(sys.executable).parent / "specrl"
     proc = subprocess.Popen(
-        [str(specrl), "serve", "--model", str(checkpoint), "--port", "0", "--speculation-k", "2", "--grace", "1"],
+        [
+            str(specrl),
+            "serve",
+            "--model",
+            str(checkpoint),
+            "--port",
+            "0",
+            "--speculation-k",
+            "2",
+            "--shutdown-grace-s",
+            "1",
+        ],
         stderr=subprocess.PIPE,
         text=True,
     )

@@ -116,7 +116,7 @@ class LocalSidecars:
             ),
             "--max-batch-size",
             str(self.max_batch_size),
-            "--grace",
+            "--shutdown-grace-s",
             "2",
             "--parent-pid",  # a SIGKILLed trainer cannot tear its sidecars down: they stop themselves
             str(os.getpid()),

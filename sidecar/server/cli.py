@@ -223,7 +223,13 @@ _D = ServeConfig()
     help="Extra SGLang ServerArgs keyword (--engine sglang; repeatable; VALUE parsed as JSON when it can be), "
     "e.g. --sglang-arg mem_fraction_static=0.5 --sglang-arg max_total_tokens=4096.",
 )
-@click.option("--grace", type=click.FloatRange(0), default=_D.grace, show_default=True, help="Shutdown grace seconds.")
+@click.option(
+    "--shutdown-grace-s",
+    type=click.FloatRange(0),
+    default=_D.shutdown_grace_s,
+    show_default=True,
+    help="Seconds live calls get to finish on SIGTERM/SIGINT.",
+)
 @click.option(
     "--parent-pid",
     type=click.IntRange(1),
@@ -325,7 +331,7 @@ def run_sidecar(cfg: ServeConfig, token: str | None = None) -> None:
 
     prefer_mmap_for_large_buffers()  # weight pushes then return their staging memory at once
 
-    host, grace, engine = cfg.host, cfg.grace, cfg.engine
+    host, grace, engine = cfg.host, cfg.shutdown_grace_s, cfg.engine
     offered = cfg.offered_transports
     try:
         security = SecurityConfig(

@@ -80,8 +80,9 @@ class ServeConfig:
     sglang_args: tuple[str, ...] = ()
     """Extra SGLang `ServerArgs` keywords as KEY=VALUE (engine sglang; VALUE parsed as JSON when
     it can be), e.g. mem_fraction_static=0.5."""
-    grace: float = 5.0
-    """Shutdown grace seconds."""
+    shutdown_grace_s: float = 5.0
+    """Seconds live calls get to finish on SIGTERM/SIGINT (the first half for requests to end
+    normally, the rest UNAVAILABLE), before the server stops."""
     parent_pid: int | None = None
     """Shut down (gracefully) once the process with this id is no longer this sidecar's parent:
     a sidecar started by a trainer (`trainer.local_sidecars`) must not outlive it, even when the
@@ -122,8 +123,8 @@ class ServeConfig:
             raise ValueError("compile chooses how the torch engine runs its forwards; SGLang runs its own")
         if (self.max_context is not None or self.kv_cache_gib is not None) and self.engine != "torch":
             raise ValueError("max_context and kv_cache_gib size the torch engine's KV cache; SGLang sizes its own")
-        if self.grace < 0:
-            raise ValueError(f"grace must be >= 0, got {self.grace}")
+        if self.shutdown_grace_s < 0:
+            raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
         if self.parent_pid is not None and self.parent_pid < 1:
             raise ValueError(f"parent_pid must be a process id (>= 1) or unset, got {self.parent_pid}")
 

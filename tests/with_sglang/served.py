@@ -117,7 +117,7 @@ def specrl_serve(
         str(speculation_k),
         "--max-batch-size",
         "16",
-        "--grace",
+        "--shutdown-grace-s",
         "1",
         "--log-level",
         "WARNING",
