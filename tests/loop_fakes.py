@@ -133,3 +133,12 @@ class RecordingPolicy:
 
     def save(self, path: Path) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
+
+
+def lag_zero(run: Any, last: int) -> Any:
+    """A lag-0 rollout pipeline over `run` whatever its config's lag: each step's batch is
+    generated when the step takes it, so a fake fleet's calls come in step order."""
+    from trainer.rl_loop import Rollout, gather_rollout
+    from trainer.rollout_pipeline import RolloutPipeline
+
+    return RolloutPipeline[Rollout](lambda s: gather_rollout(run, s), first=0, last=last, max_lag=0)

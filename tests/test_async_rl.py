@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.loop_fakes import TOK, FakeFleet, RecordingPolicy, RuleTask
+from tests.loop_fakes import TOK, FakeFleet, RecordingPolicy, RuleTask, lag_zero
 from trainer.rl_config import RLConfig, RolloutConfig, SidecarsConfig
-from trainer.rl_loop import Rollout, Run, gather_rollout, rl_step
+from trainer.rl_loop import Rollout, Run, gather_rollout, rl_step, rollout_pipeline
 from trainer.rollout_pipeline import RolloutPipeline
 
 PROMPTS, G = 6, 4
@@ -35,7 +35,8 @@ def _run(lag: int, fleet: FakeFleet) -> tuple[Run, RecordingPolicy]:
 def test_lag_zero_is_the_synchronous_on_policy_loop() -> None:
     fleet = FakeFleet()
     run, policy = _run(0, fleet)
-    history = [rl_step(run, s) for s in range(3)]
+    with rollout_pipeline(run, 0, 3) as rollouts:
+        history = [rl_step(run, s, rollouts) for s in range(3)]
     assert all(not b.off_policy for b in policy.batches)  # no importance weights: today's update
     assert [m["rollout/policy_lag_max"] for m in history] == [0.0, 0.0, 0.0]
     assert [m["rollout/weight_version"] for m in history] == [1.0, 2.0, 3.0]  # each step samples the last push
@@ -73,7 +74,8 @@ def test_a_stale_group_is_regenerated_not_trained_on() -> None:
     the batch holds only fresh samples."""
     fleet = FakeFleet(stale_calls={2})
     run, policy = _run(1, fleet)
-    history = [rl_step(run, s) for s in range(3)]
+    with lag_zero(run, 3) as rollouts:  # generated when taken: the fake's call numbers are the steps'
+        history = [rl_step(run, s, rollouts) for s in range(3)]
     assert len(policy.batches) == 3  # every step trained, on a full batch
     assert [m["rollout/stale_regenerated"] for m in history] == [0.0, PROMPTS * G, 0.0]
     assert fleet.calls == 3 + PROMPTS  # one regeneration per stale group
@@ -83,9 +85,10 @@ def test_a_stale_group_is_regenerated_not_trained_on() -> None:
 def test_samples_still_stale_after_regeneration_stop_the_run_with_the_cause() -> None:
     fleet = FakeFleet(stale_calls=set(range(2, 100)))
     run, _ = _run(1, fleet)
-    rl_step(run, 0)
-    with pytest.raises(RuntimeError, match="serves weights older than it was asked for"):
-        rl_step(run, 1)
+    with lag_zero(run, 2) as rollouts:
+        rl_step(run, 0, rollouts)
+        with pytest.raises(RuntimeError, match="serves weights older than it was asked for"):
+            rl_step(run, 1, rollouts)
 
 
 def test_measuring_plain_beside_an_asynchronous_step_is_refused() -> None:

@@ -43,7 +43,7 @@ from tests.engine.engine_fixtures import aligned_draft_model
 from tests.loop_fakes import TOK, FakeFleet, RecordingPolicy, RuleTask
 from tests.sidecar_fixtures import start_sidecar, wait_until
 from trainer.rl_config import RLConfig, RolloutConfig, SidecarsConfig
-from trainer.rl_loop import Run, rl_step
+from trainer.rl_loop import Run, rl_step, rollout_pipeline
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from collapse_calibration import binomial_tail, simulate_alarms
@@ -326,9 +326,10 @@ def test_the_trainer_logs_each_collapse_once_and_plots_it_every_step(caplog: pyt
         weight_version=3, latest_version=3, reference_version=2, tau_before=2.4, tau_after=1.01, verify_steps=900
     )
     history = []
-    for step in range(6):
-        fleet.collapse, fleet.collapses = (raised, 1) if 2 <= step < 4 else (None, 1 if step >= 2 else 0)
-        history.append(rl_step(run, step))
+    with rollout_pipeline(run, 0, 6) as rollouts:
+        for step in range(6):
+            fleet.collapse, fleet.collapses = (raised, 1) if 2 <= step < 4 else (None, 1 if step >= 2 else 0)
+            history.append(rl_step(run, step, rollouts))
     assert [m["spec/draft_collapsed"] for m in history] == [0.0, 0.0, 1.0, 1.0, 0.0, 0.0]
     lines = [
         r.getMessage() for r in caplog.records if r.name == "trainer.rl_loop" and "draft collapsed" in r.getMessage()

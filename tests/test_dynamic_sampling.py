@@ -23,7 +23,7 @@ from trainer.dynamic_sampling import Group, select_groups, shaped_rewards
 from trainer.losses import OverlongConfig
 from trainer.policy import TrainBatch
 from trainer.rl_config import RLConfig, RolloutConfig, SidecarsConfig
-from trainer.rl_loop import Run, rl_step
+from trainer.rl_loop import Run, rl_step, rollout_pipeline
 from trainer.tokenizer import CharTokenizer
 
 TOK = CharTokenizer()
@@ -73,7 +73,8 @@ def _run(refill_rounds: int, steps: int = 1) -> tuple[FakeFleet, RecordingPolicy
     )
     fleet, policy = FakeFleet(), RecordingPolicy()
     run = Run(cfg=cfg, policy=policy, sidecars=fleet, task=RuleTask(), tokenizer=TOK, run_dir=None)  # type: ignore[arg-type]
-    return fleet, policy, [rl_step(run, s) for s in range(steps)]
+    with rollout_pipeline(run, 0, steps) as rollouts:
+        return fleet, policy, [rl_step(run, s, rollouts) for s in range(steps)]
 
 
 @pytest.mark.parametrize("refill_rounds", [0, 1, 3, 8])

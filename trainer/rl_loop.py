@@ -287,11 +287,12 @@ def _score(run: Run, problems: list[Problem], prompts: list[list[int]], samples:
     return groups
 
 
-def rl_step(run: Run, step: int, rollouts: RolloutPipeline[Rollout] | None = None) -> dict[str, float]:
+def rl_step(run: Run, step: int, rollouts: RolloutPipeline[Rollout] | None) -> dict[str, float]:
     """One RL step; returns its metrics (on every rank: rank 0's).
 
-    `rollouts` (rank 0): where the step's batch comes from; None generates it here and now (the
-    synchronous loop, as `rollout.max_policy_lag` = 0 does). Multi-process (torchrun): rank 0
+    `rollouts` (rank 0; None on the other ranks): where the step's batch comes from, for every lag
+    (`rollout_pipeline`: at lag 0 its `take` generates the batch there and then, the synchronous
+    loop; at lag L > 0 a producer thread runs up to L steps ahead). Multi-process (torchrun): rank 0
     generates and rewards, every rank gets the same batch and its data-parallel replica trains a
     token-balanced share of it on its tensor-parallel shard (`Policy.backward`); the ranks of
     replica 0 take part in the weight export (a collective) while rank 0 streams it to the
@@ -335,8 +336,8 @@ def rl_step(run: Run, step: int, rollouts: RolloutPipeline[Rollout] | None = Non
             run.policy.export_named_tensors, names=run.policy.export_names()
         ).seconds
         metrics["weights/version"] = float(run.fleet.version)
-        if rollouts is not None:
-            rollouts.trained(step)  # the batch `max_policy_lag` steps ahead may start
+        assert rollouts is not None  # `next_batch` took this step's batch from it
+        rollouts.trained(step)  # the batch `max_policy_lag` steps ahead may start
         if cfg.rollout.max_policy_lag:  # the producer generates without bringing sidecars back
             events: list[str] = []  # (a rejoin pushes the trainer's weights: only between updates)
             run.fleet.rejoin(events, force=False)
@@ -458,16 +459,24 @@ def _gather(run: Run, step: int, metrics: dict[str, float], events: list[str]) -
     return chosen
 
 
+def rollout_pipeline(run: Run, first: int, last: int | None = None) -> RolloutPipeline[Rollout]:
+    """Rank 0's rollouts for steps first..last-1 (default: to the run's end) at the run's
+    `rollout.max_policy_lag`: one path for every lag (lag 0 runs no thread)."""
+    return RolloutPipeline(
+        lambda s: gather_rollout(run, s),
+        first=first,
+        last=run.cfg.steps if last is None else last,
+        max_lag=run.cfg.rollout.max_policy_lag,
+    )
+
+
 def next_batch(run: Run, step: int, rollouts: RolloutPipeline[Rollout] | None, metrics: dict[str, float]) -> TrainBatch:
-    """Rank 0: the step's rollout (from `rollouts`, or generated now), its groups regenerated
-    where the lag bound is broken, packed into the batch; adds the metrics."""
+    """Rank 0: the step's rollout from `rollouts`, its groups regenerated where the lag bound is
+    broken, packed into the batch; adds the metrics."""
     if rollouts is None:
-        start = time.perf_counter()
-        rollout = gather_rollout(run, step)
-        waited, gated = time.perf_counter() - start, 0.0
-    else:
-        taken = rollouts.take(step)
-        rollout, waited, gated = taken.value, taken.waited_s, taken.gated_s
+        raise ValueError("rank 0 takes its batches from a rollout pipeline (`rollout_pipeline`), at every lag")
+    taken = rollouts.take(step)
+    rollout, waited, gated = taken.value, taken.waited_s, taken.gated_s
     metrics.update(rollout.metrics)
     metrics["time/wait_generation"] = waited
     metrics["time/wait_weights"] = gated
@@ -646,16 +655,8 @@ def _train(cfg: RLConfig, resume: bool, progress: bool, watchdog: RankWatchdog |
             if leader and cfg.eval_every and start == 0:
                 run_dir.log(0, evaluate_logged(run, progress))  # type: ignore[union-attr]
             last_plot = 0.0
-            rollouts = None
-            if leader and cfg.rollout.max_policy_lag:  # generation runs ahead in a thread of its own
-                rollouts = stack.enter_context(
-                    RolloutPipeline(
-                        lambda s: gather_rollout(run, s),
-                        first=start,
-                        last=cfg.steps,
-                        max_lag=cfg.rollout.max_policy_lag,
-                    )
-                )
+            # lag 0: each step generates its batch when it takes it; lag L > 0: a producer thread
+            rollouts = stack.enter_context(rollout_pipeline(run, start)) if leader else None
             bar = tqdm(range(start, cfg.steps), desc="RL steps", disable=not progress, unit="step")
             for step in bar:
                 metrics = rl_step(run, step, rollouts)
