@@ -13,7 +13,7 @@ import pytest
 
 from tests.loop_fakes import TOK, FakeFleet, RecordingPolicy, RuleTask, lag_zero
 from trainer.rl_config import RLConfig, RolloutConfig, SidecarsConfig
-from trainer.rl_loop import Rollout, Run, gather_rollout, rl_step, rollout_pipeline
+from trainer.rl_loop import Rollout, Run, StepTimes, gather_rollout, rl_step, rollout_pipeline
 from trainer.rollout_pipeline import RolloutPipeline
 
 PROMPTS, G = 6, 4
@@ -121,3 +121,29 @@ def test_a_refused_push_with_a_batch_in_flight_trains_nothing_stale_and_keeps_th
     assert len(trained) == 1 and len(policy.batches) == 2  # step 1 trained, its push refused
     assert fleet.version == 2  # the first push only: the served weights are the last accepted ones
     assert fleet.calls <= 3  # steps 0, 1 and at most the one batch generated ahead
+
+
+def test_step_times_add_up_to_the_step_synchronous_and_overlapped() -> None:
+    """Closed form: synchronously a step is its generation plus everything after it; overlapped, only
+    what the trainer waited for plus its own phases (refill is part of the producer's work)."""
+    t = StepTimes(
+        generation=2.0,
+        generation_plain=3.0,
+        refill=1.0,
+        logprobs=0.5,
+        train=1.5,
+        weight_sync=0.25,
+        wait_generation=0.4,
+        stale_regeneration=0.1,
+    )
+    sync = t.metrics(overlapped=False)
+    assert sync["time/step"] == pytest.approx(2.0 + 1.0 + 0.5 + 1.5 + 0.25)
+    assert sync["time/generation_share"] == pytest.approx(3.0 / 5.25)
+    assert sync["speedup/generation"] == pytest.approx(1.5)
+    assert sync["speedup/step"] == pytest.approx((3.0 + 3.25) / 5.25)
+    assert "time/generation_exposed_share" not in sync and sync["time/train"] == 1.5
+    lagged = t.metrics(overlapped=True)
+    assert lagged["time/step"] == pytest.approx(0.5 + 0.5 + 1.5 + 0.25)
+    assert lagged["time/generation_exposed_share"] == pytest.approx(0.5 / 2.75)
+    assert "speedup/generation" not in StepTimes(generation=1.0).metrics(overlapped=False)
+    assert "time/generation_plain" not in StepTimes(generation=1.0).metrics(overlapped=False)

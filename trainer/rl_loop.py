@@ -103,6 +103,47 @@ from the step's own rounds (0 .. refill_rounds)."""
 
 
 @dataclass(kw_only=True, slots=True)
+class StepTimes:
+    """Seconds one RL step spent, phase by phase: filled by the functions that time them, logged
+    as `time/<field>` with the step's total and shares (`metrics`)."""
+
+    generation: float = 0.0
+    """The step's rollout (speculative unless k is 0)."""
+    generation_plain: float | None = None
+    """The same prompts with speculation off (`rollout.measure_plain`); None when not measured."""
+    refill: float = 0.0
+    """DAPO refill rounds."""
+    wait_generation: float = 0.0
+    """What the trainer waited for its batch (all of generation at lag 0)."""
+    wait_weights: float = 0.0
+    """What the producer waited for weights before starting the batch (the lag bound)."""
+    stale_regeneration: float = 0.0
+    """Regenerating groups older than the lag bound."""
+    logprobs: float = 0.0
+    train: float = 0.0
+    weight_sync: float = 0.0
+
+    def metrics(self, *, overlapped: bool) -> dict[str, float]:
+        """`time/*`, the step's length and the generation's share of it, and the speedups when the
+        plain pass was measured. `overlapped` (lag > 0): generation ran beside training, so the
+        step holds only what the trainer waited for."""
+        out = {f"time/{f.name}": v for f in dataclasses.fields(self) if (v := getattr(self, f.name)) is not None}
+        rest = self.refill + self.logprobs + self.train + self.weight_sync
+        if overlapped:
+            exposed = self.wait_generation + self.stale_regeneration
+            step = exposed + rest - self.refill
+            out["time/generation_exposed_share"] = exposed / step
+        else:
+            step = self.generation + rest
+        out["time/step"] = step
+        out["time/generation_share"] = (self.generation + self.refill) / step
+        if self.generation_plain is not None:
+            out["speedup/generation"] = self.generation_plain / self.generation
+            out["speedup/step"] = (self.generation_plain + rest) / step
+        return out
+
+
+@dataclass(kw_only=True, slots=True)
 class Rollout:
     """Rank 0: one step's generated and rewarded groups, before they become its batch."""
 
@@ -111,7 +152,9 @@ class Rollout:
     """`select_groups`' choice: informative groups first, padded with masked ones."""
     informative: int
     metrics: dict[str, float]
-    """Generation, reward, refill and speculation metrics of the step."""
+    """Reward, refill and speculation metrics of the step."""
+    times: StepTimes
+    """Generation and refill seconds (the trainer adds its own phases)."""
     events: list[str]
     """What went wrong on the way (re-routes, short steps), logged with the step."""
 
@@ -299,7 +342,8 @@ def rl_step(run: Run, step: int, rollouts: RolloutPipeline[Rollout] | None) -> d
     sidecars."""
     cfg = run.cfg
     metrics: dict[str, float] = {}
-    batch = share(next_batch(run, step, rollouts, metrics) if run.leader else None)
+    times = StepTimes()
+    batch = share(next_batch(run, step, rollouts, metrics, times) if run.leader else None)
     assert batch is not None
 
     # 3. log-prob recomputation with the trainer's policy (the PPO ratio's denominator): in a
@@ -314,7 +358,7 @@ def rl_step(run: Run, step: int, rollouts: RolloutPipeline[Rollout] | None) -> d
     if run.reference is not None:
         size = cfg.train.micro_batch_rows or batch.tokens.shape[0]
         batch.ref_logprobs = torch.cat([run.reference.logprobs(part).cpu() for part in batch.tokens.split(size)])
-    metrics["time/logprobs"] = time.perf_counter() - t
+    times.logprobs = time.perf_counter() - t
 
     # 4. policy and draft update(s)
     t = time.perf_counter()
@@ -322,7 +366,7 @@ def rl_step(run: Run, step: int, rollouts: RolloutPipeline[Rollout] | None) -> d
         batch, epochs=cfg.train.epochs, mini_batches=cfg.train.mini_batches, seed=cfg.seed * 7919 + step
     )
     metrics.update({f"train/{k}": v for k, v in trained.items()})
-    metrics["time/train"] = time.perf_counter() - t
+    times.train = time.perf_counter() - t
     if batch.old_logprobs is not None:  # the sampling policy's log-probs, before any update
         where = batch.generated if batch.generated is not None else batch.mask
         mismatch = mismatch_metrics(batch.old_logprobs, batch.rollout_logprobs, where)  # type: ignore[arg-type]
@@ -332,7 +376,7 @@ def rl_step(run: Run, step: int, rollouts: RolloutPipeline[Rollout] | None) -> d
     # 5. push target + draft to every sidecar (version + 1); the export gathers tensor-parallel
     #    shards, so every rank walks it
     if run.leader:
-        metrics["time/weight_sync"] = run.fleet.push_weights(
+        times.weight_sync = run.fleet.push_weights(
             run.policy.export_named_tensors, names=run.policy.export_names()
         ).seconds
         metrics["weights/version"] = float(run.fleet.version)
@@ -345,22 +389,11 @@ def rl_step(run: Run, step: int, rollouts: RolloutPipeline[Rollout] | None) -> d
                 log.warning("step %d: %s", step, "; ".join(events))
     else:
         drain_export(run.policy)
-        metrics["time/weight_sync"] = 0.0
 
     # refill rounds count as the same cost on both sides of the step speedup (conservative: they
     # are speculative here and would be plain without speculation)
     if run.leader:
-        rest = metrics["time/refill"] + metrics["time/logprobs"] + metrics["time/train"] + metrics["time/weight_sync"]
-        if cfg.rollout.max_policy_lag:  # generation overlaps training: the trainer waits only for what is left
-            exposed = metrics["time/wait_generation"] + metrics["time/stale_regeneration"]
-            metrics["time/step"] = exposed + rest - metrics["time/refill"]
-            metrics["time/generation_exposed_share"] = exposed / metrics["time/step"]
-        else:
-            metrics["time/step"] = metrics["time/generation"] + rest
-        metrics["time/generation_share"] = (metrics["time/generation"] + metrics["time/refill"]) / metrics["time/step"]
-        if cfg.rollout.measure_plain:
-            metrics["speedup/generation"] = metrics["time/generation_plain"] / metrics["time/generation"]
-            metrics["speedup/step"] = (metrics["time/generation_plain"] + rest) / metrics["time/step"]
+        metrics.update(times.metrics(overlapped=cfg.rollout.max_policy_lag > 0))
     shared = share(metrics if run.leader else None)
     assert shared is not None
     return shared
@@ -372,12 +405,15 @@ def gather_rollout(run: Run, step: int) -> Rollout:
     `run.generating`, so an evaluation's generations never mix into its counters."""
     with run.generating:
         metrics: dict[str, float] = {}
+        times = StepTimes()
         events: list[str] = []
-        chosen = _gather(run, step, metrics, events)
-    return Rollout(step=step, groups=chosen.groups, informative=chosen.informative, metrics=metrics, events=events)
+        chosen = _gather(run, step, metrics, times, events)
+    return Rollout(
+        step=step, groups=chosen.groups, informative=chosen.informative, metrics=metrics, times=times, events=events
+    )
 
 
-def _gather(run: Run, step: int, metrics: dict[str, float], events: list[str]) -> Selection:
+def _gather(run: Run, step: int, metrics: dict[str, float], times: StepTimes, events: list[str]) -> Selection:
     cfg, ro = run.cfg, run.cfg.rollout
     rejoin = not ro.max_policy_lag  # asynchronous: the trainer brings sidecars back between updates
     rng = random.Random(cfg.seed * 1_000_003 + step)
@@ -394,14 +430,14 @@ def _gather(run: Run, step: int, metrics: dict[str, float], events: list[str]) -
     run.fleet.speculation_delta()  # baseline of the raw counters
     plain_first = ro.measure_plain and step % 2 == 1  # alternate the order of the side-by-side passes
     if plain_first:
-        metrics["time/generation_plain"] = run.fleet.generate(rollout_request(0), rejoin=rejoin).seconds
+        times.generation_plain = run.fleet.generate(rollout_request(0), rejoin=rejoin).seconds
         run.fleet.speculation_delta()
     rollout = run.fleet.generate(rollout_request(ro.request_k), rejoin=rejoin)
     counters = run.fleet.speculation_delta()
     if ro.measure_plain and not plain_first:
-        metrics["time/generation_plain"] = run.fleet.generate(rollout_request(0), rejoin=rejoin).seconds
+        times.generation_plain = run.fleet.generate(rollout_request(0), rejoin=rejoin).seconds
     samples = rollout.samples
-    metrics["time/generation"] = rollout.seconds
+    times.generation = rollout.seconds
     metrics["rollout/rerouted"] = float(rollout.rerouted)
     metrics["rollout/duplicates"] = float(rollout.duplicates)
     metrics["rollout/regenerated"] = float(rollout.regenerated)
@@ -450,7 +486,7 @@ def _gather(run: Run, step: int, metrics: dict[str, float], events: list[str]) -
     metrics["rollout/refill_prompts"] = float(len(refills))  # prompts generated by the refill rounds
     metrics["rollout/refilled_groups"] = float(sum(g.informative for g in refills))
     metrics["rollout/kept_fraction"] = chosen.informative / ro.prompts_per_step
-    metrics["time/refill"] = refill_seconds
+    times.refill = refill_seconds
     if cfg.algorithm.filter_equal_groups and ro.refill_rounds and chosen.informative < ro.prompts_per_step:
         events.append(
             f"dynamic sampling found {chosen.informative} of {ro.prompts_per_step} informative groups after "
@@ -470,20 +506,26 @@ def rollout_pipeline(run: Run, first: int, last: int | None = None) -> RolloutPi
     )
 
 
-def next_batch(run: Run, step: int, rollouts: RolloutPipeline[Rollout] | None, metrics: dict[str, float]) -> TrainBatch:
+def next_batch(
+    run: Run, step: int, rollouts: RolloutPipeline[Rollout] | None, metrics: dict[str, float], times: StepTimes
+) -> TrainBatch:
     """Rank 0: the step's rollout from `rollouts`, its groups regenerated where the lag bound is
-    broken, packed into the batch; adds the metrics."""
+    broken, packed into the batch; adds the metrics, and the rollout's times to `times`."""
     if rollouts is None:
         raise ValueError("rank 0 takes its batches from a rollout pipeline (`rollout_pipeline`), at every lag")
     taken = rollouts.take(step)
     rollout, waited, gated = taken.value, taken.waited_s, taken.gated_s
     metrics.update(rollout.metrics)
-    metrics["time/wait_generation"] = waited
-    metrics["time/wait_weights"] = gated
+    times.generation, times.generation_plain, times.refill = (
+        rollout.times.generation,
+        rollout.times.generation_plain,
+        rollout.times.refill,
+    )
+    times.wait_generation, times.wait_weights = waited, gated
     events = list(rollout.events)
     t = time.perf_counter()
     metrics["rollout/stale_regenerated"] = float(refresh_stale_groups(run, rollout, events))
-    metrics["time/stale_regeneration"] = time.perf_counter() - t
+    times.stale_regeneration = time.perf_counter() - t
     lags = [run.fleet.version - s.weight_version for g in rollout.groups for s in g.samples]
     metrics["rollout/policy_lag_mean"] = sum(lags) / len(lags)
     metrics["rollout/policy_lag_max"] = float(max(lags))
