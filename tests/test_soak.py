@@ -79,6 +79,18 @@ def test_the_sample_checks_fire_on_versions_never_committed_and_on_lost_samples(
     assert len(s.violations) == 3
 
 
+def test_a_worker_thread_that_dies_is_a_violation(tmp_path: Path) -> None:
+    """A restart that fails (e.g. a sidecar refusing its command line) raised in the killer thread,
+    which died quietly while the soak ran on with fewer sidecars and no more kills: now counted."""
+    s = _soak(tmp_path)
+
+    def killer() -> None:
+        raise RuntimeError("local sidecar exited with code 2 before serving")
+
+    s.guarded(killer)()
+    assert len(s.violations) == 1 and "died: RuntimeError: local sidecar exited" in s.violations[0], s.violations
+
+
 def test_an_error_is_accepted_only_where_the_situation_explains_it(tmp_path: Path) -> None:
     s = _soak(tmp_path)
     state = soak.SidecarState(index=0, address="unused")

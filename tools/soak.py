@@ -42,6 +42,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -497,17 +498,29 @@ class Soak:
         )
 
     # ---- the run -----------------------------------------------------------------------------
+    def guarded(self, target: Callable[..., None], *args: object) -> Callable[[], None]:
+        """`target(*args)`, with an exception that ends it counted as a violation: a worker that
+        dies (a restart that fails, a bug) would otherwise leave a quieter soak that still passes."""
+
+        def run() -> None:
+            try:
+                target(*args)
+            except Exception as e:
+                self.violation(f"thread {threading.current_thread().name} died: {type(e).__name__}: {e}")
+
+        return run
+
     def run(self) -> int:
         self.start()
         self.started = time.monotonic()
         threads = [
-            threading.Thread(target=self.traffic, args=(w,), name=f"traffic{w}", daemon=True)
+            threading.Thread(target=self.guarded(self.traffic, w), name=f"traffic{w}", daemon=True)
             for w in range(self.cfg.traffic_threads)
         ]
         threads += [
-            threading.Thread(target=self.pusher, name="pusher", daemon=True),
-            threading.Thread(target=self.killer, name="killer", daemon=True),
-            threading.Thread(target=self.monitor, name="monitor", daemon=True),
+            threading.Thread(target=self.guarded(self.pusher), name="pusher", daemon=True),
+            threading.Thread(target=self.guarded(self.killer), name="killer", daemon=True),
+            threading.Thread(target=self.guarded(self.monitor), name="monitor", daemon=True),
         ]
         for t in threads:
             t.start()
