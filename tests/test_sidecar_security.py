@@ -43,7 +43,9 @@ def test_mutual_tls_needs_a_client_certificate(pki: Path, checkpoint: Path) -> N
         with SidecarClient(sc.address, mtls) as c:
             assert [s.token_ids for s in c.generate(greedy_request())] == greedy_oracle()
             assert c.push_weights(weights(1), 1).version == 1
-        with SidecarClient(sc.address, ClientConfig(security=SecurityConfig(peer_ca=pki / "ca.pem"), retries=0, timeout_s=3)) as anonymous:
+        with SidecarClient(
+            sc.address, ClientConfig(security=SecurityConfig(peer_ca=pki / "ca.pem"), retries=0, timeout_s=3)
+        ) as anonymous:
             with pytest.raises(SidecarCallError) as err:
                 anonymous.info()
             assert err.value.code == Code.UNAVAILABLE  # the TLS handshake fails

@@ -87,7 +87,7 @@ class ClientConfig:
     security: SecurityConfig = field(default_factory=SecurityConfig)
     """TLS (`peer_ca`, `tls`; `cert` and `key` for mutual TLS) and where the bearer token comes from."""
     token: str | None = field(default=None, repr=False)
-    """The bearer token itself, when given directly (kept out of repr, so it is never logged);
+    """The bearer token itself, given or already read (kept out of repr, so it is never logged);
     None: read when the client is created, from `security.token_file` or $SPECRL_TOKEN."""
     max_message_mib: int = 64
     transports: TransportConfig = field(default_factory=TransportConfig)
@@ -125,7 +125,7 @@ class SidecarClient:
             # refused" until it expires), which defeats the fleet's fresh-channel rejoin.
             ("grpc.use_local_subchannel_pool", 1),
         ]
-        token = c.security.read_token(c.token)
+        token = c.token if c.token is not None else c.security.read_token()
         check_token(token)
         creds = channel_credentials(c.security)
         if creds is not None:

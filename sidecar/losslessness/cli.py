@@ -117,7 +117,9 @@ def _prompts(path: Path) -> list[list[int]]:
     default=None,
     help="PEM certificate to present for mutual TLS (with --key).",
 )
-@click.option("--key", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None, help="Key of --cert.")
+@click.option(
+    "--key", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None, help="Key of --cert."
+)
 def verify(
     address: str,
     model_dir: Path | None,
@@ -199,12 +201,12 @@ def verify(
 
     with SidecarClient(address, client_config) as client:
         try:
-            cert = verify_sidecar(client, model, config, progress, draft)
+            certificate = verify_sidecar(client, model, config, progress, draft)
         except SidecarCallError as e:
             hint = f"; is a sidecar serving on {address}?" if e.code == grpc.StatusCode.UNAVAILABLE else ""
             raise CannotVerify(f"{e}{hint}") from None
-    click.echo(format_certificate(cert))
+    click.echo(format_certificate(certificate))
     if json_out is not None:
-        write_json(cert, json_out)
+        write_json(certificate, json_out)
         click.echo(f"certificate written to {json_out}", err=True)
-    sys.exit(cert.exit_status)
+    sys.exit(certificate.exit_status)
