@@ -2,8 +2,8 @@
 
 Whoever can push weights owns the model, so a sidecar binds to loopback unless told otherwise
 and can require, independently:
-- TLS (server certificate and key) and mutual TLS (a client CA: callers must present a
-  certificate it signed), through gRPC's own `ssl_server_credentials`;
+- TLS (`cert` and `key`) and mutual TLS (`peer_ca`: callers must present a certificate it
+  signed), through gRPC's own `ssl_server_credentials`;
 - a bearer token on every RPC (metadata `authorization: Bearer <token>`), checked by a server
   interceptor in constant time; a call without it, or with a wrong one, ends UNAUTHENTICATED
   before it reaches any servicer.
@@ -11,6 +11,8 @@ and can require, independently:
 Decision: the standard health service (`grpc.health.v1.Health`) stays open without a token, so
 load balancers and orchestrator probes (which carry no credentials) can check liveness; it
 reveals nothing but SERVING/NOT_SERVING. Everything else, reflection included, needs the token.
+
+Both ends are configured by one `SecurityConfig`, with the same names at both.
 """
 
 from __future__ import annotations
@@ -30,66 +32,107 @@ TOKEN_ENV = "SPECRL_TOKEN"
 
 @dataclass(kw_only=True, slots=True)
 class SecurityConfig:
-    """Server-side TLS files and bearer token; all optional."""
+    """TLS and the bearer token of one end of a specrl connection: a sidecar (`specrl serve`'s
+    `security.*`, `--cert` ...) or a client of one (the trainer's `sidecars.security.*`, the verl
+    plugin's `security.*`, `ClientConfig.security`). The same field means the same thing at both
+    ends; where an end reads it differently, the field says so.
 
-    tls_cert: Path | None = None
-    """PEM certificate chain of the server; with tls_key, turns TLS on."""
-    tls_key: Path | None = None
-    """PEM private key of the server."""
-    tls_client_ca: Path | None = None
-    """PEM CA bundle; when set, clients must present a certificate it signed (mutual TLS)."""
-    token: str | None = None
-    """Bearer token every RPC but health checks must carry; None: no token check."""
+    The token itself is never a field: a config gets written to run directories and copied
+    around. It is read from `token_file`, or else from $SPECRL_TOKEN (`read_token`). Files are
+    looked for when the end starts (`check_files`), not when the config is built: a config names
+    files on the machine that runs it."""
+
+    token_file: Path | None = None
+    """File whose first line is the bearer token; unset: $SPECRL_TOKEN if set, else no token. A
+    sidecar requires it on every RPC but health checks; a client sends it with every call."""
+    cert: Path | None = None
+    """This end's PEM certificate (chain), with `key`: a sidecar's server certificate (turns TLS
+    on), or the certificate a client presents for mutual TLS."""
+    key: Path | None = None
+    """The PEM private key of `cert` (set both or neither)."""
+    peer_ca: Path | None = None
+    """PEM CA bundle the other end's certificate must be signed by. A client: the CA of the
+    sidecars' certificates (turns TLS on). A sidecar: clients must present a certificate it
+    signed (mutual TLS; needs `cert`)."""
+    tls: bool = False
+    """A client: TLS verified by the system roots when `peer_ca` is unset (implied by `peer_ca` and
+    `cert`). Not a sidecar setting: a sidecar serves TLS exactly when `cert` is set."""
 
     def __post_init__(self) -> None:
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ValueError("tls_cert and tls_key go together: set both for TLS, or neither")
-        if self.tls_client_ca is not None and self.tls_cert is None:
-            raise ValueError("tls_client_ca (mutual TLS) needs TLS: also set tls_cert and tls_key")
-        for name in ("tls_cert", "tls_key", "tls_client_ca"):
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("cert and key go together (this end's certificate and its key): set both or neither")
+
+    @property
+    def client_uses_tls(self) -> bool:
+        """Whether a client with these settings connects over TLS."""
+        return self.tls or self.peer_ca is not None or self.cert is not None
+
+    def check_server(self) -> None:
+        """The checks that apply to a sidecar's settings (ValueError naming the `security.*` key)."""
+        if self.tls:
+            raise ValueError(
+                "security.tls is a client setting: a sidecar serves TLS exactly when security.cert and "
+                "security.key are set (--cert, --key); unset security.tls"
+            )
+        if self.peer_ca is not None and self.cert is None:
+            raise ValueError(
+                "security.peer_ca (mutual TLS: clients must present a certificate it signed) needs TLS: "
+                "also set security.cert and security.key (--cert, --key)"
+            )
+
+    def check_files(self, where: str) -> None:
+        """ValueError naming `{where}.{field}` when a file it names is not on this machine."""
+        for name in ("token_file", "cert", "key", "peer_ca"):
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
-                raise ValueError(f"{name}: {path} is not a readable file")
-        if self.token is not None and (not self.token or any(c.isspace() for c in self.token)):
-            raise ValueError("token must be a non-empty string without whitespace (or None for no token)")
+                raise ValueError(f"{where}.{name}: {path} is not a readable file on this machine")
+
+    def read_token(self, given: str | None = None) -> str | None:
+        """The bearer token: `given` (e.g. `--token`), else `token_file`'s, else $SPECRL_TOKEN, else None."""
+        return read_token(given, self.token_file)
+
+
+def check_token(token: str | None) -> None:
+    """ValueError unless `token` is None (no token) or a non-empty string without whitespace."""
+    if token is not None and (not token or any(c.isspace() for c in token)):
+        raise ValueError("the bearer token must be a non-empty string without whitespace (or none for no token)")
 
 
 def server_credentials(config: SecurityConfig) -> grpc.ServerCredentials | None:
-    """gRPC server credentials for `config`; None means plaintext."""
-    if config.tls_cert is None or config.tls_key is None:
+    """gRPC server credentials of a sidecar with `config`; None means plaintext."""
+    config.check_server()
+    if config.cert is None or config.key is None:
         return None
-    key = Path(config.tls_key).read_bytes()
-    cert = Path(config.tls_cert).read_bytes()
-    if config.tls_client_ca is None:
+    key = Path(config.key).read_bytes()
+    cert = Path(config.cert).read_bytes()
+    if config.peer_ca is None:
         return grpc.ssl_server_credentials([(key, cert)])
     return grpc.ssl_server_credentials(
-        [(key, cert)], root_certificates=Path(config.tls_client_ca).read_bytes(), require_client_auth=True
+        [(key, cert)], root_certificates=Path(config.peer_ca).read_bytes(), require_client_auth=True
     )
 
 
-def channel_credentials(
-    *, root_ca: Path | None = None, client_cert: Path | None = None, client_key: Path | None = None
-) -> grpc.ChannelCredentials:
-    """Client TLS credentials: the CA that signed the server (None: system roots), and for
-    mutual TLS the client's own certificate and key."""
-    if (client_cert is None) != (client_key is None):
-        raise ValueError("client_cert and client_key go together: set both for mutual TLS, or neither")
+def channel_credentials(config: SecurityConfig) -> grpc.ChannelCredentials | None:
+    """gRPC channel credentials of a client with `config` (the sidecars' CA, or the system roots
+    when `peer_ca` is unset; `cert` and `key` for mutual TLS); None means plaintext."""
+    if not config.client_uses_tls:
+        return None
     return grpc.ssl_channel_credentials(
-        root_certificates=Path(root_ca).read_bytes() if root_ca else None,
-        private_key=Path(client_key).read_bytes() if client_key else None,
-        certificate_chain=Path(client_cert).read_bytes() if client_cert else None,
+        root_certificates=Path(config.peer_ca).read_bytes() if config.peer_ca else None,
+        private_key=Path(config.key).read_bytes() if config.key else None,
+        certificate_chain=Path(config.cert).read_bytes() if config.cert else None,
     )
 
 
 def read_token(token: str | None = None, token_file: Path | None = None) -> str | None:
     """The bearer token from an explicit value, a file (first line), or $SPECRL_TOKEN."""
     if token and token_file:
-        raise ValueError("give the token either directly or as a file, not both")
+        raise ValueError("give the token either directly or as a file (token_file), not both")
     if token_file is not None:
-        value = Path(token_file).read_text().strip()
-        if not value:
+        lines = Path(token_file).read_text().strip().splitlines()
+        if not lines or not lines[0].strip():
             raise ValueError(f"token file {token_file} is empty")
-        return value
+        return lines[0].strip()
     return token or os.environ.get(TOKEN_ENV) or None
 
 

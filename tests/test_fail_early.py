@@ -19,7 +19,8 @@ import yaml
 from click.testing import CliRunner
 
 from sidecar.config_io import from_mapping, merge_overrides, parse_override, yaml_load
-from sidecar.server.serve_config import ServeConfig
+from sidecar.security import SecurityConfig
+from sidecar.server.serve_config import SECURITY_OPTIONS, ServeConfig
 from tests.sidecar_fixtures import start_sidecar
 from trainer.cli import main
 from trainer.rl_cli import resolve_config
@@ -129,9 +130,14 @@ def test_training_command_defaults_equal_their_configs(command: str, config: obj
 def test_serve_defaults_equal_serve_config_and_demo_steps_equal_demo_config() -> None:
     cfg = ServeConfig()
     params = {p.name: p.default for p in main.commands["serve"].params}
-    fields = {f.name for f in dataclasses.fields(ServeConfig)} - {"model"}
+    fields = {f.name for f in dataclasses.fields(ServeConfig)} - {"model", "security"}
     assert fields <= set(params)
     assert {n: params[n] for n in fields} == {n: getattr(cfg, n) for n in fields}
+    # the security section: an option per field (its name, its default) but the client-only tls
+    security = {f.name for f in dataclasses.fields(SecurityConfig)} - {"tls"}
+    assert set(SECURITY_OPTIONS) == security
+    assert {n: params[n] for n in security} == {n: getattr(cfg.security, n) for n in security}
+    assert "tls" not in params
     from trainer.demo import DemoConfig
 
     assert {p.name: p.default for p in main.commands["demo"].params}["rl_steps"] == DemoConfig().rl_steps
@@ -162,6 +168,21 @@ def test_serve_takes_config_file_then_set_then_options(tmp_path: Path) -> None:
         and got["keep_staging"] is False
         and got["shutdown_grace_s"] == ServeConfig().shutdown_grace_s
     )
+    token, other, ca = tmp_path / "token", tmp_path / "other-token", tmp_path / "ca.pem"
+    for path in (token, other, ca):
+        path.write_text("not read by --print-config\n")
+    f.write_text(f"model: {tmp_path}\nsecurity: {{token_file: {token}}}\n")
+    code, out = _cli(["serve", "--config", str(f), "--token-file", str(other), "--print-config"])
+    assert code == 0, out
+    assert yaml.safe_load(out)["security"] == {  # a flag overrides the file's security.* key
+        "token_file": str(other),
+        "cert": None,
+        "key": None,
+        "peer_ca": None,
+        "tls": False,
+    }
+    code, out = _cli(["serve", "--model", str(tmp_path), "--peer-ca", str(ca), "--print-config"])
+    assert code != 0 and "security.peer_ca" in out and "--cert" in out and "Traceback" not in out
     code, out = _cli(["serve", "--set", "no_such=1", "--model", str(tmp_path)])
     assert code != 0 and "no_such" in out and "Traceback" not in out
 

@@ -25,7 +25,7 @@ from sidecar.types import GenerationRequest, SamplingParams
 from tests.sidecar_fixtures import start_sidecar
 from trainer import rl_loop
 from trainer.preflight import PreflightError
-from trainer.rl_config import RLConfig, RolloutConfig, SidecarsConfig, SidecarSecurityConfig, TaskConfig
+from trainer.rl_config import RLConfig, RolloutConfig, SidecarsConfig, TaskConfig
 from trainer.tokenizer import CharTokenizer
 from trainer.warmup import make_model
 
@@ -101,7 +101,7 @@ def test_a_request_every_sidecar_refuses_surfaces_and_leaves_the_fleet_whole(pai
 
 
 def test_a_wrong_token_surfaces_as_unauthenticated_not_as_a_dead_fleet(checkpoint: Path) -> None:
-    sidecars = started(checkpoint, 2, security=SecurityConfig(token="s3cret"))
+    sidecars = started(checkpoint, 2, token="s3cret")
     try:
         request = GenerationRequest(prompts=[[1, 2]], sampling=SamplingParams(temperature=0.0, max_new_tokens=4))
         with Fleet([s.address for s in sidecars], FleetConfig(client=ClientConfig(token="wrong"))) as fleet:
@@ -126,9 +126,9 @@ def test_train_against_a_token_protected_sidecar(
     monkeypatch.delenv(TOKEN_ENV, raising=False)
     token_file = tmp_path / "token"
     token_file.write_text("s3cret-token\n")
-    (sidecar,) = started(checkpoint, 1, security=SecurityConfig(token="s3cret-token"))
+    (sidecar,) = started(checkpoint, 1, token="s3cret-token")
     try:
-        secured = SidecarsConfig(addresses=[sidecar.address], security=SidecarSecurityConfig(token_file=token_file))
+        secured = SidecarsConfig(addresses=[sidecar.address], security=SecurityConfig(token_file=token_file))
         history = rl_loop.train(run_config(checkpoint, tmp_path / "run", secured), progress=False)
         assert history[0]["weights/version"] == 2.0
         written = (tmp_path / "run" / "config.yaml").read_text()
@@ -144,12 +144,10 @@ def test_train_against_a_token_protected_sidecar(
 
 
 def test_train_against_a_mutual_tls_sidecar(checkpoint: Path, tmp_path: Path, pki: Path) -> None:
-    security = SecurityConfig(tls_cert=pki / "server.pem", tls_key=pki / "server.key", tls_client_ca=pki / "ca.pem")
+    security = SecurityConfig(cert=pki / "server.pem", key=pki / "server.key", peer_ca=pki / "ca.pem")
     (sidecar,) = started(checkpoint, 1, security=security)
     try:
-        mtls = SidecarSecurityConfig(
-            root_ca=pki / "ca.pem", client_cert=pki / "client.pem", client_key=pki / "client.key"
-        )
+        mtls = SecurityConfig(peer_ca=pki / "ca.pem", cert=pki / "client.pem", key=pki / "client.key")
         cfg = run_config(checkpoint, tmp_path / "run", SidecarsConfig(addresses=[sidecar.address], security=mtls))
         assert rl_loop.train(cfg, progress=False)[0]["weights/version"] == 2.0
     finally:
@@ -167,12 +165,13 @@ def test_train_with_a_local_sidecar_that_inherits_the_token(
 
 
 def test_security_settings_are_checked(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="client_cert and client_key go together"):
-        SidecarSecurityConfig(client_cert=tmp_path)
-    with pytest.raises(ValueError, match="token_file.*is not a readable file"):
-        SidecarSecurityConfig(token_file=tmp_path / "absent").client_config(timeout_s=1.0)
+    with pytest.raises(ValueError, match="cert and key go together"):
+        SecurityConfig(cert=tmp_path)
+    absent = SidecarsConfig(addresses=["127.0.0.1:1"], security=SecurityConfig(token_file=tmp_path / "absent"))
+    with pytest.raises(ValueError, match="sidecars.security.token_file: .* is not a readable file"):
+        absent.client_config()
     with pytest.raises(ValueError, match="local sidecars serve plaintext"):
-        SidecarsConfig(local=1, security=SidecarSecurityConfig(tls=True))
+        SidecarsConfig(local=1, security=SecurityConfig(tls=True))
     assert "s3cret" not in repr(ClientConfig(token="s3cret"))
 
 

@@ -36,6 +36,21 @@ def test_unknown_options_and_bad_values_are_named(sidecar: Sidecar) -> None:
         options(sidecar).sidecar_for(0, replicas=2)
 
 
+def test_security_options_are_the_shared_security_config(sidecar: Sidecar, tmp_path: Path) -> None:
+    """`security.*` is the trainer's and the sidecar's `SecurityConfig`: same keys, same checks,
+    and each wrong one named under the plugin's key."""
+    key = "actor_rollout_ref.rollout.engine_kwargs.specrl.security"
+    with pytest.raises(SpecrlConfigError, match=rf"unknown key\(s\) \['ca'\] in {key}"):
+        options(sidecar, security={"ca": "ca.pem"})
+    with pytest.raises(SpecrlConfigError, match=f"{key}: cert and key go together"):
+        options(sidecar, security={"cert": "client.pem"})
+    with pytest.raises(SpecrlConfigError, match=f"{key}.token_file: .* is not a readable file"):
+        options(sidecar, security={"token_file": str(tmp_path / "absent")}).client_config()
+    (tmp_path / "token").write_text("s3cret\n")
+    config = options(sidecar, security={"token_file": str(tmp_path / "token"), "tls": True}).client_config()
+    assert config.token == "s3cret" and config.security.client_uses_tls and "s3cret" not in repr(config)
+
+
 def test_an_unreachable_sidecar_is_named(sidecar: Sidecar) -> None:
     opts = SpecrlRolloutOptions.from_mapping({"sidecars": ["127.0.0.1:1"], "connect_timeout_s": 2.0})
     with pytest.raises(SpecrlConfigError, match="cannot reach the specrl sidecar at 127.0.0.1:1"):

@@ -167,7 +167,7 @@ def check_sidecars(cfg: RLConfig, model: ModelConfig) -> None:
     from sidecar.client.client import SidecarCallError, SidecarClient
 
     try:  # the run's own credentials (token, TLS), so a secured sidecar answers the probe
-        client_config = replace(cfg.sidecars.security.client_config(timeout_s=cfg.sidecars.call_timeout_s), retries=0)
+        client_config = replace(cfg.sidecars.client_config(), retries=0)
     except ValueError as e:
         raise PreflightError(str(e)) from None
     for address in cfg.sidecars.addresses:

@@ -14,7 +14,7 @@ from typing import Literal
 from muon import HybridOptimizerConfig
 from sidecar.client.client import ClientConfig
 from sidecar.client.transport import CollectiveConfig, TransportConfig
-from sidecar.security import read_token
+from sidecar.security import SecurityConfig
 from trainer.draft_objective import DraftConfig
 from trainer.losses import GRPOConfig
 from trainer.schedules import LRScheduleConfig
@@ -136,55 +136,6 @@ class RewardConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class SidecarSecurityConfig:
-    """The credentials the trainer presents to every sidecar (see `specrl serve --help`).
-
-    The token itself is never a config value (the resolved config is written to the run
-    directory) and is never logged: it is read from `token_file`, or else from $SPECRL_TOKEN.
-    Local sidecars are started with the same token, so a run works whether or not the
-    environment sets one."""
-
-    token_file: Path | None = None
-    """File whose first line is the bearer token; unset: $SPECRL_TOKEN if set, else no token."""
-    tls: bool = False
-    """Reach sidecars over TLS (implied by root_ca); the system roots verify them unless root_ca."""
-    root_ca: Path | None = None
-    """PEM CA bundle that signed the sidecars' certificates."""
-    client_cert: Path | None = None
-    """PEM certificate the trainer presents for mutual TLS (with client_key)."""
-    client_key: Path | None = None
-    """Client key for mutual TLS (with client_cert)."""
-
-    def __post_init__(self) -> None:
-        if (self.client_cert is None) != (self.client_key is None):
-            raise ValueError(
-                "sidecars.security.client_cert and client_key go together (mutual TLS): set both or neither"
-            )
-
-    @property
-    def uses_tls(self) -> bool:
-        return self.tls or self.root_ca is not None or self.client_cert is not None
-
-    def client_config(self, *, timeout_s: float) -> ClientConfig:
-        """The per-sidecar client settings (token resolved now, from the file or $SPECRL_TOKEN).
-        The files are looked for here, when the run starts, not when the config is built: a
-        config names files on the machine that runs it."""
-        for name in ("token_file", "root_ca", "client_cert", "client_key"):
-            path = getattr(self, name)
-            if path is not None and not Path(path).is_file():
-                raise ValueError(f"sidecars.security.{name}: {path} is not a readable file on this machine")
-        return ClientConfig(
-            timeout_s=timeout_s,
-            retries=1,
-            token=read_token(token_file=self.token_file),
-            tls=self.tls,
-            root_ca=self.root_ca,
-            client_cert=self.client_cert,
-            client_key=self.client_key,
-        )
-
-
-@dataclass(kw_only=True, slots=True)
 class WeightSyncConfig:
     """How weight pushes reach the sidecars (see README, "Weight sync: data planes"). Local
     sidecars use shared memory once they prove they share this host; a collective group is
@@ -248,8 +199,10 @@ class SidecarsConfig:
     devices: list[str] = field(default_factory=lambda: ["cpu"])
     """torch device of each local sidecar (`specrl serve --device`): one entry for all of them, or
     one per sidecar (e.g. ["cuda:0", "cuda:1"])."""
-    security: SidecarSecurityConfig = field(default_factory=SidecarSecurityConfig)
-    """Token and TLS/mTLS settings, used for every sidecar."""
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+    """What the trainer presents to every sidecar: the token's file (`token_file`, else
+    $SPECRL_TOKEN; local sidecars are started with the same token), TLS (`peer_ca`, `tls`) and
+    its certificate for mutual TLS (`cert`, `key`)."""
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     """Data planes for weight pushes (shm for proven local sidecars; collective when set up)."""
 
@@ -269,11 +222,23 @@ class SidecarsConfig:
             raise ValueError("give sidecars.addresses or sidecars.local, not both")
         if self.threads < 1:
             raise ValueError(f"sidecars.threads must be >= 1, got {self.threads}")
-        if self.local and self.security.uses_tls:
+        if self.local and self.security.client_uses_tls:
             raise ValueError(
                 "local sidecars serve plaintext on loopback; sidecars.security TLS settings apply to "
-                "sidecars.addresses (start TLS sidecars with `specrl serve --tls-cert ...` and list them)"
+                "sidecars.addresses (start TLS sidecars with `specrl serve --cert ... --key ...` and list them)"
             )
+
+    def client_config(self) -> ClientConfig:
+        """The per-sidecar client settings, with the token read now (from `security.token_file` or
+        $SPECRL_TOKEN). The files are looked for here, when the run starts, not when the config is
+        built: a config names files on the machine that runs it."""
+        self.security.check_files("sidecars.security")
+        return ClientConfig(
+            timeout_s=self.call_timeout_s,
+            retries=1,
+            security=self.security,
+            token=self.security.read_token(),
+        )
 
     def device_of(self, i: int) -> str:
         """The device of local sidecar `i`."""

@@ -192,7 +192,7 @@ def sidecar_fleet(cfg: RLConfig, run_dir: Path) -> Iterator[tuple[Fleet, LocalSi
     """The run's sidecars: local subprocesses (torn down on exit) or the given addresses, all
     reached with the run's credentials (`sidecars.security`; local sidecars get its token)."""
     local = None
-    client = cfg.sidecars.security.client_config(timeout_s=cfg.sidecars.call_timeout_s)
+    client = cfg.sidecars.client_config()
     client = dataclasses.replace(
         client, transports=cfg.sidecars.weight_sync.transport_config(), sparse_deltas=cfg.sidecars.weight_sync.deltas
     )

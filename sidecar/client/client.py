@@ -19,7 +19,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -34,7 +33,7 @@ from sidecar.client.weight_sender import DEFAULT_CHUNK_BYTES, CollectiveSender, 
 from sidecar.errors import SpecrlError, TransportUnavailableError
 from sidecar.protocol import services
 from sidecar.protocol.specrl.v1 import control_pb2, rollout_pb2, weights_pb2
-from sidecar.security import auth_metadata, channel_credentials
+from sidecar.security import SecurityConfig, auth_metadata, channel_credentials, check_token
 from sidecar.types import (
     CollectiveRendezvous,
     GenerationRequest,
@@ -85,14 +84,11 @@ class ClientConfig:
     backoff_s: float = 0.1
     """First backoff; doubles per attempt (with jitter) up to max_backoff_s."""
     max_backoff_s: float = 2.0
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+    """TLS (`peer_ca`, `tls`; `cert` and `key` for mutual TLS) and where the bearer token comes from."""
     token: str | None = field(default=None, repr=False)
-    """Bearer token sent with every call (kept out of repr, so it is never logged)."""
-    tls: bool = False
-    """Use TLS (implied by root_ca); the system roots verify the server unless root_ca is set."""
-    root_ca: Path | None = None
-    client_cert: Path | None = None
-    """Client certificate for mutual TLS (with client_key)."""
-    client_key: Path | None = None
+    """The bearer token itself, given or already read (kept out of repr, so it is never logged);
+    None: read when the client is created, from `security.token_file` or $SPECRL_TOKEN."""
     max_message_mib: int = 64
     transports: TransportConfig = field(default_factory=TransportConfig)
     """Weight data planes to negotiate (shm with a proven same-host sidecar by default;
@@ -110,8 +106,7 @@ class ClientConfig:
                 raise ValueError(f"ClientConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.retries < 0:
             raise ValueError(f"retries must be >= 0, got {self.retries}")
-        if (self.client_cert is None) != (self.client_key is None):
-            raise ValueError("client_cert and client_key go together (mutual TLS)")
+        check_token(self.token)
 
 
 class SidecarClient:
@@ -130,12 +125,14 @@ class SidecarClient:
             # refused" until it expires), which defeats the fleet's fresh-channel rejoin.
             ("grpc.use_local_subchannel_pool", 1),
         ]
-        if c.tls or c.root_ca is not None or c.client_cert is not None:
-            creds = channel_credentials(root_ca=c.root_ca, client_cert=c.client_cert, client_key=c.client_key)
+        token = c.token if c.token is not None else c.security.read_token()
+        check_token(token)
+        creds = channel_credentials(c.security)
+        if creds is not None:
             self.channel = grpc.secure_channel(address, creds, options=options)
         else:
             self.channel = grpc.insecure_channel(address, options=options)
-        self._metadata = auth_metadata(c.token)
+        self._metadata = auth_metadata(token)
         self._rollout = services.RolloutStub(self.channel)
         self._weights = services.WeightStub(self.channel)
         self._control = services.ControlStub(self.channel)

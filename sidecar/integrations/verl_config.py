@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from sidecar import config_io
 from sidecar.client.client import ClientConfig, SidecarCallError, SidecarClient
 from sidecar.integrations.draft_alignment import DraftAlignConfig, read_draft_tensors
 from sidecar.model.model import ModelConfig
-from sidecar.security import read_token
+from sidecar.security import SecurityConfig
 from sidecar.types import SidecarInfo, WeightSelector
 
 CONFIG_KEY = "actor_rollout_ref.rollout.engine_kwargs.specrl"
@@ -33,13 +34,10 @@ class SpecrlRolloutOptions:
 
     sidecars: tuple[str, ...]
     """One "host:port" per rollout replica verl makes (replica i drives sidecars[i])."""
-    token_file: Path | None = None
-    """Bearer token file (or $SPECRL_TOKEN), as `specrl serve --token-file`."""
-    root_ca: Path | None = None
-    """CA that signs the sidecars' TLS certificates (turns TLS on)."""
-    client_cert: Path | None = None
-    """Client certificate for mutual TLS (with client_key)."""
-    client_key: Path | None = None
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+    """How the replicas reach their sidecars: `security.token_file` (else $SPECRL_TOKEN),
+    `security.peer_ca` / `security.tls` (TLS), `security.cert` and `security.key` (mutual TLS);
+    the same `SecurityConfig` as the trainer's `sidecars.security`."""
     speculation_k: int | None = None
     """Draft length per request; None keeps each sidecar's default."""
     seed: int | None = None
@@ -69,8 +67,6 @@ class SpecrlRolloutOptions:
             )
         if self.speculation_k is not None and self.speculation_k < 0:
             raise SpecrlConfigError(f"{CONFIG_KEY}.speculation_k must be >= 0 or null, got {self.speculation_k}")
-        if (self.client_cert is None) != (self.client_key is None):
-            raise SpecrlConfigError(f"{CONFIG_KEY}.client_cert and client_key go together (mutual TLS)")
         if self.draft_align_steps < 1:
             raise SpecrlConfigError(f"{CONFIG_KEY}.draft_align_steps must be >= 1, got {self.draft_align_steps}")
         if self.connect_timeout_s <= 0:
@@ -93,20 +89,31 @@ class SpecrlRolloutOptions:
         if isinstance(sidecars, str):
             sidecars = [s for s in sidecars.split(",") if s]
         values["sidecars"] = tuple(str(s).strip() for s in (sidecars or ()))
-        for name in ("token_file", "root_ca", "client_cert", "client_key", "draft_checkpoint"):
-            if values.get(name) is not None:
-                values[name] = Path(str(values[name]))
+        if values.get("draft_checkpoint") is not None:
+            values["draft_checkpoint"] = Path(str(values["draft_checkpoint"]))
+        security = values.get("security")
+        if security is not None:
+            if not isinstance(security, Mapping):
+                raise SpecrlConfigError(
+                    f"{CONFIG_KEY}.security must be a mapping, e.g. +{CONFIG_KEY}.security.peer_ca=/path/ca.pem"
+                )
+            try:
+                values["security"] = config_io.from_mapping(
+                    SecurityConfig, {str(k): v for k, v in security.items()}, path=f"{CONFIG_KEY}.security."
+                )
+            except ValueError as e:
+                raise SpecrlConfigError(str(e)) from None
         return cls(**values)
 
     def client_config(self) -> ClientConfig:
-        token = read_token(None, self.token_file)
-        return ClientConfig(
-            timeout_s=self.connect_timeout_s,
-            token=token,
-            root_ca=self.root_ca,
-            client_cert=self.client_cert,
-            client_key=self.client_key,
-        )
+        """The client settings of every replica, with the token read now (`security.token_file` or
+        $SPECRL_TOKEN); SpecrlConfigError names a file that is not on this machine."""
+        try:
+            self.security.check_files(f"{CONFIG_KEY}.security")
+            token = self.security.read_token()
+        except ValueError as e:
+            raise SpecrlConfigError(str(e)) from None
+        return ClientConfig(timeout_s=self.connect_timeout_s, security=self.security, token=token)
 
     def align_config(self, temperature: float) -> DraftAlignConfig:
         return DraftAlignConfig(steps=self.draft_align_steps, temperature=temperature if temperature > 0 else 1.0)
@@ -148,7 +155,7 @@ def attach(address: str, options: SpecrlRolloutOptions, model_path: str | Path |
             raise SpecrlConfigError(
                 f"cannot reach the specrl sidecar at {address} ({e.code.name}: {e.details}); start it there "
                 f"(`specrl serve --model DIR --host 0.0.0.0 --port PORT`) or fix {CONFIG_KEY}.sidecars "
-                "(and token_file / root_ca if it requires them)"
+                "(and security.token_file / security.peer_ca if it requires them)"
             ) from None
     finally:
         client.close()

@@ -102,8 +102,24 @@ def _prompts(path: Path) -> list[list[int]]:
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None)
 @click.option("--token", default=None, help="Bearer token (or --token-file / $SPECRL_TOKEN).")
 @click.option("--token-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None)
-@click.option("--tls/--no-tls", default=False, show_default=True)
-@click.option("--root-ca", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None)
+@click.option(
+    "--tls/--no-tls", default=False, show_default=True, help="TLS verified by the system roots (implied by --peer-ca)."
+)
+@click.option(
+    "--peer-ca",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="PEM CA bundle of the sidecar's certificate (turns TLS on).",
+)
+@click.option(
+    "--cert",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="PEM certificate to present for mutual TLS (with --key).",
+)
+@click.option(
+    "--key", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None, help="Key of --cert."
+)
 def verify(
     address: str,
     model_dir: Path | None,
@@ -127,7 +143,9 @@ def verify(
     token: str | None,
     token_file: Path | None,
     tls: bool,
-    root_ca: Path | None,
+    peer_ca: Path | None,
+    cert: Path | None,
+    key: Path | None,
 ) -> None:
     """Certify that a sidecar's speculative decoding is lossless (greedy, distribution, log-probs, weights)."""
     import grpc
@@ -137,7 +155,7 @@ def verify(
     from sidecar.losslessness.certificate import VerifyConfig, verify_sidecar
     from sidecar.losslessness.exact_target import load_model
     from sidecar.losslessness.report import format_certificate, write_json
-    from sidecar.security import read_token
+    from sidecar.security import SecurityConfig
 
     try:
         config = VerifyConfig(
@@ -157,7 +175,8 @@ def verify(
             power_runs=power_runs,
             seed=seed,
         )
-        client_config = ClientConfig(token=read_token(token, token_file), tls=tls, root_ca=root_ca)
+        security = SecurityConfig(token_file=token_file, cert=cert, key=key, peer_ca=peer_ca, tls=tls)
+        client_config = ClientConfig(security=security, token=security.read_token(token))
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
     model = None
@@ -182,12 +201,12 @@ def verify(
 
     with SidecarClient(address, client_config) as client:
         try:
-            cert = verify_sidecar(client, model, config, progress, draft)
+            certificate = verify_sidecar(client, model, config, progress, draft)
         except SidecarCallError as e:
             hint = f"; is a sidecar serving on {address}?" if e.code == grpc.StatusCode.UNAVAILABLE else ""
             raise CannotVerify(f"{e}{hint}") from None
-    click.echo(format_certificate(cert))
+    click.echo(format_certificate(certificate))
     if json_out is not None:
-        write_json(cert, json_out)
+        write_json(certificate, json_out)
         click.echo(f"certificate written to {json_out}", err=True)
-    sys.exit(cert.exit_status)
+    sys.exit(certificate.exit_status)

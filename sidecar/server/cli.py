@@ -22,7 +22,7 @@ import click
 
 from sidecar.engine import ENGINE_KINDS
 from sidecar.engine.base import Engine
-from sidecar.server.serve_config import ServeConfig
+from sidecar.server.serve_config import SECURITY_OPTIONS, ServeConfig
 
 log = logging.getLogger("specrl.serve")
 
@@ -101,6 +101,8 @@ def load_engine(
 
 _D = ServeConfig()
 """Every option's default is the config field's default."""
+_SEC = _D.security
+"""The `security.*` options' defaults."""
 
 
 @click.command()
@@ -171,19 +173,31 @@ _D = ServeConfig()
 )
 @click.option("--device", default=_D.device, show_default=True, help="torch device: cpu, cuda, cuda:1 ...")
 @click.option(
-    "--tls-cert", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=_D.tls_cert, help="PEM chain."
-)
-@click.option(
-    "--tls-key", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=_D.tls_key, help="PEM key."
-)
-@click.option(
-    "--tls-client-ca",
+    "--cert",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    default=_D.tls_client_ca,
-    help="CA bundle clients must be signed by (mutual TLS).",
+    default=_SEC.cert,
+    help="PEM server certificate chain (turns TLS on; with --key). Config key security.cert.",
+)
+@click.option(
+    "--key",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=_SEC.key,
+    help="PEM private key of --cert. Config key security.key.",
+)
+@click.option(
+    "--peer-ca",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=_SEC.peer_ca,
+    help="PEM CA bundle: clients must present a certificate it signed (mutual TLS; needs --cert). "
+    "Config key security.peer_ca.",
 )
 @click.option("--token", default=None, help="Bearer token required on every RPC (or --token-file / $SPECRL_TOKEN).")
-@click.option("--token-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=_D.token_file)
+@click.option(
+    "--token-file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=_SEC.token_file,
+    help="File whose first line is the bearer token required on every RPC. Config key security.token_file.",
+)
 @click.option(
     "--metrics-port",
     type=click.IntRange(0, 65535),
@@ -277,7 +291,10 @@ def resolve_serve_config(
         data = merge_overrides(data, overrides)
         for name, value in options.items():
             if ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT):
-                data[name] = (
+                section = data.setdefault("security", {}) if name in SECURITY_OPTIONS else data
+                if not isinstance(section, dict):
+                    raise ConfigError(f"security must be a mapping, got {section!r}")
+                section[name] = (
                     str(value) if isinstance(value, Path) else list(value) if isinstance(value, tuple) else value
                 )
         if model_dir is not None:
@@ -321,7 +338,6 @@ def run_sidecar(cfg: ServeConfig, token: str | None = None) -> None:
     """Serve `cfg.model` until SIGTERM/SIGINT."""
     assert cfg.model is not None
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from sidecar.security import SecurityConfig, read_token
     from sidecar.server.grpc_server import ServerConfig
     from sidecar.server.memory import prefer_mmap_for_large_buffers
     from sidecar.server.process import Sidecar, SidecarConfig
@@ -334,17 +350,15 @@ def run_sidecar(cfg: ServeConfig, token: str | None = None) -> None:
     host, grace, engine = cfg.host, cfg.shutdown_grace_s, cfg.engine
     offered = cfg.offered_transports
     try:
-        security = SecurityConfig(
-            tls_cert=cfg.tls_cert,
-            tls_key=cfg.tls_key,
-            tls_client_ca=cfg.tls_client_ca,
-            token=read_token(token, cfg.token_file),
-        )
+        security = cfg.security
+        security.check_files("security")
+        token = security.read_token(token)
         config = SidecarConfig(
             server=ServerConfig(host=host, port=cfg.port),
             scheduler=SchedulerConfig(max_live_sequences=cfg.max_live_sequences),
             limits=RequestLimits(max_samples=min(4096, cfg.max_live_sequences)),
             security=security,
+            token=token,
             metrics_port=cfg.metrics_port,
             metrics_host=host,
             keep_staging=cfg.keep_staging and engine == "torch",
@@ -355,7 +369,7 @@ def run_sidecar(cfg: ServeConfig, token: str | None = None) -> None:
         )
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
-    if host not in ("127.0.0.1", "::1", "localhost") and security.token is None and security.tls_client_ca is None:
+    if host not in ("127.0.0.1", "::1", "localhost") and token is None and security.peer_ca is None:
         log.warning("binding %s without a token or mutual TLS: anyone who reaches it can push weights", host)
     eng = load_engine(
         engine,

@@ -15,7 +15,7 @@ from typing import Any
 import sidecar
 from sidecar.engine.base import Engine
 from sidecar.protocol import services
-from sidecar.security import SecurityConfig, TokenAuthInterceptor, server_credentials
+from sidecar.security import SecurityConfig, TokenAuthInterceptor, check_token, server_credentials
 from sidecar.server import metrics
 from sidecar.server.grpc_server import EventLoopThread, ServerConfig, create_server
 from sidecar.server.scheduler import Scheduler, SchedulerConfig
@@ -34,6 +34,10 @@ class SidecarConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     limits: RequestLimits = field(default_factory=RequestLimits)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    """TLS and mutual TLS (`cert`, `key`, `peer_ca`); its `token_file` is read by `specrl serve`
+    into `token`."""
+    token: str | None = field(default=None, repr=False)
+    """Bearer token every RPC but health checks must carry (kept out of repr); None: no token check."""
     metrics_port: int | None = None
     """Prometheus endpoint port (0 picks a free one); None turns it off."""
     metrics_host: str = "127.0.0.1"
@@ -46,6 +50,8 @@ class SidecarConfig:
     """Weight transports offered besides the gRPC stream (shm, collective)."""
 
     def __post_init__(self) -> None:
+        self.security.check_server()
+        check_token(self.token)
         if self.limits.max_samples > self.scheduler.max_live_sequences:
             raise ValueError(
                 f"limits.max_samples ({self.limits.max_samples}) exceeds scheduler.max_live_sequences "
@@ -77,7 +83,7 @@ class Sidecar:
                     servicers,
                     self.config.server,
                     credentials=server_credentials(sec),
-                    interceptors=[TokenAuthInterceptor(sec.token)] if sec.token else [],
+                    interceptors=[TokenAuthInterceptor(self.config.token)] if self.config.token else [],
                 )
             )
         except BaseException:
@@ -107,7 +113,7 @@ class Sidecar:
             "specrl sidecar serving %s on %s (%s)%s",
             services.ROLLOUT.rsplit(".", 1)[0],
             self.address,
-            "TLS" if self.config.security.tls_cert else "plaintext",
+            "TLS" if self.config.security.cert else "plaintext",
             f", metrics on :{self.metrics_port}" if self.metrics_port is not None else "",
         )
         return self

@@ -3,14 +3,16 @@
 The command's options only select and override these fields (as `specrl train` does for
 `RLConfig`), and every option's default is the field's default, so a sidecar started from a file
 and one started from flags behave the same. The bearer token itself is not a field (a secret does
-not belong in a file that gets copied around): give `token_file`, `--token` or `$SPECRL_TOKEN`.
+not belong in a file that gets copied around): give `security.token_file`, `--token` or `$SPECRL_TOKEN`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
+
+from sidecar.security import SecurityConfig
 
 
 @dataclass(kw_only=True, slots=True)
@@ -55,14 +57,9 @@ class ServeConfig:
     """Most sequences queued or running at once; past it Generate is refused with RESOURCE_EXHAUSTED."""
     device: str = "cpu"
     """torch device: cpu, cuda, cuda:1 ..."""
-    tls_cert: Path | None = None
-    """PEM server certificate (TLS; with tls_key)."""
-    tls_key: Path | None = None
-    """PEM key of tls_cert."""
-    tls_client_ca: Path | None = None
-    """CA bundle clients must be signed by (mutual TLS)."""
-    token_file: Path | None = None
-    """File holding the bearer token required on every RPC."""
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+    """TLS (`cert`, `key`), mutual TLS (`peer_ca`) and the bearer token's file (`token_file`);
+    options --cert, --key, --peer-ca, --token-file."""
     metrics_port: int | None = None
     """Prometheus endpoint port on `host` (None: off)."""
     keep_staging: bool = True
@@ -91,6 +88,7 @@ class ServeConfig:
     """Logging level of the sidecar process (DEBUG, INFO, WARNING, ...)."""
 
     def __post_init__(self) -> None:
+        self.security.check_server()
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535 (0 = free), got {self.port}")
         if self.max_speculation_k < 0:
@@ -132,3 +130,9 @@ class ServeConfig:
     def offered_transports(self) -> set[str]:
         """The data planes named in `weight_transports` (grpc is always offered besides them)."""
         return {t.strip() for t in self.weight_transports.split(",") if t.strip()}
+
+
+SECURITY_OPTIONS = ("cert", "key", "peer_ca", "token_file")
+"""The `security.*` fields `specrl serve` has an option of the same name for (--cert, --key,
+--peer-ca, --token-file): every `SecurityConfig` field but `tls`, a client setting
+(`tests/test_fail_early.py` holds them to the fields and their defaults)."""
