@@ -41,7 +41,7 @@ from tqdm import tqdm
 from sidecar.client.fleet import Fleet, FleetConfig, derive_seed
 from sidecar.config_io import to_mapping, write_yaml
 from sidecar.model.model import ModelConfig
-from sidecar.types import GenerationRequest, Sample, SamplingParams, SpeculationCounters
+from sidecar.types import GenerationRequest, Sample, SamplingParams
 from trainer.dynamic_sampling import Group, Selection, group_samples, select_groups, shaped_rewards
 from trainer.local_sidecars import LocalSidecars
 from trainer.losses import OverlongConfig, mismatch_metrics, sample_advantages
@@ -60,6 +60,7 @@ from trainer.reference import ReferencePolicy
 from trainer.rl_config import RLConfig
 from trainer.rollout_pipeline import RolloutPipeline
 from trainer.run_dir import RunDir
+from trainer.step_metrics import StepTimes, length_quantiles, speculation_metrics
 from trainer.tasks import Problem, Task, distinct_problems
 from trainer.tokenizer import Tokenizer
 from trainer.trackers import open_trackers
@@ -100,47 +101,6 @@ class Run:
 STALE_SEED_BASE = 1_000
 """Regenerated groups draw seeds derive_seed(run seed, step, STALE_SEED_BASE + group): apart
 from the step's own rounds (0 .. refill_rounds)."""
-
-
-@dataclass(kw_only=True, slots=True)
-class StepTimes:
-    """Seconds one RL step spent, phase by phase: filled by the functions that time them, logged
-    as `time/<field>` with the step's total and shares (`metrics`)."""
-
-    generation: float = 0.0
-    """The step's rollout (speculative unless k is 0)."""
-    generation_plain: float | None = None
-    """The same prompts with speculation off (`rollout.measure_plain`); None when not measured."""
-    refill: float = 0.0
-    """DAPO refill rounds."""
-    wait_generation: float = 0.0
-    """What the trainer waited for its batch (all of generation at lag 0)."""
-    wait_weights: float = 0.0
-    """What the producer waited for weights before starting the batch (the lag bound)."""
-    stale_regeneration: float = 0.0
-    """Regenerating groups older than the lag bound."""
-    logprobs: float = 0.0
-    train: float = 0.0
-    weight_sync: float = 0.0
-
-    def metrics(self, *, overlapped: bool) -> dict[str, float]:
-        """`time/*`, the step's length and the generation's share of it, and the speedups when the
-        plain pass was measured. `overlapped` (lag > 0): generation ran beside training, so the
-        step holds only what the trainer waited for."""
-        out = {f"time/{f.name}": v for f in dataclasses.fields(self) if (v := getattr(self, f.name)) is not None}
-        rest = self.refill + self.logprobs + self.train + self.weight_sync
-        if overlapped:
-            exposed = self.wait_generation + self.stale_regeneration
-            step = exposed + rest - self.refill
-            out["time/generation_exposed_share"] = exposed / step
-        else:
-            step = self.generation + rest
-        out["time/step"] = step
-        out["time/generation_share"] = (self.generation + self.refill) / step
-        if self.generation_plain is not None:
-            out["speedup/generation"] = self.generation_plain / self.generation
-            out["speedup/step"] = (self.generation_plain + rest) / step
-        return out
 
 
 @dataclass(kw_only=True, slots=True)
@@ -264,30 +224,6 @@ def evaluate_logged(run: Run, progress: bool = False) -> dict[str, float]:
     with phase(f"evaluating on {run.cfg.eval_size} held-out problems", progress):
         mean, stderr = evaluate(run, run.cfg.eval_size)
     return {"reward/eval_mean": mean, "reward/eval_stderr": stderr}
-
-
-def speculation_metrics(c: SpeculationCounters) -> dict[str, float]:
-    out = {"spec/acceptance_length": c.acceptance_length, "spec/acceptance_rate": c.acceptance_rate}
-    for i, d in enumerate(c.drafted_per_position):  # a position never accepted has no accepted count
-        a = c.accepted_per_position[i] if i < len(c.accepted_per_position) else 0
-        out[f"spec/accept_pos{i}"] = a / d if d else 0.0
-    return out
-
-
-LENGTH_QUANTILES = (0, 10, 25, 50, 75, 90, 100)
-"""Percentiles of the response lengths logged per step (`rollout/response_len_qNN`): the
-length distribution decides when a batch drains, which `specrl plan` needs (the mean alone
-does not say how long the last row runs)."""
-
-
-def length_quantiles(lengths: list[int]) -> dict[str, float]:
-    """`rollout/response_len_qNN` for NN in LENGTH_QUANTILES (linear interpolation between order statistics)."""
-    if not lengths:
-        return {}
-    qs = torch.quantile(
-        torch.tensor(lengths, dtype=torch.float64), torch.tensor(LENGTH_QUANTILES, dtype=torch.float64) / 100.0
-    )
-    return {f"rollout/response_len_q{q:02d}": float(v) for q, v in zip(LENGTH_QUANTILES, qs.tolist(), strict=True)}
 
 
 def _sampling(run: Run, step: int, round_: int) -> SamplingParams:
