@@ -466,6 +466,7 @@ class Fleet:
                     s.prompt_index, s.request_id = job.prompt, rid
                     got[key] = s
                     if s.nonfinite:
+                        result.nonfinite += 1
                         broken.setdefault(job.client.address, set()).add(s.last_weight_version)
                 if not outcome.why:
                     saw_success = True
@@ -509,7 +510,6 @@ class Fleet:
                 )
         result.samples = [got[k] for k in sorted(got)]
         result.seconds = time.perf_counter() - start
-        result.nonfinite = sum(s.nonfinite for s in result.samples)
         if result.nonfinite:
             where = "; ".join(f"{a} (weight versions {sorted(v)})" for a, v in sorted(broken.items()))
             msg = (
