@@ -13,6 +13,7 @@ fixtures of the engine tests alone are in tests/engine/conftest.py.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,9 @@ import torch
 from sidecar.client.client import SidecarClient
 from sidecar.server.process import Sidecar
 from tests.sidecar_fixtures import make_checkpoint, make_pki, start_sidecar
+
+if not torch.cuda.is_available():  # the decode kernels run in Triton's interpreter (before Triton's import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture

@@ -56,10 +56,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import bench_clock, device_problem
 
 from sidecar.engine.torch_engine import TorchEngine
+from sidecar.model.decode_kernels import DecodeOps
 from sidecar.model.model import ModelConfig, Qwen3WithMTP
 from sidecar.types import GenerationRequest, SamplingParams
 from trainer.planning.cost_table import cost_table_document
 from trainer.planning.shapes import PRESETS
+
+TAUS = (2.0, 2.8, 3.5)
+"""Acceptances (tokens a round) at which the summary states what speculation would give."""
 
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)  # fmt: skip
@@ -179,16 +183,18 @@ def engine_part(args: argparse.Namespace, shape: str, device: torch.device, out:
             "bytes": read,
             "ms": 1e3 * read / out.reference["copy"]["bytes_per_s"],
         }
+    arms = [(mode, kern) for mode in args.compile for kern in args.kernels]
     tables = {}
-    for mode in args.compile:
-        name = shape if mode == args.compile[0] else f"{shape} compile={mode}"
-        tables[mode] = out.tables.setdefault(
+    for arm in arms:
+        mode, kern = arm
+        name = shape if arm == arms[0] else f"{shape} compile={mode}" + ("" if kern == "auto" else f" kernels={kern}")
+        tables[arm] = out.tables.setdefault(
             name,
             {
                 "name": name,
                 "device": out.meta["device"],
-                "source": f"tools/bench_gpu.py: TorchEngine (compile={mode}), random bf16 weights, greedy, "
-                f"prompt {args.prompt}",
+                "source": f"tools/bench_gpu.py: TorchEngine (compile={mode}, kernels={kern}), random bf16 "
+                f"weights, temperature {args.temperature}, prompt {args.prompt}",
                 "date": out.meta["date"],
                 "model": cfg.to_hf_dict(),
                 "context_tokens": args.prompt + 3 * args.new_tokens // 4,
@@ -197,27 +203,32 @@ def engine_part(args: argparse.Namespace, shape: str, device: torch.device, out:
                 "request_seconds": 0.0,
             },
         )
-    # One engine per compile mode over the same weights; KV rows just long enough for the runs, so
-    # that two engines' caches fit beside an 8B model.
-    engines = {
-        mode: TorchEngine(
+    # One engine per arm over the same weights; KV rows just long enough for the runs, so that
+    # several engines' caches fit beside an 8B model. The model's `kernels` are the engine's choice
+    # ("auto") or torch's operators ("torch"), set before each of the arm's generations.
+    engines: dict[tuple[str, str], TorchEngine] = {}
+    kernels: dict[tuple[str, str], DecodeOps] = {}
+    for arm in arms:
+        engines[arm] = TorchEngine(
             model,
             speculation_k=0,
             max_speculation_k=max(args.ks),
             max_batch_size=max(args.batches),
             max_context=args.prompt + args.new_tokens + 8,
-            compile=mode,
+            compile=arm[0],
         )
-        for mode in args.compile
-    }
+        kernels[arm] = DecodeOps() if arm[1] == "torch" else model.kernels
+        out.log({"part": part.name, "arm": list(arm), "kernels": type(kernels[arm]).__name__})
     gen = torch.Generator().manual_seed(1)
     short = max(args.new_tokens // 2, 2)
 
-    def run(engine: TorchEngine, prompts: list[list[int]], k: int, new: int) -> tuple[float, int, float]:
+    def run(arm: tuple[str, str], prompts: list[list[int]], k: int, new: int) -> tuple[float, int, float]:
         """Seconds, decode rounds and accepted fraction of drafts of one generation."""
+        engine = engines[arm]
+        model.kernels = kernels[arm]
         before = engine.stats()[-1].counters
         drafted0, accepted0 = before.drafted_tokens, before.accepted_tokens
-        sp = SamplingParams(temperature=0.0, max_new_tokens=new, seed=3)
+        sp = SamplingParams(temperature=args.temperature, max_new_tokens=new, seed=3)
         engine.submit(
             GenerationRequest(
                 prompts=prompts, sampling=sp, speculation_k=k, request_id=f"b{k}-{new}-{time.monotonic_ns()}"
@@ -237,36 +248,36 @@ def engine_part(args: argparse.Namespace, shape: str, device: torch.device, out:
         prompts = torch.randint(0, cfg.vocab_size, (batch, args.prompt), generator=gen).tolist()
         if part.over(f"batch {batch} and beyond"):
             break
-        for mode, engine in engines.items():  # warm up (and capture) this batch size's shapes
+        for arm, engine in engines.items():  # warm up (and capture) this batch size's shapes
             captured, t = engine._rounds.captured, time.monotonic()
             for k in args.ks:
-                run(engine, prompts, k, 4)
-            out.log({"part": part.name, "batch": batch, "compile": mode, "warmup_s": round(time.monotonic() - t, 3),
+                run(arm, prompts, k, 4)
+            out.log({"part": part.name, "batch": batch, "arm": list(arm), "warmup_s": round(time.monotonic() - t, 3),
                      "graphs_captured": engine._rounds.captured - captured})  # fmt: skip
-        samples: dict[tuple[str, int], list[float]] = {(m, k): [] for m in engines for k in args.ks}
-        prefills: dict[str, list[float]] = {m: [] for m in engines}
-        accepted: dict[tuple[str, int], float] = {}
+        samples: dict[tuple[tuple[str, str], int], list[float]] = {(a, k): [] for a in engines for k in args.ks}
+        prefills: dict[tuple[str, str], list[float]] = {a: [] for a in engines}
+        accepted: dict[tuple[tuple[str, str], int], float] = {}
         for rep in range(args.repeats):
             if part.over(f"batch {batch}: repeats after {rep}"):
                 break
-            for mode, engine in engines.items():
-                prefills[mode].append(run(engine, prompts, 0, 1)[0])
+            for arm in engines:
+                prefills[arm].append(run(arm, prompts, 0, 1)[0])
                 for k in args.ks:
-                    long_s, long_r, acc = run(engine, prompts, k, args.new_tokens)
-                    short_s, short_r, _ = run(engine, prompts, k, short)
+                    long_s, long_r, acc = run(arm, prompts, k, args.new_tokens)
+                    short_s, short_r, _ = run(arm, prompts, k, short)
                     if long_r > short_r:
-                        samples[(mode, k)].append((long_s - short_s) / (long_r - short_r))
-                    accepted[(mode, k)] = acc
-        for (mode, k), xs in samples.items():
+                        samples[(arm, k)].append((long_s - short_s) / (long_r - short_r))
+                    accepted[(arm, k)] = acc
+        for (arm, k), xs in samples.items():
             if not xs:
                 continue
             seconds = statistics.median(xs)
-            tables[mode]["rounds"].append({"batch": batch, "k": k, "seconds": max(seconds, 1e-7), "samples": len(xs)})
-            out.log({"part": part.name, "compile": mode, "batch": batch, "k": k, "round_ms": round(1e3 * seconds, 4),
-                     "accepted_fraction": round(accepted.get((mode, k), 0.0), 3), "repeats": len(xs)})  # fmt: skip
-        for mode, xs in prefills.items():
+            tables[arm]["rounds"].append({"batch": batch, "k": k, "seconds": max(seconds, 1e-7), "samples": len(xs)})
+            out.log({"part": part.name, "arm": list(arm), "batch": batch, "k": k, "round_ms": round(1e3 * seconds, 4),
+                     "accepted_fraction": round(accepted.get((arm, k), 0.0), 3), "repeats": len(xs)})  # fmt: skip
+        for arm, xs in prefills.items():
             if xs:
-                tables[mode]["prefill"].append(
+                tables[arm]["prefill"].append(
                     {"rows": batch, "prompt_tokens": args.prompt, "seconds": statistics.median(xs)}
                 )
         out.flush()
@@ -383,6 +394,22 @@ def summary(out: Output, args: argparse.Namespace) -> None:
             lim = out.reference["weight_read_limit_ms"].get(shape, {}).get("ms") if b == min(args.batches) else None
             fmt = lambda v: "—" if v is None else f"{v:.3f}"  # noqa: E731
             lines.append(f"| {name} | {b} | {ks} | {fmt(hf)} | {fmt(sg)} | {fmt(lim)} |")
+    lines += ["", "What speculation would give: tau (tokens a round) x plain round / k round, and the plain round",
+              "against the weight-read limit (limit / round: 1 is the memory-bound ideal).", "",
+              "| table | B | k | round ms | x plain | limit / plain round | at tau 2 | at tau 2.8 | at tau 3.5 |",
+              "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for name, table in out.tables.items():
+        shape = name.split(" compile=")[0]
+        lim = out.reference["weight_read_limit_ms"].get(shape, {}).get("ms")
+        cells = {(r["batch"], r["k"]): r["seconds"] for r in table["rounds"]}
+        for b, k in sorted(cells):
+            plain = cells.get((b, 0))
+            if plain is None:
+                continue
+            ms = 1e3 * cells[(b, k)]
+            frac = f"{lim / (1e3 * plain):.2f}" if lim and k == 0 else ""
+            gains = " | ".join(f"{tau * plain / cells[(b, k)]:.2f}x" if k else "" for tau in TAUS)
+            lines.append(f"| {name} | {b} | {k} | {ms:.3f} | {cells[(b, k)] / plain:.2f} | {frac} | {gains} |")
     if out.skipped:
         lines += ["", "skipped:"] + [f"- {s}" for s in out.skipped]
     (out.out / "summary.md").write_text("\n".join(lines) + "\n")
@@ -402,6 +429,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--copy-mib", type=int, default=1024)
     ap.add_argument("--part-s", type=float, default=80.0, help="time limit of each part (seconds)")
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--kernels", default="auto",
+                    help="decode kernels, side by side: auto (the engine's choice: Triton's on CUDA) and/or torch")  # fmt: skip
+    ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every generation")
     ap.add_argument("--compile", default="auto",
                     help="engine compile modes, side by side (e.g. on,off); the first one's table is named by the shape")  # fmt: skip
     args = ap.parse_args(argv)
@@ -415,6 +445,9 @@ def main(argv: list[str] | None = None) -> int:
     args.compile = args.compile.split(",")
     if bad := [m for m in args.compile if m not in ("auto", "on", "off")]:
         ap.error(f"--compile takes auto, on, off; got {bad}")
+    args.kernels = args.kernels.split(",")
+    if bad := [m for m in args.kernels if m not in ("auto", "torch")]:
+        ap.error(f"--kernels takes auto, torch; got {bad}")
     if 0 not in args.ks:
         ap.error("--ks must include 0: plain decoding is the baseline of a cost table")
     shapes = args.shapes.split(",")

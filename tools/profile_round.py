@@ -3,6 +3,7 @@
 
     tools/profile_round.py --device cuda --shape qwen3-0.6b --batches 1,16 --ks 0,3
     tools/profile_round.py --device cpu --shape tiny                      # the path, for tests
+    tools/profile_round.py --device cuda --compile on --kernels auto,torch # fused kernels against torch's
 
 For each (compile mode, batch, k): the engine (random bf16 weights built on the device, as
 tools/bench_gpu.py) generates a warm-up request, then `--rounds` decode rounds run under
@@ -31,6 +32,7 @@ from bench_engine import device_problem
 from bench_gpu import random_model, shape_config
 
 from sidecar.engine.torch_engine import TorchEngine
+from sidecar.model.decode_kernels import DecodeOps
 from sidecar.types import GenerationRequest, SamplingParams
 
 
@@ -76,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--ks", default="0,3")
     ap.add_argument("--compile", default="on,off")
+    ap.add_argument("--kernels", default="auto", help="auto (the engine's choice: Triton's on CUDA) and/or torch")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--out", type=Path)
@@ -87,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     model = random_model(shape_config(args.shape), device)
     ks = [int(k) for k in args.ks.split(",")]
     results = []
-    for mode in args.compile.split(","):
+    arms = [(m, kern) for m in args.compile.split(",") for kern in args.kernels.split(",")]
+    for mode, kern in arms:
         engine = TorchEngine(
             model,
             speculation_k=0,
@@ -96,9 +100,13 @@ def main(argv: list[str] | None = None) -> int:
             max_context=args.prompt + args.rounds + 16,
             compile=mode,
         )
+        if kern == "torch":
+            model.kernels = DecodeOps()
         for batch in (int(b) for b in args.batches.split(",")):
             for k in ks:
-                r = {"compile": mode, "shape": args.shape, **profile_rounds(engine, batch, k, args.prompt, args.rounds)}
+                r = {"compile": mode, "decode_ops": type(model.kernels).__name__, "shape": args.shape,
+                     "layers": model.config.num_hidden_layers,
+                     **profile_rounds(engine, batch, k, args.prompt, args.rounds)}  # fmt: skip
                 results.append(r)
                 print(json.dumps({key: round(v, 3) if isinstance(v, float) else v for key, v in r.items()}), flush=True)
     if args.out:

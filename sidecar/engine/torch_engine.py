@@ -79,6 +79,7 @@ from sidecar.engine.validation import validate_request
 from sidecar.engine.version_ledger import VersionLedger
 from sidecar.errors import InvalidRequestError, KVCacheCapacityError
 from sidecar.model.checkpoint import load_checkpoint
+from sidecar.model.decode_kernels import DecodeKernels, DecodeOps
 from sidecar.model.eagle3 import Eagle3Draft
 from sidecar.model.eagle3_checkpoint import load_eagle3_draft
 from sidecar.model.kv_cache import KVCache, rows_within_budget
@@ -137,7 +138,8 @@ class TorchEngine(ServedWeights, Engine):
 
         `compile`: "auto" (CUDA graphs on a CUDA device, eager elsewhere), "on" (fixed-shape
         forwards: captured as CUDA graphs on CUDA, run eagerly on a CPU) or "off" (eager at the
-        batch's own shapes, the reference path); see `round_graphs` and `decode_round`."""
+        batch's own shapes, the reference path); see `round_graphs` and `decode_round`. Fixed-shape
+        rounds on CUDA run fused Triton kernels where Triton is installed (`decode_kernels`)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if not 0 <= max_speculation_k <= MAX_SPECULATION_K:
@@ -185,6 +187,9 @@ class TorchEngine(ServedWeights, Engine):
         self._mtp_caches = [self.drafter.new_cache(0, slots, max_batch=rows) for _ in range(self.num_mtp)]
         self._batch: BatchTensors | None = None
         self._rounds = make_rounds(compile, self.device)
+        # fixed-shape rounds on CUDA run fused Triton kernels where Triton is installed; the eager
+        # rounds (`compile: off`, the reference) torch's operators
+        model.kernels = DecodeKernels.for_device(self.device) if isinstance(self._rounds, FixedRounds) else DecodeOps()
         self._swaps = 0  # weight updates swapped in (`ServedWeights._swap_in`)
         self._weights_checked: tuple[int, int] | None = None  # (swaps, decode-weight builds) last checked
         self.compile = compile

@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from sidecar.model import decode_kernels
+from sidecar.model.decode_kernels import DecodeKernels, DecodeOps
 from sidecar.model.decode_weights import DecodeWeights, joined_rows
 from sidecar.model.kv_cache import AttentionPlan, KVCache, attend
 from yarn import RopeConfig, RotaryEmbedding, apply_rotary
@@ -227,24 +229,37 @@ class Attention(nn.Module):
         cache: KVCache,
         layer: int,
         plan: AttentionPlan,
+        kernels: DecodeOps | None = None,
     ) -> Tensor:  # (B, S, hidden)
         """The same attention over new tokens appended to a KV cache, written for few operator
         calls: one q|k|v projection, the q/k norms as one norm and one table product, rotation in
         the projection's (B, S, heads, head_dim) layout (no transposed copies), one write per
-        cache tensor through the plan's views. At decode sizes a step costs its operator calls."""
+        cache tensor through the plan's views. At decode sizes a step costs its operator calls.
+        With fused `kernels`, a fixed-shape forward (`plan.grouped`) runs the norms, rotation and cache
+        writes as one kernel and the attention as another (`decode_kernels`)."""
         b, s, _ = x.shape
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = w.project(x, w.qkv).view(b, s, h + 2 * kv, d)
+        if isinstance(kernels, DecodeKernels) and plan.grouped:
+            q = kernels.qk_norm_rope_store(
+                qkv,
+                w.qk_norm,
+                rope.cos,
+                rope.sin_folded,
+                w.eps,
+                plan.keys_in[layer],
+                plan.values_in[layer],
+                plan.positions,
+            )
+            out = kernels.decode_attention(q, plan.keys_out[layer], plan.values_out[layer], plan.positions)
+            return w.project(out, w.o)
         qk = rope.rotate(_rms_w(qkv[:, :, : h + kv], w.qk_norm, w.eps))  # (B, S, h + kv, d)
         keys, values = cache.write_and_read(layer, qk[:, :, h:], qkv[:, :, h + kv :], plan)
         return w.project(attend(qk[:, :, :h], keys, values, plan), w.o)
 
 
-def _rms_w(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """RMSNorm with a given weight (the fused q/k table): normalised in float32 and rounded to x's
-    dtype by `F.rms_norm` (one fused kernel where torch has one), then the weight — `RMSNorm`'s
-    order of operations (Hugging Face's), in two kernels instead of six."""
-    return weight * F.rms_norm(x, (x.shape[-1],), None, eps)
+_rms_w = decode_kernels.rms_norm
+_TORCH_OPS = DecodeOps()
 
 
 def _rms(x: Tensor, norm: RMSNorm) -> Tensor:
@@ -305,9 +320,29 @@ class DecoderLayer(nn.Module):
         self, x: Tensor, w: DecodeWeights, rope: RopeTable, cache: KVCache, layer: int, plan: AttentionPlan
     ) -> Tensor:
         """`forward` over new tokens appended to a KV cache (see `Attention.cached`)."""
-        x = x + self.self_attn.cached(_rms_w(x, w.input_norm, w.eps), w, rope, cache, layer, plan)
-        gate, up = w.project(_rms_w(x, w.post_norm, w.eps), w.gate_up).chunk(2, dim=-1)
-        return x + w.project(F.silu(gate) * up, w.down)
+        x, delta = self.cached_parts(x, None, w, rope, cache, layer, plan)
+        return x + delta
+
+    def cached_parts(
+        self,
+        x: Tensor,
+        delta: Tensor | None,
+        w: DecodeWeights,
+        rope: RopeTable,
+        cache: KVCache,
+        layer: int,
+        plan: AttentionPlan,
+        kernels: DecodeOps | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """`cached` of the residual stream x + delta, returned as (stream, delta) with the MLP's
+        output not yet added: the next layer adds it in the kernel of its input norm
+        (`decode_kernels.add_rms_norm`), and the last in the final norm's."""
+        fused = kernels if kernels is not None else _TORCH_OPS
+        x, normed = fused.add_rms_norm(x, delta, w.input_norm, w.eps)
+        x, normed = fused.add_rms_norm(
+            x, self.self_attn.cached(normed, w, rope, cache, layer, plan, kernels), w.post_norm, w.eps
+        )
+        return x, w.project(fused.silu_mul(w.project(normed, w.gate_up)), w.down)
 
 
 class SharedHead(nn.Module):
@@ -371,6 +406,8 @@ class Qwen3WithMTP(nn.Module):
         self._frozen = False
         self.decode_by_columns: bool | None = None
         self.decode_builds = 0
+        self.kernels: DecodeOps = _TORCH_OPS
+        """What the cached forwards run: torch's operators, or fused kernels (`decode_kernels`)."""
         """Times `decode_weights` built new tensors (rather than refreshing them in place)."""
         """The cached forwards' weight layout: (in, out) copies (True), the parameters' own (out, in)
         (False), or by device (None: by columns on CPUs, `DecodeWeights`)."""
@@ -532,13 +569,16 @@ class Qwen3WithMTP(nn.Module):
         rope = self.rope_table(plan.positions, x.dtype)
         weights = self.decode_weights()
         taps: dict[int, Tensor] = {}
+        delta: Tensor | None = None  # the previous layer's MLP output, added in the next norm's kernel
+        kernels = self.kernels
         for i, layer in enumerate(self.model.layers):
             if i in aux_layers:
-                taps[i] = x
-            x = cast(DecoderLayer, layer).cached(x, weights[i], rope, cache, i, plan)
+                taps[i] = x if delta is None else x + delta
+            x, delta = cast(DecoderLayer, layer).cached_parts(x, delta, weights[i], rope, cache, i, plan, kernels)
         if aux is not None:
             aux.extend(taps[i] for i in aux_layers)
-        return _rms(x, self.model.norm)
+        norm = self.model.norm
+        return kernels.add_rms_norm(x, delta, norm.weight, norm.eps)[1]
 
     def mtp_step(
         self,
@@ -555,7 +595,8 @@ class Qwen3WithMTP(nn.Module):
         x = F.linear(torch.cat([embedded, _rms(hidden, mtp.hnorm)], dim=-1), mtp.eh_proj.weight)  # `combine`
         rope = self.rope_table(plan.positions + 1 if rope_positions is None else rope_positions, x.dtype)
         weights = self.decode_weights()[self.config.num_hidden_layers + layer]
-        return mtp.cached(x, weights, rope, cache, 0, plan)
+        x, delta = mtp.cached_parts(x, None, weights, rope, cache, 0, plan, self.kernels)
+        return x + delta
 
     def mtp_head(self, layer: int, out: Tensor) -> Tensor:
         """Draft logits from an MTP output: shared lm_head(shared_head.norm(out))."""

@@ -1,0 +1,286 @@
+"""Triton kernels of the fixed-shape decode forward: one kernel for what torch runs as several.
+
+Each kernel computes what its reference in `decode_kernels` computes, rounding where the reference
+rounds (a bf16 product is rounded to bf16 before the next operation reads it, as torch's
+elementwise kernels do), so the two differ only in the order of a reduction's additions:
+
+- `add_rms_norm`: the residual add of the previous block and the next RMSNorm (with its weight);
+- `qk_norm_rope_store`: the q/k RMSNorms, the rotary embedding of q and k, and the writes of k and
+  v into the KV cache at the forward's slots: q comes out rotated, k and v only go to the cache;
+- `decode_attention`: grouped-query attention of a row's few new columns (the verified column and
+  its drafts) over its cached slots, reading only the slots up to the row's last position (not the
+  read width a graph is captured with) and selecting by position (a stale value past a row's end is
+  never read, so it cannot reach the output even when it is not finite);
+- `silu_mul`: SwiGLU's silu(gate) * up over the fused gate|up projection.
+
+Imported only where Triton is installed (`decode_kernels.triton_available`). On a CPU the kernels
+run in Triton's interpreter (`TRITON_INTERPRET=1` before Triton is imported; the tests' conftest
+sets it where there is no GPU): that is how CI checks them against the references, in float32 (the
+interpreter has no bfloat16).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr, delta_ptr, w_ptr, sum_ptr, out_ptr, n_cols, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    live = cols < n_cols
+    x = tl.load(x_ptr + row * n_cols + cols, mask=live, other=0.0)
+    if HAS_DELTA:
+        d = tl.load(delta_ptr + row * n_cols + cols, mask=live, other=0.0)
+        x = (x.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * n_cols + cols, x, mask=live)
+    xf = x.to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+    normed = (xf * r).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=live, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * n_cols + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=live)
+
+
+def add_rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(x + delta, weight * rms_norm(x + delta)) over the last dimension; x itself when delta is None."""
+    cols = x.shape[-1]
+    x2 = x.contiguous().view(-1, cols)
+    out = torch.empty_like(x2)
+    total = x2 if delta is None else torch.empty_like(x2)
+    d2 = x2 if delta is None else delta.contiguous().view(-1, cols)
+    block = triton.next_power_of_2(cols)
+    _add_rms_norm_kernel[(x2.shape[0],)](
+        x2, d2, weight, total, out, cols, eps, HAS_DELTA=delta is not None, BLOCK=block, num_warps=_warps(block)
+    )
+    return total.view(x.shape), out.view(x.shape)
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, n_cols, n_total, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # flat index into (rows, n_cols)
+    live = i < n_total
+    row, col = i // n_cols, i % n_cols
+    g = tl.load(gu_ptr + row * 2 * n_cols + col, mask=live, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row * 2 * n_cols + n_cols + col, mask=live, other=0.0).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + i, (act * u).to(out_ptr.dtype.element_ty), mask=live)
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """silu(gate) * up of a fused (..., 2I) gate|up projection: (..., I)."""
+    cols = gate_up.shape[-1] // 2
+    gu = gate_up.contiguous().view(-1, 2 * cols)
+    out = torch.empty(gu.shape[0], cols, dtype=gu.dtype, device=gu.device)
+    block = 1024
+    _silu_mul_kernel[(triton.cdiv(out.numel(), block),)](gu, out, cols, out.numel(), BLOCK=block)
+    return out.view(*gate_up.shape[:-1], cols)
+
+
+@triton.jit
+def _qk_norm_rope_store_kernel(
+    qkv_ptr,
+    norm_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    pos_ptr,
+    eps,
+    n_q,
+    n_kv,
+    k_row,
+    k_slot,
+    k_head,
+    v_row,
+    v_slot,
+    v_head,
+    S,
+    D: tl.constexpr,
+    HEADS: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)  # b * S + s: all of one token's heads
+    b = token // S
+    hh = tl.arange(0, HEADS)[:, None]  # q heads, then k heads, then v heads (padded to HEADS)
+    cols = tl.arange(0, D)[None, :]
+    rolled = (cols + D // 2) % D
+    heads = n_q + 2 * n_kv
+    row = qkv_ptr + (token * heads + hh) * D
+    live = hh < heads
+    x = tl.load(row + cols, mask=live, other=0.0)
+    xr = tl.load(row + rolled, mask=live, other=0.0)
+    qk = hh < n_q + n_kv
+    dt = x.dtype
+    xf = x.to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / D + eps)[:, None]
+    w = tl.load(norm_ptr + hh * D + cols, mask=qk, other=0.0).to(tl.float32)
+    wr = tl.load(norm_ptr + hh * D + rolled, mask=qk, other=0.0).to(tl.float32)
+    n = ((xf * r).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
+    nr = ((xr.to(tl.float32) * r).to(dt).to(tl.float32) * wr).to(dt).to(tl.float32)
+    c = tl.load(cos_ptr + token * D + cols).to(tl.float32)
+    s = tl.load(sin_ptr + token * D + cols).to(tl.float32)
+    out = ((n * c).to(dt).to(tl.float32) + nr * s).to(dt)
+    slot = tl.load(pos_ptr + token)
+    tl.store(q_ptr + (token * n_q + hh) * D + cols, out, mask=hh < n_q)
+    tl.store(k_ptr + b * k_row + slot * k_slot + (hh - n_q) * k_head + cols, out, mask=(hh >= n_q) & qk)
+    is_v = (hh >= n_q + n_kv) & live
+    tl.store(v_ptr + b * v_row + slot * v_slot + (hh - n_q - n_kv) * v_head + cols, x, mask=is_v)
+
+
+def qk_norm_rope_store(
+    qkv: Tensor,  # (B, S, heads + 2 kv_heads, head_dim): one forward's q|k|v projection
+    norm: Tensor,  # (heads + kv_heads, head_dim): the q norm's weight per query head, then the k norm's
+    cos: Tensor,  # (B, S, 1, head_dim)
+    sin_folded: Tensor,  # (B, S, 1, head_dim)
+    eps: float,
+    keys: Tensor,  # (B, slots, kv_heads, head_dim) a layer's key storage (a strided view)
+    values: Tensor,
+    positions: Tensor,  # (B, S) the slot each column is written to
+) -> Tensor:  # (B, S, heads, head_dim) rotated queries
+    """Normalise and rotate q and k, write k and v at their slots; return q."""
+    b, s, total, d = qkv.shape
+    kv = keys.shape[2]
+    h = total - 2 * kv
+    if keys.stride(3) != 1 or values.stride(3) != 1:
+        raise ValueError("the key and value storage must be contiguous in head_dim")
+    q = torch.empty(b, s, h, d, dtype=qkv.dtype, device=qkv.device)
+    heads = triton.next_power_of_2(total)
+    _qk_norm_rope_store_kernel[(b * s,)](
+        qkv.contiguous(),
+        norm.contiguous(),
+        cos.contiguous(),
+        sin_folded.contiguous(),
+        q,
+        keys,
+        values,
+        positions.contiguous(),
+        eps,
+        h,
+        kv,
+        keys.stride(0),
+        keys.stride(1),
+        keys.stride(2),
+        values.stride(0),
+        values.stride(1),
+        values.stride(2),
+        s,
+        D=d,
+        HEADS=heads,
+        num_warps=_warps(heads * d),
+    )
+    return q
+
+
+@triton.jit
+def _decode_attention_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    pos_ptr,
+    out_ptr,
+    scale,
+    read,
+    k_row,
+    k_head,
+    k_slot,
+    v_row,
+    v_head,
+    v_slot,
+    S: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    n_heads = G * tl.num_programs(1)
+    m = tl.arange(0, BLOCK_M)  # query row m: column m // G, query head kvh * G + m % G
+    col = m // G
+    qhead = kvh * G + m % G
+    live_m = m < G * S
+    d = tl.arange(0, D)
+    q_off = ((b * S + col) * n_heads + qhead)[:, None] * D + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=live_m[:, None], other=0.0)
+    pos = tl.load(pos_ptr + b * S + col, mask=live_m, other=-1)  # the slot each query row sits at
+    last = tl.load(pos_ptr + b * S + S - 1)  # the row's last column: the furthest slot any query reads
+    end = tl.minimum(last + 1, read)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for start in range(0, end, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        live_n = n < end
+        kt = tl.load(
+            k_ptr + b * k_row + kvh * k_head + n[None, :] * k_slot + d[:, None], mask=live_n[None, :], other=0.0
+        )
+        if IEEE:  # noqa: SIM108 (Triton: a constexpr branch)
+            qk = tl.dot(q, kt, input_precision="ieee")
+        else:
+            qk = tl.dot(q, kt)
+        qk = tl.where((n[None, :] <= pos[:, None]) & live_n[None, :], qk * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(qk - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(
+            v_ptr + b * v_row + kvh * v_head + n[:, None] * v_slot + d[None, :], mask=live_n[:, None], other=0.0
+        )
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=live_m[:, None])
+
+
+def decode_attention(
+    q: Tensor,  # (B, S, heads, head_dim)
+    keys: Tensor,  # (B, kv_heads, read, head_dim) the slots a forward may read (a strided view)
+    values: Tensor,
+    positions: Tensor,  # (B, S) each column's slot; column j attends to slots <= positions[b, j]
+) -> Tensor:  # (B, S, heads * head_dim)
+    """Causal-by-position grouped-query attention over cached slots (see the module docstring).
+    A row's columns are its consecutive positions, so its last column's is the furthest read."""
+    b, s, h, d = q.shape
+    kv, read = keys.shape[1], keys.shape[2]
+    g = h // kv
+    out = torch.empty(b, s, h, d, dtype=q.dtype, device=q.device)
+    block_m = max(16, triton.next_power_of_2(g * s))
+    _decode_attention_kernel[(b, kv)](
+        q.contiguous(),
+        keys,
+        values,
+        positions.contiguous(),
+        out,
+        1.0 / math.sqrt(d),
+        read,
+        keys.stride(0),
+        keys.stride(1),
+        keys.stride(2),
+        values.stride(0),
+        values.stride(1),
+        values.stride(2),
+        S=s,
+        G=g,
+        D=d,
+        BLOCK_M=block_m,
+        BLOCK_N=64 if d <= 64 else 32,
+        IEEE=q.dtype == torch.float32,
+        num_warps=4,
+    )
+    return out.view(b, s, h * d)
+
+
+def _warps(block: int) -> int:
+    return 1 if block <= 256 else 4 if block <= 2048 else 8

@@ -1,0 +1,323 @@
+"""The fused decode kernels (`triton_kernels`, chosen through `decode_kernels`) against their oracles.
+
+On a CPU the kernels run in Triton's interpreter (the root conftest sets `TRITON_INTERPRET=1`
+before Triton is imported), in float32; on a GPU (`-m gpu`) compiled, in bfloat16. Oracles:
+
+- each kernel: its torch reference in `decode_kernels` (the operators the model ran before), over
+  hypothesis-drawn shapes; attention also against `kv_cache.attend` through a fixed plan, with
+  stale (NaN) slots past each row's end that it must never read;
+- whole generation on the fixed-shape path with the kernels: the plain full forward decoding one
+  token at a time (greedy; MTP k = 0 and 3, EAGLE-3 k = 3), the engine's own reference path
+  (`compile: off`) sample for sample at temperature 1, each request of a traffic plan run alone;
+- the kernel count: the operators a plain round runs per decoder layer, counted on a model of L
+  and of L + 1 layers (the difference is one layer's), every operator that launches device work
+  once (views and allocations none, a Triton kernel one) — what `tools/profile_round.py` counts as
+  CUDA kernels on a GPU. It fails above the bound reached (9 a layer, from 28 with torch's
+  operators).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from engine_fixtures import aligned_draft_model, aligned_eagle3, eagle3_target
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_continuous_batching import MAX_K, check_against_alone, greedy_model, run_plan, traffic
+from test_static_engine import oracle_greedy
+from torch.utils._python_dispatch import TorchDispatchMode
+
+pytest.importorskip("triton")
+
+from sidecar.engine.round_graphs import FixedRounds  # noqa: E402
+from sidecar.engine.torch_engine import TorchEngine  # noqa: E402
+from sidecar.model import decode_kernels, triton_kernels  # noqa: E402
+from sidecar.model.decode_kernels import DecodeKernels  # noqa: E402
+from sidecar.model.kv_cache import KVCache, attend  # noqa: E402
+from sidecar.model.model import ModelConfig, Qwen3WithMTP, build_model  # noqa: E402
+from sidecar.types import GenerationRequest, Sample, SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+interpreted = pytest.mark.skipif(CUDA, reason="CPU models through the kernels: Triton's interpreter, CPUs only")
+
+
+@pytest.fixture
+def kernels_everywhere(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Engines with fixed-shape rounds run the fused kernels on CPUs too (in the interpreter)."""
+    monkeypatch.setattr(DecodeKernels, "for_device", staticmethod(lambda device: DecodeKernels()))
+    yield
+
+
+# ---- 1. each kernel against its reference -------------------------------------------------------
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> None:
+    tol = 1e-5 if got.dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=st.integers(1, 9), cols=st.sampled_from([8, 48, 64, 200]), delta=st.booleans(), seed=st.integers(0, 99))
+def test_add_rms_norm_equals_its_reference(rows: int, cols: int, delta: bool, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x, d, w = (torch.randn(*shape, generator=g).to(DEVICE) for shape in [(rows, 2, cols), (rows, 2, cols), (cols,)])
+    got = DecodeKernels().add_rms_norm(x, d if delta else None, w, 1e-6)
+    want = decode_kernels.add_rms_norm(x, d if delta else None, w, 1e-6)
+    for a, b in zip(got, want, strict=True):
+        close(a, b)
+
+
+@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=st.integers(1, 9), cols=st.sampled_from([4, 128, 700, 1500]), seed=st.integers(0, 99))
+def test_silu_mul_equals_its_reference(rows: int, cols: int, seed: int) -> None:
+    x = torch.randn(rows, 1, 2 * cols, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+    close(DecodeKernels().silu_mul(x), decode_kernels.silu_mul(x))
+
+
+@functools.cache
+def layer_model(dtype: str) -> Qwen3WithMTP:
+    return build_model(
+        ModelConfig.tiny(num_hidden_layers=1, num_nextn_predict_layers=0, torch_dtype=dtype), seed=41, device=DEVICE
+    )
+
+
+def random_cache(model: Qwen3WithMTP, rows: int, capacity: int, lengths: list[int], seed: int) -> KVCache:
+    c = model.config
+    cache = KVCache(
+        num_layers=1,
+        num_kv_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        dtype=c.dtype,
+        device=DEVICE,
+        batch=len(lengths),
+        capacity=capacity,
+        max_batch=rows,
+    )
+    g = torch.Generator().manual_seed(seed)
+    cache._k.copy_(torch.randn(cache._k.shape, generator=g))
+    cache._v.copy_(torch.randn(cache._v.shape, generator=g))
+    cache.lengths = list(lengths)
+    return cache
+
+
+@settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), rows=st.integers(1, 6), s=st.integers(1, 5), seed=st.integers(0, 2**16))
+def test_a_fixed_forwards_attention_with_the_kernels_equals_torchs(
+    data: st.DataObject, rows: int, s: int, seed: int
+) -> None:
+    """A layer's cached attention through a fixed plan: output and the cache it leaves. Slots past
+    each row's last position hold NaN: the kernel reads up to the row's last position only (torch's
+    masked attention would turn them into NaN; the reference gets zeros there instead)."""
+    model = layer_model("float32" if not CUDA else data.draw(st.sampled_from(["float32", "bfloat16"])))
+    capacity = 300
+    lengths = data.draw(st.lists(st.integers(0, capacity - s - 1), min_size=rows, max_size=rows))
+    read = data.draw(st.integers(max(lengths) + s, capacity))
+    ref = random_cache(model, rows, capacity, lengths, seed)
+    fused = random_cache(model, rows, capacity, lengths, seed)
+    for b, n in enumerate(lengths):  # stale slots: zeros for torch (what `scrub` leaves), NaN for the kernel
+        ref._k[:, b, :, n:], ref._v[:, b, :, n:] = 0.0, 0.0
+        fused._k[:, b, :, n:], fused._v[:, b, :, n:] = float("nan"), float("nan")
+    x = torch.randn(rows, s, model.config.hidden_size, generator=torch.Generator().manual_seed(seed + 1))
+    x = x.to(device=DEVICE, dtype=model.config.dtype)
+    lens = torch.tensor(lengths, device=DEVICE)
+    w = model.decode_weights()[0]
+    attn = model.model.layers[0].self_attn  # type: ignore[union-attr]
+    with torch.no_grad():
+        plan = ref.plan_fixed(lens, s, read)
+        rope = model.rope_table(plan.positions, x.dtype)
+        want = attn.cached(x, w, rope, ref, 0, plan)
+        got = attn.cached(x, w, rope, fused, 0, fused.plan_fixed(lens, s, read), DecodeKernels())
+    close(got, want)
+    for b, n in enumerate(lengths):  # what both wrote: the s new slots of every row
+        close(fused._k[:, b, :, n : n + s], ref._k[:, b, :, n : n + s])
+        close(fused._v[:, b, :, n : n + s], ref._v[:, b, :, n : n + s])
+        assert fused._k[:, b, :, : n].equal(ref._k[:, b, :, :n])  # nothing before a row's end touched
+
+
+def test_decode_attention_equals_attend_over_a_fixed_plan() -> None:
+    """The attention kernel alone against `kv_cache.attend` (SDPA under the plan's mask)."""
+    model = layer_model("float32")
+    cache = random_cache(model, 3, 64, [5, 0, 17], seed=3)
+    plan = cache.plan_fixed(torch.tensor([5, 0, 17], device=DEVICE), 4, 32)
+    q = torch.randn(3, 4, model.config.num_attention_heads, model.config.head_dim).to(DEVICE)
+    want = attend(q, plan.keys_out[0], plan.values_out[0], plan)
+    close(DecodeKernels().decode_attention(q, plan.keys_out[0], plan.values_out[0], plan.positions), want)
+
+
+# ---- 2. whole generation with the kernels -------------------------------------------------------
+
+PROMPTS = [[5, 9, 2], [1, 2, 3, 4, 5, 6, 7], [60, 61], [7], [11, 12, 13, 14], [30, 3, 30, 3, 30]]
+NEW = 10
+
+
+@functools.cache
+def aligned() -> Qwen3WithMTP:
+    return aligned_draft_model(ModelConfig.tiny(), seed=2)
+
+
+@functools.cache
+def oracle(model_key: str) -> list[list[int]]:
+    model = aligned() if model_key == "mtp" else eagle3_target()
+    return [oracle_greedy(model, p, NEW) for p in PROMPTS]
+
+
+def greedy(engine: TorchEngine, k: int) -> list[list[int]]:
+    sp = SamplingParams(temperature=0.0, max_new_tokens=NEW)
+    return [s.token_ids for s in engine.generate(GenerationRequest(prompts=PROMPTS, sampling=sp, speculation_k=k))]
+
+
+@interpreted
+@pytest.mark.usefixtures("kernels_everywhere")
+@pytest.mark.parametrize("k", [0, 3])
+def test_greedy_with_the_kernels_equals_the_plain_forward(k: int) -> None:
+    engine = TorchEngine(aligned(), speculation_k=k, max_batch_size=8, compile="on")
+    assert isinstance(engine.model.kernels, DecodeKernels) and isinstance(engine._rounds, FixedRounds)
+    assert greedy(engine, k) == oracle("mtp")
+    if k:
+        assert engine.stats()[0].counters.acceptance_rate > 0.6  # accepted runs, rollbacks, bonus tokens
+
+
+@interpreted
+@pytest.mark.usefixtures("kernels_everywhere")
+def test_greedy_with_the_kernels_and_an_eagle3_draft_equals_the_plain_forward() -> None:
+    target = eagle3_target()
+    engine = TorchEngine(target, speculation_k=3, draft=aligned_eagle3(target), max_batch_size=8, compile="on")
+    assert isinstance(engine.model.kernels, DecodeKernels)
+    assert greedy(engine, 3) == oracle("eagle3")
+
+
+def sampled(engine: TorchEngine) -> list[Sample]:
+    sp = SamplingParams(temperature=1.0, max_new_tokens=NEW, seed=7)
+    return engine.generate(GenerationRequest(prompts=PROMPTS, sampling=sp, speculation_k=3))
+
+
+@interpreted
+def test_sampling_with_the_kernels_equals_the_reference_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Temperature 1, k = 3: the same counter-based uniforms meet the same distributions (to float
+    rounding), so every sample's tokens are the reference path's and its log-probs within 1e-5."""
+    want = sampled(TorchEngine(aligned(), max_batch_size=8, compile="off"))
+    monkeypatch.setattr(DecodeKernels, "for_device", staticmethod(lambda device: DecodeKernels()))
+    got = sampled(TorchEngine(aligned(), max_batch_size=8, compile="on"))
+    assert [s.token_ids for s in got] == [s.token_ids for s in want]
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+
+@interpreted
+@pytest.mark.usefixtures("kernels_everywhere")
+@settings(max_examples=3, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(plan=traffic(vocab=64, sampled=False), batch=st.integers(1, 8), default_k=st.integers(0, MAX_K))
+def test_traffic_with_the_kernels_equals_each_request_alone_on_the_eager_engine(
+    plan: list[Any], batch: int, default_k: int
+) -> None:
+    engine = TorchEngine(
+        greedy_model(), speculation_k=default_k, max_speculation_k=MAX_K, max_batch_size=batch, compile="on"
+    )
+    assert isinstance(engine.model.kernels, DecodeKernels)
+    check_against_alone("greedy", default_k, plan, run_plan(engine, plan))
+
+
+# ---- 3. the kernel count ------------------------------------------------------------------------
+
+ALLOCATIONS = {"empty", "empty_strided", "empty_like", "lift_fresh"}
+
+
+class KernelCounter(TorchDispatchMode):
+    """Counts the operators that launch device work: every aten operator except views (outputs that
+    alias an input without writing it) and allocations; a Triton kernel counts once (the operators
+    its launch runs in the interpreter do not count)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+        self.paused = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if not self.paused and not is_view_or_allocation(func):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def is_view_or_allocation(func: Any) -> bool:
+    if func.__name__.split(".")[0] in ALLOCATIONS:
+        return True
+    returns = func._schema.returns
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
+@pytest.fixture
+def counting_triton(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[KernelCounter]]:
+    """Each Triton launch counts once in the active counter."""
+    active: list[KernelCounter] = []
+
+    def wrap(kernel: Any) -> Any:
+        class Launch:
+            def __getitem__(self, grid: Any) -> Any:
+                def run(*args: Any, **kwargs: Any) -> Any:
+                    counter = active[0] if active else None
+                    if counter is not None:
+                        counter.count += 1
+                        counter.paused = True
+                    try:
+                        return kernel[grid](*args, **kwargs)
+                    finally:
+                        if counter is not None:
+                            counter.paused = False
+
+                return run
+
+        return Launch()
+
+    for name in dir(triton_kernels):
+        if name.endswith("_kernel"):
+            monkeypatch.setattr(triton_kernels, name, wrap(getattr(triton_kernels, name)))
+    yield active
+
+
+def round_kernels(layers: int, fused: bool, active: list[KernelCounter]) -> int:
+    """Operators of one plain (k = 0) fixed-shape decode round of a one-row batch."""
+    model = build_model(ModelConfig.tiny(num_hidden_layers=layers, num_nextn_predict_layers=0), seed=5)
+    engine = TorchEngine(model, speculation_k=0, max_batch_size=4, compile="on")
+    model.kernels = DecodeKernels() if fused else decode_kernels.DecodeOps()
+    sp = SamplingParams(temperature=1.0, max_new_tokens=8, seed=1)
+    engine.submit(GenerationRequest(prompts=[[1, 2, 3]], sampling=sp, request_id="count"))
+    engine.step()  # admission and prefill
+    engine.step()  # a first round (one-time work: decode weights, rotary tables)
+    counter = KernelCounter()
+    active[:] = [counter]
+    with counter:
+        engine.step()
+    active.clear()
+    while engine.has_work():
+        engine.step()
+    return counter.count
+
+
+@interpreted
+def test_a_plain_round_runs_at_most_nine_kernels_a_decoder_layer(counting_triton: list[KernelCounter]) -> None:
+    fused = round_kernels(3, True, counting_triton) - round_kernels(2, True, counting_triton)
+    torch_ops = round_kernels(3, False, counting_triton) - round_kernels(2, False, counting_triton)
+    print(f"kernels a decoder layer in a plain round: fused {fused}, torch operators {torch_ops}")
+    assert fused <= 9
+    assert torch_ops >= 20  # the counter counts (torch's operators are many more)
+
+
+# ---- 4. on a GPU: the compiled kernels in a captured engine --------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("k", [0, 3])
+def test_captured_rounds_with_the_compiled_kernels_equal_the_plain_forward(k: int) -> None:
+    model = aligned_draft_model(ModelConfig.tiny(), seed=2).cuda()
+    engine = TorchEngine(model, speculation_k=k, max_batch_size=8, compile="on")
+    assert isinstance(engine.model.kernels, DecodeKernels)
+    assert greedy(engine, k) == [oracle_greedy(model, p, NEW) for p in PROMPTS]
+    assert engine._rounds.captured > 0
