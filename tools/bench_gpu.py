@@ -205,9 +205,8 @@ def engine_part(args: argparse.Namespace, shape: str, device: torch.device, out:
         )
     # One engine per arm over the same weights; KV rows just long enough for the runs, so that
     # several engines' caches fit beside an 8B model. The model's `kernels` are the engine's choice
-    # ("auto") or torch's operators ("torch"), set before each of the arm's generations.
+    # ("auto") or torch's operators ("torch").
     engines: dict[tuple[str, str], TorchEngine] = {}
-    kernels: dict[tuple[str, str], DecodeOps] = {}
     for arm in arms:
         engines[arm] = TorchEngine(
             model,
@@ -217,15 +216,15 @@ def engine_part(args: argparse.Namespace, shape: str, device: torch.device, out:
             max_context=args.prompt + args.new_tokens + 8,
             compile=arm[0],
         )
-        kernels[arm] = DecodeOps() if arm[1] == "torch" else model.kernels
-        out.log({"part": part.name, "arm": list(arm), "kernels": type(kernels[arm]).__name__})
+        if arm[1] == "torch":
+            engines[arm].kernels = DecodeOps()
+        out.log({"part": part.name, "arm": list(arm), "kernels": type(engines[arm].kernels).__name__})
     gen = torch.Generator().manual_seed(1)
     short = max(args.new_tokens // 2, 2)
 
     def run(arm: tuple[str, str], prompts: list[list[int]], k: int, new: int) -> tuple[float, int, float]:
         """Seconds, decode rounds and accepted fraction of drafts of one generation."""
         engine = engines[arm]
-        model.kernels = kernels[arm]
         before = engine.stats()[-1].counters
         drafted0, accepted0 = before.drafted_tokens, before.accepted_tokens
         sp = SamplingParams(temperature=args.temperature, max_new_tokens=new, seed=3)
@@ -250,8 +249,8 @@ def engine_part(args: argparse.Namespace, shape: str, device: torch.device, out:
             break
         for arm, engine in engines.items():  # warm up (and capture) this batch size's shapes
             captured, t = engine._rounds.captured, time.monotonic()
-            for k in args.ks:
-                run(arm, prompts, k, 4)
+            for k in args.ks:  # a whole long generation: every shape (and kernel build) of the timed runs
+                run(arm, prompts, k, args.new_tokens)
             out.log({"part": part.name, "batch": batch, "arm": list(arm), "warmup_s": round(time.monotonic() - t, 3),
                      "graphs_captured": engine._rounds.captured - captured})  # fmt: skip
         samples: dict[tuple[tuple[str, str], int], list[float]] = {(a, k): [] for a in engines for k in args.ks}

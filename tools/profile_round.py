@@ -101,10 +101,10 @@ def main(argv: list[str] | None = None) -> int:
             compile=mode,
         )
         if kern == "torch":
-            model.kernels = DecodeOps()
+            engine.kernels = DecodeOps()
         for batch in (int(b) for b in args.batches.split(",")):
             for k in ks:
-                r = {"compile": mode, "decode_ops": type(model.kernels).__name__, "shape": args.shape,
+                r = {"compile": mode, "decode_ops": type(engine.kernels).__name__, "shape": args.shape,
                      "layers": model.config.num_hidden_layers,
                      **profile_rounds(engine, batch, k, args.prompt, args.rounds)}  # fmt: skip
                 results.append(r)

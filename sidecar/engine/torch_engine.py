@@ -187,9 +187,13 @@ class TorchEngine(ServedWeights, Engine):
         self._mtp_caches = [self.drafter.new_cache(0, slots, max_batch=rows) for _ in range(self.num_mtp)]
         self._batch: BatchTensors | None = None
         self._rounds = make_rounds(compile, self.device)
-        # fixed-shape rounds on CUDA run fused Triton kernels where Triton is installed; the eager
-        # rounds (`compile: off`, the reference) torch's operators
-        model.kernels = DecodeKernels.for_device(self.device) if isinstance(self._rounds, FixedRounds) else DecodeOps()
+        self.kernels: DecodeOps = (
+            DecodeKernels.for_device(self.device) if isinstance(self._rounds, FixedRounds) else DecodeOps()
+        )
+        """What this engine's cached forwards run (`decode_kernels`): fused Triton kernels with
+        fixed-shape rounds on CUDA where Triton is installed, else torch's operators (the eager
+        rounds of `compile: off` are the reference). Set on the model at every step: engines may
+        share a model."""
         self._swaps = 0  # weight updates swapped in (`ServedWeights._swap_in`)
         self._weights_checked: tuple[int, int] | None = None  # (swaps, decode-weight builds) last checked
         self.compile = compile
@@ -449,6 +453,7 @@ class TorchEngine(ServedWeights, Engine):
     def step(self) -> list[Sample]:
         start = time.perf_counter()
         finished: list[Sample] = []
+        self.model.kernels = self.kernels
         with self.model.frozen_weights():
             if self._running:
                 finished += self._decode()

@@ -83,7 +83,7 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     return out.view(*gate_up.shape[:-1], cols)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S"])  # a forward's width varies (1 to k + 1): one build serves them all
 def _qk_norm_rope_store_kernel(
     qkv_ptr,
     norm_ptr,
@@ -178,7 +178,7 @@ def qk_norm_rope_store(
     return q
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S", "read"])
 def _decode_attention_kernel(
     q_ptr,
     k_ptr,
@@ -193,7 +193,7 @@ def _decode_attention_kernel(
     v_row,
     v_head,
     v_slot,
-    S: tl.constexpr,
+    S,
     G: tl.constexpr,
     D: tl.constexpr,
     BLOCK_M: tl.constexpr,

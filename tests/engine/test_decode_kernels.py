@@ -33,13 +33,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("triton")
 
-from sidecar.engine.round_graphs import FixedRounds  # noqa: E402
-from sidecar.engine.torch_engine import TorchEngine  # noqa: E402
-from sidecar.model import decode_kernels, triton_kernels  # noqa: E402
-from sidecar.model.decode_kernels import DecodeKernels  # noqa: E402
-from sidecar.model.kv_cache import KVCache, attend  # noqa: E402
-from sidecar.model.model import ModelConfig, Qwen3WithMTP, build_model  # noqa: E402
-from sidecar.types import GenerationRequest, Sample, SamplingParams  # noqa: E402
+from sidecar.engine.round_graphs import FixedRounds
+from sidecar.engine.torch_engine import TorchEngine
+from sidecar.model import decode_kernels, triton_kernels
+from sidecar.model.decode_kernels import DecodeKernels
+from sidecar.model.kv_cache import KVCache, attend
+from sidecar.model.model import ModelConfig, Qwen3WithMTP, build_model
+from sidecar.types import GenerationRequest, Sample, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -138,7 +138,7 @@ def test_a_fixed_forwards_attention_with_the_kernels_equals_torchs(
     for b, n in enumerate(lengths):  # what both wrote: the s new slots of every row
         close(fused._k[:, b, :, n : n + s], ref._k[:, b, :, n : n + s])
         close(fused._v[:, b, :, n : n + s], ref._v[:, b, :, n : n + s])
-        assert fused._k[:, b, :, : n].equal(ref._k[:, b, :, :n])  # nothing before a row's end touched
+        assert fused._k[:, b, :, :n].equal(ref._k[:, b, :, :n])  # nothing before a row's end touched
 
 
 def test_decode_attention_equals_attend_over_a_fixed_plan() -> None:
@@ -178,7 +178,7 @@ def greedy(engine: TorchEngine, k: int) -> list[list[int]]:
 @pytest.mark.parametrize("k", [0, 3])
 def test_greedy_with_the_kernels_equals_the_plain_forward(k: int) -> None:
     engine = TorchEngine(aligned(), speculation_k=k, max_batch_size=8, compile="on")
-    assert isinstance(engine.model.kernels, DecodeKernels) and isinstance(engine._rounds, FixedRounds)
+    assert isinstance(engine.kernels, DecodeKernels) and isinstance(engine._rounds, FixedRounds)
     assert greedy(engine, k) == oracle("mtp")
     if k:
         assert engine.stats()[0].counters.acceptance_rate > 0.6  # accepted runs, rollbacks, bonus tokens
@@ -189,7 +189,7 @@ def test_greedy_with_the_kernels_equals_the_plain_forward(k: int) -> None:
 def test_greedy_with_the_kernels_and_an_eagle3_draft_equals_the_plain_forward() -> None:
     target = eagle3_target()
     engine = TorchEngine(target, speculation_k=3, draft=aligned_eagle3(target), max_batch_size=8, compile="on")
-    assert isinstance(engine.model.kernels, DecodeKernels)
+    assert isinstance(engine.kernels, DecodeKernels)
     assert greedy(engine, 3) == oracle("eagle3")
 
 
@@ -220,7 +220,7 @@ def test_traffic_with_the_kernels_equals_each_request_alone_on_the_eager_engine(
     engine = TorchEngine(
         greedy_model(), speculation_k=default_k, max_speculation_k=MAX_K, max_batch_size=batch, compile="on"
     )
-    assert isinstance(engine.model.kernels, DecodeKernels)
+    assert isinstance(engine.kernels, DecodeKernels)
     check_against_alone("greedy", default_k, plan, run_plan(engine, plan))
 
 
@@ -285,7 +285,7 @@ def round_kernels(layers: int, fused: bool, active: list[KernelCounter]) -> int:
     """Operators of one plain (k = 0) fixed-shape decode round of a one-row batch."""
     model = build_model(ModelConfig.tiny(num_hidden_layers=layers, num_nextn_predict_layers=0), seed=5)
     engine = TorchEngine(model, speculation_k=0, max_batch_size=4, compile="on")
-    model.kernels = DecodeKernels() if fused else decode_kernels.DecodeOps()
+    engine.kernels = DecodeKernels() if fused else decode_kernels.DecodeOps()
     sp = SamplingParams(temperature=1.0, max_new_tokens=8, seed=1)
     engine.submit(GenerationRequest(prompts=[[1, 2, 3]], sampling=sp, request_id="count"))
     engine.step()  # admission and prefill
@@ -318,6 +318,6 @@ def test_a_plain_round_runs_at_most_nine_kernels_a_decoder_layer(counting_triton
 def test_captured_rounds_with_the_compiled_kernels_equal_the_plain_forward(k: int) -> None:
     model = aligned_draft_model(ModelConfig.tiny(), seed=2).cuda()
     engine = TorchEngine(model, speculation_k=k, max_batch_size=8, compile="on")
-    assert isinstance(engine.model.kernels, DecodeKernels)
+    assert isinstance(engine.kernels, DecodeKernels)
     assert greedy(engine, k) == [oracle_greedy(model, p, NEW) for p in PROMPTS]
     assert engine._rounds.captured > 0
