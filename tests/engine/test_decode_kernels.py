@@ -36,6 +36,7 @@ pytest.importorskip("triton")
 from sidecar.engine.round_graphs import FixedRounds
 from sidecar.engine.torch_engine import TorchEngine
 from sidecar.model import decode_kernels, triton_kernels
+from sidecar.model.checkpoint import model_state_dict
 from sidecar.model.decode_kernels import DecodeKernels
 from sidecar.model.kv_cache import KVCache, attend
 from sidecar.model.model import ModelConfig, Qwen3WithMTP, build_model
@@ -316,8 +317,10 @@ def test_a_plain_round_runs_at_most_nine_kernels_a_decoder_layer(counting_triton
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("k", [0, 3])
 def test_captured_rounds_with_the_compiled_kernels_equal_the_plain_forward(k: int) -> None:
-    model = aligned_draft_model(ModelConfig.tiny(), seed=2).cuda()
-    engine = TorchEngine(model, speculation_k=k, max_batch_size=8, compile="on")
+    cpu = aligned_draft_model(ModelConfig.tiny(), seed=2)
+    cuda = build_model(cpu.config, device="cuda")
+    cuda.load_state_dict(model_state_dict(cpu))
+    engine = TorchEngine(cuda, speculation_k=k, max_batch_size=8, compile="on")
     assert isinstance(engine.kernels, DecodeKernels)
-    assert greedy(engine, k) == [oracle_greedy(model, p, NEW) for p in PROMPTS]
+    assert greedy(engine, k) == [oracle_greedy(cpu, p, NEW) for p in PROMPTS]  # the oracle on the CPU
     assert engine._rounds.captured > 0
