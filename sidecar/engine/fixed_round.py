@@ -31,6 +31,7 @@ from sidecar.engine.decode_round import accept_round
 from sidecar.engine.drafters import Drafter
 from sidecar.engine.rows import BatchTensors
 from sidecar.engine.sampling import AcceptanceRule, filtered_probs, sample_from
+from sidecar.model.decode_kernels import DecodeKernels
 from sidecar.model.kv_cache import KVCache
 
 
@@ -82,7 +83,11 @@ def draft_phase(
     """The round's uniforms and the draft chain (`speculative.draft` at fixed shapes). The draft
     caches get the refreshed positions and scratch chain entries; their host lengths are the
     caller's to commit (+ num_refresh)."""
-    u = batch.round_uniforms(inp.out_len, shape.k)
+    kernels = drafter.model.kernels
+    if isinstance(kernels, DecodeKernels):  # one kernel for the ~35 operators of the hash, bit for bit
+        u = kernels.round_uniforms(batch.keys, inp.out_len, shape.k)
+    else:
+        u = batch.round_uniforms(inp.out_len, shape.k)
     r, k, vocab = shape.rows, shape.k, drafter.model.config.vocab_size
     if k == 0:
         return inp.last.new_zeros(r, 0), torch.zeros(r, 0, vocab, device=u.device), u

@@ -103,3 +103,7 @@ class DecodeKernels(DecodeOps):
 
     def decode_attention(self, q: Tensor, keys: Tensor, values: Tensor, positions: Tensor) -> Tensor:
         return self._k.decode_attention(q, keys, values, positions)
+
+    def round_uniforms(self, keys: Tensor, positions: Tensor, k: int) -> Tensor:
+        """A round's (B, 2k + 1) counter-based uniforms, bit for bit `rows.BatchTensors.round_uniforms`."""
+        return self._k.round_uniforms(keys, positions, k)

@@ -11,7 +11,9 @@ elementwise kernels do), so the two differ only in the order of a reduction's ad
   its drafts) over its cached slots, reading only the slots up to the row's last position (not the
   read width a graph is captured with) and selecting by position (a stale value past a row's end is
   never read, so it cannot reach the output even when it is not finite);
-- `silu_mul`: SwiGLU's silu(gate) * up over the fused gate|up projection.
+- `silu_mul`: SwiGLU's silu(gate) * up over the fused gate|up projection;
+- `round_uniforms`: a round's counter-based uniforms (`counter_rng`), bit for bit (integer hashing,
+  exact in int64 on every backend), in one kernel instead of ~35 elementwise operators.
 
 Imported only where Triton is installed (`decode_kernels.triton_available`). On a CPU the kernels
 run in Triton's interpreter (`TRITON_INTERPRET=1` before Triton is imported; the tests' conftest
@@ -284,3 +286,40 @@ def decode_attention(
 
 def _warps(block: int) -> int:
     return 1 if block <= 256 else 4 if block <= 2048 else 8
+
+
+@triton.jit
+def _mix(x, c0, c1):
+    x = x ^ (x >> 16)
+    x = (x * c0) & 0xFFFFFFFF
+    x = x ^ (x >> 15)
+    x = (x * c1) & 0xFFFFFFFF
+    return x ^ (x >> 15)
+
+
+@triton.jit
+def _round_uniforms_kernel(keys_ptr, pos_ptr, out_ptr, rows, k, BLOCK: tl.constexpr, COLS: tl.constexpr):
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)[:, None]  # rows of this program
+    j = tl.arange(0, COLS)[None, :]  # the round's columns: k draft samples, k acceptance tests, the final token
+    n = 2 * k + 1
+    live = (r < rows) & (j < n)
+    role_index = tl.where(j < k, j, tl.where(j < 2 * k, 64 + (j - k), 128))
+    words = tl.load(pos_ptr + r, mask=r < rows, other=0) * 256 + role_index
+    ka = tl.load(keys_ptr + r * 2, mask=r < rows, other=0)
+    kb = tl.load(keys_ptr + r * 2 + 1, mask=r < rows, other=0)
+    a = _mix(ka ^ words, 0x21F0AAAD, 0x735A2D97)
+    b = _mix(kb ^ words, 0x7FEB352D, 0x2C1B3C6D)
+    h = _mix(a ^ (((b << 16) | (b >> 16)) & 0xFFFFFFFF), 0x21F0AAAD, 0x735A2D97)
+    u = (h >> 8).to(tl.float32) * (1.0 / 16777216.0)
+    tl.store(out_ptr + r * n + j, u, mask=live)
+
+
+def round_uniforms(keys: Tensor, positions: Tensor, k: int) -> Tensor:
+    """`counter_rng.uniforms(keys, counter_rng.round_words(positions, k))`: (B, 2k + 1) float32."""
+    rows = keys.shape[0]
+    out = torch.empty(rows, 2 * k + 1, dtype=torch.float32, device=keys.device)
+    block = 16
+    _round_uniforms_kernel[(triton.cdiv(rows, block),)](
+        keys.contiguous(), positions.contiguous(), out, rows, k, BLOCK=block, COLS=triton.next_power_of_2(2 * k + 1)
+    )
+    return out

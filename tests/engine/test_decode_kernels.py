@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("triton")
 
+from sidecar.engine import counter_rng
 from sidecar.engine.round_graphs import FixedRounds
 from sidecar.engine.torch_engine import TorchEngine
 from sidecar.model import decode_kernels, triton_kernels
@@ -80,6 +81,20 @@ def test_add_rms_norm_equals_its_reference(rows: int, cols: int, delta: bool, se
 def test_silu_mul_equals_its_reference(rows: int, cols: int, seed: int) -> None:
     x = torch.randn(rows, 1, 2 * cols, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
     close(DecodeKernels().silu_mul(x), decode_kernels.silu_mul(x))
+
+
+@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seeds=st.lists(st.integers(0, 2**63 - 1), min_size=1, max_size=20),
+    k=st.integers(0, MAX_K + 4),
+    data=st.data(),
+)
+def test_round_uniforms_equal_the_counter_rng_bit_for_bit(seeds: list[int], k: int, data: st.DataObject) -> None:
+    positions = data.draw(st.lists(st.integers(0, 2**20), min_size=len(seeds), max_size=len(seeds)))
+    keys = counter_rng.row_keys(torch.tensor(seeds)).to(DEVICE)
+    pos = torch.tensor(positions, device=DEVICE)
+    want = counter_rng.uniforms(keys, counter_rng.round_words(pos, k))
+    assert DecodeKernels().round_uniforms(keys, pos, k).equal(want)
 
 
 @functools.cache
