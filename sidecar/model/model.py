@@ -557,9 +557,13 @@ class Qwen3WithMTP(nn.Module):
         weights = self.decode_weights()[self.config.num_hidden_layers + layer]
         return mtp.cached(x, weights, rope, cache, 0, plan)
 
+    def mtp_normed(self, layer: int, out: Tensor) -> Tensor:
+        """An MTP output through its shared_head.norm: what the output head projects."""
+        return _rms(out, self.mtp_layer(layer).shared_head.norm)
+
     def mtp_head(self, layer: int, out: Tensor) -> Tensor:
         """Draft logits from an MTP output: shared lm_head(shared_head.norm(out))."""
-        return self.logits(_rms(out, self.mtp_layer(layer).shared_head.norm))
+        return self.logits(self.mtp_normed(layer, out))
 
 
 def init_weights(model: Qwen3WithMTP, seed: int, std: float = 0.02) -> None:
