@@ -23,7 +23,8 @@ line per cell, OUT/summary.md at the end of each part):
    width (k draft steps and a (k+1)-token verify) and emits one token per row: the time of a round
    at k is what such a round costs whatever its acceptance, and the acceptance a plan sets
    against it is the user's (measured by their sidecars). The accepted fraction is reported; a
-   round is not forced through a private hook. Also the prefill of B prompts.
+   round is not forced through a private hook. Also the prefill of B prompts. `--draft-vocab-sizes
+   0,N`: engines whose MTP head scores N ids (`draft_vocab_size`) beside the full one, interleaved.
 3. **HF transformers eager**: `Qwen3ForCausalLM` with random bf16 weights at the same shape,
    `generate` (greedy, no stop), ms per token step by the same difference of two lengths.
 4. **SGLang** beside it, only where `import sglang` works (`load_format="dummy"` random weights,
@@ -180,15 +181,20 @@ def engine_part(args: argparse.Namespace, shape: str, device: torch.device, out:
             "ms": 1e3 * read / out.reference["copy"]["bytes_per_s"],
         }
     tables = {}
-    for mode in args.compile:
-        name = shape if mode == args.compile[0] else f"{shape} compile={mode}"
-        tables[mode] = out.tables.setdefault(
+    variants = [(mode, n) for n in args.draft_vocab_sizes for mode in args.compile]  # engines side by side
+    for mode, n in variants:
+        name = " ".join(
+            [shape]
+            + ([f"compile={mode}"] if mode != args.compile[0] else [])
+            + ([f"draft_vocab_size={n}"] if n != args.draft_vocab_sizes[0] else [])
+        )
+        tables[mode, n] = out.tables.setdefault(
             name,
             {
                 "name": name,
                 "device": out.meta["device"],
-                "source": f"tools/bench_gpu.py: TorchEngine (compile={mode}), random bf16 weights, greedy, "
-                f"prompt {args.prompt}",
+                "source": f"tools/bench_gpu.py: TorchEngine (compile={mode}, draft_vocab_size={n}), random bf16 "
+                f"weights, greedy, prompt {args.prompt}",
                 "date": out.meta["date"],
                 "model": cfg.to_hf_dict(),
                 "context_tokens": args.prompt + 3 * args.new_tokens // 4,
@@ -197,18 +203,19 @@ def engine_part(args: argparse.Namespace, shape: str, device: torch.device, out:
                 "request_seconds": 0.0,
             },
         )
-    # One engine per compile mode over the same weights; KV rows just long enough for the runs, so
-    # that two engines' caches fit beside an 8B model.
+    # One engine per compile mode and draft vocabulary over the same weights; KV rows just long
+    # enough for the runs, so that a few engines' caches fit beside an 8B model.
     engines = {
-        mode: TorchEngine(
+        (mode, n): TorchEngine(
             model,
             speculation_k=0,
             max_speculation_k=max(args.ks),
             max_batch_size=max(args.batches),
             max_context=args.prompt + args.new_tokens + 8,
             compile=mode,
+            draft_vocab_size=n,
         )
-        for mode in args.compile
+        for mode, n in variants
     }
     gen = torch.Generator().manual_seed(1)
     short = max(args.new_tokens // 2, 2)
@@ -237,15 +244,16 @@ def engine_part(args: argparse.Namespace, shape: str, device: torch.device, out:
         prompts = torch.randint(0, cfg.vocab_size, (batch, args.prompt), generator=gen).tolist()
         if part.over(f"batch {batch} and beyond"):
             break
-        for mode, engine in engines.items():  # warm up (and capture) this batch size's shapes
+        for (mode, n), engine in engines.items():  # warm up (and capture) this batch size's shapes
             captured, t = engine._rounds.captured, time.monotonic()
             for k in args.ks:
                 run(engine, prompts, k, 4)
-            out.log({"part": part.name, "batch": batch, "compile": mode, "warmup_s": round(time.monotonic() - t, 3),
+            out.log({"part": part.name, "batch": batch, "compile": mode, "draft_vocab_size": n,
+                     "warmup_s": round(time.monotonic() - t, 3),
                      "graphs_captured": engine._rounds.captured - captured})  # fmt: skip
-        samples: dict[tuple[str, int], list[float]] = {(m, k): [] for m in engines for k in args.ks}
-        prefills: dict[str, list[float]] = {m: [] for m in engines}
-        accepted: dict[tuple[str, int], float] = {}
+        samples: dict[tuple[tuple[str, int], int], list[float]] = {(m, k): [] for m in engines for k in args.ks}
+        prefills: dict[tuple[str, int], list[float]] = {m: [] for m in engines}
+        accepted: dict[tuple[tuple[str, int], int], float] = {}
         for rep in range(args.repeats):
             if part.over(f"batch {batch}: repeats after {rep}"):
                 break
@@ -262,8 +270,9 @@ def engine_part(args: argparse.Namespace, shape: str, device: torch.device, out:
                 continue
             seconds = statistics.median(xs)
             tables[mode]["rounds"].append({"batch": batch, "k": k, "seconds": max(seconds, 1e-7), "samples": len(xs)})
-            out.log({"part": part.name, "compile": mode, "batch": batch, "k": k, "round_ms": round(1e3 * seconds, 4),
-                     "accepted_fraction": round(accepted.get((mode, k), 0.0), 3), "repeats": len(xs)})  # fmt: skip
+            out.log({"part": part.name, "compile": mode[0], "draft_vocab_size": mode[1], "batch": batch, "k": k,
+                     "round_ms": round(1e3 * seconds, 4), "accepted_fraction": round(accepted.get((mode, k), 0.0), 3),
+                     "repeats": len(xs)})  # fmt: skip
         for mode, xs in prefills.items():
             if xs:
                 tables[mode]["prefill"].append(
@@ -404,6 +413,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--compile", default="auto",
                     help="engine compile modes, side by side (e.g. on,off); the first one's table is named by the shape")  # fmt: skip
+    ap.add_argument("--draft-vocab-sizes", default="0",
+                    help="MTP head vocabularies, side by side (draft_vocab_size; 0: full, the first one's table "
+                    "is named by the shape)")  # fmt: skip
     args = ap.parse_args(argv)
     if problem := device_problem(args.device):
         ap.error(problem)
@@ -413,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     args.batches = [int(b) for b in args.batches.split(",")]
     args.ks = [int(k) for k in args.ks.split(",")]
     args.compile = args.compile.split(",")
+    args.draft_vocab_sizes = [int(n) for n in args.draft_vocab_sizes.split(",")]
     if bad := [m for m in args.compile if m not in ("auto", "on", "off")]:
         ap.error(f"--compile takes auto, on, off; got {bad}")
     if 0 not in args.ks:
