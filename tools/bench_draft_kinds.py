@@ -10,12 +10,18 @@
    the same held-out prompts (temperature 1, the demo's response length, one torch thread),
    and the speedup over plain decoding of the same target measured in the same pass; the
    measurements alternate between arms and repeat (medians), so load falls on both alike.
-4. --online-steps N: the analogue of the study's "online adaptation rescues a weak draft": an
+4. --draft-vocab-sizes 0,50,25,12: the MTP arm alone with its head over a reduced draft vocabulary
+   (`draft_vocab_size`, FR-Spec; 0: the full vocabulary): each engine first counts its own
+   tokens on --prompts training prompts (temperature 1, k = max --ks), then τ and generation
+   tokens per CPU second are measured as in 3, beside the weight bytes one draft token reads
+   (the MTP layer plus the head's rows).
+5. --online-steps N: the analogue of the study's "online adaptation rescues a weak draft": an
    EAGLE-3 draft initialised weakly (--weak-steps of draft-init) served through N steps of the
    demo's RL, once trained online and once frozen (`draft.train` off); τ per step of each.
 
     OMP_NUM_THREADS=1 .venv/bin/python tools/bench_draft_kinds.py --out /tmp/kinds --ks 1,2,3,4,5
     OMP_NUM_THREADS=1 .venv/bin/python tools/bench_draft_kinds.py --out /tmp/kinds --online-steps 20
+    OMP_NUM_THREADS=1 .venv/bin/python tools/bench_draft_kinds.py --out /tmp/kinds --ks 3 --draft-vocab-sizes 0,50,25,12
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import torch
 
 from sidecar.engine.torch_engine import TorchEngine
 from sidecar.model.checkpoint import load_checkpoint, save_checkpoint
+from sidecar.model.model import build_model
 from sidecar.types import GenerationRequest, SamplingParams
 from trainer.demo import DemoConfig, demo_model_config
 from trainer.rl_config import demo_config
@@ -43,18 +50,19 @@ from trainer.warmup import draft_init, make_model, supervised_warmup
 TASK, TOK = ArithmeticTask(regime="zero", digits=2), CharTokenizer()
 
 
-def prepare(out: Path, demo: DemoConfig) -> dict[str, float]:
-    """warm (MTP layer, untrained), target (the same trunk, no MTP), mtp and eagle3 drafts; CPU seconds of each draft-init."""
+def prepare(out: Path, demo: DemoConfig, kinds: tuple[str, ...] = ("mtp", "eagle3")) -> dict[str, float]:
+    """warm (MTP layer, untrained), target (the same trunk, no MTP), mtp and eagle3 drafts (of
+    `kinds`); CPU seconds of each draft-init."""
     seconds: dict[str, float] = {}
     if not (out / "warm" / "config.json").is_file():
         make_model(out / "init", demo_model_config(demo.layers), seed=0)
         supervised_warmup(out / "init", out / "warm", TASK, TOK, demo.warmup)
-    if not (out / "target" / "config.json").is_file():
+    if "eagle3" in kinds and not (out / "target" / "config.json").is_file():
         config, tensors = load_checkpoint(out / "warm")
         stripped = {n: t for n, t in tensors.items() if not n.startswith("mtp.")}
         save_checkpoint(out / "target", dataclasses.replace(config, num_nextn_predict_layers=0), stripped)
     for kind, source, dest in (("mtp", "warm", "mtp_policy"), ("eagle3", "target", "eagle3")):
-        if not (out / dest / "config.json").is_file():
+        if kind in kinds and not (out / dest / "config.json").is_file():
             t = time.process_time()
             draft_init(out / source, out / dest, TASK, TOK, dataclasses.replace(demo.draft_init, kind=kind))
             seconds[kind] = time.process_time() - t
@@ -102,6 +110,52 @@ def compare(
     return result
 
 
+def vocab_sizes(
+    out: Path, sizes: list[int], k: int, n_prompts: int, new_tokens: int, repeats: int
+) -> dict[str, dict[str, float]]:
+    """Per draft_vocab_size: τ and tokens per CPU second at k (medians), plain tokens per CPU second,
+    and the weight bytes one draft token reads."""
+    config, tensors = load_checkpoint(out / "mtp_policy")
+    model = build_model(config)
+    model.load_state_dict(tensors, strict=True)
+    rng = random.Random(99)
+    prompts = [TOK.encode(TASK.sample(rng, "eval").prompt) for _ in range(n_prompts)]
+    counted = [TOK.encode(TASK.sample(rng, "train").prompt) for _ in range(n_prompts)]
+    engines = {n: TorchEngine(model, speculation_k=0, max_speculation_k=k, draft_vocab_size=n) for n in sizes}
+    for engine in engines.values():  # its own tokens on other prompts choose the subset; then the shapes warm up
+        measure(engine, counted, k, new_tokens)
+        measure(engine, prompts, 0, new_tokens)
+    runs: dict[int, dict[int, list[tuple[float, float]]]] = {n: {0: [], k: []} for n in sizes}
+    for r in range(repeats):
+        for n in sizes if r % 2 == 0 else sizes[::-1]:
+            for kk in (0, k):
+                runs[n][kk].append(measure(engines[n], prompts, kk, new_tokens))
+    layer = sum(p.numel() * p.element_size() for p in model.mtp_layer(0).parameters())
+    row = config.hidden_size * model.output_weight().element_size()
+    result: dict[str, dict[str, float]] = {}
+    for n, by_k in runs.items():
+        plain = statistics.median(x[1] for x in by_k[0])
+        spec = statistics.median(x[1] for x in by_k[k])
+        result[str(n)] = {
+            "tau": statistics.median(x[0] for x in by_k[k]),
+            "tokens_per_cpu_s": spec,
+            "plain_tokens_per_cpu_s": plain,
+            "speedup": spec / plain,
+            "head_bytes": (n or config.vocab_size) * row,
+            "draft_token_bytes": layer + (n or config.vocab_size) * row,
+            "coverage": coverage(engines[n]),
+        }
+    return result
+
+
+def coverage(engine: TorchEngine) -> float:
+    """The share of the tokens the engine counted that its draft vocabulary holds (1: the full one)."""
+    vocab = engine.drafter.vocab
+    if vocab is None:
+        return 1.0
+    return float(vocab.counts[vocab.ids.cpu()].sum() / vocab.counts.sum().clamp(min=1))
+
+
 def online(out: Path, demo: DemoConfig, steps: int, weak_steps: int) -> dict[str, list[float]]:
     weak = out / f"eagle3_weak{weak_steps}"
     if not (weak / "config.json").is_file():
@@ -130,12 +184,36 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--draft-vocab-sizes",
+        type=lambda s: [int(x) for x in s.split(",") if x],
+        default=[],
+        help="MTP arm only: draft_vocab_size values to compare at k = max(--ks) (0: the full vocabulary)",
+    )
     ap.add_argument("--online-steps", type=int, default=0, help="RL steps of the online-update comparison (0: skip)")
     ap.add_argument("--weak-steps", type=int, default=10, help="draft-init steps of the weak EAGLE-3 start")
     args = ap.parse_args()
     torch.set_num_threads(1)
     demo = DemoConfig()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.draft_vocab_sizes:
+        prepare(args.out, demo, kinds=("mtp",))
+        k = max(args.ks)
+        sizes = vocab_sizes(args.out, args.draft_vocab_sizes, k, args.prompts, args.new_tokens, args.repeats)
+        full = sizes.get("0")
+        print(
+            f"| draft_vocab_size | tokens it holds | head bytes | draft-token bytes | τ (k = {k}) | tokens/CPU s "
+            "| gen speedup |"
+        )
+        print("|---|---|---|---|---|---|---|")
+        for n, m in sizes.items():
+            share = f" ({m['draft_token_bytes'] / full['draft_token_bytes']:.2f}x)" if full else ""
+            print(
+                f"| {'full' if n == '0' else n} | {m['coverage']:.1%} | {m['head_bytes'] / 1024:.1f} KiB | {m['draft_token_bytes'] / 1024:.1f} KiB{share} "
+                f"| {m['tau']:.2f} | {m['tokens_per_cpu_s']:.0f} | {m['speedup']:.2f}x |"
+            )
+        (args.out / "draft_vocab.json").write_text(json.dumps(sizes, indent=2))
+        return
     results: dict[str, object] = {"draft_init_cpu_seconds": prepare(args.out, demo)}
     if args.ks:
         table = compare(args.out, args.ks, args.prompts, args.new_tokens, args.repeats)

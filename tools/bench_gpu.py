@@ -23,7 +23,8 @@ line per cell, OUT/summary.md at the end of each part):
    width (k draft steps and a (k+1)-token verify) and emits one token per row: the time of a round
    at k is what such a round costs whatever its acceptance, and the acceptance a plan sets
    against it is the user's (measured by their sidecars). The accepted fraction is reported; a
-   round is not forced through a private hook. Also the prefill of B prompts.
+   round is not forced through a private hook. Also the prefill of B prompts. `--draft-vocab-sizes
+   0,N`: engines whose MTP head scores N ids (`draft_vocab_size`) beside the full one, interleaved.
 3. **HF transformers eager**: `Qwen3ForCausalLM` with random bf16 weights at the same shape,
    `generate` (greedy, no stop), ms per token step by the same difference of two lengths.
 4. **SGLang** beside it, only where `import sglang` works (`load_format="dummy"` random weights,
@@ -183,18 +184,23 @@ def engine_part(args: argparse.Namespace, shape: str, device: torch.device, out:
             "bytes": read,
             "ms": 1e3 * read / out.reference["copy"]["bytes_per_s"],
         }
-    arms = [(mode, kern) for mode in args.compile for kern in args.kernels]
+    arms = [(mode, kern, n) for n in args.draft_vocab_sizes for mode in args.compile for kern in args.kernels]
     tables = {}
     for arm in arms:
-        mode, kern = arm
-        name = shape if arm == arms[0] else f"{shape} compile={mode}" + ("" if kern == "auto" else f" kernels={kern}")
+        mode, kern, n = arm
+        name = " ".join(
+            [shape]
+            + ([f"compile={mode}"] if mode != args.compile[0] else [])
+            + ([f"kernels={kern}"] if kern != args.kernels[0] else [])
+            + ([f"draft_vocab_size={n}"] if n != args.draft_vocab_sizes[0] else [])
+        )
         tables[arm] = out.tables.setdefault(
             name,
             {
                 "name": name,
                 "device": out.meta["device"],
-                "source": f"tools/bench_gpu.py: TorchEngine (compile={mode}, kernels={kern}), random bf16 "
-                f"weights, temperature {args.temperature}, prompt {args.prompt}",
+                "source": f"tools/bench_gpu.py: TorchEngine (compile={mode}, kernels={kern}, draft_vocab_size={n}), "
+                f"random bf16 weights, temperature {args.temperature}, prompt {args.prompt}",
                 "date": out.meta["date"],
                 "model": cfg.to_hf_dict(),
                 "context_tokens": args.prompt + 3 * args.new_tokens // 4,
@@ -204,9 +210,9 @@ def engine_part(args: argparse.Namespace, shape: str, device: torch.device, out:
             },
         )
     # One engine per arm over the same weights; KV rows just long enough for the runs, so that
-    # several engines' caches fit beside an 8B model. The model's `kernels` are the engine's choice
+    # several engines' caches fit beside an 8B model. An engine's kernels are its own choice
     # ("auto") or torch's operators ("torch").
-    engines: dict[tuple[str, str], TorchEngine] = {}
+    engines: dict[tuple[str, str, int], TorchEngine] = {}
     for arm in arms:
         engines[arm] = TorchEngine(
             model,
@@ -215,6 +221,7 @@ def engine_part(args: argparse.Namespace, shape: str, device: torch.device, out:
             max_batch_size=max(args.batches),
             max_context=args.prompt + args.new_tokens + 8,
             compile=arm[0],
+            draft_vocab_size=arm[2],
         )
         if arm[1] == "torch":
             engines[arm].kernels = DecodeOps()
@@ -222,7 +229,7 @@ def engine_part(args: argparse.Namespace, shape: str, device: torch.device, out:
     gen = torch.Generator().manual_seed(1)
     short = max(args.new_tokens // 2, 2)
 
-    def run(arm: tuple[str, str], prompts: list[list[int]], k: int, new: int) -> tuple[float, int, float]:
+    def run(arm: tuple[str, str, int], prompts: list[list[int]], k: int, new: int) -> tuple[float, int, float]:
         """Seconds, decode rounds and accepted fraction of drafts of one generation."""
         engine = engines[arm]
         before = engine.stats()[-1].counters
@@ -253,9 +260,9 @@ def engine_part(args: argparse.Namespace, shape: str, device: torch.device, out:
                 run(arm, prompts, k, args.new_tokens)
             out.log({"part": part.name, "batch": batch, "arm": list(arm), "warmup_s": round(time.monotonic() - t, 3),
                      "graphs_captured": engine._rounds.captured - captured})  # fmt: skip
-        samples: dict[tuple[tuple[str, str], int], list[float]] = {(a, k): [] for a in engines for k in args.ks}
-        prefills: dict[tuple[str, str], list[float]] = {a: [] for a in engines}
-        accepted: dict[tuple[tuple[str, str], int], float] = {}
+        samples: dict[tuple[tuple[str, str, int], int], list[float]] = {(a, k): [] for a in engines for k in args.ks}
+        prefills: dict[tuple[str, str, int], list[float]] = {a: [] for a in engines}
+        accepted: dict[tuple[tuple[str, str, int], int], float] = {}
         for rep in range(args.repeats):
             if part.over(f"batch {batch}: repeats after {rep}"):
                 break
@@ -433,6 +440,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every generation")
     ap.add_argument("--compile", default="auto",
                     help="engine compile modes, side by side (e.g. on,off); the first one's table is named by the shape")  # fmt: skip
+    ap.add_argument("--draft-vocab-sizes", default="0",
+                    help="MTP head vocabularies, side by side (draft_vocab_size; 0: full, the first one's table "
+                    "is named by the shape)")  # fmt: skip
     args = ap.parse_args(argv)
     if problem := device_problem(args.device):
         ap.error(problem)
@@ -442,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     args.batches = [int(b) for b in args.batches.split(",")]
     args.ks = [int(k) for k in args.ks.split(",")]
     args.compile = args.compile.split(",")
+    args.draft_vocab_sizes = [int(n) for n in args.draft_vocab_sizes.split(",")]
     if bad := [m for m in args.compile if m not in ("auto", "on", "off")]:
         ap.error(f"--compile takes auto, on, off; got {bad}")
     args.kernels = args.kernels.split(",")

@@ -9,8 +9,9 @@ only four things differ, and a `Drafter` supplies them:
   logits) and the draft's input state at each of those positions — the same hidden states for
   MTP; fc(low | middle | high taps) for EAGLE-3 (`model.eagle3`);
 - `step(j, tokens, states, cache, plan, rope_positions)`: draft layer j over new positions;
-- `head(j, out)`: draft logits over the *target* vocabulary (EAGLE-3: -inf outside a reduced
-  draft vocabulary, so q is exactly 0 there and rejection sampling stays exact);
+- `head(j, out)`: draft logits over the *target* vocabulary (-inf outside a reduced draft
+  vocabulary, so q is exactly 0 there and rejection sampling stays exact: EAGLE-3's from its
+  checkpoint, MTP's the most frequent ids of the policy's own tokens, `draft_vocab`);
 - `new_cache`: a one-layer KV cache shaped for the draft's attention (an EAGLE-3 draft's heads
   and head_dim need not be the target's).
 
@@ -22,21 +23,31 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from sidecar.engine.draft_vocab import DraftVocab
 from sidecar.model.eagle3 import PUSH_PREFIX, Eagle3Draft
 from sidecar.model.kv_cache import AttentionPlan, KVCache
 from sidecar.model.model import Qwen3WithMTP
 
 
 class Drafter:
-    """The MTP draft of a `Qwen3WithMTP` (none when it has no MTP layers); base of the others."""
+    """The MTP draft of a `Qwen3WithMTP` (none when it has no MTP layers); base of the others.
+    `draft_vocab_size` > 0: its head scores only that many ids (`draft_vocab.DraftVocab`)."""
 
     kind = "mtp"
 
-    def __init__(self, model: Qwen3WithMTP) -> None:
+    def __init__(self, model: Qwen3WithMTP, draft_vocab_size: int = 0) -> None:
         self.model = model
         c = model.config
         self.num_layers = c.num_nextn_predict_layers
         self.num_kv_heads, self.head_dim, self.dtype = c.num_key_value_heads, c.head_dim, c.dtype
+        if not 0 <= draft_vocab_size <= c.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size must be in [0, {c.vocab_size}] (0 or the model's vocab_size: the full "
+                f"vocabulary), got {draft_vocab_size}"
+            )
+        reduced = self.num_layers > 0 and 0 < draft_vocab_size < c.vocab_size
+        self.vocab = DraftVocab(draft_vocab_size, model.output_weight()) if reduced else None
+        """The reduced draft vocabulary of the MTP head, or None (the full vocabulary)."""
 
     @property
     def name(self) -> str:
@@ -89,7 +100,33 @@ class Drafter:
         return self.model.mtp_step(j, tokens, states, cache, plan, rope_positions)
 
     def head(self, j: int, out: Tensor) -> Tensor:  # (B, hidden) -> (B, vocab)
-        return self.model.mtp_head(j, out)
+        if self.vocab is None:
+            return self.model.mtp_head(j, out)
+        return self.vocab.logits(self.model.mtp_normed(j, out))
+
+    def observe(self, tokens: list[int]) -> None:
+        """Tokens the policy saw or emitted (the reduced vocabulary's counts; nothing without one)."""
+        if self.vocab is not None:
+            self.vocab.count(tokens)
+
+    def prepare(self) -> None:
+        """Before a round, outside any captured graph: re-choose the reduced vocabulary when due
+        and re-gather its head rows when the output weight moved (a push)."""
+        if self.vocab is None:
+            return
+        weight = self.model.output_weight()
+        if self.vocab.due():
+            self.vocab.choose(weight)
+        self.vocab.gather(weight)
+
+    def on_weight_push(self) -> None:
+        """A new weight version: the reduced vocabulary is chosen again from recent counts."""
+        if self.vocab is not None:
+            self.vocab.on_weight_push()
+
+    def head_tensors(self) -> list[Tensor]:
+        """Tensors the head reads beside the parameters (a captured round holds their addresses)."""
+        return [] if self.vocab is None else [self.vocab.ids, self.vocab.rows]
 
     def prefill(self, caches: list[KVCache], tokens: Tensor, states: Tensor, num: list[int]) -> None:
         """Draft positions t = 0..P-2 of freshly prefilled prompts (inputs states_t and x_{t+1},
@@ -106,8 +143,13 @@ class Eagle3Drafter(Drafter):
 
     kind = "eagle3"
 
-    def __init__(self, model: Qwen3WithMTP, draft: Eagle3Draft) -> None:
+    def __init__(self, model: Qwen3WithMTP, draft: Eagle3Draft, draft_vocab_size: int = 0) -> None:
         super().__init__(model)
+        if draft_vocab_size:
+            raise ValueError(
+                "draft_vocab_size reduces the MTP head's vocabulary; an EAGLE-3 draft's is fixed in its "
+                "checkpoint (draft_vocab_size, d2t/t2d in its config.json): leave draft_vocab_size at 0"
+            )
         if model.config.num_nextn_predict_layers:
             raise ValueError(
                 "the target has MTP layers and an EAGLE-3 draft was given too: serve one draft kind "
@@ -143,6 +185,7 @@ class Eagle3Drafter(Drafter):
         return {PUSH_PREFIX + n: p for n, p in self.draft.named_parameters()}
 
 
-def make_drafter(model: Qwen3WithMTP, draft: Eagle3Draft | None = None) -> Drafter:
-    """The drafter of a served model: its MTP layers, or the given EAGLE-3 draft."""
-    return Drafter(model) if draft is None else Eagle3Drafter(model, draft)
+def make_drafter(model: Qwen3WithMTP, draft: Eagle3Draft | None = None, draft_vocab_size: int = 0) -> Drafter:
+    """The drafter of a served model: its MTP layers (their head over `draft_vocab_size` ids when
+    > 0), or the given EAGLE-3 draft."""
+    return Drafter(model, draft_vocab_size) if draft is None else Eagle3Drafter(model, draft, draft_vocab_size)

@@ -116,5 +116,6 @@ class ServedWeights:
     def _served(self, version: int) -> None:
         self._version = version
         self._stats.serve(version)
+        self.drafter.on_weight_push()
         if self._policy is not None:
             self._policy.on_weight_version()

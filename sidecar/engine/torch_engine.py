@@ -122,6 +122,7 @@ class TorchEngine(ServedWeights, Engine):
         kv_cache_bytes: int | None = None,
         draft: Eagle3Draft | None = None,
         compile: str = "auto",
+        draft_vocab_size: int = 0,
     ) -> None:
         """`draft`: an EAGLE-3 draft for a target without MTP layers (`drafters`); `speculation_auto`:
         start in auto mode with maximum k `speculation_k`; `policy`: the controller's knobs (its
@@ -139,7 +140,10 @@ class TorchEngine(ServedWeights, Engine):
         `compile`: "auto" (CUDA graphs on a CUDA device, eager elsewhere), "on" (fixed-shape
         forwards: captured as CUDA graphs on CUDA, run eagerly on a CPU) or "off" (eager at the
         batch's own shapes, the reference path); see `round_graphs` and `decode_round`. Fixed-shape
-        rounds on CUDA run fused Triton kernels where Triton is installed (`decode_kernels`)."""
+        rounds on CUDA run fused Triton kernels where Triton is installed (`decode_kernels`).
+
+        `draft_vocab_size` > 0: the MTP draft's head scores only that many most frequent ids of
+        the tokens this engine has seen (`draft_vocab`; exact for any subset; 0: the full vocabulary)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if not 0 <= max_speculation_k <= MAX_SPECULATION_K:
@@ -151,7 +155,8 @@ class TorchEngine(ServedWeights, Engine):
         self.config = model.config
         self.device = model.output_weight().device
         self.name = name
-        self.drafter = make_drafter(model, draft)
+        self.drafter = make_drafter(model, draft, draft_vocab_size)
+        self.draft_vocab_size = 0 if self.drafter.vocab is None else draft_vocab_size
         self.num_mtp = self.drafter.num_layers  # draft layers (one KV cache each), of either kind
         self.max_speculation_k = max_speculation_k if self.num_mtp else 0
         context = self.config.max_position_embeddings
@@ -226,6 +231,8 @@ class TorchEngine(ServedWeights, Engine):
                 progress(i + 1, len(shapes))
         self._stats = VersionLedger()
         self._stats.serve(self._version)
+        if self.drafter.vocab is not None:
+            self.drafter.vocab.forget()  # nor in the reduced draft vocabulary's counts
         return self._rounds.captured - before
 
     def _slots_per_row(self) -> int:  # a row's context and the scratch columns a verify writes past it
@@ -245,6 +252,7 @@ class TorchEngine(ServedWeights, Engine):
         kv_cache_bytes: int | None = None,
         draft: str | Path | None = None,
         compile: str = "auto",
+        draft_vocab_size: int = 0,
     ) -> TorchEngine:
         """Load a checkpoint directory (config.json + safetensors) onto `device`, and the EAGLE-3
         draft directory `draft` beside it (`eagle3_checkpoint`)."""
@@ -262,6 +270,7 @@ class TorchEngine(ServedWeights, Engine):
             max_context=max_context,
             kv_cache_bytes=kv_cache_bytes,
             compile=compile,
+            draft_vocab_size=draft_vocab_size,
         )
 
     # ---- Engine interface: info and control --------------------------------------------------
@@ -466,6 +475,7 @@ class TorchEngine(ServedWeights, Engine):
     def _admit(self) -> list[Sample]:
         """Prefill queued sequences in one target forward and emit each one's first token."""
         new = [self._queue.popleft() for _ in range(min(len(self._queue), self.max_batch_size - len(self._running)))]
+        self.drafter.observe([t for s in new for t in s.prompt])
         auto = [s for s in new if s.speculation_auto]  # rows that pin k are never refused a draft: not asked
         pinned = [s for s in new if not s.speculation_auto]
         if (
@@ -500,6 +510,7 @@ class TorchEngine(ServedWeights, Engine):
         first = sample_from(filtered_probs(logits, rows), uniforms)
         logprobs = reported_logprobs(logits[:, None], first[:, None], rows)[:, 0]
         packed = round_outcome(batch, first[:, None], logprobs[:, None], zero, zero).tolist()
+        self.drafter.observe([int(row[0]) for row in packed])
         mtp_caches = [self.drafter.new_cache(b, width + self.max_speculation_k + 2) for _ in range(self.num_mtp)]
         drafting = [s.drafts for s in new]
         if any(drafting) and width > 1:
@@ -591,6 +602,8 @@ class TorchEngine(ServedWeights, Engine):
                 torch.cuda.synchronize(dev)
             drafted_at = self._clock()
 
+        if round_k > 0:
+            self.drafter.prepare()  # a reduced draft vocabulary: re-chosen when due, its rows current
         old_lengths = list(self._cache.lengths)
         moved = (self._swaps, self.model.decode_builds)  # weights move only by a push or a rebuild
         if isinstance(self._rounds, FixedRounds) and self._rounds.capture and moved != self._weights_checked:
@@ -613,6 +626,8 @@ class TorchEngine(ServedWeights, Engine):
         evidence: tuple[list[int], list[int]] = ([], [])  # per drafting row: drafts before its end, accepted
         width_out = round_k + 1
         num_accepted: list[int] = []
+        if self.drafter.vocab is not None:  # the reduced draft vocabulary counts what the policy emits
+            self.drafter.observe([int(t) for row in packed for t in row[: int(row[2 * width_out + 1])]])
         for i, s in enumerate(seqs):
             row = packed[i]
             a, n, reason = int(row[2 * width_out]), int(row[2 * width_out + 1]), int(row[2 * width_out + 2])
@@ -664,7 +679,12 @@ class TorchEngine(ServedWeights, Engine):
         a push or a rebuild of the decode weights only: in between nothing here moves them (writes
         into parameters in place, and `DecodeWeights.refresh`, keep every address)."""
         fused = [t for w in self.model.decode_weights() for t in w.tensors()]
-        return [*self.model.parameters(), *self.drafter.pushed_parameters().values(), *fused]
+        return [
+            *self.model.parameters(),
+            *self.drafter.pushed_parameters().values(),
+            *fused,
+            *self.drafter.head_tensors(),
+        ]
 
     @staticmethod
     def _row_state(s: Sequence) -> RowState:

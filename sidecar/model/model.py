@@ -598,9 +598,13 @@ class Qwen3WithMTP(nn.Module):
         x, delta = mtp.cached_parts(x, None, weights, rope, cache, 0, plan, self.kernels)
         return x + delta
 
+    def mtp_normed(self, layer: int, out: Tensor) -> Tensor:
+        """An MTP output through its shared_head.norm: what the output head projects."""
+        return _rms(out, self.mtp_layer(layer).shared_head.norm)
+
     def mtp_head(self, layer: int, out: Tensor) -> Tensor:
         """Draft logits from an MTP output: shared lm_head(shared_head.norm(out))."""
-        return self.logits(_rms(out, self.mtp_layer(layer).shared_head.norm))
+        return self.logits(self.mtp_normed(layer, out))
 
 
 def init_weights(model: Qwen3WithMTP, seed: int, std: float = 0.02) -> None:

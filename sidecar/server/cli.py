@@ -60,6 +60,7 @@ def load_engine(
     kv_cache_gib: float | None = None,
     draft: Path | None = None,
     compile: str = "auto",
+    draft_vocab_size: int = 0,
 ) -> Engine:
     """The engine serving `model` (an Engine); click.ClickException when it cannot be built.
     `speculation_auto`: automatic k up to speculation_k; `draft`: an EAGLE-3 draft directory beside it."""
@@ -79,6 +80,8 @@ def load_engine(
         options["draft"] = draft
     if compile != "auto":
         options["compile"] = compile
+    if draft_vocab_size:
+        options["draft_vocab_size"] = draft_vocab_size
     try:
         built = create_engine(
             engine,
@@ -170,6 +173,14 @@ _SEC = _D.security
     default=_D.compile,
     show_default=True,
     help="Torch engine: run decode forwards as CUDA graphs (on), eagerly (off), or on for CUDA devices only (auto).",
+)
+@click.option(
+    "--draft-vocab-size",
+    type=click.IntRange(0),
+    default=_D.draft_vocab_size,
+    show_default=True,
+    help="Torch engine, MTP draft: score only this many ids in the draft's head, the sidecar's most frequent "
+    "tokens (re-chosen at each push and every 4096 tokens; exact for any subset). 0: the full vocabulary.",
 )
 @click.option("--device", default=_D.device, show_default=True, help="torch device: cpu, cuda, cuda:1 ...")
 @click.option(
@@ -384,6 +395,7 @@ def run_sidecar(cfg: ServeConfig, token: str | None = None) -> None:
         kv_cache_gib=cfg.kv_cache_gib,
         draft=cfg.draft,
         compile=cfg.compile,
+        draft_vocab_size=cfg.draft_vocab_size,
     )
     warm_up(eng)
     try:

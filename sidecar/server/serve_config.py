@@ -53,6 +53,12 @@ class ServeConfig:
     """How the torch engine runs a decode round's forwards: "on" at fixed shapes captured as CUDA
     graphs (on a CPU run eagerly), "off" eagerly at the batch's own shapes, "auto" on for CUDA
     devices and off on CPUs (where fixed shapes only add work)."""
+    draft_vocab_size: int = 0
+    """Torch engine, MTP draft: score only this many token ids in the draft's output head, the most
+    frequent of the sidecar's own prompts and samples, re-chosen at every weight push and every 4096
+    tokens (FR-Spec; 0: the full vocabulary). Exact for any subset (q is 0 outside it); it saves
+    the head's weight reads per draft token at some acceptance, and at temperature > 0 a sample
+    then depends on what the sidecar generated before (see docs/engine.md)."""
     max_live_sequences: int = 4096
     """Most sequences queued or running at once; past it Generate is refused with RESOURCE_EXHAUSTED."""
     device: str = "cpu"
@@ -121,6 +127,13 @@ class ServeConfig:
             raise ValueError("compile chooses how the torch engine runs its forwards; SGLang runs its own")
         if (self.max_context is not None or self.kv_cache_gib is not None) and self.engine != "torch":
             raise ValueError("max_context and kv_cache_gib size the torch engine's KV cache; SGLang sizes its own")
+        if self.draft_vocab_size < 0:
+            raise ValueError(f"draft_vocab_size must be >= 0 (0: the full vocabulary), got {self.draft_vocab_size}")
+        if self.draft_vocab_size and (self.engine != "torch" or self.draft is not None):
+            raise ValueError(
+                "draft_vocab_size reduces the torch engine's MTP head; SGLang and EAGLE-3 drafts (--draft) "
+                "bring their own draft vocabulary: leave it at 0"
+            )
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
         if self.parent_pid is not None and self.parent_pid < 1:

@@ -118,6 +118,44 @@ def test_captured_rounds_with_an_eagle3_draft_equal_the_plain_forward() -> None:
     assert got == [oracle_greedy(target, p, NEW) for p in PROMPTS]
 
 
+@pytest.mark.parametrize("adopt", [False, True])
+def test_captured_rounds_with_a_reduced_draft_vocabulary_follow_its_changes(
+    aligned: Qwen3WithMTP, adopt: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`draft_vocab_size`: the subset is re-chosen every few tokens and the output weight pushed, so
+    captured graphs replay over ids and rows that changed in place. A graph reading a stale subset
+    would still decode greedily right (the target decides) but draft differently: so sampled tokens,
+    log-probs and acceptance must equal the eager engine's, which sees the same tokens, and greedy
+    the plain forward's of the pushed weights."""
+    from sidecar.engine import draft_vocab
+
+    monkeypatch.setattr(draft_vocab, "RECHOOSE_TOKENS", 16)
+    pushed = {n: t.to("cuda") for n, t in model_state_dict(aligned_draft_model(ModelConfig.tiny(), seed=3)).items()}
+    engines = {
+        mode: TorchEngine(on_cuda(aligned), speculation_k=3, compile=mode, draft_vocab_size=24)
+        for mode in ("on", "off")
+    }
+    outputs = {}
+    for mode, engine in engines.items():
+        got = [generate(engine, 3, temperature=1.0)]
+        if adopt:
+            engine.adopt_weights({n: t.clone() for n, t in pushed.items()}, WeightSelector.ALL, version=1)
+        else:
+            engine.update_weights({n: t.clone() for n, t in pushed.items()}, WeightSelector.ALL, version=1)
+        got += [generate(engine, 3, temperature=1.0), generate(engine, 3)]
+        counters = [(c.weight_version, c.counters.accepted_tokens, c.counters.verify_steps) for c in engine.stats()]
+        outputs[mode] = (got, counters)
+    graphs, eager = outputs["on"], outputs["off"]
+    assert engines["on"]._rounds.captured > 0 and engines["on"].drafter.vocab.chosen >= 4
+    assert graphs[1] == eager[1]  # the same acceptance, version by version
+    for g, e in zip(graphs[0], eager[0], strict=True):
+        assert [t for t, _ in g] == [t for t, _ in e]
+        for (_, a), (_, b) in zip(g, e, strict=True):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=0)
+    new = aligned_draft_model(ModelConfig.tiny(), seed=3)
+    assert [t for t, _ in graphs[0][2]] == [oracle_greedy(new, p, NEW) for p in PROMPTS]
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second CUDA device")
 def test_graphs_on_a_second_device_equal_the_plain_forward(aligned: Qwen3WithMTP) -> None:
     """A sidecar serving cuda:1 while cuda:0 is the current device captures on cuda:1's streams."""
