@@ -494,6 +494,7 @@ class Qwen3WithMTP(nn.Module):
         forwards multiply by (out, in) weights (not CPUs: `DecodeWeights`) their fused projections
         are the parameters themselves instead of copies: ~70% of each layer's weights less memory.
         Pushes copy into the views (`TorchEngine` never swaps a storage parameters share)."""
+        joined_any = False
         with torch.no_grad():
             for layer in (cast(DecoderLayer, m) for m in [*self.model.layers, *self.mtp.layers]):
                 a, mlp = layer.self_attn, layer.mlp
@@ -506,7 +507,9 @@ class Qwen3WithMTP(nn.Module):
                         rows = lin.weight.shape[0]
                         lin.weight.data = joined[start : start + rows]
                         start += rows
-        self._fused = None  # the decode weights are rebuilt over the joined storage
+                    joined_any = True
+        if joined_any:  # the decode weights are rebuilt over the joined storage (not when nothing moved:
+            self._fused = None  # another engine's captured graphs read the copies they have)
 
     def rope_positions(self) -> int:
         """Positions the cached forwards' tables hold: the context plus room for the scratch

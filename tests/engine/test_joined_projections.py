@@ -85,3 +85,14 @@ def test_a_push_lands_in_the_joined_storage_and_generation_follows_it(adopt: boo
     # copied into the shared storage (never swapped): still joined, still no decode copies
     assert {p.weight.untyped_storage().data_ptr() for p in (attn.q_proj, attn.k_proj, attn.v_proj)} == {storage}
     assert private_copy_bytes(model) == 0
+
+
+def test_joining_again_keeps_the_decode_weights_another_engines_graphs_read() -> None:
+    """A second engine on the same CUDA model joins nothing new: the decode weights (and the copies
+    whose addresses the first engine's graphs captured, such as the q/k norm table) stay as they
+    are. Rebuilding them moved those copies, and the first engine recaptured every graph (found on
+    an H200: tests/engine/test_cuda_graphs.py)."""
+    model = joined(build_model(ModelConfig.tiny(), seed=3))
+    before = [t.data_ptr() for w in model.decode_weights() for t in w.tensors()]
+    model.join_projections()  # what a second TorchEngine on a CUDA model does
+    assert [t.data_ptr() for w in model.decode_weights() for t in w.tensors()] == before
