@@ -339,3 +339,20 @@ def test_captured_rounds_with_the_compiled_kernels_equal_the_plain_forward(k: in
     assert isinstance(engine.kernels, DecodeKernels)
     assert greedy(engine, k) == [oracle_greedy(cpu, p, NEW) for p in PROMPTS]  # the oracle on the CPU
     assert engine._rounds.captured > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_captured_rounds_with_the_compiled_kernels_follow_the_exact_target_distribution() -> None:
+    """The chi-square harness on the captured, fused path (on a CPU the interpreter takes over ten
+    minutes for its 4000 samples; there `test_sampling_with_the_kernels_equals_the_reference_path`
+    ties the kernels' samples to the reference path's, which the harness checks)."""
+    from test_speculative_distribution import ALPHA, SETTINGS, V, chi_square_pvalue, engine_counts, exact_joint
+
+    cpu = aligned_draft_model(ModelConfig.tiny(vocab_size=V), seed=11, eps=0.1)
+    cuda = build_model(cpu.config, device="cuda")
+    cuda.load_state_dict(model_state_dict(cpu))
+    sp, k = SETTINGS[2]
+    counts, acceptance = engine_counts(cuda, sp, k, compile="on")
+    assert 0.3 < acceptance < 0.8
+    assert chi_square_pvalue(counts, exact_joint(cpu, sp)) > ALPHA
