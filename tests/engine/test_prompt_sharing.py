@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sidecar.engine.torch_engine import TorchEngine
+from sidecar.model.eagle3 import Eagle3Draft
 from sidecar.model.kv_cache import KVCache
 from sidecar.model.model import ModelConfig, Qwen3WithMTP
 from sidecar.types import GenerationRequest, Sample, SamplingParams
@@ -39,7 +40,7 @@ counters and, at temperature 1, its tokens."""
 
 
 @functools.cache
-def model(kind: str) -> tuple[Qwen3WithMTP, object]:
+def model(kind: str) -> tuple[Qwen3WithMTP, Eagle3Draft | None]:
     """(target, EAGLE-3 draft or None): "mtp" a near-bigram target with an aligned MTP layer,
     "eagle3" a target without MTP layers and an aligned EAGLE-3 draft (acceptance high, not 1),
     each draft also reading the target's states through a random matrix."""
@@ -63,7 +64,7 @@ def engine(kind: str, compile: str, default_k: int = MAX_K, max_batch_size: int 
     target, draft = model(kind)
     return TorchEngine(
         target,
-        draft=draft,  # type: ignore[arg-type]
+        draft=draft,
         speculation_k=default_k,
         max_speculation_k=MAX_K,
         max_batch_size=max_batch_size,
