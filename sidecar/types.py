@@ -320,6 +320,11 @@ class VersionStats:
     busy_seconds: float = 0.0
     samples_nonfinite: int = 0
     """Finished samples whose log-probs hold a NaN or an infinity (`Sample.nonfinite`)."""
+    prompt_tokens: int = 0
+    """Prompt tokens of the sequences admitted (each sample counts its prompt)."""
+    prefill_tokens: int = 0
+    """Prompt tokens the admission prefills computed: each distinct prompt admitted in one step
+    once, so `prefill_tokens / prompt_tokens` is about 1/G for GRPO groups of G samples."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -252,7 +252,11 @@ def test_info_and_stats_round_trip() -> None:
     assert convert.info_from_pb(convert.info_to_pb(info)) == info
     c = SpeculationCounters(verify_steps=10, drafted_tokens=30, accepted_tokens=20, generated_tokens=30)
     stats = SidecarStats(
-        versions=[VersionStats(weight_version=1, counters=c, samples_finished=4, busy_seconds=1.5)],
+        versions=[
+            VersionStats(
+                weight_version=1, counters=c, samples_finished=4, busy_seconds=1.5, prompt_tokens=96, prefill_tokens=12
+            )
+        ],
         total=c,
         weight_version=1,
         queued_sequences=2,

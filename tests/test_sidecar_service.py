@@ -261,10 +261,15 @@ def test_info_stats_and_metrics_agree_with_the_samples(sidecar: Sidecar, client:
     assert after.weight_version == 0 and after.uptime_seconds > 0
     assert [v.weight_version for v in after.versions] == [0]
     assert after.versions[0].busy_seconds > 0
+    prompts = {tuple(p) for p in PROMPTS}  # each prompt's two samples share one prefill
+    (was,), (now,) = before.versions, after.versions
+    assert now.prompt_tokens - was.prompt_tokens == 2 * sum(len(p) for p in PROMPTS)
+    assert now.prefill_tokens - was.prefill_tokens == sum(len(p) for p in prompts)
     body = urllib.request.urlopen(f"http://127.0.0.1:{sidecar.metrics_port}/metrics", timeout=DEADLINE).read()
     text = body.decode()
     total = client.stats().total
     assert f"specrl_generated_tokens_total {float(total.generated_tokens)}" in text
+    assert f"specrl_prefill_tokens_total {float(client.stats().versions[0].prefill_tokens)}" in text
     assert "specrl_weight_version 0.0" in text
     assert 'specrl_position_acceptance_rate{position="0"}' in text
 

@@ -473,9 +473,17 @@ class TorchEngine(ServedWeights, Engine):
         return finished
 
     def _admit(self) -> list[Sample]:
-        """Prefill queued sequences in one target forward and emit each one's first token."""
+        """Prefill queued sequences in one target forward and emit each one's first token.
+
+        Each distinct prompt among them is prefilled once, however many sequences share it (the
+        G samples of a GRPO prompt, or equal prompts of different requests): the target's forward,
+        its KV and the draft's prefill run over the distinct prompts, and every sequence gets a
+        copy of its prompt's rows (`KVCache.select_rows`) and reads its prompt's states; its first
+        token, its pending draft input and its rows in the static caches are its own."""
         new = [self._queue.popleft() for _ in range(min(len(self._queue), self.max_batch_size - len(self._running)))]
         self.drafter.observe([t for s in new for t in s.prompt])
+        distinct: dict[tuple[int, ...], int] = {}  # prompt -> its row in the prefill
+        source = [distinct.setdefault(tuple(s.prompt), len(distinct)) for s in new]  # each sequence's prefill row
         auto = [s for s in new if s.speculation_auto]  # rows that pin k are never refused a draft: not asked
         pinned = [s for s in new if not s.speculation_auto]
         if (
@@ -486,23 +494,28 @@ class TorchEngine(ServedWeights, Engine):
                 self._tokens_left([*self._running, *new]),
                 [self._row_state(s) for s in [*self._running, *pinned, *auto]],
                 joining=len(auto),  # the last rows
-                prompt_tokens=sum(len(s.prompt) - 1 for s in auto),
+                prompt_tokens=self._draft_prefill_saved(auto, pinned),
             )
         ):
             for s in auto:  # the controller has measured that this batch decodes best without a draft
                 s.speculation_auto, s.k = False, 0
-        b, lengths = len(new), [len(s.prompt) for s in new]
+        prompts = list(distinct)
+        b, u, lengths = len(new), len(prompts), [len(p) for p in prompts]
         width = max(lengths)
-        tokens = torch.zeros(b, width, dtype=torch.int64)
-        for i, s in enumerate(new):
-            tokens[i, : lengths[i]] = torch.tensor(s.prompt)
+        tokens = torch.zeros(u, width, dtype=torch.int64)
+        for i, p in enumerate(prompts):
+            tokens[i, : lengths[i]] = torch.tensor(p)
         tokens = tokens.to(self.device)
-        cache = self.drafter.target_cache(b, width + self.max_speculation_k + 2)
+        cache = self.drafter.target_cache(u, width + self.max_speculation_k + 2)
         plan = cache.plan(lengths, width=width)
-        hidden, states = self.drafter.target_step(tokens, cache, plan)  # (b, width, hidden), the draft's inputs
+        hidden, states = self.drafter.target_step(tokens, cache, plan)  # (u, width, hidden), the draft's inputs
         cache.commit(plan)
+        stats = self._stats[self._version]
+        stats.prompt_tokens += sum(len(s.prompt) for s in new)
+        stats.prefill_tokens += sum(lengths)
         last = torch.tensor([n - 1 for n in lengths], device=self.device)
-        logits = self.model.logits(hidden[torch.arange(b, device=self.device), last]).float()  # (b, V)
+        logits = self.model.logits(hidden[torch.arange(u, device=self.device), last]).float()  # (u, V)
+        logits = logits[torch.tensor(source, device=self.device)]  # (b, V): each sequence's prompt's
         batch = BatchTensors.of(new, self.device)
         rows = batch.rows
         zero = torch.zeros(b, dtype=torch.int64, device=self.device)
@@ -511,8 +524,10 @@ class TorchEngine(ServedWeights, Engine):
         logprobs = reported_logprobs(logits[:, None], first[:, None], rows)[:, 0]
         packed = round_outcome(batch, first[:, None], logprobs[:, None], zero, zero).tolist()
         self.drafter.observe([int(row[0]) for row in packed])
-        mtp_caches = [self.drafter.new_cache(b, width + self.max_speculation_k + 2) for _ in range(self.num_mtp)]
-        drafting = [s.drafts for s in new]
+        mtp_caches = [self.drafter.new_cache(u, width + self.max_speculation_k + 2) for _ in range(self.num_mtp)]
+        drafting = [False] * u  # a prompt is drafted when one of its sequences drafts
+        for s, i in zip(new, source, strict=True):
+            drafting[i] = drafting[i] or s.drafts
         if any(drafting) and width > 1:
             # MTP positions t = 0..P-2 of the prompt (inputs h_t and x_{t+1}); h_{P-1} stays pending.
             num = [n - 1 if d else 0 for n, d in zip(lengths, drafting, strict=True)]
@@ -533,17 +548,26 @@ class TorchEngine(ServedWeights, Engine):
                 finished.append(self._finish(s, _REASONS[int(reason)]))
                 continue
             if s.drafts and self.num_mtp:
-                s.pending = [Pending(base=states, row=i, start=lengths[i] - 1, count=1)]
+                s.pending = [Pending(base=states, row=source[i], start=len(s.prompt) - 1, count=1)]
             keep.append(i)
         if keep:
-            cache.keep_rows(keep)
+            picked = [source[i] for i in keep]
+            cache.select_rows(picked)
             self._cache.append_rows(cache)
             for mine, mc in zip(self._mtp_caches, mtp_caches, strict=True):
-                mc.keep_rows(keep)
+                mc.select_rows(picked)  # a sequence that does not draft has no draft cache (length 0)
+                mc.truncate([n if new[i].drafts else 0 for n, i in zip(mc.lengths, keep, strict=True)])
                 mine.append_rows(mc)
             self._running += [new[i] for i in keep]
             self._batch = None
         return finished
+
+    @staticmethod
+    def _draft_prefill_saved(auto: list[Sequence], pinned: list[Sequence]) -> int:
+        """Draft prefill tokens that admitting the `auto` rows without a draft saves: their distinct
+        prompts' positions, less those a drafting pinned row needs prefilled anyway."""
+        needed = {tuple(s.prompt) for s in pinned if s.drafts}
+        return sum(len(p) - 1 for p in {tuple(s.prompt) for s in auto} - needed)
 
     def _decode(self) -> list[Sample]:
         """One speculative round (draft → verify → accept → roll back) for every running row.

@@ -21,6 +21,8 @@ def fold(into: VersionStats, stats: VersionStats) -> None:
     into.counters.add(stats.counters)
     into.samples_finished += stats.samples_finished
     into.samples_nonfinite += stats.samples_nonfinite
+    into.prompt_tokens += stats.prompt_tokens
+    into.prefill_tokens += stats.prefill_tokens
     into.busy_seconds += stats.busy_seconds
 
 

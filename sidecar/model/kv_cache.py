@@ -278,20 +278,31 @@ class KVCache:
         if rows == list(range(self.batch)):
             return
         if not self.static:
-            index = torch.tensor(rows, dtype=torch.int64, device=self.device)
-            self._k = self._k.index_select(1, index)
-            self._v = self._v.index_select(1, index)
-            self._written = [self._written[r] for r in rows]
-        else:  # move only the rows whose place changes (the source rows are gathered first)
-            moved = [(i, r) for i, r in enumerate(rows) if r != i]
-            if moved:
-                dst = torch.tensor([i for i, _ in moved], dtype=torch.int64, device=self.device)
-                src = torch.tensor([r for _, r in moved], dtype=torch.int64, device=self.device)
-                used = max(self.lengths[r] for _, r in moved)  # slots past a row's length are stale
-                self._k[:, dst, :, :used] = self._k[:, src, :, :used]
-                self._v[:, dst, :, :used] = self._v[:, src, :, :used]
-                for i, _ in moved:  # past `used` the row still holds what its former occupant wrote
-                    self._written[i] = max(self._written[i], used)
+            self.select_rows(rows)
+            return
+        moved = [(i, r) for i, r in enumerate(rows) if r != i]  # only rows whose place changes move
+        if moved:  # (the source rows are gathered first)
+            dst = torch.tensor([i for i, _ in moved], dtype=torch.int64, device=self.device)
+            src = torch.tensor([r for _, r in moved], dtype=torch.int64, device=self.device)
+            used = max(self.lengths[r] for _, r in moved)  # slots past a row's length are stale
+            self._k[:, dst, :, :used] = self._k[:, src, :, :used]
+            self._v[:, dst, :, :used] = self._v[:, src, :, :used]
+            for i, _ in moved:  # past `used` the row still holds what its former occupant wrote
+                self._written[i] = max(self._written[i], used)
+        self.lengths = [self.lengths[r] for r in rows]
+
+    def select_rows(self, rows: list[int]) -> None:
+        """Make row i a copy of row rows[i]: rows may repeat (the G samples of one prompt share its
+        prefill, which is then copied to each of them) or be left out. A growable cache's (a static
+        one keeps its storage: `keep_rows`); one gather per k and v."""
+        if self.static:
+            raise ValueError("select_rows is for growable caches: a static cache moves rows with keep_rows")
+        if rows == list(range(self.batch)):
+            return
+        index = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        self._k = self._k.index_select(1, index)
+        self._v = self._v.index_select(1, index)
+        self._written = [self._written[r] for r in rows]
         self.lengths = [self.lengths[r] for r in rows]
 
     def append_rows(self, other: KVCache) -> None:

@@ -25,6 +25,8 @@ def stats_to_pb(stats: SidecarStats) -> control_pb2.GetStatsResponse:
                 samples_finished=v.samples_finished,
                 busy_seconds=v.busy_seconds,
                 samples_nonfinite=v.samples_nonfinite,
+                prompt_tokens=v.prompt_tokens,
+                prefill_tokens=v.prefill_tokens,
             )
             for v in stats.versions
         ],
@@ -75,6 +77,8 @@ def stats_from_pb(msg: control_pb2.GetStatsResponse) -> SidecarStats:
                 samples_finished=v.samples_finished,
                 busy_seconds=v.busy_seconds,
                 samples_nonfinite=v.samples_nonfinite,
+                prompt_tokens=v.prompt_tokens,
+                prefill_tokens=v.prefill_tokens,
             )
             for v in msg.versions
         ],

@@ -7,7 +7,8 @@ tests) in one process do not collide in the global registry.
 
 Exported (prefix `specrl_`):
 - counters `verify_steps_total`, `drafted_tokens_total`, `accepted_tokens_total`,
-  `generated_tokens_total`, `samples_finished_total`, `samples_nonfinite_total`, `busy_seconds_total`;
+  `generated_tokens_total`, `samples_finished_total`, `samples_nonfinite_total`, `prompt_tokens_total`,
+  `prefill_tokens_total` (prompt tokens admitted, and those the prefill computed), `busy_seconds_total`;
 - gauges `acceptance_length` (tau = generated / verify steps, bonus token included),
   `acceptance_rate` (accepted / drafted), `position_acceptance_rate{position}` (per draft
   position), all over the served weight version so they follow the current policy;
@@ -59,13 +60,15 @@ class SidecarMetrics(Collector):
         snap = self._scheduler.snapshot()
         total = SpeculationCounters()
         samples = 0
-        nonfinite = 0
+        nonfinite = prompt = prefill = 0
         busy = 0.0
         current = SpeculationCounters()
         for v in [snap.earlier, *snap.versions]:
             total.add(v.counters)
             samples += v.samples_finished
             nonfinite += v.samples_nonfinite
+            prompt += v.prompt_tokens
+            prefill += v.prefill_tokens
             busy += v.busy_seconds
             if v.weight_version == snap.weight_version:
                 current = v.counters
@@ -76,6 +79,8 @@ class SidecarMetrics(Collector):
             ("generated_tokens", total.generated_tokens, "Tokens emitted to samples"),
             ("samples_finished", samples, "Samples finished"),
             ("samples_nonfinite", nonfinite, "Samples finished with a NaN or infinite log-prob (broken weights)"),
+            ("prompt_tokens", prompt, "Prompt tokens of the sequences admitted (each sample counts its prompt)"),
+            ("prefill_tokens", prefill, "Prompt tokens the prefill computed (a prompt shared by samples once)"),
             ("busy_seconds", busy, "Seconds the engine spent computing"),
         ):
             c = CounterMetricFamily(f"specrl_{name}", doc)

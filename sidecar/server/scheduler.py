@@ -561,13 +561,7 @@ class Scheduler:
         earlier = dataclasses.replace(self._engine.earlier_stats())
         earlier.busy_seconds = max(earlier.busy_seconds, self._busy_earlier)
         versions = [
-            VersionStats(
-                weight_version=v.weight_version,
-                counters=v.counters,
-                samples_finished=v.samples_finished,
-                samples_nonfinite=v.samples_nonfinite,
-                busy_seconds=max(v.busy_seconds, self._busy.get(v.weight_version, 0.0)),
-            )
+            dataclasses.replace(v, busy_seconds=max(v.busy_seconds, self._busy.get(v.weight_version, 0.0)))
             for v in recent
         ]
         total_generated = earlier.counters.generated_tokens + sum(v.counters.generated_tokens for v in versions)

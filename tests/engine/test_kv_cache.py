@@ -3,7 +3,10 @@ joining. Oracle: `Qwen3WithMTP.hidden_states` of each row's whole sequence, no c
 
 from __future__ import annotations
 
+import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sidecar.model.kv_cache import KVCache
 from sidecar.model.model import Qwen3WithMTP
@@ -143,3 +146,45 @@ def test_slots_past_a_rows_length_read_as_zeros_whatever_was_written_there() -> 
     cache.scrub()
     assert stale_is_zero()
     assert bool((cache._k[:, 2, :, :3] != 0).all())  # a free row is scrubbed when a row takes it, not before
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(
+    lengths=st.lists(st.integers(1, 9), min_size=1, max_size=3),
+    picks=st.lists(st.integers(0, 2), min_size=1, max_size=6),
+    seed=st.integers(0, 2**16),
+)
+def test_selected_rows_with_repeats_continue_as_their_source_rows(
+    random_model: Qwen3WithMTP, lengths: list[int], picks: list[int], seed: int
+) -> None:
+    """`select_rows` with an index that repeats and drops rows (one prefill copied to the samples
+    sharing its prompt): each selected row then decodes its own continuation as if its source's
+    sequence had been cached alone, and the written extents travel with the rows (stale slots
+    still read as zeros once a static cache takes them). Oracle: the full forward."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 64, (n,), generator=gen).tolist() for n in lengths]
+    rows = [p % len(prompts) for p in picks]
+    cache = new_cache(random_model, len(prompts))
+    extend(random_model, cache, prompts)
+    cache.select_rows(rows)
+    assert cache.lengths == [lengths[r] for r in rows]
+    cache.scrub()  # the shorter prompts' padding columns are stale in their copies too
+    assert all(bool((t[:, b, :, n:] == 0).all()) for t in (cache.k, cache.v) for b, n in enumerate(cache.lengths))
+    seqs = [list(prompts[r]) for r in rows]
+    static = KVCache(
+        num_layers=cache.num_layers,
+        num_kv_heads=cache.num_kv_heads,
+        head_dim=cache.head_dim,
+        dtype=cache.dtype,
+        device="cpu",
+        max_batch=len(rows),
+        capacity=32,
+    )
+    static.append_rows(cache)
+    for c in (cache, static):
+        chunks = [torch.randint(0, 64, (1 + i % 3,), generator=gen).tolist() for i in range(len(rows))]
+        hs = extend(random_model, c, chunks)
+        for b, (seq, chunk) in enumerate(zip(seqs, chunks, strict=True)):
+            torch.testing.assert_close(hs[b], oracle(random_model, seq + chunk)[-len(chunk) :], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="growable"):
+        static.select_rows([0])

@@ -138,18 +138,22 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class VersionStats(_message.Message):
-    __slots__ = ("weight_version", "counters", "samples_finished", "busy_seconds", "samples_nonfinite")
+    __slots__ = ("weight_version", "counters", "samples_finished", "busy_seconds", "samples_nonfinite", "prompt_tokens", "prefill_tokens")
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FINISHED_FIELD_NUMBER: _ClassVar[int]
     BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_NONFINITE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     weight_version: int
     counters: _common_pb2.SpeculationCounters
     samples_finished: int
     busy_seconds: float
     samples_nonfinite: int
-    def __init__(self, weight_version: _Optional[int] = ..., counters: _Optional[_Union[_common_pb2.SpeculationCounters, _Mapping]] = ..., samples_finished: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., samples_nonfinite: _Optional[int] = ...) -> None: ...
+    prompt_tokens: int
+    prefill_tokens: int
+    def __init__(self, weight_version: _Optional[int] = ..., counters: _Optional[_Union[_common_pb2.SpeculationCounters, _Mapping]] = ..., samples_finished: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., samples_nonfinite: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., prefill_tokens: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
     __slots__ = ("versions", "total", "weight_version", "queued_sequences", "running_sequences", "uptime_seconds", "speculation", "draft_collapsed", "draft_collapses")
