@@ -84,16 +84,18 @@ def draft_phase(
     caches get the refreshed positions and scratch chain entries; their host lengths are the
     caller's to commit (+ num_refresh)."""
     kernels = drafter.model.kernels
-    if isinstance(kernels, DecodeKernels):  # one kernel for the ~35 operators of the hash, bit for bit
+    fused = isinstance(kernels, DecodeKernels)
+    if fused:  # one kernel for the ~35 operators of the hash, bit for bit
         u = kernels.round_uniforms(batch.keys, inp.out_len, shape.k)
     else:
         u = batch.round_uniforms(inp.out_len, shape.k)
     r, k, vocab = shape.rows, shape.k, drafter.model.config.vocab_size
+    masked = not (fused and drafter.kind == "mtp")  # MTP layers are decoder layers: fused attention, no mask
     if k == 0:
         return inp.last.new_zeros(r, 0), torch.zeros(r, 0, vocab, device=u.device), u
     out0: Tensor | None = None
     for j, cache in enumerate(caches):
-        plan = cache.plan_fixed(inp.draft_lengths[j], shape.width, shape.read_draft)
+        plan = cache.plan_fixed(inp.draft_lengths[j], shape.width, shape.read_draft, masked=masked)
         out = drafter.step(j, inp.refresh_tokens, inp.refresh_hidden, cache, plan, inp.refresh_positions + 1)
         out0 = out if j == 0 else out0
     assert out0 is not None
@@ -106,7 +108,7 @@ def draft_phase(
     chained = [0] * len(caches)  # chain entries written to each layer so far
     for d in range(1, k):
         j = min(d, len(caches) - 1)
-        plan = caches[j].plan_fixed(confirmed[j] + chained[j], 1, shape.read_draft)
+        plan = caches[j].plan_fixed(confirmed[j] + chained[j], 1, shape.read_draft, masked=masked)
         chained[j] += 1
         rope = (inp.next_position + d)[:, None]
         g = drafter.step(j, token[:, None], g[:, None], caches[j], plan, rope)[:, 0]
@@ -131,7 +133,8 @@ def verify_phase(
     """The target forward over each row's last token and its drafts, then acceptance (the
     target cache's host lengths are the caller's to commit)."""
     tokens = torch.cat([inp.last[:, None], drafts], dim=1)
-    plan = cache.plan_fixed(inp.target_lengths, shape.k + 1, shape.read_target)
+    masked = not isinstance(drafter.model.kernels, DecodeKernels)  # the fused attention needs no mask
+    plan = cache.plan_fixed(inp.target_lengths, shape.k + 1, shape.read_target, masked=masked)
     hidden, states = drafter.target_step(tokens, cache, plan)
     logits = drafter.model.logits(hidden).float()
     probs = filtered_probs(logits, batch.rows)

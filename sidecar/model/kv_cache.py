@@ -177,7 +177,7 @@ class KVCache:
             index=index,
         )
 
-    def plan_fixed(self, lengths: Tensor, width: int, read: int) -> AttentionPlan:
+    def plan_fixed(self, lengths: Tensor, width: int, read: int, *, masked: bool = True) -> AttentionPlan:
         """A forward of fixed shape: rows [0, R) of the static storage (R = lengths' size, the live
         rows first, then free rows padded with length 0), `width` new columns each, every row
         reading slots [0, read) under an additive mask. Row lengths come from the device tensor
@@ -185,7 +185,9 @@ class KVCache:
         it, so the forward is one fixed sequence of device work for a given (R, width, read) —
         what a CUDA graph captures once and replays. Writes go by index (a padded row writes
         slots [0, width) of its free row, which a joining row overwrites). Host lengths are not
-        touched: the caller commits them (`commit_counts`)."""
+        touched: the caller commits them (`commit_counts`). `masked` False: no mask, for a forward
+        whose layers all attend with `triton_kernels.decode_attention`, which selects by position
+        itself (`attend` refuses such a plan)."""
         r = int(lengths.shape[0])
         if not self.static:
             raise ValueError("plan_fixed needs a static cache (max_batch given)")
@@ -195,9 +197,11 @@ class KVCache:
                 f"({self.max_batch} rows of {self.capacity} slots)"
             )
         positions = lengths[:, None] + torch.arange(width, device=self.device)[None, :]  # (R, S)
-        slots = torch.arange(read, device=self.device)
-        allowed = (slots[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # (R, 1, S, read)
-        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, -torch.inf)
+        mask: Tensor | None = None
+        if masked:
+            slots = torch.arange(read, device=self.device)
+            allowed = (slots[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # (R, 1, S, read)
+            mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, -torch.inf)
         k5, v5 = self._k[:, :r], self._v[:, :r]
         return AttentionPlan(
             positions=positions,
@@ -359,7 +363,9 @@ def attend(
     arithmetic is the same (each query row meets the same keys, values and mask)."""
     b, s, h, d = q.shape
     kv = keys.shape[1]
-    if plan.grouped and plan.mask is not None and h != kv:
+    if plan.grouped and plan.mask is None:
+        raise ValueError("this fixed plan has no mask (plan_fixed(masked=False)): only the fused attention reads it")
+    if plan.grouped and h != kv:
         g = h // kv
         mask = plan.group_masks.get(g)
         if mask is None:
