@@ -85,7 +85,7 @@ def draft_phase(
     caller's to commit (+ num_refresh)."""
     kernels = drafter.model.kernels
     fused = isinstance(kernels, DecodeKernels)
-    if fused:  # one kernel for the ~35 operators of the hash, bit for bit
+    if isinstance(kernels, DecodeKernels):  # one kernel for the ~35 operators of the hash, bit for bit
         u = kernels.round_uniforms(batch.keys, inp.out_len, shape.k)
     else:
         u = batch.round_uniforms(inp.out_len, shape.k)

@@ -365,7 +365,7 @@ def attend(
     kv = keys.shape[1]
     if plan.grouped and plan.mask is None:
         raise ValueError("this fixed plan has no mask (plan_fixed(masked=False)): only the fused attention reads it")
-    if plan.grouped and h != kv:
+    if plan.grouped and plan.mask is not None and h != kv:
         g = h // kv
         mask = plan.group_masks.get(g)
         if mask is None:
