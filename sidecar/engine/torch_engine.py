@@ -75,6 +75,7 @@ from sidecar.engine.sampling import (
 )
 from sidecar.engine.scoring import score
 from sidecar.engine.served_weights import ServedWeights
+from sidecar.engine.speculation_settings import SpeculationSettings
 from sidecar.engine.validation import validate_request
 from sidecar.engine.version_ledger import VersionLedger
 from sidecar.errors import InvalidRequestError, KVCacheCapacityError
@@ -94,7 +95,6 @@ from sidecar.types import (
     Sample,
     SamplingParams,
     ScoreRequest,
-    SpeculationStatus,
     VersionStats,
 )
 
@@ -104,7 +104,7 @@ MAX_SPECULATION_K = counter_rng.MAX_INDEX - 1
 """Largest k a round can draw keyed uniforms for (and that the rotary tables have room for)."""
 
 
-class TorchEngine(ServedWeights, Engine):
+class TorchEngine(ServedWeights, SpeculationSettings, Engine):
     """Embedded engine over a `Qwen3WithMTP`; see the module docstring."""
 
     def __init__(
@@ -304,63 +304,6 @@ class TorchEngine(ServedWeights, Engine):
     @property
     def weight_version(self) -> int:
         return self._version
-
-    @property
-    def speculation_k(self) -> int:
-        return self._k
-
-    def _check_k(self, k: int) -> None:
-        if k < 0 or k > self.max_speculation_k:
-            why = (
-                "the model has no MTP layers and no EAGLE-3 draft"
-                if not self.num_mtp
-                else f"max_speculation_k is {self.max_speculation_k}"
-            )
-            raise ValueError(f"speculation k must be in [0, {self.max_speculation_k}] ({why}), got {k}")
-
-    def set_speculation_k(self, k: int) -> None:
-        """Fixed default k for requests submitted from now on (running sequences keep theirs)."""
-        self._check_k(k)
-        self._k = k
-        self._auto = False  # running auto-mode sequences keep the controller
-
-    def set_speculation_auto(self, k: int) -> None:
-        """Automatic default: requests submitted from now on that do not pin k get a per-step k
-        in [0, k] from the controller (its measurements are kept while k stays the same); the
-        engine's speculation_k is then that largest k."""
-        self._check_k(k)
-        self._k, self._auto = k, True
-        if self._policy is None or self._policy.config.max_speculation_k != k:
-            cfg = self._policy_config or SpeculationPolicyConfig(max_speculation_k=k)
-            self._policy = SpeculationPolicy(dataclasses.replace(cfg, max_speculation_k=k))
-
-    def set_speculation_policy(self, policy: SpeculationPolicy) -> None:
-        """Auto mode with a given controller (tools and tests install a scripted or configured one)."""
-        self._check_k(policy.config.max_speculation_k)
-        self._k, self._auto = policy.config.max_speculation_k, True
-        self._policy = policy
-
-    @property
-    def speculation_auto(self) -> bool:
-        return self._auto
-
-    def speculation_status(self) -> SpeculationStatus:
-        """The k in use and why (GetInfo / GetStats / Prometheus)."""
-        if not self._auto or self._policy is None:
-            return SpeculationStatus(
-                speculation_auto=False, speculation_k=self._k, reason="fixed", detail=f"fixed default k={self._k}"
-            )
-        d = self._policy.last
-        return SpeculationStatus(
-            speculation_auto=True,
-            speculation_k=d.k,
-            reason=d.reason,
-            detail=d.detail,
-            expected_speedup=d.expected_speedup,
-            batch_size=d.batch_size,
-            acceptance=self._policy.acceptance.rates(),
-            guard_trips=self._policy.trips,
-        )
 
     def validate(self, request: GenerationRequest) -> None:
         validate_request(request, self.config, self.max_speculation_k)
