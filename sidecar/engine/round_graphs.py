@@ -12,9 +12,10 @@ that way, and `FixedRounds` runs it:
 - KV reads at bucketed widths (`read_bucket`: a power of two of at least `MIN_READ` slots);
 - two graphs a round, `draft_phase` and `verify_phase`, each captured the first time its shape
   occurs (one warm-up run on a side stream, then the capture; both write the cache slots the
-  replay writes, with the same values); the verify graph reads the draft graph's outputs where
-  they are (its key holds the draft graph's), inputs are copied into each graph's own tensors and
-  outputs kept past the next replay are copied out of the shared memory pool;
+  replay writes, with the same values); the verify graph reads the draft graph's outputs and
+  inputs where they are (its key holds the draft graph's), so a round's inputs are copied once,
+  into the draft graph's tensors; outputs kept past the next replay are copied out of the shared
+  memory pool;
 - the host side a replay cannot do (committing row lengths) done here after the replays;
 - a capture that fails (a kernel some torch version or device cannot capture) logs a warning once
   and the engine goes on without graphs: `compile: auto` never stops a sidecar that eager serves.
@@ -142,8 +143,11 @@ class FixedRounds:
                 drafter, cache, _batch_of(rest[-len(batch_inputs) :], padded), _input_of(rest), shape, accept, d, qq, uu
             )
 
+        # the verify graph reads this round's inputs where the draft graph's replay copied them (its
+        # key pins the draft graph): one copy of each input a round, not two
+        shared = self._graphs[draft_key].inputs if self.capture and draft_key in self._graphs else draft_inputs
         packed, states = self._run(
-            ("verify", draft_key, accept), verify_fn, draft_inputs, by_reference=(drafts, q, u), keep=(1,)
+            ("verify", draft_key, accept), verify_fn, (), by_reference=(drafts, q, u, *shared), keep=(1,)
         )
         # what the replays wrote: k + 1 verified columns a row (padded rows from slot 0); the draft
         # refresh's `width` columns, then up to k chain entries past the refreshed positions

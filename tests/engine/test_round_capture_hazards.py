@@ -209,6 +209,29 @@ def test_captured_rounds_check_the_weights_after_pushes_only_and_recapture_after
     assert len(checks) == 3 and len(captures) > captured  # new storage: the graphs were captured again
 
 
+def test_a_rounds_inputs_are_copied_once_and_the_verify_graph_reads_the_draft_graphs_copies(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The verify graph has no inputs of its own: it reads this round's inputs in the draft graph's
+    tensors (what the draft replay copied them into), so a round copies each input once. Greedy
+    output still equals the plain forward while the graphs replay."""
+    from test_static_engine import oracle_greedy
+
+    model = aligned_draft_model(ModelConfig.tiny(), seed=3)
+    engine = TorchEngine(model, speculation_k=3, compile="on")
+    rounds, _ = faked_capture(monkeypatch, engine)
+    prompts = [[1, 2, 3], [7, 8, 9, 10]]
+    sp = SamplingParams(temperature=0.0, max_new_tokens=10)
+    out = [s.token_ids for s in engine.generate(GenerationRequest(prompts=prompts, sampling=sp))]
+    assert out == [oracle_greedy(model, p, 10) for p in prompts]
+    verify = {key: g for key, g in rounds._graphs.items() if key[0] == "verify"}
+    assert verify
+    for key, graph in verify.items():
+        draft = rounds._graphs[key[1]]
+        assert graph.inputs == ()
+        assert all(a is b for a, b in zip(graph.graph.by_reference[3:], draft.inputs, strict=True))
+
+
 def test_a_failed_capture_falls_back_to_uncaptured_rounds_and_says_so(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
