@@ -25,6 +25,8 @@ line per cell, OUT/summary.md at the end of each part):
    against it is the user's (measured by their sidecars). The accepted fraction is reported; a
    round is not forced through a private hook. Also the prefill of B prompts. `--draft-vocab-sizes
    0,N`: engines whose MTP head scores N ids (`draft_vocab_size`) beside the full one, interleaved.
+   On CUDA, the kernels of one round at each (B, k), counted by torch.profiler
+   (`profile_round.profile_rounds`).
 3. **HF transformers eager**: `Qwen3ForCausalLM` with random bf16 weights at the same shape,
    `generate` (greedy, no stop), ms per token step by the same difference of two lengths.
 4. **SGLang** beside it, only where `import sglang` works (`load_format="dummy"` random weights,
@@ -121,7 +123,13 @@ class Output:
         out.mkdir(parents=True, exist_ok=True)
         self.meta = meta
         self.tables: dict[str, dict[str, Any]] = {}
-        self.reference: dict[str, Any] = {"copy": None, "hf_eager": {}, "sglang": {}, "weight_read_limit_ms": {}}
+        self.reference: dict[str, Any] = {
+            "copy": None,
+            "hf_eager": {},
+            "sglang": {},
+            "weight_read_limit_ms": {},
+            "kernels_a_round": {},  # table name -> "B/k" -> CUDA kernels of one round (torch.profiler)
+        }
         self.skipped: list[str] = []
         (out / "log.jsonl").write_text("")
         self.flush()
@@ -286,6 +294,15 @@ def engine_part(args: argparse.Namespace, shape: str, device: torch.device, out:
                 tables[arm]["prefill"].append(
                     {"rows": batch, "prompt_tokens": args.prompt, "seconds": statistics.median(xs)}
                 )
+        # CUDA kernels; on a CPU (--tiny, the path tests run) the count is 0
+        if (device.type == "cuda" or args.tiny) and not part.over(f"batch {batch}: kernels a round"):
+            from profile_round import profile_rounds  # imports this module: not at the top
+
+            for arm, engine in engines.items():
+                for k in args.ks:
+                    n = profile_rounds(engine, batch, k, args.prompt, rounds=3)["kernels"]
+                    out.reference["kernels_a_round"].setdefault(tables[arm]["name"], {})[f"{batch}/{k}"] = n
+                    out.log({"part": part.name, "arm": list(arm), "batch": batch, "k": k, "kernels_a_round": n})
         out.flush()
 
 
@@ -402,8 +419,8 @@ def summary(out: Output, args: argparse.Namespace) -> None:
             lines.append(f"| {name} | {b} | {ks} | {fmt(hf)} | {fmt(sg)} | {fmt(lim)} |")
     lines += ["", "What speculation would give: tau (tokens a round) x plain round / k round, and the plain round",
               "against the weight-read limit (limit / round: 1 is the memory-bound ideal).", "",
-              "| table | B | k | round ms | x plain | limit / plain round | at tau 2 | at tau 2.8 | at tau 3.5 |",
-              "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+              "| table | B | k | round ms | kernels | x plain | limit / plain round | at tau 2 | at tau 2.8 | at tau 3.5 |",
+              "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for name, table in out.tables.items():
         shape = name.split(" compile=")[0]
         lim = out.reference["weight_read_limit_ms"].get(shape, {}).get("ms")
@@ -415,7 +432,11 @@ def summary(out: Output, args: argparse.Namespace) -> None:
             ms = 1e3 * cells[(b, k)]
             frac = f"{lim / (1e3 * plain):.2f}" if lim and k == 0 else ""
             gains = " | ".join(f"{tau * plain / cells[(b, k)]:.2f}x" if k else "" for tau in TAUS)
-            lines.append(f"| {name} | {b} | {k} | {ms:.3f} | {cells[(b, k)] / plain:.2f} | {frac} | {gains} |")
+            n = out.reference["kernels_a_round"].get(name, {}).get(f"{b}/{k}")
+            kernels = "—" if n is None else f"{n:.0f}"
+            lines.append(
+                f"| {name} | {b} | {k} | {ms:.3f} | {kernels} | {cells[(b, k)] / plain:.2f} | {frac} | {gains} |"
+            )
     if out.skipped:
         lines += ["", "skipped:"] + [f"- {s}" for s in out.skipped]
     (out.out / "summary.md").write_text("\n".join(lines) + "\n")
