@@ -10,7 +10,8 @@ elementwise kernels do), so the two differ only in the order of a reduction's ad
 - `decode_attention`: grouped-query attention of a row's few new columns (the verified column and
   its drafts) over its cached slots, reading only the slots up to the row's last position (not the
   read width a graph is captured with) and selecting by position (a stale value past a row's end is
-  never read, so it cannot reach the output even when it is not finite);
+  never read, so it cannot reach the output even when it is not finite); at long read widths split
+  among several programs a row, their partial results combined by `_combine_splits_kernel`;
 - `silu_mul`: SwiGLU's silu(gate) * up over the fused gate|up projection;
 - `round_uniforms`: a round's counter-based uniforms (`counter_rng`), bit for bit (integer hashing,
   exact in int64 on every backend), in one kernel instead of ~35 elementwise operators.
@@ -176,15 +177,18 @@ def qk_norm_rope_store(
     return q
 
 
-@triton.jit(do_not_specialize=["S", "read"])
+@triton.jit(do_not_specialize=["S", "read", "chunk"])
 def _decode_attention_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
     pos_ptr,
     out_ptr,
+    part_ptr,
+    stat_ptr,
     scale,
     read,
+    chunk,
     k_row,
     k_head,
     k_slot,
@@ -196,11 +200,14 @@ def _decode_attention_kernel(
     D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SPLITS: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
-    n_heads = G * tl.num_programs(1)
+    split = tl.program_id(2)
+    n_kv = tl.num_programs(1)
+    n_heads = G * n_kv
     m = tl.arange(0, BLOCK_M)  # query row m: column m // G, query head kvh * G + m % G
     col = m // G
     qhead = kvh * G + m % G
@@ -210,11 +217,12 @@ def _decode_attention_kernel(
     q = tl.load(q_ptr + q_off, mask=live_m[:, None], other=0.0)
     pos = tl.load(pos_ptr + b * S + col, mask=live_m, other=-1)  # the slot each query row sits at
     last = tl.load(pos_ptr + b * S + S - 1)  # the row's last column: the furthest slot any query reads
-    end = tl.minimum(last + 1, read)
+    first = split * chunk  # this program's slots: [first, end), a `chunk` of the read width
+    end = tl.minimum(tl.minimum(last + 1, read), first + chunk)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    for start in range(0, end, BLOCK_N):
+    for start in range(first, end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         live_n = n < end
         kt = tl.load(
@@ -238,8 +246,53 @@ def _decode_attention_kernel(
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if SPLITS == 1:  # the whole row in this program: the output itself
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=live_m[:, None])
+    else:  # this split's running max, sum and unnormalised output, for `_combine_splits_kernel`
+        at = (b * n_kv + kvh) * SPLITS + split
+        tl.store(stat_ptr + (at * 2) * BLOCK_M + m, m_i)
+        tl.store(stat_ptr + (at * 2 + 1) * BLOCK_M + m, l_i)
+        tl.store(part_ptr + (at * BLOCK_M + m[:, None]) * D + d[None, :], acc)
+
+
+@triton.jit(do_not_specialize=["S"])
+def _combine_splits_kernel(
+    part_ptr, stat_ptr, out_ptr, S, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr
+):
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    n_kv = tl.num_programs(1)
+    m = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, D)
+    base = (b * n_kv + kvh) * SPLITS
+    top = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for i in range(SPLITS):
+        top = tl.maximum(top, tl.load(stat_ptr + ((base + i) * 2) * BLOCK_M + m))
+    safe = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for i in range(SPLITS):
+        w = tl.exp(tl.load(stat_ptr + ((base + i) * 2) * BLOCK_M + m) - safe)  # 0 for a split that read nothing
+        total += w * tl.load(stat_ptr + ((base + i) * 2 + 1) * BLOCK_M + m)
+        acc += w[:, None] * tl.load(part_ptr + ((base + i) * BLOCK_M + m[:, None]) * D + d[None, :])
+    col = m // G
+    live_m = m < G * S
+    q_off = ((b * S + col) * (G * n_kv) + kvh * G + m % G)[:, None] * D + d[None, :]
+    out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
     tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=live_m[:, None])
+
+
+SPLIT_SLOTS = 512
+"""Slots of the read width per attention program (at most MAX_SPLITS programs a row and key/value
+head): long contexts spread over more of the device, short ones stay one kernel."""
+MAX_SPLITS = 16
+
+
+def attention_splits(read: int) -> int:
+    """Programs a row and key/value head's attention takes at read width `read` (a host int: the
+    captured shape's)."""
+    return max(1, min(MAX_SPLITS, read // SPLIT_SLOTS))
 
 
 def decode_attention(
@@ -247,32 +300,46 @@ def decode_attention(
     keys: Tensor,  # (B, kv_heads, read, head_dim) the slots a forward may read (a strided view)
     values: Tensor,
     positions: Tensor,  # (B, S) each column's slot; column j attends to slots <= positions[b, j]
+    splits: int | None = None,  # programs per row and key/value head (default `attention_splits`)
 ) -> Tensor:  # (B, S, heads * head_dim)
     """Causal-by-position grouped-query attention over cached slots (see the module docstring).
-    A row's columns are its consecutive positions, so its last column's is the furthest read."""
+    A row's columns are its consecutive positions, so its last column's is the furthest read. Past
+    SPLIT_SLOTS slots of read width the slots are split among several programs, whose partial
+    results a second kernel combines (flash-decoding): one kernel at short contexts, two at long."""
     b, s, h, d = q.shape
     kv, read = keys.shape[1], keys.shape[2]
     g = h // kv
-    out = torch.empty(b, s, h, d, dtype=q.dtype, device=q.device)
+    splits = attention_splits(read) if splits is None else splits
     block_m = max(16, triton.next_power_of_2(g * s))
-    _decode_attention_kernel[(b, kv)](
+    block_n = 64 if d <= 64 else 32
+    chunk = triton.cdiv(triton.cdiv(read, splits), block_n) * block_n  # slots per split, a multiple of block_n
+    out = torch.empty(b, s, h, d, dtype=q.dtype, device=q.device)
+    part = out if splits == 1 else torch.empty(b * kv * splits * block_m * d, dtype=torch.float32, device=q.device)
+    stat = out if splits == 1 else torch.empty(b * kv * splits * 2 * block_m, dtype=torch.float32, device=q.device)
+    _decode_attention_kernel[(b, kv, splits)](
         q.contiguous(),
         keys,
         values,
         positions.contiguous(),
         out,
+        part,
+        stat,
         1.0 / math.sqrt(d),
         read,
+        chunk,
         *keys.stride()[:3],
         *values.stride()[:3],
-        S=s,
+        s,
         G=g,
         D=d,
         BLOCK_M=block_m,
-        BLOCK_N=64 if d <= 64 else 32,
+        BLOCK_N=block_n,
+        SPLITS=splits,
         IEEE=q.dtype == torch.float32,
         num_warps=4,
     )
+    if splits > 1:
+        _combine_splits_kernel[(b, kv)](part, stat, out, s, G=g, D=d, BLOCK_M=block_m, SPLITS=splits, num_warps=4)
     return out.view(b, s, h * d)
 
 

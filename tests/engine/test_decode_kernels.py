@@ -157,14 +157,37 @@ def test_a_fixed_forwards_attention_with_the_kernels_equals_torchs(
         assert fused._k[:, b, :, :n].equal(ref._k[:, b, :, :n])  # nothing before a row's end touched
 
 
-def test_decode_attention_equals_attend_over_a_fixed_plan() -> None:
-    """The attention kernel alone against `kv_cache.attend` (SDPA under the plan's mask)."""
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), rows=st.integers(1, 4), s=st.integers(1, 4), splits=st.integers(1, 5), seed=st.integers(0, 99))
+def test_decode_attention_over_any_number_of_splits_equals_attend(
+    data: st.DataObject, rows: int, s: int, splits: int, seed: int
+) -> None:
+    """The attention kernel alone against `kv_cache.attend` (SDPA under the plan's mask), its slots
+    split among 1-5 programs a row (long contexts: partial results combined by a second kernel; a
+    split past a row's end reads nothing). Slots past each row's end: NaN for the kernel, zeros for
+    the reference."""
     model = layer_model("float32")
-    cache = random_cache(model, 3, 64, [5, 0, 17], seed=3)
-    plan = cache.plan_fixed(torch.tensor([5, 0, 17], device=DEVICE), 4, 32)
-    q = torch.randn(3, 4, model.config.num_attention_heads, model.config.head_dim).to(DEVICE)
+    capacity = 200
+    lengths = data.draw(st.lists(st.integers(0, capacity - s), min_size=rows, max_size=rows))
+    read = data.draw(st.integers(max(lengths) + s, capacity))
+    ref = random_cache(model, rows, capacity, lengths, seed)
+    fused = random_cache(model, rows, capacity, lengths, seed)
+    for b, n in enumerate(lengths):
+        ref._k[:, b, :, n + s :], ref._v[:, b, :, n + s :] = 0.0, 0.0
+        fused._k[:, b, :, n + s :], fused._v[:, b, :, n + s :] = float("nan"), float("nan")
+    lens = torch.tensor(lengths, device=DEVICE)
+    plan, fplan = ref.plan_fixed(lens, s, read), fused.plan_fixed(lens, s, read, masked=False)
+    c = model.config
+    q = torch.randn(rows, s, c.num_attention_heads, c.head_dim, generator=torch.Generator().manual_seed(seed)).to(
+        DEVICE
+    )
     want = attend(q, plan.keys_out[0], plan.values_out[0], plan)
-    close(DecodeKernels().decode_attention(q, plan.keys_out[0], plan.values_out[0], plan.positions), want)
+    got = triton_kernels.decode_attention(q, fplan.keys_out[0], fplan.values_out[0], fplan.positions, splits)
+    close(got, want)
+
+
+def test_the_split_count_follows_the_read_width() -> None:
+    assert [triton_kernels.attention_splits(r) for r in (256, 512, 1024, 4096, 8192, 65536)] == [1, 1, 2, 8, 16, 16]
 
 
 # ---- 2. whole generation with the kernels -------------------------------------------------------
