@@ -9,9 +9,10 @@ bucketed widths, a fixed draft length and refresh width) with every per-row quan
 tensor (`FixedInput`): each forward's slots come from device row lengths (`KVCache.plan_fixed`),
 the draft chain's positions are those lengths plus Python constants, and nothing is read back.
 
-It is two phases, each one graph: `draft_phase` (the round's uniforms, the draft refresh and
-chain) and `verify_phase` (the target forward over the k + 1 columns, acceptance, the packed
-result, `decode_round.accept_round`), so the speculation controller can time the draft phase.
+It is two phases: `draft_phase` (the round's uniforms, the draft refresh and chain) and
+`verify_phase` (the target forward over the k + 1 columns, acceptance, the packed result,
+`decode_round.accept_round`), captured as one graph, or as one graph each where the speculation
+controller times the draft phase.
 `round_graphs.FixedRounds` builds the inputs, pads the rows, captures and replays, and applies the
 host side (row lengths) the replays cannot.
 

@@ -10,12 +10,12 @@ that way, and `FixedRounds` runs it:
   CUDA-graph runner pads); padded rows have length 0 and write only scratch slots of free cache
   rows; per-row sampling settings of padded rows copy row 0's;
 - KV reads at bucketed widths (`read_bucket`: a power of two of at least `MIN_READ` slots);
-- two graphs a round, `draft_phase` and `verify_phase`, each captured the first time its shape
-  occurs (one warm-up run on a side stream, then the capture; both write the cache slots the
-  replay writes, with the same values); the verify graph reads the draft graph's outputs and
-  inputs where they are (its key holds the draft graph's), so a round's inputs are copied once,
-  into the draft graph's tensors; outputs kept past the next replay are copied out of the shared
-  memory pool;
+- one graph a round, `draft_phase` then `verify_phase`, captured the first time its shape occurs
+  (one warm-up run on a side stream, then the capture; both write the cache slots the replay
+  writes, with the same values); where automatic k's controller times the draft phase, two graphs,
+  one a phase, the verify graph reading the draft graph's outputs and inputs where they are (its
+  key holds the draft graph's), so a round's inputs are copied once either way; outputs kept past
+  the next replay are copied out of the shared memory pool;
 - the host side a replay cannot do (committing row lengths) done here after the replays;
 - a capture that fails (a kernel some torch version or device cannot capture) logs a warning once
   and the engine goes on without graphs: `compile: auto` never stops a sidecar that eager serves.
@@ -132,10 +132,6 @@ class FixedRounds:
         def draft_fn(*t: Tensor) -> tuple[Tensor, ...]:
             return draft_phase(drafter, draft_caches, _batch_of(t[-len(batch_inputs) :], padded), _input_of(t), shape)
 
-        drafts, q, u = self._run(draft_key, draft_fn, draft_inputs, by_reference=(), keep=())
-        if drafted is not None:
-            drafted()
-
         def verify_fn(*t: Tensor) -> tuple[Tensor, ...]:
             d, qq, uu = t[:3]
             rest = t[3:]
@@ -143,12 +139,21 @@ class FixedRounds:
                 drafter, cache, _batch_of(rest[-len(batch_inputs) :], padded), _input_of(rest), shape, accept, d, qq, uu
             )
 
-        # the verify graph reads this round's inputs where the draft graph's replay copied them (its
-        # key pins the draft graph): one copy of each input a round, not two
-        shared = self._graphs[draft_key].inputs if self.capture and draft_key in self._graphs else draft_inputs
-        packed, states = self._run(
-            ("verify", draft_key, accept), verify_fn, (), by_reference=(drafts, q, u, *shared), keep=(1,)
-        )
+        if drafted is None:  # nothing times the draft phase: the whole round is one graph
+
+            def round_fn(*t: Tensor) -> tuple[Tensor, ...]:
+                return verify_fn(*draft_fn(*t), *t)
+
+            packed, states = self._run(("round", draft_key, accept), round_fn, draft_inputs, by_reference=(), keep=(1,))
+        else:  # two graphs, the controller's clock read between them
+            drafts, q, u = self._run(draft_key, draft_fn, draft_inputs, by_reference=(), keep=())
+            drafted()
+            # the verify graph reads this round's inputs where the draft graph's replay copied them
+            # (its key pins the draft graph): one copy of each input a round, not two
+            shared = self._graphs[draft_key].inputs if self.capture and draft_key in self._graphs else draft_inputs
+            packed, states = self._run(
+                ("verify", draft_key, accept), verify_fn, (), by_reference=(drafts, q, u, *shared), keep=(1,)
+            )
         # what the replays wrote: k + 1 verified columns a row (padded rows from slot 0); the draft
         # refresh's `width` columns, then up to k chain entries past the refreshed positions
         pad = [0] * (rows - b)

@@ -16,9 +16,10 @@ And the host-side cache of a batch's padded form must follow the batch it was ma
 budget on the GPU).
 
 The capture bookkeeping, with `Replayable` standing in for a CUDA graph (it recomputes into its
-captured output tensors): weights' addresses checked after pushes only, graphs kept over a copying
-push and captured again after an adopting one; a refused capture falls back to uncaptured rounds
-with a warning; `warm_up` (what `specrl serve` runs first) captures every batch bucket. Oracle: the
+captured output tensors): a round at a fixed k is one graph, and where automatic k times the draft
+phase two, the second reading the first's inputs; weights' addresses checked after pushes only,
+graphs kept over a copying push and captured again after an adopting one; a refused capture falls
+back to uncaptured rounds with a warning; `warm_up` (what `specrl serve` runs first) captures every batch bucket. Oracle: the
 plain full forward's greedy tokens. The real capture runs in tests/engine/test_cuda_graphs.py.
 """
 
@@ -218,7 +219,7 @@ def test_a_rounds_inputs_are_copied_once_and_the_verify_graph_reads_the_draft_gr
     from test_static_engine import oracle_greedy
 
     model = aligned_draft_model(ModelConfig.tiny(), seed=3)
-    engine = TorchEngine(model, speculation_k=3, compile="on")
+    engine = TorchEngine(model, speculation_k=3, speculation_auto=True, compile="on")  # the controller times drafts
     rounds, _ = faked_capture(monkeypatch, engine)
     prompts = [[1, 2, 3], [7, 8, 9, 10]]
     sp = SamplingParams(temperature=0.0, max_new_tokens=10)
@@ -232,6 +233,26 @@ def test_a_rounds_inputs_are_copied_once_and_the_verify_graph_reads_the_draft_gr
         assert all(a is b for a, b in zip(graph.graph.by_reference[3:], draft.inputs, strict=True))
 
 
+def test_rounds_at_a_fixed_k_are_one_graph_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where nothing times the draft phase (k fixed), a round is one graph, draft and verify phases
+    together; greedy output equals the plain forward and the same shapes replay, capturing nothing."""
+    from test_static_engine import oracle_greedy
+
+    model = aligned_draft_model(ModelConfig.tiny(), seed=3)
+    engine = TorchEngine(model, speculation_k=3, compile="on")
+    rounds, captures = faked_capture(monkeypatch, engine)
+    prompts = [[1, 2, 3], [7, 8, 9, 10]]
+    sp = SamplingParams(temperature=0.0, max_new_tokens=10)
+
+    def greedy() -> list[list[int]]:
+        return [s.token_ids for s in engine.generate(GenerationRequest(prompts=prompts, sampling=sp))]
+
+    assert greedy() == [oracle_greedy(model, p, 10) for p in prompts]
+    assert rounds._graphs and {key[0] for key in rounds._graphs} == {"round"}
+    captured = len(captures)
+    assert greedy() == [oracle_greedy(model, p, 10) for p in prompts] and len(captures) == captured
+
+
 def test_a_failed_capture_falls_back_to_uncaptured_rounds_and_says_so(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -240,7 +261,7 @@ def test_a_failed_capture_falls_back_to_uncaptured_rounds_and_says_so(
     from test_static_engine import oracle_greedy
 
     model = aligned_draft_model(ModelConfig.tiny(), seed=3)
-    engine = TorchEngine(model, speculation_k=3, compile="on")
+    engine = TorchEngine(model, speculation_k=3, speculation_auto=True, compile="on")  # two graphs a round
     rounds, captures = faked_capture(monkeypatch, engine, fail_verify=True)
     prompts = [[1, 2, 3], [7, 8, 9, 10]]
     with caplog.at_level("WARNING", logger="sidecar.engine.round_graphs"):
@@ -268,7 +289,7 @@ def test_warm_up_captures_every_batch_bucket_before_serving_and_leaves_no_trace(
     progress: list[tuple[int, int]] = []
     captured = engine.warm_up(lambda done, total: progress.append((done, total)))
     assert progress == [(i, 10) for i in range(1, 11)]  # buckets 1, 2, 4, 8, 12 x k in {0, 3}
-    assert captured == len(captures) == rounds.captured >= 20  # two phases per shape at least
+    assert captured == len(captures) == rounds.captured >= 10  # one graph per shape at least (k pinned)
     stats = engine.stats()
     assert len(stats) == 1 and stats[0].counters.generated_tokens == 0 and stats[0].samples_finished == 0
     sp = SamplingParams(temperature=0.0, max_new_tokens=1 + 1)
