@@ -232,6 +232,20 @@ def test_greedy_with_the_kernels_and_an_eagle3_draft_equals_the_plain_forward() 
     assert greedy(engine, 3) == oracle("eagle3")
 
 
+@interpreted
+@pytest.mark.usefixtures("kernels_everywhere")
+def test_greedy_with_the_kernels_over_a_long_context_equals_the_plain_forward() -> None:
+    """A 700-token prompt: the rounds read 1024 slots, so the attention splits each row's slots
+    between two programs and combines them (`triton_kernels.attention_splits`)."""
+    model = aligned_draft_model(ModelConfig.tiny(max_position_embeddings=1100), seed=2)
+    prompt = [(7 * i) % 64 for i in range(700)]
+    engine = TorchEngine(model, speculation_k=3, max_batch_size=2, compile="on")
+    sp = SamplingParams(temperature=0.0, max_new_tokens=6)
+    out = engine.generate(GenerationRequest(prompts=[prompt], sampling=sp, speculation_k=3))
+    assert triton_kernels.attention_splits(1024) == 2
+    assert out[0].token_ids == oracle_greedy(model, prompt, 6)
+
+
 def sampled(engine: TorchEngine) -> list[Sample]:
     sp = SamplingParams(temperature=1.0, max_new_tokens=NEW, seed=7)
     return engine.generate(GenerationRequest(prompts=PROMPTS, sampling=sp, speculation_k=3))
