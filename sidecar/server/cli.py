@@ -342,7 +342,17 @@ def warm_up(eng: Engine) -> None:
     captured = run(progress)
     if bar is not None:
         bar.close()
-        log.info("warm-up: %d CUDA graphs captured in %.1f s", captured, time.perf_counter() - started)
+        from sidecar.model.decode_kernels import DecodeKernels
+
+        how = (
+            "fused Triton kernels" if isinstance(getattr(eng, "kernels", None), DecodeKernels) else "torch's operators"
+        )
+        log.info(
+            "warm-up: %d CUDA graphs captured in %.1f s; decode rounds run %s",
+            captured,
+            time.perf_counter() - started,
+            how,
+        )
 
 
 def run_sidecar(cfg: ServeConfig, token: str | None = None) -> None:
