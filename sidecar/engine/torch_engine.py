@@ -200,14 +200,15 @@ class TorchEngine(ServedWeights, SpeculationSettings, Engine):
         rounds of `compile: off` are the reference). Set on the model at every step: engines may
         share a model."""
         self._swaps = 0  # weight updates swapped in (`ServedWeights._swap_in`)
+        self._timed_drafts = False  # rounds of pinned k as automatic k's (two graphs): `warm_up` in auto mode
         self._weights_checked: tuple[int, int] | None = None  # (swaps, decode-weight builds) last checked
         self.compile = compile
 
     def warm_up(self, progress: Callable[[int, int], None] | None = None) -> int:
         """Run a fixed-shape round at every batch bucket, plainly and at the default k, before
-        serving: on CUDA those shapes' graphs are captured here rather than in the first requests
-        that meet them (longer contexts, other k and refresh widths are captured when they first
-        occur). `progress(done, total)` after each shape; returns the graphs captured. The
+        serving (in automatic k's form, two graphs a round, when the engine is in auto mode): on
+        CUDA those shapes' graphs are captured here rather than in the first requests that meet
+        them (longer contexts, other k and refresh widths are captured when they first occur). `progress(done, total)` after each shape; returns the graphs captured. The
         warm-up's requests pin k (the controller learns nothing from them) and its tokens leave no
         trace in the statistics. Nothing to do without fixed-shape rounds (`compile` off, or auto on
         a CPU)."""
@@ -218,17 +219,22 @@ class TorchEngine(ServedWeights, SpeculationSettings, Engine):
         buckets = sorted({batch_bucket(b, self.max_batch_size) for b in range(1, self.max_batch_size + 1)})
         shapes = [(b, k) for b in buckets for k in sorted({0, self._k})]
         before = self._rounds.captured
-        for i, (rows, k) in enumerate(shapes):
-            self.generate(
-                GenerationRequest(
-                    prompts=[[0, 0]] * rows,
-                    sampling=SamplingParams(temperature=0.0, max_new_tokens=k + 2),
-                    speculation_k=k,
-                    request_id=f"warm-up-{rows}-{k}",
+        # automatic k times the draft phase, so its rounds are two graphs, one a phase: those too
+        self._timed_drafts = self._auto
+        try:
+            for i, (rows, k) in enumerate(shapes):
+                self.generate(
+                    GenerationRequest(
+                        prompts=[[0, 0]] * rows,
+                        sampling=SamplingParams(temperature=0.0, max_new_tokens=k + 2),
+                        speculation_k=k,
+                        request_id=f"warm-up-{rows}-{k}",
+                    )
                 )
-            )
-            if progress is not None:
-                progress(i + 1, len(shapes))
+                if progress is not None:
+                    progress(i + 1, len(shapes))
+        finally:
+            self._timed_drafts = False
         self._stats = VersionLedger()
         self._stats.serve(self._version)
         if self.drafter.vocab is not None:
@@ -583,7 +589,7 @@ class TorchEngine(ServedWeights, SpeculationSettings, Engine):
             batch,
             inp,
             self._acceptance_rule,
-            drafted if policy is not None else None,
+            drafted if policy is not None or self._timed_drafts else None,
         )
         packed = out.packed.tolist()  # the one host copy
 

@@ -300,6 +300,25 @@ def test_warm_up_captures_every_batch_bucket_before_serving_and_leaves_no_trace(
         engine.warm_up()
 
 
+def test_warm_up_in_auto_mode_captures_the_two_graph_rounds_auto_requests_replay(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Automatic k times the draft phase, so its rounds are two graphs: an engine in auto mode warms
+    those up (one graph a round would leave its first requests capturing), and an auto request
+    after the warm-up captures nothing at the warmed shapes."""
+    from test_static_engine import oracle_greedy
+
+    model = aligned_draft_model(ModelConfig.tiny(), seed=3)
+    engine = TorchEngine(model, speculation_k=3, speculation_auto=True, max_batch_size=4, compile="on")
+    rounds, captures = faked_capture(monkeypatch, engine)
+    captured = engine.warm_up()
+    assert captured > 0 and {key[0] for key in rounds._graphs} == {"draft", "verify"}
+    out = engine.generate(
+        GenerationRequest(prompts=[[5, 6]], sampling=SamplingParams(temperature=0.0, max_new_tokens=2))
+    )
+    assert out[0].token_ids == oracle_greedy(model, [5, 6], 2) and len(captures) == captured
+
+
 def test_serve_warms_up_behind_a_progress_bar_and_skips_engines_without_warm_up(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
