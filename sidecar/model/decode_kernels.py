@@ -92,14 +92,15 @@ class DecodeKernels(DecodeOps):
         self,
         qkv: Tensor,
         norm: Tensor,
-        cos: Tensor,
-        sin_folded: Tensor,
+        cos_table: Tensor,
+        sin_table: Tensor,
+        rope_positions: Tensor,
         eps: float,
         keys: Tensor,
         values: Tensor,
         positions: Tensor,
     ) -> Tensor:
-        return self._k.qk_norm_rope_store(qkv, norm, cos, sin_folded, eps, keys, values, positions)
+        return self._k.qk_norm_rope_store(qkv, norm, cos_table, sin_table, rope_positions, eps, keys, values, positions)
 
     def decode_attention(self, q: Tensor, keys: Tensor, values: Tensor, positions: Tensor) -> Tensor:
         return self._k.decode_attention(q, keys, values, positions)

@@ -244,8 +244,9 @@ class Attention(nn.Module):
             q = kernels.qk_norm_rope_store(
                 qkv,
                 w.qk_norm,
-                rope.cos,
-                rope.sin_folded,
+                rope.cos_table,
+                rope.sin_table,
+                rope.positions,
                 w.eps,
                 plan.keys_in[layer],
                 plan.values_in[layer],
@@ -269,14 +270,35 @@ def _rms(x: Tensor, norm: RMSNorm) -> Tensor:
 
 @dataclass(kw_only=True, slots=True)
 class RopeTable:
-    """cos and sign-folded sin of one forward's positions, (B, S, 1, head_dim) in the compute dtype.
+    """cos and sign-folded sin of one forward's positions, (B, S, 1, head_dim) in the compute dtype,
+    looked up in the model's tables when first read (a fused forward reads the tables and the
+    positions instead: `triton_kernels.qk_norm_rope_store`).
 
     `rotate(x)` = x cos + rotate_half(x) sin, computed as x cos + roll(x, head_dim / 2) sin_folded
     with sin_folded = (-sin_1, sin_2): rolling by half the head swaps its halves, and a sign flip
     is exact, so these are the same products in three operator calls."""
 
-    cos: Tensor
-    sin_folded: Tensor
+    cos_table: Tensor
+    """(positions, head_dim) cos of every position the tables hold."""
+    sin_table: Tensor
+    """(positions, head_dim) the sign-folded sin."""
+    positions: Tensor
+    """(B, S) this forward's rotary positions (clamped into the tables when looked up)."""
+    _looked_up: tuple[Tensor, Tensor] | None = None
+
+    def _lookup(self) -> tuple[Tensor, Tensor]:
+        if self._looked_up is None:
+            idx = self.positions.clamp(0, self.cos_table.shape[0] - 1)
+            self._looked_up = (self.cos_table[idx].unsqueeze(2), self.sin_table[idx].unsqueeze(2))
+        return self._looked_up
+
+    @property
+    def cos(self) -> Tensor:
+        return self._lookup()[0]
+
+    @property
+    def sin_folded(self) -> Tensor:
+        return self._lookup()[1]
 
     def rotate(self, x: Tensor) -> Tensor:  # (B, S, heads, head_dim)
         return torch.addcmul(x * self.cos, x.roll(x.shape[-1] // 2, -1), self.sin_folded)
@@ -449,8 +471,7 @@ class Qwen3WithMTP(nn.Module):
                 rotary.cos_cached.to(dtype),
                 torch.cat([-sin[:, :half], sin[:, half:]], -1).to(dtype),
             )
-        idx = positions.clamp(0, folded[0].shape[0] - 1)
-        return RopeTable(cos=folded[0][idx].unsqueeze(2), sin_folded=folded[1][idx].unsqueeze(2))
+        return RopeTable(cos_table=folded[0], sin_table=folded[1], positions=positions)
 
     def decode_weights(self) -> list[DecodeWeights]:
         """`DecodeWeights` of the trunk's layers, then the MTP layers'; refreshed when a source

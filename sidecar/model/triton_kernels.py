@@ -92,6 +92,8 @@ def _qk_norm_rope_store_kernel(
     norm_ptr,
     cos_ptr,
     sin_ptr,
+    rope_pos_ptr,
+    n_rope,
     q_ptr,
     k_ptr,
     v_ptr,
@@ -127,8 +129,9 @@ def _qk_norm_rope_store_kernel(
     wr = tl.load(norm_ptr + hh * D + rolled, mask=qk, other=0.0).to(tl.float32)
     n = ((xf * r).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
     nr = ((xr.to(tl.float32) * r).to(dt).to(tl.float32) * wr).to(dt).to(tl.float32)
-    c = tl.load(cos_ptr + token * D + cols).to(tl.float32)
-    s = tl.load(sin_ptr + token * D + cols).to(tl.float32)
+    rp = tl.minimum(tl.maximum(tl.load(rope_pos_ptr + token), 0), n_rope - 1)  # the table's row
+    c = tl.load(cos_ptr + rp * D + cols).to(tl.float32)
+    s = tl.load(sin_ptr + rp * D + cols).to(tl.float32)
     out = ((n * c).to(dt).to(tl.float32) + nr * s).to(dt)
     slot = tl.load(pos_ptr + token)
     tl.store(q_ptr + (token * n_q + hh) * D + cols, out, mask=hh < n_q)
@@ -140,14 +143,16 @@ def _qk_norm_rope_store_kernel(
 def qk_norm_rope_store(
     qkv: Tensor,  # (B, S, heads + 2 kv_heads, head_dim): one forward's q|k|v projection
     norm: Tensor,  # (heads + kv_heads, head_dim): the q norm's weight per query head, then the k norm's
-    cos: Tensor,  # (B, S, 1, head_dim)
-    sin_folded: Tensor,  # (B, S, 1, head_dim)
+    cos_table: Tensor,  # (rotary positions, head_dim)
+    sin_table: Tensor,  # (rotary positions, head_dim) sign-folded (`model.RopeTable`)
+    rope_positions: Tensor,  # (B, S) each column's rotary position (clamped into the tables)
     eps: float,
     keys: Tensor,  # (B, slots, kv_heads, head_dim) a layer's key storage (a strided view)
     values: Tensor,
     positions: Tensor,  # (B, S) the slot each column is written to
 ) -> Tensor:  # (B, S, heads, head_dim) rotated queries
-    """Normalise and rotate q and k, write k and v at their slots; return q."""
+    """Normalise and rotate q and k (their rotary factors looked up in the tables), write k and v
+    at their slots; return q."""
     b, s, total, d = qkv.shape
     kv = keys.shape[2]
     h = total - 2 * kv
@@ -158,8 +163,10 @@ def qk_norm_rope_store(
     _qk_norm_rope_store_kernel[(b * s,)](
         qkv.contiguous(),
         norm.contiguous(),
-        cos.contiguous(),
-        sin_folded.contiguous(),
+        cos_table.contiguous(),
+        sin_table.contiguous(),
+        rope_positions.contiguous(),
+        cos_table.shape[0],
         q,
         keys,
         values,
