@@ -74,6 +74,9 @@ class _Graph:
     graph: Any  # torch.cuda.CUDAGraph
     inputs: tuple[Tensor, ...]
     outputs: tuple[Tensor, ...]
+    sources: tuple[Tensor, ...] = ()
+    """The tensors last copied into `inputs` (held, so no new tensor takes their identity): one that
+    comes again is not copied again. Round inputs are never written in place once made."""
 
 
 class FixedRounds:
@@ -89,6 +92,7 @@ class FixedRounds:
         self._pool: Any = None  # one memory pool for all graphs (replays never overlap)
         self._signature: list[int] = []
         self._padded: tuple[BatchTensors, int, BatchTensors] | None = None  # (batch, rows, its padded form)
+        self._zeros: dict[tuple[object, ...], Tensor] = {}  # refresh inputs of rounds that do not draft
         self.captured = 0
         """Graphs captured so far (first occurrences of shapes, and recaptures after new weight storage)."""
 
@@ -177,9 +181,8 @@ class FixedRounds:
             self._signature = signature
 
     # ---- inputs --------------------------------------------------------------------------------
-    @staticmethod
     def _input(
-        inp: RoundInput, cache: KVCache, draft_caches: list[KVCache], num_refresh: list[int], shape: FixedShape
+        self, inp: RoundInput, cache: KVCache, draft_caches: list[KVCache], num_refresh: list[int], shape: FixedShape
     ) -> FixedInput:
         b, r, dev = inp.last.shape[0], shape.rows, inp.last.device
         pad = [0] * (r - b)
@@ -190,8 +193,14 @@ class FixedRounds:
         width = max(shape.width, 1)
 
         def refresh(t: Tensor | None, dtype: torch.dtype, *features: int) -> Tensor:
-            """A refresh input padded to `r` rows, or zeros of its shape when the round does not draft."""
-            return _pad_rows(t, r) if t is not None else torch.zeros(r, width, *features, dtype=dtype, device=dev)
+            """A refresh input padded to `r` rows, or zeros of its shape when the round does not draft
+            (the same tensor every such round: never written, so a graph copies it once)."""
+            if t is not None:
+                return _pad_rows(t, r)
+            key = (r, width, features, dtype, dev)
+            if key not in self._zeros:
+                self._zeros[key] = torch.zeros(r, width, *features, dtype=dtype, device=dev)
+            return self._zeros[key]
 
         return FixedInput(
             out_len=_pad_rows(inp.out_len, r),
@@ -239,6 +248,7 @@ class FixedRounds:
             if graph is None:
                 try:
                     graph = self._graphs[key] = self._capture(fn, by_reference, inputs)
+                    graph.sources = inputs
                     self.captured += 1
                 except RuntimeError as e:  # a kernel this torch or device cannot capture
                     log.warning(
@@ -249,9 +259,12 @@ class FixedRounds:
                     self.capture = False
                     self._graphs.clear()
                     return fn(*by_reference, *inputs)
-            else:
-                for dst, src in zip(graph.inputs, inputs, strict=True):
-                    dst.copy_(src, non_blocking=True)
+            else:  # the batch's sampling settings and a plain round's refresh zeros come again unchanged
+                seen = graph.sources
+                for i, (dst, src) in enumerate(zip(graph.inputs, inputs, strict=True)):
+                    if i >= len(seen) or seen[i] is not src:
+                        dst.copy_(src, non_blocking=True)
+                graph.sources = inputs
             graph.graph.replay()
             return tuple(t.clone() if i in keep else t for i, t in enumerate(graph.outputs))
 

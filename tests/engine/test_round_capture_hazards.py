@@ -233,6 +233,47 @@ def test_a_rounds_inputs_are_copied_once_and_the_verify_graph_reads_the_draft_gr
         assert all(a is b for a, b in zip(graph.graph.by_reference[3:], draft.inputs, strict=True))
 
 
+def test_replays_copy_only_the_inputs_that_changed_and_equal_uncaptured_rounds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A replay copies an input only when it is a new tensor (the batch's sampling settings and a
+    plain round's refresh zeros come again unchanged). Requests of different sampling settings,
+    plain and speculative, one after another at the same shapes, sample exactly what uncaptured
+    fixed-shape rounds sample (the oracle: the same engine without capture)."""
+    model = aligned_draft_model(ModelConfig.tiny(), seed=3)
+    prompts = [[1, 2, 3], [7, 8, 9, 10]]
+    settings = [
+        SamplingParams(temperature=1.0, max_new_tokens=8, seed=1),
+        SamplingParams(temperature=0.7, top_k=5, max_new_tokens=8, seed=2),
+        SamplingParams(temperature=0.0, max_new_tokens=8),
+        SamplingParams(temperature=1.0, top_p=0.8, max_new_tokens=8, seed=3),
+    ]
+
+    def run(engine: TorchEngine) -> list[tuple[list[int], list[float]]]:
+        return [
+            (s.token_ids, s.logprobs)
+            for sp in settings
+            for k in (0, 3)
+            for s in engine.generate(GenerationRequest(prompts=prompts, sampling=sp, speculation_k=k))
+        ]
+
+    want = run(TorchEngine(model, speculation_k=3, compile="on"))
+    engine = TorchEngine(model, speculation_k=3, compile="on")
+    rounds, captures = faked_capture(monkeypatch, engine)
+    copies: list[int] = []
+    real_run = rounds._run
+
+    def counting_run(key: Any, fn: Any, inputs: Any, **kw: Any) -> Any:
+        graph = rounds._graphs.get(key)
+        if graph is not None:
+            copies.append(sum(1 for i, t in enumerate(inputs) if i >= len(graph.sources) or graph.sources[i] is not t))
+        return real_run(key, fn, inputs, **kw)
+
+    monkeypatch.setattr(rounds, "_run", counting_run)
+    assert run(engine) == want and captures
+    assert copies and min(copies) < len(rounds._graphs[next(iter(rounds._graphs))].inputs)  # some not copied
+
+
 def test_rounds_at_a_fixed_k_are_one_graph_each(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where nothing times the draft phase (k fixed), a round is one graph, draft and verify phases
     together; greedy output equals the plain forward and the same shapes replay, capturing nothing."""
