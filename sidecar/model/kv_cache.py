@@ -213,7 +213,7 @@ class KVCache:
             values_in=v5.transpose(2, 3).unbind(0),
             keys_out=k5[:, :, :, :read].unbind(0),
             values_out=v5[:, :, :, :read].unbind(0),
-            index=(torch.arange(r, device=self.device)[:, None], positions),
+            index=(torch.arange(r, device=self.device)[:, None], positions) if masked else None,
             grouped=True,
         )
 
@@ -258,6 +258,8 @@ class KVCache:
     ) -> tuple[Tensor, Tensor]:  # each (B, kv_heads, kv_len, head_dim)
         """Store the new keys/values at the planned slots; return the slots this forward reads
         (views of the storage made by `plan`, which must be this cache's latest)."""
+        if plan.grouped and plan.mask is None:
+            raise ValueError("this fixed plan has no mask (plan_fixed(masked=False)): only the fused kernels write it")
         if plan.index is None:
             plan.keys_in[layer].copy_(k)
             plan.values_in[layer].copy_(v)
