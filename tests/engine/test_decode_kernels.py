@@ -265,7 +265,7 @@ def test_sampling_with_the_kernels_equals_the_reference_path(monkeypatch: pytest
 
 @interpreted
 @pytest.mark.usefixtures("kernels_everywhere")
-@settings(max_examples=3, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=2, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(plan=traffic(vocab=64, sampled=False), batch=st.integers(1, 8), default_k=st.integers(0, MAX_K))
 def test_traffic_with_the_kernels_equals_each_request_alone_on_the_eager_engine(
     plan: list[Any], batch: int, default_k: int
