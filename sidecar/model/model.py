@@ -615,8 +615,8 @@ class Qwen3WithMTP(nn.Module):
     ) -> Tensor:  # (B, S, hidden) MTP output before shared_head.norm
         """One MTP layer over new positions, attending to its own cached earlier positions."""
         mtp = self.mtp_layer(layer)
-        embedded = _rms(F.embedding(tokens, self.model.embed_tokens.weight), mtp.enorm)
-        x = F.linear(torch.cat([embedded, _rms(hidden, mtp.hnorm)], dim=-1), mtp.eh_proj.weight)  # `combine`
+        embedded = self._norm(F.embedding(tokens, self.model.embed_tokens.weight), mtp.enorm)
+        x = F.linear(torch.cat([embedded, self._norm(hidden, mtp.hnorm)], dim=-1), mtp.eh_proj.weight)  # `combine`
         rope = self.rope_table(plan.positions + 1 if rope_positions is None else rope_positions, x.dtype)
         weights = self.decode_weights()[self.config.num_hidden_layers + layer]
         x, delta = mtp.cached_parts(x, None, weights, rope, cache, 0, plan, self.kernels)
@@ -624,7 +624,11 @@ class Qwen3WithMTP(nn.Module):
 
     def mtp_normed(self, layer: int, out: Tensor) -> Tensor:
         """An MTP output through its shared_head.norm: what the output head projects."""
-        return _rms(out, self.mtp_layer(layer).shared_head.norm)
+        return self._norm(out, self.mtp_layer(layer).shared_head.norm)
+
+    def _norm(self, x: Tensor, norm: RMSNorm) -> Tensor:
+        """`norm(x)` as the cached forwards run it (`kernels`: one fused kernel, or `_rms`'s operators)."""
+        return self.kernels.add_rms_norm(x, None, norm.weight, norm.eps)[1]
 
     def mtp_head(self, layer: int, out: Tensor) -> Tensor:
         """Draft logits from an MTP output: shared lm_head(shared_head.norm(out))."""
