@@ -90,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     model = random_model(shape_config(args.shape), device)
     ks = [int(k) for k in args.ks.split(",")]
     results = []
+    if bad := [k for k in args.kernels.split(",") if k not in ("auto", "torch")]:
+        ap.error(f"--kernels takes auto, torch; got {bad}")
     arms = [(m, kern) for m in args.compile.split(",") for kern in args.kernels.split(",")]
     for mode, kern in arms:
         engine = TorchEngine(

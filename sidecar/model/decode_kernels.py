@@ -3,17 +3,19 @@
 Why: on a GPU a decode round at small batch costs its kernel launches more than its arithmetic
 (BENCHMARKS.md, "The engine on a GPU": a round ≈ weight bytes / bandwidth + kernels × a few µs),
 and torch runs a decoder layer's norms, rotary embedding, cache writes, attention and activation as
-~28 kernels. `DecodeKernels` runs them as five (`triton_kernels`), so a layer is nine: the fused
-residual add and input norm, the q|k|v product, the q/k norm + rotary + cache write, attention, the
-output product, the fused add and post-attention norm, the gate|up product, silu·mul, the down
-product (whose residual add is the next layer's first kernel).
+~28 kernels. `DecodeKernels` runs them as five (`triton_kernels`), so a layer is nine (ten where
+the attention splits a long context): the fused residual add and input norm, the q|k|v product, the
+q/k norm + rotary + cache write, attention, the output product, the fused add and post-attention
+norm, the gate|up product, silu·mul, the down product (whose residual add is the next layer's first
+kernel). The MTP draft's norms and a round's counter-based uniforms are one kernel each too.
 
-`Qwen3WithMTP.kernels` holds a `DecodeKernels`, or `DecodeOps`: torch's operators (the default). The engine sets it on CUDA devices
-where Triton is installed (`for_device`); attention and the cache write use it only in fixed-shape
-forwards (`AttentionPlan.grouped`, what CUDA graphs capture), the norms and the activation in every
-cached forward. The torch functions here are the references, each the operators the model ran
-before (same order, same rounding); `tests/engine/test_decode_kernels.py` checks the kernels
-against them in Triton's interpreter on a CPU and on a GPU.
+`TorchEngine.kernels` holds a `DecodeKernels` where the engine runs fixed-shape rounds on CUDA and
+Triton is installed (`for_device`), else `DecodeOps` (torch's operators); the engine sets it on the
+model (`Qwen3WithMTP.kernels`) at every step. Attention and the cache write use the kernels only in
+fixed-shape forwards (`AttentionPlan.grouped`, what CUDA graphs capture), the norms and the
+activation in every cached forward. The torch functions here are the references, each the operators
+the model ran before (same order, same rounding); `tests/engine/test_decode_kernels.py` checks the
+kernels against them in Triton's interpreter on a CPU and on a GPU.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from engine_fixtures import aligned_draft_model, aligned_eagle3, eagle3_target
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_continuous_batching import MAX_K, check_against_alone, greedy_model, run_plan, traffic
+from test_fixed_shape_forwards import static_cache
 from test_static_engine import oracle_greedy
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -39,7 +40,7 @@ from sidecar.engine.torch_engine import TorchEngine
 from sidecar.model import decode_kernels, triton_kernels
 from sidecar.model.checkpoint import model_state_dict
 from sidecar.model.decode_kernels import DecodeKernels
-from sidecar.model.kv_cache import KVCache, attend
+from sidecar.model.kv_cache import attend
 from sidecar.model.model import ModelConfig, Qwen3WithMTP, build_model
 from sidecar.types import GenerationRequest, Sample, SamplingParams
 
@@ -104,25 +105,6 @@ def layer_model(dtype: str) -> Qwen3WithMTP:
     )
 
 
-def random_cache(model: Qwen3WithMTP, rows: int, capacity: int, lengths: list[int], seed: int) -> KVCache:
-    c = model.config
-    cache = KVCache(
-        num_layers=1,
-        num_kv_heads=c.num_key_value_heads,
-        head_dim=c.head_dim,
-        dtype=c.dtype,
-        device=DEVICE,
-        batch=len(lengths),
-        capacity=capacity,
-        max_batch=rows,
-    )
-    g = torch.Generator().manual_seed(seed)
-    cache._k.copy_(torch.randn(cache._k.shape, generator=g))
-    cache._v.copy_(torch.randn(cache._v.shape, generator=g))
-    cache.lengths = list(lengths)
-    return cache
-
-
 @settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), rows=st.integers(1, 6), s=st.integers(1, 5), seed=st.integers(0, 2**16))
 def test_a_fixed_forwards_attention_with_the_kernels_equals_torchs(
@@ -135,8 +117,8 @@ def test_a_fixed_forwards_attention_with_the_kernels_equals_torchs(
     capacity = 300
     lengths = data.draw(st.lists(st.integers(0, capacity - s - 1), min_size=rows, max_size=rows))
     read = data.draw(st.integers(max(lengths) + s, capacity))
-    ref = random_cache(model, rows, capacity, lengths, seed)
-    fused = random_cache(model, rows, capacity, lengths, seed)
+    ref = static_cache(model, rows, capacity, lengths, seed, DEVICE)
+    fused = static_cache(model, rows, capacity, lengths, seed, DEVICE)
     for b, n in enumerate(lengths):  # stale slots: zeros for torch (what `scrub` leaves), NaN for the kernel
         ref._k[:, b, :, n:], ref._v[:, b, :, n:] = 0.0, 0.0
         fused._k[:, b, :, n:], fused._v[:, b, :, n:] = float("nan"), float("nan")
@@ -170,8 +152,8 @@ def test_decode_attention_over_any_number_of_splits_equals_attend(
     capacity = 200
     lengths = data.draw(st.lists(st.integers(0, capacity - s), min_size=rows, max_size=rows))
     read = data.draw(st.integers(max(lengths) + s, capacity))
-    ref = random_cache(model, rows, capacity, lengths, seed)
-    fused = random_cache(model, rows, capacity, lengths, seed)
+    ref = static_cache(model, rows, capacity, lengths, seed, DEVICE)
+    fused = static_cache(model, rows, capacity, lengths, seed, DEVICE)
     for b, n in enumerate(lengths):
         ref._k[:, b, :, n + s :], ref._v[:, b, :, n + s :] = 0.0, 0.0
         fused._k[:, b, :, n + s :], fused._v[:, b, :, n + s :] = float("nan"), float("nan")

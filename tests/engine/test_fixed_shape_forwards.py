@@ -111,15 +111,17 @@ def layer_model() -> Qwen3WithMTP:
     return build_model(ModelConfig.tiny(num_hidden_layers=1, num_nextn_predict_layers=0), seed=41)
 
 
-def static_cache(model: Qwen3WithMTP, max_batch: int, capacity: int, lengths: list[int], seed: int) -> KVCache:
+def static_cache(
+    model: Qwen3WithMTP, max_batch: int, capacity: int, lengths: list[int], seed: int, device: str = "cpu"
+) -> KVCache:
     """A static cache whose whole storage is random (stale slots included: masking must hide them)."""
     c = model.config
     cache = KVCache(
         num_layers=1,
         num_kv_heads=c.num_key_value_heads,
         head_dim=c.head_dim,
-        dtype=torch.float32,
-        device="cpu",
+        dtype=c.dtype,
+        device=device,
         batch=len(lengths),
         capacity=capacity,
         max_batch=max_batch,
