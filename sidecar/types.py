@@ -460,6 +460,25 @@ class DraftCollapse:
 
 
 @dataclass(kw_only=True, slots=True)
+class KVUsage:
+    """The engine's paged KV cache (`sidecar.model.kv_pages`): a pool of blocks of `block_size`
+    token slots each; a running row holds the blocks its tokens fill, and the G samples of a prompt
+    share its prompt's full blocks. All zeros for an engine without one (SGLang reports its own)."""
+
+    block_size: int = 0
+    """Token slots a block holds."""
+    blocks_total: int = 0
+    """Blocks of the pool (`blocks_total * block_size` tokens fit at once, over all rows)."""
+    blocks_used: int = 0
+    """Blocks held by running rows now (a shared block counted once)."""
+    blocks_shared: int = 0
+    """Blocks held by more than one row now (a prompt's blocks shared by its samples)."""
+    preemptions: int = 0
+    """Rows preempted since the engine started (monotonic): their blocks freed when the pool ran
+    out mid-generation, requeued, resumed later by recomputing their prefix."""
+
+
+@dataclass(kw_only=True, slots=True)
 class SidecarStats:
     """Everything GetStats reports: raw counters per weight version and the load."""
 
@@ -475,6 +494,8 @@ class SidecarStats:
     """The draft-collapse alarm while raised (`sidecar.speculation.collapse`), else None."""
     draft_collapses: int = 0
     """Collapses raised since the sidecar started (monotonic)."""
+    kv: KVUsage = field(default_factory=KVUsage)
+    """The engine's KV blocks, as of the latest engine step."""
 
 
 @dataclass(kw_only=True, slots=True)

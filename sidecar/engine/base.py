@@ -22,6 +22,7 @@ from sidecar.speculation.controller import SpeculationPolicy
 from sidecar.types import (
     EngineInfo,
     GenerationRequest,
+    KVUsage,
     Sample,
     ScoreRequest,
     SpeculationStatus,
@@ -76,6 +77,10 @@ class Engine(ABC):
     @abstractmethod
     def num_running(self) -> int:
         """Sequences in the running batch."""
+
+    def kv_usage(self) -> KVUsage:
+        """The engine's KV blocks now (`KVUsage`; zeros where the engine pages none itself)."""
+        return KVUsage()
 
     def has_work(self) -> bool:
         return self.num_queued() + self.num_running() > 0
