@@ -23,6 +23,7 @@ from sidecar.types import (
     FinishReason,
     GenerationRequest,
     GpuTelemetry,
+    KVUsage,
     ModelInfo,
     RequestLimits,
     Sample,
@@ -170,6 +171,12 @@ def test_sample_round_trips(c: SpeculationCounters, reason: FinishReason, tokens
     assert convert.sample_from_pb(convert.sample_to_pb(sample)) == sample
 
 
+@given(st.builds(KVUsage, block_size=u32, blocks_total=u32, blocks_used=u32, blocks_shared=u32, preemptions=u64))
+def test_kv_usage_round_trips_in_getstats(kv: KVUsage) -> None:
+    stats = SidecarStats(versions=[], total=SpeculationCounters(), weight_version=0, kv=kv)
+    assert convert_stats.stats_from_pb(convert_stats.stats_to_pb(stats)) == stats
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_tensor_spec_round_trips(dtype: torch.dtype) -> None:
     spec = TensorSpec(name="model.norm.weight", dtype=dtype, shape=(3, 5), crc32=0xDEADBEEF)
@@ -262,6 +269,7 @@ def test_info_and_stats_round_trip() -> None:
         queued_sequences=2,
         running_sequences=3,
         uptime_seconds=9.25,
+        kv=KVUsage(block_size=16, blocks_total=4096, blocks_used=300, blocks_shared=40, preemptions=2),
     )
     assert convert_stats.stats_from_pb(convert_stats.stats_to_pb(stats)) == stats
     assert not convert_stats.stats_to_pb(stats).HasField("draft_collapsed")  # absent while no alarm is raised

@@ -24,6 +24,7 @@ from sidecar.client.fleet import Fleet, FleetConfig, NoLiveSidecarError
 from sidecar.protocol import services
 from sidecar.protocol.specrl.v1 import rollout_pb2, weights_pb2
 from sidecar.server.process import Sidecar
+from sidecar.types import KVUsage
 from tests.sidecar_fixtures import DEADLINE, PROMPTS, greedy_oracle, greedy_request, start_sidecar, weights
 from trainer.cli import main
 
@@ -205,6 +206,14 @@ def test_serve_with_sglang_fails_clearly(checkpoint: Path) -> None:
     # Options of one engine are refused for another.
     result = CliRunner().invoke(main, ["serve", "--model", str(checkpoint), "--sglang-arg", "max_total_tokens=64"])
     assert result.exit_code == 2 and "--engine sglang only" in result.output, result.output
+
+
+def test_serve_states_the_size_of_the_kv_pool_it_pages() -> None:
+    from sidecar.server.cli import kv_pool_line
+
+    assert kv_pool_line(KVUsage()) is None  # an engine that pages no KV itself (SGLang) says nothing
+    pool = KVUsage(block_size=16, blocks_total=2048, blocks_used=5, blocks_shared=1, preemptions=2)
+    assert kv_pool_line(pool) == "KV cache: 2048 blocks of 16 tokens (32768 tokens)"
 
 
 @pytest.mark.slow

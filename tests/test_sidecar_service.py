@@ -22,7 +22,7 @@ from sidecar.protocol import services
 from sidecar.protocol.specrl.v1 import rollout_pb2, weights_pb2
 from sidecar.server.process import Sidecar
 from sidecar.server.scheduler import SchedulerConfig
-from sidecar.types import FinishReason, GenerationRequest, RequestLimits, SamplingParams, WeightSelector
+from sidecar.types import FinishReason, GenerationRequest, KVUsage, RequestLimits, SamplingParams, WeightSelector
 from tests.sidecar_fixtures import (
     DEADLINE,
     PROMPTS,
@@ -272,6 +272,31 @@ def test_info_stats_and_metrics_agree_with_the_samples(sidecar: Sidecar, client:
     assert f"specrl_prefill_tokens_total {float(client.stats().versions[0].prefill_tokens)}" in text
     assert "specrl_weight_version 0.0" in text
     assert 'specrl_position_acceptance_rate{position="0"}' in text
+
+
+def test_the_engines_kv_blocks_reach_getstats_and_prometheus_each_step(
+    sidecar: Sidecar, client: SidecarClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever `Engine.kv_usage()` says at an engine step is what GetStats (over gRPC) and the
+    Prometheus text report: the figures are planted in the engine, then changed between requests."""
+    figures = [
+        KVUsage(block_size=16, blocks_total=900, blocks_used=37, blocks_shared=5, preemptions=3),
+        KVUsage(block_size=16, blocks_total=900, blocks_used=12, blocks_shared=0, preemptions=4),
+    ]
+    engine_now = {"kv": KVUsage()}
+    monkeypatch.setattr(sidecar.scheduler._engine, "kv_usage", lambda: engine_now["kv"])
+    for kv in figures:
+        engine_now["kv"] = kv
+        client.generate(greedy_request())
+        # the stream ends as its last sample leaves, a moment before the step's snapshot refresh
+        wait_until(lambda kv=kv: client.stats().kv == kv, what="the engine's KV blocks in GetStats")
+        url = f"http://127.0.0.1:{sidecar.metrics_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=DEADLINE).read().decode()
+        assert "specrl_kv_block_size 16.0" in text and "specrl_kv_blocks_total 900.0" in text
+        assert f"specrl_kv_blocks_used {float(kv.blocks_used)}" in text
+        assert f"specrl_kv_blocks_shared {float(kv.blocks_shared)}" in text
+        assert "# TYPE specrl_preemptions_total counter" in text
+        assert f"specrl_preemptions_total {float(kv.preemptions)}" in text
 
 
 def test_speculation_off_gives_the_same_greedy_output(client: SidecarClient, oracle: list[list[int]]) -> None:

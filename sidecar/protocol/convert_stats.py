@@ -1,4 +1,5 @@
-"""GetStats across the gRPC edge: per-version counters, the k in use, the draft-collapse alarm.
+"""GetStats across the gRPC edge: per-version counters, the k in use, the draft-collapse alarm,
+the engine's KV blocks.
 
 Split from `convert.py` (one concern a module: the stats a trainer or a dashboard reads, apart
 from the messages of generation and weight pushes); the same one-function-per-message-pair rule.
@@ -13,7 +14,7 @@ from sidecar.protocol.convert import (
     speculation_status_to_pb,
 )
 from sidecar.protocol.specrl.v1 import control_pb2
-from sidecar.types import DraftCollapse, SidecarStats, VersionStats
+from sidecar.types import DraftCollapse, KVUsage, SidecarStats, VersionStats
 
 
 def stats_to_pb(stats: SidecarStats) -> control_pb2.GetStatsResponse:
@@ -38,6 +39,27 @@ def stats_to_pb(stats: SidecarStats) -> control_pb2.GetStatsResponse:
         speculation=speculation_status_to_pb(stats.speculation),
         draft_collapsed=draft_collapse_to_pb(stats.draft_collapsed),
         draft_collapses=stats.draft_collapses,
+        kv=kv_usage_to_pb(stats.kv),
+    )
+
+
+def kv_usage_to_pb(kv: KVUsage) -> control_pb2.KVUsage:
+    return control_pb2.KVUsage(
+        block_size=kv.block_size,
+        blocks_total=kv.blocks_total,
+        blocks_used=kv.blocks_used,
+        blocks_shared=kv.blocks_shared,
+        preemptions=kv.preemptions,
+    )
+
+
+def kv_usage_from_pb(msg: control_pb2.KVUsage) -> KVUsage:
+    return KVUsage(
+        block_size=msg.block_size,
+        blocks_total=msg.blocks_total,
+        blocks_used=msg.blocks_used,
+        blocks_shared=msg.blocks_shared,
+        preemptions=msg.preemptions,
     )
 
 
@@ -90,4 +112,5 @@ def stats_from_pb(msg: control_pb2.GetStatsResponse) -> SidecarStats:
         speculation=speculation_status_from_pb(msg.speculation, msg.speculation.reason not in ("", "fixed")),
         draft_collapsed=draft_collapse_from_pb(msg),
         draft_collapses=msg.draft_collapses,
+        kv=kv_usage_from_pb(msg.kv),
     )

@@ -23,6 +23,7 @@ import click
 from sidecar.engine import ENGINE_KINDS
 from sidecar.engine.base import Engine
 from sidecar.server.serve_config import SECURITY_OPTIONS, ServeConfig
+from sidecar.types import KVUsage
 
 log = logging.getLogger("specrl.serve")
 
@@ -355,6 +356,13 @@ def warm_up(eng: Engine) -> None:
         )
 
 
+def kv_pool_line(kv: KVUsage) -> str | None:
+    """The KV pool's size in one line, or None for an engine that pages no KV itself (SGLang)."""
+    if kv.blocks_total <= 0:
+        return None
+    return f"KV cache: {kv.blocks_total} blocks of {kv.block_size} tokens ({kv.blocks_total * kv.block_size} tokens)"
+
+
 def run_sidecar(cfg: ServeConfig, token: str | None = None) -> None:
     """Serve `cfg.model` until SIGTERM/SIGINT."""
     assert cfg.model is not None
@@ -407,6 +415,9 @@ def run_sidecar(cfg: ServeConfig, token: str | None = None) -> None:
         compile=cfg.compile,
         draft_vocab_size=cfg.draft_vocab_size,
     )
+    pool = kv_pool_line(eng.kv_usage())
+    if pool is not None:
+        log.info("%s", pool)
     warm_up(eng)
     try:
         sidecar = Sidecar(eng, config)

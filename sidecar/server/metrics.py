@@ -21,7 +21,11 @@ Exported (prefix `specrl_`):
 - the draft-collapse alarm (`sidecar.speculation.collapse`): gauges `draft_collapsed` (1 while
   raised), `draft_collapse_version` (the first collapsed weight version; 0 when not raised),
   `draft_collapse_tau{when}` (tau over drafting verify steps before: the last working version,
-  after: the collapsed one), counter `draft_collapses_total`. Alert on `specrl_draft_collapsed == 1`.
+  after: the collapsed one), counter `draft_collapses_total` (alert on `specrl_draft_collapsed == 1`);
+- the engine's paged KV cache (`Engine.kv_usage`, zeros where the engine pages none itself): gauges
+  `kv_block_size` (token slots a block), `kv_blocks_total`, `kv_blocks_used` (a shared block once),
+  `kv_blocks_shared` (held by more than one sequence), counter `preemptions_total` (sequences whose
+  blocks were freed when the pool ran out, to resume later).
 
 GPU telemetry comes from NVML (nvidia-ml-py) and is cleanly absent where there is no NVIDIA
 driver: on a CPU-only machine `pynvml` imports but `nvmlInit` raises `NVMLError` (no driver
@@ -42,7 +46,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from sidecar.server.scheduler import Scheduler
-from sidecar.types import DraftCollapse, GpuTelemetry, SpeculationCounters
+from sidecar.types import DraftCollapse, GpuTelemetry, KVUsage, SpeculationCounters
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -97,6 +101,7 @@ class SidecarMetrics(Collector):
             reason.add_metric([r], float(spec.reason == r))
         yield reason
         yield from _collapse_metrics(snap.draft_collapsed, snap.draft_collapses)
+        yield from _kv_metrics(snap.kv)
         gauges = (
             ("acceptance_length", current.acceptance_length, "Acceptance length tau of the served weight version"),
             ("acceptance_rate", current.acceptance_rate, "Accepted over drafted tokens of the served version"),
@@ -149,6 +154,24 @@ def _collapse_metrics(condition: DraftCollapse | None, collapses: int) -> Iterat
         tau.add_metric(["before"], condition.tau_before)
         tau.add_metric(["after"], condition.tau_after)
     yield tau
+
+
+def _kv_metrics(kv: KVUsage) -> Iterator[Any]:
+    """The KV pool's series (module docstring)."""
+    preemptions = CounterMetricFamily(
+        "specrl_preemptions", "Sequences preempted when the KV pool ran out (blocks freed, resumed later)"
+    )
+    preemptions.add_metric([], kv.preemptions)
+    yield preemptions
+    for name, value, doc in (
+        ("kv_block_size", kv.block_size, "Token slots a KV block holds"),
+        ("kv_blocks_total", kv.blocks_total, "Blocks of the KV pool"),
+        ("kv_blocks_used", kv.blocks_used, "KV blocks held by running sequences (a shared block counted once)"),
+        ("kv_blocks_shared", kv.blocks_shared, "KV blocks held by more than one sequence (a shared prompt)"),
+    ):
+        g = GaugeMetricFamily(f"specrl_{name}", doc)
+        g.add_metric([], float(value))
+        yield g
 
 
 # --- GPU telemetry (NVML) ---------------------------------------------------------------

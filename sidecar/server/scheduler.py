@@ -51,6 +51,7 @@ from sidecar.types import (
     EngineInfo,
     FinishReason,
     GenerationRequest,
+    KVUsage,
     Sample,
     ScoreRequest,
     ScoreResult,
@@ -166,6 +167,8 @@ class Snapshot:
     """The sum over the versions served before those."""
     queued: int = 0
     running: int = 0
+    kv: KVUsage = field(default_factory=KVUsage)
+    """The engine's KV blocks (`Engine.kv_usage`)."""
     paused: bool = False
     draft_collapsed: DraftCollapse | None = None
     """The draft-collapse alarm while raised (`sidecar.speculation.collapse`)."""
@@ -356,6 +359,7 @@ class Scheduler:
                 earlier=s.earlier,
                 queued=s.queued,
                 running=s.running,
+                kv=s.kv,
                 paused=s.paused,
                 draft_collapsed=s.draft_collapsed,
                 draft_collapses=s.draft_collapses,
@@ -568,6 +572,7 @@ class Scheduler:
         collapsed = self._watch_draft(versions)
         new_info = self._engine.info() if info else None
         speculation = self._engine.speculation_status()
+        kv = dataclasses.replace(self._engine.kv_usage())  # a copy: the engine may update its own
         with self._lock:
             s = self._snapshot
             if new_info is not None:
@@ -580,6 +585,7 @@ class Scheduler:
                 lv.handle.expected for lv in self._live.values() if not lv.in_engine
             )
             s.running = self._engine.num_running()
+            s.kv = kv
             s.draft_collapsed = collapsed
             s.draft_collapses = self._collapse.collapses
             self._throughput.append((time.monotonic(), total_generated))

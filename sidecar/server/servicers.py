@@ -367,6 +367,7 @@ class ControlService(services.ControlServicer):
             speculation=snap.info.speculation_status,
             draft_collapsed=snap.draft_collapsed,
             draft_collapses=snap.draft_collapses,
+            kv=snap.kv,
         )
 
     async def GetInfo(self, request: control_pb2.GetInfoRequest, context: grpc.aio.ServicerContext) -> Any:

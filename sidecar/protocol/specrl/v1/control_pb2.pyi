@@ -156,7 +156,7 @@ class VersionStats(_message.Message):
     def __init__(self, weight_version: _Optional[int] = ..., counters: _Optional[_Union[_common_pb2.SpeculationCounters, _Mapping]] = ..., samples_finished: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., samples_nonfinite: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., prefill_tokens: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("versions", "total", "weight_version", "queued_sequences", "running_sequences", "uptime_seconds", "speculation", "draft_collapsed", "draft_collapses")
+    __slots__ = ("versions", "total", "weight_version", "queued_sequences", "running_sequences", "uptime_seconds", "speculation", "draft_collapsed", "draft_collapses", "kv")
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +166,7 @@ class GetStatsResponse(_message.Message):
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     DRAFT_COLLAPSED_FIELD_NUMBER: _ClassVar[int]
     DRAFT_COLLAPSES_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
     versions: _containers.RepeatedCompositeFieldContainer[VersionStats]
     total: _common_pb2.SpeculationCounters
     weight_version: int
@@ -175,7 +176,22 @@ class GetStatsResponse(_message.Message):
     speculation: SpeculationDecision
     draft_collapsed: DraftCollapse
     draft_collapses: int
-    def __init__(self, versions: _Optional[_Iterable[_Union[VersionStats, _Mapping]]] = ..., total: _Optional[_Union[_common_pb2.SpeculationCounters, _Mapping]] = ..., weight_version: _Optional[int] = ..., queued_sequences: _Optional[int] = ..., running_sequences: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., speculation: _Optional[_Union[SpeculationDecision, _Mapping]] = ..., draft_collapsed: _Optional[_Union[DraftCollapse, _Mapping]] = ..., draft_collapses: _Optional[int] = ...) -> None: ...
+    kv: KVUsage
+    def __init__(self, versions: _Optional[_Iterable[_Union[VersionStats, _Mapping]]] = ..., total: _Optional[_Union[_common_pb2.SpeculationCounters, _Mapping]] = ..., weight_version: _Optional[int] = ..., queued_sequences: _Optional[int] = ..., running_sequences: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., speculation: _Optional[_Union[SpeculationDecision, _Mapping]] = ..., draft_collapsed: _Optional[_Union[DraftCollapse, _Mapping]] = ..., draft_collapses: _Optional[int] = ..., kv: _Optional[_Union[KVUsage, _Mapping]] = ...) -> None: ...
+
+class KVUsage(_message.Message):
+    __slots__ = ("block_size", "blocks_total", "blocks_used", "blocks_shared", "preemptions")
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_SHARED_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    block_size: int
+    blocks_total: int
+    blocks_used: int
+    blocks_shared: int
+    preemptions: int
+    def __init__(self, block_size: _Optional[int] = ..., blocks_total: _Optional[int] = ..., blocks_used: _Optional[int] = ..., blocks_shared: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
 
 class DraftCollapse(_message.Message):
     __slots__ = ("weight_version", "latest_version", "reference_version", "tau_before", "tau_after", "verify_steps")
