@@ -26,6 +26,7 @@ from torch import Tensor
 from sidecar.engine.draft_vocab import DraftVocab
 from sidecar.model.eagle3 import PUSH_PREFIX, Eagle3Draft
 from sidecar.model.kv_cache import AttentionPlan, KVCache
+from sidecar.model.kv_pages import KVPages
 from sidecar.model.model import Qwen3WithMTP
 
 
@@ -63,16 +64,23 @@ class Drafter:
         none for MTP, whose layers are the model's `mtp.*` parameters."""
         return {}
 
-    def new_cache(self, batch: int, capacity: int, max_batch: int | None = None) -> KVCache:
-        """One draft layer's KV cache (`max_batch` given: a static one, see `kv_cache`)."""
-        return self._cache(1, self.num_kv_heads, self.head_dim, batch, capacity, max_batch)
+    def new_cache(self, batch: int, capacity: int, pages: KVPages | None = None) -> KVCache:
+        """One draft layer's KV cache (`pages` given: a paged one over those blocks, see `kv_cache`)."""
+        return self._cache(1, self.num_kv_heads, self.head_dim, batch, capacity, pages, owner=False)
 
-    def target_cache(self, batch: int, capacity: int, max_batch: int | None = None) -> KVCache:
-        """The target's KV cache (all trunk layers)."""
+    def target_cache(self, batch: int, capacity: int, pages: KVPages | None = None) -> KVCache:
+        """The target's KV cache (all trunk layers; a paged one owns the pages' row order)."""
         c = self.model.config
-        return self._cache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, batch, capacity, max_batch)
+        return self._cache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, batch, capacity, pages, owner=True)
 
-    def _cache(self, layers: int, heads: int, dim: int, batch: int, capacity: int, max_batch: int | None) -> KVCache:
+    def token_bytes(self) -> int:
+        """KV bytes of one token in the target's layers and the draft's (a paged block's per slot)."""
+        c = self.model.config
+        return c.num_hidden_layers * KVCache.slot_bytes(c.num_key_value_heads, c.head_dim, c.dtype) + self.slot_bytes()
+
+    def _cache(
+        self, layers: int, heads: int, dim: int, batch: int, capacity: int, pages: KVPages | None, owner: bool
+    ) -> KVCache:
         device = self.model.output_weight().device
         return KVCache(
             num_layers=layers,
@@ -82,7 +90,8 @@ class Drafter:
             device=device,
             batch=batch,
             capacity=capacity,
-            max_batch=max_batch,
+            pages=pages,
+            owner=owner,
         )
 
     def target_step(

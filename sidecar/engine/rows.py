@@ -126,6 +126,8 @@ class Sequence:
     first_version: int = -1
     last_version: int = -1
     pending: list[Pending] | None = None  # runs of trunk states the MTP layers have not consumed, oldest first
+    admitted: int = 0
+    """When the sequence last joined the running batch (the engine's count): the latest are preempted first."""
 
     @property
     def drafts(self) -> bool:
@@ -139,6 +141,12 @@ class Sequence:
     @property
     def length(self) -> int:
         return len(self.prompt) + len(self.output)
+
+    def prefix(self) -> list[int]:
+        """The tokens whose keys and values the target's cache holds between rounds: the prompt and
+        every emitted token but the last (the next round's input). What a preempted sequence's
+        prefill recomputes when it resumes."""
+        return self.prompt + self.output[:-1]
 
     def last_tokens(self, n: int) -> list[int]:
         if n <= len(self.output):

@@ -13,8 +13,12 @@ the seed from (request seed, prompt_index, sample_index). A round at output posi
 draft samples, k acceptance tests and the final token. So a sequence's tokens do not depend on the
 other sequences in its batch (batched == unbatched), and no per-row host work draws them.
 
-The KV caches are allocated once (`kv_cache.KVCache` static rows, sized by max_batch_size,
-max_context and a memory budget); a round's result comes back in one packed host copy.
+The KV caches are paged (`kv_cache`, `kv_pages`): one pool of blocks sized by a memory budget,
+allocated once, a row holding the blocks its tokens fill and a prompt's samples sharing its full
+blocks. Sequences are admitted while free blocks hold their prompt and a round's writes; when
+blocks run out mid-generation the latest admitted rows are preempted (blocks freed, requeued first)
+and resume later by recomputing their prefix — with the same tokens, since every uniform is keyed
+by output position. A round's result comes back in one packed host copy.
 
 Reported log-probs: log_softmax(target_logits / T) of each emitted token, float32, T = the
 request temperature (1 when temperature is 0), before top-k/top-p filtering — the quantity
@@ -48,13 +52,13 @@ import torch
 
 import sidecar
 from sidecar.engine import counter_rng
+from sidecar.engine.admission import REASONS, Admission
 from sidecar.engine.base import Engine
 from sidecar.engine.decode_round import RoundInput
 from sidecar.engine.drafters import make_drafter
-from sidecar.engine.round_graphs import FixedRounds, batch_bucket, make_rounds
+from sidecar.engine.round_graphs import MIN_READ, FixedRounds, batch_bucket, make_rounds
 from sidecar.engine.rows import (
     CATCH_UP_POSITIONS,
-    REASON_LENGTH,
     REASON_STOP,
     BatchTensors,
     Pending,
@@ -62,16 +66,12 @@ from sidecar.engine.rows import (
     add_rounds,
     cost_clock,
     gather_pending,
-    round_outcome,
     sequence_seed,
     step_counters,
 )
 from sidecar.engine.sampling import (
     AcceptanceRule,
-    filtered_probs,
     rejection_sample,
-    reported_logprobs,
-    sample_from,
 )
 from sidecar.engine.scoring import score
 from sidecar.engine.served_weights import ServedWeights
@@ -83,7 +83,7 @@ from sidecar.model.checkpoint import load_checkpoint
 from sidecar.model.decode_kernels import DecodeKernels, DecodeOps
 from sidecar.model.eagle3 import Eagle3Draft
 from sidecar.model.eagle3_checkpoint import load_eagle3_draft
-from sidecar.model.kv_cache import KVCache, rows_within_budget
+from sidecar.model.kv_pages import KVPages, blocks_for, pool_blocks
 from sidecar.model.model import Qwen3WithMTP, build_model
 from sidecar.speculation.config import RowState, SpeculationDecision, SpeculationPolicyConfig
 from sidecar.speculation.controller import SpeculationPolicy
@@ -98,13 +98,11 @@ from sidecar.types import (
     VersionStats,
 )
 
-_REASONS = {REASON_STOP: FinishReason.STOP, REASON_LENGTH: FinishReason.LENGTH}
-
 MAX_SPECULATION_K = counter_rng.MAX_INDEX - 1
 """Largest k a round can draw keyed uniforms for (and that the rotary tables have room for)."""
 
 
-class TorchEngine(ServedWeights, SpeculationSettings, Engine):
+class TorchEngine(Admission, ServedWeights, SpeculationSettings, Engine):
     """Embedded engine over a `Qwen3WithMTP`; see the module docstring."""
 
     def __init__(
@@ -123,15 +121,18 @@ class TorchEngine(ServedWeights, SpeculationSettings, Engine):
         draft: Eagle3Draft | None = None,
         compile: str = "auto",
         draft_vocab_size: int = 0,
+        kv_block_size: int = 16,
     ) -> None:
         """`draft`: an EAGLE-3 draft for a target without MTP layers (`drafters`); `speculation_auto`:
         start in auto mode with maximum k `speculation_k`; `policy`: the controller's knobs (its
         max_speculation_k is set by the mode); `clock`: seconds, for the controller's cost measurements (tests
         inject one). Default: `cost_clock(device)`.
 
-        KV caches: allocated once, `max_batch_size` rows of `max_context` tokens (default: the
-        model's context) within `kv_cache_bytes` (`kv_cache.rows_within_budget`; fewer rows fit →
-        `max_batch_size` is what fits). Longer requests: `KVCacheCapacityError` (RESOURCE_EXHAUSTED).
+        KV caches: one pool of `kv_block_size`-token blocks allocated once, as many as
+        `kv_cache_bytes` holds (default on CUDA 90% of free memory; on a CPU, or where that is more,
+        what `max_batch_size` rows of `max_context` tokens (default: the model's context) need); up to
+        `max_batch_size` rows run at once, each holding the blocks its tokens fill. A request a row
+        could never hold alone: `KVCacheCapacityError` (RESOURCE_EXHAUSTED).
 
         On a CUDA device the model's q|k|v and gate|up parameters are joined into one tensor each
         (`Qwen3WithMTP.join_projections`: views, same values), which the decode path reads without
@@ -163,13 +164,22 @@ class TorchEngine(ServedWeights, SpeculationSettings, Engine):
         self.max_context = context if max_context is None else max_context
         if not 2 <= self.max_context <= context:
             raise ValueError(f"max_context must be in [2, max_position_embeddings={context}], got {self.max_context}")
-        c = self.config
-        self.max_batch_size = rows_within_budget(
-            wanted=max_batch_size,
-            row_bytes=c.num_hidden_layers * KVCache.slot_bytes(c.num_key_value_heads, c.head_dim, c.dtype)
-            + self.drafter.slot_bytes(),
-            slots=self._slots_per_row(),
-            budget=kv_cache_bytes,
+        self.max_batch_size = max_batch_size
+        slots = self._slots_per_row()
+        if not 1 <= kv_block_size <= MIN_READ or kv_block_size & (kv_block_size - 1):
+            raise ValueError(f"kv_block_size must be a power of two in [1, {MIN_READ}], got {kv_block_size}")
+        self._pages = KVPages(
+            num_blocks=pool_blocks(
+                budget=kv_cache_bytes,
+                block_bytes=kv_block_size * self.drafter.token_bytes(),
+                max_rows=max_batch_size,
+                max_slots=slots,
+                block_size=kv_block_size,
+                device=self.device,
+            ),
+            block_size=kv_block_size,
+            max_rows=max_batch_size,
+            max_slots=slots,
             device=self.device,
         )
         # Without a draft speculation is unavailable: the default k is 0.
@@ -187,9 +197,10 @@ class TorchEngine(ServedWeights, SpeculationSettings, Engine):
         self._queue: deque[Sequence] = deque()
         self._running: list[Sequence] = []
         self._live: dict[str, int] = {}  # request id -> unfinished sequences
-        rows, slots = self.max_batch_size, self._slots_per_row()
-        self._cache = self.drafter.target_cache(0, slots, max_batch=rows)
-        self._mtp_caches = [self.drafter.new_cache(0, slots, max_batch=rows) for _ in range(self.num_mtp)]
+        self._cache = self.drafter.target_cache(0, slots, pages=self._pages)
+        self._mtp_caches = [self.drafter.new_cache(0, slots, pages=self._pages) for _ in range(self.num_mtp)]
+        self._admissions = 0  # sequences admitted so far (`Sequence.admitted`: preemption's order)
+        self._preempted = False  # the latest round preempted rows (admission waits a step)
         self._batch: BatchTensors | None = None
         self._rounds = make_rounds(compile, self.device)
         self.kernels: DecodeOps = (
@@ -320,6 +331,13 @@ class TorchEngine(ServedWeights, SpeculationSettings, Engine):
                 f"max_context={self.max_context} tokens: shorten it, or serve with a larger max_context "
                 "(and a KV budget that holds it)"
             )
+        blocks = blocks_for(longest + self.max_speculation_k + 2, self._pages.block_size)
+        if blocks > self._pages.usable:
+            raise KVCacheCapacityError(
+                f"a sequence of prompt + max_new_tokens = {longest} tokens needs {blocks} KV blocks of "
+                f"{self._pages.block_size} tokens, the whole pool holds {self._pages.usable}: shorten it, or serve "
+                "with a larger KV budget"
+            )
 
     def num_queued(self) -> int:
         return len(self._queue)
@@ -387,7 +405,7 @@ class TorchEngine(ServedWeights, SpeculationSettings, Engine):
 
     def _keep_rows(self, keep: list[int]) -> None:
         """Keep the rows `keep`: each row that leaves has its place taken by a kept row from the
-        end of the batch, so the static caches copy one row per leaving row, not every row after
+        end of the batch, so the block table changes one row per leaving row, not every row after
         it (the rows' order is free: a row's tokens do not depend on its batch)."""
         n = len(self._running)
         if keep == list(range(n)):
@@ -421,108 +439,12 @@ class TorchEngine(ServedWeights, SpeculationSettings, Engine):
             self._stats[self._version].busy_seconds += time.perf_counter() - start
         return finished
 
-    def _admit(self) -> list[Sample]:
-        """Prefill queued sequences in one target forward and emit each one's first token.
-
-        Each distinct prompt among them is prefilled once, however many sequences share it (the
-        G samples of a GRPO prompt, or equal prompts of different requests): the target's forward,
-        its KV and the draft's prefill run over the distinct prompts, and every sequence gets a
-        copy of its prompt's rows (`KVCache.select_rows`) and reads its prompt's states; its first
-        token, its pending draft input and its rows in the static caches are its own."""
-        new = [self._queue.popleft() for _ in range(min(len(self._queue), self.max_batch_size - len(self._running)))]
-        self.drafter.observe([t for s in new for t in s.prompt])
-        distinct: dict[tuple[int, ...], int] = {}  # prompt -> its row in the prefill
-        source = [distinct.setdefault(tuple(s.prompt), len(distinct)) for s in new]  # each sequence's prefill row
-        auto = [s for s in new if s.speculation_auto]  # rows that pin k are never refused a draft: not asked
-        pinned = [s for s in new if not s.speculation_auto]
-        if (
-            auto
-            and self._policy is not None
-            and not self._policy.may_draft(
-                len(self._running) + len(new),
-                self._tokens_left([*self._running, *new]),
-                [self._row_state(s) for s in [*self._running, *pinned, *auto]],
-                joining=len(auto),  # the last rows
-                prompt_tokens=self._draft_prefill_saved(auto, pinned),
-            )
-        ):
-            for s in auto:  # the controller has measured that this batch decodes best without a draft
-                s.speculation_auto, s.k = False, 0
-        prompts = list(distinct)
-        b, u, lengths = len(new), len(prompts), [len(p) for p in prompts]
-        width = max(lengths)
-        tokens = torch.zeros(u, width, dtype=torch.int64)
-        for i, p in enumerate(prompts):
-            tokens[i, : lengths[i]] = torch.tensor(p)
-        tokens = tokens.to(self.device)
-        cache = self.drafter.target_cache(u, width + self.max_speculation_k + 2)
-        plan = cache.plan(lengths, width=width)
-        hidden, states = self.drafter.target_step(tokens, cache, plan)  # (u, width, hidden), the draft's inputs
-        cache.commit(plan)
-        stats = self._stats[self._version]
-        stats.prompt_tokens += sum(len(s.prompt) for s in new)
-        stats.prefill_tokens += sum(lengths)
-        last = torch.tensor([n - 1 for n in lengths], device=self.device)
-        logits = self.model.logits(hidden[torch.arange(u, device=self.device), last]).float()  # (u, V)
-        logits = logits[torch.tensor(source, device=self.device)]  # (b, V): each sequence's prompt's
-        batch = BatchTensors.of(new, self.device)
-        rows = batch.rows
-        zero = torch.zeros(b, dtype=torch.int64, device=self.device)
-        uniforms = batch.round_uniforms(zero, 0)[:, 0]  # the final-token uniform of output position 0
-        first = sample_from(filtered_probs(logits, rows), uniforms)
-        logprobs = reported_logprobs(logits[:, None], first[:, None], rows)[:, 0]
-        packed = round_outcome(batch, first[:, None], logprobs[:, None], zero, zero).tolist()
-        self.drafter.observe([int(row[0]) for row in packed])
-        mtp_caches = [self.drafter.new_cache(u, width + self.max_speculation_k + 2) for _ in range(self.num_mtp)]
-        drafting = [False] * u  # a prompt is drafted when one of its sequences drafts
-        for s, i in zip(new, source, strict=True):
-            drafting[i] = drafting[i] or s.drafts
-        if any(drafting) and width > 1:
-            # MTP positions t = 0..P-2 of the prompt (inputs h_t and x_{t+1}); h_{P-1} stays pending.
-            num = [n - 1 if d else 0 for n, d in zip(lengths, drafting, strict=True)]
-            timer = self._policy if any(s.speculation_auto for s in new) else None  # learns what a refused draft saves
-            if timer is not None and self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # the prefill's cost, not the trunk's before it
-            started = self._clock()
-            self.drafter.prefill(mtp_caches, tokens, states, num)
-            if timer is not None:
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                timer.observe_draft_prefill(sum(num), self._clock() - started)
-        finished, keep = [], []
-        for i, (s, (tok, lp, _, _, reason)) in enumerate(zip(new, packed, strict=True)):
-            self._count(s, drafted=0, accepted=0, generated=1)
-            s.extend([tok], [lp], self._version)
-            if reason:
-                finished.append(self._finish(s, _REASONS[int(reason)]))
-                continue
-            if s.drafts and self.num_mtp:
-                s.pending = [Pending(base=states, row=source[i], start=len(s.prompt) - 1, count=1)]
-            keep.append(i)
-        if keep:
-            picked = [source[i] for i in keep]
-            cache.select_rows(picked)
-            self._cache.append_rows(cache)
-            for mine, mc in zip(self._mtp_caches, mtp_caches, strict=True):
-                mc.select_rows(picked)  # a sequence that does not draft has no draft cache (length 0)
-                mc.truncate([n if new[i].drafts else 0 for n, i in zip(mc.lengths, keep, strict=True)])
-                mine.append_rows(mc)
-            self._running += [new[i] for i in keep]
-            self._batch = None
-        return finished
-
-    @staticmethod
-    def _draft_prefill_saved(auto: list[Sequence], pinned: list[Sequence]) -> int:
-        """Draft prefill tokens that admitting the `auto` rows without a draft saves: their distinct
-        prompts' positions, less those a drafting pinned row needs prefilled anyway."""
-        needed = {tuple(s.prompt) for s in pinned if s.drafts}
-        return sum(len(p) - 1 for p in {tuple(s.prompt) for s in auto} - needed)
-
     def _decode(self) -> list[Sample]:
         """One speculative round (draft → verify → accept → roll back) for every running row.
 
         Device work apart from building the round's inputs; its result comes back in one packed
         host copy (`rows.round_outcome`)."""
+        self._reserve_blocks()
         seqs = self._running
         b, dev = len(seqs), self.device
         if self._batch is None:
@@ -615,7 +537,7 @@ class TorchEngine(ServedWeights, SpeculationSettings, Engine):
             ends_.append((before, n, reason == REASON_STOP))
             if reason:
                 ended += reason == REASON_STOP
-                finished.append(self._finish(s, _REASONS[reason]))
+                finished.append(self._finish(s, REASONS[reason]))
                 if policy is not None:
                     policy.observe_finished_row(*s.position_one())
                 continue
@@ -630,6 +552,9 @@ class TorchEngine(ServedWeights, SpeculationSettings, Engine):
             keep.append(i)
         add_rounds(self._stats[self._version].counters, row_k, num_accepted, emitted_total)
         self._cache.truncate([n + a + 1 for n, a in zip(old_lengths, num_accepted, strict=True)])
+        reserve = self.max_speculation_k + 2  # what the next round writes: those blocks are kept
+        for i in range(b):  # whole blocks of rejected drafts past that go back to the pool
+            self._pages.trim(i, max(c.lengths[i] for c in [self._cache, *self._mtp_caches]) + reserve)
         self._keep_rows(keep)
         if policy is not None:  # the controller learns from the steps it decided
             policy.observe_acceptance(*evidence)

@@ -101,11 +101,16 @@ class DecodeKernels(DecodeOps):
         keys: Tensor,
         values: Tensor,
         positions: Tensor,
+        table: Tensor,
     ) -> Tensor:
-        return self._k.qk_norm_rope_store(qkv, norm, cos_table, sin_table, rope_positions, eps, keys, values, positions)
+        return self._k.qk_norm_rope_store(
+            qkv, norm, cos_table, sin_table, rope_positions, eps, keys, values, positions, table
+        )
 
-    def decode_attention(self, q: Tensor, keys: Tensor, values: Tensor, positions: Tensor) -> Tensor:
-        return self._k.decode_attention(q, keys, values, positions)
+    def decode_attention(
+        self, q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, table: Tensor, read: int
+    ) -> Tensor:
+        return self._k.decode_attention(q, keys, values, positions, table, read)
 
     def round_uniforms(self, keys: Tensor, positions: Tensor, k: int) -> Tensor:
         """A round's (B, 2k + 1) counter-based uniforms, bit for bit `rows.BatchTensors.round_uniforms`."""

@@ -7,23 +7,28 @@ Continuous batching with speculative decoding needs three things of a KV cache:
   rejected slots become stale;
 - rows join (after prefill) and leave (finished or aborted) between steps.
 
-Storage is one tensor per k and v of shape (num_layers, rows, kv_heads, capacity, head_dim).
+Two storages behind one interface:
+- *paged* (`pages` given: the engine's caches): one pool per k and v of shape (num_layers,
+  num_blocks, kv_heads, block_size, head_dim), shared out by `kv_pages.KVPages`, whose block table
+  says which blocks hold each row's slots (one table for the target's cache and every draft
+  layer's). A row holds only the blocks its tokens fill; rows join by copying their prefill into
+  fresh blocks (`load_rows`; a prompt's samples share its full blocks), leave by releasing their
+  blocks and move by permuting table rows (no data moves); a forward reads a row's slots through the
+  table (a gather on the host path, one indirection in the fused kernels). The engine grows rows
+  before each round and checks a forward never writes past a row's blocks.
+- *growable* (no `pages`: prefill scratch, tests, tools): one tensor per k and v of shape
+  (num_layers, rows, kv_heads, capacity, head_dim), reallocated as needed: capacity by doubling,
+  rows by concatenation.
+
 A forward reads a whole range of slots under an additive mask, and a zero attention weight times
 a non-finite value is still NaN: a slot at or past a row's length must hold zeros, or whatever
 another request (or a rejected draft) left there reaches the row's output. So the cache keeps,
-per storage row, how far slots may have been written (`_written`, host ints: a plan's writes,
+per row, how far slots may have been written (`_written`, host ints: a plan's writes,
 `mark_written` for fixed-shape forwards whose writes the host does not plan), and `scrub` zeroes
-every live row's slots in [length, written) — one indexed write for all layers — before the
-next forward reads them (`plan` scrubs itself; a fixed-shape round's runner calls it). A row
-that takes a storage row inherits the old occupant's written extent, so it is scrubbed too. A
-*static* cache (`max_batch` given: the engine's) is
-allocated once, `max_batch` rows of `capacity` slots, and never reallocated: a forward reads a
-view of its first `batch` rows and its first kv_len slots, rollback moves lengths only, a row
-leaving moves the rows after it down by one copy of theirs, a row joining is copied into the
-first free row; a forward that would need more slots or rows than it has is an error (the engine
-checks admission against `capacity` and `max_batch`, so it never happens there). A growable
-cache (no `max_batch`: prefill scratch, tests, tools) reallocates instead: capacity by doubling,
-rows by concatenation.
+every live row's slots in [length, written) — one indexed write for all layers — before the next
+forward reads them (`plan` scrubs itself; a fixed-shape round's runner calls it). Blocks a paged
+row takes are zeroed before its next forward (`KVPages.sync`), and table entries past a row's
+blocks point to a block of zeros.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from sidecar.model.kv_pages import KVPages, blocks_for
 
 
 @dataclass(kw_only=True, slots=True)
@@ -65,6 +72,15 @@ class AttentionPlan:
     attention kernel over the cache, no key/value copies per query head. Fixed-shape forwards."""
     group_masks: dict[int, Tensor] = field(default_factory=dict)
     """`mask` repeated for G query heads per key/value head, made once per forward (by `attend`)."""
+    table: Tensor | None = None
+    """A paged cache's (B, max_blocks) block table rows (`kv_pages`); None for a growable cache.
+    Then `keys_in` / `values_in` are each layer's pool viewed (num_blocks, block_size, kv_heads,
+    head_dim), and `keys_out` / `values_out` are empty: `write_and_read` gathers the read slots."""
+    block_size: int = 0
+    write_at: tuple[Tensor, Tensor] | None = None
+    """A paged host-path forward's (block, offset) of each new token, each (B, S)."""
+    read_table: Tensor | None = None
+    """A paged host-path forward's (B, kv_len / block_size) blocks it reads (`write_and_read`)."""
 
 
 class KVCache:
@@ -80,29 +96,41 @@ class KVCache:
         device: torch.device | str,
         batch: int = 0,
         capacity: int = 64,
-        max_batch: int | None = None,
+        pages: KVPages | None = None,
+        owner: bool = False,
     ) -> None:
-        """`max_batch` None: a growable cache; an int: a static one of that many rows (see the module docstring)."""
-        if max_batch is not None and max_batch < max(batch, 1):
-            raise ValueError(f"max_batch ({max_batch}) must be >= max(batch, 1) ({max(batch, 1)})")
+        """`pages` None: a growable cache of `batch` rows; else a paged one over those blocks
+        (`owner`: this cache's `keep_rows` moves the shared table's rows; the engine's target
+        cache), starting with no rows. See the module docstring."""
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
-        self.static = max_batch is not None
-        rows = max_batch if max_batch is not None else batch
-        shape = (num_layers, rows, num_kv_heads, max(capacity, 1), head_dim)
+        self.pages, self.owner = pages, owner
+        self.static = pages is not None
+        if pages is None:
+            shape: tuple[int, ...] = (num_layers, batch, num_kv_heads, max(capacity, 1), head_dim)
+        else:
+            if batch:
+                raise ValueError("a paged cache starts empty: rows join with load_rows")
+            shape = (num_layers, pages.num_blocks, num_kv_heads, pages.block_size, head_dim)
         self._k = torch.zeros(shape, dtype=dtype, device=self.device)
         self._v = torch.zeros(shape, dtype=dtype, device=self.device)
+        if pages is not None:
+            pages.register(self._k, self._v)
         self.lengths: list[int] = [0] * batch
-        self._written: list[int] = [0] * rows
-        """Per storage row: slots [0, written) may hold values, those past it are zeros (module docstring)."""
+        self._written: list[int] = [0] * batch
+        """Per row: slots [0, written) may hold values, those past it are zeros (module docstring)."""
 
     @property
     def k(self) -> Tensor:
-        """(num_layers, batch, kv_heads, capacity, head_dim): the live rows' keys (a view)."""
+        """(num_layers, batch, kv_heads, capacity, head_dim): a growable cache's rows' keys."""
+        if self.pages is not None:
+            raise ValueError("a paged cache's keys live in blocks: read them through a plan")
         return self._k[:, : self.batch]
 
     @property
     def v(self) -> Tensor:
+        if self.pages is not None:
+            raise ValueError("a paged cache's values live in blocks: read them through a plan")
         return self._v[:, : self.batch]
 
     @property
@@ -111,25 +139,38 @@ class KVCache:
 
     @property
     def max_batch(self) -> int:
-        """Rows the storage holds (a static cache's limit)."""
-        return int(self._k.shape[1])
+        """Rows a paged cache's table holds (a growable cache: its rows now)."""
+        return self.pages.max_rows if self.pages is not None else self.batch
 
     @property
     def capacity(self) -> int:
+        """Slots a row may hold (a paged cache: the table's width)."""
+        if self.pages is not None:
+            return self.pages.max_blocks * self.pages.block_size
         return int(self._k.shape[3])
 
     def _grow(self, needed: int) -> None:
         if needed <= self.capacity:
             return
-        if self.static:
+        if self.pages is not None:
             raise ValueError(
-                f"a forward needs {needed} KV slots per row, the static cache holds {self.capacity}: "
+                f"a forward needs {needed} KV slots per row, a row holds at most {self.capacity}: "
                 "the engine admits only sequences that fit (prompt + max_new_tokens <= its max_context)"
             )
         new_cap = max(needed, 2 * self.capacity)
         pad = (0, 0, 0, new_cap - self.capacity)
         self._k = torch.nn.functional.pad(self._k, pad)
         self._v = torch.nn.functional.pad(self._v, pad)
+
+    def _check_blocks(self, extents: list[int]) -> None:
+        """A paged forward writes row r's slots below extents[r]: its blocks must hold them (a
+        write past them would land in the shared zero block)."""
+        assert self.pages is not None
+        for r, e in enumerate(extents[: self.batch]):
+            if e > self.pages.slots(r):
+                raise ValueError(
+                    f"row {r} writes {e} KV slots, its blocks hold {self.pages.slots(r)}: grow it first (KVPages.grow)"
+                )
 
     def plan(self, num_new: list[int], width: int | None = None) -> AttentionPlan:
         """Plan a forward that appends num_new[b] tokens to row b (padded to `width` columns).
@@ -143,8 +184,11 @@ class KVCache:
         s = max(s, 1)
         kv_len = (max(self.lengths) if self.lengths else 0) + s
         self._grow(kv_len)
+        extents = [n + s for n in self.lengths]
+        if self.pages is not None:
+            self._check_blocks(extents)
         self.scrub()
-        self.mark_written([n + s for n in self.lengths])
+        self.mark_written(extents)
         lengths = upload(self.lengths, self.device)  # (B,)
         offsets = torch.arange(s, device=self.device)  # (S,)
         positions = lengths[:, None] + offsets[None, :]  # (B, S)
@@ -157,6 +201,8 @@ class KVCache:
             # additive (0 / -inf) in the cache's dtype: what SDPA would convert a bool mask to, once per forward
             mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, -torch.inf)
         b = self.batch
+        if self.pages is not None:
+            return self._paged_plan(positions, mask, kv_len, self.pages.table[:b], list(num_new))
         k5, v5 = self._k[:, :b], self._v[:, :b]  # (L, B, kv_heads, capacity, head_dim)
         index: tuple[Tensor, Tensor] | None = None
         if start is not None:
@@ -177,23 +223,55 @@ class KVCache:
             index=index,
         )
 
+    def _paged_plan(
+        self,
+        positions: Tensor,
+        mask: Tensor | None,
+        read: int,
+        table: Tensor,
+        num_new: list[int],
+        grouped: bool = False,
+    ) -> AttentionPlan:
+        """A paged cache's plan: the pools as the writes address them, the table rows, and for the
+        host path where each new token goes and which blocks the forward reads."""
+        assert self.pages is not None
+        bs = self.pages.block_size
+        write_at = read_table = None
+        if mask is not None or not grouped:  # the host path (a fused plan's kernels look the blocks up themselves)
+            write_at = (table.gather(1, positions // bs), positions % bs)
+            read_table = table[:, : blocks_for(read, bs)]
+        return AttentionPlan(
+            positions=positions,
+            mask=mask,
+            kv_len=read,
+            start=None,
+            num_new=num_new,
+            keys_in=self._k.transpose(2, 3).unbind(0),  # each (num_blocks, block_size, kv_heads, head_dim)
+            values_in=self._v.transpose(2, 3).unbind(0),
+            grouped=grouped,
+            table=table,
+            block_size=bs,
+            write_at=write_at,
+            read_table=read_table,
+        )
+
     def plan_fixed(self, lengths: Tensor, width: int, read: int, *, masked: bool = True) -> AttentionPlan:
-        """A forward of fixed shape: rows [0, R) of the static storage (R = lengths' size, the live
-        rows first, then free rows padded with length 0), `width` new columns each, every row
-        reading slots [0, read) under an additive mask. Row lengths come from the device tensor
-        `lengths` (R,), not from the host list: nothing here reads a tensor's value or depends on
-        it, so the forward is one fixed sequence of device work for a given (R, width, read) —
-        what a CUDA graph captures once and replays. Writes go by index (a padded row writes
-        slots [0, width) of its free row, which a joining row overwrites). Host lengths are not
-        touched: the caller commits them (`commit_counts`). `masked` False: no mask, for a forward
-        whose layers all attend with `triton_kernels.decode_attention`, which selects by position
-        itself (`attend` refuses such a plan)."""
+        """A forward of fixed shape: rows [0, R) of the table (R = lengths' size, the live rows
+        first, then padded rows of length 0, whose table rows point to the scratch block), `width`
+        new columns each, every row reading slots [0, read) under an additive mask. Row lengths
+        come from the device tensor `lengths` (R,), not from the host list: nothing here reads a
+        tensor's value or depends on it, so the forward is one fixed sequence of device work for a
+        given (R, width, read) — what a CUDA graph captures once and replays (the table is one
+        tensor at a fixed address, brought up to date before each forward by `scrub`). Host lengths
+        are not touched: the caller commits them (`commit_counts`). `masked` False: no mask, for a
+        forward whose layers all attend with `triton_kernels.decode_attention`, which selects by
+        position itself (`attend` refuses such a plan)."""
         r = int(lengths.shape[0])
-        if not self.static:
-            raise ValueError("plan_fixed needs a static cache (max_batch given)")
+        if self.pages is None:
+            raise ValueError("plan_fixed needs a paged cache (pages given)")
         if r > self.max_batch or read > self.capacity or width < 1:
             raise ValueError(
-                f"a fixed forward of {r} rows reading {read} slots does not fit the static cache "
+                f"a fixed forward of {r} rows reading {read} slots does not fit the paged cache "
                 f"({self.max_batch} rows of {self.capacity} slots)"
             )
         positions = lengths[:, None] + torch.arange(width, device=self.device)[None, :]  # (R, S)
@@ -202,46 +280,45 @@ class KVCache:
             slots = torch.arange(read, device=self.device)
             allowed = (slots[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # (R, 1, S, read)
             mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, -torch.inf)
-        k5, v5 = self._k[:, :r], self._v[:, :r]
-        return AttentionPlan(
-            positions=positions,
-            mask=mask,
-            kv_len=read,
-            start=None,
-            num_new=[],
-            keys_in=k5.transpose(2, 3).unbind(0),
-            values_in=v5.transpose(2, 3).unbind(0),
-            keys_out=k5[:, :, :, :read].unbind(0),
-            values_out=v5[:, :, :, :read].unbind(0),
-            index=(torch.arange(r, device=self.device)[:, None], positions) if masked else None,
-            grouped=True,
-        )
+        return self._paged_plan(positions, mask, read, self.pages.table[:r], [], grouped=True)
 
     def mark_written(self, extents: list[int]) -> None:
-        """Storage rows [0, len(extents)) may now hold values in slots [0, extents[r]): what a
-        fixed-shape forward writes (`plan_fixed` runs only when a graph is captured, so the
-        round's host side says what each replay wrote)."""
-        for r, e in enumerate(extents):
+        """Rows [0, len(extents)) may now hold values in slots [0, extents[r]): what a fixed-shape
+        forward writes (`plan_fixed` runs only when a graph is captured, so the round's host side
+        says what each replay wrote). A paged cache checks its rows' blocks hold them; padded rows
+        (past the live ones) write the scratch block and are not tracked."""
+        if self.pages is not None:
+            self._check_blocks(extents)
+        for r, e in enumerate(extents[: self.batch]):
             if e > self._written[r]:
                 self._written[r] = min(e, self.capacity)
 
     def scrub(self) -> None:
         """Zero every live row's slots in [length, written): stale keys and values (rejected
-        drafts, padding columns, a former occupant's tokens) then weigh exactly nothing under
-        the mask, even where they were not finite. One indexed write per k and v for all layers,
-        nothing when no slot is stale."""
+        drafts, padding columns) then weigh exactly nothing under the mask, even where they were
+        not finite. One indexed write per k and v for all layers, nothing when no slot is stale. A
+        paged cache first brings its blocks' table up to date (`KVPages.sync`)."""
+        if self.pages is not None:
+            self.pages.sync()
         rows: list[int] = []
         slots: list[int] = []
         for b, n in enumerate(self.lengths):
             w = self._written[b]
+            if self.pages is not None:
+                w = min(w, self.pages.slots(b))  # blocks past a row's are zeroed when taken again
             if w > n:
                 rows += [b] * (w - n)
                 slots += range(n, w)
-                self._written[b] = n
-        if rows:
-            r, t = upload(rows, self.device), upload(slots, self.device)
-            self._k[:, r, :, t] = 0
-            self._v[:, r, :, t] = 0
+            self._written[b] = min(self._written[b], n)
+        if not rows:
+            return
+        if self.pages is not None:
+            blocks, offsets = self.pages.locate(rows, slots)
+            i, t = upload(blocks, self.device), upload(offsets, self.device)
+        else:
+            i, t = upload(rows, self.device), upload(slots, self.device)
+        self._k[:, i, :, t] = 0
+        self._v[:, i, :, t] = 0
 
     def commit_counts(self, num_new: list[int]) -> None:
         """`commit` of a fixed forward: each live row keeps its num_new[b] new tokens."""
@@ -257,9 +334,15 @@ class KVCache:
         plan: AttentionPlan,
     ) -> tuple[Tensor, Tensor]:  # each (B, kv_heads, kv_len, head_dim)
         """Store the new keys/values at the planned slots; return the slots this forward reads
-        (views of the storage made by `plan`, which must be this cache's latest)."""
+        (views of the storage made by `plan`, which must be this cache's latest; a paged cache's
+        read slots gathered from its blocks)."""
         if plan.grouped and plan.mask is None:
             raise ValueError("this fixed plan has no mask (plan_fixed(masked=False)): only the fused kernels write it")
+        if plan.table is not None:
+            assert plan.write_at is not None and plan.read_table is not None
+            plan.keys_in[layer].index_put_(plan.write_at, k)
+            plan.values_in[layer].index_put_(plan.write_at, v)
+            return self.read_slots(layer, plan)
         if plan.index is None:
             plan.keys_in[layer].copy_(k)
             plan.values_in[layer].copy_(v)
@@ -267,6 +350,15 @@ class KVCache:
             plan.keys_in[layer].index_put_(plan.index, k)
             plan.values_in[layer].index_put_(plan.index, v)
         return plan.keys_out[layer], plan.values_out[layer]
+
+    def read_slots(self, layer: int, plan: AttentionPlan) -> tuple[Tensor, Tensor]:
+        """A paged host-path plan's read slots of `layer`, each (B, kv_heads, kv_len, head_dim):
+        gathered from the rows' blocks (one gather each)."""
+        if plan.read_table is None:
+            raise ValueError("read_slots reads through a paged host-path plan")
+        return _gather(self._k[layer], plan.read_table, plan.kv_len), _gather(
+            self._v[layer], plan.read_table, plan.kv_len
+        )
 
     def commit(self, plan: AttentionPlan) -> None:
         """Make each row's planned new tokens part of its cached prefix."""
@@ -280,29 +372,26 @@ class KVCache:
         self.lengths = list(lengths)
 
     def keep_rows(self, rows: list[int]) -> None:
-        """Keep only `rows` (in that order), dropping the others."""
+        """Keep only `rows` (in that order), dropping the others. A paged cache moves no data: the
+        table's rows move (by the owner), a dropped row's blocks are released."""
         if rows == list(range(self.batch)):
             return
-        if not self.static:
+        if self.pages is None:
             self.select_rows(rows)
             return
-        moved = [(i, r) for i, r in enumerate(rows) if r != i]  # only rows whose place changes move
-        if moved:  # (the source rows are gathered first)
-            dst = torch.tensor([i for i, _ in moved], dtype=torch.int64, device=self.device)
-            src = torch.tensor([r for _, r in moved], dtype=torch.int64, device=self.device)
-            used = max(self.lengths[r] for _, r in moved)  # slots past a row's length are stale
-            self._k[:, dst, :, :used] = self._k[:, src, :, :used]
-            self._v[:, dst, :, :used] = self._v[:, src, :, :used]
-            for i, _ in moved:  # past `used` the row still holds what its former occupant wrote
-                self._written[i] = max(self._written[i], used)
+        if len(set(rows)) != len(rows):
+            raise ValueError("a paged cache keeps each row at most once (rows share blocks only through load_rows)")
+        if self.owner:
+            self.pages.keep_rows(rows)
         self.lengths = [self.lengths[r] for r in rows]
+        self._written = [self._written[r] for r in rows]
 
     def select_rows(self, rows: list[int]) -> None:
-        """Make row i a copy of row rows[i]: rows may repeat (the G samples of one prompt share its
-        prefill, which is then copied to each of them) or be left out. A growable cache's (a static
-        one keeps its storage: `keep_rows`); one gather per k and v."""
-        if self.static:
-            raise ValueError("select_rows is for growable caches: a static cache moves rows with keep_rows")
+        """Make row i a copy of row rows[i]: rows may repeat or be left out. A growable cache's (a
+        paged one keeps rows with keep_rows, and its rows share a prompt through load_rows); one
+        gather per k and v."""
+        if self.pages is not None:
+            raise ValueError("select_rows is for growable caches: a paged cache moves rows with keep_rows")
         if rows == list(range(self.batch)):
             return
         index = torch.tensor(rows, dtype=torch.int64, device=self.device)
@@ -311,21 +400,54 @@ class KVCache:
         self._written = [self._written[r] for r in rows]
         self.lengths = [self.lengths[r] for r in rows]
 
+    def load_rows(self, other: KVCache, sources: list[int], lengths: list[int] | None = None) -> None:
+        """A paged cache's rows join: new row i (after this cache's rows; its blocks already added
+        to the pages by the engine, `KVPages.add_row`) holds the first lengths[i] slots (default
+        other's length) of growable `other`'s row sources[i]. Blocks it shares with an earlier row
+        (refs > 1 and already filled) are not written again. One gather and one indexed write per k
+        and v for all rows."""
+        if self.pages is None or other.pages is not None:
+            raise ValueError("load_rows copies a growable cache's rows into a paged one")
+        pages, bs = self.pages, self.pages.block_size
+        pages.sync()  # fresh blocks zeroed now, not after they are filled
+        lengths = [other.lengths[s] for s in sources] if lengths is None else lengths
+        first = self.batch
+        if first + len(sources) > len(pages.rows):
+            raise ValueError(f"{len(sources)} rows join, the pages hold {len(pages.rows) - first} new rows")
+        filled: set[int] = set()
+        for r in range(first):
+            filled.update(pages.rows[r])
+        src_rows: list[int] = []
+        src_slots: list[int] = []
+        dst_blocks: list[int] = []
+        dst_offsets: list[int] = []
+        for i, (s, n) in enumerate(zip(sources, lengths, strict=True)):
+            blocks = pages.rows[first + i]
+            if n > len(blocks) * bs:
+                raise ValueError(f"joining row {i} has {n} slots, its blocks hold {len(blocks) * bs}")
+            for j, block in enumerate(blocks[: blocks_for(n, bs)]):
+                if block in filled:  # a shared block an earlier row (or an earlier cache's load) wrote
+                    continue
+                filled.add(block)
+                span = range(j * bs, min(n, (j + 1) * bs))
+                src_rows += [s] * len(span)
+                src_slots += span
+                dst_blocks += [block] * len(span)
+                dst_offsets += [t - j * bs for t in span]
+        if src_rows:
+            sr, st = upload(src_rows, self.device), upload(src_slots, self.device)
+            db, do = upload(dst_blocks, self.device), upload(dst_offsets, self.device)
+            self._k[:, db, :, do] = other._k[:, sr, :, st]
+            self._v[:, db, :, do] = other._v[:, sr, :, st]
+        self.lengths = self.lengths + list(lengths)
+        self._written = self._written + list(lengths)
+
     def append_rows(self, other: KVCache) -> None:
-        """Append `other`'s rows after this cache's rows (same layers, heads, dtype)."""
+        """Append growable `other`'s rows after this growable cache's rows (same layers, heads,
+        dtype); a paged cache's rows join with `load_rows`."""
+        if self.pages is not None:
+            raise ValueError("a paged cache's rows join with load_rows")
         if other.batch == 0:
-            return
-        if self.static:
-            n, b = other.batch, self.batch
-            if b + n > self.max_batch:
-                raise ValueError(f"{b} rows + {n} joining exceed the static cache's {self.max_batch} rows")
-            cap = max(other.lengths)  # only slots below other's lengths matter
-            self._grow(cap)
-            self._k[:, b : b + n, :, :cap] = other._k[:, :n, :, :cap]
-            self._v[:, b : b + n, :, :cap] = other._v[:, :n, :, :cap]
-            for r in range(b, b + n):  # past `cap` the row may hold what a former occupant wrote
-                self._written[r] = max(self._written[r], cap)
-            self.lengths = self.lengths + list(other.lengths)
             return
         if self.batch == 0:
             self._k, self._v, self.lengths = other.k, other.v, list(other.lengths)
@@ -348,8 +470,15 @@ class KVCache:
         return 2 * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
 
     def nbytes(self) -> int:
-        """Bytes of the storage (a static cache's whole allocation)."""
+        """Bytes of the storage (a paged cache's whole pool)."""
         return self._k.numel() * self._k.element_size() * 2
+
+
+def _gather(pool: Tensor, table: Tensor, read: int) -> Tensor:  # (B, kv_heads, read, head_dim)
+    """A layer's slots [0, read) of each row, through its block table (B, blocks): one gather."""
+    b, n = table.shape
+    blocks = pool[table]  # (B, n, kv_heads, block_size, head_dim)
+    return blocks.transpose(1, 2).reshape(b, pool.shape[1], n * pool.shape[2], pool.shape[3])[:, :, :read]
 
 
 def attend(
@@ -387,20 +516,3 @@ def upload(values: list[int], device: torch.device) -> Tensor:
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
-
-
-def rows_within_budget(*, wanted: int, row_bytes: int, slots: int, budget: int | None, device: torch.device) -> int:
-    """Rows of `slots` tokens (`row_bytes` a token, all layers) a static cache may allocate:
-    `wanted`, or fewer when `budget` bytes hold fewer (default budget on CUDA: 90% of the device
-    memory free now; on CPU none — pages are touched only when used). Not one row → ValueError."""
-    per_row = row_bytes * slots
-    if budget is None and device.type == "cuda":
-        budget = int(0.9 * torch.cuda.mem_get_info(device)[0])
-    if budget is None or budget >= wanted * per_row:
-        return wanted
-    if budget < per_row:
-        raise ValueError(
-            f"the KV cache budget of {budget / 2**30:.2f} GiB holds no row of {slots} tokens "
-            f"({per_row / 2**30:.3f} GiB a row): raise the budget or lower max_context"
-        )
-    return budget // per_row

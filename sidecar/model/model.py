@@ -240,7 +240,7 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = w.project(x, w.qkv).view(b, s, h + 2 * kv, d)
-        if isinstance(kernels, DecodeKernels) and plan.grouped:
+        if isinstance(kernels, DecodeKernels) and plan.grouped and plan.table is not None:
             q = kernels.qk_norm_rope_store(
                 qkv,
                 w.qk_norm,
@@ -251,8 +251,11 @@ class Attention(nn.Module):
                 plan.keys_in[layer],
                 plan.values_in[layer],
                 plan.positions,
+                plan.table,
             )
-            out = kernels.decode_attention(q, plan.keys_out[layer], plan.values_out[layer], plan.positions)
+            out = kernels.decode_attention(
+                q, plan.keys_in[layer], plan.values_in[layer], plan.positions, plan.table, plan.kv_len
+            )
             return w.project(out, w.o)
         qk = rope.rotate(_rms_w(qkv[:, :, : h + kv], w.qk_norm, w.eps))  # (B, S, h + kv, d)
         keys, values = cache.write_and_read(layer, qk[:, :, h:], qkv[:, :, h + kv :], plan)

@@ -98,13 +98,16 @@ def _qk_norm_rope_store_kernel(
     k_ptr,
     v_ptr,
     pos_ptr,
+    table_ptr,
+    t_row,
+    block_size,
     eps,
     n_q,
     n_kv,
-    k_row,
+    k_block,
     k_slot,
     k_head,
-    v_row,
+    v_block,
     v_slot,
     v_head,
     S,
@@ -134,10 +137,12 @@ def _qk_norm_rope_store_kernel(
     s = tl.load(sin_ptr + rp * D + cols).to(tl.float32)
     out = ((n * c).to(dt).to(tl.float32) + nr * s).to(dt)
     slot = tl.load(pos_ptr + token)
+    block = tl.load(table_ptr + b * t_row + slot // block_size)  # the row's block holding the slot
+    at = slot % block_size
     tl.store(q_ptr + (token * n_q + hh) * D + cols, out, mask=hh < n_q)
-    tl.store(k_ptr + b * k_row + slot * k_slot + (hh - n_q) * k_head + cols, out, mask=(hh >= n_q) & qk)
+    tl.store(k_ptr + block * k_block + at * k_slot + (hh - n_q) * k_head + cols, out, mask=(hh >= n_q) & qk)
     is_v = (hh >= n_q + n_kv) & live
-    tl.store(v_ptr + b * v_row + slot * v_slot + (hh - n_q - n_kv) * v_head + cols, x, mask=is_v)
+    tl.store(v_ptr + block * v_block + at * v_slot + (hh - n_q - n_kv) * v_head + cols, x, mask=is_v)
 
 
 def qk_norm_rope_store(
@@ -147,12 +152,14 @@ def qk_norm_rope_store(
     sin_table: Tensor,  # (rotary positions, head_dim) sign-folded (`model.RopeTable`)
     rope_positions: Tensor,  # (B, S) each column's rotary position (clamped into the tables)
     eps: float,
-    keys: Tensor,  # (B, slots, kv_heads, head_dim) a layer's key storage (a strided view)
+    keys: Tensor,  # (blocks, block_size, kv_heads, head_dim) a layer's key pool (a strided view)
     values: Tensor,
     positions: Tensor,  # (B, S) the slot each column is written to
+    table: Tensor,  # (B, blocks a row) each row's blocks (`kv_pages`)
 ) -> Tensor:  # (B, S, heads, head_dim) rotated queries
     """Normalise and rotate q and k (their rotary factors looked up in the tables), write k and v
-    at their slots; return q."""
+    at their slots (slot t of row b: offset t % block_size of block table[b, t // block_size]);
+    return q."""
     b, s, total, d = qkv.shape
     kv = keys.shape[2]
     h = total - 2 * kv
@@ -171,11 +178,18 @@ def qk_norm_rope_store(
         keys,
         values,
         positions.contiguous(),
+        table,
+        table.stride(0),
+        keys.shape[1],
         eps,
         h,
         kv,
-        *keys.stride()[:3],
-        *values.stride()[:3],
+        keys.stride(0),
+        keys.stride(1),
+        keys.stride(2),
+        values.stride(0),
+        values.stride(1),
+        values.stride(2),
         s,
         D=d,
         HEADS=heads,
@@ -190,16 +204,19 @@ def _decode_attention_kernel(
     k_ptr,
     v_ptr,
     pos_ptr,
+    table_ptr,
+    t_row,
+    block_size,
     out_ptr,
     part_ptr,
     stat_ptr,
     scale,
     read,
     chunk,
-    k_row,
+    k_block,
     k_head,
     k_slot,
-    v_row,
+    v_block,
     v_head,
     v_slot,
     S,
@@ -232,9 +249,10 @@ def _decode_attention_kernel(
     for start in range(first, end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         live_n = n < end
-        kt = tl.load(
-            k_ptr + b * k_row + kvh * k_head + n[None, :] * k_slot + d[:, None], mask=live_n[None, :], other=0.0
-        )
+        block = tl.load(table_ptr + b * t_row + n // block_size, mask=live_n, other=0)  # each slot's block
+        k_at = block * k_block + (n % block_size) * k_slot
+        v_at = block * v_block + (n % block_size) * v_slot
+        kt = tl.load(k_ptr + k_at[None, :] + kvh * k_head + d[:, None], mask=live_n[None, :], other=0.0)
         if IEEE:  # noqa: SIM108 (Triton: a constexpr branch)
             qk = tl.dot(q, kt, input_precision="ieee")
         else:
@@ -245,9 +263,7 @@ def _decode_attention_kernel(
         p = tl.exp(qk - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(
-            v_ptr + b * v_row + kvh * v_head + n[:, None] * v_slot + d[None, :], mask=live_n[:, None], other=0.0
-        )
+        v = tl.load(v_ptr + v_at[:, None] + kvh * v_head + d[None, :], mask=live_n[:, None], other=0.0)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -304,9 +320,11 @@ def attention_splits(read: int) -> int:
 
 def decode_attention(
     q: Tensor,  # (B, S, heads, head_dim)
-    keys: Tensor,  # (B, kv_heads, read, head_dim) the slots a forward may read (a strided view)
+    keys: Tensor,  # (blocks, block_size, kv_heads, head_dim) a layer's key pool (a strided view)
     values: Tensor,
     positions: Tensor,  # (B, S) each column's slot; column j attends to slots <= positions[b, j]
+    table: Tensor,  # (B, blocks a row) each row's blocks (`kv_pages`)
+    read: int,  # slots a row may read (the captured shape's width)
     splits: int | None = None,  # programs per row and key/value head (default `attention_splits`)
 ) -> Tensor:  # (B, S, heads * head_dim)
     """Causal-by-position grouped-query attention over cached slots (see the module docstring).
@@ -314,7 +332,7 @@ def decode_attention(
     SPLIT_SLOTS slots of read width the slots are split among several programs, whose partial
     results a second kernel combines (flash-decoding): one kernel at short contexts, two at long."""
     b, s, h, d = q.shape
-    kv, read = keys.shape[1], keys.shape[2]
+    kv = keys.shape[2]
     g = h // kv
     splits = attention_splits(read) if splits is None else splits
     block_m = max(16, triton.next_power_of_2(g * s))
@@ -328,14 +346,21 @@ def decode_attention(
         keys,
         values,
         positions.contiguous(),
+        table,
+        table.stride(0),
+        keys.shape[1],
         out,
         part,
         stat,
         1.0 / math.sqrt(d),
         read,
         chunk,
-        *keys.stride()[:3],
-        *values.stride()[:3],
+        keys.stride(0),
+        keys.stride(2),
+        keys.stride(1),
+        values.stride(0),
+        values.stride(2),
+        values.stride(1),
         s,
         G=g,
         D=d,

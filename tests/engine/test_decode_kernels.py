@@ -27,6 +27,7 @@ import torch
 from engine_fixtures import aligned_draft_model, aligned_eagle3, eagle3_target
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from paged_fixtures import fill_slots, row_slots
 from test_continuous_batching import MAX_K, check_against_alone, greedy_model, run_plan, traffic
 from test_fixed_shape_forwards import static_cache
 from test_static_engine import oracle_greedy
@@ -120,8 +121,8 @@ def test_a_fixed_forwards_attention_with_the_kernels_equals_torchs(
     ref = static_cache(model, rows, capacity, lengths, seed, DEVICE)
     fused = static_cache(model, rows, capacity, lengths, seed, DEVICE)
     for b, n in enumerate(lengths):  # stale slots: zeros for torch (what `scrub` leaves), NaN for the kernel
-        ref._k[:, b, :, n:], ref._v[:, b, :, n:] = 0.0, 0.0
-        fused._k[:, b, :, n:], fused._v[:, b, :, n:] = float("nan"), float("nan")
+        fill_slots(ref, b, n, 0.0)
+        fill_slots(fused, b, n, float("nan"))
     x = torch.randn(rows, s, model.config.hidden_size, generator=torch.Generator().manual_seed(seed + 1))
     x = x.to(device=DEVICE, dtype=model.config.dtype)
     lens = torch.tensor(lengths, device=DEVICE)
@@ -134,9 +135,9 @@ def test_a_fixed_forwards_attention_with_the_kernels_equals_torchs(
         got = attn.cached(x, w, rope, fused, 0, fused.plan_fixed(lens, s, read), DecodeKernels())
     close(got, want)
     for b, n in enumerate(lengths):  # what both wrote: the s new slots of every row
-        close(fused._k[:, b, :, n : n + s], ref._k[:, b, :, n : n + s])
-        close(fused._v[:, b, :, n : n + s], ref._v[:, b, :, n : n + s])
-        assert fused._k[:, b, :, :n].equal(ref._k[:, b, :, :n])  # nothing before a row's end touched
+        for mine, theirs in zip(row_slots(fused, b, n, n + s), row_slots(ref, b, n, n + s), strict=True):
+            close(mine, theirs)
+        assert row_slots(fused, b, 0, n)[0].equal(row_slots(ref, b, 0, n)[0])  # nothing before a row's end touched
 
 
 @settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -155,16 +156,18 @@ def test_decode_attention_over_any_number_of_splits_equals_attend(
     ref = static_cache(model, rows, capacity, lengths, seed, DEVICE)
     fused = static_cache(model, rows, capacity, lengths, seed, DEVICE)
     for b, n in enumerate(lengths):
-        ref._k[:, b, :, n + s :], ref._v[:, b, :, n + s :] = 0.0, 0.0
-        fused._k[:, b, :, n + s :], fused._v[:, b, :, n + s :] = float("nan"), float("nan")
+        fill_slots(ref, b, n + s, 0.0)
+        fill_slots(fused, b, n + s, float("nan"))
     lens = torch.tensor(lengths, device=DEVICE)
     plan, fplan = ref.plan_fixed(lens, s, read), fused.plan_fixed(lens, s, read, masked=False)
     c = model.config
     q = torch.randn(rows, s, c.num_attention_heads, c.head_dim, generator=torch.Generator().manual_seed(seed)).to(
         DEVICE
     )
-    want = attend(q, plan.keys_out[0], plan.values_out[0], plan)
-    got = triton_kernels.decode_attention(q, fplan.keys_out[0], fplan.values_out[0], fplan.positions, splits)
+    want = attend(q, *ref.read_slots(0, plan), plan)
+    got = triton_kernels.decode_attention(
+        q, fplan.keys_in[0], fplan.values_in[0], fplan.positions, fplan.table, read, splits
+    )
     close(got, want)
 
 

@@ -37,6 +37,7 @@ from click.testing import CliRunner
 from engine_fixtures import TAPS, aligned_draft_model, aligned_eagle3, eagle3_target
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from paged_fixtures import paged_cache, row_slots
 from test_continuous_batching import MAX_K, check_against_alone, greedy_model, run_plan, traffic
 from test_eagle3 import run as run_alone_in_one_batch
 from test_speculative_distribution import ALPHA, SETTINGS, V, chi_square_pvalue, engine_counts, exact_joint
@@ -51,6 +52,7 @@ from sidecar.model.checkpoint import model_state_dict, save_checkpoint
 from sidecar.model.eagle3 import Eagle3Config
 from sidecar.model.eagle3 import build_eagle3 as build_eagle3_draft
 from sidecar.model.kv_cache import AttentionPlan, KVCache
+from sidecar.model.kv_pages import SCRATCH_BLOCK
 from sidecar.model.model import DecoderLayer, ModelConfig, Qwen3WithMTP, build_model
 from sidecar.types import GenerationRequest, Sample, SamplingParams, WeightSelector
 
@@ -114,23 +116,20 @@ def layer_model() -> Qwen3WithMTP:
 def static_cache(
     model: Qwen3WithMTP, max_batch: int, capacity: int, lengths: list[int], seed: int, device: str = "cpu"
 ) -> KVCache:
-    """A static cache whose whole storage is random (stale slots included: masking must hide them)."""
+    """A paged cache of len(lengths) rows (table rows for `max_batch`), each holding `capacity`
+    slots in scattered blocks, every slot random (stale slots included: masking must hide them)."""
     c = model.config
-    cache = KVCache(
+    return paged_cache(
         num_layers=1,
         num_kv_heads=c.num_key_value_heads,
         head_dim=c.head_dim,
         dtype=c.dtype,
-        device=device,
-        batch=len(lengths),
+        lengths=lengths,
         capacity=capacity,
-        max_batch=max_batch,
+        seed=seed,
+        device=device,
+        max_rows=max_batch,
     )
-    gen = torch.Generator().manual_seed(seed)
-    cache._k.copy_(torch.randn(cache._k.shape, generator=gen))
-    cache._v.copy_(torch.randn(cache._v.shape, generator=gen))
-    cache.lengths = list(lengths)
-    return cache
 
 
 def attend(model: Qwen3WithMTP, x: torch.Tensor, cache: KVCache, plan: AttentionPlan) -> torch.Tensor:
@@ -155,7 +154,7 @@ def test_a_fixed_plan_reads_and_writes_what_the_dynamic_plan_does(
     seed = data.draw(st.integers(0, 2**16))
     dynamic = static_cache(model, max_batch, capacity, lengths, seed)
     fixed = static_cache(model, max_batch, capacity, lengths, seed)
-    before = fixed._k.clone(), fixed._v.clone()
+    before = static_cache(model, max_batch, capacity, lengths, seed)
     x = torch.randn(rows, s, model.config.hidden_size, generator=torch.Generator().manual_seed(seed + 1))
 
     plan = dynamic.plan(num_new, width=s)
@@ -166,29 +165,30 @@ def test_a_fixed_plan_reads_and_writes_what_the_dynamic_plan_does(
     fixed.commit_counts(num_new)
 
     torch.testing.assert_close(got[:b], want, atol=1e-5, rtol=1e-5)  # the live rows' attention
-    assert torch.isfinite(got).all()  # padded rows too (they attend to their own fresh slots)
+    assert torch.isfinite(got).all()  # padded rows too (they attend to the scratch block)
     assert fixed.lengths == dynamic.lengths
-    for mine, theirs, old in zip((fixed._k, fixed._v), (dynamic._k, dynamic._v), before, strict=True):
-        torch.testing.assert_close(mine[:, :b], theirs[:, :b], atol=1e-5, rtol=1e-5)  # live rows: every slot
-        for r, n in enumerate(lengths):  # live rows: only the S slots past their length were written
-            untouched = torch.ones(capacity, dtype=torch.bool)
-            untouched[n : n + s] = False
-            assert torch.equal(mine[:, r, :, untouched], old[:, r, :, untouched])
-        assert torch.equal(mine[:, b:rows, :, s:], old[:, b:rows, :, s:])  # padded rows: slots [0, S) of free rows
-        assert torch.equal(mine[:, rows:], old[:, rows:])  # rows past the bucket: untouched
+    others = torch.ones(fixed._k.shape[1], dtype=torch.bool)
+    others[SCRATCH_BLOCK] = False  # padded rows write only there
+    for mine, theirs in zip((fixed._k, fixed._v), (dynamic._k, dynamic._v), strict=True):
+        torch.testing.assert_close(mine[:, others], theirs[:, others], atol=1e-5, rtol=1e-5)
+    for r, n in enumerate(lengths):  # live rows: only the S slots past their length were written
+        untouched = torch.ones(capacity, dtype=torch.bool)
+        untouched[n : n + s] = False
+        for mine, old in zip(row_slots(fixed, r, 0, capacity), row_slots(before, r, 0, capacity), strict=True):
+            assert torch.equal(mine[:, :, untouched], old[:, :, untouched])
 
 
 def test_plan_fixed_refuses_what_does_not_fit() -> None:
     model = layer_model()
     cache = static_cache(model, 4, 32, [3, 5], seed=0)
-    with pytest.raises(ValueError, match=r"5 rows reading 32 slots does not fit the static cache \(4 rows of 32"):
+    with pytest.raises(ValueError, match=r"5 rows reading 32 slots does not fit the paged cache \(4 rows of 32"):
         cache.plan_fixed(torch.zeros(5, dtype=torch.int64), 1, 32)
-    with pytest.raises(ValueError, match=r"4 rows reading 33 slots does not fit the static cache \(4 rows of 32"):
+    with pytest.raises(ValueError, match=r"4 rows reading 33 slots does not fit the paged cache \(4 rows of 32"):
         cache.plan_fixed(torch.zeros(4, dtype=torch.int64), 1, 33)
     with pytest.raises(ValueError, match="does not fit"):
         cache.plan_fixed(torch.zeros(4, dtype=torch.int64), 0, 32)
     growable = KVCache(num_layers=1, num_kv_heads=2, head_dim=16, dtype=torch.float32, device="cpu", batch=2)
-    with pytest.raises(ValueError, match="needs a static cache"):
+    with pytest.raises(ValueError, match="needs a paged cache"):
         growable.plan_fixed(torch.zeros(2, dtype=torch.int64), 1, 8)
     with pytest.raises(ValueError, match="num_new has 3 rows, the cache has 2"):
         cache.commit_counts([1, 1, 1])

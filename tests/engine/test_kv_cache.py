@@ -7,8 +7,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from paged_fixtures import fill_slots, row_slots
 
 from sidecar.model.kv_cache import KVCache
+from sidecar.model.kv_pages import RESERVED_BLOCKS, SCRATCH_BLOCK, ZERO_BLOCK, KVPages
 from sidecar.model.model import Qwen3WithMTP
 
 
@@ -107,14 +109,16 @@ def test_append_rows_from_a_cache_of_larger_but_not_double_capacity(random_model
 
 
 def test_slots_past_a_rows_length_read_as_zeros_whatever_was_written_there() -> None:
-    """Stale slots — a former occupant's tokens, rejected drafts, padding columns — are zeroed
-    before any forward reads them (`KVCache.scrub`), so a NaN written there weighs nothing under
-    the attention mask. Static storage: a row writes NaN past its length, leaves; rows shift down
-    over it; a joining row takes its storage; a fixed-shape forward's writes are marked by the
-    caller. Oracle: every slot at or past a live row's length is exactly 0 when a plan is made."""
+    """Stale slots — a former owner's tokens in a block taken again, rejected drafts, padding
+    columns — are zeroed before any forward reads them (`KVCache.scrub`, `KVPages.sync`), so a NaN
+    written there weighs nothing under the attention mask. Paged storage in blocks of 4: a row
+    writes NaN past its length, leaves; a joining row takes its blocks; a fixed-shape forward's
+    writes are marked by the caller. Oracle: every slot at or past a live row's length, within its
+    blocks, is exactly 0 when a plan is made."""
     nan = float("nan")
+    pages = KVPages(num_blocks=12, block_size=4, max_rows=3, max_slots=16, device=torch.device("cpu"))
     cache = KVCache(
-        num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float32, device="cpu", max_batch=3, capacity=16
+        num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float32, device="cpu", pages=pages, owner=True
     )
 
     def join(lengths: list[int]) -> None:
@@ -123,12 +127,17 @@ def test_slots_past_a_rows_length_read_as_zeros_whatever_was_written_there() -> 
         other._grow(max(lengths))
         other._k.fill_(1.0)
         other._v.fill_(1.0)
-        cache.append_rows(other)
+        for n in lengths:
+            pages.add_row(n)
+        cache.load_rows(other, list(range(len(lengths))))
 
     def stale_is_zero() -> bool:
-        return all(bool((t[:, b, :, n:] == 0).all()) for t in (cache._k, cache._v) for b, n in enumerate(cache.lengths))
+        return all(bool((t[:, :, n:] == 0).all()) for b, n in enumerate(cache.lengths) for t in row_slots(cache, b))
 
     join([3, 5])
+    assert pages.rows == [[2], [3, 4]] and pages.free == 12 - 2 - 3
+    for b, n in enumerate([8, 9]):
+        pages.grow(b, n)
     plan = cache.plan([4, 1], width=4)  # row 1 writes 3 padding columns past what it commits
     for layer in range(2):
         cache.write_and_read(layer, torch.full((2, 4, 1, 4), nan), torch.full((2, 4, 1, 4), nan), plan)
@@ -136,16 +145,61 @@ def test_slots_past_a_rows_length_read_as_zeros_whatever_was_written_there() -> 
     cache.truncate([4, 5])  # row 0 rolls back 3 of its 4 new slots: NaN past its length
     cache.plan([1, 1])
     assert stale_is_zero()
-    cache.keep_rows([1])  # row 0 leaves; row 1 (NaN past its length before the scrub) moves down
-    join([2])  # takes storage row 1, where NaN stood
+    cache.keep_rows([1])  # row 0 leaves: its blocks (NaN past its length) go back to the pool
+    assert pages.rows == [[3, 4, 6]] and pages.refs[2] == pages.refs[5] == 0
+    join([2])  # takes a block where NaN stood
+    pages.grow(0, 6)
+    pages.grow(1, 3)
     cache.plan([1, 1])
     assert stale_is_zero()
+    pages.grow(0, 9)
+    pages.grow(1, 9)
     cache.plan_fixed(torch.tensor([6, 2, 0]), 3, 16)  # what a replayed graph writes, the host marks
-    cache._k[:, :3, :, :9] = nan
+    for b in range(2):
+        fill_slots(cache, b, 0, nan, 9)
     cache.mark_written([9, 9, 9])
     cache.scrub()
     assert stale_is_zero()
-    assert bool((cache._k[:, 2, :, :3] != 0).all())  # a free row is scrubbed when a row takes it, not before
+    with pytest.raises(ValueError, match=r"row 1 writes 13 KV slots, its blocks hold 12: grow it first"):
+        cache.mark_written([9, 13])
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    ops=st.lists(st.tuples(st.sampled_from(["add", "share", "grow", "trim", "keep"]), st.integers(0, 40)), max_size=30)
+)
+def test_the_pages_books_balance_and_the_table_follows_them(ops: list[tuple[str, int]]) -> None:
+    """`KVPages` against its own books, whatever rows come and go: every block is free or held,
+    a block's reference count is the number of rows holding it, no two rows hold a block unless
+    it was shared, and after `sync` each live table row lists its blocks then the zero block, each
+    row past them the scratch block."""
+    pages = KVPages(num_blocks=20, block_size=4, max_rows=5, max_slots=40, device=torch.device("cpu"))
+    for op, n in ops:
+        rows = len(pages.rows)
+        if op in ("add", "share") and rows < pages.max_rows:
+            shared = pages.rows[n % rows][: n % 3] if op == "share" and rows else []
+            if pages.missing_for(n, shared) <= pages.free:
+                pages.add_row(n, shared)
+        elif op == "grow" and rows and pages.missing(n % rows, n) <= pages.free:
+            pages.grow(n % rows, n)
+        elif op == "trim" and rows:
+            pages.trim(n % rows, max(n - 10, len([b for b in pages.rows[n % rows] if pages.refs[b] > 1]) * 4))
+        elif op == "keep" and rows:
+            order = list(range(rows))
+            order = order[n % rows :] + order[: n % rows]
+            pages.keep_rows(order[: max(0, rows - n % 2)])
+        held = [b for r in pages.rows for b in r]
+        assert pages.free + len(set(held)) == pages.usable
+        assert all(pages.refs[b] == held.count(b) for b in range(RESERVED_BLOCKS, pages.num_blocks))
+        assert not set(held) & {ZERO_BLOCK, SCRATCH_BLOCK}
+        pages.sync()
+        for r in range(pages.max_rows):
+            want = (
+                pages.rows[r] + [ZERO_BLOCK] * (pages.max_blocks - len(pages.rows[r]))
+                if r < len(pages.rows)
+                else [SCRATCH_BLOCK] * pages.max_blocks
+            )
+            assert pages.table[r].tolist() == want
 
 
 @settings(max_examples=20, deadline=None, derandomize=True)
@@ -160,7 +214,8 @@ def test_selected_rows_with_repeats_continue_as_their_source_rows(
     """`select_rows` with an index that repeats and drops rows (one prefill copied to the samples
     sharing its prompt): each selected row then decodes its own continuation as if its source's
     sequence had been cached alone, and the written extents travel with the rows (stale slots
-    still read as zeros once a static cache takes them). Oracle: the full forward."""
+    still read as zeros); then the same rows in a paged cache, rows of one source sharing its full
+    blocks, each decode their own continuation. Oracle: the full forward."""
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, 64, (n,), generator=gen).tolist() for n in lengths]
     rows = [p % len(prompts) for p in picks]
@@ -171,20 +226,34 @@ def test_selected_rows_with_repeats_continue_as_their_source_rows(
     cache.scrub()  # the shorter prompts' padding columns are stale in their copies too
     assert all(bool((t[:, b, :, n:] == 0).all()) for t in (cache.k, cache.v) for b, n in enumerate(cache.lengths))
     seqs = [list(prompts[r]) for r in rows]
-    static = KVCache(
+    pages = KVPages(
+        num_blocks=2 + 4 * len(rows), block_size=4, max_rows=len(rows), max_slots=16, device=torch.device("cpu")
+    )
+    paged = KVCache(
         num_layers=cache.num_layers,
         num_kv_heads=cache.num_kv_heads,
         head_dim=cache.head_dim,
         dtype=cache.dtype,
         device="cpu",
-        max_batch=len(rows),
-        capacity=32,
+        pages=pages,
+        owner=True,
     )
-    static.append_rows(cache)
-    for c in (cache, static):
+    first: dict[int, int] = {}
+    for r in rows:  # rows with one source share its full blocks
+        n = lengths[r]
+        if r in first:
+            pages.add_row(n, pages.rows[first[r]][: n // 4])
+        else:
+            first[r] = pages.add_row(n)
+    paged.load_rows(cache, list(range(len(rows))))
+    assert pages.shared == sum(lengths[r] // 4 for r in first if rows.count(r) > 1)
+    for c in (cache, paged):
         chunks = [torch.randint(0, 64, (1 + i % 3,), generator=gen).tolist() for i in range(len(rows))]
+        if c is paged:
+            for b, n in enumerate(c.lengths):
+                pages.grow(b, n + 3)
         hs = extend(random_model, c, chunks)
         for b, (seq, chunk) in enumerate(zip(seqs, chunks, strict=True)):
             torch.testing.assert_close(hs[b], oracle(random_model, seq + chunk)[-len(chunk) :], atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="growable"):
-        static.select_rows([0])
+        paged.select_rows([0])

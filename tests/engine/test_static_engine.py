@@ -3,12 +3,15 @@
 - A weight push followed by generation equals the plain full-forward greedy decode of the pushed
   weights (copying update, adopting update; plain and speculative), so the fused decode weights
   (`model.DecodeWeights`) never serve stale values.
-- The static KV cache: a request longer than a row is refused with RESOURCE_EXHAUSTED's error,
-  a memory budget caps the rows, rows that leave and join keep every other row exact.
+- The paged KV cache: a request longer than a row is refused with RESOURCE_EXHAUSTED's error,
+  a memory budget caps the pool's blocks (not the rows), rows that leave and join keep every
+  other row exact.
 - The rotary table lookup equals the checked forward, without a host read.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -86,23 +89,33 @@ def test_a_request_longer_than_a_kv_row_is_resource_exhausted_and_the_engine_goe
     assert engine.generate(fits)[0].token_ids == oracle_greedy(engine.model, [1] * 10, 6)
 
 
-def test_a_memory_budget_caps_the_rows_and_the_rest_queue() -> None:
+def test_a_memory_budget_caps_the_pools_blocks_and_the_rest_queue() -> None:
+    """A KV budget worth three full rows: the pool holds that many blocks, yet six rows of short
+    sequences run at once (each holds only the blocks its tokens fill), all exact."""
     config = ModelConfig.tiny()
     model = build_model(config, seed=36)
     per_token = (config.num_hidden_layers + 1) * KVCache.slot_bytes(
         config.num_key_value_heads, config.head_dim, config.dtype
     )
     slots = 32 + 8 + 2  # max_context + max_speculation_k + 2
-    engine = TorchEngine(model, max_context=32, max_batch_size=8, kv_cache_bytes=3 * per_token * slots)
-    assert engine.max_batch_size == 3
-    assert engine._cache.nbytes() + engine._mtp_caches[0].nbytes() <= 3 * per_token * slots
-    out = engine.generate(
-        GenerationRequest(
-            prompts=PROMPTS * 2, sampling=SamplingParams(temperature=0.0, max_new_tokens=NEW), speculation_k=2
-        )
+    budget = 3 * per_token * slots
+    engine = TorchEngine(model, max_context=32, max_batch_size=8, kv_cache_bytes=budget, kv_block_size=4)
+    assert engine.max_batch_size == 8
+    assert engine.kv_usage().blocks_total == budget // (4 * per_token) - 2  # less the zero and scratch blocks
+    assert engine._cache.nbytes() + engine._mtp_caches[0].nbytes() <= budget
+    request = GenerationRequest(
+        prompts=PROMPTS * 2, sampling=SamplingParams(temperature=0.0, max_new_tokens=NEW), speculation_k=2
     )
-    assert [s.token_ids for s in out] == [oracle_greedy(model, p, NEW) for p in PROMPTS * 2]
-    with pytest.raises(ValueError, match="holds no row"):
+    engine.submit(dataclasses.replace(request, request_id="r"))
+    out, most = [], 0
+    while engine.has_work():
+        out += engine.step()
+        most = max(most, engine.num_running())
+    assert most == 6  # three full rows' memory, six rows at once
+    assert sorted((s.prompt_index, s.token_ids) for s in out) == sorted(
+        (i, oracle_greedy(model, p, NEW)) for i, p in enumerate(PROMPTS * 2)
+    )
+    with pytest.raises(ValueError, match="holds no block"):
         TorchEngine(model, max_context=32, kv_cache_bytes=per_token)
 
 
@@ -137,10 +150,10 @@ def test_serve_config_sizes_the_torch_engines_kv_cache(tmp_path) -> None:  # typ
         kv_cache_gib=cfg.kv_cache_gib,
     )
     assert isinstance(engine, TorchEngine) and engine.max_context == 40
-    per_row = (config.num_hidden_layers + 1) * KVCache.slot_bytes(
+    per_token = (config.num_hidden_layers + 1) * KVCache.slot_bytes(
         config.num_key_value_heads, config.head_dim, config.dtype
     )
-    assert engine.max_batch_size == int(0.001 * 2**30) // (per_row * (40 + 8 + 2)) < 64
+    assert engine.kv_usage().blocks_total == int(0.001 * 2**30) // (per_token * 16) - 2
     with pytest.raises(ValueError, match="kv_cache_gib must be > 0"):
         ServeConfig(kv_cache_gib=0)
     with pytest.raises(ValueError, match="SGLang sizes its own"):
