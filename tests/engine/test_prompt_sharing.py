@@ -241,3 +241,22 @@ def test_a_sequence_that_does_not_draft_gets_no_draft_cache_from_a_shared_prompt
     assert draft_cache.lengths == [0, 0, len(prompt) - 1, len(prompt) - 1]
     assert e._cache.lengths == [len(prompt)] * 4
     assert [s.pending is None for s in e._running] == [True, True, False, False]
+
+
+@pytest.mark.parametrize(("k", "shared"), [(0, 6), (MAX_K, 5)])
+def test_a_grpo_groups_rows_share_its_prompts_full_kv_blocks(k: int, shared: int) -> None:
+    """Eight samples of a 48-token prompt hold its full blocks once: in blocks of 8, all six
+    (plain) or the first five (drafting: the draft cache writes position 47, so the sixth block is
+    each row's own) — 6 or 13 blocks where unshared rows would take 48. Every block comes back
+    when the group ends."""
+    target, _ = model("mtp")
+    e = TorchEngine(target, speculation_k=MAX_K, max_speculation_k=MAX_K, kv_block_size=8)
+    prompt = torch.randint(0, VOCAB, (48,), generator=torch.Generator().manual_seed(3)).tolist()
+    sp = SamplingParams(temperature=1.0, max_new_tokens=4, seed=1)
+    e.submit(GenerationRequest(prompts=[prompt], sampling=sp, samples_per_prompt=8, speculation_k=k, request_id="g"))
+    e.step()  # the admission: one prefill, eight rows
+    usage = e.kv_usage()
+    assert (usage.blocks_shared, usage.blocks_used) == (shared, shared + 8 * (6 - shared))
+    while e.has_work():
+        e.step()
+    assert e.kv_usage().blocks_used == 0
