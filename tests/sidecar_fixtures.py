@@ -132,10 +132,11 @@ def start_sidecar(
     scheduler: SchedulerConfig | None = None,
     max_message_mib: int = 64,
     draft: Path | None = None,
+    engine_options: dict[str, Any] | None = None,
     **config: object,
 ) -> Sidecar:
     engine = TorchEngine.from_checkpoint(
-        checkpoint, speculation_k=speculation_k, max_batch_size=max_batch_size, draft=draft
+        checkpoint, speculation_k=speculation_k, max_batch_size=max_batch_size, draft=draft, **(engine_options or {})
     )
     cfg = SidecarConfig(
         server=ServerConfig(port=0, max_message_mib=max_message_mib),

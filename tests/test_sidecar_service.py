@@ -18,6 +18,9 @@ import torch
 import sidecar.protocol.convert as convert
 from sidecar.client.client import SidecarCallError, SidecarClient
 from sidecar.client.weight_sender import iter_push_requests
+from sidecar.engine.torch_engine import TorchEngine
+from sidecar.model.checkpoint import model_state_dict, save_checkpoint
+from sidecar.model.model import ModelConfig, build_model
 from sidecar.protocol import services
 from sidecar.protocol.specrl.v1 import rollout_pb2, weights_pb2
 from sidecar.server.process import Sidecar
@@ -441,3 +444,51 @@ def test_sampling_with_a_seed_is_reproducible_and_reports_logprobs(client: Sidec
     a, b = client.generate(request), client.generate(request)
     assert [s.token_ids for s in a] == [s.token_ids for s in b]
     assert all(len(s.logprobs) == len(s.token_ids) and all(lp <= 0 for lp in s.logprobs) for s in a)
+
+
+def test_a_pool_worth_four_full_rows_serves_32_short_requests_at_once(tmp_path: Path) -> None:
+    """Issue 48: a KV budget that a cache reserving whole rows would have split into 4 rows of a
+    1024-token context serves 32 concurrent short requests together — none refused, each equal to
+    itself run alone — and GetStats and Prometheus show them running at once in a few blocks."""
+    config = ModelConfig.tiny(max_position_embeddings=1024)
+    path = tmp_path / "long"
+    save_checkpoint(path, config, model_state_dict(build_model(config, seed=5)))
+    per_token = TorchEngine.from_checkpoint(path, max_batch_size=1).drafter.token_bytes()
+    budget = 4 * (1024 + 8 + 2) * per_token  # 4 rows of max_context + max_speculation_k + 2 slots
+    prompts = [[1 + i % 50, 2 + i % 7, 3] for i in range(32)]
+    alone = TorchEngine.from_checkpoint(path, speculation_k=2)
+    want = [alone.generate(greedy_request([p], n=24))[0].token_ids for p in prompts]
+    with (
+        start_sidecar(path, max_batch_size=32, engine_options={"kv_cache_bytes": budget}, metrics_port=0) as sc,
+        SidecarClient(sc.address) as c,
+    ):
+        c.pause()  # all 32 queue first, so that they are admitted together
+        got: dict[int, list[int]] = {}
+        errors: list[Exception] = []
+
+        def call(i: int) -> None:
+            try:
+                got[i] = c.generate(greedy_request([prompts[i]], n=24, request_id=f"short-{i}"))[0].token_ids
+            except Exception as e:  # a refusal fails the test below
+                errors.append(e)
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(32)]
+        for t in threads:
+            t.start()
+        wait_until(lambda: c.stats().queued_sequences == 32, what="32 queued")
+        c.resume()
+        peak_rows = peak_blocks = 0
+        while any(t.is_alive() for t in threads):
+            stats = c.stats()
+            peak_rows = max(peak_rows, stats.running_sequences)
+            peak_blocks = max(peak_blocks, stats.kv.blocks_used)
+        for t in threads:
+            t.join(DEADLINE)
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{sc.metrics_port}/metrics", timeout=DEADLINE).read()
+        kv = c.stats().kv
+    assert errors == []
+    assert [got[i] for i in range(32)] == want
+    assert peak_rows == 32  # all at once, where whole-row reservations would have run 4
+    assert 32 <= peak_blocks <= kv.blocks_total and kv.blocks_total * kv.block_size <= 4 * (1024 + 10)
+    assert kv.blocks_used == 0 and kv.preemptions == 0
+    assert f"specrl_kv_blocks_total {float(kv.blocks_total)}".encode() in metrics

@@ -270,6 +270,7 @@ class TorchEngine(Admission, ServedWeights, SpeculationSettings, Engine):
         draft: str | Path | None = None,
         compile: str = "auto",
         draft_vocab_size: int = 0,
+        kv_block_size: int = 16,
     ) -> TorchEngine:
         """Load a checkpoint directory (config.json + safetensors) onto `device`, and the EAGLE-3
         draft directory `draft` beside it (`eagle3_checkpoint`)."""
@@ -288,6 +289,7 @@ class TorchEngine(Admission, ServedWeights, SpeculationSettings, Engine):
             kv_cache_bytes=kv_cache_bytes,
             compile=compile,
             draft_vocab_size=draft_vocab_size,
+            kv_block_size=kv_block_size,
         )
 
     # ---- Engine interface: info and control --------------------------------------------------

@@ -62,6 +62,7 @@ def load_engine(
     draft: Path | None = None,
     compile: str = "auto",
     draft_vocab_size: int = 0,
+    kv_block_size: int = 16,
 ) -> Engine:
     """The engine serving `model` (an Engine); click.ClickException when it cannot be built.
     `speculation_auto`: automatic k up to speculation_k; `draft`: an EAGLE-3 draft directory beside it."""
@@ -77,6 +78,8 @@ def load_engine(
         options["max_context"] = max_context
     if kv_cache_gib is not None:
         options["kv_cache_bytes"] = int(kv_cache_gib * 2**30)
+    if kv_block_size != 16:
+        options["kv_block_size"] = kv_block_size
     if draft is not None:
         options["draft"] = draft
     if compile != "auto":
@@ -166,7 +169,14 @@ _SEC = _D.security
     "--kv-cache-gib",
     type=click.FloatRange(0, min_open=True),
     default=_D.kv_cache_gib,
-    help="GiB the torch engine's KV cache may take. Default: 90% of free GPU memory; no bound on CPU.",
+    help="GiB of the torch engine's paged KV pool. Default: 90% of free GPU memory (capped at what full rows need).",
+)
+@click.option(
+    "--kv-block-size",
+    type=click.IntRange(1, 256),
+    default=_D.kv_block_size,
+    show_default=True,
+    help="Tokens a KV block holds (torch engine; a power of two).",
 )
 @click.option(
     "--compile",
@@ -414,6 +424,7 @@ def run_sidecar(cfg: ServeConfig, token: str | None = None) -> None:
         draft=cfg.draft,
         compile=cfg.compile,
         draft_vocab_size=cfg.draft_vocab_size,
+        kv_block_size=cfg.kv_block_size,
     )
     pool = kv_pool_line(eng.kv_usage())
     if pool is not None:

@@ -41,14 +41,20 @@ class ServeConfig:
     max_speculation_k: int = 8
     """Largest k a request or SetSpeculation may ask for (the engine sizes its scratch for it)."""
     max_batch_size: int = 64
-    """Most sequences decoded together in one engine step (the KV cache holds this many rows)."""
+    """Most sequences decoded together in one engine step (rows of the torch engine's KV block
+    table; the memory they take is the blocks their tokens fill)."""
     max_context: int | None = None
-    """Tokens (prompt + max_new_tokens) one sequence may hold: the length of a KV cache row (torch
-    engine; None: the model's max_position_embeddings). Longer requests are refused with
-    RESOURCE_EXHAUSTED. The KV cache is allocated once, max_batch_size rows of this length."""
+    """Tokens (prompt + max_new_tokens) one sequence may hold (torch engine; None: the model's
+    max_position_embeddings). Longer requests, and requests whose blocks the whole KV pool could
+    not hold, are refused with RESOURCE_EXHAUSTED."""
     kv_cache_gib: float | None = None
-    """Most memory the torch engine's KV cache may take (None: 90% of the free memory on CUDA, no
-    bound on CPU); fewer rows than max_batch_size fit → the batch is capped at what fits."""
+    """Memory of the torch engine's paged KV pool, allocated once (None: 90% of the free memory on
+    CUDA, capped at what max_batch_size full rows need; on CPU what they need). Rows hold only the
+    blocks their tokens fill, a prompt's samples share its full blocks; when the pool runs out
+    mid-generation the latest admitted rows are preempted and resume later, unchanged."""
+    kv_block_size: int = 16
+    """Tokens a KV block holds (torch engine; a power of two, at most 256): the pool's unit of
+    allocation and sharing."""
     compile: Literal["auto", "on", "off"] = "auto"
     """How the torch engine runs a decode round's forwards: "on" at fixed shapes captured as CUDA
     graphs (on a CPU run eagerly), "off" eagerly at the batch's own shapes, "auto" on for CUDA
@@ -121,12 +127,17 @@ class ServeConfig:
             raise ValueError(f"max_context must be >= 2 or unset (the model's context), got {self.max_context}")
         if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
             raise ValueError(f"kv_cache_gib must be > 0 or unset, got {self.kv_cache_gib}")
+        if not 1 <= self.kv_block_size <= 256 or self.kv_block_size & (self.kv_block_size - 1):
+            raise ValueError(f"kv_block_size must be a power of two in [1, 256], got {self.kv_block_size}")
         if self.compile not in ("auto", "on", "off"):
             raise ValueError(f"compile must be auto, on or off, got {self.compile!r}")
         if self.compile != "auto" and self.engine != "torch":
             raise ValueError("compile chooses how the torch engine runs its forwards; SGLang runs its own")
-        if (self.max_context is not None or self.kv_cache_gib is not None) and self.engine != "torch":
-            raise ValueError("max_context and kv_cache_gib size the torch engine's KV cache; SGLang sizes its own")
+        sized = self.max_context is not None or self.kv_cache_gib is not None or self.kv_block_size != 16
+        if sized and self.engine != "torch":
+            raise ValueError(
+                "max_context, kv_cache_gib and kv_block_size size the torch engine's KV cache; SGLang sizes its own"
+            )
         if self.draft_vocab_size < 0:
             raise ValueError(f"draft_vocab_size must be >= 0 (0: the full vocabulary), got {self.draft_vocab_size}")
         if self.draft_vocab_size and (self.engine != "torch" or self.draft is not None):
