@@ -207,27 +207,35 @@ class Admission:
         """Blocks admitting `seqs` takes: each row's prefix and `extra` slots past it, less the
         blocks it shares with an earlier one of them (same prefix, drafting alike)."""
         seen: set[tuple[tuple[int, ...], bool]] = set()
-        total = 0
-        for s in seqs:
-            p = s.prefix()
-            key = (tuple(p), s.drafts)
-            shared = self._shareable(len(p), s.drafts) if key in seen else 0
-            total += blocks_for(len(p) + extra, self._pages.block_size) - shared
-            seen.add(key)
-        return total
+        return sum(self._row_blocks(s, extra, seen) for s in seqs)
+
+    def _row_blocks(self, s: Sequence, extra: int, seen: set[tuple[tuple[int, ...], bool]]) -> int:
+        """`_blocks_needed`'s term for `s` after the rows whose keys are in `seen` (which it joins)."""
+        p = s.prefix()
+        key = (tuple(p), s.drafts)
+        shared = self._shareable(len(p), s.drafts) if key in seen else 0
+        seen.add(key)
+        return blocks_for(len(p) + extra, self._pages.block_size) - shared
 
     def _admissible(self) -> list[Sequence]:
         """The queued sequences to admit now, first come first served: while rows are free and the
-        free blocks hold each one's prefix and a round's writes past it. Taken off the queue.
-        Nothing in a step that preempted (its rows would come straight back)."""
+        free blocks hold each one's prefix and a round's writes past it, beside a round's writes of
+        every running row (so that a new row does not preempt an older one at once). Taken off the
+        queue. Nothing in a step that preempted (its rows would come straight back)."""
         if self._preempted:
             self._preempted = False
             return []
         room = self.max_batch_size - len(self._running)
         new: list[Sequence] = []
+        seen: set[tuple[tuple[int, ...], bool]] = set()
+        round_blocks = blocks_for(self.max_speculation_k + 2, self._pages.block_size)
+        total = round_blocks * len(self._running)  # the running rows' next round stays covered
         while self._queue and len(new) < room:
-            if self._blocks_needed([*new, self._queue[0]], self.max_speculation_k + 2) > self._pages.free:
+            trial = set(seen)
+            need = self._row_blocks(self._queue[0], self.max_speculation_k + 2, trial)
+            if total + need > self._pages.free:
                 break
+            total, seen = total + need, trial
             new.append(self._queue.popleft())
         return new
 
@@ -246,8 +254,15 @@ class Admission:
                 slots = max(slots, *(c.lengths[i] + max(width, s.num_pending + k) for c in self._mtp_caches))
             need.append(slots)
         order = sorted(range(len(seqs)), key=lambda i: seqs[i].admitted)  # earliest first
-        while sum(pages.missing(i, need[i]) for i in order) > pages.free and len(order) > 1:
-            order.pop()  # the latest admitted row yields its blocks
+        missing = [pages.missing(i, n) for i, n in enumerate(need)]
+        want, freed = sum(missing), 0
+        holders: dict[int, int] = {}  # block -> preempted rows holding it
+        while want > pages.free + freed and len(order) > 1:
+            i = order.pop()  # the latest admitted row yields its blocks
+            want -= missing[i]
+            for b in pages.rows[i]:
+                holders[b] = holders.get(b, 0) + 1
+                freed += holders[b] == pages.refs[b]  # no row kept holds it: free once they leave
         if len(order) < len(seqs):
             out = sorted(set(range(len(seqs))) - set(order), key=lambda i: seqs[i].admitted, reverse=True)
             for i in out:

@@ -65,6 +65,7 @@ class KVPages:
         self._dirty: set[int] = set()  # table rows that differ from `rows` (and padding rows' SCRATCH)
         self._fresh: list[int] = []  # blocks taken since the last sync, to zero in every pool
         self._pools: list[tuple[Tensor, Tensor]] = []
+        self._shared = 0  # blocks with refs > 1, kept as refs change
         self.preemptions = 0
         """Rows preempted (counted by the engine that preempts them)."""
 
@@ -86,7 +87,7 @@ class KVPages:
     @property
     def shared(self) -> int:
         """Blocks more than one row holds."""
-        return sum(1 for r in self.refs[RESERVED_BLOCKS:] if r > 1)
+        return self._shared
 
     def slots(self, row: int) -> int:
         """Token slots row `row`'s blocks hold."""
@@ -116,7 +117,9 @@ class KVPages:
     def _drop(self, blocks: list[int]) -> None:
         for b in blocks:
             self.refs[b] -= 1
-            if self.refs[b] == 0:
+            if self.refs[b] == 1:
+                self._shared -= 1
+            elif self.refs[b] == 0:
                 self._free.append(b)
 
     # ---- rows ---------------------------------------------------------------------------------
@@ -127,6 +130,8 @@ class KVPages:
             raise ValueError(f"the KV table holds {self.max_rows} rows")
         for b in shared:
             self.refs[b] += 1
+            if self.refs[b] == 2:
+                self._shared += 1
         blocks = list(shared) + self._take(max(0, blocks_for(slots, self.block_size) - len(shared)))
         self.rows.append(blocks)
         self._dirty.add(len(self.rows) - 1)
@@ -207,8 +212,8 @@ def pool_blocks(
 ) -> int:
     """Blocks (the reserved two included) a pool of `block_bytes` a block may allocate: as many as
     `max_rows` full rows of `max_slots` slots need at most, or fewer when `budget` bytes hold fewer
-    (default budget on CUDA: 90% of the device memory free now; on CPU none). Fewer than one row
-    of `block_size`... no: fewer than 2 usable blocks → ValueError."""
+    (default budget on CUDA: 90% of the device memory free now; on CPU none). A budget that holds
+    no usable block → ValueError."""
     most = max_rows * blocks_for(max_slots, block_size) + RESERVED_BLOCKS
     if budget is None and device.type == "cuda":
         budget = int(0.9 * torch.cuda.mem_get_info(device)[0])

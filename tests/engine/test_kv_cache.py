@@ -192,6 +192,7 @@ def test_the_pages_books_balance_and_the_table_follows_them(ops: list[tuple[str,
         assert pages.free + len(set(held)) == pages.usable
         assert all(pages.refs[b] == held.count(b) for b in range(RESERVED_BLOCKS, pages.num_blocks))
         assert not set(held) & {ZERO_BLOCK, SCRATCH_BLOCK}
+        assert pages.shared == sum(1 for b in set(held) if held.count(b) > 1)
         pages.sync()
         for r in range(pages.max_rows):
             want = (

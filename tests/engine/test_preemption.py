@@ -103,3 +103,42 @@ def test_rows_preempted_mid_generation_resume_with_the_same_tokens(temperature: 
     assert usage.preemptions > 0
     assert usage.blocks_used == 0
     check_against_alone("sampled", MAX_K, plan, got)
+
+
+def test_a_round_preempts_only_the_rows_whose_blocks_it_needs() -> None:
+    """Three rows of 10-token prompts in blocks of 1 token, a pool of 37: after two plain rounds one
+    block is free and the round needs three. Preempting the latest row frees its 12 blocks, which
+    is enough: one row is preempted, not two (the count must include the blocks a preempted row
+    gives back), and every sample still equals itself alone."""
+    model = greedy_model()
+    per_block = TorchEngine(model, max_batch_size=1, max_speculation_k=0).drafter.token_bytes()
+    engine = TorchEngine(
+        model,
+        speculation_k=0,
+        max_speculation_k=0,
+        max_batch_size=3,
+        kv_block_size=1,
+        kv_cache_bytes=(37 + RESERVED_BLOCKS) * per_block,
+    )
+    plan = [
+        Planned(
+            request=GenerationRequest(
+                prompts=[[i + 1] * 10], sampling=SamplingParams(temperature=0.0, max_new_tokens=20), request_id=f"r{i}"
+            ),
+            arrival=0,
+            abort_after=None,
+        )
+        for i in range(3)
+    ]
+    for p in plan:
+        engine.submit(p.request)
+    out = []
+    while engine.kv_usage().preemptions == 0:
+        out += engine.step()
+    assert (engine.kv_usage().preemptions, engine.num_running(), engine.num_queued()) == (1, 2, 1)
+    while engine.has_work():
+        out += engine.step()
+    got = {p.request.request_id: [] for p in plan}
+    for s in out:
+        got[s.request_id].append(s)
+    check_against_alone("greedy", 0, plan, got)
