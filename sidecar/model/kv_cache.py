@@ -9,7 +9,8 @@ Continuous batching with speculative decoding needs three things of a KV cache:
 
 Two storages behind one interface:
 - *paged* (`pages` given: the engine's caches): one pool per k and v of shape (num_layers,
-  num_blocks, kv_heads, block_size, head_dim), shared out by `kv_pages.KVPages`, whose block table
+  kv_heads, num_blocks, block_size, head_dim) (a block's slots of one head together, so a gather
+  of a row's blocks is its slots in order, with no second copy), shared out by `kv_pages.KVPages`, whose block table
   says which blocks hold each row's slots (one table for the target's cache and every draft
   layer's). A row holds only the blocks its tokens fill; rows join by copying their prefill into
   fresh blocks (`load_rows`; a prompt's samples share its full blocks), leave by releasing their
@@ -74,13 +75,17 @@ class AttentionPlan:
     """`mask` repeated for G query heads per key/value head, made once per forward (by `attend`)."""
     table: Tensor | None = None
     """A paged cache's (B, max_blocks) block table rows (`kv_pages`); None for a growable cache.
-    Then `keys_in` / `values_in` are each layer's pool viewed (num_blocks, block_size, kv_heads,
-    head_dim), and `keys_out` / `values_out` are empty: `write_and_read` gathers the read slots."""
+    A fused plan's `keys_in` / `values_in` are each layer's pool viewed (num_blocks, block_size,
+    kv_heads, head_dim); a host-path plan's are views of `rows_read`."""
     block_size: int = 0
     write_at: tuple[Tensor, Tensor] | None = None
     """A paged host-path forward's (block, offset) of each new token, each (B, S)."""
     read_table: Tensor | None = None
-    """A paged host-path forward's (B, kv_len / block_size) blocks it reads (`write_and_read`)."""
+    """A paged host-path forward's (B, kv_len / block_size) blocks it reads."""
+    rows_read: tuple[Tensor, Tensor] | None = None
+    """A paged host-path forward's keys and values of every layer's read slots, (L, B, kv_heads,
+    kv_len, head_dim) each, gathered from the blocks once by the plan: the layers write and read
+    these, and the last layer's write copies the new tokens into their blocks."""
 
 
 class KVCache:
@@ -111,7 +116,7 @@ class KVCache:
         else:
             if batch:
                 raise ValueError("a paged cache starts empty: rows join with load_rows")
-            shape = (num_layers, pages.num_blocks, num_kv_heads, pages.block_size, head_dim)
+            shape = (num_layers, num_kv_heads, pages.num_blocks, pages.block_size, head_dim)
         self._k = torch.zeros(shape, dtype=dtype, device=self.device)
         self._v = torch.zeros(shape, dtype=dtype, device=self.device)
         if pages is not None:
@@ -236,23 +241,42 @@ class KVCache:
         host path where each new token goes and which blocks the forward reads."""
         assert self.pages is not None
         bs = self.pages.block_size
-        write_at = read_table = None
-        if mask is not None or not grouped:  # the host path (a fused plan's kernels look the blocks up themselves)
-            write_at = (table.gather(1, positions // bs), positions % bs)
-            read_table = table[:, : blocks_for(read, bs)]
+        if mask is None and grouped:  # fused kernels: they write and read the pool through the table
+            return AttentionPlan(
+                positions=positions,
+                mask=None,
+                kv_len=read,
+                start=None,
+                num_new=num_new,
+                keys_in=self._k.permute(0, 2, 3, 1, 4).unbind(0),  # each (num_blocks, block_size, kv_heads, head_dim)
+                values_in=self._v.permute(0, 2, 3, 1, 4).unbind(0),
+                grouped=grouped,
+                table=table,
+                block_size=bs,
+            )
+        # the host path: every layer's read slots gathered once into rows as a growable cache holds
+        # them; the layers write and read those (as a growable cache's forward does), and the last
+        # layer's write puts the new tokens of all layers into their blocks (`write_and_read`)
+        read_table = table[:, : blocks_for(read, bs)]
+        k, v = _gather(self._k, read_table, read), _gather(self._v, read_table, read)  # (L, B, kv, read, d) views
+        rows = torch.arange(positions.shape[0], device=self.device)[:, None]
         return AttentionPlan(
             positions=positions,
             mask=mask,
             kv_len=read,
             start=None,
             num_new=num_new,
-            keys_in=self._k.transpose(2, 3).unbind(0),  # each (num_blocks, block_size, kv_heads, head_dim)
-            values_in=self._v.transpose(2, 3).unbind(0),
+            keys_in=k.transpose(2, 3).unbind(0),
+            values_in=v.transpose(2, 3).unbind(0),
+            keys_out=k.unbind(0),
+            values_out=v.unbind(0),
+            index=(rows, positions),
             grouped=grouped,
             table=table,
             block_size=bs,
-            write_at=write_at,
+            write_at=(table.gather(1, positions // bs), positions % bs),
             read_table=read_table,
+            rows_read=(k, v),
         )
 
     def plan_fixed(self, lengths: Tensor, width: int, read: int, *, masked: bool = True) -> AttentionPlan:
@@ -315,8 +339,10 @@ class KVCache:
         if self.pages is not None:
             blocks, offsets = self.pages.locate(rows, slots)
             i, t = upload(blocks, self.device), upload(offsets, self.device)
-        else:
-            i, t = upload(rows, self.device), upload(slots, self.device)
+            self._k[:, :, i, t] = 0
+            self._v[:, :, i, t] = 0
+            return
+        i, t = upload(rows, self.device), upload(slots, self.device)
         self._k[:, i, :, t] = 0
         self._v[:, i, :, t] = 0
 
@@ -339,10 +365,15 @@ class KVCache:
         if plan.grouped and plan.mask is None:
             raise ValueError("this fixed plan has no mask (plan_fixed(masked=False)): only the fused kernels write it")
         if plan.table is not None:
-            assert plan.write_at is not None and plan.read_table is not None
-            plan.keys_in[layer].index_put_(plan.write_at, k)
-            plan.values_in[layer].index_put_(plan.write_at, v)
-            return self.read_slots(layer, plan)
+            assert plan.write_at is not None and plan.index is not None and plan.rows_read is not None
+            plan.keys_in[layer].index_put_(plan.index, k)
+            plan.values_in[layer].index_put_(plan.index, v)
+            if layer == self.num_layers - 1:  # every layer's new tokens into their blocks at once
+                blocks, offsets = plan.write_at
+                rows, positions = plan.index
+                for pool, read in zip((self._k, self._v), plan.rows_read, strict=True):
+                    pool[:, :, blocks, offsets] = read[:, rows, :, positions].permute(2, 3, 0, 1, 4)
+            return plan.keys_out[layer], plan.values_out[layer]
         if plan.index is None:
             plan.keys_in[layer].copy_(k)
             plan.values_in[layer].copy_(v)
@@ -353,12 +384,10 @@ class KVCache:
 
     def read_slots(self, layer: int, plan: AttentionPlan) -> tuple[Tensor, Tensor]:
         """A paged host-path plan's read slots of `layer`, each (B, kv_heads, kv_len, head_dim):
-        gathered from the rows' blocks (one gather each)."""
-        if plan.read_table is None:
+        what its blocks held when the plan gathered them, and the forward's writes since."""
+        if plan.rows_read is None:
             raise ValueError("read_slots reads through a paged host-path plan")
-        return _gather(self._k[layer], plan.read_table, plan.kv_len), _gather(
-            self._v[layer], plan.read_table, plan.kv_len
-        )
+        return plan.keys_out[layer], plan.values_out[layer]
 
     def commit(self, plan: AttentionPlan) -> None:
         """Make each row's planned new tokens part of its cached prefix."""
@@ -437,8 +466,8 @@ class KVCache:
         if src_rows:
             sr, st = upload(src_rows, self.device), upload(src_slots, self.device)
             db, do = upload(dst_blocks, self.device), upload(dst_offsets, self.device)
-            self._k[:, db, :, do] = other._k[:, sr, :, st]
-            self._v[:, db, :, do] = other._v[:, sr, :, st]
+            self._k[:, :, db, do] = other._k[:, sr, :, st].permute(1, 2, 0, 3)  # (L, kv_heads, slots, head_dim)
+            self._v[:, :, db, do] = other._v[:, sr, :, st].permute(1, 2, 0, 3)
         self.lengths = self.lengths + list(lengths)
         self._written = self._written + list(lengths)
 
@@ -474,11 +503,14 @@ class KVCache:
         return self._k.numel() * self._k.element_size() * 2
 
 
-def _gather(pool: Tensor, table: Tensor, read: int) -> Tensor:  # (B, kv_heads, read, head_dim)
-    """A layer's slots [0, read) of each row, through its block table (B, blocks): one gather."""
+def _gather(pool: Tensor, table: Tensor, read: int) -> Tensor:  # (L, B, kv_heads, read, head_dim)
+    """Every layer's slots [0, read) of each row, through its block table (B, blocks): one gather
+    (the pool holds a block's slots of one head together, so a row's blocks side by side are its
+    slots in order: the result is a view of the gathered copy)."""
+    layers, kv, _, bs, d = pool.shape
     b, n = table.shape
-    blocks = pool[table]  # (B, n, kv_heads, block_size, head_dim)
-    return blocks.transpose(1, 2).reshape(b, pool.shape[1], n * pool.shape[2], pool.shape[3])[:, :, :read]
+    rows = pool[:, :, table]  # (L, kv_heads, B, n, block_size, head_dim)
+    return rows.view(layers, kv, b, n * bs, d).transpose(1, 2)[:, :, :, :read]
 
 
 def attend(

@@ -102,7 +102,7 @@ class KVPages:
         return max(0, blocks_for(slots, self.block_size) - len(shared))
 
     def register(self, k: Tensor, v: Tensor) -> None:
-        """A cache's pools (layers, num_blocks, kv_heads, block_size, head_dim): fresh blocks are zeroed there."""
+        """A cache's pools (layers, kv_heads, num_blocks, block_size, head_dim): fresh blocks are zeroed there."""
         self._pools.append((k, v))
 
     def _take(self, n: int) -> list[int]:
@@ -174,8 +174,8 @@ class KVPages:
         if self._fresh:
             fresh = _upload(self._fresh, self.device)
             for k, v in self._pools:
-                k[:, fresh] = 0
-                v[:, fresh] = 0
+                k[:, :, fresh] = 0
+                v[:, :, fresh] = 0
             self._fresh = []
         if self._dirty:
             dirty = sorted(self._dirty)

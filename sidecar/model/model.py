@@ -235,12 +235,13 @@ class Attention(nn.Module):
         calls: one q|k|v projection, the q/k norms as one norm and one table product, rotation in
         the projection's (B, S, heads, head_dim) layout (no transposed copies), one write per
         cache tensor through the plan's views. At decode sizes a step costs its operator calls.
-        With fused `kernels`, a fixed-shape forward (`plan.grouped`) runs the norms, rotation and cache
-        writes as one kernel and the attention as another (`decode_kernels`)."""
+        With fused `kernels`, a fused fixed-shape forward (`plan_fixed(masked=False)`: no mask, the
+        pool and its table) runs the norms, rotation and cache writes as one kernel and the
+        attention as another (`decode_kernels`)."""
         b, s, _ = x.shape
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = w.project(x, w.qkv).view(b, s, h + 2 * kv, d)
-        if isinstance(kernels, DecodeKernels) and plan.grouped and plan.table is not None:
+        if isinstance(kernels, DecodeKernels) and plan.grouped and plan.table is not None and plan.rows_read is None:
             q = kernels.qk_norm_rope_store(
                 qkv,
                 w.qk_norm,

@@ -140,9 +140,13 @@ def _qk_norm_rope_store_kernel(
     block = tl.load(table_ptr + b * t_row + slot // block_size)  # the row's block holding the slot
     at = slot % block_size
     tl.store(q_ptr + (token * n_q + hh) * D + cols, out, mask=hh < n_q)
-    tl.store(k_ptr + block * k_block + at * k_slot + (hh - n_q) * k_head + cols, out, mask=(hh >= n_q) & qk)
+    # head indices clamped at 0 where masked off: no lane's address leaves the pool (the
+    # interpreter computes every lane's address, and a head's stride spans the whole pool)
+    k_head_at = tl.maximum(hh - n_q, 0)
+    tl.store(k_ptr + block * k_block + at * k_slot + k_head_at * k_head + cols, out, mask=(hh >= n_q) & qk)
     is_v = (hh >= n_q + n_kv) & live
-    tl.store(v_ptr + block * v_block + at * v_slot + (hh - n_q - n_kv) * v_head + cols, x, mask=is_v)
+    v_head_at = tl.maximum(hh - n_q - n_kv, 0)
+    tl.store(v_ptr + block * v_block + at * v_slot + v_head_at * v_head + cols, x, mask=is_v)
 
 
 def qk_norm_rope_store(

@@ -76,12 +76,12 @@ def row_slots(cache: KVCache, row: int, start: int = 0, stop: int | None = None)
     """Row `row`'s keys and values at slots [start, stop), each (layers, kv_heads, slots, head_dim) (copies)."""
     stop = cache.pages.slots(row) if stop is None else stop  # type: ignore[union-attr]
     b, o = _index(cache, row, start, stop)
-    return cache._k[:, b, :, o].permute(1, 2, 0, 3), cache._v[:, b, :, o].permute(1, 2, 0, 3)
+    return cache._k[:, :, b, o], cache._v[:, :, b, o]
 
 
 def fill_slots(cache: KVCache, row: int, start: int, value: float, stop: int | None = None) -> None:
     """Set row `row`'s keys and values at slots [start, stop) to `value`."""
     stop = cache.pages.slots(row) if stop is None else stop  # type: ignore[union-attr]
     b, o = _index(cache, row, start, stop)
-    cache._k[:, b, :, o] = value
-    cache._v[:, b, :, o] = value
+    cache._k[:, :, b, o] = value
+    cache._v[:, :, b, o] = value

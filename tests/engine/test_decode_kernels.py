@@ -132,7 +132,7 @@ def test_a_fixed_forwards_attention_with_the_kernels_equals_torchs(
         plan = ref.plan_fixed(lens, s, read)
         rope = model.rope_table(plan.positions, x.dtype)
         want = attn.cached(x, w, rope, ref, 0, plan)
-        got = attn.cached(x, w, rope, fused, 0, fused.plan_fixed(lens, s, read), DecodeKernels())
+        got = attn.cached(x, w, rope, fused, 0, fused.plan_fixed(lens, s, read, masked=False), DecodeKernels())
     close(got, want)
     for b, n in enumerate(lengths):  # what both wrote: the s new slots of every row
         for mine, theirs in zip(row_slots(fused, b, n, n + s), row_slots(ref, b, n, n + s), strict=True):

@@ -167,10 +167,10 @@ def test_a_fixed_plan_reads_and_writes_what_the_dynamic_plan_does(
     torch.testing.assert_close(got[:b], want, atol=1e-5, rtol=1e-5)  # the live rows' attention
     assert torch.isfinite(got).all()  # padded rows too (they attend to the scratch block)
     assert fixed.lengths == dynamic.lengths
-    others = torch.ones(fixed._k.shape[1], dtype=torch.bool)
+    others = torch.ones(fixed._k.shape[2], dtype=torch.bool)
     others[SCRATCH_BLOCK] = False  # padded rows write only there
     for mine, theirs in zip((fixed._k, fixed._v), (dynamic._k, dynamic._v), strict=True):
-        torch.testing.assert_close(mine[:, others], theirs[:, others], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(mine[:, :, others], theirs[:, :, others], atol=1e-5, rtol=1e-5)
     for r, n in enumerate(lengths):  # live rows: only the S slots past their length were written
         untouched = torch.ones(capacity, dtype=torch.bool)
         untouched[n : n + s] = False
