@@ -121,6 +121,7 @@ class KVCache:
         self._v = torch.zeros(shape, dtype=dtype, device=self.device)
         if pages is not None:
             pages.register(self._k, self._v)
+        self._buffers = [torch.empty(0, dtype=dtype, device=self.device) for _ in range(2)]  # `_gather`'s, on CPU
         self.lengths: list[int] = [0] * batch
         self._written: list[int] = [0] * batch
         """Per row: slots [0, written) may hold values, those past it are zeros (module docstring)."""
@@ -258,7 +259,7 @@ class KVCache:
         # them; the layers write and read those (as a growable cache's forward does), and the last
         # layer's write puts the new tokens of all layers into their blocks (`write_and_read`)
         read_table = table[:, : blocks_for(read, bs)]
-        k, v = _gather(self._k, read_table, read), _gather(self._v, read_table, read)  # (L, B, kv, read, d) views
+        k, v = self._gather(0, read_table, read), self._gather(1, read_table, read)  # (L, B, kv, read, d) views
         rows = torch.arange(positions.shape[0], device=self.device)[:, None]
         return AttentionPlan(
             positions=positions,
@@ -278,6 +279,26 @@ class KVCache:
             read_table=read_table,
             rows_read=(k, v),
         )
+
+    def _gather(self, which: int, table: Tensor, read: int) -> Tensor:  # (L, B, kv_heads, read, head_dim)
+        """Every layer's slots [0, read) of each row of the keys (0) or values (1), through its
+        block table (B, blocks): one gather (a block holds one head's slots together, so a row's
+        blocks side by side are its slots in order). On a CPU into a buffer kept across forwards:
+        a fresh one of this size a forward (hundreds of MB at large batches) costs page faults."""
+        pool = self._k if which == 0 else self._v
+        layers, kv, _, bs, d = pool.shape
+        b, n = table.shape
+        if (
+            self.device.type == "cuda" or torch.compiler.is_compiling()
+        ):  # the caching allocator reuses memory; graphs own theirs
+            rows = pool.index_select(2, table.reshape(-1))
+        else:
+            need = layers * kv * b * n * bs * d
+            if self._buffers[which].numel() < need:
+                self._buffers[which] = torch.empty(need, dtype=pool.dtype, device=self.device)
+            rows = self._buffers[which][:need].view(layers, kv, b * n, bs, d)
+            torch.index_select(pool, 2, table.reshape(-1), out=rows)
+        return rows.view(layers, kv, b, n * bs, d).transpose(1, 2)[:, :, :, :read]
 
     def plan_fixed(self, lengths: Tensor, width: int, read: int, *, masked: bool = True) -> AttentionPlan:
         """A forward of fixed shape: rows [0, R) of the table (R = lengths' size, the live rows
@@ -501,16 +522,6 @@ class KVCache:
     def nbytes(self) -> int:
         """Bytes of the storage (a paged cache's whole pool)."""
         return self._k.numel() * self._k.element_size() * 2
-
-
-def _gather(pool: Tensor, table: Tensor, read: int) -> Tensor:  # (L, B, kv_heads, read, head_dim)
-    """Every layer's slots [0, read) of each row, through its block table (B, blocks): one gather
-    (the pool holds a block's slots of one head together, so a row's blocks side by side are its
-    slots in order: the result is a view of the gathered copy)."""
-    layers, kv, _, bs, d = pool.shape
-    b, n = table.shape
-    rows = pool[:, :, table]  # (L, kv_heads, B, n, block_size, head_dim)
-    return rows.view(layers, kv, b, n * bs, d).transpose(1, 2)[:, :, :, :read]
 
 
 def attend(
