@@ -88,18 +88,7 @@ MEDIAN, P99, CAP = 1024, 16384, 32768
 SIGMA = math.log(P99 / MEDIAN) / statistics.NormalDist().inv_cdf(0.99)
 PAGED_ROWS = 256
 """The paged arm's max_batch_size: large enough that the pool, not the row cap, decides."""
-QUICK_CONFIG = ModelConfig(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    rope_theta=10_000.0,
-    max_position_embeddings=256,
-    num_nextn_predict_layers=1,
-)
+QUICK_CONFIG = ModelConfig.tiny(vocab_size=256, max_position_embeddings=256)
 
 
 FIGURES = [

@@ -5,7 +5,7 @@
 
 The engine admits a group (one request, one prompt, `--group` samples) in one step: the target's
 prefill of the prompt, its KV, the draft's prefill (k > 0), each sample's first token and its rows
-copied into the static caches. Shared: the engine as it is, which prefills the prompt once
+added to the paged cache (sharing the prompt's full blocks). Shared: the engine as it is, which prefills the prompt once
 (`TorchEngine._admit`). Separate: the same step over `--group` different prompts of the same
 length, one sample each — the work the engine did for a group before it shared prompts (a forward's
 cost does not depend on its tokens' values). Both run interleaved in one process, `--repeats`

@@ -110,7 +110,6 @@ class KVCache:
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
         self.pages, self.owner = pages, owner
-        self.static = pages is not None
         if pages is None:
             shape: tuple[int, ...] = (num_layers, batch, num_kv_heads, max(capacity, 1), head_dim)
         else:
