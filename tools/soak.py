@@ -309,6 +309,10 @@ class Soak:
                 version = self.version
             for c in (self.grpc_clients[s.index], self.shm_clients[s.index]):
                 c.delta_base.forget()  # the restarted sidecar has none of the pushed versions
+                # out of gRPC's reconnect backoff from the kill before the sidecar serves again: a
+                # channel still in it fails calls fast ("Connection refused") though the sidecar is up
+                with contextlib.suppress(grpc.FutureTimeoutError):
+                    grpc.channel_ready_future(c.channel).result(timeout=10)
             # brought to the current version before it serves (a push may land meanwhile: again)
             for _ in range(5):
                 self._push_one(s, version, self.shm_clients[s.index], "rejoin")
