@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from sidecar.model.kv_pages import KVPages, blocks_for
+from sidecar.model.kv_pages import KVPages, blocks_for, upload
 
 
 @dataclass(kw_only=True, slots=True)
@@ -548,13 +548,3 @@ def attend(
         return out.view(b, kv, g, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, h * d)
     out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=plan.mask, enable_gqa=True)
     return out.transpose(1, 2).reshape(b, s, h * d)
-
-
-def upload(values: list[int], device: torch.device) -> Tensor:
-    """Host ints as an int64 tensor on `device`. On CUDA through pinned memory, asynchronously: a
-    copy from ordinary (pageable) memory waits for the device to finish all the work queued before
-    it, so one in the middle of a round would stall the host there every forward."""
-    t = torch.tensor(values, dtype=torch.int64)
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)

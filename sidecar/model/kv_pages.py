@@ -97,10 +97,6 @@ class KVPages:
         """Blocks row `row` lacks to hold `slots` slots."""
         return max(0, blocks_for(slots, self.block_size) - len(self.rows[row]))
 
-    def missing_for(self, slots: int, shared: list[int]) -> int:
-        """Blocks a new row of `slots` slots sharing `shared` takes from the free list."""
-        return max(0, blocks_for(slots, self.block_size) - len(shared))
-
     def register(self, k: Tensor, v: Tensor) -> None:
         """A cache's pools (layers, kv_heads, num_blocks, block_size, head_dim): fresh blocks are zeroed there."""
         self._pools.append((k, v))
@@ -123,11 +119,12 @@ class KVPages:
                 self._free.append(b)
 
     # ---- rows ---------------------------------------------------------------------------------
-    def add_row(self, slots: int, shared: list[int] = ()) -> int:  # type: ignore[assignment]
+    def add_row(self, slots: int, shared: list[int] | None = None) -> int:
         """A new last row holding `shared` blocks (another row's first ones, now held by both) and
         fresh blocks up to `slots` slots. The caller checked `free`."""
         if len(self.rows) >= self.max_rows:
             raise ValueError(f"the KV table holds {self.max_rows} rows")
+        shared = shared or []
         for b in shared:
             self.refs[b] += 1
             if self.refs[b] == 2:
@@ -172,7 +169,7 @@ class KVPages:
         """Before a forward: zero the blocks taken since the last sync in every pool, and copy the
         changed table rows to the device (one upload, one indexed write)."""
         if self._fresh:
-            fresh = _upload(self._fresh, self.device)
+            fresh = upload(self._fresh, self.device)
             for k, v in self._pools:
                 k[:, :, fresh] = 0
                 v[:, :, fresh] = 0
@@ -187,7 +184,7 @@ class KVPages:
             host = torch.tensor(values, dtype=torch.int64)
             if self.device.type == "cuda":
                 host = host.pin_memory()
-            self.table[_upload(dirty, self.device)] = host.to(self.device, non_blocking=True)
+            self.table[upload(dirty, self.device)] = host.to(self.device, non_blocking=True)
             self._dirty.clear()
 
     def locate(self, rows: list[int], slots: list[int]) -> tuple[list[int], list[int]]:
@@ -200,7 +197,10 @@ class KVPages:
         return blocks, [t % bs for t in slots]
 
 
-def _upload(values: list[int], device: torch.device) -> Tensor:
+def upload(values: list[int], device: torch.device) -> Tensor:
+    """Host ints as an int64 tensor on `device`. On CUDA through pinned memory, asynchronously: a
+    copy from ordinary (pageable) memory waits for the device to finish all the work queued before
+    it, so one in the middle of a round would stall the host there every forward."""
     t = torch.tensor(values, dtype=torch.int64)
     if device.type != "cuda":
         return t.to(device)
