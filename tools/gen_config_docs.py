@@ -1,7 +1,9 @@
 """Write docs/configuration.md from the configuration dataclasses themselves: every key of a run
 config (`specrl train --config`, `RLConfig`) and of a sidecar (`specrl serve --config`,
-`ServeConfig`), its default and the docstring under its field. `--check` (run by the tests) fails
-when the page differs from what the code says, so a key added without its line fails there.
+`ServeConfig`), its default and the docstring under its field; and docs/models.md from the table
+of config.json keys the engine reads and refuses (`sidecar/model/architectures.py`). `--check`
+(run by the tests) fails when a page differs from what the code says, so a key added without its
+line fails there.
 
     python tools/gen_config_docs.py          # rewrite docs/configuration.md
     python tools/gen_config_docs.py --check  # exit 1 if it is stale
@@ -20,6 +22,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "configuration.md"
+MODELS_PAGE = ROOT / "docs" / "models.md"
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -111,6 +114,35 @@ def page() -> str:
     return "\n".join(lines) + "\n"
 
 
+def models_page() -> str:
+    """docs/models.md: the architectures the engine serves and what it does with each config.json key."""
+    from sidecar.model.architectures import SUPPORTED_ARCHITECTURES, models_markdown
+
+    archs = ", ".join(f"`{a}` (model_type `{t}`)" for a, t in SUPPORTED_ARCHITECTURES.items())
+    return "\n".join(
+        [
+            "# Checkpoints the engine serves",
+            "",
+            "Generated from `sidecar/model/architectures.py` by `python tools/gen_config_docs.py` (checked by",
+            "`tests/test_config_docs.py`).",
+            "",
+            f"Architectures (config.json's `architectures`): {archs}. Any other architecture or model type is",
+            "refused at start, naming it and what is supported.",
+            "",
+            "Every key of the architecture's config.json that changes transformers' forward is listed: *read*",
+            "(implemented, tested against transformers' own forward on checkpoints its `save_pretrained`",
+            "writes), or *refused unless* it holds the one value the engine implements. `specrl serve` (both",
+            "engines), `specrl train`'s preflight, `specrl warmup` / `draft-init` and `specrl verify --model`",
+            "all refuse such a checkpoint before anything is built, naming the key; a model is never served",
+            "or trained as something it is not. Keys not listed do not change transformers' forward either",
+            "and are ignored, as transformers ignores them.",
+            "",
+            models_markdown(),
+            "",
+        ]
+    )
+
+
 def undocumented() -> list[str]:
     """Keys whose field has no docstring."""
     from sidecar.server.serve_config import ServeConfig
@@ -128,16 +160,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="exit 1 if docs/configuration.md is stale")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
-    text = page()
+    pages = {PAGE: page(), MODELS_PAGE: models_page()}
     if args.check:
-        if not PAGE.is_file() or PAGE.read_text() != text:
-            print(f"{PAGE} is stale: run python tools/gen_config_docs.py", file=sys.stderr)
+        stale = [p for p, text in pages.items() if not p.is_file() or p.read_text() != text]
+        for p in stale:
+            print(f"{p} is stale: run python tools/gen_config_docs.py", file=sys.stderr)
+        if stale:
             return 1
-        print(f"{PAGE.relative_to(ROOT)} matches the configuration dataclasses")
+        print(f"{', '.join(str(p.relative_to(ROOT)) for p in pages)} match the code")
         return 0
-    PAGE.parent.mkdir(exist_ok=True)
-    PAGE.write_text(text)
-    print(f"wrote {PAGE.relative_to(ROOT)}")
+    for p, text in pages.items():
+        p.parent.mkdir(exist_ok=True)
+        p.write_text(text)
+        print(f"wrote {p.relative_to(ROOT)}")
     return 0
 
 

@@ -60,6 +60,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from sidecar.errors import CheckpointError
+from sidecar.model.architectures import UnsupportedConfigError
 from sidecar.model.model import ModelConfig
 
 MTP_PREFIX = "mtp.layers."
@@ -224,6 +225,8 @@ def load_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, Tensor]]:
         config = ModelConfig.from_hf_dict(raw)
     except KeyError as e:
         raise CheckpointError(f"{cfg_path}: required key {e} is missing") from e
+    except UnsupportedConfigError as e:
+        raise CheckpointError(f"{cfg_path}: {e}") from e
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{cfg_path}: invalid model config: {e}") from e
     tensors = read_tensors(path)

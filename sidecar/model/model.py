@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sidecar.model import decode_kernels
+from sidecar.model.architectures import check_architecture, check_config
 from sidecar.model.decode_kernels import DecodeKernels, DecodeOps
 from sidecar.model.decode_weights import DecodeWeights, joined_rows
 from sidecar.model.kv_cache import AttentionPlan, KVCache, attend
@@ -99,6 +100,7 @@ class ModelConfig:
             )
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
             raise ValueError(f"rope_scaling must be null or a dict, got {self.rope_scaling!r}")
+        check_architecture(self.architectures, None)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -128,7 +130,11 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: Mapping[str, Any]) -> ModelConfig:
-        """Read a Hugging Face config.json dict (transformers 4 or 5 layout; unknown keys ignored)."""
+        """Read a Hugging Face config.json dict (transformers 4 or 5 layout). Every key that changes
+        the forward is read or, where the engine does not implement its value, refused
+        (`UnsupportedConfigError`, a ValueError naming it: `architectures.CONFIG_KEYS`); other keys do
+        not change transformers' forward either and are ignored."""
+        check_config(d)
         d = dict(d)
         rope_theta = d.get("rope_theta")
         rope_scaling = d.get("rope_scaling")
