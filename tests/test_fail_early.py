@@ -26,7 +26,7 @@ from trainer.cli import main
 from trainer.rl_cli import resolve_config
 from trainer.rl_config import RLConfig, SidecarsConfig
 from trainer.tasks import JsonlTask, Problem, RewardFunctionError
-from trainer.warmup import DraftInitConfig, WarmupConfig
+from trainer.warmup import DraftInitConfig, WarmupConfig, WarmupError
 
 
 def _cli(args: list[str]) -> tuple[int, str]:
@@ -362,6 +362,7 @@ def _expected_errors() -> list[Exception]:
         RewardFunctionError("raised"),
         ConfigError("bad key"),
         PreflightError("bad config"),
+        WarmupError("no solutions"),
         FileExistsError("run dir taken"),
     ]
 
@@ -386,3 +387,147 @@ def test_a_bug_keeps_its_traceback() -> None:
 
     with pytest.raises(ZeroDivisionError), user_errors():
         _ = 1 / 0
+
+
+# ---- a model is trained as what it is: its config.json, its tokenizer, its draft, its data -------
+def _hf_tokenizer(path: Path, words: list[str]) -> Path:
+    """A word-level tokenizer.json (+ its eos) in `path`, as a checkpoint ships it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    fast = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["<unk>", "</s>", *words])}, unk_token="<unk>"))
+    fast.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast.add_special_tokens(["</s>"])
+    path.mkdir(parents=True, exist_ok=True)
+    fast.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    return path
+
+
+def _preflight(ckpt: Path, data: Path, **overrides: object):  # type: ignore[no-untyped-def]
+    from trainer.preflight import preflight
+
+    cfg = resolve_config(None, [f"model={ckpt}", "task.kind=jsonl", f"task.path={data}", "sidecars.local=1"])
+    return preflight(dataclasses.replace(cfg, **overrides), probe_sidecars=False)  # type: ignore[arg-type]
+
+
+def test_a_checkpoint_the_engine_does_not_implement_is_refused_before_megatron(
+    tmp_path: Path, jsonl_run: tuple[Path, Path]
+) -> None:
+    import transformers
+
+    _, data = jsonl_run
+    shape = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    ckpt = tmp_path / "gelu"
+    transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**shape, head_dim=16, hidden_act="gelu")).save_pretrained(
+        ckpt
+    )
+    code, out = _cli(
+        _train_args(ckpt, data, tmp_path / "run", "--local-sidecars", "1", "--set", "rollout.speculation_k=0")
+    )
+    assert code == 1 and "hidden_act" in out and "PreflightError" in out and "Traceback" not in out, out
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_default_tokenizer_is_the_models_own(tmp_path: Path, jsonl_run: tuple[Path, Path]) -> None:
+    from trainer.preflight import PreflightError
+    from trainer.tokenizer import CharTokenizer, HFTokenizer
+
+    plain, data = jsonl_run
+    assert isinstance(_preflight(plain, data).tokenizer, CharTokenizer)  # built for it: no tokenizer files
+    own = _hf_tokenizer(_checkpoint(tmp_path / "own"), ["1", "2", "+", "="])
+    chosen = _preflight(own, data).tokenizer
+    assert isinstance(chosen, HFTokenizer) and chosen.vocab() == HFTokenizer(own).vocab()
+    with pytest.raises(PreflightError, match="ships its own tokenizer.json"):
+        _preflight(own, data, tokenizer="builtin")
+    other = _hf_tokenizer(tmp_path / "other", ["3", "4"])
+    with pytest.raises(PreflightError, match="another vocabulary than the model's own"):
+        _preflight(own, data, tokenizer=str(other))
+    assert isinstance(_preflight(own, data, tokenizer=str(own)).tokenizer, HFTokenizer)  # the same one: fine
+    # a model that ships no tokenizer but whose config names an end-of-sequence id of its own
+    foreign = _checkpoint(tmp_path / "foreign")
+    config = json.loads((foreign / "config.json").read_text())
+    (foreign / "config.json").write_text(json.dumps(config | {"eos_token_id": 7}))
+    with pytest.raises(PreflightError, match="ships no tokenizer.*set tokenizer=PATH"):
+        _preflight(foreign, data)
+    assert isinstance(_preflight(foreign, data, tokenizer=str(own)).tokenizer, HFTokenizer)
+
+
+def test_speculating_without_a_draft_is_refused_in_preflight_naming_the_fixes(
+    tmp_path: Path, jsonl_run: tuple[Path, Path]
+) -> None:
+    _, data = jsonl_run
+    ckpt = _checkpoint(tmp_path / "plain", num_nextn_predict_layers=0)
+    code, out = _cli(_train_args(ckpt, data, tmp_path / "run", "--local-sidecars", "1"))
+    assert code == 1 and "rollout.speculation_k=3" in out and "Traceback" not in out, out
+    assert "rollout.speculation_k=0" in out and "draft.eagle3=" in out and "draft-init" in out
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("row", "needle"),
+    [
+        ({"prompt": "", "answer": "3"}, "prompt '' is empty"),
+        ({"prompt": "1+2=", "answer": "1,000"}, "answer '1,000' is not an integer"),
+        ({"prompt": "1+2=", "answer": None}, "answer None is not a string or a number"),
+        ({"prompt": "1+2=", "answer": "twenty"}, "answer 'twenty' is not an integer"),
+        ({"prompt": "1+2="}, "expected a JSON object with 'prompt' and 'answer'"),
+        ({"prompt": "9" * 300, "answer": "9"}, "prompts of up to 301 tokens"),
+        ({"prompt": "café", "answer": "1"}, "cannot be tokenized"),
+    ],
+)
+def test_every_dataset_row_is_checked_and_named_by_file_and_line(
+    tmp_path: Path, jsonl_run: tuple[Path, Path], row: dict[str, object], needle: str
+) -> None:
+    ckpt, _ = jsonl_run
+    rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(30)]
+    rows.insert(17, row)  # line 18: beyond the 16 problems a sampled check would see
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, out = _cli(_train_args(ckpt, data, tmp_path / "run", "--local-sidecars", "1"))
+    assert code == 1 and needle in out and f"{data}:18" in out and "Traceback" not in out, out
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_user_reward_reads_answers_the_default_reward_refuses(
+    tmp_path: Path, jsonl_run: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("my_rewards", None)
+    spec = _reward_module(tmp_path, "def score(prompt, completion, answer):\n    return float(answer in completion)\n")
+    data = tmp_path / "words.jsonl"
+    data.write_text(
+        "".join(json.dumps(r) + "\n" for r in [{"prompt": "1+1=", "answer": "two"}, {"prompt": "2=", "answer": 3}])
+    )
+    with pytest.raises(ValueError, match=f"{data}:1: answer 'two' is not an integer"):
+        JsonlTask(path=data)  # the default reward compares integers
+    ckpt, _ = jsonl_run
+    cfg = resolve_config(None, [f"model={ckpt}", "sidecars.local=1", "task.kind=jsonl", f"task.path={data}"])
+    prepared = _preflight(ckpt, data, task=dataclasses.replace(cfg.task, reward_fn=spec))
+    assert isinstance(prepared.task, JsonlTask) and prepared.task.lines == (1, 2)
+    assert [p.answer for p in prepared.task.problems] == ["two", "3"]
+
+
+def test_warmup_and_draft_init_on_inputs_they_cannot_use_end_in_one_error_line(
+    tmp_path: Path, jsonl_run: tuple[Path, Path]
+) -> None:
+    plain = _checkpoint(tmp_path / "plain", num_nextn_predict_layers=0)
+    _, data = jsonl_run
+    code, out = _cli(["warmup", "--model", str(plain), "--out", str(tmp_path / "w"), "--dataset", str(data)])
+    assert code == 1 and "WarmupError" in out and "no reference solutions" in out and "Traceback" not in out, out
+    code, out = _cli(["draft-init", "--model", str(plain), "--out", str(tmp_path / "d"), "--steps", "1"])
+    assert code == 1 and "no MTP layers" in out and "--draft eagle3" in out and "Traceback" not in out, out
+    own = _hf_tokenizer(_checkpoint(tmp_path / "own"), ["1"])
+    code, out = _cli(["warmup", "--model", str(own), "--out", str(tmp_path / "w"), "--tokenizer", "builtin"])
+    assert code == 1 and "--tokenizer='builtin'" in out and "Traceback" not in out, out
+    assert not (tmp_path / "w").exists() and not (tmp_path / "d").exists()
+
+
+def test_a_warmed_checkpoint_keeps_the_tokenizer_it_was_warmed_with(tmp_path: Path) -> None:
+    from trainer.tokenizer import HFTokenizer
+
+    own = _hf_tokenizer(_checkpoint(tmp_path / "own", num_hidden_layers=1), [str(d) for d in range(10)])
+    args = ["warmup", "--model", str(own), "--out", str(tmp_path / "warm"), "--steps", "1", "--batch-size", "2"]
+    code, out = _cli(args)
+    assert code == 0, out
+    assert HFTokenizer(tmp_path / "warm").vocab() == HFTokenizer(own).vocab()
+    assert (tmp_path / "warm" / "tokenizer_config.json").read_text() == (own / "tokenizer_config.json").read_text()

@@ -17,10 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sidecar.errors import SpecrlError
+from sidecar.model.architectures import UnsupportedConfigError
 from sidecar.model.model import ModelConfig
 from trainer.rl_config import RLConfig
-from trainer.tasks import Task
-from trainer.tokenizer import Tokenizer, load_tokenizer
+from trainer.tasks import JsonlTask, Problem, Task, rows_message
+from trainer.tokenizer import Tokenizer, TokenizerMismatchError, model_tokenizer
 from trainer.trackers import check_trackers
 
 
@@ -41,6 +42,7 @@ def preflight(cfg: RLConfig, *, probe_sidecars: bool = True) -> Prepared:
     """Check `cfg` against the model, tokenizer, task and (remote) sidecars; raise PreflightError."""
     model_config = read_model_config(cfg.model)
     tokenizer = _tokenizer(cfg, model_config)
+    _speculation(cfg, model_config)
     task = _task(cfg, tokenizer, model_config)
     _parallel_layout(cfg, model_config)
     if cfg.algorithm.kl_coef > 0 and cfg.reference_model is not None:
@@ -77,6 +79,8 @@ def read_model_config(path: Path) -> ModelConfig:
         config = ModelConfig.from_hf_dict(raw)
     except FileNotFoundError:
         raise PreflightError(f"model: {config_path} is missing; a checkpoint needs config.json") from None
+    except UnsupportedConfigError as e:
+        raise PreflightError(f"model={path}: {e}") from None
     except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
         raise PreflightError(f"model: {config_path} is not a valid model config ({e!r})") from None
     if not any(path.glob("*.safetensors")):
@@ -85,16 +89,36 @@ def read_model_config(path: Path) -> ModelConfig:
 
 
 def _tokenizer(cfg: RLConfig, model: ModelConfig) -> Tokenizer:
+    return checked_tokenizer(cfg.tokenizer, cfg.model, model, key="tokenizer")
+
+
+def checked_tokenizer(spec: str | None, model_dir: Path, model: ModelConfig, *, key: str) -> Tokenizer:
+    """`model_tokenizer` (the model's own by default), checked against the model's vocabulary;
+    PreflightError naming `key` (the config key or CLI option that chose it) and the fix."""
+    shown = "(the model's own)" if spec is None else repr(spec)
     try:
-        tokenizer = load_tokenizer(cfg.tokenizer)
+        tokenizer = model_tokenizer(spec, model_dir, model.eos_token_id)
+    except TokenizerMismatchError as e:
+        raise PreflightError(f"{key}={shown}: {e}") from None
     except (OSError, ValueError, KeyError) as e:
-        raise PreflightError(f"tokenizer={cfg.tokenizer!r} cannot be loaded: {e}") from None
+        raise PreflightError(f"{key}={shown} cannot be loaded: {e}") from None
     if tokenizer.vocab_size > model.vocab_size:
         raise PreflightError(
-            f"tokenizer={cfg.tokenizer!r} has {tokenizer.vocab_size} tokens but the model's vocab_size is "
+            f"{key}={shown} has {tokenizer.vocab_size} tokens but the model's vocab_size is "
             f"{model.vocab_size}: use the model's own tokenizer"
         )
     return tokenizer
+
+
+def _speculation(cfg: RLConfig, model: ModelConfig) -> None:
+    """A run that speculates needs a draft: the checkpoint's MTP layers or an EAGLE-3 draft."""
+    k = cfg.rollout.speculation_k
+    if k > 0 and model.num_nextn_predict_layers == 0 and cfg.draft.eagle3 is None:
+        raise PreflightError(
+            f"rollout.speculation_k={k} but model={cfg.model} has no draft (num_nextn_predict_layers is 0 in its "
+            "config.json and draft.eagle3 is unset): set rollout.speculation_k=0 to decode plainly, or give it a "
+            "draft: `specrl draft-init --model MODEL --out DRAFT --draft eagle3`, then draft.eagle3=DRAFT"
+        )
 
 
 def _task(cfg: RLConfig, tokenizer: Tokenizer, model: ModelConfig) -> Task:
@@ -102,33 +126,65 @@ def _task(cfg: RLConfig, tokenizer: Tokenizer, model: ModelConfig) -> Task:
         task = cfg.task.build()
     except (OSError, ValueError, TypeError) as e:
         raise PreflightError(f"task: {e}") from None
-    rng = random.Random(cfg.seed)
-    longest = 0
+    check_problems(task, tokenizer, model, cfg.rollout.max_new_tokens, seed=cfg.seed, reward_key=_reward_key(cfg))
+    return task
+
+
+def _reward_key(cfg: RLConfig) -> str:
+    return f"task.reward_fn={cfg.task.reward_fn!r}" if cfg.task.reward_fn else "the task's reward"
+
+
+def _problems(task: Task, seed: int) -> list[tuple[str, Problem]]:
+    """What to check: every row of a dataset (named "file:line"), or 8 problems of each split of a
+    generated task."""
+    if isinstance(task, JsonlTask):
+        return task.located()
+    rng, out = random.Random(seed), []
     for split in ("train", "eval"):
-        for _ in range(8):
+        for i in range(8):
             try:
-                problem = task.sample(rng, split)
+                out.append((f"{split} problem {i}", task.sample(rng, split)))
             except (RuntimeError, ValueError) as e:
                 raise PreflightError(f"task: cannot draw a {split} problem ({e}); check task.eval_fraction") from None
-            longest = max(longest, len(tokenizer.encode(problem.prompt)))
-            for completion in ("", problem.answer, f"#### {problem.answer}"):
-                try:
-                    value = task.reward(problem, completion)
-                except Exception as e:  # user code: whatever it raises is reported
-                    where = f"task.reward_fn={cfg.task.reward_fn!r}" if cfg.task.reward_fn else "the task's reward"
-                    raise PreflightError(
-                        f"{where} failed on a dry call (prompt {problem.prompt[:40]!r}, completion "
-                        f"{completion[:40]!r}): {type(e).__name__}: {e}"
-                    ) from None
-                if not math.isfinite(value):
-                    raise PreflightError(f"task.reward_fn returned {value} on a dry call; return a finite float")
-    need = longest + cfg.rollout.max_new_tokens
+    return out
+
+
+def check_problems(
+    task: Task, tokenizer: Tokenizer, model: ModelConfig, max_new_tokens: int, *, seed: int, reward_key: str
+) -> None:
+    """Every problem checked (see `_problems`) encodes, fits the context with `max_new_tokens`, and
+    gets a finite reward from a dry call on three completions; PreflightError naming the rows."""
+    bad: list[str] = []
+    longest, longest_at = 0, ""
+    for where, problem in _problems(task, seed):
+        try:
+            ids = tokenizer.encode(problem.prompt)
+        except ValueError as e:
+            bad.append(f"{where}: the prompt cannot be tokenized ({e})")
+            continue
+        if not ids:
+            bad.append(f"{where}: the prompt {problem.prompt[:40]!r} has no tokens")
+        if len(ids) > longest:
+            longest, longest_at = len(ids), where
+        for completion in ("", problem.answer, f"#### {problem.answer}"):
+            try:
+                value = task.reward(problem, completion)
+            except Exception as e:  # user code: whatever it raises is reported
+                raise PreflightError(
+                    f"{reward_key} failed on a dry call ({where}: prompt {problem.prompt[:40]!r}, completion "
+                    f"{completion[:40]!r}): {type(e).__name__}: {e}"
+                ) from None
+            if not math.isfinite(value):
+                raise PreflightError(f"{reward_key} returned {value} on a dry call ({where}); return a finite float")
+    if bad:
+        raise PreflightError("task: " + rows_message(bad, "fix or remove them"))
+    need = longest + max_new_tokens
     if need > model.max_position_embeddings:
         raise PreflightError(
-            f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} plus prompts of up to {longest} tokens exceeds "
-            f"the model's max_position_embeddings={model.max_position_embeddings}; lower rollout.max_new_tokens"
+            f"rollout.max_new_tokens={max_new_tokens} plus prompts of up to {longest} tokens ({longest_at}) exceeds "
+            f"the model's max_position_embeddings={model.max_position_embeddings}; lower rollout.max_new_tokens "
+            "or shorten that prompt"
         )
-    return task
 
 
 def _parallel_layout(cfg: RLConfig, model: ModelConfig) -> None:

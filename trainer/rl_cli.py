@@ -20,6 +20,7 @@ from tqdm import tqdm
 from sidecar.config_io import ConfigError, from_mapping, load_file, merge_overrides, to_mapping
 from trainer.rl_config import RLConfig, TaskConfig
 from trainer.tasks import Task
+from trainer.tokenizer import Tokenizer
 from trainer.warmup import DraftInitConfig, Progress, WarmupConfig
 
 
@@ -111,7 +112,11 @@ def train(
 
 
 def _task_options(f: Callable[..., None]) -> Callable[..., None]:
-    f = click.option("--tokenizer", default="builtin", show_default=True, help="builtin or a tokenizer.json")(f)
+    f = click.option(
+        "--tokenizer",
+        default=None,
+        help="A tokenizer.json, or builtin (default: the model's own; see RLConfig.tokenizer)",
+    )(f)
     f = click.option("--regime", type=click.Choice(["zero", "think"]), default="zero", show_default=True)(f)
     f = click.option("--digits", type=click.IntRange(1, 6), default=2, show_default=True)(f)
     f = click.option("--dataset", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="JSONL task")(f)
@@ -122,6 +127,23 @@ def _task(regime: str, digits: int, dataset: Path | None) -> Task:
     if dataset is not None:
         return TaskConfig(kind="jsonl", path=dataset).build()
     return TaskConfig(kind="arithmetic", regime="think" if regime == "think" else "zero", digits=digits).build()
+
+
+def _checked_inputs(
+    model: Path, tokenizer: str | None, regime: str, digits: int, dataset: Path | None, max_new_tokens: int
+) -> tuple[Task, Tokenizer]:
+    """The task and the model's tokenizer, checked as `specrl train`'s preflight checks them (config.json,
+    tokenizer against the model, every dataset row); PreflightError naming the option to change."""
+    from trainer.preflight import PreflightError, check_problems, checked_tokenizer, read_model_config
+
+    model_config = read_model_config(model)
+    tok = checked_tokenizer(tokenizer, model, model_config, key="--tokenizer")
+    try:
+        task = _task(regime, digits, dataset)
+    except (OSError, ValueError) as e:
+        raise PreflightError(f"--dataset: {e}") from None
+    check_problems(task, tok, model_config, max_new_tokens, seed=0, reward_key="the task's reward")
+    return task, tok
 
 
 _WARMUP = WarmupConfig()
@@ -140,7 +162,7 @@ _DRAFT_INIT = DraftInitConfig()
 def warmup(
     model: Path,
     out: Path,
-    tokenizer: str,
+    tokenizer: str | None,
     regime: str,
     digits: int,
     dataset: Path | None,
@@ -150,12 +172,13 @@ def warmup(
     seed: int,
 ) -> None:
     """Supervised warm-up on the task's reference solutions (so the policy earns reward)."""
-    from trainer.tokenizer import load_tokenizer
     from trainer.warmup import supervised_warmup
 
     cfg = WarmupConfig(steps=steps, batch_size=batch_size, lr=lr, seed=seed)
+    with user_errors():
+        task, tok = _checked_inputs(model, tokenizer, regime, digits, dataset, max_new_tokens=0)
     with user_errors(), _bar(steps, "warm-up") as progress:
-        nll = supervised_warmup(model, out, _task(regime, digits, dataset), load_tokenizer(tokenizer), cfg, progress)
+        nll = supervised_warmup(model, out, task, tok, cfg, progress)
     click.echo(f"warm-up: token NLL {nll[0]:.3f} -> {nll[-1]:.3f}; wrote {out}")
 
 
@@ -198,7 +221,7 @@ def warmup(
 def draft_init_cmd(
     model: Path,
     out: Path,
-    tokenizer: str,
+    tokenizer: str | None,
     regime: str,
     digits: int,
     dataset: Path | None,
@@ -214,7 +237,6 @@ def draft_init_cmd(
     draft_vocab: int,
 ) -> None:
     """Initialise the draft in-domain: fit it on the policy's own completions (trunk frozen)."""
-    from trainer.tokenizer import load_tokenizer
     from trainer.warmup import draft_init
 
     try:
@@ -232,8 +254,10 @@ def draft_init_cmd(
         )
     except ValueError as e:
         raise click.UsageError(str(e)) from e
+    with user_errors():
+        task, tok = _checked_inputs(model, tokenizer, regime, digits, dataset, max_new_tokens)
     with user_errors(), _bar(steps, "draft-init") as progress:
-        losses = draft_init(model, out, _task(regime, digits, dataset), load_tokenizer(tokenizer), cfg, progress)
+        losses = draft_init(model, out, task, tok, cfg, progress)
     click.echo(f"draft-init: draft loss {losses[0]:.3f} -> {losses[-1]:.3f}; wrote {out}")
 
 

@@ -299,8 +299,11 @@ class RLConfig:
 
     model: Path
     """Checkpoint directory (config.json + model.safetensors, naming contract) to start from."""
-    tokenizer: str = "builtin"
-    """"builtin" (the character tokenizer) or a path to a Hugging Face tokenizer.json."""
+    tokenizer: str | None = None
+    """A path to a Hugging Face tokenizer.json (or its directory), "builtin" (the character tokenizer),
+    or null: the model's own, i.e. its tokenizer.json, or the built-in one for a checkpoint specrl
+    built for it (no tokenizer files, and no end-of-sequence id other than the built-in one's). A
+    tokenizer other than the model's own is refused."""
     task: TaskConfig = field(default_factory=TaskConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: GRPOConfig = field(default_factory=GRPOConfig)

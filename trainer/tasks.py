@@ -37,6 +37,14 @@ from sidecar.errors import SpecrlError
 RewardFn = Callable[[str, str, str], float]
 Split = Literal["train", "eval"]
 _ANSWER = re.compile(r"#\s*(-?\d+)\s*$")
+_INTEGER = re.compile(r"-?\d+")
+
+
+def rows_message(bad: list[str], fix: str) -> str:
+    """One message for bad dataset rows: the first few named, and how many in all."""
+    shown = "; ".join(bad[:5])
+    more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+    return f"{len(bad)} bad row(s): {shown}{more}; {fix}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,12 +190,19 @@ def load_reward_fn(spec: str) -> RewardFn:
 
 @dataclass(kw_only=True, slots=True)
 class JsonlTask:
-    """A user dataset: JSONL lines {"prompt": str, "answer": str}, with a reward function."""
+    """A user dataset: JSONL lines {"prompt": str, "answer": str}, with a reward function.
+
+    Every row is checked when the file is read, and every bad row is named with its file and line:
+    a prompt must be a non-blank string, an answer a string or a number; with the default reward
+    (`exact_answer_reward`, which compares integers) an answer must be an integer (`-12`, not
+    `1,000`, `twenty` or `3.5`: write those for a reward function of your own, `task.reward_fn`)."""
 
     path: Path
     reward_fn: RewardFn = exact_answer_reward
     eval_fraction: float = 0.1
     problems: tuple[Problem, ...] = ()
+    lines: tuple[int, ...] = ()
+    """The file's line number of each problem (for messages that name a row)."""
 
     def __post_init__(self) -> None:
         self.path = Path(self.path)
@@ -195,20 +210,43 @@ class JsonlTask:
             raise ValueError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
         if not self.path.is_file():
             raise FileNotFoundError(f"dataset {self.path} does not exist")
-        problems = []
+        problems, lines, bad = [], [], []
         for line_no, line in enumerate(self.path.read_text().splitlines(), 1):
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
-                problems.append(Problem(prompt=str(row["prompt"]), answer=str(row["answer"])))
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(
-                    f"{self.path}:{line_no}: expected a JSON object with 'prompt' and 'answer' ({e})"
-                ) from None
+                problem = self._row(json.loads(line))
+            except (json.JSONDecodeError, ValueError) as e:
+                bad.append(f"{self.path}:{line_no}: {e}")
+                continue
+            problems.append(problem)
+            lines.append(line_no)
+        if bad:
+            raise ValueError(rows_message(bad, "fix or remove them"))
         if not problems:
             raise ValueError(f"{self.path} holds no problems")
-        self.problems = tuple(problems)
+        self.problems, self.lines = tuple(problems), tuple(lines)
+
+    def _row(self, row: object) -> Problem:
+        if not isinstance(row, dict) or "prompt" not in row or "answer" not in row:
+            raise ValueError("expected a JSON object with 'prompt' and 'answer'")
+        prompt, answer = row["prompt"], row["answer"]
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ValueError(f"prompt {prompt!r} is empty or not a string")
+        if isinstance(answer, bool) or not isinstance(answer, str | int | float):
+            raise ValueError(f"answer {answer!r} is not a string or a number")
+        answer = str(answer)
+        if self.reward_fn is exact_answer_reward and not _INTEGER.fullmatch(answer.strip()):
+            raise ValueError(
+                f"answer {answer!r} is not an integer, which the default reward compares with the '#<int>' a "
+                "completion ends with: write it as one (1000, not 1,000), or set task.reward_fn to a reward "
+                "that reads it"
+            )
+        return Problem(prompt=prompt, answer=answer)
+
+    def located(self) -> list[tuple[str, Problem]]:
+        """Every problem with where it is written ("file:line")."""
+        return [(f"{self.path}:{n}", p) for n, p in zip(self.lines, self.problems, strict=True)]
 
     @property
     def name(self) -> str:

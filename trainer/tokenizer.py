@@ -8,10 +8,24 @@ task prompts into ids for `Generate` and completions back into text for the rewa
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Protocol
 
 BUILTIN = "builtin"
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+)
+"""Files a Hugging Face checkpoint ships its tokenizer in (any of them: the model has its own)."""
+_BESIDE_WEIGHTS = (*TOKENIZER_FILES, "generation_config.json")
 
 
 class Tokenizer(Protocol):
@@ -127,6 +141,10 @@ class HFTokenizer:
     def pad_id(self) -> int:
         return self._eos
 
+    def vocab(self) -> dict[str, int]:
+        """Every token (added ones included) and its id."""
+        return dict(self._tok.get_vocab(with_added_tokens=True))
+
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text).ids)
 
@@ -143,3 +161,67 @@ def load_tokenizer(spec: str | Path) -> Tokenizer:
     if str(spec) == BUILTIN:
         return CharTokenizer()
     return HFTokenizer(spec)
+
+
+class TokenizerMismatchError(ValueError):
+    """The tokenizer asked for is not the model's; the message says which to use."""
+
+
+def model_tokenizer(spec: str | Path | None, model_dir: str | Path, eos_token_id: list[int]) -> Tokenizer:
+    """The tokenizer to run the checkpoint in `model_dir` with, `spec` being what the user asked for
+    (None: the model's own).
+
+    - A checkpoint that ships a tokenizer (`TOKENIZER_FILES`) is run with it: `spec` None means its
+      `tokenizer.json`; `builtin` is refused (it would feed the model character ids it was never
+      trained on); another tokenizer.json is refused unless its vocabulary is the model's.
+    - A checkpoint that ships none is one specrl built for its character tokenizer (the demo's, the
+      tests'), recognised by what its config.json says it needs: no end-of-sequence id, or the built-in
+      one's (`CharTokenizer.EOS`). `spec` None means `builtin` there; a model whose config names another
+      end-of-sequence id needs `spec` (the path of its tokenizer.json).
+    Raises TokenizerMismatchError naming the fix, or what `load_tokenizer` raises for a bad path.
+    """
+    model_dir = Path(model_dir)
+    shipped = [f for f in TOKENIZER_FILES if (model_dir / f).is_file()]
+    own = model_dir / "tokenizer.json"
+    if shipped and not own.is_file():
+        if spec is None:
+            raise TokenizerMismatchError(
+                f"{model_dir} ships its tokenizer as {shipped} but no tokenizer.json, the format specrl reads: write "
+                "one with transformers (AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)) or set tokenizer=PATH"
+            )
+    elif shipped:
+        if spec is None:
+            return HFTokenizer(own)
+        if str(spec) == BUILTIN:
+            raise TokenizerMismatchError(
+                f"the model {model_dir} ships its own tokenizer.json; the built-in character tokenizer would feed it "
+                "ids it was never trained on: remove tokenizer (the default is the model's own)"
+            )
+        chosen = HFTokenizer(spec)
+        if chosen.vocab() != HFTokenizer(own).vocab():
+            raise TokenizerMismatchError(
+                f"tokenizer={spec} has another vocabulary than the model's own {own}: remove tokenizer to use the "
+                "model's, or give a checkpoint built for this tokenizer"
+            )
+        return chosen
+    elif spec is None:
+        if any(t != CharTokenizer.EOS for t in eos_token_id):
+            raise TokenizerMismatchError(
+                f"the model {model_dir} ships no tokenizer (no tokenizer.json) and its config.json's eos_token_id "
+                f"{eos_token_id} is not the built-in character tokenizer's ({CharTokenizer.EOS}), so it was not built "
+                "for it: set tokenizer=PATH (the model's tokenizer.json)"
+            )
+        return CharTokenizer()
+    return load_tokenizer(spec)
+
+
+def copy_tokenizer_files(source: str | Path, out: str | Path) -> None:
+    """Copy the tokenizer (and generation_config.json) that the checkpoint `source` ships into `out`,
+    so that a checkpoint written from it (warm-up, draft-init, a run's policy) keeps its tokenizer."""
+    source, out = Path(source), Path(out)
+    if source.resolve() == out.resolve():
+        return
+    for name in _BESIDE_WEIGHTS:
+        if (source / name).is_file():
+            out.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source / name, out / name)

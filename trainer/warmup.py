@@ -24,6 +24,7 @@ from torch import Tensor
 
 from muon import HybridOptimizerConfig
 from sidecar.engine.torch_engine import TorchEngine
+from sidecar.errors import SpecrlError
 from sidecar.model.checkpoint import load_checkpoint, model_state_dict, save_checkpoint
 from sidecar.model.eagle3 import Eagle3Config
 from sidecar.model.model import ModelConfig, build_model
@@ -32,9 +33,13 @@ from trainer.draft_objective import DraftConfig, Eagle3Head
 from trainer.losses import GRPOConfig
 from trainer.policy import Policy, TrainBatch
 from trainer.tasks import Task
-from trainer.tokenizer import Tokenizer
+from trainer.tokenizer import Tokenizer, copy_tokenizer_files
 
 Progress = Callable[[int, dict[str, float]], None]
+
+
+class WarmupError(SpecrlError, ValueError):
+    """`warmup` or `draft-init` cannot run on this model or task; the message says what to change."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -127,6 +132,11 @@ def supervised_warmup(
 ) -> list[float]:
     """Train the trunk on prompt → reference solution + EOS; write the result to `out`.
     Returns the mean token negative log-likelihood per step."""
+    if not task.sample(random.Random(cfg.seed), "train").solution:
+        raise WarmupError(
+            f"task {task.name} has no reference solutions to warm up on (a dataset's rows have no solution "
+            "field); warm up on the built-in arithmetic task, or skip warm-up for a model that already earns reward"
+        )
     policy = Policy.from_checkpoint(
         checkpoint,
         Policy.Config(
@@ -141,7 +151,7 @@ def supervised_warmup(
     for step in range(cfg.steps):
         problems = [task.sample(rng, "train") for _ in range(cfg.batch_size)]
         if not all(p.solution for p in problems):
-            raise ValueError(f"task {task.name} has no reference solutions to warm up on")
+            raise WarmupError(f"task {task.name} has problems without a reference solution to warm up on")
         batch = _pack(
             [tokenizer.encode(p.prompt) for p in problems],
             [[*_continuation(tokenizer, p.solution), tokenizer.eos_id] for p in problems],
@@ -154,6 +164,7 @@ def supervised_warmup(
         if progress is not None:
             progress(step + 1, {"nll": nll[-1]})
     policy.save_hf(out)
+    copy_tokenizer_files(checkpoint, out)
     return nll
 
 
@@ -183,6 +194,15 @@ def draft_init(
 ) -> list[float]:
     """Fit the draft on the policy's own in-domain completions; the trunk is unchanged.
     Writes `out` and returns the draft loss per step."""
+    model_config, tensors = load_checkpoint(checkpoint)
+    if cfg.kind == "mtp" and model_config.num_nextn_predict_layers == 0:
+        raise WarmupError(
+            f"{checkpoint} has no MTP layers to fit (num_nextn_predict_layers is 0 in its config.json): fit a "
+            "separate EAGLE-3 draft instead (draft-init --draft eagle3, then specrl serve --draft OUT)"
+        )
+    vocab = cfg.draft_vocab or model_config.vocab_size
+    if vocab > model_config.vocab_size:
+        raise WarmupError(f"draft_vocab {vocab} exceeds the target's vocabulary of {model_config.vocab_size}")
     rng = random.Random(cfg.seed)
     prompts = [tokenizer.encode(task.sample(rng, "train").prompt) for _ in range(cfg.prompts)]
     completions = policy_completions(
@@ -198,11 +218,7 @@ def draft_init(
         temperature=cfg.temperature,
         draft=DraftConfig(chain_depth=cfg.chain_depth, optimizer=HybridOptimizerConfig(lr=cfg.lr)),
     )
-    model_config, tensors = load_checkpoint(checkpoint)
     if cfg.kind == "eagle3":
-        vocab = cfg.draft_vocab or model_config.vocab_size
-        if vocab > model_config.vocab_size:
-            raise ValueError(f"draft_vocab {vocab} exceeds the target's vocabulary of {model_config.vocab_size}")
         layers = model_config.num_hidden_layers  # the loaders' default taps (2, L/2, L-3) need 7 layers
         taps = None if layers >= 7 else [1, layers // 2, layers - 1]
         eagle3 = Eagle3Config.for_target(model_config, draft_vocab_size=vocab, aux_layer_ids=taps)
@@ -247,6 +263,7 @@ def draft_init(
         policy.save_draft(out)
     else:
         policy.save_hf(out)
+        copy_tokenizer_files(checkpoint, out)
     return losses
 
 
