@@ -145,7 +145,10 @@ def from_mapping(cls: type[T], data: Mapping[str, Any], *, path: str = "") -> T:
     unknown = sorted(set(data) - set(fields))
     if unknown:
         where = path.rstrip(".") or cls.__name__
-        raise ConfigError(f"unknown key(s) {unknown} in {where}; known keys: {sorted(fields)}")
+        renamed: dict[str, str] = getattr(cls, "RENAMED_KEYS", {})
+        hints_ = [f"{path}{k} is now {path}{renamed[k]}" for k in unknown if k in renamed]
+        hint = f" ({'; '.join(hints_)})" if hints_ else ""
+        raise ConfigError(f"unknown key(s) {unknown} in {where}{hint}; known keys: {sorted(fields)}")
     kwargs = {
         name: _coerce(hints[name], _onto_default(fields[name], data[name]), f"{path}{name}")
         for name in fields

@@ -23,9 +23,10 @@ from sidecar.security import SecurityConfig
 from sidecar.server.serve_config import SECURITY_OPTIONS, ServeConfig
 from tests.sidecar_fixtures import start_sidecar
 from trainer.cli import main
+from trainer.rewards import Reward, RewardFunctionError
 from trainer.rl_cli import resolve_config
 from trainer.rl_config import RLConfig, SidecarsConfig
-from trainer.tasks import JsonlTask, Problem, RewardFunctionError
+from trainer.tasks import DatasetTask, Problem
 from trainer.warmup import DraftInitConfig, WarmupConfig, WarmupError
 
 
@@ -211,7 +212,7 @@ def _checkpoint(path: Path, **shape: int) -> Path:
 
 
 def _train_args(ckpt: Path, data: Path, run_dir: Path, *extra: str) -> list[str]:
-    args = ["train", "--model", str(ckpt), "--run-dir", str(run_dir), "--set", "task.kind=jsonl"]
+    args = ["train", "--model", str(ckpt), "--run-dir", str(run_dir), "--set", "task.kind=dataset"]
     return [*args, "--set", f"task.path={data}", "--set", "rollout.max_new_tokens=8", *extra]
 
 
@@ -232,7 +233,7 @@ def test_a_bad_reward_function_fails_before_megatron_and_sidecars(
     spec = _reward_module(tmp_path, body)
     ckpt, data = jsonl_run
     run_dir = tmp_path / "run"
-    code, out = _cli(_train_args(ckpt, data, run_dir, "--set", f"task.reward_fn={spec}", "--local-sidecars", "1"))
+    code, out = _cli(_train_args(ckpt, data, run_dir, "--set", f"task.rewards=[{spec}]", "--local-sidecars", "1"))
     assert code == 1 and needle in out and "Traceback" not in out, out
     assert "reward" in out
     assert not run_dir.exists()  # nothing was started: no run directory, no sidecar logs
@@ -326,8 +327,8 @@ def test_a_reward_function_failing_mid_run_names_its_input() -> None:
     def flaky(prompt: str, completion: str, answer: str) -> float:
         raise KeyError("judge")
 
-    task = JsonlTask.__new__(JsonlTask)
-    task.reward_fn = flaky
+    task = DatasetTask.__new__(DatasetTask)
+    task.rewards = (Reward(name="flaky", fn=flaky),)
     with pytest.raises(RewardFunctionError, match=r"KeyError.*'1\+1='"):
         task.reward(Problem(prompt="1+1=", answer="2"), "3")
 
@@ -406,7 +407,7 @@ def _hf_tokenizer(path: Path, words: list[str]) -> Path:
 def _preflight(ckpt: Path, data: Path, **overrides: object):  # type: ignore[no-untyped-def]
     from trainer.preflight import preflight
 
-    cfg = resolve_config(None, [f"model={ckpt}", "task.kind=jsonl", f"task.path={data}", "sidecars.local=1"])
+    cfg = resolve_config(None, [f"model={ckpt}", "task.kind=dataset", f"task.path={data}", "sidecars.local=1"])
     return preflight(dataclasses.replace(cfg, **overrides), probe_sidecars=False)  # type: ignore[arg-type]
 
 
@@ -466,11 +467,11 @@ def test_speculating_without_a_draft_is_refused_in_preflight_naming_the_fixes(
 @pytest.mark.parametrize(
     ("row", "needle"),
     [
-        ({"prompt": "", "answer": "3"}, "prompt '' is empty"),
-        ({"prompt": "1+2=", "answer": "1,000"}, "answer '1,000' is not an integer"),
-        ({"prompt": "1+2=", "answer": None}, "answer None is not a string or a number"),
-        ({"prompt": "1+2=", "answer": "twenty"}, "answer 'twenty' is not an integer"),
-        ({"prompt": "1+2="}, "expected a JSON object with 'prompt' and 'answer'"),
+        ({"prompt": "", "answer": "3"}, "empty prompt: '' is empty"),
+        ({"prompt": "1+2=", "answer": "1,000"}, "bad answer: '1,000' is not an integer"),
+        ({"prompt": "1+2=", "answer": None}, "bad answer: None is not a string or a number"),
+        ({"prompt": "1+2=", "answer": "twenty"}, "bad answer: 'twenty' is not an integer"),
+        ({"prompt": "1+2="}, "no column 'answer'"),
         ({"prompt": "9" * 300, "answer": "9"}, "prompts of up to 301 tokens"),
         ({"prompt": "café", "answer": "1"}, "cannot be tokenized"),
     ],
@@ -498,12 +499,12 @@ def test_a_user_reward_reads_answers_the_default_reward_refuses(
     data.write_text(
         "".join(json.dumps(r) + "\n" for r in [{"prompt": "1+1=", "answer": "two"}, {"prompt": "2=", "answer": 3}])
     )
-    with pytest.raises(ValueError, match=f"{data}:1: answer 'two' is not an integer"):
-        JsonlTask(path=data)  # the default reward compares integers
+    with pytest.raises(ValueError, match=f"{data}:1: bad answer: 'two' is not an integer"):
+        DatasetTask(path=data)  # the default reward compares integers
     ckpt, _ = jsonl_run
-    cfg = resolve_config(None, [f"model={ckpt}", "sidecars.local=1", "task.kind=jsonl", f"task.path={data}"])
-    prepared = _preflight(ckpt, data, task=dataclasses.replace(cfg.task, reward_fn=spec))
-    assert isinstance(prepared.task, JsonlTask) and prepared.task.lines == (1, 2)
+    cfg = resolve_config(None, [f"model={ckpt}", "sidecars.local=1", "task.kind=dataset", f"task.path={data}"])
+    prepared = _preflight(ckpt, data, task=dataclasses.replace(cfg.task, rewards=(spec,)))
+    assert isinstance(prepared.task, DatasetTask) and prepared.task.where == (f"{data}:1", f"{data}:2")
     assert [p.answer for p in prepared.task.problems] == ["two", "3"]
 
 

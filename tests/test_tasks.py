@@ -10,16 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.tasks import (
-    ArithmeticTask,
-    JsonlTask,
-    Problem,
-    _split_of,
-    distinct_problems,
-    exact_answer_reward,
-    extract_answer,
-    load_reward_fn,
-)
+from trainer.rewards import Reward, exact_answer_reward, extract_answer, load_reward_fn
+from trainer.tasks import ArithmeticTask, DatasetTask, Problem, _split_of, distinct_problems
 from trainer.tokenizer import CharTokenizer, HFTokenizer, load_tokenizer
 
 
@@ -76,7 +68,8 @@ def test_bad_task_config_names_the_field() -> None:
 def test_jsonl_task_with_user_reward(tmp_path: Path) -> None:
     data = tmp_path / "qa.jsonl"
     data.write_text("\n".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) for i in range(50)) + "\n")
-    task = JsonlTask(path=data, reward_fn=load_reward_fn("tests.test_tasks:_contains_answer"))
+    fn, batched = load_reward_fn("tests.test_tasks:_contains_answer")
+    task = DatasetTask(path=data, rewards=(Reward(name="contains", fn=fn, batched=batched),))
     p = task.sample(random.Random(0))
     assert isinstance(p, Problem) and task.reward(p, f"it is {p.answer}") == 1.0
     assert task.reward(p, "no idea") == 0.0
@@ -93,10 +86,10 @@ def _two_args(prompt: str, completion: str) -> float:
 def test_bad_datasets_and_reward_functions_fail_clearly(tmp_path: Path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "x"}\n')
-    with pytest.raises(ValueError, match=r"bad.jsonl:1: expected a JSON object with 'prompt' and 'answer'"):
-        JsonlTask(path=bad)
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: no column 'answer'"):
+        DatasetTask(path=bad)
     with pytest.raises(FileNotFoundError):
-        JsonlTask(path=tmp_path / "missing.jsonl")
+        DatasetTask(path=tmp_path / "missing.jsonl")
     with pytest.raises(ValueError, match="package.module:function"):
         load_reward_fn("no_colon")
     with pytest.raises(ValueError, match="cannot import"):

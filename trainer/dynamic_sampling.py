@@ -11,7 +11,7 @@ the reward of responses in the last `buffer_len` tokens before the maximum lengt
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import Tensor
 
@@ -33,6 +33,9 @@ class Group:
     """(G,) float32 task reward alone (what `reward/train_mean` reports)."""
     problem: Problem | None = None
     """What the prompt asks (to reward a regenerated group)."""
+    reward_terms: dict[str, Tensor] = field(default_factory=dict)
+    """(G,) each reward term's values by name, for a task with several terms (their weighted sum
+    is `task_rewards`); empty for a task with one."""
 
     @property
     def informative(self) -> bool:

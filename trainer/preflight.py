@@ -20,7 +20,7 @@ from sidecar.errors import SpecrlError
 from sidecar.model.architectures import UnsupportedConfigError
 from sidecar.model.model import ModelConfig
 from trainer.rl_config import RLConfig
-from trainer.tasks import JsonlTask, Problem, Task, rows_message
+from trainer.tasks import DatasetTask, Problem, Task, prompt_ids, rows_message
 from trainer.tokenizer import Tokenizer, TokenizerMismatchError, model_tokenizer
 from trainer.trackers import check_trackers
 
@@ -131,13 +131,13 @@ def _task(cfg: RLConfig, tokenizer: Tokenizer, model: ModelConfig) -> Task:
 
 
 def _reward_key(cfg: RLConfig) -> str:
-    return f"task.reward_fn={cfg.task.reward_fn!r}" if cfg.task.reward_fn else "the task's reward"
+    return f"task.rewards={list(cfg.task.rewards)}" if cfg.task.rewards else "the task's reward"
 
 
 def _problems(task: Task, seed: int) -> list[tuple[str, Problem]]:
-    """What to check: every row of a dataset (named "file:line"), or 8 problems of each split of a
-    generated task."""
-    if isinstance(task, JsonlTask):
+    """What to check: every row of a dataset (named by where it is written), or 8 problems of each
+    split of a generated task."""
+    if isinstance(task, DatasetTask):
         return task.located()
     rng, out = random.Random(seed), []
     for split in ("train", "eval"):
@@ -149,23 +149,49 @@ def _problems(task: Task, seed: int) -> list[tuple[str, Problem]]:
     return out
 
 
+DRY_CALLS = 16
+"""Problems the reward is dry-called on (spread over the dataset): the reward is one function for
+every row, and what differs between rows, the answers, is checked on every row when it is read."""
+
+
 def check_problems(
     task: Task, tokenizer: Tokenizer, model: ModelConfig, max_new_tokens: int, *, seed: int, reward_key: str
 ) -> None:
-    """Every problem checked (see `_problems`) encodes, fits the context with `max_new_tokens`, and
-    gets a finite reward from a dry call on three completions; PreflightError naming the rows."""
+    """Every problem checked (see `_problems`) renders to tokens (through the chat template where
+    the task uses one) and fits the context with `max_new_tokens`; the reward gives a finite value on
+    three completions of `DRY_CALLS` of them (unless `reward_key` is "": no reward is computed).
+    PreflightError naming the rows; a dataset task that
+    filters rows drops the over-long ones instead (counted in its `dropped`)."""
     bad: list[str] = []
-    longest, longest_at = 0, ""
-    for where, problem in _problems(task, seed):
+    long: list[tuple[str, int]] = []
+    problems = _problems(task, seed)
+    for where, problem in problems:
         try:
-            ids = tokenizer.encode(problem.prompt)
+            ids = prompt_ids(task, tokenizer, problem)
         except ValueError as e:
             bad.append(f"{where}: the prompt cannot be tokenized ({e})")
             continue
         if not ids:
             bad.append(f"{where}: the prompt {problem.prompt[:40]!r} has no tokens")
-        if len(ids) > longest:
-            longest, longest_at = len(ids), where
+        if len(ids) + max_new_tokens > model.max_position_embeddings:
+            long.append((where, len(ids)))
+    if bad:
+        raise PreflightError("task: " + rows_message(bad, "fix or remove them"))
+    if long and isinstance(task, DatasetTask) and task.filter_rows:
+        task.dropped["over-long prompt"] = len(long)
+        try:
+            task.drop({where for where, _ in long})
+        except ValueError as e:
+            raise PreflightError(f"task: {e} (over-long for rollout.max_new_tokens={max_new_tokens})") from None
+        problems = _problems(task, seed)
+    elif long:
+        where, n = max(long, key=lambda x: x[1])
+        raise PreflightError(
+            f"rollout.max_new_tokens={max_new_tokens} plus prompts of up to {n} tokens ({where}; {len(long)} "
+            f"prompt(s) too long) exceeds the model's max_position_embeddings={model.max_position_embeddings}; "
+            "lower rollout.max_new_tokens, shorten those prompts, or set task.filter_rows=true to drop them"
+        )
+    for where, problem in problems[:: max(1, len(problems) // DRY_CALLS)][: DRY_CALLS if reward_key else 0]:
         for completion in ("", problem.answer, f"#### {problem.answer}"):
             try:
                 value = task.reward(problem, completion)
@@ -176,15 +202,15 @@ def check_problems(
                 ) from None
             if not math.isfinite(value):
                 raise PreflightError(f"{reward_key} returned {value} on a dry call ({where}); return a finite float")
-    if bad:
-        raise PreflightError("task: " + rows_message(bad, "fix or remove them"))
-    need = longest + max_new_tokens
-    if need > model.max_position_embeddings:
-        raise PreflightError(
-            f"rollout.max_new_tokens={max_new_tokens} plus prompts of up to {longest} tokens ({longest_at}) exceeds "
-            f"the model's max_position_embeddings={model.max_position_embeddings}; lower rollout.max_new_tokens "
-            "or shorten that prompt"
-        )
+
+
+def rendered_prompt(task: Task, tokenizer: Tokenizer) -> str:
+    """The first training prompt as the model sees it (decoded from its tokens, special tokens kept
+    where the tokenizer can show them): printed at start so a user checks the template."""
+    problem = task.sample(random.Random(0), "train")
+    ids = prompt_ids(task, tokenizer, problem)
+    show = getattr(tokenizer, "decode_all", tokenizer.decode)
+    return str(show(ids))
 
 
 def _parallel_layout(cfg: RLConfig, model: ModelConfig) -> None:

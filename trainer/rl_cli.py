@@ -123,9 +123,9 @@ def _task_options(f: Callable[..., None]) -> Callable[..., None]:
     return f
 
 
-def _task(regime: str, digits: int, dataset: Path | None) -> Task:
+def _task(regime: str, digits: int, dataset: Path | None, *, needs_answers: bool = True) -> Task:
     if dataset is not None:
-        return TaskConfig(kind="jsonl", path=dataset).build()
+        return TaskConfig(kind="dataset", path=str(dataset)).build(needs_answers=needs_answers)
     return TaskConfig(kind="arithmetic", regime="think" if regime == "think" else "zero", digits=digits).build()
 
 
@@ -133,16 +133,17 @@ def _checked_inputs(
     model: Path, tokenizer: str | None, regime: str, digits: int, dataset: Path | None, max_new_tokens: int
 ) -> tuple[Task, Tokenizer]:
     """The task and the model's tokenizer, checked as `specrl train`'s preflight checks them (config.json,
-    tokenizer against the model, every dataset row); PreflightError naming the option to change."""
+    tokenizer against the model, every dataset row; answers and rewards are not needed to warm up or to
+    fit a draft); PreflightError naming the option to change."""
     from trainer.preflight import PreflightError, check_problems, checked_tokenizer, read_model_config
 
     model_config = read_model_config(model)
     tok = checked_tokenizer(tokenizer, model, model_config, key="--tokenizer")
     try:
-        task = _task(regime, digits, dataset)
+        task = _task(regime, digits, dataset, needs_answers=False)
     except (OSError, ValueError) as e:
         raise PreflightError(f"--dataset: {e}") from None
-    check_problems(task, tok, model_config, max_new_tokens, seed=0, reward_key="the task's reward")
+    check_problems(task, tok, model_config, max_new_tokens, seed=0, reward_key="")
     return task, tok
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from muon import HybridOptimizerConfig
 from sidecar.client.client import ClientConfig
@@ -17,8 +17,9 @@ from sidecar.client.transport import CollectiveConfig, TransportConfig
 from sidecar.security import SecurityConfig
 from trainer.draft_objective import DraftConfig
 from trainer.losses import GRPOConfig
+from trainer.rewards import rewards_from_specs
 from trainer.schedules import LRScheduleConfig
-from trainer.tasks import ArithmeticTask, JsonlTask, Task, load_reward_fn
+from trainer.tasks import ArithmeticTask, DatasetFields, DatasetTask, Task
 from trainer.trackers import TrackersConfig
 
 
@@ -26,30 +27,69 @@ from trainer.trackers import TrackersConfig
 class TaskConfig:
     """Where problems and rewards come from."""
 
-    kind: Literal["arithmetic", "jsonl"] = "arithmetic"
-    """"arithmetic": the built-in synthetic task; "jsonl": a user dataset at `path`."""
+    RENAMED_KEYS: ClassVar[dict[str, str]] = {"reward_fn": "rewards"}
+
+    kind: Literal["arithmetic", "dataset"] = "arithmetic"
+    """"arithmetic": the built-in synthetic task; "dataset": a user dataset at `path`."""
     regime: Literal["zero", "think"] = "zero"
     """Arithmetic regime (short scratchpad or multi-step chains)."""
     digits: int = 2
     """Digits per operand of the arithmetic task."""
-    path: Path | None = None
-    """JSONL dataset (one {"prompt", "answer"} object per line) when kind is "jsonl"."""
-    reward_fn: str = ""
-    """"package.module:function" taking (prompt, completion, answer) -> float; "" = exact answer."""
+    path: str | None = None
+    """The dataset when kind is "dataset": a JSONL, parquet, JSON, CSV or arrow file, a `save_to_disk`
+    directory, or a hub id (where there is a network)."""
+    eval_path: str | None = None
+    """A held-out dataset of its own (same formats); null: `eval_fraction` of `path`'s problems."""
+    split: str = "train"
+    """The split of a saved DatasetDict or a hub dataset to train on."""
+    eval_split: str = ""
+    """The split of `eval_path` to evaluate on ("": `split`)."""
+    fields: DatasetFields = field(default_factory=DatasetFields)
+    """Which column holds the prompt, the answer, a reference solution, a conversation."""
+    rewards: tuple[str, ...] = ()
+    """The reward terms, summed with `reward_weights`: built-in "exact", "gsm8k", "math" (math-verify),
+    "format", or a function "package.module:function" / "path/to/file.py:function" taking (prompt,
+    completion, answer), or batched (prompts, completions, answers); empty: ["exact"]. The arithmetic
+    task always uses "exact"."""
+    reward_weights: tuple[float, ...] = ()
+    """One weight per reward term (empty: 1 each)."""
+    system_prompt: str = ""
+    """A system turn before every plain prompt of a dataset (through the chat template)."""
+    chat_template: bool | None = None
+    """Render a dataset's plain prompts with the model's chat template (null: when the tokenizer has
+    one; conversational prompts always use it)."""
+    filter_rows: bool = False
+    """Drop a dataset's bad rows (empty or over-long prompts, bad answers), counting them, instead of
+    refusing the run."""
     eval_fraction: float = 0.1
     """Share of problems held out for evaluation (split by prompt hash)."""
 
     def __post_init__(self) -> None:
-        if self.kind == "jsonl" and self.path is None:
-            raise ValueError("task.path must name a JSONL file when task.kind is 'jsonl'")
+        if self.kind == "dataset" and self.path is None:
+            raise ValueError("task.path must name a dataset when task.kind is 'dataset'")
+        if self.kind == "arithmetic" and self.rewards and tuple(self.rewards) != ("exact",):
+            raise ValueError("the arithmetic task is rewarded by 'exact' alone: unset task.rewards")
 
-    def build(self) -> Task:
+    def build(self, *, needs_answers: bool = True) -> Task:
         if self.kind == "arithmetic":
             return ArithmeticTask(regime=self.regime, digits=self.digits, eval_fraction=self.eval_fraction)
         assert self.path is not None
-        if self.reward_fn:
-            return JsonlTask(path=self.path, reward_fn=load_reward_fn(self.reward_fn), eval_fraction=self.eval_fraction)
-        return JsonlTask(path=self.path, eval_fraction=self.eval_fraction)
+        path: str | Path = self.path
+        if Path(self.path).exists() or Path(self.path).suffix:
+            path = Path(self.path)
+        return DatasetTask(
+            path=path,
+            fields=self.fields,
+            rewards=rewards_from_specs(self.rewards or ("exact",), self.reward_weights),
+            eval_path=None if self.eval_path is None else Path(self.eval_path),
+            split=self.split,
+            eval_split=self.eval_split,
+            eval_fraction=self.eval_fraction,
+            system_prompt=self.system_prompt,
+            chat_template=self.chat_template,
+            filter_rows=self.filter_rows,
+            needs_answers=needs_answers,
+        )
 
 
 @dataclass(kw_only=True, slots=True)

@@ -46,7 +46,7 @@ from trainer.dynamic_sampling import Group, Selection, group_samples, select_gro
 from trainer.local_sidecars import LocalSidecars
 from trainer.losses import OverlongConfig, mismatch_metrics, sample_advantages
 from trainer.policy import Policy, TrainBatch
-from trainer.preflight import check_sidecars, preflight
+from trainer.preflight import check_sidecars, preflight, rendered_prompt
 from trainer.ranks import (
     RankWatchdog,
     drain_export,
@@ -61,7 +61,7 @@ from trainer.rl_config import RLConfig
 from trainer.rollout_pipeline import RolloutPipeline
 from trainer.run_dir import RunDir
 from trainer.step_metrics import StepTimes, length_quantiles, speculation_metrics
-from trainer.tasks import Problem, Task, distinct_problems
+from trainer.tasks import Problem, Task, distinct_problems, prompt_ids, score_completions
 from trainer.tokenizer import Tokenizer
 from trainer.trackers import open_trackers
 
@@ -201,12 +201,19 @@ def evaluate(run: Run, size: int) -> tuple[float, float]:
     sampling = SamplingParams(
         temperature=0.0, max_new_tokens=run.cfg.rollout.max_new_tokens, stop_token_ids=(run.tokenizer.eos_id,)
     )
-    prompts = [run.tokenizer.encode(p.prompt) for p in problems]
+    prompts = [prompt_ids(run.task, run.tokenizer, p) for p in problems]
     request = GenerationRequest(prompts=prompts, sampling=sampling, speculation_k=run.cfg.rollout.request_k)
     with run.generating:
         samples = run.fleet.generate(request).samples
-    rewards = [run.task.reward(problems[s.prompt_index], run.tokenizer.decode(s.token_ids)) for s in samples]
+    rewards, _ = score_completions(
+        run.task, [problems[s.prompt_index] for s in samples], [run.tokenizer.decode(s.token_ids) for s in samples]
+    )
     return mean_and_stderr(rewards)
+
+
+def _metric_name(reward: str) -> str:
+    """A reward term's name as a metric key ("math"; "rewards.py:score" -> "rewards_py_score")."""
+    return re.sub(r"[^A-Za-z0-9_]+", "_", reward).strip("_")
 
 
 def mean_and_stderr(values: list[float]) -> tuple[float, float]:
@@ -252,7 +259,10 @@ def _score(run: Run, problems: list[Problem], prompts: list[list[int]], samples:
     for problem, prompt, group in zip(
         problems, prompts, group_samples(prompts, samples, cfg.rollout.samples_per_prompt), strict=True
     ):
-        task = torch.tensor([run.task.reward(problem, run.tokenizer.decode(s.token_ids)) for s in group])
+        totals, parts = score_completions(
+            run.task, [problem] * len(group), [run.tokenizer.decode(s.token_ids) for s in group]
+        )
+        task = torch.tensor(totals)
         lengths = torch.tensor([len(s.token_ids) for s in group])
         groups.append(
             Group(
@@ -261,6 +271,7 @@ def _score(run: Run, problems: list[Problem], prompts: list[list[int]], samples:
                 rewards=shaped_rewards(task, lengths, overlong),
                 task_rewards=task,
                 problem=problem,
+                reward_terms={name: torch.tensor(values) for name, values in parts.items()},
             )
         )
     return groups
@@ -354,7 +365,7 @@ def _gather(run: Run, step: int, metrics: dict[str, float], times: StepTimes, ev
     rejoin = not ro.max_policy_lag  # asynchronous: the trainer brings sidecars back between updates
     rng = random.Random(cfg.seed * 1_000_003 + step)
     problems: list[Problem] = [run.task.sample(rng, "train") for _ in range(ro.prompts_per_step)]
-    prompts = [run.tokenizer.encode(p.prompt) for p in problems]
+    prompts = [prompt_ids(run.task, run.tokenizer, p) for p in problems]
     sampling = _sampling(run, step, 0)
 
     def rollout_request(k: int | None) -> GenerationRequest:
@@ -387,6 +398,8 @@ def _gather(run: Run, step: int, metrics: dict[str, float], times: StepTimes, ev
     #    all equal with fresh prompts, for at most rollout.refill_rounds rounds
     first = _score(run, problems, prompts, samples)
     metrics["reward/train_mean"] = float(torch.stack([g.task_rewards for g in first]).mean())
+    for name in first[0].reward_terms:  # a task with several reward terms: each one's mean
+        metrics[f"reward/{_metric_name(name)}_mean"] = float(torch.stack([g.reward_terms[name] for g in first]).mean())
     if cfg.reward.overlong_buffer_len:
         metrics["reward/overlong_penalty_mean"] = float(torch.stack([g.rewards - g.task_rewards for g in first]).mean())
     metrics["rollout/kept_fraction_first_round"] = sum(g.informative for g in first) / len(first)
@@ -399,7 +412,7 @@ def _gather(run: Run, step: int, metrics: dict[str, float], times: StepTimes, ev
             break
         rounds += 1
         more = [run.task.sample(rng, "train") for _ in range(missing)]
-        more_prompts = [run.tokenizer.encode(p.prompt) for p in more]
+        more_prompts = [prompt_ids(run.task, run.tokenizer, p) for p in more]
         run.fleet.speculation_delta()
         extra = run.fleet.generate(
             GenerationRequest(
@@ -571,10 +584,20 @@ def train(cfg: RLConfig, *, resume: bool = False, progress: bool = True) -> list
             raise
 
 
+def _announce_task(task: Task, tokenizer: Tokenizer) -> None:
+    """Show what the model sees (the first training prompt, rendered) and the rows a dataset dropped."""
+    dropped = getattr(task, "dropped", None)
+    if dropped:
+        tqdm.write(f"task: dropped {sum(dropped.values())} row(s): {dropped}", file=sys.stderr)
+    tqdm.write(f"first training prompt as the model sees it:\n{rendered_prompt(task, tokenizer)}", file=sys.stderr)
+
+
 def _train(cfg: RLConfig, resume: bool, progress: bool, watchdog: RankWatchdog | None) -> list[dict[str, float]]:
     leader = is_leader()
     progress = progress and leader
     prepared = preflight(cfg, probe_sidecars=False)  # seconds, on every rank: nothing is built yet
+    if progress:
+        _announce_task(prepared.task, prepared.tokenizer)
     run_dir = on_leader(lambda: _open_run_dir(cfg, resume, prepared.model_config))
     with phase("building the policy (Megatron)", progress):
         policy = build_policy(cfg)

@@ -1,4 +1,4 @@
-"""Verifiable tasks and rewards for RL: built-in synthetic arithmetic, and user datasets.
+"""Verifiable tasks for RL: built-in synthetic arithmetic, and user datasets.
 
 Two built-in families are generated on the fly from a seed, like the two regimes of the
 reference study:
@@ -14,29 +14,30 @@ Every completion ends with ``#<answer>``; the reward is 1.0 when the integer aft
 A problem belongs to the training or the held-out split by a hash of its prompt, so the
 held-out set never appears in training, whatever the seed.
 
-User datasets are JSONL files with one ``{"prompt": str, "answer": str}`` object per line; a user
-reward function is any importable callable ``reward(prompt: str, completion: str, answer: str)
--> float`` named as ``"package.module:function"``.
+A user dataset (`DatasetTask`) is any file or directory the `datasets` library reads (parquet,
+JSON, CSV, arrow, a `save_to_disk` directory, or a hub id where there is a network; JSONL is read
+line by line so that every message names its line), with a mapping of its columns onto the prompt
+(a string, or a conversation), the answer, and optionally a reference solution or a conversation
+ending in the assistant's turn (for supervised warm-up). Its prompts are rendered with the
+model's own chat template (`Tokenizer.render_chat`). Rewards: `trainer.rewards`.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib
-import inspect
 import json
 import random
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
-from sidecar.errors import SpecrlError
+from trainer.rewards import Reward, exact_answer_reward, score
+from trainer.tokenizer import Tokenizer
 
 RewardFn = Callable[[str, str, str], float]
 Split = Literal["train", "eval"]
-_ANSWER = re.compile(r"#\s*(-?\d+)\s*$")
 _INTEGER = re.compile(r"-?\d+")
 
 
@@ -52,9 +53,18 @@ class Problem:
     """One task instance."""
 
     prompt: str
+    """The question (a conversation's last user turn); what the held-out split is hashed on and
+    what reward functions get as `prompt`."""
     answer: str
     solution: str = ""
     """A reference completion (for supervised warm-up and draft initialisation); "" if unknown."""
+    messages: tuple[Message, ...] = ()
+    """The conversation the policy answers (its chat-template input) when the row holds one; ()
+    for a plain prompt."""
+
+
+Message = dict[str, str]
+"""One chat turn, {"role": "system" | "user" | "assistant", "content": str}."""
 
 
 class Task(Protocol):
@@ -66,18 +76,6 @@ class Task(Protocol):
     def sample(self, rng: random.Random, split: Split = "train") -> Problem: ...
 
     def reward(self, problem: Problem, completion: str) -> float: ...
-
-
-def extract_answer(completion: str) -> str | None:
-    """The integer after the last '#' at the end of the completion, or None."""
-    match = _ANSWER.search(completion.strip())
-    return match.group(1) if match else None
-
-
-def exact_answer_reward(prompt: str, completion: str, answer: str) -> float:
-    """1.0 when the completion ends with '#<answer>' (integers compared by value), else 0.0."""
-    got = extract_answer(completion)
-    return 1.0 if got is not None and int(got) == int(answer) else 0.0
 
 
 def _split_of(prompt: str, eval_fraction: float) -> Split:
@@ -118,6 +116,9 @@ class ArithmeticTask:
 
     def reward(self, problem: Problem, completion: str) -> float:
         return exact_answer_reward(problem.prompt, completion, problem.answer)
+
+    def prompt_ids(self, problem: Problem, tokenizer: Tokenizer) -> list[int]:
+        return tokenizer.encode(problem.prompt)
 
     def _operand(self, rng: random.Random) -> int:
         return rng.randrange(10 ** (self.digits - 1) if self.digits > 1 else 0, 10**self.digits)
@@ -166,106 +167,274 @@ def distinct_problems(task: Task, rng: random.Random, split: Split, size: int) -
     return problems
 
 
-class RewardFunctionError(SpecrlError, TypeError):
-    """A user reward function that raised or returned something other than a finite number."""
+def prompt_ids(task: Task, tokenizer: Tokenizer, problem: Problem) -> list[int]:
+    """The token ids of `problem`'s prompt as the policy sees it (the task's rendering, e.g. through
+    the model's chat template; a task without one encodes the prompt text)."""
+    render = getattr(task, "prompt_ids", None)
+    return render(problem, tokenizer) if render is not None else tokenizer.encode(problem.prompt)
 
 
-def load_reward_fn(spec: str) -> RewardFn:
-    """Import `"package.module:function"` and check it takes (prompt, completion, answer)."""
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"reward function {spec!r} must be written 'package.module:function'")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"cannot import reward function {spec!r}: {e}") from e
-    if not callable(fn):
-        raise ValueError(f"reward function {spec!r} is not callable")
-    try:
-        inspect.signature(fn).bind("prompt", "completion", "answer")
-    except TypeError as e:
-        raise ValueError(f"reward function {spec!r} must accept (prompt, completion, answer): {e}") from e
-    return fn
+def score_completions(
+    task: Task, problems: list[Problem], completions: list[str]
+) -> tuple[list[float], dict[str, list[float]]]:
+    """Each completion's reward and, for a task with several reward terms, each term's values by name
+    (batched where the task scores in batches)."""
+    batched = getattr(task, "score", None)
+    if batched is not None:
+        return batched(problems, completions)
+    return [task.reward(p, c) for p, c in zip(problems, completions, strict=True)], {}
+
+
+class ColumnError(ValueError):
+    """A dataset row lacks a column the field mapping names (never filtered: the mapping is wrong)."""
 
 
 @dataclass(kw_only=True, slots=True)
-class JsonlTask:
-    """A user dataset: JSONL lines {"prompt": str, "answer": str}, with a reward function.
+class DatasetFields:
+    """Which column of a dataset holds what (a column named "" is not read)."""
 
-    Every row is checked when the file is read, and every bad row is named with its file and line:
-    a prompt must be a non-blank string, an answer a string or a number; with the default reward
-    (`exact_answer_reward`, which compares integers) an answer must be an integer (`-12`, not
-    `1,000`, `twenty` or `3.5`: write those for a reward function of your own, `task.reward_fn`)."""
+    prompt: str = "prompt"
+    """The question: a string, or a conversation (a list of {"role", "content"} turns, TRL's
+    conversational format)."""
+    answer: str = "answer"
+    """The reference answer the reward compares with (a string or a number; GSM8K's "… #### 72" is
+    read as 72 by the gsm8k and math rewards, and is the reference solution when `solution` is "")."""
+    solution: str = ""
+    """A reference completion for supervised warm-up (`specrl warmup`)."""
+    messages: str = ""
+    """A conversation column: the prompt is every turn before a final assistant turn, which is the
+    reference solution (warm-up trains on that turn alone). Used instead of `prompt` when set."""
 
-    path: Path
-    reward_fn: RewardFn = exact_answer_reward
-    eval_fraction: float = 0.1
-    problems: tuple[Problem, ...] = ()
-    lines: tuple[int, ...] = ()
-    """The file's line number of each problem (for messages that name a row)."""
 
-    def __post_init__(self) -> None:
-        self.path = Path(self.path)
-        if not 0.0 < self.eval_fraction < 1.0:
-            raise ValueError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
-        if not self.path.is_file():
-            raise FileNotFoundError(f"dataset {self.path} does not exist")
-        problems, lines, bad = [], [], []
-        for line_no, line in enumerate(self.path.read_text().splitlines(), 1):
+def _location(path: Path, jsonl_lines: list[int] | None, row: int) -> str:
+    return f"{path}:{jsonl_lines[row]}" if jsonl_lines is not None else f"{path} row {row + 1}"
+
+
+def read_rows(source: str | Path, split: str = "train") -> tuple[list[dict[str, Any]], list[str]]:
+    """The rows of a dataset and where each is written ("file:line" for JSONL, "file row N" else).
+
+    JSONL files are read line by line (a bad line is named); parquet, JSON, CSV and arrow files, a
+    `save_to_disk` directory (a DatasetDict's `split`) and otherwise a hub id (`split`) go through
+    the `datasets` library."""
+    path = Path(source)
+    if path.suffix == ".jsonl" and path.is_file():
+        rows, where, bad = [], [], []
+        for line_no, line in enumerate(path.read_text().splitlines(), 1):
             if not line.strip():
                 continue
             try:
-                problem = self._row(json.loads(line))
-            except (json.JSONDecodeError, ValueError) as e:
-                bad.append(f"{self.path}:{line_no}: {e}")
-                continue
-            problems.append(problem)
-            lines.append(line_no)
+                rows.append(json.loads(line))
+                where.append(f"{path}:{line_no}")
+            except json.JSONDecodeError as e:
+                bad.append(f"{path}:{line_no}: not valid JSON ({e})")
         if bad:
             raise ValueError(rows_message(bad, "fix or remove them"))
-        if not problems:
-            raise ValueError(f"{self.path} holds no problems")
-        self.problems, self.lines = tuple(problems), tuple(lines)
+        return rows, where
+    import datasets
 
-    def _row(self, row: object) -> Problem:
-        if not isinstance(row, dict) or "prompt" not in row or "answer" not in row:
-            raise ValueError("expected a JSON object with 'prompt' and 'answer'")
-        prompt, answer = row["prompt"], row["answer"]
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise ValueError(f"prompt {prompt!r} is empty or not a string")
-        if isinstance(answer, bool) or not isinstance(answer, str | int | float):
-            raise ValueError(f"answer {answer!r} is not a string or a number")
-        answer = str(answer)
-        if self.reward_fn is exact_answer_reward and not _INTEGER.fullmatch(answer.strip()):
-            raise ValueError(
-                f"answer {answer!r} is not an integer, which the default reward compares with the '#<int>' a "
-                "completion ends with: write it as one (1000, not 1,000), or set task.reward_fn to a reward "
-                "that reads it"
-            )
-        return Problem(prompt=prompt, answer=answer)
+    builders = {".parquet": "parquet", ".json": "json", ".csv": "csv", ".arrow": "arrow"}
+    try:
+        if path.is_dir():
+            loaded = datasets.load_from_disk(str(path))
+            if isinstance(loaded, datasets.DatasetDict):
+                if split not in loaded:
+                    raise ValueError(f"{path} has splits {sorted(loaded)}, not {split!r}: set task.split")
+                loaded = loaded[split]
+        elif path.is_file():
+            if path.suffix not in builders:
+                raise ValueError(f"{path}: cannot read {path.suffix!r} files; use {sorted(builders)} or .jsonl")
+            loaded = datasets.load_dataset(builders[path.suffix], data_files=str(path), split="train")
+        else:
+            loaded = datasets.load_dataset(str(source), split=split)
+    except (FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as e:
+        raise ValueError(f"dataset {source}: not a file, a saved dataset directory or a reachable hub id ({e})") from e
+    rows = [dict(r) for r in loaded]
+    return rows, [f"{path} row {i + 1}" for i in range(len(rows))]
 
-    def located(self) -> list[tuple[str, Problem]]:
-        """Every problem with where it is written ("file:line")."""
-        return [(f"{self.path}:{n}", p) for n, p in zip(self.lines, self.problems, strict=True)]
+
+@dataclass(kw_only=True, slots=True)
+class DatasetTask:
+    """A user dataset (see the module docstring), with its rewards and how its prompts are rendered.
+
+    Every row is checked when the dataset is read, and every bad row is named with where it is
+    written: a prompt must be a non-blank string or a conversation, an answer a string or a number;
+    with the `exact` reward (which compares integers) an answer must be an integer (`-12`, not
+    `1,000`, `twenty` or `3.5`: use the `math` or `gsm8k` reward for those). With `filter_rows` bad
+    rows are dropped and counted (`dropped`) instead."""
+
+    path: str | Path
+    """A file, a `save_to_disk` directory, or a hub id."""
+    fields: DatasetFields = field(default_factory=DatasetFields)
+    rewards: tuple[Reward, ...] = (Reward(name="exact", fn=exact_answer_reward),)
+    eval_path: str | Path | None = None
+    """A held-out dataset of its own; None: `eval_fraction` of `path`'s problems, split by prompt hash."""
+    split: str = "train"
+    eval_split: str = ""
+    eval_fraction: float = 0.1
+    system_prompt: str = ""
+    """A system turn put before every plain prompt (through the chat template, or as a first line)."""
+    chat_template: bool | None = None
+    """Render plain prompts with the model's chat template: None when the tokenizer has one."""
+    filter_rows: bool = False
+    needs_answers: bool = True
+    """Rows must hold an answer (RL rewards them); False for warm-up only datasets."""
+    problems: tuple[Problem, ...] = ()
+    where: tuple[str, ...] = ()
+    """Where each problem is written (for messages that name a row)."""
+    eval_problems: tuple[Problem, ...] = ()
+    eval_where: tuple[str, ...] = ()
+    dropped: dict[str, int] = field(default_factory=dict)
+    """With `filter_rows`: how many rows were dropped, by reason."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.eval_fraction < 1.0:
+            raise ValueError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
+        if isinstance(self.path, Path) and not self.path.exists():
+            raise FileNotFoundError(f"dataset {self.path} does not exist")
+        self.problems, self.where = self._read(self.path, self.split)
+        if self.eval_path is not None:
+            self.eval_problems, self.eval_where = self._read(self.eval_path, self.eval_split or self.split)
 
     @property
     def name(self) -> str:
-        return self.path.stem
+        return Path(str(self.path)).stem
+
+    def _read(self, source: str | Path, split: str) -> tuple[tuple[Problem, ...], tuple[str, ...]]:
+        rows, where = read_rows(source, split)
+        problems, kept, bad = [], [], []
+        for row, at in zip(rows, where, strict=True):
+            try:
+                problems.append(self._problem(row))
+                kept.append(at)
+            except ValueError as e:
+                if self.filter_rows and not isinstance(e, ColumnError):
+                    reason = str(e).split(":")[0]
+                    self.dropped[reason] = self.dropped.get(reason, 0) + 1
+                else:
+                    bad.append(f"{at}: {e}")
+        if bad:
+            raise ValueError(rows_message(bad, "fix or remove them, or set task.filter_rows=true to drop them"))
+        if not problems:
+            raise ValueError(f"{source} holds no problems")
+        return tuple(problems), tuple(kept)
+
+    def _column(self, row: dict[str, Any], name: str) -> Any:
+        if name not in row:
+            raise ColumnError(f"no column {name!r} (columns: {sorted(row)}): map it with task.fields")
+        return row[name]
+
+    def _problem(self, row: object) -> Problem:
+        if not isinstance(row, dict):
+            raise ValueError("expected a JSON object (a row of columns)")
+        f = self.fields
+        solution = ""
+        if f.messages:
+            turns = _conversation(self._column(row, f.messages), f.messages)
+            if turns and turns[-1]["role"] == "assistant":
+                solution, turns = turns[-1]["content"], turns[:-1]
+            messages = tuple(turns)
+            users = [t["content"] for t in messages if t["role"] == "user"]
+            if not users or not users[-1].strip():
+                raise ValueError(f"empty prompt: the conversation in {f.messages!r} has no user turn")
+            prompt = users[-1]
+        else:
+            value = self._column(row, f.prompt)
+            if isinstance(value, list):
+                messages = tuple(_conversation(value, f.prompt))
+                users = [t["content"] for t in messages if t["role"] == "user"]
+                prompt = users[-1] if users else ""
+            else:
+                messages, prompt = (), value
+            if not isinstance(prompt, str) or not prompt.strip():
+                raise ValueError(f"empty prompt: {prompt!r} is empty or not a string")
+        answer = ""
+        if self.needs_answers and f.answer:
+            value = self._column(row, f.answer)
+            if isinstance(value, bool) or not isinstance(value, str | int | float):
+                raise ValueError(f"bad answer: {value!r} is not a string or a number")
+            answer = str(value)
+            if any(r.fn is exact_answer_reward for r in self.rewards) and not _INTEGER.fullmatch(answer.strip()):
+                raise ValueError(
+                    f"bad answer: {answer!r} is not an integer, which the exact reward compares with the '#<int>' "
+                    "a completion ends with: write it as one (1000, not 1,000), or use task.rewards=[math] (or "
+                    "gsm8k, or a reward of your own)"
+                )
+        if f.solution:
+            value = row.get(f.solution) or ""
+            solution = str(value)
+        elif not solution and "####" in answer:
+            solution = answer  # GSM8K: the worked solution ends with its answer
+        return Problem(prompt=prompt, answer=answer, solution=solution, messages=messages)
+
+    def located(self) -> list[tuple[str, Problem]]:
+        """Every problem (training and held-out) with where it is written."""
+        return [*zip(self.where, self.problems, strict=True), *zip(self.eval_where, self.eval_problems, strict=True)]
+
+    def drop(self, where: set[str]) -> None:
+        """Drop the problems written at `where` (preflight's filtering of over-long prompts)."""
+        for attr, at_attr in (("problems", "where"), ("eval_problems", "eval_where")):
+            kept = [(p, w) for p, w in zip(getattr(self, attr), getattr(self, at_attr), strict=True) if w not in where]
+            setattr(self, attr, tuple(p for p, _ in kept))
+            setattr(self, at_attr, tuple(w for _, w in kept))
+        if not self.problems:
+            raise ValueError(f"{self.path}: every problem was dropped")
 
     def sample(self, rng: random.Random, split: Split = "train") -> Problem:
-        pool = [p for p in self.problems if _split_of(p.prompt, self.eval_fraction) == split] or list(self.problems)
-        return rng.choice(pool)
+        if self.eval_problems:
+            pool = list(self.eval_problems if split == "eval" else self.problems)
+        else:
+            pool = [p for p in self.problems if _split_of(p.prompt, self.eval_fraction) == split]
+        return rng.choice(pool or list(self.problems))
 
     def reward(self, problem: Problem, completion: str) -> float:
-        try:
-            value = self.reward_fn(problem.prompt, completion, problem.answer)
-        except Exception as e:  # user code: whatever it raises is reported with its input
-            raise RewardFunctionError(
-                f"reward function {getattr(self.reward_fn, '__qualname__', self.reward_fn)!r} raised "
-                f"{type(e).__name__}: {e} (prompt {problem.prompt[:40]!r}, completion {completion[:40]!r})"
-            ) from e
-        if not isinstance(value, int | float) or value != value:
-            raise RewardFunctionError(
-                f"reward function returned {value!r} for prompt {problem.prompt[:40]!r}; return a float"
+        return self.score([problem], [completion])[0][0]
+
+    def score(self, problems: list[Problem], completions: list[str]) -> tuple[list[float], dict[str, list[float]]]:
+        """The weighted reward of each completion and each term's values (by reward name)."""
+        totals, parts = score(self.rewards, [p.prompt for p in problems], completions, [p.answer for p in problems])
+        return totals, parts if len(self.rewards) > 1 else {}
+
+    def conversation(self, problem: Problem, tokenizer: Tokenizer) -> list[Message] | None:
+        """The chat-template input for `problem` (None: the prompt is used as plain text)."""
+        if problem.messages:
+            turns = list(problem.messages)
+            if self.system_prompt and turns[0]["role"] != "system":
+                turns.insert(0, {"role": "system", "content": self.system_prompt})
+            return turns
+        use = self.chat_template if self.chat_template is not None else tokenizer.chat_template is not None
+        if not use:
+            return None
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return [*system, {"role": "user", "content": problem.prompt}]
+
+    def prompt_ids(self, problem: Problem, tokenizer: Tokenizer) -> list[int]:
+        turns = self.conversation(problem, tokenizer)
+        if turns is None:
+            text = f"{self.system_prompt}\n{problem.prompt}" if self.system_prompt else problem.prompt
+            return tokenizer.encode(text)
+        return tokenizer.render_chat(turns, add_generation_prompt=True)
+
+    def solution_ids(self, problem: Problem, tokenizer: Tokenizer) -> list[int] | None:
+        """The reference solution's tokens as the completion of `prompt_ids` (through the chat
+        template: the assistant turn as the template writes it, its end-of-turn included), or None
+        where the prompt is plain text (the caller appends end-of-sequence)."""
+        turns = self.conversation(problem, tokenizer)
+        if turns is None:
+            return None
+        prompt = tokenizer.render_chat(turns, add_generation_prompt=True)
+        full = tokenizer.render_chat([*turns, {"role": "assistant", "content": problem.solution}])
+        if full[: len(prompt)] != prompt:
+            raise ValueError(
+                "the chat template renders the conversation with its answer differently from the prompt it "
+                "gives for generation, so the assistant turn cannot be separated: warm up without the template "
+                "(task.chat_template=false)"
             )
-        return float(value)
+        return full[len(prompt) :]
+
+
+def _conversation(value: object, column: str) -> list[Message]:
+    if not isinstance(value, list) or not all(
+        isinstance(t, dict) and isinstance(t.get("role"), str) and isinstance(t.get("content"), str) for t in value
+    ):
+        raise ValueError(f"bad conversation: column {column!r} must be a list of {{'role', 'content'}} turns")
+    return [{"role": t["role"], "content": t["content"]} for t in value]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 BUILTIN = "builtin"
 
@@ -43,9 +43,18 @@ class Tokenizer(Protocol):
     @property
     def pad_id(self) -> int: ...
 
+    @property
+    def chat_template(self) -> str | None:
+        """The model's chat template (None: it has none)."""
+        ...
+
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> list[int]:
+        """The token ids of `messages` through the chat template (transformers' apply_chat_template)."""
+        ...
 
 
 class CharTokenizer:
@@ -93,6 +102,13 @@ class CharTokenizer:
     def decode(self, ids: list[int]) -> str:
         return "".join(self._CHARS[i - 3] for i in ids if 3 <= i < self.vocab_size)
 
+    @property
+    def chat_template(self) -> str | None:
+        return None
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> list[int]:
+        raise ValueError("the built-in character tokenizer has no chat template: use plain prompts")
+
 
 class HFTokenizer:
     """A Hugging Face `tokenizer.json` (fast tokenizer) through the `tokenizers` library.
@@ -123,7 +139,15 @@ class HFTokenizer:
             )
         self._eos = int(eos)
         bos_token = config.get("bos_token")
+        if isinstance(bos_token, dict):
+            bos_token = bos_token.get("content")
         self._bos = self._tok.token_to_id(bos_token) if isinstance(bos_token, str) else None
+        self._dir = file.parent
+        template = config.get("chat_template")
+        if template is None and (file.parent / "chat_template.jinja").is_file():
+            template = (file.parent / "chat_template.jinja").read_text()
+        self._template = template if isinstance(template, str) else None
+        self._chat: Any = None
 
     @property
     def vocab_size(self) -> int:
@@ -150,6 +174,29 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return str(self._tok.decode(ids, skip_special_tokens=True))
+
+    def decode_all(self, ids: list[int]) -> str:
+        """`decode` with the special tokens written out (what a chat template put around a prompt)."""
+        return str(self._tok.decode(ids, skip_special_tokens=False))
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._template
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> list[int]:
+        """transformers' own `apply_chat_template` over this directory's tokenizer (its template, special
+        tokens and semantics exactly, rather than a copy of them), then the text encoded as is: the
+        template writes the special tokens (no BOS is added twice)."""
+        if self._template is None:
+            raise ValueError(
+                f"{self._dir} has no chat template (tokenizer_config.json chat_template or chat_template.jinja)"
+            )
+        if self._chat is None:
+            from transformers import PreTrainedTokenizerFast
+
+            self._chat = PreTrainedTokenizerFast.from_pretrained(str(self._dir))
+        text = self._chat.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
 
 
 def _read_json(path: Path) -> dict:

@@ -32,7 +32,7 @@ from sidecar.types import GenerationRequest, SamplingParams
 from trainer.draft_objective import DraftConfig, Eagle3Head
 from trainer.losses import GRPOConfig
 from trainer.policy import Policy, TrainBatch
-from trainer.tasks import Task
+from trainer.tasks import Problem, Task, prompt_ids
 from trainer.tokenizer import Tokenizer, copy_tokenizer_files
 
 Progress = Callable[[int, dict[str, float]], None]
@@ -110,6 +110,14 @@ def _continuation(tokenizer: Tokenizer, text: str) -> list[int]:
     return ids[1:] if ids and tokenizer.bos_id is not None and ids[0] == tokenizer.bos_id else ids
 
 
+def solution_ids(task: Task, tokenizer: Tokenizer, problem: Problem) -> list[int]:
+    """The reference solution as the completion the policy learns: through the chat template where the
+    task renders one (the assistant turn with its end-of-turn), else its text and end-of-sequence."""
+    render = getattr(task, "solution_ids", None)
+    ids = render(problem, tokenizer) if render is not None else None
+    return ids if ids is not None else [*_continuation(tokenizer, problem.solution), tokenizer.eos_id]
+
+
 def _pack(prompts: list[list[int]], completions: list[list[int]], pad_id: int) -> TrainBatch:
     return TrainBatch.from_sequences(prompts, completions, torch.ones(len(prompts)), pad_id=pad_id)
 
@@ -131,7 +139,8 @@ def supervised_warmup(
     progress: Progress | None = None,
 ) -> list[float]:
     """Train the trunk on prompt → reference solution + EOS; write the result to `out`.
-    Returns the mean token negative log-likelihood per step."""
+    The loss is on the solution's tokens alone (the prompt, a conversation's earlier turns and the
+    padding are masked out). Returns the mean token negative log-likelihood per step."""
     if not task.sample(random.Random(cfg.seed), "train").solution:
         raise WarmupError(
             f"task {task.name} has no reference solutions to warm up on (a dataset's rows have no solution "
@@ -153,8 +162,8 @@ def supervised_warmup(
         if not all(p.solution for p in problems):
             raise WarmupError(f"task {task.name} has problems without a reference solution to warm up on")
         batch = _pack(
-            [tokenizer.encode(p.prompt) for p in problems],
-            [[*_continuation(tokenizer, p.solution), tokenizer.eos_id] for p in problems],
+            [prompt_ids(task, tokenizer, p) for p in problems],
+            [solution_ids(task, tokenizer, p) for p in problems],
             tokenizer.pad_id,
         )
         logp = policy.logprobs(batch.tokens)
@@ -204,7 +213,7 @@ def draft_init(
     if vocab > model_config.vocab_size:
         raise WarmupError(f"draft_vocab {vocab} exceeds the target's vocabulary of {model_config.vocab_size}")
     rng = random.Random(cfg.seed)
-    prompts = [tokenizer.encode(task.sample(rng, "train").prompt) for _ in range(cfg.prompts)]
+    prompts = [prompt_ids(task, tokenizer, task.sample(rng, "train")) for _ in range(cfg.prompts)]
     completions = policy_completions(
         checkpoint,
         prompts,
