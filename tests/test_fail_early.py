@@ -532,3 +532,12 @@ def test_a_warmed_checkpoint_keeps_the_tokenizer_it_was_warmed_with(tmp_path: Pa
     assert code == 0, out
     assert HFTokenizer(tmp_path / "warm").vocab() == HFTokenizer(own).vocab()
     assert (tmp_path / "warm" / "tokenizer_config.json").read_text() == (own / "tokenizer_config.json").read_text()
+
+
+def test_retired_task_keys_name_their_new_spelling() -> None:
+    import click
+
+    with pytest.raises(click.ClickException, match="task.reward_fn is now task.rewards"):
+        resolve_config(None, ["model=x", "sidecars.local=1", "task.reward_fn=my_rewards:score"])
+    with pytest.raises(click.ClickException, match="dataset"):
+        resolve_config(None, ["model=x", "sidecars.local=1", "task.kind=jsonl", "task.path=x.jsonl"])
