@@ -41,6 +41,7 @@ from tqdm import tqdm
 from sidecar.client.fleet import Fleet, FleetConfig, derive_seed
 from sidecar.config_io import to_mapping, write_yaml
 from sidecar.model.model import ModelConfig
+from sidecar.serve_config import ServeConfig
 from sidecar.types import GenerationRequest, Sample, SamplingParams
 from trainer.dynamic_sampling import Group, Selection, group_samples, select_groups, shaped_rewards
 from trainer.local_sidecars import LocalSidecars
@@ -147,6 +148,19 @@ def build_policy(cfg: RLConfig) -> Policy:
     return Policy(model_config, policy_config(cfg), tensors, eagle3=draft)
 
 
+def local_serve_config(cfg: RLConfig) -> ServeConfig:
+    """What the run's local sidecars serve with: `sidecars.serve`, with the k of the rollouts and
+    the run's EAGLE-3 draft (the keys the trainer owns, `rl_config.TRAINER_OWNED`)."""
+    serve = cfg.sidecars.serve
+    engine = dataclasses.replace(
+        serve.engine,
+        speculation_k=cfg.rollout.speculation_k,
+        speculation_auto=cfg.rollout.speculation_auto,
+        draft=cfg.draft.eagle3,
+    )
+    return dataclasses.replace(serve, engine=engine)
+
+
 @contextlib.contextmanager
 def sidecar_fleet(cfg: RLConfig, run_dir: Path) -> Iterator[tuple[Fleet, LocalSidecars | None]]:
     """The run's sidecars: local subprocesses (torn down on exit) or the given addresses, all
@@ -161,15 +175,11 @@ def sidecar_fleet(cfg: RLConfig, run_dir: Path) -> Iterator[tuple[Fleet, LocalSi
             cfg.model,
             int(cfg.sidecars.local),
             run_dir / "logs",
-            speculation_k=cfg.rollout.speculation_k,
-            speculation_auto=cfg.rollout.speculation_auto,
-            max_batch_size=cfg.sidecars.max_batch_size,
+            serve=local_serve_config(cfg),
             threads=cfg.sidecars.threads,
             startup_timeout_s=cfg.sidecars.startup_timeout_s,
-            engine=cfg.sidecars.engine,
             devices=cfg.sidecars.devices,
             token=client.token,
-            draft=cfg.draft.eagle3,
         )
     with contextlib.ExitStack() as stack:
         if local is not None:
@@ -599,7 +609,7 @@ def _train(cfg: RLConfig, resume: bool, progress: bool, watchdog: RankWatchdog |
         )
     history: list[dict[str, float]] = []
     fleet = (
-        f"starting {cfg.sidecars.local} local sidecar(s) (engine {cfg.sidecars.engine}, "
+        f"starting {cfg.sidecars.local} local sidecar(s) (engine {cfg.sidecars.serve.engine.kind}, "
         f"device {', '.join(cfg.sidecars.devices)})"
         if cfg.sidecars.local
         else f"connecting to {len(cfg.sidecars.addresses)} sidecar(s)"
