@@ -142,13 +142,11 @@ def from_mapping(cls: type[T], data: Mapping[str, Any], *, path: str = "") -> T:
         raise ConfigError(f"{path.rstrip('.') or 'config'} must be a mapping, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    _refuse_retired(cls, data, path)
     unknown = sorted(set(data) - set(fields))
     if unknown:
         where = path.rstrip(".") or cls.__name__
-        renamed: dict[str, str] = getattr(cls, "RENAMED_KEYS", {})
-        hints_ = [f"{path}{k} is now {path}{renamed[k]}" for k in unknown if k in renamed]
-        hint = f" ({'; '.join(hints_)})" if hints_ else ""
-        raise ConfigError(f"unknown key(s) {unknown} in {where}{hint}; known keys: {sorted(fields)}")
+        raise ConfigError(f"unknown key(s) {unknown} in {where}; known keys: {sorted(fields)}")
     kwargs = {
         name: _coerce(hints[name], _onto_default(fields[name], data[name]), f"{path}{name}")
         for name in fields
@@ -158,6 +156,22 @@ def from_mapping(cls: type[T], data: Mapping[str, Any], *, path: str = "") -> T:
         return cls(**kwargs)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{path.rstrip('.') or cls.__name__}: {e}") from None
+
+
+def _refuse_retired(cls: type, data: Mapping[str, Any], path: str) -> None:
+    """A key `cls.RETIRED_KEYS` says moved (old key -> new dotted key, relative to `cls`) is an
+    error naming its new place, where it is absent from `cls` or holds a plain value where `cls`
+    now has a section: a config written for the old layout must not silently change meaning."""
+    retired: Mapping[str, str] = getattr(cls, "RETIRED_KEYS", {})
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key, value in data.items():
+        if key in retired and (key not in names or not isinstance(value, Mapping)):
+            raise ConfigError(
+                f"{path}{key} is now {path}{retired[key]}: write {path}{retired[key]}={value!r} "
+                f"(in a file, under the {path}{retired[key].rsplit('.', 1)[0]} section)"
+                if "." in retired[key]
+                else f"{path}{key} is now {path}{retired[key]}"
+            )
 
 
 def _onto_default(f: dataclasses.Field[Any], value: Any) -> Any:
@@ -199,6 +213,28 @@ def _deep_merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
             _deep_merge(out[key], value) if isinstance(out.get(key), dict) and isinstance(value, Mapping) else value
         )
     return out
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each field of `cls` (a string right after its annotation), on
+    one line: the configuration reference's column and `specrl serve`'s option help."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, after in zip(body, [*body[1:], None], strict=True):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(inspect.cleandoc(after.value.value).split())
+    return docs
 
 
 def to_mapping(config: Any) -> Any:

@@ -19,8 +19,9 @@ import yaml
 from click.testing import CliRunner
 
 from sidecar.config_io import from_mapping, merge_overrides, parse_override, yaml_load
+from sidecar.engine.config import EngineConfig
 from sidecar.security import SecurityConfig
-from sidecar.server.serve_config import SECURITY_OPTIONS, ServeConfig
+from sidecar.serve_config import SECURITY_OPTIONS, ServeConfig
 from tests.sidecar_fixtures import start_sidecar
 from trainer.cli import main
 from trainer.rewards import Reward, RewardFunctionError
@@ -131,9 +132,12 @@ def test_training_command_defaults_equal_their_configs(command: str, config: obj
 def test_serve_defaults_equal_serve_config_and_demo_steps_equal_demo_config() -> None:
     cfg = ServeConfig()
     params = {p.name: p.default for p in main.commands["serve"].params}
-    fields = {f.name for f in dataclasses.fields(ServeConfig)} - {"model", "security"}
+    fields = {f.name for f in dataclasses.fields(ServeConfig)} - {"model", "security", "engine"}
     assert fields <= set(params)
     assert {n: params[n] for n in fields} == {n: getattr(cfg, n) for n in fields}
+    # the engine section: an option per field, its default (`tests/test_serve_config.py` in full)
+    engine = {EngineConfig.OPTION_NAMES.get(f.name, f.name): f.name for f in dataclasses.fields(EngineConfig)}
+    assert {o: params[o] for o in engine} == {o: getattr(cfg.engine, n) for o, n in engine.items()}
     # the security section: an option per field (its name, its default) but the client-only tls
     security = {f.name for f in dataclasses.fields(SecurityConfig)} - {"tls"}
     assert set(SECURITY_OPTIONS) == security
@@ -146,7 +150,7 @@ def test_serve_defaults_equal_serve_config_and_demo_steps_equal_demo_config() ->
 
 def test_serve_takes_config_file_then_set_then_options(tmp_path: Path) -> None:
     f = tmp_path / "serve.yaml"
-    f.write_text(f"model: {tmp_path}\nport: 7000\nspeculation_k: 2\ndevice: cuda:1\nkeep_staging: false\n")
+    f.write_text(f"model: {tmp_path}\nport: 7000\nengine: {{speculation_k: 2, device: cuda:1}}\nkeep_staging: false\n")
     code, out = _cli(
         [
             "serve",
@@ -155,7 +159,7 @@ def test_serve_takes_config_file_then_set_then_options(tmp_path: Path) -> None:
             "--set",
             "port=0",
             "--set",
-            "max_batch_size=16",
+            "engine.max_batch_size=16",
             "--speculation-k",
             "4",
             "--print-config",
@@ -163,9 +167,9 @@ def test_serve_takes_config_file_then_set_then_options(tmp_path: Path) -> None:
     )
     assert code == 0, out
     got = yaml.safe_load(out)
-    assert got["port"] == 0 and got["speculation_k"] == 4 and got["max_batch_size"] == 16
+    assert got["port"] == 0 and got["engine"]["speculation_k"] == 4 and got["engine"]["max_batch_size"] == 16
     assert (
-        got["device"] == "cuda:1"
+        got["engine"]["device"] == "cuda:1"
         and got["keep_staging"] is False
         and got["shutdown_grace_s"] == ServeConfig().shutdown_grace_s
     )

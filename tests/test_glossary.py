@@ -1,7 +1,8 @@
 """docs/glossary.md names one spelling per concept; the spellings it retires stay retired.
 
 Oracle: the glossary's own table (its last column), searched as whole words in every tracked text
-file but the glossary and the generated protocol stubs. A planted old spelling is found."""
+file but the glossary, the changelog (which records each rename, old name included) and the
+generated protocol stubs. A planted old spelling is found."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 GLOSSARY = ROOT / "docs" / "glossary.md"
+CHANGELOG = ROOT / "docs" / "changelog.md"
 
 
 def retired() -> list[str]:
@@ -47,7 +49,7 @@ def tracked() -> list[Path]:
     return [
         ROOT / p
         for p in out
-        if (ROOT / p).is_file() and "_pb2" not in p and ROOT / p not in (GLOSSARY, Path(__file__).resolve())
+        if (ROOT / p).is_file() and "_pb2" not in p and ROOT / p not in (GLOSSARY, CHANGELOG, Path(__file__).resolve())
     ]
 
 

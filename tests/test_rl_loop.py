@@ -24,8 +24,10 @@ import torch
 from muon import HybridOptimizerConfig
 from sidecar.client.client import ClientConfig
 from sidecar.client.fleet import Fleet, FleetConfig
+from sidecar.engine.config import EngineConfig
 from sidecar.model.checkpoint import load_checkpoint
 from sidecar.model.model import ModelConfig
+from sidecar.serve_config import ServeConfig
 from sidecar.types import GenerationRequest, SamplingParams
 from tests.sidecar_fixtures import greedy_reference
 from trainer.draft_objective import DraftConfig
@@ -183,7 +185,9 @@ def test_a_killed_sidecar_loses_no_sample_and_rejoins_with_current_weights(
     rng = random.Random(11)
     prompts = [TOK.encode(TASK.sample(rng, "train").prompt) for _ in range(48)]
     sampling = SamplingParams(temperature=0.0, max_new_tokens=24, stop_token_ids=(TOK.eos_id,))
-    with LocalSidecars(checkpoints["policy"], 2, tmp_path / "logs", max_batch_size=2) as local:
+    with LocalSidecars(
+        checkpoints["policy"], 2, tmp_path / "logs", serve=ServeConfig(engine=EngineConfig(max_batch_size=2))
+    ) as local:
         local.start()
         with Fleet(local.addresses, FleetConfig(deadline_s=60.0)) as orch:
             # streamed (names given): the rejoin below re-streams the current weights the same way

@@ -27,6 +27,7 @@ from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from sidecar.engine import ENGINE_KINDS, create_engine, engine_class
+from sidecar.engine.config import EngineConfig
 from sidecar.engine.sglang import names
 from sidecar.engine.sglang.backend import SGLangBackend, SGLangEngineError, sampling_params_dict
 from sidecar.engine.sglang.engine import (
@@ -561,9 +562,9 @@ def test_missing_sglang_says_how_to_install(ckpt: Path) -> None:
 
 def test_create_engine_dispatch(ckpt: Path) -> None:
     assert set(ENGINE_KINDS) == {"torch", "sglang"} and engine_class("sglang") is SGLangEngine
-    with pytest.raises(ValueError, match="engine kind"):
-        create_engine("vllm", ckpt)
-    assert create_engine("torch", ckpt, device="cpu").info().engine == "torch"
+    with pytest.raises(ValueError, match="engine.kind must be one of torch, sglang"):
+        create_engine(ckpt, EngineConfig(kind="vllm"))  # type: ignore[arg-type]
+    assert create_engine(ckpt, EngineConfig(device="cpu")).info().engine == "torch"
 
 
 def test_device_config() -> None:

@@ -459,7 +459,7 @@ def test_a_pool_worth_four_full_rows_serves_32_short_requests_at_once(tmp_path: 
     alone = TorchEngine.from_checkpoint(path, speculation_k=2)
     want = [alone.generate(greedy_request([p], n=24))[0].token_ids for p in prompts]
     with (
-        start_sidecar(path, max_batch_size=32, engine_options={"kv_cache_bytes": budget}, metrics_port=0) as sc,
+        start_sidecar(path, max_batch_size=32, engine_options={"kv_cache_gib": budget / 2**30}, metrics_port=0) as sc,
         SidecarClient(sc.address) as c,
     ):
         c.pause()  # all 32 queue first, so that they are admitted together

@@ -309,9 +309,9 @@ def test_warm_up_on_conversations_trains_the_assistant_turn_alone(tmp_path: Path
 
 
 def test_a_reward_term_carries_its_own_name_into_the_metrics() -> None:
-    from trainer.rl_loop import _metric_name
+    from trainer.step_metrics import reward_metric_name
 
-    assert [_metric_name(n) for n in ("math", "rewards.py:score", "pkg.mod:fn")] == [
+    assert [reward_metric_name(n) for n in ("math", "rewards.py:score", "pkg.mod:fn")] == [
         "math",
         "rewards_py_score",
         "pkg_mod_fn",
@@ -320,7 +320,7 @@ def test_a_reward_term_carries_its_own_name_into_the_metrics() -> None:
 
 
 def test_the_first_prompt_is_shown_as_the_model_sees_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from trainer.rl_loop import _announce_task
+    from trainer.preflight import announce_task
 
     model = bpe_model(tmp_path / "model")
     rows = [{"question": "", "answer": "#### 1"}, *gsm8k_rows(3)]
@@ -330,7 +330,7 @@ def test_the_first_prompt_is_shown_as_the_model_sees_it(tmp_path: Path, capsys: 
         rewards=rewards_from_specs(["gsm8k"], []),
         filter_rows=True,
     )
-    _announce_task(task, HFTokenizer(model))
+    announce_task(task, HFTokenizer(model))
     shown = capsys.readouterr().err
     assert "dropped 1 row(s): {'empty prompt': 1}" in shown
     assert "<|im_start|>user\n" in shown and shown.rstrip().endswith("<|im_start|>assistant")

@@ -17,6 +17,8 @@ import pytest
 
 from sidecar.client.client import ClientConfig, SidecarCallError, SidecarClient
 from sidecar.client.transport import CollectiveConfig, TransportConfig
+from sidecar.engine.config import EngineConfig
+from sidecar.serve_config import ServeConfig
 from sidecar.types import WeightTransport
 from tests.sidecar_fixtures import greedy_oracle, greedy_tokens, make_checkpoint, start_sidecar, weights
 from trainer.local_sidecars import LocalSidecars
@@ -28,7 +30,7 @@ GLOO = CollectiveConfig(host="127.0.0.1", timeout_s=20.0, bucket_bytes=16 << 10)
 
 def test_collective_and_shm_deliver_to_a_sidecar_process_and_survive_its_death(tmp_path: Path) -> None:
     model = make_checkpoint(tmp_path / "tiny", seed=0)
-    with LocalSidecars(model, 1, tmp_path / "logs", speculation_k=2) as local:
+    with LocalSidecars(model, 1, tmp_path / "logs", serve=ServeConfig(engine=EngineConfig(speculation_k=2))) as local:
         (address,) = local.start()
         config = ClientConfig(timeout_s=30.0, transports=TransportConfig(shm=False, collective=GLOO))
         with SidecarClient(address, config) as c:

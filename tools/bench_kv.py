@@ -159,7 +159,7 @@ def run_arm(
         model,
         max_batch_size=rows,
         max_context=max_context,
-        kv_cache_bytes=budget,
+        kv_cache_gib=budget / 2**30,
         kv_block_size=block_size,
         speculation_k=k,
         max_speculation_k=k,

@@ -39,7 +39,9 @@ from bench_stats import against_best_held_out, best_in_sample, held_out_choices,
 from cost_ceiling import TablePriced, measure_step_costs
 
 from sidecar.client.fleet import Fleet, derive_seed
+from sidecar.engine.config import EngineConfig
 from sidecar.engine.torch_engine import TorchEngine
+from sidecar.serve_config import ServeConfig
 from sidecar.speculation.config import SpeculationPolicyConfig
 from sidecar.types import GenerationRequest, SamplingParams, SpeculationCounters
 from trainer.demo import DemoConfig, run_demo
@@ -86,7 +88,9 @@ def k_sweep(
     cpu: dict[int | str, list[float]] = {k: [] for k in configs}
     taus: dict[int | str, list[float]] = {k: [] for k in configs}
     with (
-        LocalSidecars(policy, 2, logs, speculation_k=max(ks), speculation_auto=True) as local,
+        LocalSidecars(
+            policy, 2, logs, serve=ServeConfig(engine=EngineConfig(speculation_k=max(ks), speculation_auto=True))
+        ) as local,
         Fleet(local.start()) as orch,
     ):
         pids = [local.pid(i) for i in range(2)]

@@ -32,9 +32,9 @@ from sidecar.losslessness.cli import _prompts
 from sidecar.losslessness.exact_target import load_model
 from sidecar.losslessness.report import certificate_to_json
 from sidecar.losslessness.wrong_rules import WRONG_RULES, in_fraction_of_rounds, with_acceptance_rule
+from sidecar.serve_config import ServeConfig
 from sidecar.server.grpc_server import ServerConfig
 from sidecar.server.process import Sidecar, SidecarConfig
-from sidecar.server.serve_config import ServeConfig
 
 
 def seeds(text: str) -> list[int]:
@@ -60,14 +60,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    serve = ServeConfig()
     model = load_model(args.model)
-    engine = TorchEngine(
-        load_model(args.model),
-        speculation_k=int(serve.speculation_k),
-        max_speculation_k=serve.max_speculation_k,
-        max_batch_size=serve.max_batch_size,
-    )
+    engine = TorchEngine(load_model(args.model), ServeConfig().engine)  # a sidecar's defaults
     if args.rule:
         engine = with_acceptance_rule(engine, in_fraction_of_rounds(WRONG_RULES[args.rule], args.fraction, seed=1))
     verdicts: collections.Counter[str] = collections.Counter()

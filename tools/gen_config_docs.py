@@ -12,11 +12,8 @@ line fails there.
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
-import inspect
 import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -26,20 +23,10 @@ MODELS_PAGE = ROOT / "docs" / "models.md"
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """The docstring written under each field of `cls` (a string right after its annotation)."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for node, after in zip(body, [*body[1:], None], strict=True):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(after, ast.Expr)
-            and isinstance(after.value, ast.Constant)
-            and isinstance(after.value.value, str)
-        ):
-            docs[node.target.id] = " ".join(inspect.cleandoc(after.value.value).split())
-    return docs
+    """The docstring written under each field of `cls` (`sidecar.config_io.field_docs`)."""
+    from sidecar.config_io import field_docs as docs
+
+    return docs(cls)
 
 
 def shown(value: Any) -> str:
@@ -81,7 +68,7 @@ def rows(cls: type, instance: Any, prefix: str = "") -> list[tuple[str, str, str
 
 
 def page() -> str:
-    from sidecar.server.serve_config import ServeConfig
+    from sidecar.serve_config import ServeConfig
     from trainer.rl_config import RLConfig
 
     sections = [
@@ -93,9 +80,11 @@ def page() -> str:
         ),
         (
             "Sidecar configuration: `specrl serve --config serve.yaml`",
-            "`sidecar.server.serve_config.ServeConfig`. The same keys are `specrl serve`'s options "
-            "(`max_batch_size` is `--max-batch-size`); a file, then `--set`, then options given on the "
-            "command line; `--print-config` shows the result.",
+            "`sidecar.serve_config.ServeConfig`, its `engine` section `sidecar.engine.config.EngineConfig` "
+            "(the one place an engine setting has its default; `specrl train` nests the whole of it as "
+            "`sidecars.serve`). The same keys are `specrl serve`'s options (`port` is `--port`, "
+            "`engine.max_batch_size` is `--max-batch-size`, `engine.kind` is `--engine`); a file, then "
+            "`--set`, then options given on the command line; `--print-config` shows the result.",
             rows(ServeConfig, ServeConfig()),
         ),
     ]
@@ -145,7 +134,7 @@ def models_page() -> str:
 
 def undocumented() -> list[str]:
     """Keys whose field has no docstring."""
-    from sidecar.server.serve_config import ServeConfig
+    from sidecar.serve_config import ServeConfig
     from trainer.rl_config import RLConfig
 
     return [

@@ -42,7 +42,9 @@ from bench_rl import cpu_seconds, sweep_workload
 from cost_ceiling import FixedK
 
 from sidecar.client.fleet import Fleet, derive_seed
+from sidecar.engine.config import EngineConfig
 from sidecar.engine.torch_engine import TorchEngine
+from sidecar.serve_config import ServeConfig
 from sidecar.types import GenerationRequest, SamplingParams, SpeculationCounters
 from trainer.local_sidecars import LocalSidecars
 from trainer.planning.cost_table import cost_table_document
@@ -51,7 +53,7 @@ from trainer.rl_config import demo_config
 
 _DEMO = demo_config(Path("policy"), Path("run"))
 PROMPTS, SAMPLES = _DEMO.rollout.prompts_per_step, _DEMO.rollout.samples_per_prompt
-ENGINES, MAX_BATCH = int(_DEMO.sidecars.local), _DEMO.sidecars.max_batch_size
+ENGINES, MAX_BATCH = int(_DEMO.sidecars.local), _DEMO.sidecars.serve.engine.max_batch_size
 """The demo's rollout (`trainer.rl_config.demo_config`): PROMPTS x SAMPLES per step over ENGINES sidecars."""
 
 
@@ -190,7 +192,10 @@ def fleet_fixed_cost(
     recorded beside it: on a shared box they measure the other tenants (a 1-token generation took
     0.3-2 s of wall for ~0.1 s of CPU at load 10-16, 2026-11-27), so they are not the cost."""
     walls, cpus = [], []
-    with LocalSidecars(policy, ENGINES, logs, speculation_k=k) as local, Fleet(local.start()) as fleet:
+    with (
+        LocalSidecars(policy, ENGINES, logs, serve=ServeConfig(engine=EngineConfig(speculation_k=k))) as local,
+        Fleet(local.start()) as fleet,
+    ):
         pids = [local.pid(i) for i in range(ENGINES)]
         for r in range(tries):
             request = GenerationRequest(

@@ -51,8 +51,10 @@ import torch
 
 from sidecar.client.client import ClientConfig, SidecarCallError, SidecarClient
 from sidecar.client.transport import TransportConfig
+from sidecar.engine.config import EngineConfig
 from sidecar.model.checkpoint import load_checkpoint
 from sidecar.model.model import ModelConfig
+from sidecar.serve_config import ServeConfig
 from sidecar.types import FinishReason, GenerationRequest, SamplingParams
 from sidecar.weight_sync.tensors import tensor_crc32
 from trainer.local_sidecars import LocalSidecars
@@ -158,14 +160,18 @@ class Soak:
         logs = self.root / "logs"
         fixed = self.cfg.sidecars - 1
         self.fleets = [
-            LocalSidecars(model, fixed, logs, speculation_k=3, max_batch_size=16, startup_timeout_s=180),
+            LocalSidecars(
+                model,
+                fixed,
+                logs,
+                serve=ServeConfig(engine=EngineConfig(speculation_k=3, max_batch_size=16)),
+                startup_timeout_s=180,
+            ),
             LocalSidecars(
                 model,
                 1,
                 logs / "auto",
-                speculation_k=3,
-                speculation_auto=True,
-                max_batch_size=16,
+                serve=ServeConfig(engine=EngineConfig(speculation_k=3, speculation_auto=True, max_batch_size=16)),
                 startup_timeout_s=180,
             ),
         ]

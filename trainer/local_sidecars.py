@@ -5,6 +5,8 @@ its address is read from the `listening on HOST:PORT` line it prints once servin
 deadline. Output goes to a log file in the run directory. Teardown is graceful (SIGTERM, which
 `specrl serve` answers by draining), then SIGKILL after a grace period; a sidecar whose trainer
 died without tearing it down (SIGKILL, OOM) stops by itself within seconds (`serve --parent-pid`).
+Each is started from one serve config (`ServeConfig`, the trainer's `sidecars.serve`), written to
+the log directory beside its log: what a run config says there reaches the engine as written.
 `restart(i)` brings a dead sidecar back on its old port (the fleet pushes it the current weights
 before use). With a
 `token`, each sidecar requires it (given in its environment as $SPECRL_TOKEN, never in argv).
@@ -12,6 +14,7 @@ before use). With a
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -22,8 +25,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from sidecar.config_io import write_yaml
 from sidecar.errors import SpecrlError
 from sidecar.security import TOKEN_ENV
+from sidecar.serve_config import ServeConfig
 
 log = logging.getLogger(__name__)
 _LISTENING = re.compile(r"listening on (\S+:\d+)")
@@ -49,35 +54,40 @@ class LocalSidecars:
         count: int,
         log_dir: Path,
         *,
-        speculation_k: int = 3,
-        speculation_auto: bool = False,
-        max_batch_size: int = 64,
+        serve: ServeConfig | None = None,
+        devices: tuple[str, ...] | list[str] | None = None,
         threads: int = 1,
         startup_timeout_s: float = 120.0,
-        engine: str = "torch",
-        devices: tuple[str, ...] | list[str] = ("cpu",),
         token: str | None = None,
-        draft: Path | None = None,
     ) -> None:
-        """`devices`: one torch device for all sidecars, or one per sidecar; `draft`: an EAGLE-3
-        draft directory they serve beside `model` (`serve --draft`)."""
+        """`serve`: what every sidecar serves with (`specrl serve --config`; default `ServeConfig()`),
+        its model, address and parent set here; `devices`: one torch device for all sidecars, or
+        one per sidecar (default: `serve.engine.device`)."""
         if count < 1:
             raise ValueError(f"count must be >= 1, got {count}")
         self.model = Path(model)
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.speculation_k = speculation_k
-        self.speculation_auto = speculation_auto
-        self.max_batch_size = max_batch_size
+        self.serve = serve or ServeConfig()
         self.threads = threads
         self.startup_timeout_s = startup_timeout_s
-        self.engine = engine
-        self.devices = list(devices) or ["cpu"]
-        self.draft = draft
+        self.devices = list(devices or [self.serve.engine.device])
         self._token = token
         """Bearer token the sidecars require (passed in their environment, never on the command line)."""
         self._procs: list[_Proc | None] = [None] * count
         self._launches = 0
+
+    def config_of(self, i: int, port: int = 0) -> ServeConfig:
+        """What sidecar `i` serves with: `serve` on this model, loopback `port`, its device, and this
+        process as the parent it must not outlive (a SIGKILLed trainer cannot tear it down)."""
+        return dataclasses.replace(
+            self.serve,
+            model=self.model,
+            host="127.0.0.1",
+            port=port,
+            parent_pid=os.getpid(),
+            engine=dataclasses.replace(self.serve.engine, device=self.devices[i % len(self.devices)]),
+        )
 
     def start(self) -> list[str]:
         """Launch all sidecars (in parallel) and wait until each announces its address."""
@@ -100,32 +110,9 @@ class LocalSidecars:
     def _launch(self, i: int, port: int = 0) -> tuple[subprocess.Popen[bytes], Path]:
         self._launches += 1
         log_path = self.log_dir / f"sidecar{i}.{self._launches}.log"
-        cmd = [
-            sys.executable,
-            "-c",
-            "from trainer.cli import main; main()",
-            "serve",
-            "--model",
-            str(self.model),
-            "--port",
-            str(port),
-            *(
-                ["--speculation-auto", "--speculation-k", str(self.speculation_k)]
-                if self.speculation_auto
-                else ["--speculation-k", str(self.speculation_k)]
-            ),
-            "--max-batch-size",
-            str(self.max_batch_size),
-            "--shutdown-grace-s",
-            "2",
-            "--parent-pid",  # a SIGKILLed trainer cannot tear its sidecars down: they stop themselves
-            str(os.getpid()),
-            "--engine",
-            self.engine,
-            "--device",
-            self.devices[i % len(self.devices)],
-            *(["--draft", str(self.draft)] if self.draft is not None else []),
-        ]
+        config_path = self.log_dir / f"sidecar{i}.{self._launches}.yaml"
+        write_yaml(self.config_of(i, port), config_path)
+        cmd = [sys.executable, "-c", "from trainer.cli import main; main()", "serve", "--config", str(config_path)]
         env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), MKL_NUM_THREADS=str(self.threads))
         env.pop(TOKEN_ENV, None)  # exactly the token the trainer sends, not whatever the shell had
         if self._token is not None:

@@ -13,8 +13,11 @@ from __future__ import annotations
 import json
 import math
 import random
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from tqdm import tqdm
 
 from sidecar.errors import SpecrlError
 from sidecar.model.architectures import UnsupportedConfigError
@@ -285,3 +288,11 @@ def check_sidecars(cfg: RLConfig, model: ModelConfig) -> None:
                 else f"sidecar {address} serves an EAGLE-3 draft, which this run would not train or push: "
                 "set draft.eagle3 to its directory, or serve the model without --draft"
             )
+
+
+def announce_task(task: Task, tokenizer: Tokenizer) -> None:
+    """Show what the model sees (the first training prompt, rendered) and the rows a dataset dropped."""
+    dropped = getattr(task, "dropped", None)
+    if dropped:
+        tqdm.write(f"task: dropped {sum(dropped.values())} row(s): {dropped}", file=sys.stderr)
+    tqdm.write(f"first training prompt as the model sees it:\n{rendered_prompt(task, tokenizer)}", file=sys.stderr)

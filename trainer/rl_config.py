@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from muon import HybridOptimizerConfig
 from sidecar.client.client import ClientConfig
 from sidecar.client.transport import CollectiveConfig, TransportConfig
+from sidecar.config_io import to_mapping
 from sidecar.security import SecurityConfig
+from sidecar.serve_config import ServeConfig
 from trainer.draft_objective import DraftConfig
 from trainer.losses import GRPOConfig
 from trainer.rewards import rewards_from_specs
@@ -27,7 +29,7 @@ from trainer.trackers import TrackersConfig
 class TaskConfig:
     """Where problems and rewards come from."""
 
-    RENAMED_KEYS: ClassVar[dict[str, str]] = {"reward_fn": "rewards"}
+    RETIRED_KEYS: ClassVar[dict[str, str]] = {"reward_fn": "rewards"}
 
     kind: Literal["arithmetic", "dataset"] = "arithmetic"
     """"arithmetic": the built-in synthetic task; "dataset": a user dataset at `path`."""
@@ -217,6 +219,34 @@ class WeightSyncConfig:
         return TransportConfig(shm=self.shm, collective=collective)
 
 
+TRAINER_OWNED = {
+    "model": "model",
+    "host": "nothing (local sidecars bind loopback)",
+    "port": "nothing (local sidecars bind port 0)",
+    "parent_pid": "nothing (the trainer's own pid)",
+    "security": "sidecars.security",
+    "engine.speculation_k": "rollout.speculation_k",
+    "engine.speculation_auto": "rollout.speculation_auto",
+    "engine.device": "sidecars.devices",
+    "engine.draft": "draft.eagle3",
+}
+"""`sidecars.serve` keys the trainer sets for its local sidecars from its own settings (the key
+to set instead)."""
+
+
+def trainer_owned(serve: ServeConfig) -> dict[str, str]:
+    """The keys of `TRAINER_OWNED` that `serve` sets otherwise than `ServeConfig()` does."""
+    default = to_mapping(ServeConfig())
+    given = to_mapping(serve)
+
+    def at(data: dict[str, Any], key: str) -> Any:
+        for part in key.split("."):
+            data = data[part]
+        return data
+
+    return {key: where for key, where in TRAINER_OWNED.items() if at(given, key) != at(default, key)}
+
+
 @dataclass(kw_only=True, slots=True)
 class SidecarsConfig:
     """Which sidecars serve the rollouts: remote addresses, or local subprocesses."""
@@ -226,16 +256,19 @@ class SidecarsConfig:
     local: int | None = None
     """Start this many local `specrl serve` subprocesses on the run's checkpoint (port 0); unset:
     one when no addresses are given, none when they are."""
-    max_batch_size: int = 64
-    """Engine batch of a local sidecar."""
+    serve: ServeConfig = field(default_factory=ServeConfig)
+    """What each local sidecar serves with (`specrl serve`'s config, `sidecar.serve_config`):
+    e.g. `sidecars.serve.engine.kv_block_size=32`, `sidecars.serve.engine.kind=sglang`. The trainer
+    sets what it owns itself: the model (`model`), k (`rollout.speculation_k`,
+    `rollout.speculation_auto`), the devices (`sidecars.devices`), the EAGLE-3 draft
+    (`draft.eagle3`), the address (loopback, port 0), the token (`sidecars.security`) and the
+    parent process; setting those here is refused."""
     threads: int = 1
     """torch threads of each local sidecar (OMP_NUM_THREADS)."""
     startup_timeout_s: float = 120.0
     """How long a local sidecar may take to print `listening on`."""
     call_timeout_s: float = 10.0
     """Deadline of control calls (health, info, stats)."""
-    engine: Literal["torch", "sglang"] = "torch"
-    """Engine of each local sidecar (`specrl serve --engine`)."""
     devices: list[str] = field(default_factory=lambda: ["cpu"])
     """torch device of each local sidecar (`specrl serve --device`): one entry for all of them, or
     one per sidecar (e.g. ["cuda:0", "cuda:1"])."""
@@ -246,7 +279,19 @@ class SidecarsConfig:
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     """Data planes for weight pushes (shm for proven local sidecars; collective when set up)."""
 
+    RETIRED_KEYS: ClassVar[dict[str, str]] = {
+        "max_batch_size": "serve.engine.max_batch_size",
+        "engine": "serve.engine.kind",
+    }
+    """Keys that moved into the `serve` section (refused with their new key)."""
+
     def __post_init__(self) -> None:
+        owned = trainer_owned(self.serve)
+        if owned:
+            raise ValueError(
+                "sidecars.serve: "
+                + "; ".join(f"{key} is the trainer's to set: set {where} instead" for key, where in owned.items())
+            )
         if self.local is None:
             self.local = 0 if self.addresses else 1
         if self.local < 0:

@@ -41,12 +41,13 @@ from tqdm import tqdm
 from sidecar.client.fleet import Fleet, FleetConfig, derive_seed
 from sidecar.config_io import to_mapping, write_yaml
 from sidecar.model.model import ModelConfig
+from sidecar.serve_config import ServeConfig
 from sidecar.types import GenerationRequest, Sample, SamplingParams
 from trainer.dynamic_sampling import Group, Selection, group_samples, select_groups, shaped_rewards
 from trainer.local_sidecars import LocalSidecars
 from trainer.losses import OverlongConfig, mismatch_metrics, sample_advantages
 from trainer.policy import Policy, TrainBatch
-from trainer.preflight import check_sidecars, preflight, rendered_prompt
+from trainer.preflight import announce_task, check_sidecars, preflight
 from trainer.ranks import (
     RankWatchdog,
     drain_export,
@@ -60,7 +61,7 @@ from trainer.reference import ReferencePolicy
 from trainer.rl_config import RLConfig
 from trainer.rollout_pipeline import RolloutPipeline
 from trainer.run_dir import RunDir
-from trainer.step_metrics import StepTimes, length_quantiles, speculation_metrics
+from trainer.step_metrics import StepTimes, length_quantiles, reward_metric_name, speculation_metrics
 from trainer.tasks import Problem, Task, distinct_problems, prompt_ids, score_completions
 from trainer.tokenizer import Tokenizer
 from trainer.trackers import open_trackers
@@ -147,6 +148,19 @@ def build_policy(cfg: RLConfig) -> Policy:
     return Policy(model_config, policy_config(cfg), tensors, eagle3=draft)
 
 
+def local_serve_config(cfg: RLConfig) -> ServeConfig:
+    """What the run's local sidecars serve with: `sidecars.serve`, with the k of the rollouts and
+    the run's EAGLE-3 draft (the keys the trainer owns, `rl_config.TRAINER_OWNED`)."""
+    serve = cfg.sidecars.serve
+    engine = dataclasses.replace(
+        serve.engine,
+        speculation_k=cfg.rollout.speculation_k,
+        speculation_auto=cfg.rollout.speculation_auto,
+        draft=cfg.draft.eagle3,
+    )
+    return dataclasses.replace(serve, engine=engine)
+
+
 @contextlib.contextmanager
 def sidecar_fleet(cfg: RLConfig, run_dir: Path) -> Iterator[tuple[Fleet, LocalSidecars | None]]:
     """The run's sidecars: local subprocesses (torn down on exit) or the given addresses, all
@@ -161,15 +175,11 @@ def sidecar_fleet(cfg: RLConfig, run_dir: Path) -> Iterator[tuple[Fleet, LocalSi
             cfg.model,
             int(cfg.sidecars.local),
             run_dir / "logs",
-            speculation_k=cfg.rollout.speculation_k,
-            speculation_auto=cfg.rollout.speculation_auto,
-            max_batch_size=cfg.sidecars.max_batch_size,
+            serve=local_serve_config(cfg),
             threads=cfg.sidecars.threads,
             startup_timeout_s=cfg.sidecars.startup_timeout_s,
-            engine=cfg.sidecars.engine,
             devices=cfg.sidecars.devices,
             token=client.token,
-            draft=cfg.draft.eagle3,
         )
     with contextlib.ExitStack() as stack:
         if local is not None:
@@ -209,11 +219,6 @@ def evaluate(run: Run, size: int) -> tuple[float, float]:
         run.task, [problems[s.prompt_index] for s in samples], [run.tokenizer.decode(s.token_ids) for s in samples]
     )
     return mean_and_stderr(rewards)
-
-
-def _metric_name(reward: str) -> str:
-    """A reward term's name as a metric key ("math"; "rewards.py:score" -> "rewards_py_score")."""
-    return re.sub(r"[^A-Za-z0-9_]+", "_", reward).strip("_")
 
 
 def mean_and_stderr(values: list[float]) -> tuple[float, float]:
@@ -399,7 +404,9 @@ def _gather(run: Run, step: int, metrics: dict[str, float], times: StepTimes, ev
     first = _score(run, problems, prompts, samples)
     metrics["reward/train_mean"] = float(torch.stack([g.task_rewards for g in first]).mean())
     for name in first[0].reward_terms:  # a task with several reward terms: each one's mean
-        metrics[f"reward/{_metric_name(name)}_mean"] = float(torch.stack([g.reward_terms[name] for g in first]).mean())
+        metrics[f"reward/{reward_metric_name(name)}_mean"] = float(
+            torch.stack([g.reward_terms[name] for g in first]).mean()
+        )
     if cfg.reward.overlong_buffer_len:
         metrics["reward/overlong_penalty_mean"] = float(torch.stack([g.rewards - g.task_rewards for g in first]).mean())
     metrics["rollout/kept_fraction_first_round"] = sum(g.informative for g in first) / len(first)
@@ -584,20 +591,12 @@ def train(cfg: RLConfig, *, resume: bool = False, progress: bool = True) -> list
             raise
 
 
-def _announce_task(task: Task, tokenizer: Tokenizer) -> None:
-    """Show what the model sees (the first training prompt, rendered) and the rows a dataset dropped."""
-    dropped = getattr(task, "dropped", None)
-    if dropped:
-        tqdm.write(f"task: dropped {sum(dropped.values())} row(s): {dropped}", file=sys.stderr)
-    tqdm.write(f"first training prompt as the model sees it:\n{rendered_prompt(task, tokenizer)}", file=sys.stderr)
-
-
 def _train(cfg: RLConfig, resume: bool, progress: bool, watchdog: RankWatchdog | None) -> list[dict[str, float]]:
     leader = is_leader()
     progress = progress and leader
     prepared = preflight(cfg, probe_sidecars=False)  # seconds, on every rank: nothing is built yet
     if progress:
-        _announce_task(prepared.task, prepared.tokenizer)
+        announce_task(prepared.task, prepared.tokenizer)
     run_dir = on_leader(lambda: _open_run_dir(cfg, resume, prepared.model_config))
     with phase("building the policy (Megatron)", progress):
         policy = build_policy(cfg)
@@ -622,7 +621,7 @@ def _train(cfg: RLConfig, resume: bool, progress: bool, watchdog: RankWatchdog |
         )
     history: list[dict[str, float]] = []
     fleet = (
-        f"starting {cfg.sidecars.local} local sidecar(s) (engine {cfg.sidecars.engine}, "
+        f"starting {cfg.sidecars.local} local sidecar(s) (engine {cfg.sidecars.serve.engine.kind}, "
         f"device {', '.join(cfg.sidecars.devices)})"
         if cfg.sidecars.local
         else f"connecting to {len(cfg.sidecars.addresses)} sidecar(s)"

@@ -5,6 +5,7 @@ the step's length and the generation's share), the speculation figures of its ro
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 import torch
@@ -75,3 +76,8 @@ def length_quantiles(lengths: list[int]) -> dict[str, float]:
         torch.tensor(lengths, dtype=torch.float64), torch.tensor(LENGTH_QUANTILES, dtype=torch.float64) / 100.0
     )
     return {f"rollout/response_len_q{q:02d}": float(v) for q, v in zip(LENGTH_QUANTILES, qs.tolist(), strict=True)}
+
+
+def reward_metric_name(reward: str) -> str:
+    """A reward term's name as a metric key ("math"; "rewards.py:score" -> "rewards_py_score")."""
+    return re.sub(r"[^A-Za-z0-9_]+", "_", reward).strip("_")

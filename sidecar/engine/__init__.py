@@ -2,7 +2,8 @@
 
 `ENGINES` maps an engine kind to the ``module:Class`` that serves it; `create_engine` imports
 that module only when asked for, so specrl never needs SGLang installed unless it serves with
-it. A new engine registers one line here (its class needs a ``from_checkpoint``).
+it. A new engine registers one line here (its class needs a ``from_config``) and its kind in
+`EngineConfig.kind`.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from sidecar.engine.config import ENGINE_KINDS, EngineConfig
 
 if TYPE_CHECKING:
     from sidecar.engine.base import Engine
@@ -20,7 +23,7 @@ ENGINES: dict[str, str] = {
 }
 """Engine kind → ``module:Class`` (imported lazily by `create_engine`)."""
 
-ENGINE_KINDS = tuple(ENGINES)
+assert tuple(ENGINES) == ENGINE_KINDS  # `EngineConfig.kind` names these
 
 
 def engine_class(kind: str) -> type[Engine]:
@@ -34,13 +37,10 @@ def engine_class(kind: str) -> type[Engine]:
     return cls
 
 
-def create_engine(kind: str, model_path: str | Path, **options: Any) -> Engine:
-    """The engine `kind` (a key of `ENGINES`) serving the specrl checkpoint at `model_path`.
-
-    `options` go to the engine's ``from_checkpoint``: both take ``device``, ``speculation_k``,
-    ``max_speculation_k`` and ``max_batch_size``; the SGLang engine also takes ``work_dir``
-    and any `SGLangEngineConfig` field (e.g. ``tp_size``, ``mem_fraction_static``).
-    """
-    cls = engine_class(kind)
-    engine: Engine = cls.from_checkpoint(model_path, **options)  # type: ignore[attr-defined]
+def create_engine(model_path: str | Path, config: EngineConfig, **options: Any) -> Engine:
+    """The engine `config.kind` (a key of `ENGINES`) serving the specrl checkpoint at `model_path`
+    as `config` says. `options` go to the engine's ``from_config`` beside it: the SGLang engine takes
+    ``work_dir`` and any `SGLangEngineConfig` field (e.g. ``tp_size``, ``extra_server_args``)."""
+    cls = engine_class(config.kind)
+    engine: Engine = cls.from_config(model_path, config, **options)  # type: ignore[attr-defined]
     return engine

@@ -26,12 +26,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from sidecar.engine.config import MAX_SPECULATION_K
+
 _M32 = 0xFFFFFFFF
 _LANE_A = (0x21F0AAAD, 0x735A2D97)
 _LANE_B = (0x7FEB352D, 0x2C1B3C6D)  # below 2^31 (exact int64 products), odd
 
 ROLE_DRAFT, ROLE_ACCEPT, ROLE_FINAL = 0, 1, 2
-MAX_INDEX = 64
+MAX_INDEX = MAX_SPECULATION_K + 1
 """Indices per role and position (the engine's maximum speculation k is MAX_INDEX - 1)."""
 
 

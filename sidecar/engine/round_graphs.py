@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from sidecar.engine.config import MIN_READ
 from sidecar.engine.decode_round import EagerRounds, RoundInput, RoundOutput
 from sidecar.engine.drafters import Drafter
 from sidecar.engine.fixed_round import FixedInput, FixedShape, draft_phase, verify_phase
@@ -49,11 +50,6 @@ from sidecar.engine.sampling import AcceptanceRule, RowSampling
 from sidecar.model.kv_cache import KVCache, upload
 
 log = logging.getLogger(__name__)
-
-MIN_READ = 256
-"""Smallest KV read width of a fixed-shape forward (slots): contexts up to it share one graph."""
-
-COMPILE_MODES = ("auto", "on", "off")
 
 
 def batch_bucket(rows: int, max_batch: int) -> int:
@@ -320,8 +316,6 @@ def make_rounds(mode: str, device: torch.device) -> FixedRounds | EagerRounds:
     """The rounds of `compile` mode "on" (fixed shapes; CUDA graphs on CUDA), or `decode_round`
     eagerly at the batch's own shapes for "off", and for "auto" off CUDA (on a CPU the fixed shapes
     only add work)."""
-    if mode not in COMPILE_MODES:
-        raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
     if mode == "off" or (mode == "auto" and device.type != "cuda"):
         return EagerRounds()
     return FixedRounds(capture=device.type == "cuda", device=device if device.type == "cuda" else None)

@@ -47,16 +47,17 @@ import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 import sidecar
-from sidecar.engine import counter_rng
 from sidecar.engine.admission import REASONS, Admission
 from sidecar.engine.base import Engine
+from sidecar.engine.config import EngineConfig
 from sidecar.engine.decode_round import RoundInput
 from sidecar.engine.drafters import make_drafter
-from sidecar.engine.round_graphs import MIN_READ, FixedRounds, batch_bucket, make_rounds
+from sidecar.engine.round_graphs import FixedRounds, batch_bucket, make_rounds
 from sidecar.engine.rows import (
     CATCH_UP_POSITIONS,
     REASON_STOP,
@@ -98,9 +99,6 @@ from sidecar.types import (
     VersionStats,
 )
 
-MAX_SPECULATION_K = counter_rng.MAX_INDEX - 1
-"""Largest k a round can draw keyed uniforms for (and that the rotary tables have room for)."""
-
 
 class TorchEngine(Admission, ServedWeights, SpeculationSettings, Engine):
     """Embedded engine over a `Qwen3WithMTP`; see the module docstring."""
@@ -108,47 +106,42 @@ class TorchEngine(Admission, ServedWeights, SpeculationSettings, Engine):
     def __init__(
         self,
         model: Qwen3WithMTP,
+        config: EngineConfig | None = None,
         *,
-        speculation_k: int = 3,
-        max_speculation_k: int = 8,
-        max_batch_size: int = 64,
+        draft: Eagle3Draft | None = None,
         name: str = "",
-        speculation_auto: bool = False,
         policy: SpeculationPolicyConfig | None = None,
         clock: Callable[[], float] | None = None,
-        max_context: int | None = None,
-        kv_cache_bytes: int | None = None,
-        draft: Eagle3Draft | None = None,
-        compile: str = "auto",
-        draft_vocab_size: int = 0,
-        kv_block_size: int = 16,
+        **settings: Any,
     ) -> None:
-        """`draft`: an EAGLE-3 draft for a target without MTP layers (`drafters`); `speculation_auto`:
-        start in auto mode with maximum k `speculation_k`; `policy`: the controller's knobs (its
-        max_speculation_k is set by the mode); `clock`: seconds, for the controller's cost measurements (tests
-        inject one). Default: `cost_clock(device)`.
+        """Serve `model` as `config` says (`EngineConfig`; its docstrings say what each setting
+        does). `settings`: `EngineConfig` fields as keywords, over `config`'s (tools and tests write
+        `TorchEngine(model, speculation_k=2)`); the config's own checks apply either way.
+
+        `draft`: an EAGLE-3 draft for a target without MTP layers (`drafters`; `from_checkpoint`
+        loads `config.draft`); `policy`: the controller's knobs (its max_speculation_k is set by
+        the mode); `clock`: seconds, for the controller's cost measurements (tests inject one).
+        Default: `cost_clock(device)`.
 
         KV caches: one pool of `kv_block_size`-token blocks allocated once, as many as
-        `kv_cache_bytes` holds (default on CUDA 90% of free memory; on a CPU, or where that is more,
+        `kv_cache_gib` holds (default on CUDA 90% of free memory; on a CPU, or where that is more,
         what `max_batch_size` rows of `max_context` tokens (default: the model's context) need); up to
         `max_batch_size` rows run at once, each holding the blocks its tokens fill. A request a row
         could never hold alone: `KVCacheCapacityError` (RESOURCE_EXHAUSTED).
 
         On a CUDA device the model's q|k|v and gate|up parameters are joined into one tensor each
         (`Qwen3WithMTP.join_projections`: views, same values), which the decode path reads without
-        copies.
-
-        `compile`: "auto" (CUDA graphs on a CUDA device, eager elsewhere), "on" (fixed-shape
-        forwards: captured as CUDA graphs on CUDA, run eagerly on a CPU) or "off" (eager at the
-        batch's own shapes, the reference path); see `round_graphs` and `decode_round`. Fixed-shape
-        rounds on CUDA run fused Triton kernels where Triton is installed (`decode_kernels`).
-
-        `draft_vocab_size` > 0: the MTP draft's head scores only that many most frequent ids of
-        the tokens this engine has seen (`draft_vocab`; exact for any subset; 0: the full vocabulary)."""
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        if not 0 <= max_speculation_k <= MAX_SPECULATION_K:
-            raise ValueError(f"max_speculation_k must be in [0, {MAX_SPECULATION_K}], got {max_speculation_k}")
+        copies. `compile` chooses the rounds (`round_graphs`, `decode_round`)."""
+        config = dataclasses.replace(config or EngineConfig(), **settings) if settings else config or EngineConfig()
+        if config.kind != "torch":
+            raise ValueError(f"TorchEngine serves engine.kind 'torch', got {config.kind!r}")
+        self.engine_config = config
+        """The settings this engine was built from."""
+        max_speculation_k, max_batch_size, kv_block_size = (
+            config.max_speculation_k,
+            config.max_batch_size,
+            config.kv_block_size,
+        )
         self.model = model
         if model.output_weight().device.type == "cuda":
             model.join_projections()  # the decode path reads q|k|v and gate|up as they are: no copies
@@ -156,21 +149,19 @@ class TorchEngine(Admission, ServedWeights, SpeculationSettings, Engine):
         self.config = model.config
         self.device = model.output_weight().device
         self.name = name
-        self.drafter = make_drafter(model, draft, draft_vocab_size)
-        self.draft_vocab_size = 0 if self.drafter.vocab is None else draft_vocab_size
+        self.drafter = make_drafter(model, draft, config.draft_vocab_size)
+        self.draft_vocab_size = 0 if self.drafter.vocab is None else config.draft_vocab_size
         self.num_mtp = self.drafter.num_layers  # draft layers (one KV cache each), of either kind
         self.max_speculation_k = max_speculation_k if self.num_mtp else 0
         context = self.config.max_position_embeddings
-        self.max_context = context if max_context is None else max_context
+        self.max_context = context if config.max_context is None else config.max_context
         if not 2 <= self.max_context <= context:
             raise ValueError(f"max_context must be in [2, max_position_embeddings={context}], got {self.max_context}")
         self.max_batch_size = max_batch_size
         slots = self._slots_per_row()
-        if not 1 <= kv_block_size <= MIN_READ or kv_block_size & (kv_block_size - 1):
-            raise ValueError(f"kv_block_size must be a power of two in [1, {MIN_READ}], got {kv_block_size}")
         self._pages = KVPages(
             num_blocks=pool_blocks(
-                budget=kv_cache_bytes,
+                budget=config.kv_cache_bytes,
                 block_bytes=kv_block_size * self.drafter.token_bytes(),
                 max_rows=max_batch_size,
                 max_slots=slots,
@@ -183,14 +174,14 @@ class TorchEngine(Admission, ServedWeights, SpeculationSettings, Engine):
             device=self.device,
         )
         # Without a draft speculation is unavailable: the default k is 0.
-        self._k = min(speculation_k, self.max_speculation_k) if self.num_mtp else 0
+        self._k = min(config.speculation_k, self.max_speculation_k) if self.num_mtp else 0
         self._auto = False  # new requests that do not pin k get the controller's k
         self._policy_config = policy
         self._policy: SpeculationPolicy | None = None  # kept while auto rows may still run
         self._last_round_k = 0  # drafts of the previous decode step (a larger refresh is a catch-up)
         self.set_speculation_k(self._k)
         self._clock = clock or cost_clock(self.device)
-        if speculation_auto:
+        if config.speculation_auto:
             self.set_speculation_auto(self._k)
         self._version = 0
         self._stats = VersionLedger()
@@ -202,7 +193,7 @@ class TorchEngine(Admission, ServedWeights, SpeculationSettings, Engine):
         self._admissions = 0  # sequences admitted so far (`Sequence.admitted`: preemption's order)
         self._preempted = False  # the latest round preempted rows (admission waits a step)
         self._batch: BatchTensors | None = None
-        self._rounds = make_rounds(compile, self.device)
+        self._rounds = make_rounds(config.compile, self.device)
         self.kernels: DecodeOps = (
             DecodeKernels.for_device(self.device) if isinstance(self._rounds, FixedRounds) else DecodeOps()
         )
@@ -213,7 +204,7 @@ class TorchEngine(Admission, ServedWeights, SpeculationSettings, Engine):
         self._swaps = 0  # weight updates swapped in (`ServedWeights._swap_in`)
         self._timed_drafts = False  # rounds of pinned k as automatic k's (two graphs): `warm_up` in auto mode
         self._weights_checked: tuple[int, int] | None = None  # (swaps, decode-weight builds) last checked
-        self.compile = compile
+        self.compile = config.compile
 
     def warm_up(self, progress: Callable[[int, int], None] | None = None) -> int:
         """Run a fixed-shape round at every batch bucket, plainly and at the default k, before
@@ -256,41 +247,26 @@ class TorchEngine(Admission, ServedWeights, SpeculationSettings, Engine):
         return self.max_context + self.max_speculation_k + 2
 
     @classmethod
-    def from_checkpoint(
-        cls,
-        path: str | Path,
-        *,
-        device: str | torch.device = "cpu",
-        speculation_k: int = 3,
-        max_speculation_k: int = 8,
-        max_batch_size: int = 64,
-        speculation_auto: bool = False,
-        max_context: int | None = None,
-        kv_cache_bytes: int | None = None,
-        draft: str | Path | None = None,
-        compile: str = "auto",
-        draft_vocab_size: int = 0,
-        kv_block_size: int = 16,
-    ) -> TorchEngine:
-        """Load a checkpoint directory (config.json + safetensors) onto `device`, and the EAGLE-3
-        draft directory `draft` beside it (`eagle3_checkpoint`)."""
-        config, tensors = load_checkpoint(path)
-        model = build_model(config, device=device)
+    def from_checkpoint(cls, path: str | Path, config: EngineConfig | None = None, **settings: Any) -> TorchEngine:
+        """Load a checkpoint directory (config.json + safetensors) onto `config.device`, and the
+        EAGLE-3 draft directory `config.draft` beside it (`eagle3_checkpoint`); `settings` as in
+        `__init__`."""
+        config = dataclasses.replace(config or EngineConfig(), **settings) if settings else config or EngineConfig()
+        model_config, tensors = load_checkpoint(path)
+        model = build_model(model_config, device=config.device)
         model.load_state_dict(tensors, strict=True)
+        draft = config.draft
         return cls(
             model,
-            draft=None if draft is None else load_eagle3_draft(draft, device=device, target=config),
-            speculation_k=speculation_k,
-            max_speculation_k=max_speculation_k,
-            max_batch_size=max_batch_size,
+            config,
+            draft=None if draft is None else load_eagle3_draft(draft, device=config.device, target=model_config),
             name=Path(path).name,
-            speculation_auto=speculation_auto,
-            max_context=max_context,
-            kv_cache_bytes=kv_cache_bytes,
-            compile=compile,
-            draft_vocab_size=draft_vocab_size,
-            kv_block_size=kv_block_size,
         )
+
+    @classmethod
+    def from_config(cls, path: str | Path, config: EngineConfig) -> TorchEngine:
+        """`create_engine`'s entry: `from_checkpoint(path, config)`."""
+        return cls.from_checkpoint(path, config)
 
     # ---- Engine interface: info and control --------------------------------------------------
     def info(self) -> EngineInfo:

@@ -8,6 +8,7 @@ says otherwise: whoever can push weights owns the model.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -15,15 +16,22 @@ import signal
 import sys
 import threading
 import time
+import types
+import typing
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import click
 
-from sidecar.engine import ENGINE_KINDS
 from sidecar.engine.base import Engine
-from sidecar.server.serve_config import SECURITY_OPTIONS, ServeConfig
+from sidecar.engine.config import EngineConfig
+from sidecar.serve_config import SECURITY_OPTIONS, ServeConfig
 from sidecar.types import KVUsage
+
+if typing.TYPE_CHECKING:
+    from sidecar.server.process import SidecarConfig
 
 log = logging.getLogger("specrl.serve")
 
@@ -47,64 +55,59 @@ def parse_sglang_args(pairs: tuple[str, ...]) -> dict[str, object]:
     return out
 
 
-def load_engine(
-    engine: str,
-    model: Path,
-    *,
-    device: str,
-    speculation_k: int,
-    max_speculation_k: int,
-    speculation_auto: bool = False,
-    max_batch_size: int,
-    sglang_args: dict[str, object] | None = None,
-    max_context: int | None = None,
-    kv_cache_gib: float | None = None,
-    draft: Path | None = None,
-    compile: str = "auto",
-    draft_vocab_size: int = 0,
-    kv_block_size: int = 16,
-) -> Engine:
-    """The engine serving `model` (an Engine); click.ClickException when it cannot be built.
-    `speculation_auto`: automatic k up to speculation_k; `draft`: an EAGLE-3 draft directory beside it."""
+def load_engine(cfg: ServeConfig) -> Engine:
+    """The engine `cfg.engine` describes, serving `cfg.model`; click.ClickException when it cannot be built."""
     from sidecar.engine import create_engine
     from sidecar.errors import SpecrlError
 
-    if sglang_args and engine != "sglang":
+    engine, model = cfg.engine, cfg.model
+    assert model is not None
+    sglang_args = parse_sglang_args(cfg.sglang_args)
+    if sglang_args and engine.kind != "sglang":
         raise click.BadParameter(
-            f"--sglang-arg applies to --engine sglang only, not {engine}", param_hint="--sglang-arg"
+            f"--sglang-arg applies to --engine sglang only, not {engine.kind}", param_hint="--sglang-arg"
         )
-    options: dict[str, object] = {"extra_server_args": sglang_args} if sglang_args else {}
-    if max_context is not None:
-        options["max_context"] = max_context
-    if kv_cache_gib is not None:
-        options["kv_cache_bytes"] = int(kv_cache_gib * 2**30)
-    if kv_block_size != 16:
-        options["kv_block_size"] = kv_block_size
-    if draft is not None:
-        options["draft"] = draft
-    if compile != "auto":
-        options["compile"] = compile
-    if draft_vocab_size:
-        options["draft_vocab_size"] = draft_vocab_size
     try:
-        built = create_engine(
-            engine,
-            model,
-            device=device,
-            speculation_k=speculation_k,
-            max_speculation_k=max_speculation_k,
-            max_batch_size=max_batch_size,
-            **options,
-        )
-        if speculation_auto:
-            built.set_speculation_auto(speculation_k)
-        return built
+        built = create_engine(model, engine, **({"extra_server_args": sglang_args} if sglang_args else {}))
     except ImportError as e:
         raise click.ClickException(f"{SGLANG_UNAVAILABLE} ({e})") from None
     except (SpecrlError, FileNotFoundError, ValueError) as e:
         # SpecrlError covers CheckpointError and SGLangEngineError ("install specrl[sglang] ...").
-        raise click.ClickException(f"cannot start the {engine} engine for {model}: {e}") from None
+        raise click.ClickException(f"cannot start the {engine.kind} engine for {model}: {e}") from None
+    return built
 
+
+def engine_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """One `specrl serve` option per `EngineConfig` field, generated from the field: its name
+    (`kv_block_size` is --kv-block-size; `EngineConfig.OPTION_NAMES` renames), its type, its
+    default and its docstring. The value an option gives lands in the `engine` section."""
+    from sidecar.config_io import field_docs
+
+    hints, docs = typing.get_type_hints(EngineConfig), field_docs(EngineConfig)
+    for f in reversed(dataclasses.fields(EngineConfig)):
+        name = EngineConfig.OPTION_NAMES.get(f.name, f.name)
+        flag = "--" + name.replace("_", "-")
+        hint = hints[f.name]
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        base = args[0] if typing.get_origin(hint) in (typing.Union, types.UnionType) else hint
+        kind: Any = {int: click.INT, float: click.FLOAT, str: click.STRING}.get(base)
+        if typing.get_origin(hint) is typing.Literal:
+            kind = click.Choice(typing.get_args(hint))
+        elif base is Path:
+            kind = click.Path(exists=True, file_okay=False, path_type=Path)  # a directory given must be there
+        decls = [f"{flag}/--no-{name.replace('_', '-')}" if base is bool else flag, name]
+        command = click.option(
+            *decls,
+            type=None if base is bool else kind,
+            default=f.default,
+            show_default=f.default is not None,
+            help=docs.get(f.name, ""),
+        )(command)
+    return command
+
+
+ENGINE_OPTIONS = {EngineConfig.OPTION_NAMES.get(f.name, f.name): f.name for f in dataclasses.fields(EngineConfig)}
+"""`specrl serve`'s engine options (their parameter names) -> the `engine` keys they set."""
 
 _D = ServeConfig()
 """Every option's default is the config field's default."""
@@ -117,7 +120,7 @@ _SEC = _D.security
     "--config",
     "config_file",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="YAML/TOML with `specrl serve` settings (fields of sidecar.server.serve_config.ServeConfig).",
+    help="YAML/TOML with `specrl serve` settings (fields of sidecar.serve_config.ServeConfig).",
 )
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a field, e.g. port=0.")
 @click.option("--print-config", is_flag=True, help="Print the resolved settings (YAML) and exit.")
@@ -127,73 +130,10 @@ _SEC = _D.security
     type=click.Path(exists=True, file_okay=False, path_type=Path),
     help="Checkpoint directory (config.json + model.safetensors); required here or in the config.",
 )
-@click.option(
-    "--draft",
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
-    default=_D.draft,
-    help="EAGLE-3 draft directory (SGLang/vLLM layout) for a model without MTP layers.",
-)
-@click.option("--engine", type=click.Choice(ENGINE_KINDS), default=_D.engine, show_default=True)
+@engine_options
 @click.option("--host", default=_D.host, show_default=True, help="Bind address (loopback unless told otherwise).")
 @click.option("--port", type=click.IntRange(0, 65535), default=_D.port, show_default=True, help="0 picks a free port.")
-@click.option(
-    "--speculation-k",
-    type=click.IntRange(0),
-    default=_D.speculation_k,
-    show_default=True,
-    help="Default draft length (0: off); with --speculation-auto the largest k the sidecar may choose.",
-)
-@click.option(
-    "--speculation-auto/--no-speculation-auto",
-    default=_D.speculation_auto,
-    show_default=True,
-    help="Automatic k: the sidecar chooses k in 0..--speculation-k for every engine step from its measured costs "
-    "and acceptance (lossless; at temperature > 0 not bit-reproducible from the seed, pin k per request for that).",
-)
-@click.option(
-    "--max-speculation-k",
-    type=click.IntRange(0),
-    default=_D.max_speculation_k,
-    show_default=True,
-    help="Largest k a request or SetSpeculation may ask for.",
-)
-@click.option("--max-batch-size", type=click.IntRange(1), default=_D.max_batch_size, show_default=True)
 @click.option("--max-live-sequences", type=click.IntRange(1), default=_D.max_live_sequences, show_default=True)
-@click.option(
-    "--max-context",
-    type=click.IntRange(1),
-    default=_D.max_context,
-    help="Tokens a KV-cache row holds (prompt + new tokens; torch engine). Default: the model's context.",
-)
-@click.option(
-    "--kv-cache-gib",
-    type=click.FloatRange(0, min_open=True),
-    default=_D.kv_cache_gib,
-    help="GiB of the torch engine's paged KV pool. Default: 90% of free GPU memory (capped at what full rows need).",
-)
-@click.option(
-    "--kv-block-size",
-    type=click.IntRange(1, 256),
-    default=_D.kv_block_size,
-    show_default=True,
-    help="Tokens a KV block holds (torch engine; a power of two).",
-)
-@click.option(
-    "--compile",
-    type=click.Choice(["auto", "on", "off"]),
-    default=_D.compile,
-    show_default=True,
-    help="Torch engine: run decode forwards as CUDA graphs (on), eagerly (off), or on for CUDA devices only (auto).",
-)
-@click.option(
-    "--draft-vocab-size",
-    type=click.IntRange(0),
-    default=_D.draft_vocab_size,
-    show_default=True,
-    help="Torch engine, MTP draft: score only this many ids in the draft's head, the sidecar's most frequent "
-    "tokens (re-chosen at each push and every 4096 tokens; exact for any subset). 0: the full vocabulary.",
-)
-@click.option("--device", default=_D.device, show_default=True, help="torch device: cpu, cuda, cuda:1 ...")
 @click.option(
     "--cert",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -313,10 +253,12 @@ def resolve_serve_config(
         data = merge_overrides(data, overrides)
         for name, value in options.items():
             if ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT):
-                section = data.setdefault("security", {}) if name in SECURITY_OPTIONS else data
+                key = ENGINE_OPTIONS.get(name)
+                where = "security" if name in SECURITY_OPTIONS else "engine" if key is not None else None
+                section = data if where is None else data.setdefault(where, {})
                 if not isinstance(section, dict):
-                    raise ConfigError(f"security must be a mapping, got {section!r}")
-                section[name] = (
+                    raise ConfigError(f"{where} must be a mapping, got {section!r}")
+                section[key or name] = (
                     str(value) if isinstance(value, Path) else list(value) if isinstance(value, tuple) else value
                 )
         if model_dir is not None:
@@ -328,8 +270,8 @@ def resolve_serve_config(
         raise click.UsageError("no model: pass --model DIR or set model in the --config file")
     if not cfg.model.is_dir():
         raise click.ClickException(f"model: checkpoint directory {cfg.model} does not exist")
-    if cfg.draft is not None and not cfg.draft.is_dir():
-        raise click.ClickException(f"draft: EAGLE-3 draft directory {cfg.draft} does not exist")
+    if cfg.engine.draft is not None and not cfg.engine.draft.is_dir():
+        raise click.ClickException(f"engine.draft: EAGLE-3 draft directory {cfg.engine.draft} does not exist")
     return cfg
 
 
@@ -373,59 +315,49 @@ def kv_pool_line(kv: KVUsage) -> str | None:
     return f"KV cache: {kv.blocks_total} blocks of {kv.block_size} tokens ({kv.blocks_total * kv.block_size} tokens)"
 
 
-def run_sidecar(cfg: ServeConfig, token: str | None = None) -> None:
-    """Serve `cfg.model` until SIGTERM/SIGINT."""
-    assert cfg.model is not None
-    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def sidecar_config(cfg: ServeConfig, token: str | None) -> SidecarConfig:
+    """What the sidecar around the engine takes from `cfg` (all of it but the model and the
+    engine section), with the bearer token already read."""
     from sidecar.server.grpc_server import ServerConfig
-    from sidecar.server.memory import prefer_mmap_for_large_buffers
-    from sidecar.server.process import Sidecar, SidecarConfig
+    from sidecar.server.process import SidecarConfig
     from sidecar.server.scheduler import SchedulerConfig
     from sidecar.server.weight_receiver import DataPlaneConfig
     from sidecar.types import RequestLimits
 
+    offered = cfg.offered_transports
+    return SidecarConfig(
+        server=ServerConfig(host=cfg.host, port=cfg.port),
+        scheduler=SchedulerConfig(max_live_sequences=cfg.max_live_sequences),
+        limits=RequestLimits(max_samples=min(4096, cfg.max_live_sequences)),
+        security=cfg.security,
+        token=token,
+        metrics_port=cfg.metrics_port,
+        metrics_host=cfg.host,
+        keep_staging=cfg.keep_staging and cfg.engine.kind == "torch",  # SGLang copies what it is pushed
+        data_planes=DataPlaneConfig(shm="shm" in offered, collective="collective" in offered, deltas=cfg.sparse_deltas),
+        shutdown_grace_s=cfg.shutdown_grace_s,
+    )
+
+
+def run_sidecar(cfg: ServeConfig, token: str | None = None) -> None:
+    """Serve `cfg.model` until SIGTERM/SIGINT."""
+    assert cfg.model is not None
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from sidecar.server.memory import prefer_mmap_for_large_buffers
+    from sidecar.server.process import Sidecar
+
     prefer_mmap_for_large_buffers()  # weight pushes then return their staging memory at once
 
-    host, grace, engine = cfg.host, cfg.shutdown_grace_s, cfg.engine
-    offered = cfg.offered_transports
+    host, grace = cfg.host, cfg.shutdown_grace_s
     try:
         security = cfg.security
         security.check_files("security")
-        token = security.read_token(token)
-        config = SidecarConfig(
-            server=ServerConfig(host=host, port=cfg.port),
-            scheduler=SchedulerConfig(max_live_sequences=cfg.max_live_sequences),
-            limits=RequestLimits(max_samples=min(4096, cfg.max_live_sequences)),
-            security=security,
-            token=token,
-            metrics_port=cfg.metrics_port,
-            metrics_host=host,
-            keep_staging=cfg.keep_staging and engine == "torch",
-            data_planes=DataPlaneConfig(
-                shm="shm" in offered, collective="collective" in offered, deltas=cfg.sparse_deltas
-            ),
-            shutdown_grace_s=grace,
-        )
+        config = sidecar_config(cfg, security.read_token(token))
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
-    if host not in ("127.0.0.1", "::1", "localhost") and token is None and security.peer_ca is None:
+    if host not in ("127.0.0.1", "::1", "localhost") and config.token is None and security.peer_ca is None:
         log.warning("binding %s without a token or mutual TLS: anyone who reaches it can push weights", host)
-    eng = load_engine(
-        engine,
-        cfg.model,
-        device=cfg.device,
-        speculation_k=cfg.speculation_k,
-        max_speculation_k=cfg.max_speculation_k,
-        speculation_auto=cfg.speculation_auto,
-        max_batch_size=cfg.max_batch_size,
-        sglang_args=parse_sglang_args(cfg.sglang_args),
-        max_context=cfg.max_context,
-        kv_cache_gib=cfg.kv_cache_gib,
-        draft=cfg.draft,
-        compile=cfg.compile,
-        draft_vocab_size=cfg.draft_vocab_size,
-        kv_block_size=cfg.kv_block_size,
-    )
+    eng = load_engine(cfg)
     pool = kv_pool_line(eng.kv_usage())
     if pool is not None:
         log.info("%s", pool)

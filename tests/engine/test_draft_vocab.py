@@ -290,18 +290,22 @@ def test_reduced_vocabulary_rounds_trace_whole_without_host_reads(monkeypatch: p
 def test_draft_vocab_size_is_validated_and_reaches_the_engine(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
+    from sidecar.engine.config import EngineConfig
+    from sidecar.serve_config import ServeConfig
     from sidecar.server import cli
-    from sidecar.server.serve_config import ServeConfig
     from trainer.cli import main
 
     with pytest.raises(ValueError, match="draft_vocab_size must be >= 0"):
-        ServeConfig(draft_vocab_size=-1)
+        ServeConfig(engine=EngineConfig(draft_vocab_size=-1))
     with pytest.raises(ValueError, match="bring their own draft vocabulary"):
-        ServeConfig(engine="sglang", draft_vocab_size=8)
+        ServeConfig(engine=EngineConfig(kind="sglang", draft_vocab_size=8))
     config = ModelConfig.tiny()
     save_checkpoint(tmp_path, config, model_state_dict(build_model(config, seed=38)))
     engine = cli.load_engine(
-        "torch", tmp_path, device="cpu", speculation_k=2, max_speculation_k=4, max_batch_size=4, draft_vocab_size=16
+        ServeConfig(
+            model=tmp_path,
+            engine=EngineConfig(speculation_k=2, max_speculation_k=4, max_batch_size=4, draft_vocab_size=16),
+        )
     )
     assert isinstance(engine, TorchEngine) and engine.draft_vocab_size == 16
     result = CliRunner().invoke(main, ["serve", "--model", str(tmp_path), "--draft-vocab-size", "16", "--print-config"])

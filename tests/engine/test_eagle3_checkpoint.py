@@ -19,14 +19,15 @@ from engine_fixtures import aligned_eagle3, eagle3_target
 from safetensors.torch import load_file, save_file
 
 from sidecar.client.client import SidecarClient
+from sidecar.engine.config import EngineConfig
 from sidecar.engine.torch_engine import TorchEngine
 from sidecar.errors import CheckpointError
 from sidecar.model.checkpoint import model_state_dict, save_checkpoint
 from sidecar.model.eagle3 import Eagle3Config, Eagle3Draft
 from sidecar.model.eagle3_checkpoint import load_eagle3_draft, save_eagle3_draft
 from sidecar.model.model import ModelConfig, Qwen3WithMTP, build_model
+from sidecar.serve_config import ServeConfig
 from sidecar.server.cli import load_engine
-from sidecar.server.serve_config import ServeConfig
 from sidecar.types import GenerationRequest, SamplingParams
 from tests.sidecar_fixtures import start_sidecar
 from trainer.cli import main
@@ -139,15 +140,23 @@ def test_a_bad_draft_directory_is_one_clear_error(
 def test_serving_a_draft_reports_its_kind_and_names_a_mismatch(tmp_path: Path, dirs: tuple[Path, Path]) -> None:
     target_dir, path = dirs
     engine = load_engine(
-        "torch", target_dir, device="cpu", speculation_k=2, max_speculation_k=4, max_batch_size=8, draft=path
+        ServeConfig(
+            model=target_dir, engine=EngineConfig(speculation_k=2, max_speculation_k=4, max_batch_size=8, draft=path)
+        )
     )
     assert engine.info().speculation_method == "eagle3" and engine.info().speculation_k == 2
     mtp_dir = tmp_path / "mtp"
     config = ModelConfig.tiny(num_hidden_layers=4)
     save_checkpoint(mtp_dir, config, model_state_dict(build_model(config, seed=1)))
     with pytest.raises(click.ClickException, match="one draft kind"):
-        load_engine("torch", mtp_dir, device="cpu", speculation_k=2, max_speculation_k=4, max_batch_size=8, draft=path)
-    assert ServeConfig(engine="sglang", draft=path).draft == path  # SGLang's EAGLE3 (tests/with_sglang)
+        load_engine(
+            ServeConfig(
+                model=mtp_dir, engine=EngineConfig(speculation_k=2, max_speculation_k=4, max_batch_size=8, draft=path)
+            )
+        )
+    assert (
+        ServeConfig(engine=EngineConfig(kind="sglang", draft=path)).engine.draft == path
+    )  # SGLang's EAGLE3 (tests/with_sglang)
     out = CliRunner().invoke(main, ["serve", "--model", str(target_dir), "--draft", str(path), "--print-config"])
     assert out.exit_code == 0 and f"draft: {path}" in out.output, out.output
     out = CliRunner().invoke(

@@ -582,14 +582,15 @@ def test_fixed_shape_rounds_trace_whole_with_one_graph_per_key() -> None:
 
 
 def test_compile_is_validated_and_reaches_the_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from sidecar.engine.config import EngineConfig
+    from sidecar.serve_config import ServeConfig
     from sidecar.server import cli
-    from sidecar.server.serve_config import ServeConfig
     from trainer.cli import main
 
-    with pytest.raises(ValueError, match="compile must be auto, on or off, got 'fast'"):
-        ServeConfig(compile="fast")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="compile must be one of auto, on, off, got 'fast'"):
+        ServeConfig(engine=EngineConfig(compile="fast"))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="SGLang runs its own"):
-        ServeConfig(engine="sglang", compile="on")
+        ServeConfig(engine=EngineConfig(kind="sglang", compile="on"))
     with pytest.raises(ValueError, match="compile must be one of auto, on, off, got 'yes'"):
         TorchEngine(layer_model(), compile="yes")
     config = ModelConfig.tiny()
@@ -597,7 +598,10 @@ def test_compile_is_validated_and_reaches_the_engine(tmp_path: Path, monkeypatch
     kinds = {}
     for mode in ("auto", "on", "off"):
         engine = cli.load_engine(
-            "torch", tmp_path, device="cpu", speculation_k=2, max_speculation_k=4, max_batch_size=4, compile=mode
+            ServeConfig(
+                model=tmp_path,
+                engine=EngineConfig(speculation_k=2, max_speculation_k=4, max_batch_size=4, compile=mode),  # type: ignore[arg-type]
+            )
         )
         assert isinstance(engine, TorchEngine)
         kinds[mode] = type(engine._rounds)
@@ -605,8 +609,8 @@ def test_compile_is_validated_and_reaches_the_engine(tmp_path: Path, monkeypatch
 
     seen: dict[str, object] = {}
 
-    def load_engine(*args: object, **kwargs: object) -> None:
-        seen.update(kwargs)
+    def load_engine(cfg: ServeConfig) -> None:
+        seen["compile"] = cfg.engine.compile
         raise click.ClickException("stop before serving")
 
     monkeypatch.setattr(cli, "load_engine", load_engine)

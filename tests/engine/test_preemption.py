@@ -47,7 +47,7 @@ def small_pool(model: Qwen3WithMTP, model_name: str, default_k: int, batch: int,
         max_speculation_k=MAX_K,
         max_batch_size=batch,
         kv_block_size=block,
-        kv_cache_bytes=blocks * block * token_bytes(model_name),
+        kv_cache_gib=blocks * block * token_bytes(model_name) / 2**30,
     )
 
 
@@ -111,14 +111,14 @@ def test_a_round_preempts_only_the_rows_whose_blocks_it_needs() -> None:
     is enough: one row is preempted, not two (the count must include the blocks a preempted row
     gives back), and every sample still equals itself alone."""
     model = greedy_model()
-    per_block = TorchEngine(model, max_batch_size=1, max_speculation_k=0).drafter.token_bytes()
+    per_block = TorchEngine(model, speculation_k=0, max_speculation_k=0, max_batch_size=1).drafter.token_bytes()
     engine = TorchEngine(
         model,
         speculation_k=0,
         max_speculation_k=0,
         max_batch_size=3,
         kv_block_size=1,
-        kv_cache_bytes=(37 + RESERVED_BLOCKS) * per_block,
+        kv_cache_gib=(37 + RESERVED_BLOCKS) * per_block / 2**30,
     )
     plan = [
         Planned(

@@ -16,6 +16,7 @@ import dataclasses
 import pytest
 import torch
 
+from sidecar.engine.config import EngineConfig
 from sidecar.engine.torch_engine import TorchEngine
 from sidecar.errors import KVCacheCapacityError, OverloadedError
 from sidecar.model.checkpoint import model_state_dict
@@ -99,7 +100,7 @@ def test_a_memory_budget_caps_the_pools_blocks_and_the_rest_queue() -> None:
     )
     slots = 32 + 8 + 2  # max_context + max_speculation_k + 2
     budget = 3 * per_token * slots
-    engine = TorchEngine(model, max_context=32, max_batch_size=8, kv_cache_bytes=budget, kv_block_size=4)
+    engine = TorchEngine(model, max_context=32, max_batch_size=8, kv_cache_gib=budget / 2**30, kv_block_size=4)
     assert engine.max_batch_size == 8
     assert engine.kv_usage().blocks_total == budget // (4 * per_token) - 2  # less the zero and scratch blocks
     assert engine._cache.nbytes() + engine._mtp_caches[0].nbytes() <= budget
@@ -116,7 +117,7 @@ def test_a_memory_budget_caps_the_pools_blocks_and_the_rest_queue() -> None:
         (i, oracle_greedy(model, p, NEW)) for i, p in enumerate(PROMPTS * 2)
     )
     with pytest.raises(ValueError, match="holds no block"):
-        TorchEngine(model, max_context=32, kv_cache_bytes=per_token)
+        TorchEngine(model, max_context=32, kv_cache_gib=per_token / 2**30)
 
 
 def test_the_rope_lookup_equals_the_checked_forward() -> None:
@@ -133,28 +134,19 @@ def test_the_rope_lookup_equals_the_checked_forward() -> None:
 def test_serve_config_sizes_the_torch_engines_kv_cache(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from sidecar.config_io import from_mapping
     from sidecar.model.checkpoint import save_checkpoint
+    from sidecar.serve_config import ServeConfig
     from sidecar.server.cli import load_engine
-    from sidecar.server.serve_config import ServeConfig
 
     config = ModelConfig.tiny()
     save_checkpoint(tmp_path, config, model_state_dict(build_model(config, seed=38)))
-    cfg = from_mapping(ServeConfig, {"model": str(tmp_path), "max_context": 40, "kv_cache_gib": 0.001})
-    engine = load_engine(
-        "torch",
-        tmp_path,
-        device="cpu",
-        speculation_k=3,
-        max_speculation_k=8,
-        max_batch_size=64,
-        max_context=cfg.max_context,
-        kv_cache_gib=cfg.kv_cache_gib,
-    )
+    cfg = from_mapping(ServeConfig, {"model": str(tmp_path), "engine": {"max_context": 40, "kv_cache_gib": 0.001}})
+    engine = load_engine(cfg)
     assert isinstance(engine, TorchEngine) and engine.max_context == 40
     per_token = (config.num_hidden_layers + 1) * KVCache.slot_bytes(
         config.num_key_value_heads, config.head_dim, config.dtype
     )
     assert engine.kv_usage().blocks_total == int(0.001 * 2**30) // (per_token * 16) - 2
     with pytest.raises(ValueError, match="kv_cache_gib must be > 0"):
-        ServeConfig(kv_cache_gib=0)
+        ServeConfig(engine=EngineConfig(kv_cache_gib=0))
     with pytest.raises(ValueError, match="SGLang sizes its own"):
-        ServeConfig(engine="sglang", max_context=100)
+        ServeConfig(engine=EngineConfig(kind="sglang", max_context=100))

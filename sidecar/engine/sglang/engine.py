@@ -58,6 +58,7 @@ from typing import Any
 import torch
 
 from sidecar.engine.base import Engine
+from sidecar.engine.config import EngineConfig
 from sidecar.engine.sglang import names
 from sidecar.engine.sglang.backend import SGLangBackend, SGLangEngineError, import_sglang, sampling_params_dict
 from sidecar.engine.sglang.meta import sample_from_meta_info
@@ -261,6 +262,23 @@ class SGLangEngine(Engine):
         self._broken_why = ""
 
     # ---- construction ---------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, path: str | Path, config: EngineConfig, **options: Any) -> SGLangEngine:
+        """`create_engine`'s entry: `from_checkpoint` with the settings SGLang reads from `config`
+        (device, k, batch, an EAGLE-3 draft); `options` as there. SGLang fixes k at launch: no
+        automatic k (refused before anything starts)."""
+        if config.speculation_auto:
+            raise ValueError("the sglang engine has no automatic speculation mode; set a fixed k")
+        return cls.from_checkpoint(
+            path,
+            device=config.device,
+            speculation_k=config.speculation_k,
+            max_speculation_k=config.max_speculation_k,
+            max_batch_size=config.max_batch_size,
+            draft=config.draft,
+            **options,
+        )
+
     @classmethod
     def from_checkpoint(
         cls,
