@@ -337,13 +337,14 @@ class Policy:
             dist.barrier()
 
     def save_hf(self, path: str | Path) -> None:
-        """Write a serving checkpoint (config.json + model.safetensors, naming contract) from rank 0.
+        """Write a serving checkpoint (config.json + model.safetensors, naming contract: the trunk
+        and the MTP layers) from rank 0; an EAGLE-3 draft is not part of it (`save_draft`).
 
         Collective (all ranks gather); holds the full state dict on rank 0 while writing.
         """
         from sidecar.model.checkpoint import save_checkpoint
 
-        tensors = dict(self.export_named_tensors())
+        tensors = {n: t for n, t in self.export_named_tensors() if not n.startswith(PUSH_PREFIX)}
         if not dist.is_initialized() or dist.get_rank() == 0:
             save_checkpoint(path, self.model_config, tensors)
         if dist.is_initialized():
