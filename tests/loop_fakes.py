@@ -120,6 +120,7 @@ class FakeFleet:
 @dataclass
 class RecordingPolicy:
     batches: list[TrainBatch] = field(default_factory=list)
+    draft: None = None
 
     def train_updates(self, batch: TrainBatch, **kw: Any) -> dict[str, float]:
         self.batches.append(batch)
@@ -132,6 +133,9 @@ class RecordingPolicy:
         return []
 
     def save(self, path: Path) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+
+    def save_hf(self, path: Path) -> None:  # the run's export at its end
         Path(path).mkdir(parents=True, exist_ok=True)
 
 

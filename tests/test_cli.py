@@ -15,7 +15,7 @@ def test_help_lists_the_commands() -> None:
 
 def test_rl_commands_are_registered() -> None:
     result = CliRunner().invoke(main, ["--help"])
-    for command in ("train", "draft-init", "warmup", "demo", "serve"):
+    for command in ("train", "draft-init", "warmup", "export", "demo", "serve"):
         assert command in result.output
 
 

@@ -27,13 +27,14 @@ def main() -> None:
 from sidecar.losslessness.cli import verify  # noqa: E402
 from sidecar.server.cli import serve  # noqa: E402  (subcommands register on main)
 from trainer.planning.cli import plan  # noqa: E402
-from trainer.rl_cli import demo, draft_init_cmd, train, warmup  # noqa: E402
+from trainer.rl_cli import demo, draft_init_cmd, export_cmd, train, warmup  # noqa: E402
 
 main.add_command(serve)
 main.add_command(verify)
 main.add_command(train)
 main.add_command(warmup)
 main.add_command(draft_init_cmd)
+main.add_command(export_cmd)
 main.add_command(demo)
 main.add_command(plan)
 

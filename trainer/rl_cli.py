@@ -1,4 +1,4 @@
-"""`specrl train`, `specrl warmup`, `specrl draft-init` and `specrl demo` (click).
+"""`specrl train`, `specrl warmup`, `specrl draft-init`, `specrl export` and `specrl demo` (click).
 
 The commands only select and override: a run is an `RLConfig` (`trainer.rl_config`) read from
 YAML/TOML with `--set section.field=value` overrides on top; `--sidecar`, `--local-sidecars`,
@@ -98,6 +98,7 @@ def train(
     if print_config:
         click.echo(yaml.safe_dump(to_mapping(cfg), sort_keys=False), nl=False)
         return
+    from trainer.export import EXPORT_DIR
     from trainer.rl_loop import is_leader
     from trainer.rl_loop import train as run_training
 
@@ -108,6 +109,7 @@ def train(
         click.echo(
             f"done: {len(history)} steps, reward {last['reward/train_mean']:.3f}, "
             f"tau {last['spec/acceptance_length']:.2f}; run directory {cfg.run_dir}"
+            + (f"; exported to {cfg.run_dir / EXPORT_DIR}" if cfg.export else "")
         )
 
 
@@ -260,6 +262,23 @@ def draft_init_cmd(
     with user_errors(), _bar(steps, "draft-init") as progress:
         losses = draft_init(model, out, task, tok, cfg, progress)
     click.echo(f"draft-init: draft loss {losses[0]:.3f} -> {losses[-1]:.3f}; wrote {out}")
+
+
+@click.command("export")
+@click.argument("run_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--step", type=click.IntRange(1), help="A kept checkpoint's step (default: the run's last).")
+@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path), help="A new directory.")
+def export_cmd(run_dir: Path, step: int | None, out: Path) -> None:
+    """Write a run's policy and draft as a Hugging Face checkpoint (transformers, specrl serve, SGLang)."""
+    from trainer.export import EAGLE3_DIR, export_run
+    from trainer.ranks import is_leader, join_torchrun_group
+
+    join_torchrun_group()  # a tensor-parallel run exports under torchrun with as many processes
+    with user_errors():
+        done = export_run(run_dir, out, step, progress=True)
+    if is_leader():
+        draft = f" --draft {out / EAGLE3_DIR}" if (out / EAGLE3_DIR).is_dir() else ""  # the EAGLE-3 draft
+        click.echo(f"export: step {done} of {run_dir} -> {out} (serve it: specrl serve --model {out}{draft})")
 
 
 @click.command()

@@ -420,6 +420,10 @@ class RLConfig:
     """Held-out problems per evaluation (greedy, one sample each)."""
     checkpoint_every: int = 0
     """Save a resumable checkpoint every this many steps (0: only at the end)."""
+    export: bool = True
+    """At the end of the run, write the last step's policy and draft as a Hugging Face checkpoint
+    (config.json, model.safetensors, the model's tokenizer files; an EAGLE-3 draft in `eagle3/`)
+    to `run_dir`/export, replacing an earlier one; `specrl export` writes any kept step."""
     seed: int = 0
     """Seed of sampling, initialisation and problem draws."""
     run_dir: Path = Path("runs/rl")

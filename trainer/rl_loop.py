@@ -44,6 +44,7 @@ from sidecar.model.model import ModelConfig
 from sidecar.serve_config import ServeConfig
 from sidecar.types import GenerationRequest, Sample, SamplingParams
 from trainer.dynamic_sampling import Group, Selection, group_samples, select_groups, shaped_rewards
+from trainer.export import EXPORT_DIR, export_policy
 from trainer.local_sidecars import LocalSidecars
 from trainer.losses import OverlongConfig, mismatch_metrics, sample_advantages
 from trainer.policy import Policy, TrainBatch
@@ -674,6 +675,10 @@ def _train(cfg: RLConfig, resume: bool, progress: bool, watchdog: RankWatchdog |
                 bar.set_postfix(
                     reward=f"{metrics['reward/train_mean']:.2f}", tau=f"{metrics['spec/acceptance_length']:.2f}"
                 )
+        if cfg.export:  # the sidecars are stopped; every rank takes part (tensor-parallel gathers)
+            out = cfg.run_dir / EXPORT_DIR
+            with phase(f"exporting the policy of step {cfg.steps} to {out}", progress):
+                export_policy(policy, cfg.model, out)
     finally:
         if run_dir is not None:
             run_dir.close()

@@ -29,27 +29,11 @@ from sidecar.model.model import ModelConfig, Qwen3WithMTP, build_model
 from sidecar.serve_config import ServeConfig
 from sidecar.server.cli import load_engine
 from sidecar.types import GenerationRequest, SamplingParams
+from tests.eagle3_layout import LAYOUT
 from tests.sidecar_fixtures import start_sidecar
 from trainer.cli import main
 
 REDUCED = sorted({*range(0, 64, 2), 1, 3, 5})
-LAYOUT = {  # name: (shape with h = 64, heads 4 x 16, intermediate 128, vocab 64, draft vocab 35), dtype
-    "fc.weight": ((64, 192), torch.float32),
-    "midlayer.input_layernorm.weight": ((64,), torch.float32),
-    "midlayer.hidden_norm.weight": ((64,), torch.float32),
-    "midlayer.self_attn.q_proj.weight": ((64, 128), torch.float32),
-    "midlayer.self_attn.k_proj.weight": ((64, 128), torch.float32),
-    "midlayer.self_attn.v_proj.weight": ((64, 128), torch.float32),
-    "midlayer.self_attn.o_proj.weight": ((64, 64), torch.float32),
-    "midlayer.post_attention_layernorm.weight": ((64,), torch.float32),
-    "midlayer.mlp.gate_proj.weight": ((128, 64), torch.float32),
-    "midlayer.mlp.up_proj.weight": ((128, 64), torch.float32),
-    "midlayer.mlp.down_proj.weight": ((64, 128), torch.float32),
-    "norm.weight": ((64,), torch.float32),
-    "lm_head.weight": ((35, 64), torch.float32),
-    "d2t": ((35,), torch.int64),
-    "t2d": ((64,), torch.bool),
-}
 
 
 @pytest.fixture(scope="module")
