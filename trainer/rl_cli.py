@@ -239,7 +239,8 @@ def draft_init_cmd(
     kind: str,
     draft_vocab: int,
 ) -> None:
-    """Initialise the draft in-domain: fit it on the policy's own completions (trunk frozen)."""
+    """Initialise the draft in-domain: fit it on the policy's own completions (trunk frozen); a
+    checkpoint without MTP layers gets one grafted first."""
     from trainer.warmup import draft_init
 
     try:

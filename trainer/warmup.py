@@ -5,11 +5,12 @@ filtered), so a small model is first taught the task's reference solutions (`sup
 maximum likelihood, written as the policy-gradient loss with advantage 1 on on-policy log-probs,
 whose gradient is exactly ∇ log p). The draft head is left alone there.
 
-`draft_init` then fits the draft — the MTP layers, or a separate EAGLE-3 draft written as its own
-directory — on the policy's *own* completions of in-domain prompts, with the detached-state
-objective the RL step uses (`Policy.train_draft_step`: forward KL to the target's distribution;
-the trunk does not move). This is the reference study's main lever: an
-in-domain draft gave 1.77× where a generic one gave 1.51× (arXiv 2604.26779, §5).
+`draft_init` then fits the draft — the MTP layers (one grafted onto a model that has none,
+`trainer.mtp_graft`), or a separate EAGLE-3 draft written as its own directory — on the policy's
+*own* completions of in-domain prompts, with the detached-state objective the RL step uses
+(`Policy.train_draft_step`: forward KL to the target's distribution; the trunk does not move).
+This is the reference study's main lever: an in-domain draft gave 1.77× where a generic one gave
+1.51× (arXiv 2604.26779, §5).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from sidecar.model.model import ModelConfig, build_model
 from sidecar.types import GenerationRequest, SamplingParams
 from trainer.draft_objective import DraftConfig, Eagle3Head
 from trainer.losses import GRPOConfig
+from trainer.mtp_graft import graft_mtp_layer
 from trainer.policy import Policy, TrainBatch
 from trainer.tasks import Problem, Task, prompt_ids
 from trainer.tokenizer import Tokenizer, copy_tokenizer_files
@@ -77,7 +79,8 @@ class DraftInitConfig:
     per MTP layer."""
     seed: int = 0
     kind: str = "mtp"
-    """"mtp": train the checkpoint's MTP layers, write the whole checkpoint to `out`; "eagle3": a
+    """"mtp": train the checkpoint's MTP layers (one is grafted onto a checkpoint without them,
+    `trainer.mtp_graft`), write the whole checkpoint to `out`; "eagle3": a
     fresh EAGLE-3 draft for this target (`sidecar.model.eagle3`), written to `out` as a draft
     directory (`specrl serve --model CHECKPOINT --draft out`); the checkpoint is not rewritten."""
     draft_vocab: int = 0
@@ -201,14 +204,12 @@ def draft_init(
     cfg: DraftInitConfig,
     progress: Progress | None = None,
 ) -> list[float]:
-    """Fit the draft on the policy's own in-domain completions; the trunk is unchanged.
-    Writes `out` and returns the draft loss per step."""
+    """Fit the draft on the policy's own in-domain completions; the trunk is unchanged (an MTP
+    layer is grafted first onto a checkpoint without one). Writes `out` and returns the draft loss
+    per step."""
     model_config, tensors = load_checkpoint(checkpoint)
-    if cfg.kind == "mtp" and model_config.num_nextn_predict_layers == 0:
-        raise WarmupError(
-            f"{checkpoint} has no MTP layers to fit (num_nextn_predict_layers is 0 in its config.json): fit a "
-            "separate EAGLE-3 draft instead (draft-init --draft eagle3, then specrl serve --draft OUT)"
-        )
+    if cfg.kind == "mtp" and model_config.num_nextn_predict_layers == 0:  # a plain model: graft one MTP layer
+        model_config, tensors = graft_mtp_layer(model_config, tensors)
     vocab = cfg.draft_vocab or model_config.vocab_size
     if vocab > model_config.vocab_size:
         raise WarmupError(f"draft_vocab {vocab} exceeds the target's vocabulary of {model_config.vocab_size}")
