@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sidecar.model.checkpoint import model_state_dict, save_checkpoint
+from sidecar.model.checkpoint import load_checkpoint, model_state_dict, save_checkpoint
 from sidecar.model.model import ModelConfig, build_model
 from tests.spawn_workers import join_group, leave_group, python_call, run_commands, spawn
 from trainer import platform
@@ -79,6 +79,16 @@ def test_two_tensor_parallel_ranks_run_the_loop_with_one_writer(tmp_path: Path) 
     assert [r["step"] for r in rows] == [0, 1, 2]  # one writer
     assert "reward/eval_stderr" in rows[-1]
     assert {"rank00000.pt", "rank00001.pt"} <= {p.name for p in (run / "checkpoints" / "step_2").iterdir()}
+
+    # the run's export at its end gathered both shards; `specrl export` under torchrun restores the
+    # step from its two shard files and writes the same tensors, bit for bit
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "trainer.cli"]
+    export = [*torchrun, "export", str(run), "--step", "2", "--out", str(tmp_path / "exported")]
+    ((code, output),) = run_commands([export], timeout_s=200, env={"OMP_NUM_THREADS": "1"})
+    assert code == 0 and output.count("export: step 2 of") == 1, output[-3000:]  # rank 0 reports
+    _, at_end = load_checkpoint(run / "export")  # full (gathered) shapes, as config.json says
+    _, exported = load_checkpoint(tmp_path / "exported")
+    assert at_end.keys() == exported.keys() and all(torch.equal(at_end[n], exported[n]) for n in at_end)
 
 
 def _node_command(node: int, port: int, ckpt: Path, run: Path) -> list[str]:
