@@ -214,3 +214,43 @@ def test_an_eagle3_run_exports_its_trained_draft_in_the_sglang_vllm_layout(eagle
         for k in (0, 3):
             engine = TorchEngine.from_checkpoint(out, speculation_k=k, draft=draft_dir)
             assert _tokens(engine.generate(_greedy(k))) == eagle3_run.served[k] == eagle3_run.served[0], k
+
+
+@pytest.mark.slow
+def test_a_users_model_exports_with_its_own_tokenizer_and_chat_template(tmp_path: Path) -> None:
+    """A transformers checkpoint with its own BPE tokenizer and ChatML template, trained on a parquet
+    GSM8K-style file (`tests/test_user_data.py`'s fixtures): the export is that tokenizer, unchanged,
+    and the trained weights."""
+    import transformers
+
+    from tests.test_user_data import _write, bpe_model, gsm8k_rows
+    from trainer.rl_cli import resolve_config
+
+    model = bpe_model(tmp_path / "model")
+    data = _write(gsm8k_rows(), tmp_path / "gsm8k.parquet")
+    sets = ["task.kind=dataset", f"task.path={data}", "task.fields.prompt=question", "task.rewards=[math]"]
+    sets += ["rollout.speculation_k=0", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2"]
+    sets += ["rollout.max_new_tokens=8", "algorithm.filter_equal_groups=false", "optimizer.lr=1e-3"]
+    cfg = resolve_config(None, [f"model={model}", *sets, "sidecars.local=1", "steps=2", "eval_every=0"])
+    cfg.run_dir = tmp_path / "run"
+    train(cfg, progress=False)
+    export = tmp_path / "run" / "export"
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (export / name).read_bytes() == (model / name).read_bytes(), name
+    messages = [{"role": "user", "content": "Tom has 2 boxes of 3 apples. How many apples?"}]
+
+    def rendered(directory: Path) -> list[int]:  # the prompt ids transformers renders from that directory
+        tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    assert rendered(export) == rendered(model)
+    tokens = torch.tensor([rendered(export)])
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = hf(tokens).logits
+    ours = gpt.forward(_restored(cfg, 2).model, tokens)[0]
+    assert (theirs - ours).abs().max() < 1e-4, float((theirs - ours).abs().max())
+    _, start = load_checkpoint(model)
+    _, exported = load_checkpoint(export)
+    assert any(not torch.equal(start[n], exported[n]) for n in start)  # the trained weights, not the start's
