@@ -171,6 +171,14 @@ def test_a_missing_run_or_step_is_one_line_that_says_what_exists(mtp_run: Traine
         assert result.output.startswith("Error: ExportError: ") and message in result.output, result.output
         assert len(result.output.strip().splitlines()) == 1, result.output
     assert not (tmp_path / "x").exists()
+    # a tensor-parallel run's shards are restored by as many processes: the command says how
+    tp = tmp_path / "tp-run"
+    (tp / "checkpoints" / "step_1").mkdir(parents=True)
+    config = (run / "config.yaml").read_text()
+    (tp / "config.yaml").write_text(config.replace("tensor_parallel: 1", "tensor_parallel: 2", 1))
+    result = CliRunner().invoke(main, ["export", str(tp), "--out", str(tmp_path / "x")])
+    assert result.exit_code == 1 and "train.tensor_parallel=2" in result.output, result.output
+    assert f"torchrun --nproc-per-node 2 -m trainer.cli export {tp} --out" in result.output
 
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from sidecar.errors import SpecrlError
 from trainer.draft_objective import Eagle3Head
 from trainer.policy import Policy
+from trainer.ranks import is_leader
 from trainer.tokenizer import copy_tokenizer_files
 
 EXPORT_DIR = "export"
@@ -43,10 +44,6 @@ class ExportError(SpecrlError, ValueError):
     """A run directory or step that cannot be exported; the message says what exists."""
 
 
-def _leader() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
 def export_policy(policy: Policy, model: Path, out: Path) -> Path:
     """Write `policy` (its trunk and draft as they are now) to `out` as described in the module
     docstring, with the tokenizer files of `model` (the checkpoint the run started from).
@@ -56,12 +53,12 @@ def export_policy(policy: Policy, model: Path, out: Path) -> Path:
     or the whole new one, never a mixture of both."""
     out = Path(out)
     staging = out.with_name(out.name + ".partial")
-    if _leader() and staging.exists():
+    if is_leader() and staging.exists():
         shutil.rmtree(staging)  # what an interrupted export left
     policy.save_hf(staging)
     if isinstance(policy.draft, Eagle3Head):
         policy.save_draft(staging / EAGLE3_DIR)
-    if _leader():
+    if is_leader():
         copy_tokenizer_files(model, staging)
         if out.exists():
             shutil.rmtree(out)
@@ -114,11 +111,16 @@ def export_run(run_dir: Path, out: Path, step: int | None = None, *, progress: b
                 "as `specrl train` read them): run export from where the run was started"
             )
     # one process per tensor-parallel shard, as the run had (torchrun for > 1); replicas: any number
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    train = dataclasses.replace(cfg.train, data_parallel=max(1, world // cfg.train.tensor_parallel))
-    with phase(f"restoring the policy of step {step} (Megatron)", progress and _leader()):
+    world, tp = (dist.get_world_size() if dist.is_initialized() else 1), cfg.train.tensor_parallel
+    if world % tp:
+        raise ExportError(
+            f"{run_dir} was trained with train.tensor_parallel={tp}: export it with one process per shard, "
+            f"torchrun --nproc-per-node {tp} -m trainer.cli export {run_dir} --out {out}"
+        )
+    train = dataclasses.replace(cfg.train, data_parallel=world // tp)
+    with phase(f"restoring the policy of step {step} (Megatron)", progress and is_leader()):
         policy = build_policy(dataclasses.replace(cfg, train=train))
         policy.load(run_dir / "checkpoints" / f"step_{step}")
-    with phase(f"writing {out}", progress and _leader()):
+    with phase(f"writing {out}", progress and is_leader()):
         export_policy(policy, cfg.model, out)
     return step
