@@ -10,6 +10,7 @@ after the same fit: tools/graft_starts.py (docs/checkpoints.md's table).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -117,5 +118,23 @@ def test_a_grafted_fitted_draft_accepts_more_than_two_tokens_a_step_on_the_arith
     losses = draft_init(tmp_path / "warm", tmp_path / "policy", TASK, TOK, DraftInitConfig(prompts=256))
     assert losses[-1] < 0.2 * losses[0], losses
     kw = {"k": 3, "temperature": 1.0, "max_new_tokens": 24, "stop": TOK.eos_id}
+    tau = acceptance_length(tmp_path / "policy", _prompts(32), **kw)  # type: ignore[arg-type]
+    assert tau > 2.0, tau
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_on_the_demo_model_a_grafted_fitted_draft_accepts_more_than_two_tokens_a_step(tmp_path: Path) -> None:
+    """The demo's model (24 layers, width 128) without its MTP layer, warmed up and draft-initialised
+    as the demo does it (minutes on a 2-core CPU: the first row of docs/checkpoints.md's table)."""
+    from trainer.demo import DemoConfig, demo_model_config
+
+    torch.set_num_threads(1)
+    demo = DemoConfig()
+    config = dataclasses.replace(demo_model_config(demo.layers), num_nextn_predict_layers=0)
+    make_model(tmp_path / "init", config, seed=0)
+    supervised_warmup(tmp_path / "init", tmp_path / "warm", TASK, TOK, demo.warmup)
+    draft_init(tmp_path / "warm", tmp_path / "policy", TASK, TOK, demo.draft_init)
+    kw = {"k": 3, "temperature": 1.0, "max_new_tokens": 40, "stop": TOK.eos_id}
     tau = acceptance_length(tmp_path / "policy", _prompts(32), **kw)  # type: ignore[arg-type]
     assert tau > 2.0, tau
