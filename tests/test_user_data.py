@@ -334,3 +334,21 @@ def test_the_first_prompt_is_shown_as_the_model_sees_it(tmp_path: Path, capsys: 
     shown = capsys.readouterr().err
     assert "dropped 1 row(s): {'empty prompt': 1}" in shown
     assert "<|im_start|>user\n" in shown and shown.rstrip().endswith("<|im_start|>assistant")
+
+
+@pytest.mark.slow
+def test_warmup_on_a_users_parquet_file_through_its_field_mapping(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from trainer.cli import main
+
+    model = bpe_model(tmp_path / "model")
+    data = _write(gsm8k_rows(), tmp_path / "gsm8k.parquet")
+    args = ["warmup", "--model", str(model), "--out", str(tmp_path / "warm"), "--dataset", str(data)]
+    result = CliRunner().invoke(main, [*args, "--steps", "2", "--batch-size", "4"])
+    assert result.exit_code != 0 and "no column 'prompt'" in result.output and "task.fields" in result.output
+    result = CliRunner().invoke(main, [*args, "--fields", "prompt=question", "--steps", "2", "--batch-size", "4"])
+    assert result.exit_code == 0, result.output  # GSM8K's worked answers are the reference solutions
+    assert (tmp_path / "warm" / "tokenizer.json").is_file()
+    result = CliRunner().invoke(main, [*args, "--fields", "question=prompt"])
+    assert result.exit_code != 0 and "keys are ['prompt', 'answer', 'solution', 'messages']" in result.output

@@ -7,6 +7,7 @@ YAML/TOML with `--set section.field=value` overrides on top; `--sidecar`, `--loc
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import tempfile
 from collections.abc import Callable, Iterator
@@ -19,7 +20,7 @@ from tqdm import tqdm
 
 from sidecar.config_io import ConfigError, from_mapping, load_file, merge_overrides, to_mapping
 from trainer.rl_config import RLConfig, TaskConfig
-from trainer.tasks import Task
+from trainer.tasks import DatasetFields, Task
 from trainer.tokenizer import Tokenizer
 from trainer.warmup import DraftInitConfig, Progress, WarmupConfig
 
@@ -121,18 +122,54 @@ def _task_options(f: Callable[..., None]) -> Callable[..., None]:
     )(f)
     f = click.option("--regime", type=click.Choice(["zero", "think"]), default="zero", show_default=True)(f)
     f = click.option("--digits", type=click.IntRange(1, 6), default=2, show_default=True)(f)
-    f = click.option("--dataset", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="JSONL task")(f)
+    f = click.option(
+        "--dataset",
+        type=click.Path(exists=True, path_type=Path),
+        help="A dataset (JSONL, parquet, JSON, CSV, arrow, a save_to_disk directory) instead of arithmetic",
+    )(f)
+    f = click.option(
+        "--fields",
+        default="",
+        metavar="KEY=COLUMN,...",
+        help="Its columns (task.fields), e.g. prompt=question or messages=conversation",
+    )(f)
+    f = click.option(
+        "--system-prompt", default="", help="A system turn before every plain prompt (task.system_prompt)"
+    )(f)
     return f
 
 
-def _task(regime: str, digits: int, dataset: Path | None, *, needs_answers: bool = True) -> Task:
+def _task(
+    regime: str,
+    digits: int,
+    dataset: Path | None,
+    fields: str = "",
+    system_prompt: str = "",
+    *,
+    needs_answers: bool = True,
+) -> Task:
     if dataset is not None:
-        return TaskConfig(kind="dataset", path=str(dataset)).build(needs_answers=needs_answers)
+        mapping = dict(part.split("=", 1) for part in fields.split(",") if part.strip())
+        try:
+            columns = DatasetFields(**{k.strip(): v.strip() for k, v in mapping.items()})
+        except TypeError:
+            raise ValueError(
+                f"--fields {fields!r}: keys are {[f.name for f in dataclasses.fields(DatasetFields)]}"
+            ) from None
+        task = TaskConfig(kind="dataset", path=str(dataset), fields=columns, system_prompt=system_prompt)
+        return task.build(needs_answers=needs_answers)
     return TaskConfig(kind="arithmetic", regime="think" if regime == "think" else "zero", digits=digits).build()
 
 
 def _checked_inputs(
-    model: Path, tokenizer: str | None, regime: str, digits: int, dataset: Path | None, max_new_tokens: int
+    model: Path,
+    tokenizer: str | None,
+    regime: str,
+    digits: int,
+    dataset: Path | None,
+    max_new_tokens: int,
+    fields: str = "",
+    system_prompt: str = "",
 ) -> tuple[Task, Tokenizer]:
     """The task and the model's tokenizer, checked as `specrl train`'s preflight checks them (config.json,
     tokenizer against the model, every dataset row; answers and rewards are not needed to warm up or to
@@ -142,7 +179,7 @@ def _checked_inputs(
     model_config = read_model_config(model)
     tok = checked_tokenizer(tokenizer, model, model_config, key="--tokenizer")
     try:
-        task = _task(regime, digits, dataset, needs_answers=False)
+        task = _task(regime, digits, dataset, fields, system_prompt, needs_answers=False)
     except (OSError, ValueError) as e:
         raise PreflightError(f"--dataset: {e}") from None
     check_problems(task, tok, model_config, max_new_tokens, seed=0, reward_key="")
@@ -169,6 +206,8 @@ def warmup(
     regime: str,
     digits: int,
     dataset: Path | None,
+    fields: str,
+    system_prompt: str,
     steps: int,
     batch_size: int,
     lr: float,
@@ -179,7 +218,7 @@ def warmup(
 
     cfg = WarmupConfig(steps=steps, batch_size=batch_size, lr=lr, seed=seed)
     with user_errors():
-        task, tok = _checked_inputs(model, tokenizer, regime, digits, dataset, max_new_tokens=0)
+        task, tok = _checked_inputs(model, tokenizer, regime, digits, dataset, 0, fields, system_prompt)
     with user_errors(), _bar(steps, "warm-up") as progress:
         nll = supervised_warmup(model, out, task, tok, cfg, progress)
     click.echo(f"warm-up: token NLL {nll[0]:.3f} -> {nll[-1]:.3f}; wrote {out}")
@@ -228,6 +267,8 @@ def draft_init_cmd(
     regime: str,
     digits: int,
     dataset: Path | None,
+    fields: str,
+    system_prompt: str,
     prompts: int,
     temperature: float,
     max_new_tokens: int,
@@ -259,7 +300,7 @@ def draft_init_cmd(
     except ValueError as e:
         raise click.UsageError(str(e)) from e
     with user_errors():
-        task, tok = _checked_inputs(model, tokenizer, regime, digits, dataset, max_new_tokens)
+        task, tok = _checked_inputs(model, tokenizer, regime, digits, dataset, max_new_tokens, fields, system_prompt)
     with user_errors(), _bar(steps, "draft-init") as progress:
         losses = draft_init(model, out, task, tok, cfg, progress)
     click.echo(f"draft-init: draft loss {losses[0]:.3f} -> {losses[-1]:.3f}; wrote {out}")

@@ -348,12 +348,18 @@ class DatasetTask:
             if not isinstance(prompt, str) or not prompt.strip():
                 raise ValueError(f"empty prompt: {prompt!r} is empty or not a string")
         answer = ""
-        if self.needs_answers and f.answer:
+        if f.answer and (self.needs_answers or f.answer in row):  # warm-up reads GSM8K's worked answers
             value = self._column(row, f.answer)
             if isinstance(value, bool) or not isinstance(value, str | int | float):
-                raise ValueError(f"bad answer: {value!r} is not a string or a number")
+                if self.needs_answers:
+                    raise ValueError(f"bad answer: {value!r} is not a string or a number")
+                value = ""
             answer = str(value)
-            if any(r.fn is exact_answer_reward for r in self.rewards) and not _INTEGER.fullmatch(answer.strip()):
+            if (
+                self.needs_answers
+                and any(r.fn is exact_answer_reward for r in self.rewards)
+                and not _INTEGER.fullmatch(answer.strip())
+            ):
                 raise ValueError(
                     f"bad answer: {answer!r} is not an integer, which the exact reward compares with the '#<int>' "
                     "a completion ends with: write it as one (1000, not 1,000), or use task.rewards=[math] (or "

@@ -146,8 +146,9 @@ def supervised_warmup(
     padding are masked out). Returns the mean token negative log-likelihood per step."""
     if not task.sample(random.Random(cfg.seed), "train").solution:
         raise WarmupError(
-            f"task {task.name} has no reference solutions to warm up on (a dataset's rows have no solution "
-            "field); warm up on the built-in arithmetic task, or skip warm-up for a model that already earns reward"
+            f"task {task.name} has no reference solutions to warm up on: map a dataset's solution column "
+            "(--fields solution=COLUMN, or messages=COLUMN for conversations ending in the assistant's turn), warm up "
+            "on the built-in arithmetic task, or skip warm-up for a model that already earns reward"
         )
     policy = Policy.from_checkpoint(
         checkpoint,
