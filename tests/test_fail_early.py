@@ -545,3 +545,20 @@ def test_retired_task_keys_name_their_new_spelling() -> None:
         resolve_config(None, ["model=x", "sidecars.local=1", "task.reward_fn=my_rewards:score"])
     with pytest.raises(click.ClickException, match="dataset"):
         resolve_config(None, ["model=x", "sidecars.local=1", "task.kind=jsonl", "task.path=x.jsonl"])
+
+
+def test_over_long_prompts_are_dropped_and_counted_when_filtering_is_asked_for(
+    tmp_path: Path, jsonl_run: tuple[Path, Path]
+) -> None:
+    from trainer.preflight import PreflightError
+
+    ckpt, _ = jsonl_run
+    rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(30)] + [{"prompt": "9" * 300, "answer": "9"}]
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(PreflightError, match=f"{data}:31"):
+        _preflight(ckpt, data)
+    cfg = resolve_config(None, [f"model={ckpt}", "sidecars.local=1", "task.kind=dataset", f"task.path={data}"])
+    prepared = _preflight(ckpt, data, task=dataclasses.replace(cfg.task, filter_rows=True))
+    assert isinstance(prepared.task, DatasetTask)
+    assert len(prepared.task.problems) == 30 and prepared.task.dropped == {"over-long prompt": 1}

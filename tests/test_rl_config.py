@@ -60,7 +60,9 @@ def test_the_readme_config_example_is_a_valid_run_config() -> None:
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     example = readme.split("```yaml\n", 1)[1].split("```", 1)[0]
     config = from_mapping(RLConfig, yaml_load(example))  # as `specrl train --config` reads it
-    assert config.sidecars.addresses == ["10.0.0.5:50051", "10.0.0.6:50051"] and config.steps == 100
+    assert config.task.kind == "dataset" and config.task.fields.prompt == "question" and config.steps == 100
+    assert config.task.rewards == ("math", "format") and config.task.reward_weights == (1.0, 0.1)
+    assert config.task.system_prompt == "Put the answer in \\boxed{}."  # YAML's escape, as a user writes it
 
 
 def test_weight_sync_keys_set_up_the_data_planes(tmp_path: Path) -> None:

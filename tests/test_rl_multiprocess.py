@@ -127,7 +127,7 @@ def test_two_nodes_of_two_ranks_train_data_x_tensor_parallel_end_to_end(tmp_path
     assert all(r["mismatch/logprob_abs_max"] < 1e-4 for r in rows), [r["mismatch/logprob_abs_max"] for r in rows]
     # metrics are reduced over the replicas: the loss counted every response token of the batch
     assert all(r["train/tokens"] == pytest.approx(4 * r["rollout/response_len"]) for r in rows)
-    assert [p.name for p in (run / "logs").iterdir()] == ["sidecar0.1.log"]  # one sidecar, by rank 0
+    assert [p.name for p in (run / "logs").glob("*.log")] == ["sidecar0.1.log"]  # one sidecar, by rank 0
     # replica 0 writes one file per tensor-parallel shard
     assert sorted(p.name for p in (run / "checkpoints" / "step_2").glob("*.pt")) == ["rank00000.pt", "rank00001.pt"]
 
