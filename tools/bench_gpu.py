@@ -263,11 +263,11 @@ def engine_part(args: argparse.Namespace, shape: str, device: torch.device, out:
         if part.over(f"batch {batch} and beyond"):
             break
         for arm, engine in engines.items():  # warm up (and capture) this batch size's shapes
-            captured, t = engine._rounds.captured, time.monotonic()
+            captured, t = engine.runner.rounds.captured, time.monotonic()
             for k in args.ks:  # a whole long generation: every shape (and kernel build) of the timed runs
                 run(arm, prompts, k, args.new_tokens)
             out.log({"part": part.name, "batch": batch, "arm": list(arm), "warmup_s": round(time.monotonic() - t, 3),
-                     "graphs_captured": engine._rounds.captured - captured})  # fmt: skip
+                     "graphs_captured": engine.runner.rounds.captured - captured})  # fmt: skip
         samples: dict[tuple[tuple[str, str, int], int], list[float]] = {(a, k): [] for a in engines for k in args.ks}
         prefills: dict[tuple[str, str, int], list[float]] = {a: [] for a in engines}
         accepted: dict[tuple[tuple[str, str, int], int], float] = {}
