@@ -17,7 +17,7 @@ import click
 import yaml
 from tqdm import tqdm
 
-from sidecar.config_io import ConfigError, from_mapping, load_file, merge_overrides, to_mapping
+from sidecar.config_io import ConfigError, from_mapping, load_file, merge_overrides, retired_option, to_mapping
 from trainer.rl_config import RLConfig, TaskConfig
 from trainer.tasks import Task
 from trainer.warmup import DraftInitConfig, Progress, WarmupConfig
@@ -180,7 +180,7 @@ def warmup(
 )
 @click.option("--seed", type=int, default=_DRAFT_INIT.seed, show_default=True)
 @click.option(
-    "--draft",
+    "--draft-kind",
     "kind",
     type=click.Choice(["mtp", "eagle3"]),
     default=_DRAFT_INIT.kind,
@@ -189,12 +189,14 @@ def warmup(
     "EAGLE-3 draft, OUT is its directory (specrl serve --model MODEL --draft OUT; SGLang/vLLM layout).",
 )
 @click.option(
-    "--draft-vocab",
+    "--draft-vocab-size",
     type=click.IntRange(0),
-    default=_DRAFT_INIT.draft_vocab,
+    default=_DRAFT_INIT.draft_vocab_size,
     show_default=True,
     help="eagle3: keep the draft's output to the N ids most frequent in the completions (0: all).",
 )
+@retired_option("--draft", "--draft-kind")
+@retired_option("--draft-vocab", "--draft-vocab-size")  # glossary: refused here
 def draft_init_cmd(
     model: Path,
     out: Path,
@@ -211,7 +213,7 @@ def draft_init_cmd(
     chain_depth: int,
     seed: int,
     kind: str,
-    draft_vocab: int,
+    draft_vocab_size: int,
 ) -> None:
     """Initialise the draft in-domain: fit it on the policy's own completions (trunk frozen)."""
     from trainer.tokenizer import load_tokenizer
@@ -228,7 +230,7 @@ def draft_init_cmd(
             chain_depth=chain_depth,
             seed=seed,
             kind=kind,
-            draft_vocab=draft_vocab,
+            draft_vocab_size=draft_vocab_size,
         )
     except ValueError as e:
         raise click.UsageError(str(e)) from e

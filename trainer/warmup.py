@@ -75,16 +75,16 @@ class DraftInitConfig:
     """"mtp": train the checkpoint's MTP layers, write the whole checkpoint to `out`; "eagle3": a
     fresh EAGLE-3 draft for this target (`sidecar.model.eagle3`), written to `out` as a draft
     directory (`specrl serve --model CHECKPOINT --draft out`); the checkpoint is not rewritten."""
-    draft_vocab: int = 0
-    """EAGLE-3 only: keep the draft's output layer to the `draft_vocab` target ids most frequent in
+    draft_vocab_size: int = 0
+    """EAGLE-3 only: keep the draft's output layer to the `draft_vocab_size` target ids most frequent in
     the completions (0: the whole vocabulary). Exact either way: ids outside it get q = 0."""
 
     def __post_init__(self) -> None:
         if self.kind not in ("mtp", "eagle3"):
             raise ValueError(f"draft_init.kind must be 'mtp' or 'eagle3', got {self.kind!r}")
-        if self.draft_vocab < 0 or (self.draft_vocab and self.kind != "eagle3"):
+        if self.draft_vocab_size < 0 or (self.draft_vocab_size and self.kind != "eagle3"):
             raise ValueError(
-                f"draft_init.draft_vocab must be >= 0 and is for kind 'eagle3' only, got {self.draft_vocab}"
+                f"draft_init.draft_vocab_size must be >= 0 and is for kind 'eagle3' only, got {self.draft_vocab_size}"
             )
         for name in ("prompts", "max_new_tokens", "steps", "batch_size"):
             if getattr(self, name) < 1:
@@ -200,9 +200,9 @@ def draft_init(
     )
     model_config, tensors = load_checkpoint(checkpoint)
     if cfg.kind == "eagle3":
-        vocab = cfg.draft_vocab or model_config.vocab_size
+        vocab = cfg.draft_vocab_size or model_config.vocab_size
         if vocab > model_config.vocab_size:
-            raise ValueError(f"draft_vocab {vocab} exceeds the target's vocabulary of {model_config.vocab_size}")
+            raise ValueError(f"draft_vocab_size {vocab} exceeds the target's vocabulary of {model_config.vocab_size}")
         layers = model_config.num_hidden_layers  # the loaders' default taps (2, L/2, L-3) need 7 layers
         taps = None if layers >= 7 else [1, layers // 2, layers - 1]
         eagle3 = Eagle3Config.for_target(model_config, draft_vocab_size=vocab, aux_layer_ids=taps)
