@@ -128,3 +128,11 @@ def test_the_sidecar_around_the_engine_is_derived_from_the_serve_config() -> Non
     # SGLang copies what it is pushed: nothing to keep staged
     sglang = dataclasses.replace(serve, engine=EngineConfig(kind="sglang"))
     assert sidecar_config(sglang, token=None).keep_staging is False
+
+
+def test_the_renamed_sparse_deltas_key_names_its_new_spelling() -> None:
+    from trainer.rl_config import WeightSyncConfig
+
+    with pytest.raises(ConfigError, match="deltas is now sparse_deltas"):
+        from_mapping(WeightSyncConfig, {"deltas": True})
+    assert from_mapping(WeightSyncConfig, {"sparse_deltas": True}).sparse_deltas
