@@ -74,7 +74,7 @@ def test_two_tensor_parallel_ranks_run_the_loop_with_one_writer(tmp_path: Path) 
     assert [m["weights/version"] for m in h0] == [2.0, 3.0]
     # the sidecar's log-probs are the sharded trainer's: the push carried the gathered shards
     assert all(m["mismatch/logprob_abs_max"] < 1e-4 for m in h0), [m["mismatch/logprob_abs_max"] for m in h0]
-    assert [p.name for p in (run / "logs").iterdir()] == ["sidecar0.1.log"]  # one sidecar, started once
+    assert [p.name for p in (run / "logs").glob("*.log")] == ["sidecar0.1.log"]  # one sidecar, started once
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]  # one writer
     assert "reward/eval_stderr" in rows[-1]
@@ -117,7 +117,7 @@ def test_two_nodes_of_two_ranks_train_data_x_tensor_parallel_end_to_end(tmp_path
     assert all(r["mismatch/logprob_abs_max"] < 1e-4 for r in rows), [r["mismatch/logprob_abs_max"] for r in rows]
     # metrics are reduced over the replicas: the loss counted every response token of the batch
     assert all(r["train/tokens"] == pytest.approx(4 * r["rollout/response_len"]) for r in rows)
-    assert [p.name for p in (run / "logs").iterdir()] == ["sidecar0.1.log"]  # one sidecar, by rank 0
+    assert [p.name for p in (run / "logs").glob("*.log")] == ["sidecar0.1.log"]  # one sidecar, by rank 0
     # replica 0 writes one file per tensor-parallel shard
     assert sorted(p.name for p in (run / "checkpoints" / "step_2").glob("*.pt")) == ["rank00000.pt", "rank00001.pt"]
 

@@ -264,9 +264,11 @@ def main(argv: list[str] | None = None) -> int:
     lengths = draw_lengths(groups * g, scale, args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     prompts = torch.randint(0, config.vocab_size, (groups, prompt_length), generator=gen).tolist()
-    probe = TorchEngine(model, max_batch_size=1, max_context=max_context, kv_block_size=block_size, max_speculation_k=k)
+    probe = TorchEngine(
+        model, max_batch_size=1, max_context=max_context, kv_block_size=block_size, speculation_k=k, max_speculation_k=k
+    )
     token_bytes = probe.drafter.token_bytes()
-    slots = probe._slots_per_row()  # what the static cache reserved per row: max_context + max_speculation_k + 2
+    slots = probe.slots_per_row  # what the static cache reserved per row: max_context + max_speculation_k + 2
     del probe
     budget = (budget_rows * blocks_for(slots, block_size) + RESERVED_BLOCKS) * block_size * token_bytes
     print(

@@ -145,7 +145,9 @@ class TorchEngine(Engine):
         if not 2 <= self.max_context <= context:
             raise ValueError(f"max_context must be in [2, max_position_embeddings={context}], got {self.max_context}")
         self.max_batch_size = config.max_batch_size
-        slots = self.max_context + self.max_speculation_k + 2  # a row's context and a verify's scratch past it
+        slots = self.max_context + self.max_speculation_k + 2
+        self.slots_per_row = slots
+        """KV slots a row may hold: its context and the scratch columns a verify writes past it."""
         block = config.kv_block_size
         pages = KVPages(
             num_blocks=pool_blocks(
