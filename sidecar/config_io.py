@@ -19,13 +19,14 @@ import re
 import tomllib
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
 
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 class _Yaml12Loader(yaml.SafeLoader):
@@ -172,6 +173,18 @@ def _refuse_retired(cls: type, data: Mapping[str, Any], path: str) -> None:
                 if "." in retired[key]
                 else f"{path}{key} is now {path}{retired[key]}"
             )
+
+
+def retired_option(old: str, new: str) -> Callable[[F], F]:
+    """A hidden click option `old` that refuses to run, naming `new`: a renamed flag in a user's
+    script fails with its new name instead of changing meaning or vanishing into a generic error."""
+    import click
+
+    def refuse(ctx: click.Context, param: click.Parameter, value: object) -> None:
+        if value is not None:
+            raise click.UsageError(f"{old} is now {new}: use {new}", ctx=ctx)
+
+    return click.option(old, hidden=True, expose_value=False, callback=refuse, help=f"renamed: {new}")
 
 
 def _onto_default(f: dataclasses.Field[Any], value: Any) -> Any:

@@ -264,7 +264,7 @@ def test_automatic_k_stops_drafting_a_collapsed_version_and_resumes_on_the_next(
     assert snap.versions[-1].weight_version == 2 and snap.versions[-1].counters.drafted_tokens == drafted
     assert snap.info.speculation_status.reason == "collapsed"
     served.push(_draft(state), WeightSelector.DRAFT)  # version 3: judged afresh, automatic k may draft again
-    assert served.engine._policy is not None and served.engine._policy.held == ""
+    assert served.engine.speculation.policy is not None and served.engine.speculation.policy.held == ""
     served.scheduler.set_speculation_k(3)  # a fixed k again: new requests have nothing to hold
     assert not served.engine.hold_drafting("collapsed")
 

@@ -192,7 +192,7 @@ def eagle3_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trained]:
         tiny(num_hidden_layers=4, num_nextn_predict_layers=0, intermediate_size=128, num_key_value_heads=4),
         seed=0,
     )
-    cfg = DraftInitConfig(prompts=16, steps=2, batch_size=8, kind="eagle3", draft_vocab=35)
+    cfg = DraftInitConfig(prompts=16, steps=2, batch_size=8, kind="eagle3", draft_vocab_size=35)
     draft_init(root / "start", root / "draft", TASK, TOK, cfg)
     yield _run(root, root / "start", steps=1, eagle3=root / "draft")
 

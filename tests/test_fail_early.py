@@ -295,12 +295,16 @@ def test_draft_init_writes_an_eagle3_draft_directory_and_refuses_draft_vocab_for
     ckpt = _checkpoint(tmp_path / "target", num_hidden_layers=4, num_nextn_predict_layers=0)
     small = ["--prompts", "8", "--steps", "2", "--batch-size", "4", "--max-new-tokens", "8"]
     args = ["draft-init", "--model", str(ckpt), "--out", str(tmp_path / "draft"), *small]
-    code, out = _cli([*args, "--draft", "eagle3", "--draft-vocab", "40"])
+    code, out = _cli([*args, "--draft-kind", "eagle3", "--draft-vocab-size", "40"])
     assert code == 0 and "wrote" in out, out
     draft = load_eagle3_draft(tmp_path / "draft", target=load_checkpoint(ckpt)[0])
     assert draft.config.draft_vocab_size == 40 and draft.config.aux_layer_ids == [1, 2, 3]
-    code, out = _cli([*args, "--draft", "mtp", "--draft-vocab", "10"])
+    code, out = _cli([*args, "--draft-kind", "mtp", "--draft-vocab-size", "10"])
     assert code != 0 and "for kind 'eagle3' only" in out and "Traceback" not in out, out
+    renamed = {"--draft": "--draft-kind", "--draft-vocab": "--draft-vocab-size"}  # glossary: refused here
+    for (old, new), value in zip(renamed.items(), ("mtp", "10"), strict=True):
+        code, out = _cli([*args, old, value])
+        assert code == 2 and f"is now {new}" in out, out
 
 
 def test_prompts_plus_new_tokens_must_fit_the_model(tmp_path: Path, jsonl_run: tuple[Path, Path]) -> None:

@@ -113,6 +113,69 @@ def test_the_rules_catch_a_server_module_importing_the_client() -> None:
     ]
 
 
+def _module_graph() -> dict[str, set[str]]:
+    """Every product module and tool (`tools/x.py` as `tools.x`) -> the modules of that set it
+    imports, anywhere in it (at the top, in a function, under TYPE_CHECKING): `from a import b`
+    counts as importing `a.b` where that is a module, else `a`."""
+    files = {_module_name(p): p for p in _product_files()}
+    files |= {f"tools.{p.stem}": p for p in sorted((ROOT / "tools").glob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        named = _imports(path.read_text(), name, path.name == "__init__.py")
+        if name.startswith("tools."):  # a tool imports its neighbours by their bare names
+            named |= {f"tools.{n}" for n in named}
+        modules = {n for n in named if n in files and n != name}
+        # `from a import b` names `a` and `a.b`: where `a.b` is a module, that is the import
+        graph[name] = {n for n in modules if not any(m.startswith(n + ".") and m in modules for m in modules)}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan): each an import circle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_import_circle_anywhere() -> None:
+    """A module that needs another which needs it back (even for a type, or inside a function) is
+    one concern split in two, or two tangled: neither reads alone. None in the product or tools."""
+    graph = _module_graph()
+    assert {"sidecar.engine.torch_engine", "trainer.policy", "tools.bench_gpu"} <= set(graph)
+    assert import_cycles(graph) == []
+
+
+def test_the_circle_check_catches_a_circle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert import_cycles(graph) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
+
+
 def test_no_product_file_outgrows_one_concern() -> None:
     sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in _product_files()}
     over = {path: n for path, n in sizes.items() if n > MAX_LINES}

@@ -108,7 +108,7 @@ def test_eagle3_draft_init_beats_an_untrained_eagle3_draft(tmp_path: Path) -> No
     trained = acceptance_length(target, prompts, draft=tmp_path / "eagle3", **kw)  # type: ignore[arg-type]
     assert trained > start + 0.3, (start, trained)
     with pytest.raises(ValueError, match="for kind 'eagle3' only"):
-        DraftInitConfig(draft_vocab=10)
+        DraftInitConfig(draft_vocab_size=10)
 
     # online: the sidecar serves the draft directory, the trainer trains it and pushes it each step
     cfg = RLConfig(

@@ -504,8 +504,8 @@ def test_the_run_config_turns_sparse_deltas_on_for_every_client(checkpoint: Path
     from sidecar.config_io import from_mapping
     from trainer.rl_config import RLConfig
 
-    cfg = from_mapping(RLConfig, {"model": "m", "sidecars": {"local": 1, "weight_sync": {"deltas": True}}})
-    assert cfg.sidecars.weight_sync.deltas and not RLConfig(model=Path("m")).sidecars.weight_sync.deltas
+    cfg = from_mapping(RLConfig, {"model": "m", "sidecars": {"local": 1, "weight_sync": {"sparse_deltas": True}}})
+    assert cfg.sidecars.weight_sync.sparse_deltas and not RLConfig(model=Path("m")).sidecars.weight_sync.sparse_deltas
     state = weights(1)
     fleet_cfg = FleetConfig(client=ClientConfig(sparse_deltas=True))
     with start_sidecar(checkpoint) as sc, Fleet([sc.address], fleet_cfg) as orch:
@@ -560,7 +560,10 @@ def test_a_sidecar_that_does_not_accept_deltas_gets_full_pushes(checkpoint: Path
     g = torch.Generator().manual_seed(9)
     state = weights(1)
     dense = sum(t.numel() * t.element_size() for t in state.values())
-    with start_sidecar(checkpoint, data_planes=DataPlaneConfig(deltas=False)) as sc, delta_client(sc.address) as c:
+    with (
+        start_sidecar(checkpoint, data_planes=DataPlaneConfig(sparse_deltas=False)) as sc,
+        delta_client(sc.address) as c,
+    ):
         for v in range(1, 4):
             state = sparse_step(state, g, 0.01)
             assert c.push_weights(state, version=v).bytes_received == dense

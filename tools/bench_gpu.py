@@ -57,49 +57,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_engine import bench_clock, device_problem
+from profile_round import profile_rounds, random_model, shape_config
 
 from sidecar.engine.torch_engine import TorchEngine
 from sidecar.model.decode_kernels import DecodeOps
-from sidecar.model.model import ModelConfig, Qwen3WithMTP
+from sidecar.model.model import Qwen3WithMTP
 from sidecar.types import GenerationRequest, SamplingParams
 from trainer.planning.cost_table import cost_table_document
 from trainer.planning.shapes import PRESETS
 
 TAUS = (2.0, 2.8, 3.5)
 """Acceptances (tokens a round) at which the summary states what speculation would give."""
-
-TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)  # fmt: skip
-
-
-def shape_config(name: str) -> ModelConfig:
-    """The engine's config at a preset's shape: bf16, one MTP layer, no stop tokens."""
-    base = TINY if name == "tiny" else PRESETS[name]
-    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "head_dim", "tie_word_embeddings")  # fmt: skip
-    return ModelConfig(
-        **{k: base[k] for k in keys},
-        rope_theta=1_000_000.0,
-        max_position_embeddings=4096,
-        torch_dtype="bfloat16",
-        num_nextn_predict_layers=1,
-    )
-
-
-def random_model(cfg: ModelConfig, device: torch.device, seed: int = 0) -> Qwen3WithMTP:
-    """Random weights created on `device` in the model's dtype (normal(0, 0.02); norms 1)."""
-    torch.manual_seed(seed)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(cfg.dtype)
-    try:
-        with torch.device(device):
-            model = Qwen3WithMTP(cfg)
-    finally:
-        torch.set_default_dtype(previous)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02)
-    return model.eval().requires_grad_(False)
 
 
 def weights_read_per_step(model: Qwen3WithMTP) -> int:
@@ -263,11 +231,11 @@ def engine_part(args: argparse.Namespace, shape: str, device: torch.device, out:
         if part.over(f"batch {batch} and beyond"):
             break
         for arm, engine in engines.items():  # warm up (and capture) this batch size's shapes
-            captured, t = engine._rounds.captured, time.monotonic()
+            captured, t = engine.runner.rounds.captured, time.monotonic()
             for k in args.ks:  # a whole long generation: every shape (and kernel build) of the timed runs
                 run(arm, prompts, k, args.new_tokens)
             out.log({"part": part.name, "batch": batch, "arm": list(arm), "warmup_s": round(time.monotonic() - t, 3),
-                     "graphs_captured": engine._rounds.captured - captured})  # fmt: skip
+                     "graphs_captured": engine.runner.rounds.captured - captured})  # fmt: skip
         samples: dict[tuple[tuple[str, str, int], int], list[float]] = {(a, k): [] for a in engines for k in args.ks}
         prefills: dict[tuple[str, str, int], list[float]] = {a: [] for a in engines}
         accepted: dict[tuple[tuple[str, str, int], int], float] = {}
@@ -296,8 +264,6 @@ def engine_part(args: argparse.Namespace, shape: str, device: torch.device, out:
                 )
         # CUDA kernels; on a CPU (--tiny, the path tests run) the count is 0
         if (device.type == "cuda" or args.tiny) and not part.over(f"batch {batch}: kernels a round"):
-            from profile_round import profile_rounds  # imports this module: not at the top
-
             for arm, engine in engines.items():
                 for k in args.ks:
                     n = profile_rounds(engine, batch, k, args.prompt, rounds=3)["kernels"]

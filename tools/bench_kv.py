@@ -174,7 +174,7 @@ def run_arm(
             sp = SamplingParams(temperature=1.0, max_new_tokens=lengths[i], seed=seed + 1 + i, stop_at_eos=False)
             engine.submit(GenerationRequest(prompts=[prompt], sampling=sp, speculation_k=k, request_id=f"{name}-{i}"))
     resumed = [0]  # prefill tokens that recomputed preempted rows' prefixes (beyond the prompts prefilled with them)
-    admissible = engine._admissible
+    admissible = engine.scheduler.admissible
 
     def counting_admissible() -> list[Sequence]:  # each admission's sequences (k is pinned: all are prefilled)
         new = admissible()
@@ -183,7 +183,7 @@ def run_arm(
         resumed[0] += prefilled - sum(map(len, {tuple(s.prompt) for s in new if not s.output}))
         return new
 
-    engine._admissible = counting_admissible  # type: ignore[method-assign]
+    engine.scheduler.admissible = counting_admissible  # type: ignore[method-assign]
     running: list[int] = []
     saturated: list[int] = []  # rows after the steps that left requests waiting: what the pool (or cap) held
     peak_used = peak_shared = 0
@@ -264,9 +264,11 @@ def main(argv: list[str] | None = None) -> int:
     lengths = draw_lengths(groups * g, scale, args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     prompts = torch.randint(0, config.vocab_size, (groups, prompt_length), generator=gen).tolist()
-    probe = TorchEngine(model, max_batch_size=1, max_context=max_context, kv_block_size=block_size, max_speculation_k=k)
+    probe = TorchEngine(
+        model, max_batch_size=1, max_context=max_context, kv_block_size=block_size, speculation_k=k, max_speculation_k=k
+    )
     token_bytes = probe.drafter.token_bytes()
-    slots = probe._slots_per_row()  # what the static cache reserved per row: max_context + max_speculation_k + 2
+    slots = probe.slots_per_row  # what the static cache reserved per row: max_context + max_speculation_k + 2
     del probe
     budget = (budget_rows * blocks_for(slots, block_size) + RESERVED_BLOCKS) * block_size * token_bytes
     print(

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_engine import BENCH_CONFIG
 
+from sidecar.engine.config import EngineConfig
 from sidecar.engine.torch_engine import TorchEngine
 from sidecar.model.model import build_model
 from sidecar.types import GenerationRequest, SamplingParams
@@ -60,7 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     g, n = args.group, args.prompt_length
     if n + 2 > BENCH_CONFIG.max_position_embeddings:
         ap.error(f"--prompt-length must be <= {BENCH_CONFIG.max_position_embeddings - 2}")
-    engine = TorchEngine(build_model(BENCH_CONFIG, seed=0), max_speculation_k=max(ks), max_batch_size=g)
+    engine = TorchEngine(
+        build_model(BENCH_CONFIG, seed=0),
+        speculation_k=min(EngineConfig().speculation_k, max(ks)),  # the default k, within the largest asked for
+        max_speculation_k=max(ks),
+        max_batch_size=g,
+    )
     gen = torch.Generator().manual_seed(0)
     vocab = BENCH_CONFIG.vocab_size
     sp = SamplingParams(temperature=1.0, max_new_tokens=2, seed=1, stop_at_eos=False)

@@ -29,11 +29,45 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_engine import device_problem
-from bench_gpu import random_model, shape_config
 
 from sidecar.engine.torch_engine import TorchEngine
 from sidecar.model.decode_kernels import DecodeOps
+from sidecar.model.model import ModelConfig, Qwen3WithMTP
 from sidecar.types import GenerationRequest, SamplingParams
+from trainer.planning.shapes import PRESETS
+
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)  # fmt: skip
+
+
+def shape_config(name: str) -> ModelConfig:
+    """The engine's config at a preset's shape: bf16, one MTP layer, no stop tokens."""
+    base = TINY if name == "tiny" else PRESETS[name]
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "tie_word_embeddings")  # fmt: skip
+    return ModelConfig(
+        **{k: base[k] for k in keys},
+        rope_theta=1_000_000.0,
+        max_position_embeddings=4096,
+        torch_dtype="bfloat16",
+        num_nextn_predict_layers=1,
+    )
+
+
+def random_model(cfg: ModelConfig, device: torch.device, seed: int = 0) -> Qwen3WithMTP:
+    """Random weights created on `device` in the model's dtype (normal(0, 0.02); norms 1)."""
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(cfg.dtype)
+    try:
+        with torch.device(device):
+            model = Qwen3WithMTP(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02)
+    return model.eval().requires_grad_(False)
 
 
 def profile_rounds(engine: TorchEngine, batch: int, k: int, prompt: int, rounds: int) -> dict[str, float]:

@@ -182,20 +182,20 @@ class Soak:
             fleet, i = self.slots[s.index]
             s.pid = fleet.pid(i)
         self.push_locks = [threading.Lock() for _ in self.sidecars]
-        self.grpc_clients = [self._client(a, shm=False, deltas=True) for a in addresses]
-        self.shm_clients = [self._client(a, shm=True, deltas=False) for a in addresses]
+        self.grpc_clients = [self._client(a, shm=False, sparse_deltas=True) for a in addresses]
+        self.shm_clients = [self._client(a, shm=True, sparse_deltas=False) for a in addresses]
         for s in self.sidecars:  # version 1 everywhere before traffic starts
             self._push_one(s, self.version, self.shm_clients[s.index], "initial")
 
     @staticmethod
-    def _client(address: str, *, shm: bool, deltas: bool) -> SidecarClient:
+    def _client(address: str, *, shm: bool, sparse_deltas: bool) -> SidecarClient:
         return SidecarClient(
             address,
             ClientConfig(
                 timeout_s=10.0,
                 retries=1,
                 transports=TransportConfig(shm=shm),
-                sparse_deltas=deltas,
+                sparse_deltas=sparse_deltas,
                 generate_timeout_s=GENERATE_DEADLINE_S,
             ),
         )

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -25,8 +25,22 @@ import torch.distributed as dist
 
 from sidecar.errors import CheckpointError
 
-if TYPE_CHECKING:
-    from trainer.policy import Policy
+
+class Policy(Protocol):
+    """What a checkpoint saves and restores of a policy (`trainer.policy.Policy`; a protocol, so
+    that this module, which the policy imports, imports nothing of it)."""
+
+    model: Any
+    draft: Any
+    optimizer: Any
+    draft_optimizer: Any
+    scheduler: Any
+    draft_scheduler: Any
+    step_count: int
+    model_config: Any
+
+    def state(self) -> dict[str, Any]: ...
+
 
 FORMAT = "specrl.trainer.checkpoint/1"
 

@@ -67,7 +67,7 @@ class DraftConfig:
     """Update the draft every step on detached states (the MTP layers, or the EAGLE-3 draft); the
     policy gradient is the same either way."""
     eagle3: Path | None = None
-    """An EAGLE-3 draft directory (`specrl draft-init --draft eagle3`) for a model without MTP
+    """An EAGLE-3 draft directory (`specrl draft-init --draft-kind eagle3`) for a model without MTP
     layers: local sidecars serve it (`serve --draft`; start remote ones with the same directory),
     the trainer trains it online and every push carries it (`eagle3.*`, DRAFT selector). None: the
     model's own MTP layers."""

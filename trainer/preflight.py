@@ -120,7 +120,7 @@ def _speculation(cfg: RLConfig, model: ModelConfig) -> None:
         raise PreflightError(
             f"rollout.speculation_k={k} but model={cfg.model} has no draft (num_nextn_predict_layers is 0 in its "
             "config.json and draft.eagle3 is unset): set rollout.speculation_k=0 to decode plainly, or give it a "
-            "draft: `specrl draft-init --model MODEL --out DRAFT --draft eagle3`, then draft.eagle3=DRAFT"
+            "draft: `specrl draft-init --model MODEL --out DRAFT --draft-kind eagle3`, then draft.eagle3=DRAFT"
         )
 
 

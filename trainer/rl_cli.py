@@ -18,7 +18,7 @@ import click
 import yaml
 from tqdm import tqdm
 
-from sidecar.config_io import ConfigError, from_mapping, load_file, merge_overrides, to_mapping
+from sidecar.config_io import ConfigError, from_mapping, load_file, merge_overrides, retired_option, to_mapping
 from trainer.rl_config import RLConfig, TaskConfig
 from trainer.tasks import DatasetFields, Task
 from trainer.tokenizer import Tokenizer
@@ -245,7 +245,7 @@ def warmup(
 )
 @click.option("--seed", type=int, default=_DRAFT_INIT.seed, show_default=True)
 @click.option(
-    "--draft",
+    "--draft-kind",
     "kind",
     type=click.Choice(["mtp", "eagle3"]),
     default=_DRAFT_INIT.kind,
@@ -254,12 +254,14 @@ def warmup(
     "EAGLE-3 draft, OUT is its directory (specrl serve --model MODEL --draft OUT; SGLang/vLLM layout).",
 )
 @click.option(
-    "--draft-vocab",
+    "--draft-vocab-size",
     type=click.IntRange(0),
-    default=_DRAFT_INIT.draft_vocab,
+    default=_DRAFT_INIT.draft_vocab_size,
     show_default=True,
     help="eagle3: keep the draft's output to the N ids most frequent in the completions (0: all).",
 )
+@retired_option("--draft", "--draft-kind")
+@retired_option("--draft-vocab", "--draft-vocab-size")  # glossary: refused here
 def draft_init_cmd(
     model: Path,
     out: Path,
@@ -278,7 +280,7 @@ def draft_init_cmd(
     chain_depth: int,
     seed: int,
     kind: str,
-    draft_vocab: int,
+    draft_vocab_size: int,
 ) -> None:
     """Initialise the draft in-domain: fit it on the policy's own completions (trunk frozen); a
     checkpoint without MTP layers gets one grafted first."""
@@ -295,7 +297,7 @@ def draft_init_cmd(
             chain_depth=chain_depth,
             seed=seed,
             kind=kind,
-            draft_vocab=draft_vocab,
+            draft_vocab_size=draft_vocab_size,
         )
     except ValueError as e:
         raise click.UsageError(str(e)) from e
@@ -312,7 +314,7 @@ def draft_init_cmd(
 @click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path), help="A new directory.")
 def export_cmd(run_dir: Path, step: int | None, out: Path) -> None:
     """Write a run's policy and draft as a Hugging Face checkpoint (transformers, specrl serve, SGLang)."""
-    from trainer.export import EAGLE3_DIR, export_run
+    from trainer.export import EAGLE3_DIR
     from trainer.ranks import is_leader, join_torchrun_group
 
     join_torchrun_group()  # a tensor-parallel run exports under torchrun with as many processes
@@ -351,3 +353,57 @@ def demo(out: Path | None, rl_steps: int) -> None:
         click.echo(report.render())
         if out is not None:
             click.echo(f"\nrun directory (metrics.jsonl, plots/, checkpoints/): {out / 'run'}")
+
+
+def export_run(run_dir: Path, out: Path, step: int | None = None, *, progress: bool = False) -> int:
+    """Export the run in `run_dir` at `step` (default: its last kept checkpoint) to `out`; returns
+    the step exported. ExportError for a directory that holds no run, a step that was not kept,
+    or an `out` that already holds something. `progress`: announce the phases on stderr."""
+    import torch.distributed as dist
+
+    from trainer.export import ExportError, export_policy, kept_steps
+    from trainer.ranks import is_leader
+    from trainer.rl_loop import build_policy, phase
+
+    run_dir, out = Path(run_dir), Path(out)
+    config = run_dir / "config.yaml"
+    if not config.is_file():
+        raise ExportError(
+            f"{run_dir} is not a run directory (it has no config.yaml): pass the --run-dir of a `specrl train` run"
+        )
+    steps = kept_steps(run_dir)
+    if not steps:
+        raise ExportError(
+            f"{run_dir} has no checkpoint to export (no checkpoints/step_N): a run writes one at its end "
+            "and every checkpoint_every steps"
+        )
+    if step is None:
+        step = steps[-1]
+    elif step not in steps:
+        raise ExportError(f"{run_dir} has no checkpoint of step {step}; kept steps: {', '.join(map(str, steps))}")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ExportError(f"{out} already exists and is not empty: choose another --out, or remove it first")
+    try:
+        cfg = from_mapping(RLConfig, load_file(config))
+    except (ConfigError, TypeError) as e:
+        raise ExportError(f"{config}: cannot be read as a run config ({e})") from None
+    for path, key in ((cfg.model, "model"), (cfg.draft.eagle3, "draft.eagle3")):
+        if path is not None and not Path(path).is_dir():
+            raise ExportError(
+                f"{config}: {key} {path} does not exist (relative paths are read from the current directory, "
+                "as `specrl train` read them): run export from where the run was started"
+            )
+    # one process per tensor-parallel shard, as the run had (torchrun for > 1); replicas: any number
+    world, tp = (dist.get_world_size() if dist.is_initialized() else 1), cfg.train.tensor_parallel
+    if world % tp:
+        raise ExportError(
+            f"{run_dir} was trained with train.tensor_parallel={tp}: export it with one process per shard, "
+            f"torchrun --nproc-per-node {tp} -m trainer.cli export {run_dir} --out {out}"
+        )
+    train = dataclasses.replace(cfg.train, data_parallel=world // tp)
+    with phase(f"restoring the policy of step {step} (Megatron)", progress and is_leader()):
+        policy = build_policy(dataclasses.replace(cfg, train=train))
+        policy.load(run_dir / "checkpoints" / f"step_{step}")
+    with phase(f"writing {out}", progress and is_leader()):
+        export_policy(policy, cfg.model, out)
+    return step

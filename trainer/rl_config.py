@@ -194,12 +194,15 @@ class WeightSyncConfig:
     """Bound on forming a group and on every broadcast."""
     bucket_mib: int = 64
     """Collective bucket size."""
-    deltas: bool = False
+    sparse_deltas: bool = False
     """Push each tensor as a sparse delta against the sidecar's served version where that is
     smaller (full on first contact, after a refusal and on rejoin). Off by default: it moves
     ~50x fewer bytes only for bfloat16 serving at real-RL update sizes, and on one host costs
     more seconds than it saves (BENCHMARKS.md, "Sparse delta pushes"); the demo serves float32,
     where nearly every element changes every step."""
+
+    RETIRED_KEYS: ClassVar[dict[str, str]] = {"deltas": "sparse_deltas"}
+    """Keys renamed (refused with their new name: one word, sparse deltas, from the config to the wire)."""
 
     def __post_init__(self) -> None:
         self.transport_config()  # validates (ValueError names the field)

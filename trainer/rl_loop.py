@@ -169,7 +169,9 @@ def sidecar_fleet(cfg: RLConfig, run_dir: Path) -> Iterator[tuple[Fleet, LocalSi
     local = None
     client = cfg.sidecars.client_config()
     client = dataclasses.replace(
-        client, transports=cfg.sidecars.weight_sync.transport_config(), sparse_deltas=cfg.sidecars.weight_sync.deltas
+        client,
+        transports=cfg.sidecars.weight_sync.transport_config(),
+        sparse_deltas=cfg.sidecars.weight_sync.sparse_deltas,
     )
     if cfg.sidecars.local:
         local = LocalSidecars(

@@ -83,16 +83,16 @@ class DraftInitConfig:
     `trainer.mtp_graft`), write the whole checkpoint to `out`; "eagle3": a
     fresh EAGLE-3 draft for this target (`sidecar.model.eagle3`), written to `out` as a draft
     directory (`specrl serve --model CHECKPOINT --draft out`); the checkpoint is not rewritten."""
-    draft_vocab: int = 0
-    """EAGLE-3 only: keep the draft's output layer to the `draft_vocab` target ids most frequent in
+    draft_vocab_size: int = 0
+    """EAGLE-3 only: keep the draft's output layer to the `draft_vocab_size` target ids most frequent in
     the completions (0: the whole vocabulary). Exact either way: ids outside it get q = 0."""
 
     def __post_init__(self) -> None:
         if self.kind not in ("mtp", "eagle3"):
             raise ValueError(f"draft_init.kind must be 'mtp' or 'eagle3', got {self.kind!r}")
-        if self.draft_vocab < 0 or (self.draft_vocab and self.kind != "eagle3"):
+        if self.draft_vocab_size < 0 or (self.draft_vocab_size and self.kind != "eagle3"):
             raise ValueError(
-                f"draft_init.draft_vocab must be >= 0 and is for kind 'eagle3' only, got {self.draft_vocab}"
+                f"draft_init.draft_vocab_size must be >= 0 and is for kind 'eagle3' only, got {self.draft_vocab_size}"
             )
         for name in ("prompts", "max_new_tokens", "steps", "batch_size"):
             if getattr(self, name) < 1:
@@ -211,9 +211,9 @@ def draft_init(
     model_config, tensors = load_checkpoint(checkpoint)
     if cfg.kind == "mtp" and model_config.num_nextn_predict_layers == 0:  # a plain model: graft one MTP layer
         model_config, tensors = graft_mtp_layer(model_config, tensors)
-    vocab = cfg.draft_vocab or model_config.vocab_size
+    vocab = cfg.draft_vocab_size or model_config.vocab_size
     if vocab > model_config.vocab_size:
-        raise WarmupError(f"draft_vocab {vocab} exceeds the target's vocabulary of {model_config.vocab_size}")
+        raise WarmupError(f"draft_vocab_size {vocab} exceeds the target's vocabulary of {model_config.vocab_size}")
     rng = random.Random(cfg.seed)
     prompts = [prompt_ids(task, tokenizer, task.sample(rng, "train")) for _ in range(cfg.prompts)]
     completions = policy_completions(

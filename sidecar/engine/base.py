@@ -18,7 +18,6 @@ from collections.abc import Mapping
 import torch
 
 from sidecar.errors import NotSupportedError
-from sidecar.speculation.controller import SpeculationPolicy
 from sidecar.types import (
     EngineInfo,
     GenerationRequest,
@@ -34,9 +33,6 @@ from sidecar.types import (
 
 class Engine(ABC):
     """A model server with speculative decoding, driven one step at a time."""
-
-    _policy: SpeculationPolicy | None = None
-    """The automatic-k controller, in engines that run one (TorchEngine sets it in auto mode)."""
 
     @abstractmethod
     def info(self) -> EngineInfo:
@@ -97,11 +93,9 @@ class Engine(ABC):
     def hold_drafting(self, why: str) -> bool:
         """Automatic k drafts nothing until the next weight version (the served version's draft
         collapsed: `sidecar.speculation.collapse`); fixed and request-pinned k are left alone.
-        True if new requests get automatic k (now held); False where they get a fixed k."""
-        if self._policy is None:
-            return False
-        self._policy.hold(why)  # also rows still running from an earlier automatic mode
-        return self.speculation_status().speculation_auto
+        True if new requests get automatic k (now held); False where they get a fixed k (and on
+        engines without automatic k, as here)."""
+        return False
 
     def speculation_status(self) -> SpeculationStatus:
         """The k in use and why (engines without automatic mode: the fixed default k)."""

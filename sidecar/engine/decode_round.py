@@ -60,7 +60,7 @@ class RoundOutput:
 def decode_round(
     drafter: Drafter,  # the draft kind, holding the target model
     cache: KVCache,  # the target's; on return every row holds its num_new verified positions
-    mtp_caches: list[KVCache],
+    draft_caches: list[KVCache],  # one per draft layer (MTP or EAGLE-3)
     batch: BatchTensors,
     inp: RoundInput,
     accept: AcceptanceRule,
@@ -74,7 +74,7 @@ def decode_round(
         assert inp.refresh_positions is not None and inp.num_refresh is not None
         out = draft(
             drafter,
-            mtp_caches,
+            draft_caches,
             DraftInput(
                 refresh_tokens=inp.refresh_tokens,
                 refresh_hidden=inp.refresh_hidden,

@@ -1,7 +1,7 @@
 """The engine's rows: each sequence's host-side record, and the batch's per-row device tensors.
 
-Split from `torch_engine.py` so that the round's device work (uniforms, stop detection, the packed
-result) reads as one piece: `BatchTensors` is built once per change of the running batch and holds
+The round's device work (uniforms, stop detection, the packed result) reads as one piece:
+`BatchTensors` is built once per change of the running batch and holds
 everything per row that a round needs on the device (sampling parameters, counter-RNG keys, stop
 ids, token budgets); `round_outcome` turns a verified round into the one packed tensor the host
 copies per step (tokens, log-probs, accepted counts, emitted counts, finish reasons).

@@ -45,35 +45,22 @@ import dataclasses
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import sidecar
-from sidecar.engine.admission import REASONS, Admission
 from sidecar.engine.base import Engine
+from sidecar.engine.commit import commit_prefill, commit_round, emitted_ids
 from sidecar.engine.config import EngineConfig
-from sidecar.engine.decode_round import RoundInput
+from sidecar.engine.decode_round import RoundOutput
 from sidecar.engine.drafters import make_drafter
-from sidecar.engine.round_graphs import FixedRounds, batch_bucket, make_rounds
-from sidecar.engine.rows import (
-    CATCH_UP_POSITIONS,
-    REASON_STOP,
-    BatchTensors,
-    Pending,
-    Sequence,
-    add_rounds,
-    cost_clock,
-    gather_pending,
-    sequence_seed,
-    step_counters,
-)
-from sidecar.engine.sampling import (
-    AcceptanceRule,
-    rejection_sample,
-)
+from sidecar.engine.round_graphs import FixedRounds, batch_bucket
+from sidecar.engine.row_scheduler import RowScheduler, StepPlan, row_order
+from sidecar.engine.rows import Sequence, add_rounds, cost_clock, sequence_seed
+from sidecar.engine.runner import Prefill, Runner
 from sidecar.engine.scoring import score
 from sidecar.engine.served_weights import ServedWeights
 from sidecar.engine.speculation_settings import SpeculationSettings
@@ -81,7 +68,6 @@ from sidecar.engine.validation import validate_request
 from sidecar.engine.version_ledger import VersionLedger
 from sidecar.errors import InvalidRequestError, KVCacheCapacityError
 from sidecar.model.checkpoint import load_checkpoint
-from sidecar.model.decode_kernels import DecodeKernels, DecodeOps
 from sidecar.model.eagle3 import Eagle3Draft
 from sidecar.model.eagle3_checkpoint import load_eagle3_draft
 from sidecar.model.kv_pages import KVPages, blocks_for, pool_blocks
@@ -92,16 +78,23 @@ from sidecar.types import (
     EngineInfo,
     FinishReason,
     GenerationRequest,
+    KVUsage,
     ModelInfo,
     Sample,
     SamplingParams,
     ScoreRequest,
+    SpeculationStatus,
+    TensorSpec,
     VersionStats,
+    WeightSelector,
 )
 
 
-class TorchEngine(Admission, ServedWeights, SpeculationSettings, Engine):
-    """Embedded engine over a `Qwen3WithMTP`; see the module docstring."""
+class TorchEngine(Engine):
+    """Embedded engine over a `Qwen3WithMTP`; see the module docstring. Composed of a scheduler
+    (`scheduler`: queue, running rows, the block pool, preemption), a runner (`runner`: caches,
+    prefill, rounds), the served weights (`weights`) and the speculation settings (`speculation`);
+    `step()` reads plan → round → commit, then admission's plan → prefill → commit."""
 
     def __init__(
         self,
@@ -137,73 +130,60 @@ class TorchEngine(Admission, ServedWeights, SpeculationSettings, Engine):
             raise ValueError(f"TorchEngine serves engine.kind 'torch', got {config.kind!r}")
         self.engine_config = config
         """The settings this engine was built from."""
-        max_speculation_k, max_batch_size, kv_block_size = (
-            config.max_speculation_k,
-            config.max_batch_size,
-            config.kv_block_size,
-        )
         self.model = model
         if model.output_weight().device.type == "cuda":
             model.join_projections()  # the decode path reads q|k|v and gate|up as they are: no copies
-        self._acceptance_rule: AcceptanceRule = rejection_sample  # only `wrong_rules.with_acceptance_rule` changes it
         self.config = model.config
         self.device = model.output_weight().device
         self.name = name
         self.drafter = make_drafter(model, draft, config.draft_vocab_size)
         self.draft_vocab_size = 0 if self.drafter.vocab is None else config.draft_vocab_size
-        self.num_mtp = self.drafter.num_layers  # draft layers (one KV cache each), of either kind
-        self.max_speculation_k = max_speculation_k if self.num_mtp else 0
+        drafts = self.drafter.num_layers > 0  # draft layers (one KV cache each), of either kind
+        self.max_speculation_k = config.max_speculation_k if drafts else 0
         context = self.config.max_position_embeddings
         self.max_context = context if config.max_context is None else config.max_context
         if not 2 <= self.max_context <= context:
             raise ValueError(f"max_context must be in [2, max_position_embeddings={context}], got {self.max_context}")
-        self.max_batch_size = max_batch_size
-        slots = self._slots_per_row()
-        self._pages = KVPages(
+        self.max_batch_size = config.max_batch_size
+        slots = self.max_context + self.max_speculation_k + 2
+        self.slots_per_row = slots
+        """KV slots a row may hold: its context and the scratch columns a verify writes past it."""
+        block = config.kv_block_size
+        pages = KVPages(
             num_blocks=pool_blocks(
                 budget=config.kv_cache_bytes,
-                block_bytes=kv_block_size * self.drafter.token_bytes(),
-                max_rows=max_batch_size,
+                block_bytes=block * self.drafter.token_bytes(),
+                max_rows=self.max_batch_size,
                 max_slots=slots,
-                block_size=kv_block_size,
+                block_size=block,
                 device=self.device,
             ),
-            block_size=kv_block_size,
-            max_rows=max_batch_size,
+            block_size=block,
+            max_rows=self.max_batch_size,
             max_slots=slots,
             device=self.device,
         )
+        self.scheduler = RowScheduler(
+            pages, max_batch_size=self.max_batch_size, max_speculation_k=self.max_speculation_k, drafts=drafts
+        )
+        self.runner = Runner(
+            model, self.drafter, pages, slots=slots, max_speculation_k=self.max_speculation_k, compile=config.compile
+        )
+        self.weights = ServedWeights(model, self.drafter)
         # Without a draft speculation is unavailable: the default k is 0.
-        self._k = min(config.speculation_k, self.max_speculation_k) if self.num_mtp else 0
-        self._auto = False  # new requests that do not pin k get the controller's k
-        self._policy_config = policy
-        self._policy: SpeculationPolicy | None = None  # kept while auto rows may still run
-        self._last_round_k = 0  # drafts of the previous decode step (a larger refresh is a catch-up)
-        self.set_speculation_k(self._k)
+        self.speculation = SpeculationSettings(
+            min(config.speculation_k, self.max_speculation_k),
+            max_speculation_k=self.max_speculation_k,
+            has_draft=drafts,
+            policy=policy,
+        )
         self._clock = clock or cost_clock(self.device)
         if config.speculation_auto:
-            self.set_speculation_auto(self._k)
-        self._version = 0
+            self.set_speculation_auto(self.speculation.k)
         self._stats = VersionLedger()
-        self._queue: deque[Sequence] = deque()
-        self._running: list[Sequence] = []
         self._live: dict[str, int] = {}  # request id -> unfinished sequences
-        self._cache = self.drafter.target_cache(0, slots, pages=self._pages)
-        self._mtp_caches = [self.drafter.new_cache(0, slots, pages=self._pages) for _ in range(self.num_mtp)]
-        self._admissions = 0  # sequences admitted so far (`Sequence.admitted`: preemption's order)
-        self._preempted = False  # the latest round preempted rows (admission waits a step)
-        self._batch: BatchTensors | None = None
-        self._rounds = make_rounds(config.compile, self.device)
-        self.kernels: DecodeOps = (
-            DecodeKernels.for_device(self.device) if isinstance(self._rounds, FixedRounds) else DecodeOps()
-        )
-        """What this engine's cached forwards run (`decode_kernels`): fused Triton kernels with
-        fixed-shape rounds on CUDA where Triton is installed, else torch's operators (the eager
-        rounds of `compile: off` are the reference). Set on the model at every step: engines may
-        share a model."""
-        self._swaps = 0  # weight updates swapped in (`ServedWeights._swap_in`)
-        self._timed_drafts = False  # rounds of pinned k as automatic k's (two graphs): `warm_up` in auto mode
-        self._weights_checked: tuple[int, int] | None = None  # (swaps, decode-weight builds) last checked
+        self._last_round_k = 0  # drafts of the previous decode step (a larger refresh is a catch-up)
+        self.kernels = self.runner.kernels
         self.compile = config.compile
 
     def warm_up(self, progress: Callable[[int, int], None] | None = None) -> int:
@@ -214,15 +194,15 @@ class TorchEngine(Admission, ServedWeights, SpeculationSettings, Engine):
         warm-up's requests pin k (the controller learns nothing from them) and its tokens leave no
         trace in the statistics. Nothing to do without fixed-shape rounds (`compile` off, or auto on
         a CPU)."""
-        if not isinstance(self._rounds, FixedRounds):
+        if not isinstance(self.runner.rounds, FixedRounds):
             return 0
         if self.has_work():
             raise RuntimeError("warm_up runs before serving: the engine already has requests")
         buckets = sorted({batch_bucket(b, self.max_batch_size) for b in range(1, self.max_batch_size + 1)})
-        shapes = [(b, k) for b in buckets for k in sorted({0, self._k})]
-        before = self._rounds.captured
+        shapes = [(b, k) for b in buckets for k in sorted({0, self.speculation.k})]
+        before = self.runner.rounds.captured
         # automatic k times the draft phase, so its rounds are two graphs, one a phase: those too
-        self._timed_drafts = self._auto
+        self.runner.timed_drafts = self.speculation.auto
         try:
             for i, (rows, k) in enumerate(shapes):
                 self.generate(
@@ -236,15 +216,12 @@ class TorchEngine(Admission, ServedWeights, SpeculationSettings, Engine):
                 if progress is not None:
                     progress(i + 1, len(shapes))
         finally:
-            self._timed_drafts = False
+            self.runner.timed_drafts = False
         self._stats = VersionLedger()
-        self._stats.serve(self._version)
+        self._stats.serve(self.weights.version)
         if self.drafter.vocab is not None:
             self.drafter.vocab.forget()  # nor in the reduced draft vocabulary's counts
-        return self._rounds.captured - before
-
-    def _slots_per_row(self) -> int:  # a row's context and the scratch columns a verify writes past it
-        return self.max_context + self.max_speculation_k + 2
+        return self.runner.rounds.captured - before
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, config: EngineConfig | None = None, **settings: Any) -> TorchEngine:
@@ -291,14 +268,14 @@ class TorchEngine(Admission, ServedWeights, SpeculationSettings, Engine):
             device_kind=self.device.type,
             device_name=torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
             speculation_method=self.drafter.name,
-            speculation_k=self._k,
+            speculation_k=self.speculation.k,
             max_speculation_k=self.max_speculation_k,
             speculation_status=self.speculation_status(),
         )
 
     @property
     def weight_version(self) -> int:
-        return self._version
+        return self.weights.version
 
     def validate(self, request: GenerationRequest) -> None:
         validate_request(request, self.config, self.max_speculation_k)
@@ -309,25 +286,88 @@ class TorchEngine(Admission, ServedWeights, SpeculationSettings, Engine):
                 f"max_context={self.max_context} tokens: shorten it, or serve with a larger max_context "
                 "(and a KV budget that holds it)"
             )
-        blocks = blocks_for(longest + self.max_speculation_k + 2, self._pages.block_size)
-        if blocks > self._pages.usable:
+        blocks = blocks_for(longest + self.max_speculation_k + 2, self.scheduler.pages.block_size)
+        if blocks > self.scheduler.pages.usable:
             raise KVCacheCapacityError(
                 f"a sequence of prompt + max_new_tokens = {longest} tokens needs {blocks} KV blocks of "
-                f"{self._pages.block_size} tokens, the whole pool holds {self._pages.usable}: shorten it, or serve "
+                f"{self.scheduler.pages.block_size} tokens, the whole pool holds {self.scheduler.pages.usable}: shorten it, or serve "
                 "with a larger KV budget"
             )
 
     def num_queued(self) -> int:
-        return len(self._queue)
+        return len(self.scheduler.queue)
 
     def num_running(self) -> int:
-        return len(self._running)
+        return len(self.scheduler.running)
+
+    def kv_usage(self) -> KVUsage:
+        return self.scheduler.kv_usage()
 
     def stats(self) -> list[VersionStats]:
         return self._stats.recent()
 
     def earlier_stats(self) -> VersionStats:
         return self._stats.earlier
+
+    # ---- speculation settings (`speculation_settings`) -------------------------------------------
+    @property
+    def speculation_k(self) -> int:
+        return self.speculation.k
+
+    @property
+    def speculation_auto(self) -> bool:
+        return self.speculation.auto
+
+    def set_speculation_k(self, k: int) -> None:
+        self.speculation.set_k(k)
+
+    def set_speculation_auto(self, k: int) -> None:
+        self.speculation.set_auto(k)
+
+    def set_speculation_policy(self, policy: SpeculationPolicy) -> None:
+        """Auto mode with a given controller (tools and tests install a scripted or configured one)."""
+        self.speculation.set_policy(policy)
+
+    def speculation_status(self) -> SpeculationStatus:
+        return self.speculation.status()
+
+    def hold_drafting(self, why: str) -> bool:
+        policy = self.speculation.policy
+        if policy is None:
+            return False
+        policy.hold(why)  # also rows still running from an earlier automatic mode
+        return self.speculation.auto
+
+    # ---- served weights (`served_weights`) -------------------------------------------------------
+    def weight_specs(self, selector: WeightSelector) -> list[TensorSpec]:
+        return self.weights.specs(selector)
+
+    def weight_checksums(self, selector: WeightSelector) -> dict[str, int]:
+        return self.weights.checksums(selector)
+
+    def update_weights(self, tensors: Mapping[str, torch.Tensor], selector: WeightSelector, version: int) -> None:
+        self.weights.check_update(tensors, selector, version)
+        self.weights.swap_in(tensors, adopt=False)
+        self._served(version)
+
+    def adopt_weights(
+        self, tensors: Mapping[str, torch.Tensor], selector: WeightSelector, version: int
+    ) -> dict[str, torch.Tensor]:
+        """Serve `tensors` themselves where they can be the parameters' storage (same device,
+        contiguous, and a parameter that shares its storage with nothing else); copy the rest.
+        Returns the displaced storages (and the copied-from tensors), which nothing here holds
+        any more."""
+        self.weights.check_update(tensors, selector, version)
+        free = self.weights.swap_in(tensors, adopt=True)
+        self._served(version)
+        return free
+
+    def _served(self, version: int) -> None:
+        self.weights.version = version
+        self._stats.serve(version)
+        self.drafter.on_weight_push()
+        if self.speculation.policy is not None:
+            self.speculation.policy.on_weight_version()
 
     # ---- requests ----------------------------------------------------------------------------
     def submit(self, request: GenerationRequest) -> None:
@@ -336,8 +376,8 @@ class TorchEngine(Admission, ServedWeights, SpeculationSettings, Engine):
             raise InvalidRequestError("request_id is empty; the server assigns one before submit")
         if request.request_id in self._live:
             raise InvalidRequestError(f"request_id {request.request_id!r} is already running; ids must be unique")
-        k = self._k if request.speculation_k is None else request.speculation_k
-        auto = request.speculation_k is None and self._auto and self._k > 0
+        k = self.speculation.k if request.speculation_k is None else request.speculation_k
+        auto = request.speculation_k is None and self.speculation.auto and self.speculation.k > 0
         params = request.sampling
         if params.stop_at_eos and self.config.eos_token_id:
             # Resolved once here, so the per-token stop check stays a plain membership test.
@@ -346,7 +386,7 @@ class TorchEngine(Admission, ServedWeights, SpeculationSettings, Engine):
         seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(63)
         for p, prompt in enumerate(request.prompts):
             for s in range(request.samples_per_prompt):
-                self._queue.append(
+                self.scheduler.queue.append(
                     Sequence(
                         request_id=request.request_id,
                         prompt_index=p,
@@ -363,10 +403,11 @@ class TorchEngine(Admission, ServedWeights, SpeculationSettings, Engine):
     def abort(self, request_id: str) -> list[Sample]:
         if request_id not in self._live:
             return []
-        out = [s.to_sample(FinishReason.ABORT) for s in self._queue if s.request_id == request_id]
-        self._queue = deque(s for s in self._queue if s.request_id != request_id)
-        keep = [i for i, s in enumerate(self._running) if s.request_id != request_id]
-        out += [s.to_sample(FinishReason.ABORT) for s in self._running if s.request_id == request_id]
+        queue, running = self.scheduler.queue, self.scheduler.running
+        out = [s.to_sample(FinishReason.ABORT) for s in queue if s.request_id == request_id]
+        self.scheduler.queue = deque(s for s in queue if s.request_id != request_id)
+        keep = [i for i, s in enumerate(running) if s.request_id != request_id]
+        out += [s.to_sample(FinishReason.ABORT) for s in running if s.request_id == request_id]
         self._keep_rows(keep)
         del self._live[request_id]
         return out
@@ -376,62 +417,68 @@ class TorchEngine(Admission, ServedWeights, SpeculationSettings, Engine):
         if not self._live[seq.request_id]:
             del self._live[seq.request_id]
         sample = seq.to_sample(reason)
-        stats = self._stats[self._version]
+        stats = self._stats[self.weights.version]
         stats.samples_finished += 1
         stats.samples_nonfinite += sample.nonfinite
         return sample
 
     def _keep_rows(self, keep: list[int]) -> None:
-        """Keep the rows `keep`: each row that leaves has its place taken by a kept row from the
-        end of the batch, so the block table changes one row per leaving row, not every row after
-        it (the rows' order is free: a row's tokens do not depend on its batch)."""
-        n = len(self._running)
-        if keep == list(range(n)):
+        """Keep the running rows `keep`, the scheduler's and the runner's alike (`row_order`)."""
+        order = row_order(keep, len(self.scheduler.running))
+        if order == list(range(len(self.scheduler.running))):
             return
-        kept = set(keep)
-        movers = iter([i for i in range(len(keep), n) if i in kept])
-        keep = [i if i in kept else next(movers) for i in range(len(keep))]
-        self._running = [self._running[i] for i in keep]
-        self._cache.keep_rows(keep)
-        for c in self._mtp_caches:
-            c.keep_rows(keep)
-        self._batch = None
-
-    def _count(self, seq: Sequence, drafted: int, accepted: int, generated: int) -> None:
-        step = step_counters(drafted, accepted, generated)
-        seq.counters.add(step)
-        self._stats[self._version].counters.add(step)
+        self.scheduler.keep_rows(order)
+        self.runner.keep_rows(order)
 
     # ---- the loop --------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[Sample]:
+        """One engine step: the running rows' round (plan → round → commit), then the queued
+        sequences the freed rows and blocks hold (plan → prefill → commit)."""
         start = time.perf_counter()
         finished: list[Sample] = []
         self.model.kernels = self.kernels
         with self.model.frozen_weights():
-            if self._running:
-                finished += self._decode()
-            if self._queue and len(self._running) < self.max_batch_size:
-                finished += self._admit()
-        if finished or self._running:
-            self._stats[self._version].busy_seconds += time.perf_counter() - start
+            if self.scheduler.running:
+                plan = self._plan_round()
+                started = self._clock()
+                timed = self.speculation.policy if any(s.speculation_auto for s in plan.rows) else None
+                drafted_at = [started]
+
+                def drafted() -> None:  # the draft phase's cost, not its launch
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)
+                    drafted_at[0] = self._clock()
+
+                out = self.runner.round(
+                    plan,
+                    self.runner.round_input(plan),
+                    self.weights.read_tensors,
+                    self.weights.swaps,
+                    drafted if timed is not None or self.runner.timed_drafts else None,
+                )
+                finished += self._commit_round(plan, out, started, drafted_at[0])
+            if self.scheduler.queue and len(self.scheduler.running) < self.max_batch_size:
+                new = self._plan_admission()
+                if new:
+                    prefill = self.runner.prefill(new)
+                    finished += self._commit_prefill(new, prefill)
+        if finished or self.scheduler.running:
+            self._stats[self.weights.version].busy_seconds += time.perf_counter() - start
         return finished
 
-    def _decode(self) -> list[Sample]:
-        """One speculative round (draft → verify → accept → roll back) for every running row.
-
-        Device work apart from building the round's inputs; its result comes back in one packed
-        host copy (`rows.round_outcome`)."""
-        self._reserve_blocks()
-        seqs = self._running
-        b, dev = len(seqs), self.device
-        if self._batch is None:
-            self._batch = BatchTensors.of(seqs, dev)
-        batch = self._batch
-        started = self._clock()
-        policy = self._policy if any(s.speculation_auto for s in seqs) else None
+    def _plan_round(self) -> StepPlan:
+        """The scheduler grows every row into the blocks the round may write (preempting the
+        latest admitted where the pool runs out); the controller and each row's budget set its k."""
+        preempted: list[Sequence] = []
+        runner = self.runner
+        while (p := self.scheduler.reserve(runner.cache.lengths, [c.lengths for c in runner.draft_caches])) is not None:
+            preempted += p.preempted
+            self._keep_rows(p.keep)  # the rows kept, in their new places: reserve again (their needs fit now)
+        seqs = self.scheduler.running
+        policy = self.speculation.policy if any(s.speculation_auto for s in seqs) else None
         decision: SpeculationDecision | None = (
-            policy.decide(b, self._tokens_left(seqs), [self._row_state(s) for s in seqs])
+            policy.decide(len(seqs), self._tokens_left(seqs), [self._row_state(s) for s in seqs])
             if policy is not None
             else None
         )
@@ -442,125 +489,93 @@ class TorchEngine(Admission, ServedWeights, SpeculationSettings, Engine):
             else 0
             for s in seqs
         ]
-        round_k = max(row_k)
-        host = torch.tensor(
-            [[len(s.output), s.last_tokens(1)[0], k, len(s.prompt) - 1] for s, k in zip(seqs, row_k, strict=True)]
-        ).to(dev)
-        inp = RoundInput(
-            out_len=host[:, 0],
-            last=host[:, 1],
-            num_draft=host[:, 2],
-            next_position=host[:, 0] + host[:, 3],
-            round_k=round_k,
-            num_new=[k + 1 for k in row_k],
+        refresh = [s.num_pending if k else 0 for s, k in zip(seqs, row_k, strict=True)]
+        lengths = list(runner.cache.lengths)
+        return StepPlan(
+            rows=list(seqs), preempted=preempted, row_k=row_k, refresh=refresh, lengths=lengths, decision=decision
         )
-        catch_up = False
-        if round_k > 0:
-            num_refresh = [s.num_pending if k else 0 for s, k in zip(seqs, row_k, strict=True)]
-            width = max(num_refresh)
-            catch_up = width > self._last_round_k + 1  # positions skipped by plain rounds (see CATCH_UP_POSITIONS)
-            # MTP position t of each pending entry: they end at t = n - 2 (n = the row's length)
-            ends = [s.length - 1 - n for s, n in zip(seqs, num_refresh, strict=True)]
-            inp.refresh_tokens = torch.tensor(
-                [s.last_tokens(n) + [0] * (width - n) for s, n in zip(seqs, num_refresh, strict=True)]
-            ).to(dev)
-            inp.refresh_hidden = gather_pending(seqs, num_refresh, width)
-            inp.refresh_positions = (torch.tensor(ends)[:, None] + torch.arange(width)[None, :]).to(dev)
-            inp.num_refresh = num_refresh
-        drafted_at = started
 
-        def drafted() -> None:  # the draft phase's cost, not its launch
-            nonlocal drafted_at
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            drafted_at = self._clock()
-
-        if round_k > 0:
-            self.drafter.prepare()  # a reduced draft vocabulary: re-chosen when due, its rows current
-        old_lengths = list(self._cache.lengths)
-        moved = (self._swaps, self.model.decode_builds)  # weights move only by a push or a rebuild
-        if isinstance(self._rounds, FixedRounds) and self._rounds.capture and moved != self._weights_checked:
-            self._rounds.check_weights(self._read_tensors())
-            self._weights_checked = moved
-        out = self._rounds.run(
-            self.drafter,
-            self._cache,
-            self._mtp_caches,
-            batch,
-            inp,
-            self._acceptance_rule,
-            drafted if policy is not None or self._timed_drafts else None,
-        )
+    def _commit_round(self, plan: StepPlan, out: RoundOutput, started: float, drafted_at: float) -> list[Sample]:
+        """The round's packed result into the rows' tokens and counters, the statistics, the
+        rows that end, the caches rolled back, and the controller's measurements."""
         packed = out.packed.tolist()  # the one host copy
-
-        finished, keep = [], []
-        emitted_total = ended = 0
-        ends_: list[tuple[int, int, bool]] = []  # per row: output length before the step, emitted, stopped
-        evidence: tuple[list[int], list[int]] = ([], [])  # per drafting row: drafts before its end, accepted
-        width_out = round_k + 1
-        num_accepted: list[int] = []
+        version = self.weights.version
         if self.drafter.vocab is not None:  # the reduced draft vocabulary counts what the policy emits
-            self.drafter.observe([int(t) for row in packed for t in row[: int(row[2 * width_out + 1])]])
-        for i, s in enumerate(seqs):
-            row = packed[i]
-            a, n, reason = int(row[2 * width_out]), int(row[2 * width_out + 1]), int(row[2 * width_out + 2])
-            num_accepted.append(a)
-            before = len(s.output)
-            s.extend(row[:n], row[width_out : width_out + n], self._version)
-            add_rounds(s.counters, [row_k[i]], [a], n)
-            if row_k[i]:  # an accepted stop token ends the row: the drafts after it say nothing
-                evidence[0].append(min(row_k[i], n))
-                evidence[1].append(min(a, n))
-            emitted_total += n
-            ends_.append((before, n, reason == REASON_STOP))
-            if reason:
-                ended += reason == REASON_STOP
-                finished.append(self._finish(s, REASONS[reason]))
-                if policy is not None:
-                    policy.observe_finished_row(*s.position_one())
-                continue
-            if s.drafts and self.num_mtp and s.pending is not None:
-                new_pending = Pending(base=out.hidden, row=i, start=0, count=a + 1)
-                if row_k[i]:  # the round consumed the row's pending states
-                    s.pending = [new_pending]
-                else:  # a round without drafting: keep only the latest positions (see CATCH_UP_POSITIONS)
-                    s.pending = [*s.pending, new_pending]
-                    while len(s.pending) > 1 and s.num_pending - s.pending[0].count >= CATCH_UP_POSITIONS:
-                        s.pending.pop(0)
-            keep.append(i)
-        add_rounds(self._stats[self._version].counters, row_k, num_accepted, emitted_total)
-        self._cache.truncate([n + a + 1 for n, a in zip(old_lengths, num_accepted, strict=True)])
-        reserve = self.max_speculation_k + 2  # what the next round writes: those blocks are kept
-        for i in range(b):  # whole blocks of rejected drafts past that go back to the pool
-            self._pages.trim(i, max(c.lengths[i] for c in [self._cache, *self._mtp_caches]) + reserve)
-        self._keep_rows(keep)
-        if policy is not None:  # the controller learns from the steps it decided
-            policy.observe_acceptance(*evidence)
+            self.drafter.observe(emitted_ids(plan, packed))
+        done = commit_round(plan, out, packed, version, self.drafter.num_layers > 0)
+        finished = [self._finish(s, reason) for s, reason in done.finished]
+        decision = plan.decision
+        policy = self.speculation.policy if decision is not None else None
+        if policy is not None:
+            for s, _ in done.finished:
+                policy.observe_finished_row(*s.position_one())
+        add_rounds(self._stats[version].counters, plan.row_k, done.num_accepted, done.emitted)
+        self.runner.roll_back(plan.lengths, done.num_accepted, self.scheduler.pages)
+        self._keep_rows(done.keep)
+        if policy is not None and decision is not None:  # the controller learns from the steps it decided
+            policy.observe_acceptance(*done.evidence)
             policy.observe_step(
-                batch=b,
-                k=round_k,
+                batch=len(plan.rows),
+                k=plan.round_k,
                 draft_seconds=drafted_at - started,
                 step_seconds=self._clock() - started,
-                tokens=emitted_total,
-                chosen=round_k == auto_k,
-                catch_up=catch_up,
-                ended=ended,
-                rows=ends_,
+                tokens=done.emitted,
+                chosen=plan.round_k == decision.k,
+                catch_up=plan.round_k > 0 and max(plan.refresh) > self._last_round_k + 1,  # see CATCH_UP_POSITIONS
+                ended=done.stopped,
+                rows=done.ends,
             )
-        self._last_round_k = round_k
+        self._last_round_k = plan.round_k
         return finished
 
-    def _read_tensors(self) -> list[torch.Tensor]:
-        """Every tensor a round's forwards read (a captured graph holds their addresses). Read after
-        a push or a rebuild of the decode weights only: in between nothing here moves them (writes
-        into parameters in place, and `DecodeWeights.refresh`, keep every address)."""
-        fused = [t for w in self.model.decode_weights() for t in w.tensors()]
-        return [
-            *self.model.parameters(),
-            *self.drafter.pushed_parameters().values(),
-            *fused,
-            *self.drafter.head_tensors(),
-        ]
+    def _plan_admission(self) -> list[Sequence]:
+        """The queued sequences the free rows and blocks hold now (`RowScheduler.admissible`), less
+        any the pool no longer holds once automatic k refused them a draft."""
+        new = self.scheduler.admissible()
+        if not new:
+            return []
+        self.drafter.observe([t for s in new if not s.output for t in s.prompt])
+        auto = [s for s in new if s.speculation_auto]  # rows that pin k are never refused a draft: not asked
+        pinned = [s for s in new if not s.speculation_auto]
+        running, policy = self.scheduler.running, self.speculation.policy
+        if (
+            auto
+            and policy is not None
+            and not policy.may_draft(
+                len(running) + len(new),
+                self._tokens_left([*running, *new]),
+                [self._row_state(s) for s in [*running, *pinned, *auto]],
+                joining=len(auto),  # the last rows
+                prompt_tokens=_draft_prefill_saved(auto, pinned),
+            )
+        ):
+            for s in auto:  # the controller has measured that this batch decodes best without a draft
+                s.speculation_auto, s.k = False, 0
+        self.scheduler.fit(new)  # drafting changed: sharing may have too
+        return new
+
+    def _commit_prefill(self, new: list[Sequence], prefill: Prefill) -> list[Sample]:
+        """A prefill's first tokens into the new rows; the draft's prefill; the rows that did not
+        end join the batch: the scheduler's blocks, then the runner's caches."""
+        stats = self._stats[self.weights.version]
+        stats.prompt_tokens += sum(len(s.prompt) for s in new if not s.output)
+        stats.prefill_tokens += sum(prefill.lengths)
+        self.drafter.observe([int(row[0]) for row, s in zip(prefill.packed, new, strict=True) if not s.output])
+        timer = (
+            self.speculation.policy if any(s.speculation_auto for s in new) else None
+        )  # learns what a refused draft saves
+        timed = self.runner.prefill_draft(new, prefill, self._clock if timer is not None else None)
+        if timer is not None and timed is not None:
+            timer.observe_draft_prefill(*timed)
+        done = commit_prefill(new, prefill, self.weights.version, self.drafter.num_layers > 0)
+        add_rounds(stats.counters, [0] * done.emitted, [0] * done.emitted, done.emitted)
+        finished = [self._finish(s, reason) for s, reason in done.finished]
+        if done.keep:
+            kept = [new[i] for i in done.keep]
+            picked = [prefill.source[i] for i in done.keep]
+            self.scheduler.add_rows(kept, picked, prefill.lengths)
+            self.runner.load(prefill, kept, picked)
+        return finished
 
     @staticmethod
     def _row_state(s: Sequence) -> RowState:
@@ -570,7 +585,7 @@ class TorchEngine(Admission, ServedWeights, SpeculationSettings, Engine):
     def _tokens_left(self, seqs: list[Sequence]) -> int | None:
         """The most tokens a row may still emit, when no queued request waits for a finished
         row's place (None otherwise: the controller then maximises throughput, not the batch's end)."""
-        if self._queue or not seqs:
+        if self.scheduler.queue or not seqs:
             return None
         return max(s.params.max_new_tokens - len(s.output) for s in seqs)
 
@@ -578,3 +593,10 @@ class TorchEngine(Admission, ServedWeights, SpeculationSettings, Engine):
     def score(self, request: ScoreRequest) -> list[list[float]]:
         """Teacher-forced log-probs with the plain full forward (`scoring.score`)."""
         return score(self.model, request)
+
+
+def _draft_prefill_saved(auto: list[Sequence], pinned: list[Sequence]) -> int:
+    """Draft prefill tokens that admitting the `auto` rows without a draft saves: their distinct
+    prompts' positions, less those a drafting pinned row needs prefilled anyway."""
+    needed = {tuple(s.prompt) for s in pinned if s.drafts}
+    return sum(len(p) - 1 for p in {tuple(s.prompt) for s in auto} - needed)

@@ -116,5 +116,5 @@ def in_fraction_of_rounds(rule: AcceptanceRule, fraction: float, seed: int = 0) 
 def with_acceptance_rule(engine: TorchEngine, rule: AcceptanceRule) -> TorchEngine:
     """`engine`, now accepting drafts with `rule` instead of the exact rule (for power
     simulations and tests only: the engine never serves a wrong rule otherwise)."""
-    engine._acceptance_rule = rule
+    engine.runner.acceptance_rule = rule
     return engine

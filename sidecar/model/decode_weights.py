@@ -1,6 +1,6 @@
 """The weights of one decoder layer as the cached (decode) forwards read them.
 
-Split from `model.py`: the fused q|k|v and gate|up projections and the q/k norm table a decode step
+The fused q|k|v and gate|up projections and the q/k norm table a decode step
 multiplies by (`DecodeWeights`), how they are refreshed in place after a weight push (captured CUDA
 graphs read their addresses), and `joined_rows`, which finds parameters already stored as one tensor
 (`Qwen3WithMTP.join_projections`) so that no copy is made of them.
@@ -9,14 +9,63 @@ graphs read their addresses), and `joined_rows`, which finds parameters already 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from sidecar.model.model import DecoderLayer
+
+class _Weighted(Protocol):
+    @property
+    def weight(self) -> Tensor: ...
+
+
+class _Norm(_Weighted, Protocol):
+    @property
+    def eps(self) -> float: ...
+
+
+class _Attention(Protocol):
+    @property
+    def q_proj(self) -> _Weighted: ...
+    @property
+    def k_proj(self) -> _Weighted: ...
+    @property
+    def v_proj(self) -> _Weighted: ...
+    @property
+    def o_proj(self) -> _Weighted: ...
+    @property
+    def q_norm(self) -> _Norm: ...
+    @property
+    def k_norm(self) -> _Norm: ...
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+
+
+class _MLP(Protocol):
+    @property
+    def gate_proj(self) -> _Weighted: ...
+    @property
+    def up_proj(self) -> _Weighted: ...
+    @property
+    def down_proj(self) -> _Weighted: ...
+
+
+class DecoderLayer(Protocol):
+    """What a decoder layer (`model.DecoderLayer`) is to its decode weights: the parameters read
+    (a protocol, so that this module, which the model imports, imports nothing of the model)."""
+
+    @property
+    def self_attn(self) -> _Attention: ...
+    @property
+    def mlp(self) -> _MLP: ...
+    @property
+    def input_layernorm(self) -> _Norm: ...
+    @property
+    def post_attention_layernorm(self) -> _Norm: ...
 
 
 @dataclass(kw_only=True, slots=True)

@@ -334,7 +334,9 @@ def sidecar_config(cfg: ServeConfig, token: str | None) -> SidecarConfig:
         metrics_port=cfg.metrics_port,
         metrics_host=cfg.host,
         keep_staging=cfg.keep_staging and cfg.engine.kind == "torch",  # SGLang copies what it is pushed
-        data_planes=DataPlaneConfig(shm="shm" in offered, collective="collective" in offered, deltas=cfg.sparse_deltas),
+        data_planes=DataPlaneConfig(
+            shm="shm" in offered, collective="collective" in offered, sparse_deltas=cfg.sparse_deltas
+        ),
         shutdown_grace_s=cfg.shutdown_grace_s,
     )
 

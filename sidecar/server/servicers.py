@@ -254,7 +254,7 @@ class WeightService(services.WeightServicer):
         except Exception as e:
             await _abort(context, e)
         return convert.describe_weights_to_pb(
-            specs, version, self._receiver.data_planes.offered, accepts_deltas=self._receiver.data_planes.deltas
+            specs, version, self._receiver.data_planes.offered, accepts_deltas=self._receiver.data_planes.sparse_deltas
         )
 
     async def PrepareTransport(

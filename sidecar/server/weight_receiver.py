@@ -90,7 +90,7 @@ class DataPlaneConfig:
     next push reuses it). 0: map and unmap at every push."""
     collective: bool = True
     """Offer `collective` (join a torch.distributed group a sender sets up)."""
-    deltas: bool = True
+    sparse_deltas: bool = True
     """Accept sparse delta tensors (whatever the plane): the receiver keeps the tensors of the
     last applied push as the base to rebuild from, ~1x the model in host memory."""
 
@@ -350,7 +350,7 @@ class WeightReceiver:
         deltas = [s for s in manifest.tensors if s.delta is not None]
         if not deltas:
             return
-        if not self.data_planes.deltas:
+        if not self.data_planes.sparse_deltas:
             raise DeltaBaseError("this sidecar does not accept delta tensors; push the full tensors")
         if manifest.base_version != served:
             raise DeltaBaseError(
@@ -443,7 +443,7 @@ class WeightReceiver:
         (`Engine.adopt_weights`), by default the staged tensors themselves (an engine that
         copies; the next push then voids the base it receives full tensors into, see
         `_check_manifest`)."""
-        if self.data_planes.deltas:
+        if self.data_planes.sparse_deltas:
             self._base.update(staged.tensors)
             self._base_version = staged.version
         if self._keep_staging:

@@ -16,7 +16,8 @@ from engine_fixtures import aligned_draft_model
 from test_speculative_distribution import SwitchingPolicy
 from test_speculative_greedy import NEW, PROMPTS, naive_greedy
 
-from sidecar.engine.torch_engine import CATCH_UP_POSITIONS, TorchEngine
+from sidecar.engine.rows import CATCH_UP_POSITIONS
+from sidecar.engine.torch_engine import TorchEngine
 from sidecar.model.checkpoint import model_state_dict
 from sidecar.model.model import ModelConfig, Qwen3WithMTP, build_model
 from sidecar.speculation.acceptance import MIN_ROW_DRAFTS
@@ -64,11 +65,11 @@ def test_rows_that_skip_drafting_keep_a_bounded_catch_up(aligned_model) -> None:
     widths = []
     for _ in range(idle):
         engine.step()
-        widths.append(engine._running[0].num_pending)
+        widths.append(engine.scheduler.running[0].num_pending)
     assert widths[:3] == [2, 3, 4] and max(widths) == CATCH_UP_POSITIONS
     before = engine.stats()[0].counters.accepted_tokens
     engine.step()  # drafts 3 after the gap
-    assert engine._running[0].num_pending <= 4
+    assert engine.scheduler.running[0].num_pending <= 4
     assert engine.stats()[0].counters.accepted_tokens - before >= 2  # the aligned draft is still right
 
 
@@ -192,14 +193,14 @@ class FakeClock:
     """Seconds that advance by a cost model of 'true' hardware: TorchEngine reads the clock three
     times per decode step (start, after the draft, end); a step with k drafts costs
     `draft * k` + `verify * (1 + slope * k)`. The reads around an admission's draft prefill
-    (`TorchEngine._admit`) see time stand still."""
+    (`Runner.prefill_draft`) see time stand still."""
 
     def __init__(self, engine_ref: list[TorchEngine], draft: float, verify: float, slope: float) -> None:
         self.engine_ref, self.draft, self.verify, self.slope = engine_ref, draft, verify, slope
         self.now, self.reads = 0.0, 0
 
     def __call__(self) -> float:
-        if sys._getframe(1).f_code.co_name == "_admit":
+        if sys._getframe(1).f_code.co_name == "prefill_draft":
             return self.now
         phase = self.reads % 3
         self.reads += 1

@@ -92,7 +92,7 @@ def test_push_then_generate_on_captured_graphs_equals_the_pushed_oracle(adopt: b
     old, new = build_model(ModelConfig.tiny(), seed=31), build_model(ModelConfig.tiny(), seed=32)
     engine = TorchEngine(on_cuda(old), speculation_k=k, compile="on")
     before = generate(engine, k)
-    captured = engine._rounds.captured
+    captured = engine.runner.rounds.captured
     tensors = {n: t.to("cuda").clone() for n, t in model_state_dict(new).items()}
     if adopt:
         engine.adopt_weights(tensors, WeightSelector.ALL, version=1)
@@ -102,9 +102,9 @@ def test_push_then_generate_on_captured_graphs_equals_the_pushed_oracle(adopt: b
     assert after == [oracle_greedy(new, p, NEW) for p in PROMPTS]
     assert after != [t for t, _ in before]
     if adopt:  # new storages: every graph was dropped and captured again
-        assert engine._rounds.captured > captured
+        assert engine.runner.rounds.captured > captured
     else:  # copied into the storages the graphs read: replayed, nothing captured again
-        assert engine._rounds.captured == captured
+        assert engine.runner.rounds.captured == captured
 
 
 def test_captured_rounds_with_an_eagle3_draft_equal_the_plain_forward() -> None:
@@ -114,7 +114,7 @@ def test_captured_rounds_with_an_eagle3_draft_equal_the_plain_forward() -> None:
     cuda_draft.load_state_dict(draft.state_dict())
     engine = TorchEngine(on_cuda(target), speculation_k=3, draft=cuda_draft, compile="on")
     got = [t for t, _ in generate(engine, 3)]
-    assert engine._rounds.captured > 0 and engine.stats()[-1].counters.acceptance_rate > 0.5
+    assert engine.runner.rounds.captured > 0 and engine.stats()[-1].counters.acceptance_rate > 0.5
     assert got == [oracle_greedy(target, p, NEW) for p in PROMPTS]
 
 

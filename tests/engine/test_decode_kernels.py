@@ -202,7 +202,7 @@ def greedy(engine: TorchEngine, k: int) -> list[list[int]]:
 @pytest.mark.parametrize("k", [0, 3])
 def test_greedy_with_the_kernels_equals_the_plain_forward(k: int) -> None:
     engine = TorchEngine(aligned(), speculation_k=k, max_batch_size=8, compile="on")
-    assert isinstance(engine.kernels, DecodeKernels) and isinstance(engine._rounds, FixedRounds)
+    assert isinstance(engine.kernels, DecodeKernels) and isinstance(engine.runner.rounds, FixedRounds)
     assert greedy(engine, k) == oracle("mtp")
     if k:
         assert engine.stats()[0].counters.acceptance_rate > 0.6  # accepted runs, rollbacks, bonus tokens
@@ -368,7 +368,7 @@ def test_captured_rounds_with_the_compiled_kernels_equal_the_plain_forward(k: in
     engine = TorchEngine(cuda, speculation_k=k, max_batch_size=8, compile="on")
     assert isinstance(engine.kernels, DecodeKernels)
     assert greedy(engine, k) == [oracle_greedy(cpu, p, NEW) for p in PROMPTS]  # the oracle on the CPU
-    assert engine._rounds.captured > 0
+    assert engine.runner.rounds.captured > 0
 
 
 @pytest.mark.gpu

@@ -265,7 +265,7 @@ def test_reduced_vocabulary_rounds_trace_whole_without_host_reads(monkeypatch: p
     engine = TorchEngine(model, compile="on", draft_vocab_size=24)
     reference = TorchEngine(aligned_draft_model(ModelConfig.tiny(), seed=2), compile="on", draft_vocab_size=24)
     backend = HostReadCheckingBackend()
-    engine._rounds = traced = TracedRounds(backend)
+    engine.runner.rounds = traced = TracedRounds(backend)
     pushed = model_state_dict(aligned_draft_model(ModelConfig.tiny(), seed=3))
     with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=256):
         for push in (False, True):

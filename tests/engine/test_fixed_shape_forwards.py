@@ -227,7 +227,7 @@ def greedy_outputs(engine: TorchEngine, prompts: list[list[int]], k: int) -> lis
 @pytest.mark.parametrize("k", [0, 1, 3])
 def test_greedy_on_fixed_shapes_equals_the_plain_forward(kind: str, k: int) -> None:
     engine = TorchEngine(mtp_model(kind), speculation_k=k, max_batch_size=8, compile="on")
-    assert isinstance(engine._rounds, FixedRounds)
+    assert isinstance(engine.runner.rounds, FixedRounds)
     assert greedy_outputs(engine, PROMPTS, k) == oracle(kind)  # batched: 6 rows in a bucket of 8
     for p, want in zip(PROMPTS, oracle(kind), strict=True):  # alone: a bucket of 1
         assert greedy_outputs(engine, [p], k) == [want]
@@ -553,7 +553,7 @@ def test_fixed_shape_rounds_trace_whole_with_one_graph_per_key() -> None:
     reference = TorchEngine(aligned_draft_model(ModelConfig.tiny(), seed=2), compile="on")
     engine = TorchEngine(model, compile="on")
     backend = HostReadCheckingBackend()
-    engine._rounds = traced = TracedRounds(backend)
+    engine.runner.rounds = traced = TracedRounds(backend)
     pushed = {n: t.clone() for n, t in model_state_dict(aligned_draft_model(ModelConfig.tiny(), seed=3)).items()}
     with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=256):
         for push in ("", "copy", "adopt"):
@@ -604,7 +604,7 @@ def test_compile_is_validated_and_reaches_the_engine(tmp_path: Path, monkeypatch
             )
         )
         assert isinstance(engine, TorchEngine)
-        kinds[mode] = type(engine._rounds)
+        kinds[mode] = type(engine.runner.rounds)
     assert kinds == {"auto": EagerRounds, "on": FixedRounds, "off": EagerRounds}  # auto: eager on a CPU
 
     seen: dict[str, object] = {}

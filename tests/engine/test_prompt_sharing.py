@@ -185,7 +185,7 @@ def run(e: TorchEngine, plan: list[Arrival]) -> tuple[list[Sample], list[int]]:
         for a in plan:
             if a.step == step:
                 e.submit(a.request)
-        queued = list(e._queue)
+        queued = list(e.scheduler.queue)
         samples += e.step()
         admitted = queued[: len(queued) - e.num_queued()]  # admission takes the queue's head
         expected.append(sum(len(p) for p in {tuple(s.prompt) for s in admitted}))
@@ -236,11 +236,11 @@ def test_a_sequence_that_does_not_draft_gets_no_draft_cache_from_a_shared_prompt
             )
         )
     e.step()
-    draft_cache: KVCache = e._mtp_caches[0]
-    assert [s.request_id for s in e._running] == ["plain", "plain", "spec", "spec"]
+    draft_cache: KVCache = e.runner.draft_caches[0]
+    assert [s.request_id for s in e.scheduler.running] == ["plain", "plain", "spec", "spec"]
     assert draft_cache.lengths == [0, 0, len(prompt) - 1, len(prompt) - 1]
-    assert e._cache.lengths == [len(prompt)] * 4
-    assert [s.pending is None for s in e._running] == [True, True, False, False]
+    assert e.runner.cache.lengths == [len(prompt)] * 4
+    assert [s.pending is None for s in e.scheduler.running] == [True, True, False, False]
 
 
 @pytest.mark.parametrize(("k", "shared"), [(0, 6), (MAX_K, 5)])

@@ -159,7 +159,7 @@ def faked_capture(
     """Turn `engine`'s fixed rounds to capturing, with `Replayable` graphs (no GPU here); returns
     the rounds and the list of captures (each the phase's by-reference inputs: empty for the draft
     phase). `fail_verify`: the verify phase's capture raises as a CUDA capture refusal does."""
-    rounds = engine._rounds
+    rounds = engine.runner.rounds
     assert isinstance(rounds, FixedRounds)
     rounds.capture = True
     captures: list[tuple[object, ...]] = []

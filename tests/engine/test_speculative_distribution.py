@@ -31,7 +31,7 @@ import pytest
 import torch
 from engine_fixtures import aligned_draft_model, hf_probs
 
-from sidecar.engine import torch_engine
+from sidecar.engine import commit
 from sidecar.engine.sampling import AcceptanceRule
 from sidecar.engine.torch_engine import TorchEngine
 from sidecar.losslessness.statistics import pooled_chi_square_pvalue as chi_square_pvalue
@@ -128,7 +128,7 @@ def test_k_switching_mid_sequence_keeps_the_exact_distribution(
 ) -> None:
     """catch_up 1: a plain round drops the older pending MTP input, so the next draft refreshes
     one position past a gap in the MTP cache (what automatic k does after long plain stretches)."""
-    monkeypatch.setattr(torch_engine, "CATCH_UP_POSITIONS", catch_up)
+    monkeypatch.setattr(commit, "CATCH_UP_POSITIONS", catch_up)  # where a round keeps them
     sp = SamplingParams(temperature=1.0, max_new_tokens=4, seed=4)
     exact = exact_joint(model, sp)
     engine = TorchEngine(model, max_batch_size=1000)

@@ -103,7 +103,7 @@ def test_a_memory_budget_caps_the_pools_blocks_and_the_rest_queue() -> None:
     engine = TorchEngine(model, max_context=32, max_batch_size=8, kv_cache_gib=budget / 2**30, kv_block_size=4)
     assert engine.max_batch_size == 8
     assert engine.kv_usage().blocks_total == budget // (4 * per_token) - 2  # less the zero and scratch blocks
-    assert engine._cache.nbytes() + engine._mtp_caches[0].nbytes() <= budget
+    assert engine.runner.cache.nbytes() + engine.runner.draft_caches[0].nbytes() <= budget
     request = GenerationRequest(
         prompts=PROMPTS * 2, sampling=SamplingParams(temperature=0.0, max_new_tokens=NEW), speculation_k=2
     )

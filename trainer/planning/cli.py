@@ -17,6 +17,7 @@ from pathlib import Path
 
 import click
 
+from sidecar.config_io import retired_option
 from trainer.planning import inputs
 from trainer.planning.cost_table import CostTableError, load_costs
 from trainer.planning.hardware import profile
@@ -56,8 +57,8 @@ class PlanOptions:
     acceptance: str | None = None
     acceptance_from: str | None = None
     spread: float = 0.0
-    draft: str = "eagle3"
-    draft_vocab: int = 32000
+    draft_kind: str = "eagle3"
+    draft_vocab_size: int = 32000
     ngram_host_us: float = 0.0
     ks: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7)
     max_batch: int | None = None
@@ -101,7 +102,7 @@ def _costs(opts: PlanOptions, shape: ModelShape, assumed: list[str]) -> RoundCos
         except CostTableError as e:
             raise click.BadParameter(str(e), param_hint="--costs") from None
         assumed.append(
-            "costs from the measured table (its draft is the engine's; --draft and the efficiencies do not apply)"
+            "costs from the measured table (its draft is the engine's; --draft-kind and the efficiencies do not apply)"
         )
         return table
     assert opts.hardware is not None
@@ -115,7 +116,9 @@ def _costs(opts: PlanOptions, shape: ModelShape, assumed: list[str]) -> RoundCos
             compute_efficiency=opts.compute_efficiency,
             forward_overhead_s=opts.forward_overhead_ms / 1e3,
             gpus=opts.gpus_per_engine,
-            draft=DraftShape(kind=opts.draft, vocab=opts.draft_vocab, host_s_per_row=opts.ngram_host_us / 1e6),
+            draft=DraftShape(
+                kind=opts.draft_kind, vocab=opts.draft_vocab_size, host_s_per_row=opts.ngram_host_us / 1e6
+            ),
         )
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
@@ -131,12 +134,12 @@ def _costs(opts: PlanOptions, shape: ModelShape, assumed: list[str]) -> RoundCos
         f"{hw.name}: {hw.source}; achieved {opts.memory_efficiency:g} of the bandwidth and {opts.compute_efficiency:g} "
         f"of the peak; {opts.forward_overhead_ms:g} ms host time per forward"
     )
-    if opts.draft == "ngram":
+    if opts.draft_kind == "ngram":
         assumed.append(f"n-gram draft: no forward, {opts.ngram_host_us:g} us of host lookup per row and round")
     else:
         assumed.append(
-            f"{opts.draft} draft: one decoder layer"
-            + (f", {opts.draft_vocab}-token head" if opts.draft == "eagle3" else "")
+            f"{opts.draft_kind} draft: one decoder layer"
+            + (f", {opts.draft_vocab_size}-token head" if opts.draft_kind == "eagle3" else "")
         )
     return RooflineCosts(shape, hw, cfg)
 
@@ -337,9 +340,11 @@ def make_plan(opts: PlanOptions) -> tuple[Plan, PlanContext]:
 @click.option("--acceptance-from", help="A run directory (spec/accept_pos*) or a sidecar HOST:PORT (GetStats).")
 @click.option("--spread", type=float, default=0.0, show_default=True, help="Relative sd of a row's acceptance.")
 @click.option(
-    "--draft", type=click.Choice(DRAFT_KINDS), default="eagle3", show_default=True, help="Draft kind (roofline)."
+    "--draft-kind", type=click.Choice(DRAFT_KINDS), default="eagle3", show_default=True, help="Draft kind (roofline)."
 )
-@click.option("--draft-vocab", type=int, default=32000, show_default=True, help="EAGLE-3 draft head size.")
+@click.option("--draft-vocab-size", type=int, default=32000, show_default=True, help="EAGLE-3 draft head size.")
+@retired_option("--draft", "--draft-kind")
+@retired_option("--draft-vocab", "--draft-vocab-size")  # glossary: refused here
 @click.option("--ngram-host-us", type=float, default=0.0, show_default=True, help="n-gram lookup us per row and round.")
 @click.option(
     "--ks", default="1,2,3,4,5,6,7", show_default=True, help="Draft lengths to plan (plain is always included)."
