@@ -163,8 +163,8 @@ def check_problems(
     """Every problem checked (see `_problems`) renders to tokens (through the chat template where
     the task uses one) and fits the context with `max_new_tokens`; the reward gives a finite value on
     three completions of `DRY_CALLS` of them (unless `reward_key` is "": no reward is computed).
-    PreflightError naming the rows; a dataset task that
-    filters rows drops the over-long ones instead (counted in its `dropped`)."""
+    PreflightError naming the rows; a dataset task that filters rows drops the over-long ones
+    instead (counted in its `dropped`)."""
     bad: list[str] = []
     long: list[tuple[str, int]] = []
     problems = _problems(task, seed)

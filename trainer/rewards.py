@@ -144,10 +144,11 @@ def load_reward_fn(spec: str) -> tuple[Callable[..., Any], bool]:
     if not callable(fn):
         raise ValueError(f"reward function {spec!r} is not callable")
     try:
-        params = list(inspect.signature(fn).parameters)
-        inspect.signature(fn).bind("prompt", "completion", "answer")
+        signature = inspect.signature(fn)
+        signature.bind("prompt", "completion", "answer")
     except TypeError as e:
         raise ValueError(f"reward function {spec!r} must accept (prompt, completion, answer): {e}") from e
+    params = list(signature.parameters)
     return fn, bool(params) and params[0] == "prompts"
 
 

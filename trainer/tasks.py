@@ -206,10 +206,6 @@ class DatasetFields:
     reference solution (warm-up trains on that turn alone). Used instead of `prompt` when set."""
 
 
-def _location(path: Path, jsonl_lines: list[int] | None, row: int) -> str:
-    return f"{path}:{jsonl_lines[row]}" if jsonl_lines is not None else f"{path} row {row + 1}"
-
-
 def read_rows(source: str | Path, split: str = "train") -> tuple[list[dict[str, Any]], list[str]]:
     """The rows of a dataset and where each is written ("file:line" for JSONL, "file row N" else).
 

@@ -230,28 +230,9 @@ def model_tokenizer(spec: str | Path | None, model_dir: str | Path, eos_token_id
     model_dir = Path(model_dir)
     shipped = [f for f in TOKENIZER_FILES if (model_dir / f).is_file()]
     own = model_dir / "tokenizer.json"
-    if shipped and not own.is_file():
-        if spec is None:
-            raise TokenizerMismatchError(
-                f"{model_dir} ships its tokenizer as {shipped} but no tokenizer.json, the format specrl reads: write "
-                "one with transformers (AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)) or set tokenizer=PATH"
-            )
-    elif shipped:
-        if spec is None:
-            return HFTokenizer(own)
-        if str(spec) == BUILTIN:
-            raise TokenizerMismatchError(
-                f"the model {model_dir} ships its own tokenizer.json; the built-in character tokenizer would feed it "
-                "ids it was never trained on: remove tokenizer (the default is the model's own)"
-            )
-        chosen = HFTokenizer(spec)
-        if chosen.vocab() != HFTokenizer(own).vocab():
-            raise TokenizerMismatchError(
-                f"tokenizer={spec} has another vocabulary than the model's own {own}: remove tokenizer to use the "
-                "model's, or give a checkpoint built for this tokenizer"
-            )
-        return chosen
-    elif spec is None:
+    if not shipped:  # built by specrl for the character tokenizer, unless its config says otherwise
+        if spec is not None:
+            return load_tokenizer(spec)
         if any(t != CharTokenizer.EOS for t in eos_token_id):
             raise TokenizerMismatchError(
                 f"the model {model_dir} ships no tokenizer (no tokenizer.json) and its config.json's eos_token_id "
@@ -259,7 +240,27 @@ def model_tokenizer(spec: str | Path | None, model_dir: str | Path, eos_token_id
                 "for it: set tokenizer=PATH (the model's tokenizer.json)"
             )
         return CharTokenizer()
-    return load_tokenizer(spec)
+    if not own.is_file():  # a tokenizer in a format specrl does not read
+        if spec is None:
+            raise TokenizerMismatchError(
+                f"{model_dir} ships its tokenizer as {shipped} but no tokenizer.json, the format specrl reads: write "
+                "one with transformers (AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)) or set tokenizer=PATH"
+            )
+        return load_tokenizer(spec)
+    if spec is None:
+        return HFTokenizer(own)
+    if str(spec) == BUILTIN:
+        raise TokenizerMismatchError(
+            f"the model {model_dir} ships its own tokenizer.json; the built-in character tokenizer would feed it "
+            "ids it was never trained on: remove tokenizer (the default is the model's own)"
+        )
+    chosen = HFTokenizer(spec)
+    if chosen.vocab() != HFTokenizer(own).vocab():
+        raise TokenizerMismatchError(
+            f"tokenizer={spec} has another vocabulary than the model's own {own}: remove tokenizer to use the "
+            "model's, or give a checkpoint built for this tokenizer"
+        )
+    return chosen
 
 
 def copy_tokenizer_files(source: str | Path, out: str | Path) -> None:
