@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from yarn import RopeConfig
 
-SUPPORTED_ARCHITECTURES: dict[str, str] = {"Qwen3ForCausalLM": "qwen3"}
+SUPPORTED_ARCHITECTURES: dict[str, str] = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
 """config.json's `architectures` entry → its `model_type`, for every architecture the engine serves."""
 
 
@@ -84,6 +84,20 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
     ConfigKey("dtype", "read", "float32 / bfloat16 / float16", "transformers 5's name for torch_dtype"),
     ConfigKey("eos_token_id", "read", "ids in the vocabulary (int or list)", "where a sample ends"),
     ConfigKey("num_nextn_predict_layers", "read", ">= 0", "specrl's MTP draft layers (`mtp.layers.*`)"),
+    ConfigKey("num_experts", "read", "> 0 (qwen3_moe)", "routed experts per sparse layer (`moe.MoEConfig`)"),
+    ConfigKey("num_local_experts", "read", "> 0", "transformers 5's name for num_experts"),
+    ConfigKey("num_experts_per_tok", "read", "1..num_experts", "experts each token is routed to (top k)"),
+    ConfigKey("moe_intermediate_size", "read", "any", "SwiGLU width of one expert"),
+    ConfigKey(
+        "norm_topk_prob",
+        "read",
+        "true / false (read from the JSON: transformers' default differs from the released models)",
+        "renormalise the chosen experts' weights to sum 1",
+    ),
+    ConfigKey("mlp_only_layers", "read", "layer indices", "layers with a dense MLP (qwen3_moe)"),
+    ConfigKey("decoder_sparse_step", "read", ">= 1", "layer idx is sparse iff (idx + 1) % step == 0 (qwen3_moe)"),
+    ConfigKey("router_aux_loss_coef", "ignored", "any", "load-balancing loss in training, not in the forward"),
+    ConfigKey("output_router_logits", "ignored", "any", "whether transformers returns router logits"),
     ConfigKey("hidden_act", "refused unless", '"silu"', "the MLP's activation (SwiGLU)", _is("silu")),
     ConfigKey("attention_bias", "refused unless", "false", "biases on q/k/v/o projections", _is(False)),
     ConfigKey("use_sliding_window", "refused unless", "false", "windowed attention in some layers", _is(False)),

@@ -33,6 +33,25 @@ Target (trunk + output head), Hugging Face Qwen3 names, for i in 0..num_hidden_l
     model.norm.weight                                  [hidden]
     lm_head.weight                                     [vocab, hidden]  (absent when tie_word_embeddings)
 
+Mixture-of-experts layers (``Qwen3MoeForCausalLM``; the keys in ``moe.MoEConfig``). A *sparse*
+layer i (``MoEConfig.is_sparse(i)``: Qwen3-MoE's unless ``i in mlp_only_layers`` or ``(i + 1) %
+decoder_sparse_step != 0``) has, in place of the three ``mlp.*_proj`` names above, Hugging Face's
+per-expert names (what ``save_pretrained`` writes and the hub ships; transformers 5's fused
+in-memory ``experts.gate_up_proj`` is not a file name), E = num_experts, I = moe_intermediate_size::
+
+    model.layers.{i}.mlp.gate.weight                   [E, hidden]  the router (float32 logits)
+    model.layers.{i}.mlp.gate.e_score_correction_bias  [E]          sigmoid_grouped routers only
+    model.layers.{i}.mlp.experts.{e}.gate_proj.weight  [I, hidden]  for e in 0..E-1
+    model.layers.{i}.mlp.experts.{e}.up_proj.weight    [I, hidden]
+    model.layers.{i}.mlp.experts.{e}.down_proj.weight  [hidden, I]
+    model.layers.{i}.mlp.shared_experts.{gate,up,down}_proj.weight  n_shared_experts > 0 only:
+                                                       [n*I, hidden], [n*I, hidden], [hidden, n*I]
+
+Dense layers of an MoE model keep the dense names (width ``intermediate_size``). An MTP layer j is
+sparse when ``is_sparse(num_hidden_layers + j)`` and then carries the same expert names under its
+prefix. Nothing changes for dense checkpoints. (Megatron-core's grouped-GEMM layout, the trainer's
+concern, maps to these names in its bridge: expert e's ``linear_fc1`` rows are gate then up.)
+
 Draft (MTP) layers, prefix ``mtp.layers.{j}.`` for j in 0..num_nextn_predict_layers-1,
 DeepSeek-V3 names::
 
@@ -62,30 +81,18 @@ from torch import Tensor
 from sidecar.errors import CheckpointError
 from sidecar.model.architectures import UnsupportedConfigError
 from sidecar.model.model import ModelConfig
+from sidecar.model.moe import MoEConfig
 
 MTP_PREFIX = "mtp.layers."
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
-_LAYER_SUFFIXES = (
-    "input_layernorm.weight",
-    "self_attn.q_proj.weight",
-    "self_attn.k_proj.weight",
-    "self_attn.v_proj.weight",
-    "self_attn.o_proj.weight",
-    "self_attn.q_norm.weight",
-    "self_attn.k_norm.weight",
-    "post_attention_layernorm.weight",
-    "mlp.gate_proj.weight",
-    "mlp.up_proj.weight",
-    "mlp.down_proj.weight",
-)
 
-
-def _layer_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+def _layer_shapes(c: ModelConfig, idx: int) -> dict[str, tuple[int, ...]]:
+    """Sub-names and shapes of decoder layer `idx` (an MTP layer: num_hidden_layers + j)."""
     h, q, kv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    return {
+    attention = {
         "input_layernorm.weight": (h,),
         "self_attn.q_proj.weight": (q, h),
         "self_attn.k_proj.weight": (kv, h),
@@ -94,19 +101,38 @@ def _layer_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
         "self_attn.q_norm.weight": (c.head_dim,),
         "self_attn.k_norm.weight": (c.head_dim,),
         "post_attention_layernorm.weight": (h,),
-        "mlp.gate_proj.weight": (c.intermediate_size, h),
-        "mlp.up_proj.weight": (c.intermediate_size, h),
-        "mlp.down_proj.weight": (h, c.intermediate_size),
     }
+    if c.moe is None or not c.is_sparse(idx):
+        return attention | _swiglu_shapes("mlp.", h, c.intermediate_size)
+    return attention | expert_shapes(c.moe, h)
+
+
+def _swiglu_shapes(prefix: str, h: int, width: int) -> dict[str, tuple[int, ...]]:
+    return {
+        f"{prefix}gate_proj.weight": (width, h),
+        f"{prefix}up_proj.weight": (width, h),
+        f"{prefix}down_proj.weight": (h, width),
+    }
+
+
+def expert_shapes(moe: MoEConfig, hidden: int) -> dict[str, tuple[int, ...]]:
+    """A sparse layer's MLP sub-names and shapes: router, expert-score bias, experts, shared experts."""
+    out: dict[str, tuple[int, ...]] = {"mlp.gate.weight": (moe.num_experts, hidden)}
+    if moe.router == "sigmoid_grouped":
+        out["mlp.gate.e_score_correction_bias"] = (moe.num_experts,)
+    for e in range(moe.num_experts):
+        out |= _swiglu_shapes(f"mlp.experts.{e}.", hidden, moe.moe_intermediate_size)
+    if moe.n_shared_experts:
+        out |= _swiglu_shapes("mlp.shared_experts.", hidden, moe.moe_intermediate_size * moe.n_shared_experts)
+    return out
 
 
 def target_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Names and shapes of the target (trunk + output head), in checkpoint order."""
     h = config.hidden_size
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
-    layer = _layer_shapes(config)
     for i in range(config.num_hidden_layers):
-        out.update({f"model.layers.{i}.{s}": layer[s] for s in _LAYER_SUFFIXES})
+        out.update({f"model.layers.{i}.{s}": shape for s, shape in _layer_shapes(config, i).items()})
     out["model.norm.weight"] = (h,)
     if not config.tie_word_embeddings:
         out["lm_head.weight"] = (config.vocab_size, h)
@@ -116,14 +142,13 @@ def target_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 def draft_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Names and shapes of the MTP draft layers (empty when num_nextn_predict_layers is 0)."""
     h = config.hidden_size
-    layer = _layer_shapes(config)
     out: dict[str, tuple[int, ...]] = {}
     for j in range(config.num_nextn_predict_layers):
         p = f"{MTP_PREFIX}{j}."
         out[p + "enorm.weight"] = (h,)
         out[p + "hnorm.weight"] = (h,)
         out[p + "eh_proj.weight"] = (h, 2 * h)
-        out.update({p + s: layer[s] for s in _LAYER_SUFFIXES})
+        out.update({p + s: shape for s, shape in _layer_shapes(config, config.num_hidden_layers + j).items()})
         out[p + "shared_head.norm.weight"] = (h,)
     return out
 

@@ -9,7 +9,7 @@ graphs read their addresses), and `joined_rows`, which finds parameters already 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -56,12 +56,13 @@ class _MLP(Protocol):
 
 class DecoderLayer(Protocol):
     """What a decoder layer (`model.DecoderLayer`) is to its decode weights: the parameters read
-    (a protocol, so that this module, which the model imports, imports nothing of the model)."""
+    (a protocol, so that this module, which the model imports, imports nothing of the model). A
+    sparse layer's MLP (`moe.SparseMoE`) has no gate_proj: its experts are read as they are."""
 
     @property
     def self_attn(self) -> _Attention: ...
     @property
-    def mlp(self) -> _MLP: ...
+    def mlp(self) -> _MLP | object: ...
     @property
     def input_layernorm(self) -> _Norm: ...
     @property
@@ -79,21 +80,25 @@ class DecodeWeights:
     `x @ w`: the layer's weights do not fit the caches, so a decode step streams them from
     memory, and MKL reads this layout about 20% faster at decode batch sizes (measured on the CPU
     box: the 24 layers' projections of the demo policy 2.4 vs 3.0 ms at B = 1, 3.8 vs 5.0 ms at
-    B = 16). Elsewhere (out, in) and `F.linear`, which shares o and down with the parameters."""
+    B = 16). Elsewhere (out, in) and `F.linear`, which shares o and down with the parameters.
+
+    A sparse (mixture-of-experts) layer has no gate|up and down here (None): its MLP reads its
+    router and experts itself (`moe.SparseMoE`)."""
 
     input_norm: Tensor
     qkv: Tensor
     qk_norm: Tensor
     o: Tensor
     post_norm: Tensor
-    gate_up: Tensor
-    down: Tensor
+    gate_up: Tensor | None
+    down: Tensor | None
     eps: float
     by_columns: bool
 
     def tensors(self) -> tuple[Tensor, ...]:
         """Every tensor the cached forward reads from here."""
-        return (self.input_norm, self.qkv, self.qk_norm, self.o, self.post_norm, self.gate_up, self.down)
+        mlp = () if self.gate_up is None or self.down is None else (self.gate_up, self.down)
+        return (self.input_norm, self.qkv, self.qk_norm, self.o, self.post_norm, *mlp)
 
     def project(self, x: Tensor, w: Tensor) -> Tensor:
         """x (..., in) times one of the projections: (..., out)."""
@@ -101,8 +106,18 @@ class DecodeWeights:
 
     @staticmethod
     def sources(layer: DecoderLayer) -> tuple[Tensor, ...]:
-        """The parameters the copies are made of: q, k, v, gate, up, q_norm, k_norm, o, down."""
+        """The parameters the copies are made of: q, k, v, gate, up, q_norm, k_norm, o, down (a
+        sparse layer: q, k, v, q_norm, k_norm, o)."""
         a, m = layer.self_attn, layer.mlp
+        if not _is_dense(m):
+            return (
+                a.q_proj.weight,
+                a.k_proj.weight,
+                a.v_proj.weight,
+                a.q_norm.weight,
+                a.k_norm.weight,
+                a.o_proj.weight,
+            )
         return (
             a.q_proj.weight,
             a.k_proj.weight,
@@ -115,11 +130,20 @@ class DecodeWeights:
             m.down_proj.weight,
         )
 
+    @staticmethod
+    def _parts(layer: DecoderLayer) -> tuple[Tensor, ...]:
+        """`sources` as nine, gate, up and down None for a sparse layer."""
+        if _is_dense(layer.mlp):
+            return DecodeWeights.sources(layer)
+        q, k, v, qn, kn, o = DecodeWeights.sources(layer)
+        return q, k, v, None, None, qn, kn, o, None  # type: ignore[return-value]
+
     @classmethod
     def of(cls, layer: DecoderLayer, by_columns: bool | None = None) -> DecodeWeights:
         """`by_columns`: the CPU layout (default: on CPU devices)."""
         a = layer.self_attn
-        q, k, v, gate, up, qn, kn, o, down = cls.sources(layer)
+        q, k, v, gate, up, qn, kn, o, down = cls._parts(layer)
+        dense = gate is not None
         by_columns = q.device.type == "cpu" if by_columns is None else by_columns
 
         def fused(parts: list[Tensor]) -> Tensor:
@@ -134,8 +158,8 @@ class DecodeWeights:
             qk_norm=torch.cat([qn.expand(a.num_heads, -1), kn.expand(a.num_kv_heads, -1)]),
             o=o.t().contiguous() if by_columns else o,
             post_norm=layer.post_attention_layernorm.weight,
-            gate_up=fused([gate, up]),
-            down=down.t().contiguous() if by_columns else down,
+            gate_up=fused([gate, up]) if dense else None,
+            down=(down.t().contiguous() if by_columns else down) if dense else None,
             eps=layer.input_layernorm.eps,
             by_columns=by_columns,
         )
@@ -146,13 +170,15 @@ class DecodeWeights:
         done (a field would change identity, shape or kind): rebuild with `of` instead."""
         new = DecodeWeights.of(layer, by_columns=True) if self.by_columns else None
         a = layer.self_attn
-        q, k, v, gate, up, qn, kn, o, down = DecodeWeights.sources(layer)
+        q, k, v, gate, up, qn, kn, o, down = DecodeWeights._parts(layer)
+        if (gate is None) != (self.gate_up is None):
+            return False
         own: dict[str, Tensor] = {  # fields that are the parameters themselves (GPU layout) must still be them
             "input_norm": layer.input_layernorm.weight,
             "post_norm": layer.post_attention_layernorm.weight,
         }
         if not self.by_columns:
-            own |= {"o": o, "down": down}
+            own |= {"o": o} | ({} if down is None else {"down": down})
         if any(getattr(self, f) is not t for f, t in own.items()):
             return False
         # copies built inside an engine step are inference tensors: writable in place only in inference mode
@@ -160,9 +186,8 @@ class DecodeWeights:
         with torch.no_grad():
             fused = {
                 "qkv": [q, k, v],
-                "gate_up": [gate, up],
                 "qk_norm": [qn.expand(a.num_heads, -1), kn.expand(a.num_kv_heads, -1)],
-            }
+            } | ({} if gate is None else {"gate_up": [gate, up]})
             for name, parts in fused.items():
                 dst = getattr(self, name)
                 joined = joined_rows(parts) if new is None and name != "qk_norm" else None
@@ -182,7 +207,7 @@ class DecodeWeights:
                         return False
                     torch.cat(parts, out=dst)
             if new is not None:
-                for name in ("o", "down"):
+                for name in ("o",) if down is None else ("o", "down"):
                     dst, src = getattr(self, name), getattr(new, name)
                     if (dst.is_inference() and not writable) or src.shape != dst.shape:
                         return False
@@ -206,3 +231,8 @@ def joined_rows(parts: list[Tensor]) -> Tensor | None:
         offset += t.numel()
     rows = sum(t.shape[0] for t in parts)
     return first.as_strided((rows, first.shape[1]), (first.shape[1], 1), first.storage_offset())
+
+
+def _is_dense(mlp: object) -> TypeGuard[_MLP]:
+    """Whether a layer's MLP is the dense SwiGLU (else a sparse layer's experts)."""
+    return hasattr(mlp, "gate_proj")

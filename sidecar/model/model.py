@@ -33,10 +33,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sidecar.model import decode_kernels
-from sidecar.model.architectures import check_architecture, check_config
+from sidecar.model.architectures import SUPPORTED_ARCHITECTURES, check_architecture, check_config
 from sidecar.model.decode_kernels import DecodeKernels, DecodeOps
 from sidecar.model.decode_weights import DecodeWeights, joined_rows
 from sidecar.model.kv_cache import AttentionPlan, KVCache, attend
+from sidecar.model.moe import MoEConfig, SparseMoE
 from yarn import RopeConfig, RotaryEmbedding, apply_rotary
 
 ROPE_MARGIN = 72
@@ -71,6 +72,8 @@ class ModelConfig:
     architectures: list[str] = field(default_factory=lambda: ["Qwen3ForCausalLM"])
     eos_token_id: list[int] = field(default_factory=list)
     """End-of-sequence ids (config.json's eos_token_id, an int or a list there); may be empty."""
+    moe: MoEConfig | None = None
+    """The experts of a mixture-of-experts architecture (`moe`; config.json's keys, flat); None: dense."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
@@ -101,6 +104,12 @@ class ModelConfig:
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
             raise ValueError(f"rope_scaling must be null or a dict, got {self.rope_scaling!r}")
         check_architecture(self.architectures, None)
+        if isinstance(self.moe, dict):
+            self.moe = MoEConfig(**self.moe)
+
+    def is_sparse(self, idx: int) -> bool:
+        """Whether decoder layer `idx` (MTP layer j: num_hidden_layers + j) routes to experts."""
+        return self.moe is not None and self.moe.is_sparse(idx)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -165,15 +174,17 @@ class ModelConfig:
         }
         if d.get("architectures"):
             out["architectures"] = list(d["architectures"])
+            out["moe"] = MoEConfig.from_hf_dict(d, out["architectures"][0])
         eos = d.get("eos_token_id")
         if eos is not None:
             out["eos_token_id"] = [int(eos)] if isinstance(eos, int) else [int(t) for t in eos]
         return cls(**out)
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The config.json dict (Qwen3 keys plus num_nextn_predict_layers)."""
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
-        d["model_type"] = "qwen3"
+        """The config.json dict (the architecture's keys plus num_nextn_predict_layers)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "moe"}
+        d |= {} if self.moe is None else self.moe.to_hf_dict()
+        d["model_type"] = SUPPORTED_ARCHITECTURES[self.architectures[0]]
         d["hidden_act"] = "silu"
         d["attention_bias"] = False
         return d
@@ -335,14 +346,17 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention block and MLP block, each with a residual connection."""
+    """Pre-norm attention block and MLP block (dense SwiGLU, or experts where layer `idx` is
+    sparse: `moe`), each with a residual connection."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, idx: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp: MLP | SparseMoE = (
+            SparseMoE(cfg.hidden_size, cfg.moe) if cfg.moe is not None and cfg.is_sparse(idx) else MLP(cfg)
+        )
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:  # (B, S, hidden)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
@@ -374,6 +388,8 @@ class DecoderLayer(nn.Module):
         x, normed = fused.add_rms_norm(
             x, self.self_attn.cached(normed, w, rope, cache, layer, plan, kernels), w.post_norm, w.eps
         )
+        if w.gate_up is None or w.down is None:  # a sparse layer: its experts (fixed shapes where the plan is)
+            return x, cast(SparseMoE, self.mlp)(normed, fixed_shape=plan.grouped)
         return x, w.project(fused.silu_mul(w.project(normed, w.gate_up)), w.down)
 
 
@@ -388,8 +404,8 @@ class SharedHead(nn.Module):
 class MTPLayer(DecoderLayer):
     """One DeepSeek-V3 MTP module: enorm/hnorm, eh_proj, a decoder layer, shared_head.norm."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: ModelConfig, idx: int) -> None:
+        super().__init__(cfg, idx)
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
@@ -406,7 +422,7 @@ class Trunk(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -415,7 +431,9 @@ class MTPStack(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(MTPLayer(cfg) for _ in range(cfg.num_nextn_predict_layers))
+        self.layers = nn.ModuleList(
+            MTPLayer(cfg, cfg.num_hidden_layers + j) for j in range(cfg.num_nextn_predict_layers)
+        )
 
 
 class Qwen3WithMTP(nn.Module):
@@ -529,7 +547,10 @@ class Qwen3WithMTP(nn.Module):
         with torch.no_grad():
             for layer in (cast(DecoderLayer, m) for m in [*self.model.layers, *self.mtp.layers]):
                 a, mlp = layer.self_attn, layer.mlp
-                for group in ((a.q_proj, a.k_proj, a.v_proj), (mlp.gate_proj, mlp.up_proj)):
+                groups = [(a.q_proj, a.k_proj, a.v_proj)] + (
+                    [(mlp.gate_proj, mlp.up_proj)] if isinstance(mlp, MLP) else []
+                )
+                for group in groups:
                     if joined_rows([lin.weight for lin in group]) is not None:
                         continue
                     joined = torch.cat([lin.weight for lin in group])
