@@ -343,6 +343,14 @@ class ModelInfo:
     dtype: str = "float32"
     eos_token_ids: tuple[int, ...] = ()
     """The checkpoint's end-of-sequence ids (config.json eos_token_id); SamplingParams.stop_at_eos stops at them."""
+    num_experts: int = 0
+    """Routed experts per sparse layer of a mixture-of-experts model (0: dense)."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to (the router's top k); 0 for a dense model."""
+    router: str = ""
+    """The router kind (`sidecar.model.moe.ROUTER_KINDS`); empty for a dense model."""
+    num_sparse_layers: int = 0
+    """Decoder layers that route to experts (the rest are dense)."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -242,3 +242,24 @@ def test_the_harness_still_rejects_wrong_acceptance_rules_on_an_moe_target(
     sp, k = SamplingParams(temperature=1.0, max_new_tokens=4, seed=1), 2
     counts = engine_counts(sampled_target, aligned_eagle3(sampled_target), sp, k, rule=WRONG_RULES[wrong_rule])[0]
     assert pooled_chi_square_pvalue(counts, exact_joint(sampled_target, sp)) < 1e-4
+
+
+@pytest.mark.slow
+def test_the_fixed_shape_expert_sum_traces_whole_without_host_reads() -> None:
+    """What a GPU captures: every phase of a fixed-shape round of an MoE target (its MTP layer
+    routing too) traces with `fullgraph=True`, no host transfer inside, and greedy output is the
+    plain forward's (the harness of `test_fixed_shape_forwards`)."""
+    from test_fixed_shape_forwards import HostReadCheckingBackend, TracedRounds
+
+    torch._dynamo.reset()
+    model = moe_target(num_nextn_predict_layers=1)
+    engine = TorchEngine(model, speculation_k=2, compile="on", kv_block_size=4)
+    backend = HostReadCheckingBackend()
+    engine.runner.rounds = traced = TracedRounds(backend)
+    with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=256):
+        out = engine_greedy(engine, PROMPTS[:2], 2, new=6)
+    with torch.no_grad():
+        assert out == [_greedy_by_forward(model, p, 6) for p in PROMPTS[:2]]
+    assert backend.calls == len(traced.keys) > 0
+    assert backend.host_reads == []
+    torch._dynamo.reset()
