@@ -1,9 +1,11 @@
-"""The served policy: a Qwen3-style decoder with DeepSeek-V3-style multi-token-prediction heads.
+"""The served policy: one dense decoder (Qwen3, Qwen2, Llama) with DeepSeek-V3-style MTP heads.
 
 Trunk (Qwen3, https://arxiv.org/abs/2505.09388): token embedding, `num_hidden_layers` pre-norm
-decoder layers (RMSNorm → grouped-query attention with per-head RMSNorm on q and k and rotary
-position embedding, optionally YaRN-scaled → residual; RMSNorm → SwiGLU MLP → residual), a
-final RMSNorm and an output head (tied to the embedding or not). No biases.
+decoder layers (RMSNorm → grouped-query attention with rotary position embedding, optionally
+scaled (YaRN, llama3) → residual; RMSNorm → SwiGLU MLP → residual), a final RMSNorm and an output
+head (tied to the embedding or not). The families differ in two attention fields
+(`architectures.FAMILIES`): `qk_norm` (per-head RMSNorm on q and k: Qwen3) and `attention_bias`
+(q/k/v biases: Qwen2); Llama has neither.
 
 Draft (DeepSeek-V3 MTP, https://arxiv.org/abs/2412.19437 §2.2): MTP layer j at position t
 combines the trunk's final-normed hidden state h_t with the embedding of the next token,
@@ -33,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sidecar.model import decode_kernels
-from sidecar.model.architectures import check_architecture, check_config
+from sidecar.model.architectures import check_config, family_of
 from sidecar.model.decode_kernels import DecodeKernels, DecodeOps
 from sidecar.model.decode_weights import DecodeWeights, joined_rows
 from sidecar.model.kv_cache import AttentionPlan, KVCache, attend
@@ -69,6 +71,12 @@ class ModelConfig:
     num_nextn_predict_layers: int = 0
     """Number of MTP (draft) layers; 0 means the model cannot speculate."""
     architectures: list[str] = field(default_factory=lambda: ["Qwen3ForCausalLM"])
+    """config.json's `architectures`: the family (`architectures.FAMILIES`), whose attention the
+    two fields below must describe (`from_hf_dict` and `tiny` set them from it)."""
+    attention_bias: bool = False
+    """Biases on the q, k and v projections, never on o_proj (Qwen2; GLM-4.5's `attention_bias`)."""
+    qk_norm: bool = True
+    """Per-head RMSNorm on q and k before the rotary embedding (Qwen3)."""
     eos_token_id: list[int] = field(default_factory=list)
     """End-of-sequence ids (config.json's eos_token_id, an int or a list there); may be empty."""
 
@@ -100,7 +108,18 @@ class ModelConfig:
             )
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
             raise ValueError(f"rope_scaling must be null or a dict, got {self.rope_scaling!r}")
-        check_architecture(self.architectures, None)
+        family = family_of(self.architectures)
+        for name in ("attention_bias", "qk_norm"):
+            if getattr(self, name) != getattr(family, name):
+                raise ValueError(
+                    f"{name}={getattr(self, name)} contradicts architectures {self.architectures}, whose "
+                    f"modeling code has {name}={getattr(family, name)}; set it so or name another architecture"
+                )
+
+    @property
+    def family(self) -> str:
+        """The architecture's family name (its model_type, e.g. "qwen2"), as GetInfo reports it."""
+        return family_of(self.architectures).model_type
 
     @property
     def dtype(self) -> torch.dtype:
@@ -126,6 +145,9 @@ class ModelConfig:
             num_nextn_predict_layers=1,
         )
         base.update(overrides)
+        family = family_of(base.get("architectures"))
+        base.setdefault("attention_bias", family.attention_bias)
+        base.setdefault("qk_norm", family.qk_norm)
         return cls(**base)
 
     @classmethod
@@ -163,19 +185,23 @@ class ModelConfig:
             "torch_dtype": d.get("torch_dtype") or d.get("dtype") or "float32",
             "num_nextn_predict_layers": int(d.get("num_nextn_predict_layers") or 0),
         }
-        if d.get("architectures"):
-            out["architectures"] = list(d["architectures"])
+        family = family_of(list(d["architectures"]) if d.get("architectures") else None, d.get("model_type"))
+        out["architectures"] = [family.architecture]
+        out["attention_bias"] = family.attention_bias
+        out["qk_norm"] = family.qk_norm
         eos = d.get("eos_token_id")
         if eos is not None:
             out["eos_token_id"] = [int(eos)] if isinstance(eos, int) else [int(t) for t in eos]
         return cls(**out)
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The config.json dict (Qwen3 keys plus num_nextn_predict_layers)."""
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
-        d["model_type"] = "qwen3"
+        """The config.json dict (the family's keys plus num_nextn_predict_layers); the attention's variants
+        are the architecture's, named only where transformers reads a key (Qwen3's, Llama's attention_bias)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("attention_bias", "qk_norm")}
+        d["model_type"] = self.family
         d["hidden_act"] = "silu"
-        d["attention_bias"] = False
+        if not self.attention_bias:
+            d["attention_bias"] = False
         return d
 
 
@@ -195,7 +221,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention with q/k RMSNorm and rotary embedding."""
+    """Grouped-query self-attention with rotary embedding; q/k/v biases (Qwen2) and per-head q/k
+    RMSNorm (Qwen3) where the config has them."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -204,12 +231,13 @@ class Attention(nn.Module):
             cfg.num_key_value_heads,
             cfg.head_dim,
         )
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(
         self,
@@ -219,8 +247,11 @@ class Attention(nn.Module):
     ) -> Tensor:  # (B, S, hidden)
         """The plain causal forward over whole sequences (no cache): the reference path."""
         b, s, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, s, self.num_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = cos.unsqueeze(1).to(q.dtype), sin.unsqueeze(1).to(q.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -246,10 +277,11 @@ class Attention(nn.Module):
         attention as another (`decode_kernels`)."""
         b, s, _ = x.shape
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = w.project(x, w.qkv).view(b, s, h + 2 * kv, d)
+        qkv = w.project(x, w.qkv)
         if isinstance(kernels, DecodeKernels) and plan.grouped and plan.table is not None and plan.rows_read is None:
             q = kernels.qk_norm_rope_store(
-                qkv,
+                qkv.view(b, s, h + 2 * kv, d),
+                w.qkv_bias,
                 w.qk_norm,
                 rope.cos_table,
                 rope.sin_table,
@@ -264,7 +296,11 @@ class Attention(nn.Module):
                 q, plan.keys_in[layer], plan.values_in[layer], plan.positions, plan.table, plan.kv_len
             )
             return w.project(out, w.o)
-        qk = rope.rotate(_rms_w(qkv[:, :, : h + kv], w.qk_norm, w.eps))  # (B, S, h + kv, d)
+        if w.qkv_bias is not None:
+            qkv = qkv + w.qkv_bias
+        qkv = qkv.view(b, s, h + 2 * kv, d)
+        qk = qkv[:, :, : h + kv]  # (B, S, h + kv, d)
+        qk = rope.rotate(qk if w.qk_norm is None else _rms_w(qk, w.qk_norm, w.eps))
         keys, values = cache.write_and_read(layer, qk[:, :, h:], qkv[:, :, h + kv :], plan)
         return w.project(attend(qk[:, :, :h], keys, values, plan), w.o)
 
