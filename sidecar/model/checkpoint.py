@@ -1,31 +1,35 @@
 """Checkpoints in Hugging Face layout, and THE checkpoint naming contract of specrl.
 
 The trainer's weight export, the sidecar's weight streaming and this loader all use these
-names; a real local Qwen3 checkpoint loads as is (it simply has no draft layers).
+names; a real local Qwen3, Qwen2 or Llama checkpoint loads as is (it simply has no draft layers).
 
 Files
 -----
-- ``config.json``: the Qwen3 keys (``architectures: ["Qwen3ForCausalLM"]``, ``vocab_size``,
+- ``config.json``: the family's keys (``architectures``: one of `architectures.FAMILIES`, ``vocab_size``,
   ``hidden_size``, ``intermediate_size``, ``num_hidden_layers``, ``num_attention_heads``,
   ``num_key_value_heads``, ``head_dim``, ``rms_norm_eps``, ``rope_theta``, ``rope_scaling``
-  (null or a Hugging Face yarn dict; transformers 5's ``rope_parameters`` is read too),
+  (null or a Hugging Face yarn or llama3 dict; transformers 5's ``rope_parameters`` is read too),
   ``max_position_embeddings``, ``tie_word_embeddings``, ``torch_dtype``) plus
   ``num_nextn_predict_layers`` (absent or 0: no draft, speculation unavailable).
 - ``model.safetensors``, or shards listed by ``model.safetensors.index.json``
   (``{"weight_map": {name: file}}``), as Hugging Face writes them.
 
-Tensor names (no biases anywhere)
----------------------------------
-Target (trunk + output head), Hugging Face Qwen3 names, for i in 0..num_hidden_layers-1::
+Tensor names
+------------
+Target (trunk + output head), Hugging Face names (Qwen3's; Qwen2 and Llama use the same), for i in
+0..num_hidden_layers-1::
 
     model.embed_tokens.weight                          [vocab, hidden]
     model.layers.{i}.input_layernorm.weight            [hidden]
     model.layers.{i}.self_attn.q_proj.weight           [heads*head_dim, hidden]
     model.layers.{i}.self_attn.k_proj.weight           [kv_heads*head_dim, hidden]
     model.layers.{i}.self_attn.v_proj.weight           [kv_heads*head_dim, hidden]
+    model.layers.{i}.self_attn.q_proj.bias             [heads*head_dim]     (attention_bias: Qwen2)
+    model.layers.{i}.self_attn.k_proj.bias             [kv_heads*head_dim]  (attention_bias)
+    model.layers.{i}.self_attn.v_proj.bias             [kv_heads*head_dim]  (attention_bias)
     model.layers.{i}.self_attn.o_proj.weight           [hidden, heads*head_dim]
-    model.layers.{i}.self_attn.q_norm.weight           [head_dim]
-    model.layers.{i}.self_attn.k_norm.weight           [head_dim]
+    model.layers.{i}.self_attn.q_norm.weight           [head_dim]   (qk_norm: Qwen3)
+    model.layers.{i}.self_attn.k_norm.weight           [head_dim]   (qk_norm)
     model.layers.{i}.post_attention_layernorm.weight   [hidden]
     model.layers.{i}.mlp.gate_proj.weight              [intermediate, hidden]
     model.layers.{i}.mlp.up_proj.weight                [intermediate, hidden]
@@ -90,18 +94,18 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 def _layer_shapes(c: ModelConfig, idx: int) -> dict[str, tuple[int, ...]]:
-    """Sub-names and shapes of decoder layer `idx` (an MTP layer: num_hidden_layers + j)."""
+    """Decoder layer `idx`'s sub-names and shapes (an MTP layer: num_hidden_layers + j), in the
+    module tree's order."""
     h, q, kv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    attention = {
-        "input_layernorm.weight": (h,),
-        "self_attn.q_proj.weight": (q, h),
-        "self_attn.k_proj.weight": (kv, h),
-        "self_attn.v_proj.weight": (kv, h),
-        "self_attn.o_proj.weight": (h, q),
-        "self_attn.q_norm.weight": (c.head_dim,),
-        "self_attn.k_norm.weight": (c.head_dim,),
-        "post_attention_layernorm.weight": (h,),
-    }
+    attention: dict[str, tuple[int, ...]] = {"input_layernorm.weight": (h,)}
+    for proj, rows in (("q", q), ("k", kv), ("v", kv)):
+        attention[f"self_attn.{proj}_proj.weight"] = (rows, h)
+        if c.attention_bias:
+            attention[f"self_attn.{proj}_proj.bias"] = (rows,)
+    attention["self_attn.o_proj.weight"] = (h, q)
+    if c.qk_norm:
+        attention |= {"self_attn.q_norm.weight": (c.head_dim,), "self_attn.k_norm.weight": (c.head_dim,)}
+    attention["post_attention_layernorm.weight"] = (h,)
     if c.moe is None or not c.is_sparse(idx):
         return attention | _swiglu_shapes("mlp.", h, c.intermediate_size)
     return attention | expert_shapes(c.moe, h)

@@ -45,7 +45,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sidecar.model.kv_cache import AttentionPlan, KVCache, attend
-from sidecar.model.model import _DTYPES, MLP, ROPE_MARGIN, ModelConfig, Qwen3WithMTP, RMSNorm, _rms
+from sidecar.model.model import MLP, ROPE_MARGIN, ModelConfig, Qwen3WithMTP, RMSNorm, _rms
+from sidecar.model.model_config import _DTYPES
 from yarn import RopeConfig, RotaryEmbedding, apply_rotary
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
