@@ -44,6 +44,13 @@ class Family:
     """The draft layout a checkpoint of this family may carry, in words (the README's table)."""
     tested_against: str
     """The oracle its tests compare with (the README's table)."""
+    reads: tuple[str, ...] = ()
+    """config.json keys this family's modeling code reads (`attention_bias`, `use_qk_norm`,
+    `partial_rotary_factor`: GLM-4.5's), so neither fixed here nor refused: attention_bias and
+    qk_norm above are then the defaults where the key is absent."""
+    native_draft_layout: str = "mtp"
+    """Where a checkpoint keeps its MTP layers: "mtp" (specrl's `mtp.layers.{j}.*`) or
+    "decoder_layers" (DeepSeek-V3's and GLM-4.5's `model.layers.{num_hidden_layers + j}.*`)."""
 
 
 FAMILIES: dict[str, Family] = {
@@ -80,6 +87,16 @@ FAMILIES: dict[str, Family] = {
             qk_norm=True,
             native_draft="specrl MTP (`mtp.layers.*`, sparse layers); EAGLE-3 drafts (`--draft`)",
             tested_against="transformers `Qwen3MoeForCausalLM`",
+        ),
+        Family(
+            "Glm4MoeForCausalLM",
+            "glm4_moe",
+            attention_bias=False,
+            qk_norm=False,
+            native_draft="its own MTP layer (`model.layers.{num_hidden_layers}.*`, DeepSeek-V3 layout)",
+            tested_against="transformers `Glm4MoeForCausalLM`",
+            reads=("attention_bias", "use_qk_norm", "partial_rotary_factor"),
+            native_draft_layout="decoder_layers",
         ),
     )
 }
@@ -147,9 +164,16 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
     ConfigKey("torch_dtype", "read", "float32 / bfloat16 / float16", "dtype weights are stored and computed in"),
     ConfigKey("dtype", "read", "float32 / bfloat16 / float16", "transformers 5's name for torch_dtype"),
     ConfigKey("eos_token_id", "read", "ids in the vocabulary (int or list)", "where a sample ends"),
-    ConfigKey("num_nextn_predict_layers", "read", ">= 0", "specrl's MTP draft layers (`mtp.layers.*`)"),
+    ConfigKey(
+        "num_nextn_predict_layers",
+        "read",
+        ">= 0",
+        "MTP draft layers: specrl's `mtp.layers.*`; GLM-4.5's own at `model.layers.{num_hidden_layers}.*`",
+    ),
+    ConfigKey("num_mtp_layers", "read", ">= 0", "transformers' name for num_nextn_predict_layers (glm4_moe)"),
     ConfigKey("num_experts", "read", "> 0 (qwen3_moe)", "routed experts per sparse layer (`moe.MoEConfig`)"),
     ConfigKey("num_local_experts", "read", "> 0", "transformers 5's name for num_experts"),
+    ConfigKey("n_routed_experts", "read", "> 0 (glm4_moe)", "GLM-4.5's name for num_experts"),
     ConfigKey("num_experts_per_tok", "read", "1..num_experts", "experts each token is routed to (top k)"),
     ConfigKey("moe_intermediate_size", "read", "any", "SwiGLU width of one expert"),
     ConfigKey(
@@ -160,6 +184,21 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
     ),
     ConfigKey("mlp_only_layers", "read", "layer indices", "layers with a dense MLP (qwen3_moe)"),
     ConfigKey("decoder_sparse_step", "read", ">= 1", "layer idx is sparse iff (idx + 1) % step == 0 (qwen3_moe)"),
+    ConfigKey("first_k_dense_replace", "read", ">= 0", "the first layers are dense (glm4_moe)"),
+    ConfigKey("n_group", "read", "a divisor of the experts (glm4_moe)", "expert groups of the sigmoid router"),
+    ConfigKey("topk_group", "read", "1..n_group (glm4_moe)", "groups a token's experts are chosen from"),
+    ConfigKey("routed_scaling_factor", "read", "any (glm4_moe)", "factor of the routed experts' weights"),
+    ConfigKey("n_shared_experts", "read", ">= 0 (glm4_moe)", "experts every token passes through"),
+    ConfigKey("use_qk_norm", "read", "true / false (glm4_moe)", "per-head RMSNorm on q and k"),
+    ConfigKey(
+        "scoring_func",
+        "refused unless",
+        "the family's (softmax: qwen3_moe, sigmoid: glm4_moe)",
+        "the router's scores (DeepSeek-style configs)",
+    ),
+    ConfigKey("topk_method", "refused unless", "noaux_tc", "the router's selection (DeepSeek-style configs)"),
+    ConfigKey("q_lora_rank", "refused unless", "absent", "multi-head latent attention (DeepSeek-V3)"),
+    ConfigKey("kv_lora_rank", "refused unless", "absent", "multi-head latent attention (DeepSeek-V3)"),
     ConfigKey("router_aux_loss_coef", "ignored", "any", "load-balancing loss in training, not in the forward"),
     ConfigKey("output_router_logits", "ignored", "any", "whether transformers returns router logits"),
     ConfigKey("hidden_act", "refused unless", '"silu"', "the MLP's activation (SwiGLU)", _is("silu")),
@@ -167,7 +206,8 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
         "attention_bias",
         "refused unless",
         "false",
-        "biases on q/k/v/o projections (Qwen3, Llama); Qwen2's q/k/v biases are in its modeling code, not this key",
+        "biases on q/k/v/o projections (Qwen3, Llama); Qwen2's q/k/v biases are in its modeling code, not this "
+        "key; glm4_moe reads it (q/k/v biases)",
         _is(False),
     ),
     ConfigKey("mlp_bias", "refused unless", "false", "biases on the MLP's projections (Llama)", _is(False)),
@@ -179,7 +219,13 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
         "per-layer attention kind (sliding_attention: windowed)",
         _full_attention_only,
     ),
-    ConfigKey("partial_rotary_factor", "refused unless", "1 (absent)", "rotate only part of each head", _absent_or_one),
+    ConfigKey(
+        "partial_rotary_factor",
+        "refused unless",
+        "1 (absent); glm4_moe reads it (top level or in rope_parameters)",
+        "rotate only the first part of each head",
+        _absent_or_one,
+    ),
     ConfigKey("quantization_config", "refused unless", "absent", "quantized weights", lambda v: v is None),
     ConfigKey("sliding_window", "ignored", "any", "acts only through use_sliding_window / layer_types"),
     ConfigKey("max_window_layers", "ignored", "any", "acts only through use_sliding_window / layer_types"),
@@ -225,6 +271,46 @@ def family_of(architectures: list[str] | None, model_type: str | None = None) ->
     return by_type[model_type] if model_type is not None else FAMILIES["Qwen3ForCausalLM"]
 
 
+def without_partial_rotary(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """config.json without `partial_rotary_factor` (top level and in rope_parameters / rope_scaling):
+    the rotary embedding of the rotated part, which `yarn` computes (the model rotates that part)."""
+    out = {k: v for k, v in raw.items() if k != "partial_rotary_factor"}
+    for key in ("rope_parameters", "rope_scaling"):
+        if isinstance(out.get(key), dict):
+            out[key] = {k: v for k, v in out[key].items() if k != "partial_rotary_factor"}
+    return out
+
+
+def partial_rotary_factor(raw: Mapping[str, Any]) -> float:
+    """The fraction of each head the rotary embedding rotates (1: all), wherever config.json keeps it."""
+    for where in (raw, raw.get("rope_parameters"), raw.get("rope_scaling")):
+        if isinstance(where, Mapping) and where.get("partial_rotary_factor") is not None:
+            return float(where["partial_rotary_factor"])
+    return 1.0
+
+
+def _moe_problems(raw: Mapping[str, Any], family: Family) -> list[str]:
+    """What a mixture-of-experts config.json asks that the engine does not implement: MLA attention
+    (DeepSeek-V3's `q_lora_rank` / `kv_lora_rank`) and routers other than the family's."""
+    problems = [
+        f"{key}: {json.dumps(raw[key])} (multi-head latent attention is not implemented; {family.architecture} "
+        "is served with grouped-query attention only)"
+        for key in ("q_lora_rank", "kv_lora_rank")
+        if raw.get(key) is not None
+    ]
+    scoring = raw.get("scoring_func")
+    expected = {"Qwen3MoeForCausalLM": "softmax", "Glm4MoeForCausalLM": "sigmoid"}.get(family.architecture)
+    if scoring is not None and scoring != expected:
+        problems.append(
+            f"scoring_func: {json.dumps(scoring)} (the router of {family.architecture} is implemented with "
+            f"{expected or 'no'} scores only)"
+        )
+    method = raw.get("topk_method")
+    if method is not None and method != "noaux_tc":
+        problems.append(f"topk_method: {json.dumps(method)} (implemented: noaux_tc, the biased group-limited top k)")
+    return problems
+
+
 def check_architecture(architectures: list[str] | None, model_type: str | None) -> None:
     """UnsupportedConfigError unless every named architecture (and the model_type) is one the engine serves."""
     for arch in architectures or []:
@@ -242,14 +328,15 @@ def check_config(raw: Mapping[str, Any]) -> None:
     """Refuse a config.json whose forward the engine does not implement (UnsupportedConfigError naming
     every such key, its value and what is supported); return quietly otherwise."""
     archs = raw.get("architectures")
-    family_of(list(archs) if isinstance(archs, list | tuple) else None, raw.get("model_type"))
+    family = family_of(list(archs) if isinstance(archs, list | tuple) else None, raw.get("model_type"))
     problems = [
         f"{name}: {json.dumps(raw[name])} (implemented: {k.supported}; {k.why})"
         for name, k in _REFUSED.items()
-        if raw.get(name) is not None and k.accepts is not None and not k.accepts(raw[name])
+        if raw.get(name) is not None and name not in family.reads and k.accepts is not None and not k.accepts(raw[name])
     ]
+    problems += _moe_problems(raw, family)
     try:
-        RopeConfig.from_hf(raw)
+        RopeConfig.from_hf(without_partial_rotary(raw) if "partial_rotary_factor" in family.reads else raw)
     except ValueError as e:
         problems.append(f"rotary embedding: {e}")
     if problems:

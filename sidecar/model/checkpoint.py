@@ -37,9 +37,10 @@ Target (trunk + output head), Hugging Face names (Qwen3's; Qwen2 and Llama use t
     model.norm.weight                                  [hidden]
     lm_head.weight                                     [vocab, hidden]  (absent when tie_word_embeddings)
 
-Mixture-of-experts layers (``Qwen3MoeForCausalLM``; the keys in ``moe.MoEConfig``). A *sparse*
-layer i (``MoEConfig.is_sparse(i)``: Qwen3-MoE's unless ``i in mlp_only_layers`` or ``(i + 1) %
-decoder_sparse_step != 0``) has, in place of the three ``mlp.*_proj`` names above, Hugging Face's
+Mixture-of-experts layers (``Qwen3MoeForCausalLM``, ``Glm4MoeForCausalLM``; the keys in
+``moe.MoEConfig``). A *sparse* layer i (``MoEConfig.is_sparse(i)``: Qwen3-MoE's unless ``i in
+mlp_only_layers`` or ``(i + 1) % decoder_sparse_step != 0``; GLM-4.5's unless ``i <
+first_k_dense_replace``) has, in place of the three ``mlp.*_proj`` names above, Hugging Face's
 per-expert names (what ``save_pretrained`` writes and the hub ships; transformers 5's fused
 in-memory ``experts.gate_up_proj`` is not a file name), E = num_experts, I = moe_intermediate_size::
 
@@ -68,10 +69,21 @@ DeepSeek-V3 names::
 The embedding and the output head are shared with the trunk: they belong to the target and
 are never repeated under ``mtp.``. Selector "target" = the first list, "draft" = the MTP list,
 "all" = both.
+
+GLM-4.5's own MTP layer (``Glm4MoeForCausalLM``, ``architectures.Family.native_draft_layout`` =
+"decoder_layers"): its checkpoints keep MTP layer j in the DeepSeek-V3 layout as decoder layer
+``model.layers.{num_hidden_layers + j}.`` (``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``, a
+full sparse decoder layer, and copies of the embedding and output head as ``embed_tokens.weight`` /
+``shared_head.head.weight``). ``load_checkpoint`` serves them under the contract's ``mtp.layers.{j}.``
+names (the copies dropped when they equal the trunk's, refused when not), so pushes, checksums and
+the trainer's export address a GLM draft as any other: ``mtp.layers.{j}.*``; ``save_checkpoint``
+writes them back under GLM's names. A config.json announcing MTP layers whose tensors are absent
+(what transformers' ``save_pretrained`` writes) serves with none.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -83,7 +95,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from sidecar.errors import CheckpointError
-from sidecar.model.architectures import UnsupportedConfigError
+from sidecar.model.architectures import UnsupportedConfigError, family_of
 from sidecar.model.model import ModelConfig
 from sidecar.model.moe import MoEConfig
 
@@ -191,7 +203,9 @@ def save_checkpoint(path: str | Path, config: ModelConfig, state_dict: Mapping[s
     check_state_dict(config, state_dict)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = {n: state_dict[n].detach().to("cpu", config.dtype).contiguous() for n in state_dict}
+    tensors = {
+        n: t.detach().to("cpu", config.dtype).contiguous() for n, t in native_draft_names(config, state_dict).items()
+    }
     save_file(tensors, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
     (path / CONFIG_FILE).write_text(json.dumps(config.to_hf_dict(), indent=2, sort_keys=True) + "\n")
 
@@ -261,8 +275,67 @@ def load_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, Tensor]]:
     tensors = read_tensors(path)
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # some tied checkpoints store the duplicate anyway
+    if family_of(config.architectures).native_draft_layout == "decoder_layers":
+        config, tensors = _draft_from_decoder_layers(config, tensors, str(path))
     check_state_dict(config, tensors, source=str(path))
     return config, tensors
+
+
+_SHARED_COPIES = {"embed_tokens.weight": "model.embed_tokens.weight", "shared_head.head.weight": "lm_head.weight"}
+"""A DeepSeek-V3-layout MTP layer's copies of the shared embedding and output head (GLM-4.5 ships them)."""
+
+
+def _draft_from_decoder_layers(
+    config: ModelConfig, tensors: dict[str, Tensor], source: str
+) -> tuple[ModelConfig, dict[str, Tensor]]:
+    """GLM-4.5's / DeepSeek-V3's MTP layers, `model.layers.{num_hidden_layers + j}.*`, under the
+    contract's `mtp.layers.{j}.*`; their copies of the embedding and output head dropped where they
+    equal the trunk's (refused where not: the engine shares them). A checkpoint whose config.json
+    announces MTP layers but that holds none of their tensors (transformers' `save_pretrained`
+    writes none) serves without them: num_nextn_predict_layers 0."""
+    out: dict[str, Tensor] = {}
+    found = 0
+    for name, t in tensors.items():
+        j = _native_draft_index(config, name)
+        if j is None:
+            out[name] = t
+            continue
+        found += 1
+        sub = name.split(".", 3)[3]
+        shared = _SHARED_COPIES.get(sub)
+        if shared is None:
+            out[f"{MTP_PREFIX}{j}.{sub}"] = t
+        elif shared in tensors and not torch.equal(tensors[shared], t):
+            raise CheckpointError(
+                f"{source}: {name} differs from {shared}; specrl's MTP draft shares the trunk's embedding and "
+                "output head, so it cannot serve this draft layer exactly"
+            )
+    if not found and config.num_nextn_predict_layers:
+        config = dataclasses.replace(config, num_nextn_predict_layers=0)
+    return config, out
+
+
+def _native_draft_index(config: ModelConfig, name: str) -> int | None:
+    """j for a tensor `model.layers.{num_hidden_layers + j}.*` of a decoder-layers draft layout."""
+    parts = name.split(".", 3)
+    if len(parts) < 4 or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
+        return None
+    j = int(parts[2]) - config.num_hidden_layers
+    return j if j >= 0 else None
+
+
+def native_draft_names(config: ModelConfig, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """`tensors` by the names the family's checkpoints use: a decoder-layers draft layout's
+    `mtp.layers.{j}.*` as `model.layers.{num_hidden_layers + j}.*` (what `save_checkpoint` writes)."""
+    if family_of(config.architectures).native_draft_layout != "decoder_layers":
+        return dict(tensors)
+    out: dict[str, Tensor] = {}
+    for name, t in tensors.items():
+        if name.startswith(MTP_PREFIX):
+            j, sub = name[len(MTP_PREFIX) :].split(".", 1)
+            name = f"model.layers.{config.num_hidden_layers + int(j)}.{sub}"
+        out[name] = t
+    return out
 
 
 def model_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:

@@ -96,7 +96,9 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = cos.unsqueeze(1).to(q.dtype), sin.unsqueeze(1).to(q.dtype)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        rd = cos.shape[-1]  # partial rotary (GLM-4.5): the first rd dimensions rotate, the rest pass
+        q = torch.cat([apply_rotary(q[..., :rd], cos, sin), q[..., rd:]], -1)
+        k = torch.cat([apply_rotary(k[..., :rd], cos, sin), k[..., rd:]], -1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
 
@@ -120,7 +122,8 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = w.project(x, w.qkv)
-        if isinstance(kernels, DecodeKernels) and plan.grouped and plan.table is not None and plan.rows_read is None:
+        fused = isinstance(kernels, DecodeKernels) and plan.grouped and plan.rows_read is None and not rope.partial
+        if fused and isinstance(kernels, DecodeKernels) and plan.table is not None:  # (partial rotary: torch's)
             q = kernels.qk_norm_rope_store(
                 qkv.view(b, s, h + 2 * kv, d),
                 w.qkv_bias,
@@ -172,6 +175,8 @@ class RopeTable:
     """(positions, head_dim) the sign-folded sin."""
     positions: Tensor
     """(B, S) this forward's rotary positions (clamped into the tables when looked up)."""
+    rotary_dim: int = 0
+    """The first dimensions of each head that rotate (partial rotary, GLM-4.5); 0: all of them."""
     _looked_up: tuple[Tensor, Tensor] | None = None
 
     def _lookup(self) -> tuple[Tensor, Tensor]:
@@ -188,7 +193,17 @@ class RopeTable:
     def sin_folded(self) -> Tensor:
         return self._lookup()[1]
 
+    @property
+    def partial(self) -> bool:
+        return 0 < self.rotary_dim < self.cos_table.shape[-1]
+
     def rotate(self, x: Tensor) -> Tensor:  # (B, S, heads, head_dim)
+        """Partial rotary: the halves of the first rotary_dim dimensions swap instead (the rest is
+        multiplied by cos 1 and added to sin 0: unchanged, exactly)."""
+        if self.partial:
+            rd, half = self.rotary_dim, self.rotary_dim // 2
+            swapped = torch.cat([x[..., half:rd], x[..., :half], x[..., rd:]], -1)
+            return torch.addcmul(x * self.cos, swapped, self.sin_folded)
         return torch.addcmul(x * self.cos, x.roll(x.shape[-1] // 2, -1), self.sin_folded)
 
 
@@ -360,13 +375,16 @@ class Qwen3WithMTP(nn.Module):
         folded = self._folded
         if folded is None or folded[0].dtype != dtype:
             rotary.ensure(self.rope_positions())
-            half = self.config.head_dim // 2
-            sin = rotary.sin_cached
+            rd = self.config.rotary_dim
+            sin, cos = rotary.sin_cached, rotary.cos_cached
+            rest = self.config.head_dim - rd  # partial rotary: the unrotated dimensions (cos 1, sin 0)
             folded = self._folded = (
-                rotary.cos_cached.to(dtype),
-                torch.cat([-sin[:, :half], sin[:, half:]], -1).to(dtype),
+                torch.cat([cos, cos.new_ones(cos.shape[0], rest)], -1).to(dtype),
+                torch.cat([-sin[:, : rd // 2], sin[:, rd // 2 :], sin.new_zeros(sin.shape[0], rest)], -1).to(dtype),
             )
-        return RopeTable(cos_table=folded[0], sin_table=folded[1], positions=positions)
+        return RopeTable(
+            cos_table=folded[0], sin_table=folded[1], positions=positions, rotary_dim=self.config.rotary_dim
+        )
 
     def decode_weights(self) -> list[DecodeWeights]:
         """`DecodeWeights` of the trunk's layers, then the MTP layers'; refreshed when a source

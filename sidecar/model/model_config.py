@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from sidecar.model.architectures import check_config, family_of
+from sidecar.model.architectures import check_config, family_of, partial_rotary_factor
 from sidecar.model.moe import MoEConfig
 from yarn import RopeConfig
 
@@ -50,7 +50,10 @@ class ModelConfig:
     attention_bias: bool = False
     """Biases on the q, k and v projections, never on o_proj (Qwen2; GLM-4.5's `attention_bias`)."""
     qk_norm: bool = True
-    """Per-head RMSNorm on q and k before the rotary embedding (Qwen3)."""
+    """Per-head RMSNorm on q and k before the rotary embedding (Qwen3; GLM-4.5's `use_qk_norm`)."""
+    partial_rotary_factor: float = 1.0
+    """The fraction of each head the rotary embedding rotates, its first `rotary_dim` dimensions
+    (GLM-4.5: 0.5); the rest passes through."""
     eos_token_id: list[int] = field(default_factory=list)
     """End-of-sequence ids (config.json's eos_token_id, an int or a list there); may be empty."""
     moe: MoEConfig | None = None
@@ -85,23 +88,35 @@ class ModelConfig:
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
             raise ValueError(f"rope_scaling must be null or a dict, got {self.rope_scaling!r}")
         family = family_of(self.architectures)
-        for name in ("attention_bias", "qk_norm"):
-            if getattr(self, name) != getattr(family, name):
+        for name, key in (("attention_bias", "attention_bias"), ("qk_norm", "use_qk_norm")):
+            if key not in family.reads and getattr(self, name) != getattr(family, name):
                 raise ValueError(
                     f"{name}={getattr(self, name)} contradicts architectures {self.architectures}, whose "
                     f"modeling code has {name}={getattr(family, name)}; set it so or name another architecture"
                 )
+        if self.partial_rotary_factor != 1.0 and "partial_rotary_factor" not in family.reads:
+            raise ValueError(f"partial_rotary_factor must be 1 for architectures {self.architectures}")
+        if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise ValueError(
+                f"partial_rotary_factor {self.partial_rotary_factor} rotates {self.rotary_dim} of head_dim "
+                f"{self.head_dim} dimensions; that must be a positive even number"
+            )
+        if isinstance(self.moe, dict):
+            self.moe = MoEConfig(**self.moe)
 
     @property
     def family(self) -> str:
         """The architecture's family name (its model_type, e.g. "qwen2"), as GetInfo reports it."""
         return family_of(self.architectures).model_type
-        if isinstance(self.moe, dict):
-            self.moe = MoEConfig(**self.moe)
 
     def is_sparse(self, idx: int) -> bool:
         """Whether decoder layer `idx` (MTP layer j: num_hidden_layers + j) routes to experts."""
         return self.moe is not None and self.moe.is_sparse(idx)
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions of each head the rotary embedding rotates (transformers' int(head_dim × factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -109,7 +124,7 @@ class ModelConfig:
 
     def rope_config(self) -> RopeConfig:
         """The rotary settings shared by trunk and MTP layers (YaRN when rope_scaling says so)."""
-        return RopeConfig.from_hf(self.to_hf_dict())
+        return RopeConfig.from_hf(self.to_hf_dict() | {"head_dim": self.rotary_dim, "partial_rotary_factor": None})
 
     @classmethod
     def tiny(cls, **overrides: Any) -> ModelConfig:
@@ -128,7 +143,7 @@ class ModelConfig:
         )
         base.update(overrides)
         family = family_of(base.get("architectures"))
-        base.setdefault("attention_bias", family.attention_bias)
+        base.setdefault("attention_bias", family.attention_bias)  # (a family that reads the keys: its defaults)
         base.setdefault("qk_norm", family.qk_norm)
         return cls(**base)
 
@@ -150,6 +165,8 @@ class ModelConfig:
                 rope_scaling = {k: v for k, v in params.items() if k != "rope_theta"}
         if isinstance(rope_scaling, dict) and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
             rope_scaling = None
+        if isinstance(rope_scaling, dict):  # read on its own (`partial_rotary_factor`), not a rope scaling
+            rope_scaling = {k: v for k, v in rope_scaling.items() if k != "partial_rotary_factor"}
         heads = d["num_attention_heads"]
         out: dict[str, Any] = {
             "vocab_size": d["vocab_size"],
@@ -169,8 +186,13 @@ class ModelConfig:
         }
         family = family_of(list(d["architectures"]) if d.get("architectures") else None, d.get("model_type"))
         out["architectures"] = [family.architecture]
-        out["attention_bias"] = family.attention_bias
-        out["qk_norm"] = family.qk_norm
+        reads = family.reads
+        out["attention_bias"] = (
+            bool(d.get("attention_bias") or False) if "attention_bias" in reads else family.attention_bias
+        )
+        out["qk_norm"] = bool(d.get("use_qk_norm") or False) if "use_qk_norm" in reads else family.qk_norm
+        if "partial_rotary_factor" in reads:
+            out["partial_rotary_factor"] = partial_rotary_factor(d)
         out["moe"] = MoEConfig.from_hf_dict(d, family.architecture)
         eos = d.get("eos_token_id")
         if eos is not None:
@@ -181,11 +203,16 @@ class ModelConfig:
         """The config.json dict (the family's keys plus num_nextn_predict_layers, an MoE's keys flat); the
         attention's variants are the architecture's, named only where transformers reads a key (Qwen3's,
         Llama's attention_bias)."""
-        skip = ("attention_bias", "qk_norm", "moe")
+        skip = ("attention_bias", "qk_norm", "moe", "partial_rotary_factor")
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
         d |= {} if self.moe is None else self.moe.to_hf_dict()
         d["model_type"] = self.family
         d["hidden_act"] = "silu"
-        if not self.attention_bias:
-            d["attention_bias"] = False
+        reads = family_of(self.architectures).reads
+        if not self.attention_bias or "attention_bias" in reads:
+            d["attention_bias"] = self.attention_bias
+        if "use_qk_norm" in reads:
+            d["use_qk_norm"] = self.qk_norm
+        if "partial_rotary_factor" in reads:
+            d["partial_rotary_factor"] = self.partial_rotary_factor
         return d
