@@ -19,10 +19,11 @@ from test_weight_delta import delta_client, served, sha, sparse_step
 
 from sidecar.client.client import SidecarCallError
 from sidecar.engine.torch_engine import TorchEngine
+from sidecar.errors import WeightMismatchError
 from sidecar.model.checkpoint import model_state_dict, save_checkpoint, target_tensor_names
 from sidecar.model.model import ModelConfig, build_model
 from sidecar.model.moe import MoEConfig
-from sidecar.types import GenerationRequest, SamplingParams, WeightTransport
+from sidecar.types import GenerationRequest, SamplingParams, WeightSelector, WeightTransport
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -108,3 +109,22 @@ def test_a_nan_in_one_expert_is_refused_and_nothing_applies(checkpoint: Path) ->
         assert served(sc) == before
         c.push_weights(state, version=1)
         assert served(sc) == (1, sha(state))
+
+
+def test_routers_are_float32_in_a_bfloat16_model(tmp_path: Path) -> None:
+    """Stored, served and pushed in float32 (`checkpoint.ROUTER_SUFFIXES`): a bf16 model's routing
+    choices are not made on bf16-rounded router weights."""
+    config = dataclasses.replace(moe_config(), torch_dtype="bfloat16")
+    state = {
+        n: t.to(torch.float32 if n.endswith(".mlp.gate.weight") else torch.bfloat16) for n, t in moe_weights(1).items()
+    }
+    save_checkpoint(tmp_path, config, state)
+    engine = TorchEngine.from_checkpoint(tmp_path)
+    router = "model.layers.1.mlp.gate.weight"
+    specs = {s.name: s.dtype for s in engine.weight_specs(WeightSelector.ALL)}
+    assert specs[router] == torch.float32 and specs["model.layers.1.mlp.experts.0.up_proj.weight"] == torch.bfloat16
+    assert dict(engine.model.named_parameters())[router].dtype == torch.float32
+    assert torch.equal(dict(engine.model.named_parameters())[router], state[router])  # not rounded on the way
+    with pytest.raises(WeightMismatchError, match="float32"):
+        engine.update_weights(state | {router: state[router].bfloat16()}, WeightSelector.ALL, version=1)
+    engine.update_weights(state, WeightSelector.ALL, version=1)

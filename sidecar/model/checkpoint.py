@@ -177,6 +177,16 @@ def draft_tensor_names(config: ModelConfig) -> list[str]:
     return list(draft_tensor_shapes(config))
 
 
+ROUTER_SUFFIXES = (".mlp.gate.weight", ".mlp.gate.e_score_correction_bias")
+"""A router's tensors: stored and served in float32 whatever the model's dtype (the router runs in
+float32; transformers keeps GLM-4.5's so too), so a bf16 model's choices are not bf16-rounded."""
+
+
+def tensor_dtype(config: ModelConfig, name: str) -> torch.dtype:
+    """The dtype tensor `name` is stored, pushed and served in: float32 for a router's, else the model's."""
+    return torch.float32 if name.endswith(ROUTER_SUFFIXES) else config.dtype
+
+
 def check_state_dict(config: ModelConfig, state_dict: Mapping[str, Tensor], *, source: str = "state dict") -> None:
     """Raise CheckpointError unless `state_dict` holds exactly the contract's tensors with the right shapes."""
     expected = target_tensor_shapes(config) | draft_tensor_shapes(config)
@@ -204,7 +214,8 @@ def save_checkpoint(path: str | Path, config: ModelConfig, state_dict: Mapping[s
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors = {
-        n: t.detach().to("cpu", config.dtype).contiguous() for n, t in native_draft_names(config, state_dict).items()
+        n: t.detach().to("cpu", tensor_dtype(config, n)).contiguous()
+        for n, t in native_draft_names(config, state_dict).items()
     }
     save_file(tensors, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
     (path / CONFIG_FILE).write_text(json.dumps(config.to_hf_dict(), indent=2, sort_keys=True) + "\n")

@@ -39,7 +39,7 @@ from sidecar.model.decode_kernels import DecodeKernels, DecodeOps
 from sidecar.model.decode_weights import DecodeWeights, joined_rows
 from sidecar.model.kv_cache import AttentionPlan, KVCache, attend
 from sidecar.model.model_config import ModelConfig as ModelConfig  # re-exported: the model's shape
-from sidecar.model.moe import SparseMoE
+from sidecar.model.moe import Router, SparseMoE
 from yarn import RotaryEmbedding, apply_rotary
 
 ROPE_MARGIN = 72
@@ -567,4 +567,8 @@ def build_model(config: ModelConfig, *, device: str | torch.device = "cpu", seed
     model = Qwen3WithMTP(config)
     if seed is not None:
         init_weights(model, seed, std=1.0 / math.sqrt(config.hidden_size))
-    return model.to(device=device, dtype=config.dtype).eval().requires_grad_(False)
+    model = model.to(device=device, dtype=config.dtype)
+    for m in model.modules():
+        if isinstance(m, Router):
+            m.float()  # routers are float32 in every dtype (`moe`, `checkpoint.ROUTER_SUFFIXES`)
+    return model.eval().requires_grad_(False)
