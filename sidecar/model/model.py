@@ -271,7 +271,7 @@ class DecoderLayer(nn.Module):
             x, self.self_attn.cached(normed, w, rope, cache, layer, plan, kernels), w.post_norm, w.eps
         )
         if w.gate_up is None or w.down is None:  # a sparse layer: its experts (fixed shapes where the plan is)
-            return x, cast(SparseMoE, self.mlp)(normed, fixed_shape=plan.grouped)
+            return x, cast(SparseMoE, self.mlp)(normed, fixed_shape=plan.grouped, kernels=fused)
         return x, w.project(fused.silu_mul(w.project(normed, w.gate_up)), w.down)
 
 
@@ -427,11 +427,14 @@ class Qwen3WithMTP(nn.Module):
         tensor (the parameters become views of it; values unchanged), so that where the cached
         forwards multiply by (out, in) weights (not CPUs: `DecodeWeights`) their fused projections
         are the parameters themselves instead of copies: ~70% of each layer's weights less memory.
-        Pushes copy into the views (`TorchEngine` never swaps a storage parameters share)."""
+        Pushes copy into the views (`TorchEngine` never swaps a storage parameters share). A sparse
+        layer's experts are stacked likewise (`SparseMoE.join_experts`: what the fused kernel reads)."""
         joined_any = False
         with torch.no_grad():
             for layer in (cast(DecoderLayer, m) for m in [*self.model.layers, *self.mtp.layers]):
                 a, mlp = layer.self_attn, layer.mlp
+                if isinstance(mlp, SparseMoE) and mlp.joined_experts() is None:
+                    mlp.join_experts()
                 groups = [(a.q_proj, a.k_proj, a.v_proj)] + (
                     [(mlp.gate_proj, mlp.up_proj)] if isinstance(mlp, MLP) else []
                 )

@@ -280,13 +280,51 @@ class SparseMoE(nn.Module):
         self.shared_experts = (
             Expert(hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts else None
         )
+        self._joined: tuple[Tensor, Tensor] | None = None
 
-    def forward(self, x: Tensor, fixed_shape: bool = False) -> Tensor:  # (..., hidden) -> (..., hidden)
-        """The layer's MLP output; `fixed_shape`: `experts_fixed_shape` (else the reference)."""
+    def join_experts(self) -> None:
+        """Store the experts' weights as two stacked tensors, gate|up (E, 2I, hidden) and down
+        (E, hidden, I), the parameters becoming views of them (values unchanged): what the fused
+        kernel reads (`moe_kernels`), with no copy to refresh after a push (pushes copy into the
+        views: `TorchEngine` never swaps a storage parameters share)."""
+        with torch.no_grad():
+            w13 = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self._experts()])
+            w2 = torch.stack([e.down_proj.weight for e in self._experts()])
+            inter = w2.shape[-1]
+            for i, e in enumerate(self._experts()):
+                e.gate_proj.weight.data = w13[i, :inter]
+                e.up_proj.weight.data = w13[i, inter:]
+                e.down_proj.weight.data = w2[i]
+        self._joined = (w13, w2)
+
+    def joined_experts(self) -> tuple[Tensor, Tensor] | None:
+        """The stacked (gate|up, down) tensors the parameters are still views of, or None."""
+        if self._joined is None:
+            return None
+        first = self._experts()[0]
+        w13, w2 = self._joined
+        if first.gate_proj.weight.data_ptr() != w13.data_ptr() or first.down_proj.weight.data_ptr() != w2.data_ptr():
+            self._joined = None  # the parameters were given new storage (moved, re-cast): no longer joined
+        return self._joined
+
+    def _experts(self) -> list[Expert]:
+        return [e for e in self.experts if isinstance(e, Expert)]
+
+    def forward(
+        self, x: Tensor, fixed_shape: bool = False, kernels: object = None
+    ) -> Tensor:  # (..., hidden) -> (..., hidden)
+        """The layer's MLP output. `fixed_shape` (what CUDA graphs capture): the fused kernel where
+        `kernels` has one and the experts are joined (`join_experts`), else `experts_fixed_shape`;
+        otherwise the reference, `experts_by_expert`."""
         flat = x.reshape(-1, x.shape[-1])
         weights, ids = self.gate(flat)
-        combine = experts_fixed_shape if fixed_shape else experts_by_expert
-        out = combine(flat, weights.to(x.dtype), ids, self.experts)
+        fused = getattr(kernels, "fused_experts", None)
+        joined = self.joined_experts()
+        if fixed_shape and fused is not None and joined is not None:
+            out = fused(flat, weights, ids, *joined)
+        else:
+            combine = experts_fixed_shape if fixed_shape else experts_by_expert
+            out = combine(flat, weights.to(x.dtype), ids, self.experts)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         return out.view(x.shape)
