@@ -63,7 +63,7 @@ from sidecar.engine.rows import Sequence, add_rounds, cost_clock, sequence_seed
 from sidecar.engine.runner import Prefill, Runner
 from sidecar.engine.scoring import score
 from sidecar.engine.served_weights import ServedWeights
-from sidecar.engine.speculation_settings import SpeculationSettings
+from sidecar.engine.speculation_settings import SpeculationSettings, expert_reads_of
 from sidecar.engine.validation import validate_request
 from sidecar.engine.version_ledger import VersionLedger
 from sidecar.errors import InvalidRequestError, KVCacheCapacityError
@@ -176,6 +176,7 @@ class TorchEngine(Engine):
             max_speculation_k=self.max_speculation_k,
             has_draft=drafts,
             policy=policy,
+            expert_reads=expert_reads_of(self.config),
         )
         self._clock = clock or cost_clock(self.device)
         if config.speculation_auto:
