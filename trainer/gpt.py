@@ -107,7 +107,8 @@ def build_gpt_model(hf: Mapping[str, Any], *, tensor_parallel: int = 1) -> Any:
 
     platform.apply_cpu_accommodations()
     config = transformer_config(hf, tensor_parallel=tensor_parallel)
-    rope_kwargs = yarn.megatron.configure(config, RopeConfig.from_hf(hf))
+    rope = RopeConfig.from_hf(hf)
+    rope_kwargs = yarn.megatron.configure(config, rope)
     if _te_available():
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True)
     else:
@@ -123,6 +124,7 @@ def build_gpt_model(hf: Mapping[str, Any], *, tensor_parallel: int = 1) -> Any:
         share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
         **rope_kwargs,
     )
+    yarn.megatron.install_frequencies(model, rope)
     return model.to(platform.device())
 
 

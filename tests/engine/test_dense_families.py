@@ -12,6 +12,7 @@ llama3 factor) that the same comparison catches.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 from typing import Any
@@ -52,7 +53,11 @@ LLAMA3 = {
 CASES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
     "qwen2-untied": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {"tie_word_embeddings": False}),
     "qwen2-tied": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {"tie_word_embeddings": True}),
-    "llama-tied": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {"tie_word_embeddings": True}),
+    "llama-tied": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        {"tie_word_embeddings": True, "rope_parameters": LLAMA3},
+    ),
 }
 PROMPTS = [[5, 9, 2], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [60, 61], [7], [11, 12, 13, 14, 15, 16]]
 NEW = 24  # past llama3's original context of 32 for the longest prompt
@@ -138,6 +143,21 @@ def test_a_dropped_q_bias_is_caught_by_the_same_comparison(checkpoints: dict[str
             layer.self_attn.q_proj.bias.zero_()
         got = model(IDS).float().log_softmax(-1)
     assert (got - hf_log_softmax(case, IDS)).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("factor", [4.0, 16.0])
+def test_a_changed_llama3_factor_is_caught(checkpoints: dict[str, Path], factor: float) -> None:
+    """Negative control: the comparison fails for Llama rotated with another llama3 factor, and the
+    checkpoint really is llama3-scaled (the sequences run past its original context of 32)."""
+    path = checkpoints["llama-tied"]
+    config, tensors = load_checkpoint(path)
+    assert config.rope_config().rope_type == "llama3" and IDS.shape[1] > LLAMA3["original_max_position_embeddings"]
+    other = dataclasses.replace(config, rope_scaling={**(config.rope_scaling or {}), "factor": factor})
+    model = build_model(other)
+    model.load_state_dict(tensors, strict=True)
+    with torch.no_grad():
+        got = model(IDS).float().log_softmax(-1)
+    assert (got - hf_log_softmax("llama-tied", IDS)).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("compile", ["off", "on"])
