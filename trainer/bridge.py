@@ -1,4 +1,4 @@
-"""The checkpoint bridge: Hugging Face Qwen3 names (the naming contract) <-> megatron-core's layout.
+"""The checkpoint bridge: Hugging Face names (the naming contract) <-> megatron-core's layout.
 
 One `plan` of entries serves both directions, so import and export cannot drift apart. Each
 entry maps one Megatron parameter to one or more contract tensors:
@@ -6,7 +6,10 @@ entry maps one Megatron parameter to one or more contract tensors:
 - ``linear_qkv`` fuses q/k/v *per query group*: for each of the ``num_key_value_heads`` groups,
   ``heads_per_group * head_dim`` query rows, then ``head_dim`` key rows, then ``head_dim`` value rows
   (the order megatron/core/transformer/attention.py splits the projection output in).
+  Its bias (``add_qkv_bias``: Qwen2) is fused the same way, q/k/v biases per group.
 - ``linear_fc1`` stacks gate over up (SwiGLU: ``silu(gate) * up``).
+- ``q_layernorm`` / ``k_layernorm`` exist where the family has q/k norms (Qwen3), as ``q_norm`` /
+  ``k_norm`` do in the contract (`trainer.gpt.family`).
 - everything else is a rename (norms, o/down projections, embedding, output layer).
 
 The layer norm before attention/MLP is its own module in the local (CPU) spec
@@ -32,6 +35,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from sidecar.errors import WeightMismatchError
+from trainer.gpt import family
 
 MTP_PREFIX = "mtp."  # draft tensors are "mtp.layers.{j}.<sub-name>" (DeepSeek-V3 names)
 
@@ -52,6 +56,7 @@ class Entry:
 def plan(hf_config: Mapping[str, Any], megatron_names: set[str]) -> list[Entry]:
     """The trunk's entries in contract order (embedding, layers, final norm, output layer)."""
     te_fused_norms = "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in megatron_names
+    attention = family(hf_config)
     entries = [Entry("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "copy")]
     for i in range(int(hf_config["num_hidden_layers"])):
         m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
@@ -64,8 +69,17 @@ def plan(hf_config: Mapping[str, Any], megatron_names: set[str]) -> list[Entry]:
                 tuple(h + f"self_attn.{p}_proj.weight" for p in "qkv"),
                 "qkv",
             ),
-            Entry(m + "self_attention.q_layernorm.weight", (h + "self_attn.q_norm.weight",), "copy"),
-            Entry(m + "self_attention.k_layernorm.weight", (h + "self_attn.k_norm.weight",), "copy"),
+        ]
+        if attention.attention_bias:
+            entries.append(
+                Entry(m + "self_attention.linear_qkv.bias", tuple(h + f"self_attn.{p}_proj.bias" for p in "qkv"), "qkv")
+            )
+        if attention.qk_norm:
+            entries += [
+                Entry(m + "self_attention.q_layernorm.weight", (h + "self_attn.q_norm.weight",), "copy"),
+                Entry(m + "self_attention.k_layernorm.weight", (h + "self_attn.k_norm.weight",), "copy"),
+            ]
+        entries += [
             Entry(m + "self_attention.linear_proj.weight", (h + "self_attn.o_proj.weight",), "copy"),
             Entry(m + mlp_norm, (h + "post_attention_layernorm.weight",), "copy"),
             Entry(m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), "fc1"),
@@ -96,12 +110,12 @@ def fuse(entry: Entry, tensors: list[Tensor], hf_config: Mapping[str, Any]) -> T
     if entry.fuse == "fc1":
         return torch.cat(tensors, dim=0)  # (2*ffn, hidden): gate over up
     heads, groups, d = _heads(hf_config)
-    q, k, v = tensors  # (heads*d, H), (groups*d, H), (groups*d, H)
-    hidden = q.shape[1]
-    q = q.reshape(groups, heads // groups * d, hidden)
-    k = k.reshape(groups, d, hidden)
-    v = v.reshape(groups, d, hidden)
-    return torch.cat([q, k, v], dim=1).reshape(-1, hidden)  # per group: its q heads, then k, then v
+    q, k, v = tensors  # (heads*d, H), (groups*d, H), (groups*d, H); or their biases (heads*d,), ...
+    tail = q.shape[1:]
+    q = q.reshape(groups, heads // groups * d, *tail)
+    k = k.reshape(groups, d, *tail)
+    v = v.reshape(groups, d, *tail)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *tail)  # per group: its q heads, then k, then v
 
 
 def split(entry: Entry, full: Tensor, hf_config: Mapping[str, Any]) -> list[Tensor]:
@@ -111,9 +125,9 @@ def split(entry: Entry, full: Tensor, hf_config: Mapping[str, Any]) -> list[Tens
     if entry.fuse == "fc1":
         return list(full.chunk(2, dim=0))
     heads, groups, d = _heads(hf_config)
-    hidden = full.shape[1]
-    q, k, v = full.reshape(groups, (heads // groups + 2) * d, hidden).split([heads // groups * d, d, d], dim=1)
-    return [q.reshape(-1, hidden), k.reshape(-1, hidden), v.reshape(-1, hidden)]
+    tail = full.shape[1:]  # (H,) of the weight, () of the bias
+    q, k, v = full.reshape(groups, (heads // groups + 2) * d, *tail).split([heads // groups * d, d, d], dim=1)
+    return [q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)]
 
 
 def _tp(param: Tensor) -> tuple[bool, int, int]:
