@@ -42,6 +42,8 @@ class Family:
     """RMSNorm on each query and key head before the rotary embedding."""
     native_draft: str
     """The draft layout a checkpoint of this family may carry, in words (the README's table)."""
+    moe: str
+    """Its experts, in words ("no": a dense SwiGLU MLP in every layer)."""
     tested_against: str
     """The oracle its tests compare with (the README's table)."""
 
@@ -54,7 +56,8 @@ FAMILIES: dict[str, Family] = {
             "qwen3",
             attention_bias=False,
             qk_norm=True,
-            native_draft="specrl MTP (`mtp.layers.*`)",
+            moe="no",
+            native_draft="none (specrl's `mtp.layers.*` by draft-init)",
             tested_against="transformers `Qwen3ForCausalLM`",
         ),
         Family(
@@ -62,7 +65,8 @@ FAMILIES: dict[str, Family] = {
             "qwen2",
             attention_bias=True,
             qk_norm=False,
-            native_draft="specrl MTP (`mtp.layers.*`)",
+            moe="no",
+            native_draft="none (specrl's `mtp.layers.*` by draft-init)",
             tested_against="transformers `Qwen2ForCausalLM`",
         ),
         Family(
@@ -70,8 +74,9 @@ FAMILIES: dict[str, Family] = {
             "llama",
             attention_bias=False,
             qk_norm=False,
-            native_draft="specrl MTP (`mtp.layers.*`)",
-            tested_against="transformers `LlamaForCausalLM`",
+            moe="no",
+            native_draft="none (specrl's `mtp.layers.*` by draft-init)",
+            tested_against="transformers `LlamaForCausalLM` (llama3 rope)",
         ),
     )
 }
@@ -180,6 +185,21 @@ def models_markdown() -> str:
     for k in CONFIG_KEYS:
         supported = k.supported.replace("|", "\\|")
         lines.append(f"| `{k.key}` | {k.rule} | {supported} | {k.why} |")
+    return "\n".join(lines)
+
+
+def attention_text(f: Family) -> str:
+    """A family's attention in words (the README's table)."""
+    parts = ["GQA", "q/k RMSNorm" if f.qk_norm else "no q/k norm", "q/k/v bias" if f.attention_bias else "no bias"]
+    return ", ".join(parts)
+
+
+def architectures_markdown() -> str:
+    """The README's table of supported architectures, from `FAMILIES` (a test keeps the README's copy)."""
+    lines = ["| architecture (family) | attention | MoE | native draft | tested against |", "|---|---|---|---|---|"]
+    for f in FAMILIES.values():
+        row = (f"`{f.architecture}` ({f.model_type})", attention_text(f), f.moe, f.native_draft, f.tested_against)
+        lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 
