@@ -51,3 +51,41 @@ def test_the_trainers_logprobs_are_transformers_and_the_sidecars_after_export_an
         c.push_weights(exported, version=1)
         served = torch.tensor(c.score(request).logprobs)
     torch.testing.assert_close(served, got, rtol=0, atol=1e-4)
+
+
+def test_the_trainer_trains_mimos_draft_in_its_layout_and_pushes_keep_its_names(tmp_path: Path) -> None:
+    """A MiMo checkpoint (`tests/engine/test_mimo.py`'s, written as the published one is): the
+    policy's log-probs are transformers' Qwen2's, its draft is the engine's (`model.mtp_layers.*`),
+    a training step moves the draft, and the push of its export, in the checkpoint's names, serves
+    plain greedy at k = 3 with the trained draft."""
+    from sidecar.model.model import build_model
+    from sidecar.types import GenerationRequest, SamplingParams
+    from tests.engine.test_mimo import mimo, write_mimo_checkpoint
+    from trainer.policy import TrainBatch
+
+    path = write_mimo_checkpoint(tmp_path / "mimo")
+    config, tensors = load_checkpoint(path)
+    policy = Policy(config, Policy.Config(), tensors)
+    tokens = torch.randint(0, SHAPE["vocab_size"], (2, 40), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        logits = mimo()[0](tokens).logits.float()
+        engine = build_model(config)
+        engine.load_state_dict(tensors, strict=True)
+        want_draft = engine.mtp_logits(tokens, engine.hidden_states(tokens))
+    want = logits[:, :-1].log_softmax(-1).gather(-1, tokens[:, 1:, None])[..., 0]
+    torch.testing.assert_close(policy.logprobs(tokens), want, rtol=0, atol=1e-4)
+    torch.testing.assert_close(policy.draft_logits(tokens), want_draft, rtol=0, atol=1e-4)
+    assert sorted(policy.export_names()) == sorted(tensors)  # the checkpoint's own names
+
+    mask = torch.ones(2, 39)
+    policy.train_step(TrainBatch(tokens=tokens, mask=mask, advantages=torch.tensor([1.0, -1.0])))
+    exported = dict(policy.export_named_tensors())
+    moved = [n for n in exported if n.startswith("model.mtp_layers.") and not torch.equal(exported[n], tensors[n])]
+    assert moved  # the draft trained, in MiMo's layout
+    sp = SamplingParams(temperature=0.0, max_new_tokens=12)
+    prompts = [[5, 9, 2], [1, 2, 3, 4, 5, 6, 7]]
+    with start_sidecar(path, speculation_k=3) as sc, SidecarClient(sc.address) as c:
+        c.push_weights(exported, version=1)
+        plain = [s.token_ids for s in c.generate(GenerationRequest(prompts=prompts, sampling=sp, speculation_k=0))]
+        spec = c.generate(GenerationRequest(prompts=prompts, sampling=sp, speculation_k=3))
+    assert [s.token_ids for s in spec] == plain and sum(s.counters.verify_steps for s in spec) > 0

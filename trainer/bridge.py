@@ -38,6 +38,17 @@ from sidecar.errors import WeightMismatchError
 from trainer.gpt import family
 
 MTP_PREFIX = "mtp."  # draft tensors are "mtp.layers.{j}.<sub-name>" (DeepSeek-V3 names)
+MIMO_PREFIX = "model.mtp_"  # MiMo's: "model.mtp_layers.{j}.<sub-name>"
+
+
+def draft_prefix(hf_config: Mapping[str, Any]) -> str:
+    """What the draft head's parameter names (``layers.{j}.*``) are prefixed with in the contract."""
+    return MIMO_PREFIX if family(hf_config).mtp_layout == "mimo" else MTP_PREFIX
+
+
+def is_draft_name(name: str, hf_config: Mapping[str, Any]) -> bool:
+    """Whether a contract name is one of the MTP layers' (not the trunk's)."""
+    return name.startswith(draft_prefix(hf_config) + "layers.")
 
 
 class CheckpointMismatchError(WeightMismatchError):
@@ -172,12 +183,12 @@ def _tp_group() -> tuple[dist.ProcessGroup | None, int, int]:
 def load_trunk(model: nn.Module, tensors: Mapping[str, Tensor], hf_config: Mapping[str, Any]) -> None:
     """Copy contract-named trunk tensors into a megatron-core GPTModel (this rank's shards).
 
-    Draft tensors (``mtp.*``) are ignored here; anything else unknown or missing raises.
+    Draft tensors (``mtp.*``, MiMo's ``model.mtp_layers.*``) are ignored here; anything else unknown or missing raises.
     """
     params = dict(model.named_parameters())
     entries = plan(hf_config, set(params))
     wanted = {name for e in entries for name in e.hf}
-    trunk = {k for k in tensors if not k.startswith(MTP_PREFIX)}
+    trunk = {k for k in tensors if not is_draft_name(k, hf_config)}
     if wanted != trunk:
         raise CheckpointMismatchError(
             f"checkpoint trunk tensors differ from the model: missing {sorted(wanted - trunk)[:5]}, "
@@ -219,12 +230,13 @@ def export_names(model: nn.Module, hf_config: Mapping[str, Any]) -> list[str]:
     return [name for e in plan(hf_config, {n for n, _ in model.named_parameters()}) for name in e.hf]
 
 
-def draft_names(draft: nn.Module) -> list[str]:
+def draft_names(draft: nn.Module, hf_config: Mapping[str, Any]) -> list[str]:
     """The contract names `export_draft` yields, in its order."""
-    return [MTP_PREFIX + name for name, _ in draft.named_parameters()]
+    return [draft_prefix(hf_config) + name for name, _ in draft.named_parameters()]
 
 
-def export_draft(draft: nn.Module) -> Iterator[tuple[str, Tensor]]:
+def export_draft(draft: nn.Module, hf_config: Mapping[str, Any]) -> Iterator[tuple[str, Tensor]]:
     """Yield (contract name, tensor) of the draft head (replicated; names already contract sub-names)."""
+    prefix = draft_prefix(hf_config)
     for name, param in draft.named_parameters():
-        yield MTP_PREFIX + name, param.detach().clone()
+        yield prefix + name, param.detach().clone()

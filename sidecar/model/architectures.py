@@ -46,6 +46,12 @@ class Family:
     """Its experts, in words ("no": a dense SwiGLU MLP in every layer)."""
     tested_against: str
     """The oracle its tests compare with (the README's table)."""
+    mtp_layout: str = "specrl"
+    """Where and how its MTP draft layers are stored: "specrl" (`mtp.layers.{j}.*`, DeepSeek-V3 names,
+    the embedding first in the fused input), or "mimo" (`model.mtp_layers.{j}.*`, the hidden state first)."""
+    unread_keys: tuple[str, ...] = ()
+    """Refusable keys its modeling code does not read (Qwen2 hard-codes its q/k/v biases: `attention_bias`
+    does not change its forward)."""
 
 
 FAMILIES: dict[str, Family] = {
@@ -68,6 +74,7 @@ FAMILIES: dict[str, Family] = {
             moe="no",
             native_draft="none (specrl's `mtp.layers.*` by draft-init)",
             tested_against="transformers `Qwen2ForCausalLM`",
+            unread_keys=("attention_bias",),
         ),
         Family(
             "LlamaForCausalLM",
@@ -77,6 +84,17 @@ FAMILIES: dict[str, Family] = {
             moe="no",
             native_draft="none (specrl's `mtp.layers.*` by draft-init)",
             tested_against="transformers `LlamaForCausalLM` (llama3 rope)",
+        ),
+        Family(
+            "MiMoForCausalLM",
+            "mimo",
+            attention_bias=True,
+            qk_norm=False,
+            moe="no",
+            native_draft="MiMo MTP (`model.mtp_layers.*`, hidden state first)",
+            tested_against="transformers `Qwen2ForCausalLM` (trunk), XiaomiMiMo's `modeling_mimo.py` (MTP)",
+            mtp_layout="mimo",
+            unread_keys=("attention_bias",),
         ),
     )
 }
@@ -144,13 +162,16 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
     ConfigKey("torch_dtype", "read", "float32 / bfloat16 / float16", "dtype weights are stored and computed in"),
     ConfigKey("dtype", "read", "float32 / bfloat16 / float16", "transformers 5's name for torch_dtype"),
     ConfigKey("eos_token_id", "read", "ids in the vocabulary (int or list)", "where a sample ends"),
-    ConfigKey("num_nextn_predict_layers", "read", ">= 0", "specrl's MTP draft layers (`mtp.layers.*`)"),
+    ConfigKey(
+        "num_nextn_predict_layers", "read", ">= 0", "MTP draft layers (`mtp.layers.*`; MiMo: `model.mtp_layers.*`)"
+    ),
     ConfigKey("hidden_act", "refused unless", '"silu"', "the MLP's activation (SwiGLU)", _is("silu")),
     ConfigKey(
         "attention_bias",
         "refused unless",
         "false",
-        "biases on q/k/v/o projections (Qwen3, Llama); Qwen2's q/k/v biases are in its modeling code, not this key",
+        "biases on q/k/v/o projections (Qwen3, Llama); Qwen2's and MiMo's q/k/v biases are in their modeling "
+        "code, which does not read this key",
         _is(False),
     ),
     ConfigKey("mlp_bias", "refused unless", "false", "biases on the MLP's projections (Llama)", _is(False)),
@@ -164,6 +185,7 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
     ),
     ConfigKey("partial_rotary_factor", "refused unless", "1 (absent)", "rotate only part of each head", _absent_or_one),
     ConfigKey("quantization_config", "refused unless", "absent", "quantized weights", lambda v: v is None),
+    ConfigKey("use_mrope", "refused unless", "false", "multimodal rotary sections (MiMo's config)", _is(False)),
     ConfigKey("sliding_window", "ignored", "any", "acts only through use_sliding_window / layer_types"),
     ConfigKey("max_window_layers", "ignored", "any", "acts only through use_sliding_window / layer_types"),
     ConfigKey("attention_dropout", "ignored", "any", "dropout: engine and trainer compute without it (eval mode)"),
@@ -240,11 +262,14 @@ def check_config(raw: Mapping[str, Any]) -> None:
     """Refuse a config.json whose forward the engine does not implement (UnsupportedConfigError naming
     every such key, its value and what is supported); return quietly otherwise."""
     archs = raw.get("architectures")
-    family_of(list(archs) if isinstance(archs, list | tuple) else None, raw.get("model_type"))
+    family = family_of(list(archs) if isinstance(archs, list | tuple) else None, raw.get("model_type"))
     problems = [
         f"{name}: {json.dumps(raw[name])} (implemented: {k.supported}; {k.why})"
         for name, k in _REFUSED.items()
-        if raw.get(name) is not None and k.accepts is not None and not k.accepts(raw[name])
+        if raw.get(name) is not None
+        and k.accepts is not None
+        and not k.accepts(raw[name])
+        and name not in family.unread_keys
     ]
     try:
         RopeConfig.from_hf(raw)

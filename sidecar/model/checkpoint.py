@@ -46,6 +46,14 @@ DeepSeek-V3 names::
     mtp.layers.{j}.<every trunk-layer sub-name above>  (input_layernorm.weight, self_attn.*, mlp.*, ...)
     mtp.layers.{j}.shared_head.norm.weight             [hidden]
 
+MiMo's layout (``mtp_layout`` "mimo", `MiMoForCausalLM`), prefix ``model.mtp_layers.{j}.``::
+
+    model.mtp_layers.{j}.token_layernorm.weight        [hidden]   norm of embed(x_{t+1})
+    model.mtp_layers.{j}.hidden_layernorm.weight       [hidden]   norm of h_t
+    model.mtp_layers.{j}.input_proj.weight             [hidden, 2*hidden]  input = cat([hidden, token]): h FIRST
+    model.mtp_layers.{j}.<every trunk-layer sub-name above>
+    model.mtp_layers.{j}.final_layernorm.weight        [hidden]
+
 The embedding and the output head are shared with the trunk: they belong to the target and
 are never repeated under ``mtp.``. Selector "target" = the first list, "draft" = the MTP list,
 "all" = both.
@@ -68,6 +76,24 @@ from sidecar.model.architectures import UnsupportedConfigError
 from sidecar.model.model import ModelConfig
 
 MTP_PREFIX = "mtp.layers."
+MIMO_MTP_PREFIX = "model.mtp_layers."
+_OWN_NAMES = {  # an MTP layer's own tensors (beside its decoder layer's), by layout: (token norm, hidden norm, proj, head)
+    "specrl": ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"),
+    "mimo": ("token_layernorm.weight", "hidden_layernorm.weight", "input_proj.weight", "final_layernorm.weight"),
+}
+
+
+def draft_prefix(config: ModelConfig) -> str:
+    """Where the MTP layers' names start: "mtp.layers." or MiMo's "model.mtp_layers."."""
+    return MIMO_MTP_PREFIX if config.mtp_layout == "mimo" else MTP_PREFIX
+
+
+def mtp_own_names(config: ModelConfig) -> tuple[str, str, str, str]:
+    """An MTP layer's own sub-names in the config's layout: token norm, hidden norm, projection, head norm."""
+    names = _OWN_NAMES[config.mtp_layout]
+    return names[0], names[1], names[2], names[3]
+
+
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -110,13 +136,14 @@ def draft_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     h = config.hidden_size
     layer = _layer_shapes(config)
     out: dict[str, tuple[int, ...]] = {}
+    token, hidden, proj, head = mtp_own_names(config)
     for j in range(config.num_nextn_predict_layers):
-        p = f"{MTP_PREFIX}{j}."
-        out[p + "enorm.weight"] = (h,)
-        out[p + "hnorm.weight"] = (h,)
-        out[p + "eh_proj.weight"] = (h, 2 * h)
+        p = f"{draft_prefix(config)}{j}."
+        out[p + token] = (h,)
+        out[p + hidden] = (h,)
+        out[p + proj] = (h, 2 * h)
         out.update({p + s: shape for s, shape in layer.items()})
-        out[p + "shared_head.norm.weight"] = (h,)
+        out[p + head] = (h,)
     return out
 
 
