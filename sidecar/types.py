@@ -344,7 +344,8 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...] = ()
     """The checkpoint's end-of-sequence ids (config.json eos_token_id); SamplingParams.stop_at_eos stops at them."""
     family: str = ""
-    """The architecture's family (config.json's model_type: "qwen3", "qwen2", "llama")."""
+    """The architecture's family (config.json's model_type: "qwen3", "qwen2", "llama", "mimo", "qwen3_moe",
+    "glm4_moe")."""
     num_experts: int = 0
     """Routed experts per sparse layer of a mixture-of-experts model (0: dense)."""
     num_experts_per_tok: int = 0

@@ -42,15 +42,24 @@ class Family:
     """RMSNorm on each query and key head before the rotary embedding."""
     native_draft: str
     """The draft layout a checkpoint of this family may carry, in words (the README's table)."""
+    moe: str
+    """Its experts, in words ("no": a dense SwiGLU MLP in every layer)."""
     tested_against: str
     """The oracle its tests compare with (the README's table)."""
+    mtp_layout: str = "specrl"
+    """Where and how its MTP draft layers are stored: "specrl" (`mtp.layers.{j}.*`, DeepSeek-V3 names,
+    the embedding first in the fused input), or "mimo" (`model.mtp_layers.{j}.*`, the hidden state first)."""
+    unread_keys: tuple[str, ...] = ()
+    """Refusable keys its modeling code does not read (Qwen2 hard-codes its q/k/v biases: `attention_bias`
+    does not change its forward)."""
     reads: tuple[str, ...] = ()
     """config.json keys this family's modeling code reads (`attention_bias`, `use_qk_norm`,
     `partial_rotary_factor`: GLM-4.5's), so neither fixed here nor refused: attention_bias and
     qk_norm above are then the defaults where the key is absent."""
-    native_draft_layout: str = "mtp"
-    """Where a checkpoint keeps its MTP layers: "mtp" (specrl's `mtp.layers.{j}.*`) or
-    "decoder_layers" (DeepSeek-V3's and GLM-4.5's `model.layers.{num_hidden_layers + j}.*`)."""
+    mtp_as_decoder_layers: bool = False
+    """Its checkpoints store MTP layer j as decoder layer `model.layers.{num_hidden_layers + j}.*`
+    (DeepSeek-V3's and GLM-4.5's files); `checkpoint.load_checkpoint` serves it in `mtp_layout`
+    "specrl" (`mtp.layers.{j}.*`, the same sub-names) and `save_checkpoint` writes it back."""
 
 
 FAMILIES: dict[str, Family] = {
@@ -61,7 +70,8 @@ FAMILIES: dict[str, Family] = {
             "qwen3",
             attention_bias=False,
             qk_norm=True,
-            native_draft="specrl MTP (`mtp.layers.*`)",
+            moe="no",
+            native_draft="none (specrl's `mtp.layers.*` by draft-init)",
             tested_against="transformers `Qwen3ForCausalLM`",
         ),
         Family(
@@ -69,23 +79,38 @@ FAMILIES: dict[str, Family] = {
             "qwen2",
             attention_bias=True,
             qk_norm=False,
-            native_draft="specrl MTP (`mtp.layers.*`)",
+            moe="no",
+            native_draft="none (specrl's `mtp.layers.*` by draft-init)",
             tested_against="transformers `Qwen2ForCausalLM`",
+            unread_keys=("attention_bias",),
         ),
         Family(
             "LlamaForCausalLM",
             "llama",
             attention_bias=False,
             qk_norm=False,
-            native_draft="specrl MTP (`mtp.layers.*`)",
-            tested_against="transformers `LlamaForCausalLM`",
+            moe="no",
+            native_draft="none (specrl's `mtp.layers.*` by draft-init)",
+            tested_against="transformers `LlamaForCausalLM` (llama3 rope)",
+        ),
+        Family(
+            "MiMoForCausalLM",
+            "mimo",
+            attention_bias=True,
+            qk_norm=False,
+            moe="no",
+            native_draft="MiMo MTP (`model.mtp_layers.*`, hidden state first)",
+            tested_against="transformers `Qwen2ForCausalLM` (trunk), XiaomiMiMo's `modeling_mimo.py` (MTP)",
+            mtp_layout="mimo",
+            unread_keys=("attention_bias",),
         ),
         Family(
             "Qwen3MoeForCausalLM",
             "qwen3_moe",
             attention_bias=False,
             qk_norm=True,
-            native_draft="specrl MTP (`mtp.layers.*`, sparse layers); EAGLE-3 drafts (`--draft`)",
+            moe="softmax top-k router (norm_topk_prob), dense layers by mlp_only_layers / decoder_sparse_step",
+            native_draft="none (specrl's `mtp.layers.*` by draft-init, sparse); EAGLE-3 drafts (`--draft`)",
             tested_against="transformers `Qwen3MoeForCausalLM`",
         ),
         Family(
@@ -93,10 +118,11 @@ FAMILIES: dict[str, Family] = {
             "glm4_moe",
             attention_bias=False,
             qk_norm=False,
+            moe="sigmoid router, group-limited with the expert-score bias, shared experts, first_k_dense_replace",
             native_draft="its own MTP layer (`model.layers.{num_hidden_layers}.*`, DeepSeek-V3 layout)",
-            tested_against="transformers `Glm4MoeForCausalLM`",
+            tested_against="transformers `Glm4MoeForCausalLM` (the MTP layer: lossless greedy only)",
             reads=("attention_bias", "use_qk_norm", "partial_rotary_factor"),
-            native_draft_layout="decoder_layers",
+            mtp_as_decoder_layers=True,
         ),
     )
 }
@@ -168,7 +194,7 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
         "num_nextn_predict_layers",
         "read",
         ">= 0",
-        "MTP draft layers: specrl's `mtp.layers.*`; GLM-4.5's own at `model.layers.{num_hidden_layers}.*`",
+        "MTP draft layers (`mtp.layers.*`; MiMo: `model.mtp_layers.*`; GLM-4.5: `model.layers.{num_hidden_layers}.*`)",
     ),
     ConfigKey("num_mtp_layers", "read", ">= 0", "transformers' name for num_nextn_predict_layers (glm4_moe)"),
     ConfigKey("num_experts", "read", "> 0 (qwen3_moe)", "routed experts per sparse layer (`moe.MoEConfig`)"),
@@ -206,8 +232,8 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
         "attention_bias",
         "refused unless",
         "false",
-        "biases on q/k/v/o projections (Qwen3, Llama); Qwen2's q/k/v biases are in its modeling code, not this "
-        "key; glm4_moe reads it (q/k/v biases)",
+        "biases on q/k/v/o projections (Qwen3, Llama); Qwen2's and MiMo's q/k/v biases are in their modeling "
+        "code, which does not read this key; glm4_moe reads it (q/k/v biases)",
         _is(False),
     ),
     ConfigKey("mlp_bias", "refused unless", "false", "biases on the MLP's projections (Llama)", _is(False)),
@@ -227,6 +253,7 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
         _absent_or_one,
     ),
     ConfigKey("quantization_config", "refused unless", "absent", "quantized weights", lambda v: v is None),
+    ConfigKey("use_mrope", "refused unless", "false", "multimodal rotary sections (MiMo's config)", _is(False)),
     ConfigKey("sliding_window", "ignored", "any", "acts only through use_sliding_window / layer_types"),
     ConfigKey("max_window_layers", "ignored", "any", "acts only through use_sliding_window / layer_types"),
     ConfigKey("attention_dropout", "ignored", "any", "dropout: engine and trainer compute without it (eval mode)"),
@@ -248,6 +275,24 @@ def models_markdown() -> str:
     for k in CONFIG_KEYS:
         supported = k.supported.replace("|", "\\|")
         lines.append(f"| `{k.key}` | {k.rule} | {supported} | {k.why} |")
+    return "\n".join(lines)
+
+
+def attention_text(f: Family) -> str:
+    """A family's attention in words (the README's table)."""
+    norm = "q/k RMSNorm" if f.qk_norm else "no q/k norm"
+    bias = "q/k/v bias" if f.attention_bias else "no bias"
+    if "use_qk_norm" in f.reads and "attention_bias" in f.reads:  # GLM-4.5: config.json says
+        norm, bias = "q/k RMSNorm and q/k/v bias as config.json says", "partial rotary"
+    return ", ".join(["GQA", norm, bias])
+
+
+def architectures_markdown() -> str:
+    """The README's table of supported architectures, from `FAMILIES` (a test keeps the README's copy)."""
+    lines = ["| architecture (family) | attention | MoE | native draft | tested against |", "|---|---|---|---|---|"]
+    for f in FAMILIES.values():
+        row = (f"`{f.architecture}` ({f.model_type})", attention_text(f), f.moe, f.native_draft, f.tested_against)
+        lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 
@@ -332,7 +377,11 @@ def check_config(raw: Mapping[str, Any]) -> None:
     problems = [
         f"{name}: {json.dumps(raw[name])} (implemented: {k.supported}; {k.why})"
         for name, k in _REFUSED.items()
-        if raw.get(name) is not None and name not in family.reads and k.accepts is not None and not k.accepts(raw[name])
+        if raw.get(name) is not None
+        and k.accepts is not None
+        and not k.accepts(raw[name])
+        and name not in family.unread_keys
+        and name not in family.reads
     ]
     problems += _moe_problems(raw, family)
     try:

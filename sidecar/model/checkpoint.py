@@ -66,12 +66,19 @@ DeepSeek-V3 names::
     mtp.layers.{j}.<every trunk-layer sub-name above>  (input_layernorm.weight, self_attn.*, mlp.*, ...)
     mtp.layers.{j}.shared_head.norm.weight             [hidden]
 
+MiMo's layout (``mtp_layout`` "mimo", `MiMoForCausalLM`), prefix ``model.mtp_layers.{j}.``::
+
+    model.mtp_layers.{j}.token_layernorm.weight        [hidden]   norm of embed(x_{t+1})
+    model.mtp_layers.{j}.hidden_layernorm.weight       [hidden]   norm of h_t
+    model.mtp_layers.{j}.input_proj.weight             [hidden, 2*hidden]  input = cat([hidden, token]): h FIRST
+    model.mtp_layers.{j}.<every trunk-layer sub-name above>
+    model.mtp_layers.{j}.final_layernorm.weight        [hidden]
+
 The embedding and the output head are shared with the trunk: they belong to the target and
 are never repeated under ``mtp.``. Selector "target" = the first list, "draft" = the MTP list,
 "all" = both.
 
-GLM-4.5's own MTP layer (``Glm4MoeForCausalLM``, ``architectures.Family.native_draft_layout`` =
-"decoder_layers"): its checkpoints keep MTP layer j in the DeepSeek-V3 layout as decoder layer
+GLM-4.5's own MTP layer (``Glm4MoeForCausalLM``, ``architectures.Family.mtp_as_decoder_layers``): its checkpoints keep MTP layer j in the DeepSeek-V3 layout as decoder layer
 ``model.layers.{num_hidden_layers + j}.`` (``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``, a
 full sparse decoder layer, and copies of the embedding and output head as ``embed_tokens.weight`` /
 ``shared_head.head.weight``). ``load_checkpoint`` serves them under the contract's ``mtp.layers.{j}.``
@@ -100,6 +107,24 @@ from sidecar.model.model import ModelConfig
 from sidecar.model.moe import MoEConfig
 
 MTP_PREFIX = "mtp.layers."
+MIMO_MTP_PREFIX = "model.mtp_layers."
+_OWN_NAMES = {  # an MTP layer's own tensors (beside its decoder layer's), by layout: (token norm, hidden norm, proj, head)
+    "specrl": ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"),
+    "mimo": ("token_layernorm.weight", "hidden_layernorm.weight", "input_proj.weight", "final_layernorm.weight"),
+}
+
+
+def draft_prefix(config: ModelConfig) -> str:
+    """Where the MTP layers' names start: "mtp.layers." or MiMo's "model.mtp_layers."."""
+    return MIMO_MTP_PREFIX if config.mtp_layout == "mimo" else MTP_PREFIX
+
+
+def mtp_own_names(config: ModelConfig) -> tuple[str, str, str, str]:
+    """An MTP layer's own sub-names in the config's layout: token norm, hidden norm, projection, head norm."""
+    names = _OWN_NAMES[config.mtp_layout]
+    return names[0], names[1], names[2], names[3]
+
+
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -159,13 +184,14 @@ def draft_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Names and shapes of the MTP draft layers (empty when num_nextn_predict_layers is 0)."""
     h = config.hidden_size
     out: dict[str, tuple[int, ...]] = {}
+    token, hidden, proj, head = mtp_own_names(config)
     for j in range(config.num_nextn_predict_layers):
-        p = f"{MTP_PREFIX}{j}."
-        out[p + "enorm.weight"] = (h,)
-        out[p + "hnorm.weight"] = (h,)
-        out[p + "eh_proj.weight"] = (h, 2 * h)
+        p = f"{draft_prefix(config)}{j}."
+        out[p + token] = (h,)
+        out[p + hidden] = (h,)
+        out[p + proj] = (h, 2 * h)
         out.update({p + s: shape for s, shape in _layer_shapes(config, config.num_hidden_layers + j).items()})
-        out[p + "shared_head.norm.weight"] = (h,)
+        out[p + head] = (h,)
     return out
 
 
@@ -286,7 +312,7 @@ def load_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, Tensor]]:
     tensors = read_tensors(path)
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # some tied checkpoints store the duplicate anyway
-    if family_of(config.architectures).native_draft_layout == "decoder_layers":
+    if family_of(config.architectures).mtp_as_decoder_layers:
         config, tensors = _draft_from_decoder_layers(config, tensors, str(path))
     check_state_dict(config, tensors, source=str(path))
     return config, tensors
@@ -338,7 +364,7 @@ def _native_draft_index(config: ModelConfig, name: str) -> int | None:
 def native_draft_names(config: ModelConfig, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """`tensors` by the names the family's checkpoints use: a decoder-layers draft layout's
     `mtp.layers.{j}.*` as `model.layers.{num_hidden_layers + j}.*` (what `save_checkpoint` writes)."""
-    if family_of(config.architectures).native_draft_layout != "decoder_layers":
+    if not family_of(config.architectures).mtp_as_decoder_layers:
         return dict(tensors)
     out: dict[str, Tensor] = {}
     for name, t in tensors.items():

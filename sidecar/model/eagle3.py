@@ -45,8 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sidecar.model.kv_cache import AttentionPlan, KVCache, attend
-from sidecar.model.model import MLP, ROPE_MARGIN, ModelConfig, Qwen3WithMTP, RMSNorm, _rms
-from sidecar.model.model_config import _DTYPES
+from sidecar.model.model import _DTYPES, MLP, ROPE_MARGIN, ModelConfig, Qwen3WithMTP, RMSNorm, _rms
 from yarn import RopeConfig, RotaryEmbedding, apply_rotary
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -111,7 +110,7 @@ class Eagle3Config:
             raise ValueError(f"aux_layer_ids must name 3 target layers (low, middle, high), got {self.aux_layer_ids}")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
             raise ValueError(f"rope_scaling must be null or a dict, got {self.rope_scaling!r}")
-        self.rope_config()  # ValueError for rotary scaling other than plain RoPE and YaRN (`yarn.RopeConfig`)
+        self.rope_config()  # ValueError for rotary scaling other than plain RoPE, YaRN and llama3 (`yarn.RopeConfig`)
 
     @property
     def dtype(self) -> torch.dtype:

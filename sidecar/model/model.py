@@ -11,7 +11,8 @@ Draft (DeepSeek-V3 MTP, https://arxiv.org/abs/2412.19437 §2.2): MTP layer j at 
 combines the trunk's final-normed hidden state h_t with the embedding of the next token,
 `eh_proj(cat([enorm(embed(x_{t+1})), hnorm(h_t)]))` (embedding first, as SGLang and
 Megatron), runs one decoder layer with its own causal attention (rotary position t + 1),
-then `shared_head.norm` and the shared output head: logits for x_{t+2}.
+then `shared_head.norm` and the shared output head: logits for x_{t+2}. MiMo's layout
+(`MiMoMTPLayer`, `model.mtp_layers.*`) is the same function with the hidden state first.
 
 The module tree reproduces the checkpoint naming contract (see `checkpoint.py`) exactly, so
 `named_parameters()` *are* the checkpoint names. Two ways to run it:
@@ -35,10 +36,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sidecar.model import decode_kernels
+from sidecar.model.config import _DTYPES as _DTYPES  # re-exported: the config lives in `config.py`
+from sidecar.model.config import ModelConfig as ModelConfig
 from sidecar.model.decode_kernels import DecodeKernels, DecodeOps
 from sidecar.model.decode_weights import DecodeWeights, joined_rows
 from sidecar.model.kv_cache import AttentionPlan, KVCache, attend
-from sidecar.model.model_config import ModelConfig as ModelConfig  # re-exported: the model's shape
 from sidecar.model.moe import Router, SparseMoE
 from yarn import RotaryEmbedding, apply_rotary
 
@@ -284,7 +286,12 @@ class SharedHead(nn.Module):
 
 
 class MTPLayer(DecoderLayer):
-    """One DeepSeek-V3 MTP module: enorm/hnorm, eh_proj, a decoder layer, shared_head.norm."""
+    """One DeepSeek-V3 MTP module: enorm/hnorm, eh_proj, a decoder layer, shared_head.norm.
+
+    What the forwards read of any MTP layer (`AnyMTPLayer`): `token_norm`, `hidden_norm`, `proj`,
+    `hidden_first` (the order of the fused input) and `head_norm`."""
+
+    hidden_first = False
 
     def __init__(self, cfg: ModelConfig, idx: int) -> None:
         super().__init__(cfg, idx)
@@ -293,9 +300,75 @@ class MTPLayer(DecoderLayer):
         self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.shared_head = SharedHead(cfg)
 
+    @property
+    def token_norm(self) -> RMSNorm:
+        return self.enorm
+
+    @property
+    def hidden_norm(self) -> RMSNorm:
+        return self.hnorm
+
+    @property
+    def proj(self) -> nn.Linear:
+        return self.eh_proj
+
+    @property
+    def head_norm(self) -> RMSNorm:
+        return cast(RMSNorm, self.shared_head.norm)
+
     def combine(self, embedded: Tensor, hidden: Tensor) -> Tensor:
         """eh_proj(cat([enorm(embed(x_{t+1})), hnorm(h_t)])): the layer's input, (B, S, hidden)."""
-        return self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
+        return fused_input(self, self.token_norm(embedded), self.hidden_norm(hidden))
+
+
+class MiMoMTPLayer(DecoderLayer):
+    """One MiMo MTP layer (XiaomiMiMo/MiMo `modeling_mimo.py`, `MiMoMTPLayers`): token_layernorm and
+    hidden_layernorm, input_proj of cat([hidden, token]) (the hidden state FIRST), a decoder layer of the
+    trunk's kind, final_layernorm; the trunk's output head. The same interface as `MTPLayer`."""
+
+    hidden_first = True
+
+    def __init__(self, cfg: ModelConfig, idx: int) -> None:
+        super().__init__(cfg, idx)
+        self.token_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    @property
+    def token_norm(self) -> RMSNorm:
+        return self.token_layernorm
+
+    @property
+    def hidden_norm(self) -> RMSNorm:
+        return self.hidden_layernorm
+
+    @property
+    def proj(self) -> nn.Linear:
+        return self.input_proj
+
+    @property
+    def head_norm(self) -> RMSNorm:
+        return self.final_layernorm
+
+    def combine(self, embedded: Tensor, hidden: Tensor) -> Tensor:
+        """input_proj(cat([hidden_layernorm(h_t), token_layernorm(embed(x_{t+1}))])), (B, S, hidden)."""
+        return fused_input(self, self.token_norm(embedded), self.hidden_norm(hidden))
+
+
+AnyMTPLayer = MTPLayer | MiMoMTPLayer
+
+
+def fused_input(layer: AnyMTPLayer, embedded: Tensor, hidden: Tensor) -> Tensor:
+    """The layer's projection of its normed inputs, concatenated in its layout's order."""
+    parts = [hidden, embedded] if layer.hidden_first else [embedded, hidden]
+    return F.linear(torch.cat(parts, dim=-1), layer.proj.weight)
+
+
+def mtp_layers(cfg: ModelConfig) -> nn.ModuleList:
+    """`cfg.num_nextn_predict_layers` MTP layers of `cfg.mtp_layout`'s kind."""
+    kind = MiMoMTPLayer if cfg.mtp_layout == "mimo" else MTPLayer
+    return nn.ModuleList(kind(cfg, cfg.num_hidden_layers + j) for j in range(cfg.num_nextn_predict_layers))
 
 
 class Trunk(nn.Module):
@@ -306,16 +379,16 @@ class Trunk(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.mtp_layout == "mimo":  # MiMo keeps its MTP layers in the trunk: `model.mtp_layers.{j}.*`
+            self.mtp_layers = mtp_layers(cfg)
 
 
 class MTPStack(nn.Module):
-    """The draft layers (checkpoint prefix `mtp.`)."""
+    """The draft layers in specrl's layout (checkpoint prefix `mtp.`; none in MiMo's layout)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(
-            MTPLayer(cfg, cfg.num_hidden_layers + j) for j in range(cfg.num_nextn_predict_layers)
-        )
+        self.layers = mtp_layers(cfg) if cfg.mtp_layout == "specrl" else nn.ModuleList()
 
 
 class Qwen3WithMTP(nn.Module):
@@ -345,9 +418,14 @@ class Qwen3WithMTP(nn.Module):
         (False), or by device (None: by columns on CPUs, `DecodeWeights`)."""
 
     # ---- shared pieces -------------------------------------------------------------------
-    def mtp_layer(self, j: int) -> MTPLayer:
-        """MTP layer j (typed access into `mtp.layers`)."""
-        return cast(MTPLayer, self.mtp.layers[j])
+    @property
+    def draft_layers(self) -> nn.ModuleList:
+        """The MTP layers: `mtp.layers`, or MiMo's `model.mtp_layers`."""
+        return cast(nn.ModuleList, self.model.mtp_layers) if self.config.mtp_layout == "mimo" else self.mtp.layers
+
+    def mtp_layer(self, j: int) -> AnyMTPLayer:
+        """MTP layer j (typed access into `draft_layers`)."""
+        return cast(AnyMTPLayer, self.draft_layers[j])
 
     def output_weight(self) -> Tensor:
         """The output projection (vocab, hidden): lm_head, or the embedding when tied."""
@@ -393,7 +471,7 @@ class Qwen3WithMTP(nn.Module):
         the existing copies in place where it can (`DecodeWeights.refresh`), so a captured forward
         reads the new weights."""
         if self._fused is None:
-            layers = [cast(DecoderLayer, m) for m in [*self.model.layers, *self.mtp.layers]]
+            layers = [cast(DecoderLayer, m) for m in [*self.model.layers, *self.draft_layers]]
             self._fused = ([], [t for layer in layers for t in DecodeWeights.sources(layer)], [])
         built, sources, signature = self._fused
         if self._frozen and built:
@@ -403,7 +481,7 @@ class Qwen3WithMTP(nn.Module):
         except RuntimeError:  # an inference tensor has no version counter: rebuild every time
             now = []
         if not now or now != signature:
-            layers = [cast(DecoderLayer, m) for m in [*self.model.layers, *self.mtp.layers]]
+            layers = [cast(DecoderLayer, m) for m in [*self.model.layers, *self.draft_layers]]
             with torch.no_grad():
                 if not (len(built) == len(layers) and all(w.refresh(m) for w, m in zip(built, layers, strict=True))):
                     built[:] = [DecodeWeights.of(m, self.decode_by_columns) for m in layers]
@@ -431,7 +509,7 @@ class Qwen3WithMTP(nn.Module):
         layer's experts are stacked likewise (`SparseMoE.join_experts`: what the fused kernel reads)."""
         joined_any = False
         with torch.no_grad():
-            for layer in (cast(DecoderLayer, m) for m in [*self.model.layers, *self.mtp.layers]):
+            for layer in (cast(DecoderLayer, m) for m in [*self.model.layers, *self.draft_layers]):
                 a, mlp = layer.self_attn, layer.mlp
                 if isinstance(mlp, SparseMoE) and mlp.joined_experts() is None:
                     mlp.join_experts()
@@ -496,7 +574,7 @@ class Qwen3WithMTP(nn.Module):
     def mtp_logits(self, input_ids: Tensor, hidden: Tensor, layer: int = 0) -> Tensor:
         """Draft logits (B, T-1, V): position t predicts x_{t+2}. See `mtp_hidden`."""
         out = self.mtp_hidden(input_ids, hidden, layer)
-        return self.logits(self.mtp_layer(layer).shared_head.norm(out))
+        return self.logits(self.mtp_layer(layer).head_norm(out))
 
     # ---- cache-aware steps (the engine) ---------------------------------------------------
     def trunk_step(
@@ -534,8 +612,8 @@ class Qwen3WithMTP(nn.Module):
     ) -> Tensor:  # (B, S, hidden) MTP output before shared_head.norm
         """One MTP layer over new positions, attending to its own cached earlier positions."""
         mtp = self.mtp_layer(layer)
-        embedded = self._norm(F.embedding(tokens, self.model.embed_tokens.weight), mtp.enorm)
-        x = F.linear(torch.cat([embedded, self._norm(hidden, mtp.hnorm)], dim=-1), mtp.eh_proj.weight)  # `combine`
+        embedded = self._norm(F.embedding(tokens, self.model.embed_tokens.weight), mtp.token_norm)
+        x = fused_input(mtp, embedded, self._norm(hidden, mtp.hidden_norm))  # `combine`
         rope = self.rope_table(plan.positions + 1 if rope_positions is None else rope_positions, x.dtype)
         weights = self.decode_weights()[self.config.num_hidden_layers + layer]
         x, delta = mtp.cached_parts(x, None, weights, rope, cache, 0, plan, self.kernels)
@@ -543,7 +621,7 @@ class Qwen3WithMTP(nn.Module):
 
     def mtp_normed(self, layer: int, out: Tensor) -> Tensor:
         """An MTP output through its shared_head.norm: what the output head projects."""
-        return self._norm(out, self.mtp_layer(layer).shared_head.norm)
+        return self._norm(out, self.mtp_layer(layer).head_norm)
 
     def _norm(self, x: Tensor, norm: RMSNorm) -> Tensor:
         """`norm(x)` as the cached forwards run it (`kernels`: one fused kernel, or `_rms`'s operators)."""

@@ -17,7 +17,13 @@ from click.testing import CliRunner
 
 from sidecar.engine.torch_engine import TorchEngine
 from sidecar.errors import CheckpointError
-from sidecar.model.architectures import CONFIG_KEYS, FAMILIES, UnsupportedConfigError, check_config
+from sidecar.model.architectures import (
+    CONFIG_KEYS,
+    FAMILIES,
+    UnsupportedConfigError,
+    architectures_markdown,
+    check_config,
+)
 from sidecar.model.checkpoint import load_checkpoint
 from sidecar.model.model import ModelConfig
 
@@ -190,3 +196,12 @@ def test_other_unimplemented_values_are_refused_by_name(raw: dict[str, Any], nee
         ModelConfig.from_hf_dict(base | raw)
     with pytest.raises(ValueError, match="architecture 'MixtralForCausalLM'"):
         ModelConfig.tiny(architectures=["MixtralForCausalLM"])
+
+
+def test_the_readme_lists_every_architecture_the_engine_serves() -> None:
+    """README.md's table of supported architectures is the registry's (`architectures_markdown`), and
+    the README keeps within its 550 lines."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert architectures_markdown() in readme, "paste architectures_markdown() into README.md's 'Which checkpoints'"
+    assert all(f"`{a}`" in architectures_markdown() for a in FAMILIES)
+    assert len(readme.splitlines()) <= 550

@@ -12,6 +12,7 @@ llama3 factor) that the same comparison catches.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 from typing import Any
@@ -27,55 +28,13 @@ from sidecar.model.eagle3_checkpoint import save_eagle3_draft
 from sidecar.model.model import Qwen3WithMTP, build_model
 from sidecar.types import GenerationRequest, SamplingParams, ScoreRequest
 from tests.engine.engine_fixtures import aligned_eagle3
+from tests.family_fixtures import CASES, LLAMA3, SHAPE, hf_model
 from tests.sidecar_fixtures import start_sidecar
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
-SHAPE: dict[str, Any] = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
-)
-LLAMA3 = {
-    "rope_type": "llama3",
-    "rope_theta": 10_000.0,
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 32,
-}
-CASES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
-    "qwen2-untied": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {"tie_word_embeddings": False}),
-    "qwen2-tied": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {"tie_word_embeddings": True}),
-    "llama-tied": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {"tie_word_embeddings": True}),
-}
 PROMPTS = [[5, 9, 2], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [60, 61], [7], [11, 12, 13, 14, 15, 16]]
 NEW = 24  # past llama3's original context of 32 for the longest prompt
-
-
-def randomise(model: torch.nn.Module, seed: int) -> None:
-    """Random biases and norms (transformers zeroes biases and sets norms to 1 at init)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-            elif name.endswith("norm.weight"):
-                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
-
-
-@functools.cache
-def hf_model(case: str, seed: int = 0) -> Any:
-    config_cls, model_cls, overrides = CASES[case]
-    torch.manual_seed(seed)
-    model = model_cls(config_cls(**(SHAPE | overrides))).eval()
-    randomise(model, seed)
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +97,21 @@ def test_a_dropped_q_bias_is_caught_by_the_same_comparison(checkpoints: dict[str
             layer.self_attn.q_proj.bias.zero_()
         got = model(IDS).float().log_softmax(-1)
     assert (got - hf_log_softmax(case, IDS)).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("factor", [4.0, 16.0])
+def test_a_changed_llama3_factor_is_caught(checkpoints: dict[str, Path], factor: float) -> None:
+    """Negative control: the comparison fails for Llama rotated with another llama3 factor, and the
+    checkpoint really is llama3-scaled (the sequences run past its original context of 32)."""
+    path = checkpoints["llama-tied"]
+    config, tensors = load_checkpoint(path)
+    assert config.rope_config().rope_type == "llama3" and IDS.shape[1] > LLAMA3["original_max_position_embeddings"]
+    other = dataclasses.replace(config, rope_scaling={**(config.rope_scaling or {}), "factor": factor})
+    model = build_model(other)
+    model.load_state_dict(tensors, strict=True)
+    with torch.no_grad():
+        got = model(IDS).float().log_softmax(-1)
+    assert (got - hf_log_softmax("llama-tied", IDS)).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("compile", ["off", "on"])

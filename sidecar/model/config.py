@@ -1,10 +1,10 @@
-"""The model's shape: `ModelConfig`, read from (and written as) a Hugging Face config.json.
+"""The served model's shape: `ModelConfig`, the config.json keys of the checkpoint contract.
 
-Every field is a config.json key of the checkpoint contract (`checkpoint.py`); `from_hf_dict`
-reads a checkpoint's config.json as transformers 4 or 5 writes it, refusing first what the engine
-does not implement (`architectures.check_config`), and `to_hf_dict` writes it back. The family
-(`architectures.FAMILIES`) fixes the attention's variants; a mixture-of-experts architecture's
-experts are `moe` (`moe.MoEConfig`, its keys flat in the JSON). `model.py` builds the decoder from it.
+Read from a Hugging Face config.json (`from_hf_dict`, which refuses what the engine does not
+implement: `architectures.check_config`) and written back (`to_hf_dict`); its attention variants
+(`attention_bias`, `qk_norm`) and MTP layout (`mtp_layout`) are the family's
+(`architectures.FAMILIES`). The model (`model.py`), the naming contract (`checkpoint.py`) and the
+trainer read it.
 """
 
 from __future__ import annotations
@@ -18,6 +18,12 @@ import torch
 from sidecar.model.architectures import check_config, family_of, partial_rotary_factor
 from sidecar.model.moe import MoEConfig
 from yarn import RopeConfig
+
+_FAMILY_FIELDS = ("attention_bias", "qk_norm", "mtp_layout")
+"""The fields the family decides (`architectures.Family`), never config.json keys of their own
+unless the family reads them (`Family.reads`: GLM-4.5's attention_bias and use_qk_norm)."""
+_READ_AS = {"attention_bias": "attention_bias", "qk_norm": "use_qk_norm"}
+"""A family-decided field → the config.json key of a family that reads it."""
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -54,6 +60,8 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0
     """The fraction of each head the rotary embedding rotates, its first `rotary_dim` dimensions
     (GLM-4.5: 0.5); the rest passes through."""
+    mtp_layout: str = "specrl"
+    """The MTP layers' layout: "specrl" (`mtp.layers.*`) or "mimo" (`model.mtp_layers.*`, hidden state first)."""
     eos_token_id: list[int] = field(default_factory=list)
     """End-of-sequence ids (config.json's eos_token_id, an int or a list there); may be empty."""
     moe: MoEConfig | None = None
@@ -88,8 +96,8 @@ class ModelConfig:
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
             raise ValueError(f"rope_scaling must be null or a dict, got {self.rope_scaling!r}")
         family = family_of(self.architectures)
-        for name, key in (("attention_bias", "attention_bias"), ("qk_norm", "use_qk_norm")):
-            if key not in family.reads and getattr(self, name) != getattr(family, name):
+        for name in _FAMILY_FIELDS:
+            if _READ_AS.get(name) not in family.reads and getattr(self, name) != getattr(family, name):
                 raise ValueError(
                     f"{name}={getattr(self, name)} contradicts architectures {self.architectures}, whose "
                     f"modeling code has {name}={getattr(family, name)}; set it so or name another architecture"
@@ -104,11 +112,6 @@ class ModelConfig:
         if isinstance(self.moe, dict):
             self.moe = MoEConfig(**self.moe)
 
-    @property
-    def family(self) -> str:
-        """The architecture's family name (its model_type, e.g. "qwen2"), as GetInfo reports it."""
-        return family_of(self.architectures).model_type
-
     def is_sparse(self, idx: int) -> bool:
         """Whether decoder layer `idx` (MTP layer j: num_hidden_layers + j) routes to experts."""
         return self.moe is not None and self.moe.is_sparse(idx)
@@ -117,6 +120,11 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         """Dimensions of each head the rotary embedding rotates (transformers' int(head_dim × factor))."""
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def family(self) -> str:
+        """The architecture's family name (its model_type, e.g. "qwen2"), as GetInfo reports it."""
+        return family_of(self.architectures).model_type
 
     @property
     def dtype(self) -> torch.dtype:
@@ -143,8 +151,8 @@ class ModelConfig:
         )
         base.update(overrides)
         family = family_of(base.get("architectures"))
-        base.setdefault("attention_bias", family.attention_bias)  # (a family that reads the keys: its defaults)
-        base.setdefault("qk_norm", family.qk_norm)
+        for name in _FAMILY_FIELDS:
+            base.setdefault(name, getattr(family, name))
         return cls(**base)
 
     @classmethod
@@ -186,12 +194,9 @@ class ModelConfig:
         }
         family = family_of(list(d["architectures"]) if d.get("architectures") else None, d.get("model_type"))
         out["architectures"] = [family.architecture]
-        reads = family.reads
-        out["attention_bias"] = (
-            bool(d.get("attention_bias") or False) if "attention_bias" in reads else family.attention_bias
-        )
-        out["qk_norm"] = bool(d.get("use_qk_norm") or False) if "use_qk_norm" in reads else family.qk_norm
-        if "partial_rotary_factor" in reads:
+        out |= {name: getattr(family, name) for name in _FAMILY_FIELDS}
+        out |= {name: bool(d.get(key) or False) for name, key in _READ_AS.items() if key in family.reads}
+        if "partial_rotary_factor" in family.reads:
             out["partial_rotary_factor"] = partial_rotary_factor(d)
         out["moe"] = MoEConfig.from_hf_dict(d, family.architecture)
         eos = d.get("eos_token_id")
@@ -202,8 +207,8 @@ class ModelConfig:
     def to_hf_dict(self) -> dict[str, Any]:
         """The config.json dict (the family's keys plus num_nextn_predict_layers, an MoE's keys flat); the
         attention's variants are the architecture's, named only where transformers reads a key (Qwen3's,
-        Llama's attention_bias)."""
-        skip = ("attention_bias", "qk_norm", "moe", "partial_rotary_factor")
+        Llama's attention_bias; GLM-4.5's attention_bias, use_qk_norm and partial_rotary_factor)."""
+        skip = (*_FAMILY_FIELDS, "moe", "partial_rotary_factor")
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
         d |= {} if self.moe is None else self.moe.to_hf_dict()
         d["model_type"] = self.family
