@@ -32,6 +32,7 @@ from sidecar.errors import CheckpointError
 from sidecar.model.checkpoint import load_checkpoint, save_checkpoint
 from sidecar.model.model import Qwen3WithMTP, build_model
 from sidecar.model.moe import SparseMoE
+from sidecar.types import WeightSelector
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -211,3 +212,22 @@ def test_save_checkpoint_writes_glms_layout_back(checkpoint: tuple[Any, Path], t
     again, tensors_again = load_checkpoint(tmp_path)
     assert again == config and tensors_again.keys() == tensors.keys()
     assert all(torch.equal(tensors[n], tensors_again[n]) for n in tensors)
+
+
+def test_a_push_of_glm_weights_and_its_draft_equals_a_fresh_load(checkpoint: tuple[Any, Path], tmp_path: Path) -> None:
+    """Target and draft pushed together under the contract's names (the draft as `mtp.layers.0.*`,
+    routers and the expert-score bias float32): the engine then serves what a fresh load serves."""
+    _, path = checkpoint
+    config, tensors = load_checkpoint(path)
+    g = torch.Generator().manual_seed(9)
+    pushed = {n: t + 0.05 * torch.randn(t.shape, generator=g) for n, t in tensors.items()}
+    engine = TorchEngine.from_checkpoint(path, kv_block_size=4)
+    specs = {s.name: s for s in engine.weight_specs(WeightSelector.DRAFT)}
+    assert "mtp.layers.0.eh_proj.weight" in specs and "mtp.layers.0.mlp.gate.e_score_correction_bias" in specs
+    assert specs["mtp.layers.0.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    before = engine_greedy(engine, PROMPTS, 2)
+    engine.update_weights(pushed, WeightSelector.ALL, version=1)
+    save_checkpoint(tmp_path, config, pushed)
+    fresh = TorchEngine.from_checkpoint(tmp_path, kv_block_size=4)
+    assert engine_greedy(engine, PROMPTS, 2) == engine_greedy(fresh, PROMPTS, 2) != before
+    assert engine_greedy(engine, PROMPTS, 0) == engine_greedy(fresh, PROMPTS, 0)
