@@ -40,7 +40,8 @@ checkpoint names follow the module tree (`checkpoint.py`): `mlp.gate.weight` [E,
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -281,6 +282,8 @@ class SparseMoE(nn.Module):
             Expert(hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts else None
         )
         self._joined: tuple[Tensor, Tensor] | None = None
+        self.route_sink: list[Tensor] | None = None
+        """Where each forward appends its tokens' experts, packed (`recording_routes`); None: not recording."""
 
     def join_experts(self) -> None:
         """Store the experts' weights as two stacked tensors, gate|up (E, 2I, hidden) and down
@@ -318,6 +321,8 @@ class SparseMoE(nn.Module):
         otherwise the reference, `experts_by_expert`."""
         flat = x.reshape(-1, x.shape[-1])
         weights, ids = self.gate(flat)
+        if self.route_sink is not None:
+            self.route_sink.append(packed_routes(ids, self.cfg.num_experts))
         fused = getattr(kernels, "fused_experts", None)
         joined = self.joined_experts()
         if fixed_shape and fused is not None and joined is not None:
@@ -328,3 +333,34 @@ class SparseMoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         return out.view(x.shape)
+
+
+def packed_routes(ids: Tensor, num_experts: int) -> Tensor:
+    """Expert ids in the smallest integer type that holds them: uint8 where experts <= 256, else int16."""
+    return ids.to(torch.uint8 if num_experts <= 256 else torch.int16)
+
+
+@contextlib.contextmanager
+def recording_routes(module: nn.Module) -> Iterator[list[Tensor]]:
+    """While open, every sparse layer under `module` (the trunk, `Qwen3WithMTP.model`: not the
+    draft's) appends the experts each token of its forward is routed to, (tokens, k) packed
+    (`packed_routes`), in the order the layers run. What a sample's routes are made of: the trainer's
+    routing replay needs the choice of the pass that produced each token (issue 58; the engine's
+    rounds collect them from the verify pass)."""
+    sparse = [m for m in module.modules() if isinstance(m, SparseMoE)]
+    routes: list[Tensor] = []
+    for m in sparse:
+        m.route_sink = routes
+    try:
+        yield routes
+    finally:
+        for m in sparse:
+            m.route_sink = None
+
+
+def sequence_routes(trunk: nn.Module, forward: Callable[[], object], batch: int, tokens: int) -> Tensor:
+    """The experts of every token of one forward over (batch, tokens) in every sparse layer of
+    `trunk`: (sparse layers, batch, tokens, k), packed."""
+    with recording_routes(trunk) as routes:
+        forward()
+    return torch.stack([r.view(batch, tokens, -1) for r in routes])
