@@ -100,7 +100,7 @@ def train(
         click.echo(yaml.safe_dump(to_mapping(cfg), sort_keys=False), nl=False)
         return
     from trainer.export import EXPORT_DIR
-    from trainer.rl_loop import is_leader
+    from trainer.ranks import is_leader
     from trainer.rl_loop import train as run_training
 
     with user_errors():
@@ -363,7 +363,8 @@ def export_run(run_dir: Path, out: Path, step: int | None = None, *, progress: b
 
     from trainer.export import ExportError, export_policy, kept_steps
     from trainer.ranks import is_leader
-    from trainer.rl_loop import build_policy, phase
+    from trainer.run import phase
+    from trainer.run_setup import build_policy
 
     run_dir, out = Path(run_dir), Path(out)
     config = run_dir / "config.yaml"
