@@ -78,7 +78,8 @@ class Task(Protocol):
     def reward(self, problem: Problem, completion: str) -> float: ...
 
 
-def _split_of(prompt: str, eval_fraction: float) -> Split:
+def split_of(prompt: str, eval_fraction: float) -> Split:
+    """ "eval" for the share `eval_fraction` of prompts (by a hash of the text), else "train"."""
     digest = hashlib.blake2b(prompt.encode(), digest_size=8).digest()
     return "eval" if int.from_bytes(digest, "little") / 2**64 < eval_fraction else "train"
 
@@ -110,7 +111,7 @@ class ArithmeticTask:
         """Draw problems until one falls in `split` (about 1/eval_fraction draws at most)."""
         for _ in range(10_000):
             problem = self._zero(rng) if self.regime == "zero" else self._think(rng)
-            if _split_of(problem.prompt, self.eval_fraction) == split:
+            if split_of(problem.prompt, self.eval_fraction) == split:
                 return problem
         raise RuntimeError(f"no {split} problem in 10000 draws; eval_fraction={self.eval_fraction} is too extreme")
 
@@ -385,7 +386,7 @@ class DatasetTask:
         if self.eval_problems:
             pool = list(self.eval_problems if split == "eval" else self.problems)
         else:
-            pool = [p for p in self.problems if _split_of(p.prompt, self.eval_fraction) == split]
+            pool = [p for p in self.problems if split_of(p.prompt, self.eval_fraction) == split]
         return rng.choice(pool or list(self.problems))
 
     def reward(self, problem: Problem, completion: str) -> float:
