@@ -212,6 +212,8 @@ def test_the_calculator_environment_answers_tool_calls_and_judges_the_answer() -
     b = rest[: next(i for i, ch in enumerate(rest) if ch in "+-")]
     assert episode.step(f"[{a}*{b}]") == Feedback(observation=f"={int(a) * int(b)}\n")
     assert episode.step("[1/0]").observation.startswith("=error")
+    assert episode.step("oops]").observation.startswith("=error")  # any turn ending at ']' is a call
+    assert episode.step("7*6]") == Feedback(observation="=42\n")
     assert episode.step(f"#{problem.answer}") == Feedback(reward=1.0, done=True)
     assert env.reset(problem).step("#0") == Feedback(reward=0.0 if problem.answer != "0" else 1.0, done=True)
     # its reference solution, played back, earns the reward

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from trainer.rewards import exact_answer_reward
-from trainer.tasks import Problem, Split, split_of
+from trainer.tasks import Problem, ProblemSource, Split, split_of
 from trainer.tokenizer import Tokenizer
 
 
@@ -56,18 +56,13 @@ class Episode(Protocol):
 
 
 @runtime_checkable
-class Environment(Protocol):
+class Environment(ProblemSource, Protocol):
     """A task whose episodes have several turns (see the module docstring)."""
-
-    @property
-    def name(self) -> str: ...
 
     @property
     def stop(self) -> tuple[str, ...]:
         """Strings that end a policy turn and hand it to the environment (one token each)."""
         ...
-
-    def sample(self, rng: random.Random, split: Split = "train") -> Problem: ...
 
     def reset(self, problem: Problem) -> Episode: ...
 
@@ -130,14 +125,12 @@ def calculate(expression: str) -> int:
 @dataclass(kw_only=True, slots=True)
 class CalculatorEpisode:
     problem: Problem
-    tool_calls: int = 0
 
     def step(self, turn: str) -> Feedback:
         call = turn.rstrip()
-        if call.endswith("]") and "[" in call:
-            self.tool_calls += 1
+        if call.endswith("]"):  # the turn stopped at the calculator's stop string: a call
             try:
-                result = str(calculate(call[call.rindex("[") + 1 : -1]))
+                result = str(calculate(call[call.rfind("[") + 1 : -1]))
             except CalculatorError as e:
                 result = f"error ({e})"
             return Feedback(observation=f"={result}\n")
@@ -147,8 +140,9 @@ class CalculatorEpisode:
 @dataclass(kw_only=True, slots=True)
 class CalculatorEnvironment:
     """Products and sums of `digits`-digit numbers, e.g. "123*45+678=?": the policy may call the
-    calculator ("[123*45]" → "=5535") as often as it likes, then answers "#6213" (reward 1 for the
-    right integer after the last '#', as the arithmetic task's)."""
+    calculator ("[123*45]" → "=5535"; a turn ending in ']' is a call, of what follows its last '[',
+    and a malformed one is answered "=error (...)") as often as it likes, then answers "#6213"
+    (reward 1 for the right integer after the last '#', as the arithmetic task's)."""
 
     digits: int = 3
     """Digits per operand (1..6)."""

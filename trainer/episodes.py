@@ -221,3 +221,16 @@ def _take_turn(
         ids = continuation_ids(tokenizer, feedback.observation)
         c.append(ids, [0.0] * len(ids), False, limits)
         c.end_at_limit(limits)
+
+
+def episode_metrics(episodes: Episodes) -> dict[str, float]:
+    """What a step logs of its episodes: turns and tool calls per episode, episodes cut by a limit,
+    and the share of a conversation's tokens that the environment wrote."""
+    n = len(episodes.samples)
+    tokens = sum(len(m) for m in episodes.loss_masks)
+    return {
+        "rollout/turns_mean": sum(episodes.turns) / n,
+        "rollout/tool_calls_mean": sum(episodes.tool_calls) / n,
+        "rollout/episodes_cut": float(episodes.cut),
+        "rollout/observation_token_share": (tokens - sum(map(sum, episodes.loss_masks))) / max(tokens, 1),
+    }

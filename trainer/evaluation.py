@@ -7,12 +7,14 @@ import math
 import random
 
 from sidecar.types import GenerationRequest, SamplingParams
+from trainer.environments import Environment
+from trainer.episodes import EpisodeLimits, run_episodes
 from trainer.run import Run, phase
 from trainer.tasks import distinct_problems, prompt_ids, score_completions
 
 
 def evaluate(run: Run, size: int) -> tuple[float, float]:
-    """Mean reward of greedy completions on a fixed held-out set (same problems every time, no
+    """Mean reward of greedy completions (a multi-turn environment: greedy episodes' returns) on a fixed held-out set (same problems every time, no
     problem twice), and its standard error (sample std / sqrt(n)): a change smaller than ~2
     standard errors is noise."""
     problems = distinct_problems(run.task, random.Random(1_000_003 + run.cfg.seed), "eval", size)
@@ -20,6 +22,21 @@ def evaluate(run: Run, size: int) -> tuple[float, float]:
         temperature=0.0, max_new_tokens=run.cfg.rollout.max_new_tokens, stop_token_ids=(run.tokenizer.eos_id,)
     )
     prompts = [prompt_ids(run.task, run.tokenizer, p) for p in problems]
+    if isinstance(run.task, Environment):  # greedy episodes: the mean return
+        limits = EpisodeLimits(max_turns=run.cfg.task.max_turns, max_tokens=run.cfg.task.max_episode_tokens)
+        with run.generating:
+            episodes = run_episodes(
+                run.fleet,
+                run.task,
+                run.tokenizer,
+                problems,
+                prompts,
+                samples_per_prompt=1,
+                sampling=sampling,
+                limits=limits,
+                speculation_k=run.cfg.rollout.request_k,
+            )
+        return mean_and_stderr(episodes.returns)
     request = GenerationRequest(prompts=prompts, sampling=sampling, speculation_k=run.cfg.rollout.request_k)
     with run.generating:
         samples = run.fleet.generate(request).samples

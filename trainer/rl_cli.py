@@ -19,6 +19,7 @@ import yaml
 from tqdm import tqdm
 
 from sidecar.config_io import ConfigError, from_mapping, load_file, merge_overrides, retired_option, to_mapping
+from trainer.environments import Environment
 from trainer.rl_config import RLConfig, TaskConfig
 from trainer.tasks import DatasetFields, Task
 from trainer.tokenizer import Tokenizer
@@ -156,9 +157,12 @@ def _task(
             raise ValueError(
                 f"--fields {fields!r}: keys are {[f.name for f in dataclasses.fields(DatasetFields)]}"
             ) from None
-        task = TaskConfig(kind="dataset", path=str(dataset), fields=columns, system_prompt=system_prompt)
-        return task.build(needs_answers=needs_answers)
-    return TaskConfig(kind="arithmetic", regime="think" if regime == "think" else "zero", digits=digits).build()
+        config = TaskConfig(kind="dataset", path=str(dataset), fields=columns, system_prompt=system_prompt)
+    else:
+        config = TaskConfig(kind="arithmetic", regime="think" if regime == "think" else "zero", digits=digits)
+    task = config.build(needs_answers=needs_answers)
+    assert not isinstance(task, Environment)  # single-turn kinds
+    return task
 
 
 def _checked_inputs(

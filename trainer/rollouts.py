@@ -13,9 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
-from sidecar.client.fleet import derive_seed
-from sidecar.types import GenerationRequest, Sample, SamplingParams
+from sidecar.client.fleet import FleetResult, derive_seed
+from sidecar.types import GenerationRequest, SamplingParams
 from trainer.dynamic_sampling import Group, Selection, group_samples, select_groups, shaped_rewards
+from trainer.environments import Environment
+from trainer.episodes import EpisodeLimits, Episodes, episode_metrics, run_episodes
 from trainer.losses import OverlongConfig, sample_advantages
 from trainer.policy import TrainBatch
 from trainer.rollout_pipeline import RolloutPipeline
@@ -57,9 +59,49 @@ def _sampling(run: Run, step: int, round_: int) -> SamplingParams:
     )
 
 
-def _score(run: Run, problems: list[Problem], prompts: list[list[int]], samples: list[Sample]) -> list[Group]:
-    """Group the samples by prompt and reward them (task reward + configured overlong shaping)."""
-    cfg = run.cfg
+def _generate(
+    run: Run,
+    problems: list[Problem],
+    prompts: list[list[int]],
+    sampling: SamplingParams,
+    k: int | None,
+    *,
+    rejoin: bool = True,
+    min_weight_version: int = 0,
+) -> FleetResult | Episodes:
+    """G samples of each prompt across the fleet: one completion each, or, for a multi-turn
+    environment, one episode each (`trainer.episodes`)."""
+    cfg, ro = run.cfg, run.cfg.rollout
+    if isinstance(run.task, Environment):
+        return run_episodes(
+            run.fleet,
+            run.task,
+            run.tokenizer,
+            problems,
+            prompts,
+            samples_per_prompt=ro.samples_per_prompt,
+            sampling=sampling,
+            limits=EpisodeLimits(max_turns=cfg.task.max_turns, max_tokens=cfg.task.max_episode_tokens),
+            speculation_k=k,
+            min_weight_version=min_weight_version,
+            rejoin=rejoin,
+        )
+    request = GenerationRequest(
+        prompts=prompts,
+        sampling=sampling,
+        samples_per_prompt=ro.samples_per_prompt,
+        speculation_k=k,
+        min_weight_version=min_weight_version,
+    )
+    return run.fleet.generate(request, rejoin=rejoin)
+
+
+def _score(
+    run: Run, problems: list[Problem], prompts: list[list[int]], generated: FleetResult | Episodes
+) -> list[Group]:
+    """Group the samples by prompt and reward them (the task's reward, or an episode's return, plus
+    the configured overlong shaping, which counts the policy's own tokens)."""
+    cfg, per_prompt = run.cfg, run.cfg.rollout.samples_per_prompt
     overlong = (
         OverlongConfig(
             max_len=cfg.rollout.max_new_tokens,
@@ -70,14 +112,22 @@ def _score(run: Run, problems: list[Problem], prompts: list[list[int]], samples:
         else None
     )
     groups = []
-    for problem, prompt, group in zip(
-        problems, prompts, group_samples(prompts, samples, cfg.rollout.samples_per_prompt), strict=True
-    ):
-        totals, parts = score_completions(
-            run.task, [problem] * len(group), [run.tokenizer.decode(s.token_ids) for s in group]
-        )
+    by_prompt = group_samples(prompts, generated.samples, per_prompt)
+    for n, (problem, prompt, group) in enumerate(zip(problems, prompts, by_prompt, strict=True)):
+        masks: list[list[int]] | None = None
+        parts: dict[str, list[float]] = {}
+        if isinstance(generated, Episodes):
+            totals = generated.returns[n * per_prompt : (n + 1) * per_prompt]
+            masks = generated.loss_masks[n * per_prompt : (n + 1) * per_prompt]
+            lengths = torch.tensor([sum(m) for m in masks])
+        else:
+            totals, parts = score_completions(
+                run.task,  # type: ignore[arg-type]  # a single-turn task
+                [problem] * len(group),
+                [run.tokenizer.decode(s.token_ids) for s in group],
+            )
+            lengths = torch.tensor([len(s.token_ids) for s in group])
         task = torch.tensor(totals)
-        lengths = torch.tensor([len(s.token_ids) for s in group])
         groups.append(
             Group(
                 prompt=prompt,
@@ -86,6 +136,7 @@ def _score(run: Run, problems: list[Problem], prompts: list[list[int]], samples:
                 task_rewards=task,
                 problem=problem,
                 reward_terms={name: torch.tensor(values) for name, values in parts.items()},
+                loss_masks=masks,
             )
         )
     return groups
@@ -113,21 +164,16 @@ def _gather(run: Run, step: int, metrics: dict[str, float], times: StepTimes, ev
     prompts = [prompt_ids(run.task, run.tokenizer, p) for p in problems]
     sampling = _sampling(run, step, 0)
 
-    def rollout_request(k: int | None) -> GenerationRequest:
-        return GenerationRequest(
-            prompts=prompts, sampling=sampling, samples_per_prompt=ro.samples_per_prompt, speculation_k=k
-        )
-
     # 1. generate across the pool (G samples per prompt), speculatively
     run.fleet.speculation_delta()  # baseline of the raw counters
     plain_first = ro.measure_plain and step % 2 == 1  # alternate the order of the side-by-side passes
     if plain_first:
-        times.generation_plain = run.fleet.generate(rollout_request(0), rejoin=rejoin).seconds
+        times.generation_plain = _generate(run, problems, prompts, sampling, 0, rejoin=rejoin).seconds
         run.fleet.speculation_delta()
-    rollout = run.fleet.generate(rollout_request(ro.request_k), rejoin=rejoin)
+    rollout = _generate(run, problems, prompts, sampling, ro.request_k, rejoin=rejoin)
     counters = run.fleet.speculation_delta()
     if ro.measure_plain and not plain_first:
-        times.generation_plain = run.fleet.generate(rollout_request(0), rejoin=rejoin).seconds
+        times.generation_plain = _generate(run, problems, prompts, sampling, 0, rejoin=rejoin).seconds
     samples = rollout.samples
     times.generation = rollout.seconds
     metrics["rollout/rerouted"] = float(rollout.rerouted)
@@ -137,11 +183,13 @@ def _gather(run: Run, step: int, metrics: dict[str, float], times: StepTimes, ev
     metrics["rollout/weight_version"] = float(min(s.weight_version for s in samples))
     metrics["rollout/response_len"] = sum(len(s.token_ids) for s in samples) / len(samples)
     metrics.update(length_quantiles([len(s.token_ids) for s in samples]))
+    if isinstance(rollout, Episodes):
+        metrics.update(episode_metrics(rollout))
     events += rollout.events
 
     # 2. rewards (with overlong shaping); DAPO dynamic sampling refills groups whose rewards are
     #    all equal with fresh prompts, for at most rollout.refill_rounds rounds
-    first = _score(run, problems, prompts, samples)
+    first = _score(run, problems, prompts, rollout)
     metrics["reward/train_mean"] = float(torch.stack([g.task_rewards for g in first]).mean())
     for name in first[0].reward_terms:  # a task with several reward terms: each one's mean
         metrics[f"reward/{reward_metric_name(name)}_mean"] = float(
@@ -161,19 +209,11 @@ def _gather(run: Run, step: int, metrics: dict[str, float], times: StepTimes, ev
         more = [run.task.sample(rng, "train") for _ in range(missing)]
         more_prompts = [prompt_ids(run.task, run.tokenizer, p) for p in more]
         run.fleet.speculation_delta()
-        extra = run.fleet.generate(
-            GenerationRequest(
-                prompts=more_prompts,
-                sampling=_sampling(run, step, rounds),
-                samples_per_prompt=ro.samples_per_prompt,
-                speculation_k=ro.request_k,
-            ),
-            rejoin=rejoin,
-        )
+        extra = _generate(run, more, more_prompts, _sampling(run, step, rounds), ro.request_k, rejoin=rejoin)
         counters.add(run.fleet.speculation_delta())
         refill_seconds += extra.seconds
         events += extra.events
-        refills += _score(run, more, more_prompts, extra.samples)
+        refills += _score(run, more, more_prompts, extra)
     metrics.update(speculation_metrics(counters))
     metrics["spec/draft_collapsed"] = float(len(run.fleet.draft_collapses()))  # sidecars whose draft collapsed
     events += run.fleet.take_draft_alarms()  # each collapse once, with its sidecar and weight version
@@ -247,14 +287,8 @@ def refresh_stale_groups(run: Run, rollout: Rollout, events: list[str]) -> int:
         sampling = dataclasses.replace(
             _sampling(run, rollout.step, 0), seed=derive_seed(cfg.seed, rollout.step, STALE_SEED_BASE + n)
         )
-        fresh = run.fleet.generate(
-            GenerationRequest(
-                prompts=[group.prompt],
-                sampling=sampling,
-                samples_per_prompt=cfg.rollout.samples_per_prompt,
-                speculation_k=cfg.rollout.request_k,
-                min_weight_version=bound,
-            )
+        fresh = _generate(
+            run, [group.problem], [group.prompt], sampling, cfg.rollout.request_k, min_weight_version=bound
         )
         oldest = min(s.weight_version for s in fresh.samples)
         if oldest < bound:
@@ -268,7 +302,7 @@ def refresh_stale_groups(run: Run, rollout: Rollout, events: list[str]) -> int:
             f"regenerated group {n}: a sample was {behind} versions behind "
             f"(rollout.max_policy_lag={cfg.rollout.max_policy_lag})"
         )
-        rollout.groups[n] = _score(run, [group.problem], [group.prompt], fresh.samples)[0]
+        rollout.groups[n] = _score(run, [group.problem], [group.prompt], fresh)[0]
         regenerated += len(group.samples)
     return regenerated
 
@@ -279,14 +313,18 @@ def pack_batch(run: Run, rollout: Rollout) -> TrainBatch:
     cfg, groups = run.cfg, rollout.groups
     rewards = torch.stack([g.rewards for g in groups])  # (N, G)
     advantages, keep = sample_advantages(rewards, cfg.algorithm)
+    masks = None
+    if any(g.loss_masks is not None for g in groups):  # multi-turn: observations stay out of the loss
+        masks = [m for g in groups for m in (g.loss_masks or [[1] * len(s.token_ids) for s in g.samples])]
     batch = TrainBatch.from_sequences(
         [g.prompt for g in groups for _ in g.samples],
         [s.token_ids for g in groups for s in g.samples],
         advantages,
         rollout_logprobs=[s.logprobs for g in groups for s in g.samples],
         pad_id=run.tokenizer.pad_id,
+        loss_masks=masks,
     )
-    batch.generated = batch.mask.clone()  # every generated token (the loss then drops filtered groups)
+    batch.generated = batch.mask.clone()  # every sampled token (the loss then drops filtered groups)
     batch.mask = batch.mask * keep.float()[:, None]
     batch.off_policy = cfg.rollout.max_policy_lag > 0
     return batch

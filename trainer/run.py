@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from sidecar.client.fleet import Fleet
+from trainer.environments import Environment
 from trainer.policy import Policy
 from trainer.ranks import is_leader
 from trainer.reference import ReferencePolicy
@@ -30,7 +31,8 @@ class Run:
     policy: Policy
     sidecars: Fleet | None
     """The fleet; None on the ranks > 0 of a multi-process run (only rank 0 talks to sidecars)."""
-    task: Task
+    task: Task | Environment
+    """What problems come from: a single-turn task, or a multi-turn environment."""
     tokenizer: Tokenizer
     run_dir: RunDir
     reference: ReferencePolicy | None = None

@@ -67,13 +67,17 @@ Message = dict[str, str]
 """One chat turn, {"role": "system" | "user" | "assistant", "content": str}."""
 
 
-class Task(Protocol):
-    """A source of problems and their reward."""
+class ProblemSource(Protocol):
+    """What draws problems: a task, or a multi-turn environment (`trainer.environments`)."""
 
     @property
     def name(self) -> str: ...
 
     def sample(self, rng: random.Random, split: Split = "train") -> Problem: ...
+
+
+class Task(ProblemSource, Protocol):
+    """A source of problems and their reward."""
 
     def reward(self, problem: Problem, completion: str) -> float: ...
 
@@ -149,7 +153,7 @@ class ArithmeticTask:
         return Problem(prompt=f"{expr}=?\n", answer=str(acc), solution="\n".join(steps) + f"\n#{acc}")
 
 
-def distinct_problems(task: Task, rng: random.Random, split: Split, size: int) -> list[Problem]:
+def distinct_problems(task: ProblemSource, rng: random.Random, split: Split, size: int) -> list[Problem]:
     """`size` problems of `split` with distinct prompts, drawn in order from `rng`; fewer (all the
     split has) when the split holds fewer than `size` distinct prompts. A held-out set with repeats
     would count a problem twice and understate its standard error."""
@@ -168,7 +172,7 @@ def distinct_problems(task: Task, rng: random.Random, split: Split, size: int) -
     return problems
 
 
-def prompt_ids(task: Task, tokenizer: Tokenizer, problem: Problem) -> list[int]:
+def prompt_ids(task: ProblemSource, tokenizer: Tokenizer, problem: Problem) -> list[int]:
     """The token ids of `problem`'s prompt as the policy sees it (the task's rendering, e.g. through
     the model's chat template; a task without one encodes the prompt text)."""
     render = getattr(task, "prompt_ids", None)

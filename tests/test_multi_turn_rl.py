@@ -1,0 +1,81 @@
+"""Multi-turn RL end to end: `specrl train` with the built-in calculator environment against a real
+local sidecar, speculation on.
+
+Oracles: the trainer's own log-prob recomputation of every token the policy sampled (the
+sidecar's log-probs must equal it, over conversations whose later turns were prompted with the
+whole history; the environment's observation tokens carry no sampled log-prob, so a loss mask that
+let one in would show as a mismatch of whole nats), and the episode bookkeeping of each batch
+(masks cover exactly the sampled tokens).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from muon import HybridOptimizerConfig
+from sidecar.model.model import ModelConfig
+from trainer.policy import Policy, TrainBatch
+from trainer.rl_config import RLConfig, RolloutConfig, SidecarsConfig, TaskConfig
+from trainer.rl_loop import train
+from trainer.tokenizer import CharTokenizer
+from trainer.warmup import make_model
+
+TOK = CharTokenizer()
+
+
+@pytest.mark.slow
+def test_specrl_train_runs_calculator_episodes_and_trains_only_the_policy_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = ModelConfig.tiny(
+        vocab_size=TOK.vocab_size,
+        hidden_size=64,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        max_position_embeddings=128,
+    )
+    make_model(tmp_path / "init", config, seed=0)  # untrained: it writes ']' (a tool call) now and then
+    batches: list[TrainBatch] = []
+    real = Policy.train_updates
+
+    def recorded(self: Policy, batch: TrainBatch, **kw: Any) -> dict[str, float]:
+        batches.append(batch)
+        return real(self, batch, **kw)
+
+    monkeypatch.setattr(Policy, "train_updates", recorded)
+    cfg = RLConfig(
+        model=tmp_path / "init",
+        task=TaskConfig(kind="calculator", digits=2, max_turns=3, max_episode_tokens=96),
+        rollout=RolloutConfig(prompts_per_step=8, samples_per_prompt=4, temperature=1.0, max_new_tokens=16),
+        optimizer=HybridOptimizerConfig(lr=1e-4),
+        sidecars=SidecarsConfig(local=1),
+        steps=2,
+        eval_every=2,
+        eval_size=8,
+        run_dir=tmp_path / "run",
+    )
+    history = train(cfg, progress=False)
+    assert [m["weights/version"] for m in history] == [2.0, 3.0]
+    assert all(m["mismatch/logprob_abs_max"] < 1e-4 for m in history), history
+    assert all(1.0 <= m["rollout/turns_mean"] <= 3.0 for m in history)
+    assert sum(m["rollout/tool_calls_mean"] for m in history) > 0, "no episode called the calculator"
+    assert any(m["rollout/observation_token_share"] > 0 for m in history)
+    assert "reward/eval_mean" in history[-1] and "spec/acceptance_length" in history[-1]
+    observed = 0
+    for batch in batches:
+        assert batch.generated is not None and batch.rollout_logprobs is not None
+        # observation tokens: generated (after the prompt) but out of the mask, with log-prob 0
+        after_prompt = torch.zeros_like(batch.generated, dtype=torch.bool)
+        for i in range(batch.tokens.shape[0]):
+            nonzero = (batch.generated[i] > 0).nonzero()
+            if len(nonzero):
+                after_prompt[i, int(nonzero[0]) : int(nonzero[-1]) + 1] = True
+        observation = after_prompt & (batch.generated == 0)
+        observed += int(observation.sum())
+        assert bool((batch.rollout_logprobs[observation] == 0).all())
+        assert bool((batch.mask[observation] == 0).all())
+    assert observed > 0
