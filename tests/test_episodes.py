@@ -54,6 +54,10 @@ class ScriptFleet:
     script: dict[str, str]
     version: int = 0
     requests: list[GenerationRequest] = field(default_factory=list)
+    ended: list[str] = field(default_factory=list)
+
+    def end_sessions(self, session_ids: list[str]) -> None:
+        self.ended += session_ids
 
     def generate(self, request: GenerationRequest, *, rejoin: bool = True) -> FleetResult:
         self.requests.append(request)
@@ -125,6 +129,10 @@ def test_an_episode_is_its_turns_and_observations_in_order_with_only_the_policy_
     assert fleet.requests[2].prompts[0] == PROMPT + policy[0] + observations[0] + policy[1] + observations[1]
     assert set(fleet.requests[1].sampling.stop_token_ids) == {TOK.eos_id, *ids("]")}
     assert len({r.sampling.seed for r in fleet.requests}) == 3  # a fresh stream per turn
+    # one session per problem, named on every turn, ended with the episodes
+    sessions = [r.session_ids for r in fleet.requests]
+    assert sessions[0] == sessions[1][:1] == sessions[2][:1] and len(set(sessions[1])) == 1
+    assert fleet.ended == sessions[0]
 
 
 def test_the_turn_limit_ends_an_episode_without_a_trailing_observation() -> None:

@@ -12,6 +12,10 @@ engine's log-probs. An episode ends when the environment says so, after `task.ma
 or when the conversation reaches `task.max_episode_tokens` (a turn or an observation past it is
 cut there).
 
+Every request names each prompt's session, one per problem (its G conversations share the prompt),
+so a fleet runs every turn of a conversation on the sidecar that ran its first (`Fleet` sessions:
+re-pinned only if that sidecar goes down); the sessions are ended with the episodes.
+
 A conversation comes back as one `Sample` (its tokens after the prompt, turns and observations
 interleaved; `weight_version` the oldest version that produced a turn's first token, so the
 asynchronous lag bound holds for every turn) with its loss mask and return beside it.
@@ -20,6 +24,8 @@ asynchronous lag bound holds for every turn) with its loss mask and return besid
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import time
 from dataclasses import dataclass, field
 
 from sidecar.client.fleet import Fleet, derive_seed
@@ -27,6 +33,8 @@ from sidecar.types import FinishReason, GenerationRequest, Sample, SamplingParam
 from trainer.environments import Environment, Episode, continuation_ids, stop_token_ids
 from trainer.tasks import Problem
 from trainer.tokenizer import Tokenizer
+
+_EPISODES = itertools.count()
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +74,10 @@ class Episodes:
     regenerated: int = 0
     duplicates: int = 0
     nonfinite: int = 0
+    pinned: int = 0
+    """Turns sent to the sidecar their conversation is pinned to (`Fleet` sessions)."""
+    repinned: int = 0
+    """Conversations moved to another sidecar because theirs went down."""
     events: list[str] = field(default_factory=list)
 
 
@@ -140,6 +152,7 @@ def run_episodes(
     their end over `fleet` (see the module docstring). `sampling`: each turn's (its stop tokens
     gain the environment's; its seed, if any, is varied per turn)."""
     stops = stop_token_ids(env, tokenizer)
+    episode = f"episode-{next(_EPISODES)}-{time.time_ns():x}"
     conversations = [
         _Conversation(prompt=prompt, episode=env.reset(problem), prompt_index=p, sample_index=g)
         for p, (problem, prompt) in enumerate(zip(problems, prompts, strict=True))
@@ -161,13 +174,14 @@ def run_episodes(
             max_new_tokens=min(sampling.max_new_tokens, max(c.room(limits) for c in live)),
             seed=None if sampling.seed is None else (sampling.seed if turn == 0 else derive_seed(sampling.seed, turn)),
         )
-        if turn == 0:
+        if turn == 0:  # a problem's G conversations share a session: their prompt's KV is shared
             request = GenerationRequest(
                 prompts=prompts,
                 sampling=turn_sampling,
                 samples_per_prompt=samples_per_prompt,
                 speculation_k=speculation_k,
                 min_weight_version=min_weight_version,
+                session_ids=[f"{episode}/{p}" for p in range(len(prompts))],
             )
         else:
             request = GenerationRequest(
@@ -175,6 +189,7 @@ def run_episodes(
                 sampling=turn_sampling,
                 speculation_k=speculation_k,
                 min_weight_version=min_weight_version,
+                session_ids=[f"{episode}/{c.prompt_index}" for c in live],
             )
         result = fleet.generate(request, rejoin=rejoin)
         out.seconds += result.seconds
@@ -182,10 +197,13 @@ def run_episodes(
         out.regenerated += result.regenerated
         out.duplicates += result.duplicates
         out.nonfinite += result.nonfinite
+        out.pinned += result.pinned
+        out.repinned += result.repinned
         out.events += result.events
         for s in result.samples:
             c = live[s.prompt_index] if turn else conversations[s.prompt_index * samples_per_prompt + s.sample_index]
             _take_turn(c, s, tokenizer, stops, limits)
+    fleet.end_sessions([f"{episode}/{p}" for p in range(len(prompts))])
     for c in conversations:
         out.samples.append(c.sample())
         out.loss_masks.append(c.loss_mask)
@@ -232,5 +250,6 @@ def episode_metrics(episodes: Episodes) -> dict[str, float]:
         "rollout/turns_mean": sum(episodes.turns) / n,
         "rollout/tool_calls_mean": sum(episodes.tool_calls) / n,
         "rollout/episodes_cut": float(episodes.cut),
+        "rollout/sessions_repinned": float(episodes.repinned),
         "rollout/observation_token_share": (tokens - sum(map(sum, episodes.loss_masks))) / max(tokens, 1),
     }
