@@ -52,6 +52,8 @@ class ScriptFleet:
     call serves the next weight version, so a conversation's turns come from different versions."""
 
     script: dict[str, str]
+    context: int = 10_000
+    """The model's context: a prompt plus max_new_tokens beyond it is refused, as a sidecar does."""
     version: int = 0
     requests: list[GenerationRequest] = field(default_factory=list)
     ended: list[str] = field(default_factory=list)
@@ -65,7 +67,8 @@ class ScriptFleet:
         samples = []
         for p, prompt in enumerate(request.prompts):
             for g in range(request.samples_per_prompt):
-                history = TOK.decode(prompt[len(PROMPT) :])
+                assert len(prompt) + request.sampling.max_new_tokens <= self.context, "the sidecar refuses this"
+                history = TOK.decode(prompt).split("\n", 1)[1]  # after the problem's one line
                 turn = [*ids(self.script[history]), TOK.eos_id]
                 stop = next((i for i, t in enumerate(turn) if t in request.sampling.stop_token_ids), len(turn))
                 turn = turn[: stop + 1]
@@ -91,14 +94,16 @@ SOLVES = {"": "[12*34]", "[12*34]=408\n": "[408+5]", "[12*34]=408\n[408+5]=413\n
 """Calls the calculator twice, then answers."""
 
 
-def run(fleet: ScriptFleet, limits: EpisodeLimits, samples: int = 1, max_new_tokens: int = 32):  # type: ignore[no-untyped-def]
+def run(  # type: ignore[no-untyped-def]
+    fleet: ScriptFleet, limits: EpisodeLimits, samples: int = 1, max_new_tokens: int = 32, problems=(PROBLEM,)
+):
     sampling = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, stop_token_ids=(TOK.eos_id,), seed=7)
     return run_episodes(
         fleet,  # type: ignore[arg-type]
         CalculatorEnvironment(),
         TOK,
-        [PROBLEM],
-        [PROMPT],
+        list(problems),
+        [TOK.encode(p.prompt) for p in problems],
         samples_per_prompt=samples,
         sampling=sampling,
         limits=limits,
@@ -155,6 +160,21 @@ def test_the_token_limit_cuts_a_turn_or_an_observation_where_it_falls(max_tokens
     # (wrong) answer and ends the episode; a cut observation ends it at the limit
     assert out.cut == int(n > 7) and out.returns == [0.0]
     assert len(PROMPT) + len(out.samples[0].token_ids) == max_tokens
+
+
+def test_no_conversation_is_asked_for_more_tokens_than_it_has_room_for() -> None:
+    """Conversations of one turn differ in room: each is asked for at most what it has (a sidecar
+    refuses a prompt whose new tokens would pass the context), in one request per length."""
+    longer = Problem(prompt="12*34+5=?  \n", answer="413")  # two tokens longer
+    limit = len(PROMPT) + 21  # after turn 1 and its answer (12 tokens): room for 9 and for 7
+    fleet = ScriptFleet(SOLVES, context=limit)
+    out = run(fleet, EpisodeLimits(max_turns=8, max_tokens=limit), max_new_tokens=8, problems=(PROBLEM, longer))
+    assert [len(PROMPT) + len(out.samples[0].token_ids), len(PROMPT) + 2 + len(out.samples[1].token_ids)] == [
+        limit,
+        limit,
+    ]
+    assert out.cut == 2
+    assert [r.sampling.max_new_tokens for r in fleet.requests] == [8, 8, 7]  # turn 2: one request a length
 
 
 def test_a_turn_cut_at_max_new_tokens_is_still_answered() -> None:

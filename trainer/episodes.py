@@ -168,41 +168,32 @@ def run_episodes(
         live = [c for c in conversations if not c.done]
         if not live:
             break
-        turn_sampling = dataclasses.replace(
-            sampling,
-            stop_token_ids=tuple(dict.fromkeys((*sampling.stop_token_ids, *stops))),
-            max_new_tokens=min(sampling.max_new_tokens, max(c.room(limits) for c in live)),
-            seed=None if sampling.seed is None else (sampling.seed if turn == 0 else derive_seed(sampling.seed, turn)),
-        )
-        if turn == 0:  # a problem's G conversations share a session: their prompt's KV is shared
-            request = GenerationRequest(
-                prompts=prompts,
-                sampling=turn_sampling,
-                samples_per_prompt=samples_per_prompt,
-                speculation_k=speculation_k,
-                min_weight_version=min_weight_version,
-                session_ids=[f"{episode}/{p}" for p in range(len(prompts))],
+        # one request per turn length the conversations have room for (a prompt and its new tokens
+        # must fit the context): usually one, a second for the conversations near their limit
+        by_length: dict[int, list[_Conversation]] = {}
+        for c in live:
+            by_length.setdefault(min(sampling.max_new_tokens, c.room(limits)), []).append(c)
+        for n, group in sorted(by_length.items(), reverse=True):
+            turn_sampling = dataclasses.replace(
+                sampling,
+                stop_token_ids=tuple(dict.fromkeys((*sampling.stop_token_ids, *stops))),
+                max_new_tokens=n,
+                seed=None if sampling.seed is None else derive_seed(sampling.seed, turn, n),
             )
-        else:
-            request = GenerationRequest(
-                prompts=[c.prompt + c.tokens for c in live],
-                sampling=turn_sampling,
-                speculation_k=speculation_k,
-                min_weight_version=min_weight_version,
-                session_ids=[f"{episode}/{c.prompt_index}" for c in live],
+            taken = _turn(
+                fleet,
+                group,
+                turn == 0,
+                turn_sampling,
+                samples_per_prompt,
+                speculation_k,
+                min_weight_version,
+                rejoin,
+                episode,
+                out,
             )
-        result = fleet.generate(request, rejoin=rejoin)
-        out.seconds += result.seconds
-        out.rerouted += result.rerouted
-        out.regenerated += result.regenerated
-        out.duplicates += result.duplicates
-        out.nonfinite += result.nonfinite
-        out.pinned += result.pinned
-        out.repinned += result.repinned
-        out.events += result.events
-        for s in result.samples:
-            c = live[s.prompt_index] if turn else conversations[s.prompt_index * samples_per_prompt + s.sample_index]
-            _take_turn(c, s, tokenizer, stops, limits)
+            for c, s in taken:
+                _take_turn(c, s, tokenizer, stops, limits)
     fleet.end_sessions([f"{episode}/{p}" for p in range(len(prompts))])
     for c in conversations:
         out.samples.append(c.sample())
@@ -212,6 +203,49 @@ def run_episodes(
         out.tool_calls.append(c.tool_calls)
         out.cut += int(c.cut)
     return out
+
+
+def _turn(
+    fleet: Fleet,
+    group: list[_Conversation],
+    first: bool,
+    sampling: SamplingParams,
+    samples_per_prompt: int,
+    speculation_k: int | None,
+    min_weight_version: int,
+    rejoin: bool,
+    episode: str,
+    out: Episodes,
+) -> list[tuple[_Conversation, Sample]]:
+    """One turn of `group` in one request: its samples with their conversations (the fleet's
+    counts added to `out`). The first turn asks G samples of each problem's prompt (a problem's G
+    conversations share a session: their prompt's KV is shared); later turns one sample of each
+    conversation's history."""
+    if first:
+        heads = group[::samples_per_prompt]  # the G conversations of a problem are adjacent
+        prompts, per_prompt = [c.prompt for c in heads], samples_per_prompt
+    else:
+        heads, prompts, per_prompt = group, [c.prompt + c.tokens for c in group], 1
+    request = GenerationRequest(
+        prompts=prompts,
+        sampling=sampling,
+        samples_per_prompt=per_prompt,
+        speculation_k=speculation_k,
+        min_weight_version=min_weight_version,
+        session_ids=[f"{episode}/{c.prompt_index}" for c in heads],
+    )
+    result = fleet.generate(request, rejoin=rejoin)
+    out.seconds += result.seconds
+    out.rerouted += result.rerouted
+    out.regenerated += result.regenerated
+    out.duplicates += result.duplicates
+    out.nonfinite += result.nonfinite
+    out.pinned += result.pinned
+    out.repinned += result.repinned
+    out.events += result.events
+    if first:
+        return [(group[s.prompt_index * samples_per_prompt + s.sample_index], s) for s in result.samples]
+    return [(group[s.prompt_index], s) for s in result.samples]
 
 
 def _take_turn(
