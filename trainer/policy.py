@@ -128,10 +128,15 @@ class TrainBatch:
         advantages: Tensor,  # (B,)
         rollout_logprobs: list[list[float]] | None = None,
         pad_id: int = 0,
+        loss_masks: list[list[int]] | None = None,
     ) -> TrainBatch:
-        """Pack prompt/response token lists (and the engine's per-token log-probs) into a batch."""
+        """Pack prompt/response token lists (and the engine's per-token log-probs) into a batch.
+        `loss_masks`: per response, 1 on the tokens the loss counts and 0 on the others (a multi-turn
+        episode's observations, `trainer.episodes`); None: every response token counts."""
         if len(prompts) != len(responses):
             raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+        if loss_masks is not None and [len(m) for m in loss_masks] != [len(r) for r in responses]:
+            raise ValueError("each loss mask must have one entry per response token")
         seq = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
         b = len(prompts)
         tokens = torch.full((b, seq), pad_id, dtype=torch.long)
@@ -139,7 +144,9 @@ class TrainBatch:
         rollout = torch.zeros(b, seq - 1) if rollout_logprobs is not None else None
         for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
             tokens[i, : len(p) + len(r)] = torch.tensor(p + r, dtype=torch.long)
-            mask[i, len(p) - 1 : len(p) - 1 + len(r)] = 1.0
+            mask[i, len(p) - 1 : len(p) - 1 + len(r)] = (
+                1.0 if loss_masks is None else torch.tensor(loss_masks[i]).float()
+            )
             if rollout is not None and rollout_logprobs is not None:
                 rollout[i, len(p) - 1 : len(p) - 1 + len(r)] = torch.tensor(rollout_logprobs[i], dtype=torch.float32)
         return cls(tokens=tokens, mask=mask, advantages=advantages.float(), rollout_logprobs=rollout)

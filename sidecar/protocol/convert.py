@@ -164,6 +164,7 @@ def generation_request_to_pb(request: GenerationRequest) -> rollout_pb2.Generate
         sampling=sampling_to_pb(request.sampling),
         samples_per_prompt=request.samples_per_prompt,
         min_weight_version=request.min_weight_version,
+        session_ids=request.session_ids,
     )
     if request.speculation_k is not None:
         msg.speculation_k = request.speculation_k
@@ -182,6 +183,7 @@ def generation_request_from_pb(msg: rollout_pb2.GenerateRequest) -> GenerationRe
             request_id=msg.request_id,
             min_weight_version=msg.min_weight_version,
             speculation_k=msg.speculation_k if msg.HasField("speculation_k") else None,
+            session_ids=list(msg.session_ids),
         )
     except ValueError as e:
         raise InvalidRequestError(str(e)) from None
