@@ -59,3 +59,35 @@ def test_specrl_train_runs_ten_steps_with_a_draft(tmp_path: Path, family: str) -
     assert all(r["spec/acceptance_length"] > 1.0 for r in rows if "spec/acceptance_length" in r)  # it speculated
     assert any("spec/acceptance_length" in r for r in rows)
     assert any("draft" in k and k.startswith("train/") for k in last)  # and trained the draft online
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_draft_init_fits_an_eagle3_draft_that_serves_transformers_greedy(tmp_path: Path, family: str) -> None:
+    """`specrl draft-init --draft-kind eagle3` on a save_pretrained checkpoint of the family: the
+    draft directory it writes, served with `--draft`, speculates and keeps transformers' greedy."""
+    from sidecar.engine.torch_engine import TorchEngine
+    from sidecar.types import GenerationRequest, SamplingParams
+
+    config_cls, model_cls, overrides = FAMILIES[family]
+    tok = CharTokenizer()
+    torch.manual_seed(0)
+    shape = SHAPE | {"num_hidden_layers": 4}  # three taps below the last layer
+    model = model_cls(config_cls(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, **shape, **overrides)).eval()
+    randomise(model, 0)
+    model.save_pretrained(tmp_path / "hf")
+    args = ["draft-init", "--model", str(tmp_path / "hf"), "--out", str(tmp_path / "draft"), "--draft-kind", "eagle3"]
+    result = CliRunner().invoke(main, [*args, "--prompts", "16", "--steps", "3", "--batch-size", "8"])
+    assert result.exit_code == 0, result.output
+    engine = TorchEngine.from_checkpoint(tmp_path / "hf", draft=tmp_path / "draft", speculation_k=3)
+    assert engine.info().speculation_method == "eagle3"
+    prompts = [[5, 9, 2], [1, 2, 3, 4, 5, 6, 7], [60, 61]]
+    sp = SamplingParams(temperature=0.0, max_new_tokens=12)
+    samples = engine.generate(GenerationRequest(prompts=prompts, sampling=sp, speculation_k=3))
+    with torch.no_grad():
+        for prompt, s in zip(prompts, samples, strict=True):
+            seq = list(prompt)
+            for _ in range(12):
+                seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+            assert s.token_ids == seq[len(prompt) :]
+    assert sum(s.counters.verify_steps for s in samples) > 0

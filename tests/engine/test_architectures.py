@@ -205,3 +205,16 @@ def test_the_readme_lists_every_architecture_the_engine_serves() -> None:
     assert architectures_markdown() in readme, "paste architectures_markdown() into README.md's 'Which checkpoints'"
     assert all(f"`{a}`" in architectures_markdown() for a in FAMILIES)
     assert len(readme.splitlines()) <= 550
+
+
+def test_a_key_the_familys_modeling_code_does_not_read_is_not_refused(tmp_path: Path) -> None:
+    """Qwen2 hard-codes its q/k/v biases: `attention_bias: true` (MiMo's config.json has it) does not
+    change transformers' Qwen2 forward, so it is accepted there, and refused for Llama, where it would
+    put a bias on o_proj too."""
+    ids = torch.randint(0, SHAPE["vocab_size"], (1, 24), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(_logits("qwen2", {}, ids), _logits("qwen2", {"attention_bias": True}, ids))
+    path = hf_checkpoint(tmp_path / "q2", transformers.Qwen2Config, transformers.Qwen2ForCausalLM, attention_bias=True)
+    config, _ = load_checkpoint(path)
+    assert config.attention_bias and config.family == "qwen2"
+    with pytest.raises(UnsupportedConfigError, match="attention_bias"):
+        check_config(ModelConfig.tiny(architectures=["LlamaForCausalLM"]).to_hf_dict() | {"attention_bias": True})

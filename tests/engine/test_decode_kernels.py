@@ -206,7 +206,8 @@ def greedy(engine: TorchEngine, k: int) -> list[list[int]]:
 @interpreted
 @pytest.mark.usefixtures("kernels_everywhere")
 @pytest.mark.parametrize(
-    ("k", "architecture"), [(0, FAMILIES[0]), (3, FAMILIES[0]), (3, FAMILIES[1]), (3, FAMILIES[2])]
+    ("k", "architecture"),
+    [(0, FAMILIES[0]), (3, FAMILIES[0]), (3, FAMILIES[1]), (3, FAMILIES[2]), (3, "MiMoForCausalLM")],
 )
 def test_greedy_with_the_kernels_equals_the_plain_forward(k: int, architecture: str) -> None:
     engine = TorchEngine(aligned(architecture), speculation_k=k, max_batch_size=8, compile="on")
