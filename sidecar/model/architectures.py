@@ -326,12 +326,13 @@ def without_partial_rotary(raw: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def partial_rotary_factor(raw: Mapping[str, Any]) -> float:
-    """The fraction of each head the rotary embedding rotates (1: all), wherever config.json keeps it."""
+def partial_rotary_factor(raw: Mapping[str, Any], default: float = 1.0) -> float:
+    """The fraction of each head the rotary embedding rotates (1: all), wherever config.json keeps it
+    (`default` where it does not: the modeling code's)."""
     for where in (raw, raw.get("rope_parameters"), raw.get("rope_scaling")):
         if isinstance(where, Mapping) and where.get("partial_rotary_factor") is not None:
             return float(where["partial_rotary_factor"])
-    return 1.0
+    return default
 
 
 def _moe_problems(raw: Mapping[str, Any], family: Family) -> list[str]:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from sidecar.model.architectures import check_config, family_of, partial_rotary_factor
-from sidecar.model.moe import MoEConfig
+from sidecar.model.moe import HF_DEFAULTS, MoEConfig
 from yarn import RopeConfig
 
 _FAMILY_FIELDS = ("attention_bias", "qk_norm", "mtp_layout")
@@ -197,7 +197,8 @@ class ModelConfig:
         out |= {name: getattr(family, name) for name in _FAMILY_FIELDS}
         out |= {name: bool(d.get(key) or False) for name, key in _READ_AS.items() if key in family.reads}
         if "partial_rotary_factor" in family.reads:
-            out["partial_rotary_factor"] = partial_rotary_factor(d)
+            default = HF_DEFAULTS.get(family.architecture, {}).get("partial_rotary_factor", 1.0)
+            out["partial_rotary_factor"] = partial_rotary_factor(d, default)
         out["moe"] = MoEConfig.from_hf_dict(d, family.architecture)
         eos = d.get("eos_token_id")
         if eos is not None:

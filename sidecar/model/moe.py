@@ -58,6 +58,31 @@ ROUTER_OF_ARCHITECTURE: dict[str, RouterKind] = {
 }
 """The router each MoE architecture's modeling code runs."""
 
+HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "Qwen3MoeForCausalLM": {
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
+    "Glm4MoeForCausalLM": {
+        "n_routed_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 1408,
+        "norm_topk_prob": True,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 1.0,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "partial_rotary_factor": 0.5,
+    },
+}
+"""transformers' class defaults (`Qwen3MoeConfig`, `Glm4MoeConfig`, 5.x) of the keys read, which its
+forward uses where config.json leaves a key out (`tests/engine/test_moe_routers.py` compares them)."""
+
 
 @dataclass(kw_only=True, slots=True)
 class MoEConfig:
@@ -123,29 +148,34 @@ class MoEConfig:
 
     @classmethod
     def from_hf_dict(cls, d: Mapping[str, Any], architecture: str) -> MoEConfig | None:
-        """The experts config.json describes for `architecture` (None: no experts, a dense model)."""
+        """The experts config.json describes for `architecture` (None: no experts, a dense model). A
+        key the JSON leaves out takes transformers' class default (`HF_DEFAULTS`), as its forward does."""
         router = ROUTER_OF_ARCHITECTURE.get(architecture)
         if router is None:
             return None
-        experts = d.get("num_experts") or d.get("num_local_experts") or d.get("n_routed_experts") or 0
+        defaults = HF_DEFAULTS[architecture]
+
+        def value(key: str) -> Any:
+            return d[key] if d.get(key) is not None else defaults[key]
+
+        names = ("num_experts", "num_local_experts") if router == "softmax_topk" else ("n_routed_experts",)
+        experts = next((d[n] for n in names if d.get(n) is not None), defaults[names[0]])
         if not experts:
-            return None
+            return None  # transformers builds dense layers only
         out: dict[str, Any] = {
             "num_experts": int(experts),
-            "num_experts_per_tok": int(d["num_experts_per_tok"]),
-            "moe_intermediate_size": int(d["moe_intermediate_size"]),
+            "num_experts_per_tok": int(value("num_experts_per_tok")),
+            "moe_intermediate_size": int(value("moe_intermediate_size")),
             "router": router,
-            "norm_topk_prob": bool(d.get("norm_topk_prob", False)),
+            "norm_topk_prob": bool(value("norm_topk_prob")),
         }
         if router == "softmax_topk":
-            out["mlp_only_layers"] = [int(i) for i in d.get("mlp_only_layers") or []]
-            out["decoder_sparse_step"] = int(d.get("decoder_sparse_step") or 1)
+            out["mlp_only_layers"] = [int(i) for i in value("mlp_only_layers")]
+            out["decoder_sparse_step"] = int(value("decoder_sparse_step"))
         else:
-            out["n_group"] = int(d.get("n_group") or 1)
-            out["topk_group"] = int(d.get("topk_group") or 1)
-            out["routed_scaling_factor"] = float(d.get("routed_scaling_factor", 1.0))
-            out["n_shared_experts"] = int(d.get("n_shared_experts") or 0)
-            out["first_k_dense_replace"] = int(d.get("first_k_dense_replace") or 0)
+            for key in ("n_group", "topk_group", "n_shared_experts", "first_k_dense_replace"):
+                out[key] = int(value(key))
+            out["routed_scaling_factor"] = float(value("routed_scaling_factor"))
         return cls(**out)
 
     def to_hf_dict(self) -> dict[str, Any]:

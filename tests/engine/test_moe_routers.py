@@ -17,7 +17,8 @@ import transformers
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
-from sidecar.model.moe import MoEConfig, route
+from sidecar.model.model import ModelConfig
+from sidecar.model.moe import HF_DEFAULTS, MoEConfig, route
 
 HIDDEN, EXPERTS, TOKENS = 32, 16, 512
 
@@ -90,3 +91,28 @@ def test_the_bias_and_the_group_limit_change_the_choice() -> None:
     assert (chosen != ungrouped.sort(-1).values).any(-1).float().mean() > 0.05
     groups = ids // (EXPERTS // GLM["n_group"])  # every token's experts lie in at most topk_group groups
     assert all(len(set(row.tolist())) <= GLM["topk_group"] for row in groups)
+
+
+@pytest.mark.parametrize(
+    ("architecture", "config_cls"),
+    [("Qwen3MoeForCausalLM", transformers.Qwen3MoeConfig), ("Glm4MoeForCausalLM", transformers.Glm4MoeConfig)],
+)
+def test_a_key_config_json_leaves_out_takes_transformers_default(architecture: str, config_cls: Any) -> None:
+    """Where a config.json omits a key, transformers' forward uses its class default: so must we."""
+    hf = config_cls()
+    for key, value in HF_DEFAULTS[architecture].items():
+        theirs = getattr(hf, key, None)
+        if key == "partial_rotary_factor":
+            theirs = hf.rope_parameters["partial_rotary_factor"]
+        assert theirs == value, key
+    minimal = {"architectures": [architecture], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48}
+    minimal |= {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
+    config = ModelConfig.from_hf_dict(minimal)
+    assert config.moe is not None and config.moe.num_experts == 128 and config.moe.num_experts_per_tok == 8
+    assert config.moe.norm_topk_prob == hf.norm_topk_prob
+    if architecture == "Glm4MoeForCausalLM":
+        assert (config.moe.n_shared_experts, config.moe.first_k_dense_replace, config.partial_rotary_factor) == (
+            1,
+            1,
+            0.5,
+        )
