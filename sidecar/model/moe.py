@@ -49,6 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from sidecar.model.decode_kernels import DecodeKernels, DecodeOps
+
 RouterKind = Literal["softmax_topk", "sigmoid_grouped"]
 ROUTER_KINDS: tuple[RouterKind, ...] = ("softmax_topk", "sigmoid_grouped")
 
@@ -344,7 +346,7 @@ class SparseMoE(nn.Module):
         return [e for e in self.experts if isinstance(e, Expert)]
 
     def forward(
-        self, x: Tensor, fixed_shape: bool = False, kernels: object = None
+        self, x: Tensor, fixed_shape: bool = False, kernels: DecodeOps | None = None
     ) -> Tensor:  # (..., hidden) -> (..., hidden)
         """The layer's MLP output. `fixed_shape` (what CUDA graphs capture): the fused kernel where
         `kernels` has one and the experts are joined (`join_experts`), else `experts_fixed_shape`;
@@ -353,10 +355,9 @@ class SparseMoE(nn.Module):
         weights, ids = self.gate(flat)
         if self.route_sink is not None:
             self.route_sink.append(packed_routes(ids, self.cfg.num_experts))
-        fused = getattr(kernels, "fused_experts", None)
         joined = self.joined_experts()
-        if fixed_shape and fused is not None and joined is not None:
-            out = fused(flat, weights, ids, *joined)
+        if fixed_shape and isinstance(kernels, DecodeKernels) and joined is not None:
+            out = kernels.fused_experts(flat, weights, ids, *joined)
         else:
             combine = experts_fixed_shape if fixed_shape else experts_by_expert
             out = combine(flat, weights.to(x.dtype), ids, self.experts)
