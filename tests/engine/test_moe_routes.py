@@ -17,11 +17,14 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_glm_moe import VARIANTS as GLM_VARIANTS
 from test_glm_moe import add_native_mtp_layer, hf_glm
 from test_moe_models import VARIANTS as QWEN_VARIANTS
-from test_moe_models import hf_qwen3_moe, loaded
+from test_moe_models import hf_qwen3_moe, loaded, moe_target
 
+from sidecar.model.kv_cache import KVCache
 from sidecar.model.moe import SparseMoE, recording_routes, sequence_routes
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -95,3 +98,47 @@ def test_a_wrong_route_is_caught() -> None:
     assert compare(ours, theirs) == 0
     ours[0, 0, 1, 0] = 5
     assert compare(ours, theirs) == 1
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    steps=st.lists(st.lists(st.integers(0, 4), min_size=3, max_size=3), min_size=1, max_size=5), seed=st.integers(0, 99)
+)
+def test_routes_of_a_ragged_cached_batch_are_each_rows_own(steps: list[list[int]], seed: int) -> None:
+    """Rows of different lengths extended together through the KV cache (what the engine's rounds
+    run): each row's recorded routes are those of its own sequence in the plain forward, never a
+    neighbour's, and padding columns are not a row's."""
+    model = moe_target()
+    gen = torch.Generator().manual_seed(seed)
+    rows = 3
+    cache = KVCache(
+        num_layers=model.config.num_hidden_layers,
+        num_kv_heads=model.config.num_key_value_heads,
+        head_dim=model.config.head_dim,
+        dtype=model.config.dtype,
+        device="cpu",
+        batch=rows,
+        capacity=4,
+    )
+    seqs: list[list[int]] = [[] for _ in range(rows)]
+    got: list[list[torch.Tensor]] = [[] for _ in range(rows)]  # per row: (sparse layers, k) per token
+    for counts in [[1, 3, 2], *steps]:
+        chunks = [torch.randint(0, 64, (n,), generator=gen).tolist() for n in counts]
+        width = max(max(counts), 1)
+        ids = torch.tensor([c + [0] * (width - len(c)) for c in chunks])
+        plan = cache.plan(counts, width=width)
+        with torch.no_grad(), recording_routes(model.model) as routes:
+            model.trunk_step(ids, cache, plan)
+        cache.commit(plan)
+        stacked = torch.stack([r.view(rows, width, -1) for r in routes])  # (layers, rows, width, k)
+        for b, c in enumerate(chunks):
+            seqs[b] += c
+            got[b] += [stacked[:, b, j] for j in range(len(c))]
+    mismatches = 0
+    for b, seq in enumerate(seqs):
+        ids = torch.tensor([seq])
+        with torch.no_grad():
+            alone = sequence_routes(model.model, lambda ids=ids: model(ids), 1, len(seq))[:, 0]  # (layers, T, k)
+        ours = torch.stack(got[b], dim=1)  # (layers, T, k)
+        mismatches += int((ours.long().sort(-1).values != alone.long().sort(-1).values).any(-1).sum())
+    assert mismatches == 0
