@@ -105,3 +105,23 @@ def test_specrl_plan_prints_the_union_aware_projection_for_qwen3_30b_a3b() -> No
     assert "speculation at k = 3 pays from batch 4 up (it loses at batch 2 and below)" in result.output
     dense = CliRunner().invoke(main, [*args[:2], "qwen3-8b", *args[3:], "--acceptance", "0.8,0.7,0.6", "--ks", "3"])
     assert dense.exit_code == 0 and "experts read" not in dense.output, dense.output
+
+
+def test_tools_bench_moe_runs_side_by_side_and_reports_the_measured_union(capsys: pytest.CaptureFixture[str]) -> None:
+    """tools/bench_moe.py (docs/moe.md's CPU figures) at its smallest: both models, both k, the union."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "bench_moe.py"
+    spec = importlib.util.spec_from_file_location("bench_moe", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--batches", "2", "--repeats", "1", "--new-tokens", "12"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| 2 |")]
+    assert [r.split("|")[2].strip() for r in rows] == ["moe", "dense"]
+    measured = rows[0].split("|")[7].strip()
+    assert measured.endswith("forwards)") and float(rows[0].split("|")[8]) == pytest.approx(
+        uniform_union(32, 4, 8), abs=0.05
+    )
