@@ -10,7 +10,11 @@ Files
   ``num_key_value_heads``, ``head_dim``, ``rms_norm_eps``, ``rope_theta``, ``rope_scaling``
   (null or a Hugging Face yarn or llama3 dict; transformers 5's ``rope_parameters`` is read too),
   ``max_position_embeddings``, ``tie_word_embeddings``, ``torch_dtype``) plus
-  ``num_nextn_predict_layers`` (absent or 0: no draft, speculation unavailable).
+  ``num_nextn_predict_layers`` (absent or 0: no draft, speculation unavailable); a mixture of
+  experts' keys as transformers spells them (``moe.MoEConfig.from_hf_dict``: num_experts /
+  num_local_experts / n_routed_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob,
+  mlp_only_layers, decoder_sparse_step; n_group, topk_group, routed_scaling_factor,
+  n_shared_experts, first_k_dense_replace), transformers' class default where one is absent.
 - ``model.safetensors``, or shards listed by ``model.safetensors.index.json``
   (``{"weight_map": {name: file}}``), as Hugging Face writes them.
 
@@ -52,7 +56,9 @@ in-memory ``experts.gate_up_proj`` is not a file name), E = num_experts, I = moe
     model.layers.{i}.mlp.shared_experts.{gate,up,down}_proj.weight  n_shared_experts > 0 only:
                                                        [n*I, hidden], [n*I, hidden], [hidden, n*I]
 
-Dense layers of an MoE model keep the dense names (width ``intermediate_size``). An MTP layer j is
+The router's two tensors are float32 in every dtype, stored, pushed and served so (``ROUTER_SUFFIXES``;
+a bf16 router is refused). Dense layers of an MoE model keep the dense names (width
+``intermediate_size``). An MTP layer j is
 sparse when ``is_sparse(num_hidden_layers + j)`` and then carries the same expert names under its
 prefix. Nothing changes for dense checkpoints. (Megatron-core's grouped-GEMM layout, the trainer's
 concern, maps to these names in its bridge: expert e's ``linear_fc1`` rows are gate then up.)
@@ -78,7 +84,8 @@ The embedding and the output head are shared with the trunk: they belong to the 
 are never repeated under ``mtp.``. Selector "target" = the first list, "draft" = the MTP list,
 "all" = both.
 
-GLM-4.5's own MTP layer (``Glm4MoeForCausalLM``, ``architectures.Family.mtp_as_decoder_layers``): its checkpoints keep MTP layer j in the DeepSeek-V3 layout as decoder layer
+GLM-4.5's own MTP layer (``Glm4MoeForCausalLM``, ``architectures.Family.mtp_as_decoder_layers``): its
+checkpoints keep MTP layer j in the DeepSeek-V3 layout as decoder layer
 ``model.layers.{num_hidden_layers + j}.`` (``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``, a
 full sparse decoder layer, and copies of the embedding and output head as ``embed_tokens.weight`` /
 ``shared_head.head.weight``). ``load_checkpoint`` serves them under the contract's ``mtp.layers.{j}.``
