@@ -17,8 +17,9 @@ transformers' own (its modeling code is the oracle, `tests/engine/test_moe_model
   renormalised iff `norm_topk_prob`, times `routed_scaling_factor`.
 
 The router runs in float32 whatever the model's dtype (its logits too: a choice must not flip with
-the rounding of bf16 logits), and the weights are cast to the model's dtype before the sum, as
-transformers does.
+the rounding of bf16 logits); each expert's output is multiplied by its routing weight in the dtype
+transformers' router returns it in (Qwen3-MoE: the model's; GLM-4.5: float32) and the product
+rounded to the model's dtype before the sum, as transformers does (`SparseMoE.weights_in_dtype`).
 
 Two expert paths, the same arithmetic:
 
@@ -270,7 +271,7 @@ class Expert(nn.Module):
 
 def experts_by_expert(
     x: Tensor,  # (T, hidden)
-    weights: Tensor,  # (T, k) routing weights, x's dtype
+    weights: Tensor,  # (T, k) routing weights, in the dtype the products are taken in (`weights_in_dtype`)
     ids: Tensor,  # (T, k) expert ids
     experts: nn.ModuleList,
 ) -> Tensor:  # (T, hidden)
@@ -288,17 +289,17 @@ def experts_by_expert(
         slots = order[start : start + n]
         start += n
         tokens = slots // k
-        y = experts[e](x[tokens]) * weights.reshape(-1)[slots, None]
+        y = (experts[e](x[tokens]) * weights.reshape(-1)[slots, None]).to(x.dtype)
         out.index_add_(0, tokens, y)
     return out
 
 
 def experts_fixed_shape(x: Tensor, weights: Tensor, ids: Tensor, experts: nn.ModuleList) -> Tensor:
     """The same sum at fixed shapes: every expert over every token, weighted by 0 where not routed."""
-    combine = torch.zeros(x.shape[0], len(experts), dtype=x.dtype, device=x.device).scatter_(1, ids, weights)
+    combine = torch.zeros(x.shape[0], len(experts), dtype=weights.dtype, device=x.device).scatter_(1, ids, weights)
     out = torch.zeros_like(x)
     for e, expert in enumerate(experts):
-        out = out + expert(x) * combine[:, e : e + 1]
+        out = out + (expert(x) * combine[:, e : e + 1]).to(x.dtype)
     return out
 
 
@@ -342,6 +343,12 @@ class SparseMoE(nn.Module):
             self._joined = None  # the parameters were given new storage (moved, re-cast): no longer joined
         return self._joined
 
+    def weights_in_dtype(self, weights: Tensor, dtype: torch.dtype) -> Tensor:
+        """The routing weights as transformers multiplies the experts' outputs by them: Qwen3-MoE's in
+        the model's dtype (its router returns them so), GLM-4.5's in float32 (its router is float32),
+        the product rounded to the model's dtype."""
+        return weights.to(dtype) if self.cfg.router == "softmax_topk" else weights
+
     def _experts(self) -> list[Expert]:
         return [e for e in self.experts if isinstance(e, Expert)]
 
@@ -357,10 +364,10 @@ class SparseMoE(nn.Module):
             self.route_sink.append(packed_routes(ids, self.cfg.num_experts))
         joined = self.joined_experts()
         if fixed_shape and isinstance(kernels, DecodeKernels) and joined is not None:
-            out = kernels.fused_experts(flat, weights, ids, *joined)
+            out = kernels.fused_experts(flat, self.weights_in_dtype(weights, x.dtype), ids, *joined)
         else:
             combine = experts_fixed_shape if fixed_shape else experts_by_expert
-            out = combine(flat, weights.to(x.dtype), ids, self.experts)
+            out = combine(flat, self.weights_in_dtype(weights, x.dtype), ids, self.experts)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         return out.view(x.shape)

@@ -147,14 +147,14 @@ def _down_kernel(
         else:
             acc += tl.dot(a, wd)
     dtype = out_ptr.dtype.element_ty
-    routed = tl.load(weight_ptr + row, mask=live, other=0.0).to(dtype).to(tl.float32)
+    routed = tl.load(weight_ptr + row, mask=live, other=0.0).to(tl.float32)  # in its own dtype (`weights_in_dtype`)
     y = acc.to(dtype).to(tl.float32) * routed[:, None]
     tl.store(out_ptr + row[:, None] * hidden + cols[None, :], y.to(dtype), mask=live[:, None] & live_n[None, :])
 
 
 def fused_experts(
     x: Tensor,  # (T, hidden)
-    weights: Tensor,  # (T, k) routing weights (any float dtype; applied in x's)
+    weights: Tensor,  # (T, k) routing weights, in the dtype the products are taken in (then rounded to x's)
     ids: Tensor,  # (T, k) expert ids
     w13: Tensor,  # (E, 2I, hidden) each expert's gate rows then up rows
     w2: Tensor,  # (E, hidden, I)
