@@ -351,6 +351,8 @@ class ModelInfo:
     dtype: str = "float32"
     eos_token_ids: tuple[int, ...] = ()
     """The checkpoint's end-of-sequence ids (config.json eos_token_id); SamplingParams.stop_at_eos stops at them."""
+    family: str = ""
+    """The architecture's family (config.json's model_type: "qwen3", "qwen2", "llama", "mimo")."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -242,7 +242,7 @@ class Policy:
                 self.draft.init_weights()
             self.taps = self.draft.config.aux_layers(model_config.num_hidden_layers)
             if tensors is not None:
-                tensors = {k: v for k, v in tensors.items() if not k.startswith(bridge.MTP_PREFIX)}
+                tensors = {k: v for k, v in tensors.items() if not bridge.is_draft_name(k, self.hf)}
         elif model_config.num_nextn_predict_layers > 0:
             torch.manual_seed(cfg.seed)
             self.draft = MTPDraft(model_config).to(platform.device())
@@ -294,7 +294,8 @@ class Policy:
     def load_tensors(self, tensors: dict[str, Tensor]) -> None:
         """Copy contract-named tensors in (trunk always; the draft's when present)."""
         bridge.load_trunk(self.model, tensors, self.hf)
-        draft = {k[len(bridge.MTP_PREFIX) :]: v for k, v in tensors.items() if k.startswith(bridge.MTP_PREFIX)}
+        prefix = bridge.draft_prefix(self.hf)
+        draft = {k[len(prefix) :]: v for k, v in tensors.items() if bridge.is_draft_name(k, self.hf)}
         if draft and isinstance(self.draft, Eagle3Head):
             raise bridge.CheckpointMismatchError("mtp.* tensors given to a policy that trains an EAGLE-3 draft")
         if draft and self.draft is None:
@@ -316,7 +317,7 @@ class Policy:
         """
         yield from bridge.export_trunk(self.model, self.hf)
         if isinstance(self.draft, MTPDraft):
-            yield from bridge.export_draft(self.draft)
+            yield from bridge.export_draft(self.draft, self.hf)
         elif isinstance(self.draft, Eagle3Head):  # a push's DRAFT part; the token maps stay as served
             for name, p in self.draft.named_parameters():
                 yield PUSH_PREFIX + name, p.detach().clone()
@@ -328,7 +329,7 @@ class Policy:
                 PUSH_PREFIX + n for n, _ in self.draft.named_parameters()
             ]
         return bridge.export_names(self.model, self.hf) + (
-            bridge.draft_names(self.draft) if isinstance(self.draft, MTPDraft) else []
+            bridge.draft_names(self.draft, self.hf) if isinstance(self.draft, MTPDraft) else []
         )
 
     def save_draft(self, path: str | Path) -> None:

@@ -560,6 +560,7 @@ def info_to_pb(info: SidecarInfo) -> control_pb2.GetInfoResponse:
             num_mtp_layers=m.num_mtp_layers,
             dtype=m.dtype,
             eos_token_ids=list(m.eos_token_ids),
+            family=m.family,
         ),
         speculation=control_pb2.SpeculationInfo(
             method=e.speculation_method,
@@ -615,6 +616,7 @@ def info_from_pb(msg: control_pb2.GetInfoResponse) -> SidecarInfo:
                 num_mtp_layers=m.num_mtp_layers,
                 dtype=m.dtype,
                 eos_token_ids=tuple(m.eos_token_ids),
+                family=m.family,
             ),
             engine=msg.engine,
             engine_version=msg.engine_version,
