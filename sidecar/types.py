@@ -352,7 +352,16 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...] = ()
     """The checkpoint's end-of-sequence ids (config.json eos_token_id); SamplingParams.stop_at_eos stops at them."""
     family: str = ""
-    """The architecture's family (config.json's model_type: "qwen3", "qwen2", "llama", "mimo")."""
+    """The architecture's family (config.json's model_type: "qwen3", "qwen2", "llama", "mimo", "qwen3_moe",
+    "glm4_moe")."""
+    num_experts: int = 0
+    """Routed experts per sparse layer of a mixture-of-experts model (0: dense)."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to (the router's top k); 0 for a dense model."""
+    router: str = ""
+    """The router kind (`sidecar.model.moe.ROUTER_KINDS`); empty for a dense model."""
+    num_sparse_layers: int = 0
+    """Decoder layers that route to experts (the rest are dense)."""
 
 
 @dataclass(kw_only=True, slots=True)

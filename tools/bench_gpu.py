@@ -280,6 +280,9 @@ def hf_part(args: argparse.Namespace, shape: str, device: torch.device, out: Out
         out.skipped.append(f"{part.name}: transformers not importable ({e})")
         return
     cfg = shape_config(shape)
+    if cfg.moe is not None:
+        out.skipped.append(f"{part.name}: an MoE shape (HF eager's per-expert loop is no reference for speed)")
+        return
     hf_cfg = Qwen3Config(**{k: v for k, v in cfg.to_hf_dict().items() if k in (
         "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
         "num_key_value_heads", "head_dim", "tie_word_embeddings", "max_position_embeddings", "rope_theta",
@@ -328,8 +331,9 @@ def sglang_part(args: argparse.Namespace, shape: str, out: Output) -> None:
     except ImportError:
         out.skipped.append(f"{part.name}: sglang not importable here (install the sglang extra on a GPU node)")
         return
-    cfg = shape_config(shape).to_hf_dict()
-    cfg.update(architectures=["Qwen3ForCausalLM"], torch_dtype="bfloat16")
+    config = shape_config(shape)
+    cfg = config.to_hf_dict()
+    cfg.update(architectures=[config.architectures[0]], torch_dtype="bfloat16")
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "config.json").write_text(json.dumps(cfg))
         engine = sglang.Engine(model_path=d, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",

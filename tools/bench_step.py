@@ -75,12 +75,16 @@ def aligned_draft(model, eps: float = 0.02) -> None:  # type: ignore[no-untyped-
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.mul_(eps)
-            layer.mlp.down_proj.weight.mul_(eps)
+            for name, p in layer.mlp.named_parameters():  # a dense MLP's down_proj, or every expert's
+                if name.endswith("down_proj.weight"):
+                    p.mul_(eps)
         for mtp in model.mtp.layers:
             mtp.eh_proj.weight.zero_()
             mtp.eh_proj.weight[:, :h] = torch.eye(h)
             mtp.self_attn.o_proj.weight.zero_()
-            mtp.mlp.down_proj.weight.zero_()
+            for name, p in mtp.mlp.named_parameters():
+                if name.endswith("down_proj.weight"):
+                    p.zero_()
 
 
 def child(checkout: Path, args: argparse.Namespace) -> dict[str, list[float]]:

@@ -33,6 +33,7 @@ from bench_engine import device_problem
 from sidecar.engine.torch_engine import TorchEngine
 from sidecar.model.decode_kernels import DecodeOps
 from sidecar.model.model import ModelConfig, Qwen3WithMTP
+from sidecar.model.moe import MoEConfig, Router
 from sidecar.types import GenerationRequest, SamplingParams
 from trainer.planning.shapes import PRESETS
 
@@ -41,16 +42,22 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
 
 
 def shape_config(name: str) -> ModelConfig:
-    """The engine's config at a preset's shape: bf16, one MTP layer, no stop tokens."""
+    """The engine's config at a preset's shape: bf16, one MTP layer, no stop tokens; a preset with
+    experts (qwen3-30b-a3b, qwen3-235b-a22b) is a Qwen3-MoE (norm_topk_prob true, as released)."""
     base = TINY if name == "tiny" else PRESETS[name]
     keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "tie_word_embeddings")  # fmt: skip
+    moe = None
+    if base.get("num_experts"):
+        moe = MoEConfig(num_experts=base["num_experts"], num_experts_per_tok=base["num_experts_per_tok"],
+                        moe_intermediate_size=base["moe_intermediate_size"], norm_topk_prob=True)  # fmt: skip
     return ModelConfig(
         **{k: base[k] for k in keys},
         rope_theta=1_000_000.0,
         max_position_embeddings=4096,
         torch_dtype="bfloat16",
         num_nextn_predict_layers=1,
+        **({} if moe is None else {"architectures": ["Qwen3MoeForCausalLM"], "moe": moe}),
     )
 
 
@@ -67,6 +74,9 @@ def random_model(cfg: ModelConfig, device: torch.device, seed: int = 0) -> Qwen3
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02)
+    for m in model.modules():
+        if isinstance(m, Router):
+            m.float()  # routers are float32 in every dtype (`checkpoint.ROUTER_SUFFIXES`)
     return model.eval().requires_grad_(False)
 
 

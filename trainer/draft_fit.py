@@ -64,10 +64,11 @@ def init_draft_from_embedding(model: Qwen3WithMTP) -> None:
         mtp.proj.weight.zero_()
         mtp.proj.weight[:, embedding] = torch.eye(h)
         mtp.self_attn.o_proj.weight.zero_()
-        mtp.mlp.down_proj.weight.zero_()
         for name, p in mtp.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
+            elif name.startswith("mlp.") and name.endswith("down_proj.weight"):  # every expert's, if it routes
+                p.zero_()
 
 
 def target_continuations(model: Qwen3WithMTP, cfg: DraftFitConfig) -> torch.Tensor:  # (N, P + new) int64

@@ -41,6 +41,12 @@ def _te_available() -> bool:
 
 def check_hf_config(hf: Mapping[str, Any], *, tensor_parallel: int) -> None:
     """Raise ValueError naming the key when `hf` cannot be built (or sharded) as asked."""
+    experts = [k for k in ("num_experts", "num_local_experts", "n_routed_experts") if hf.get(k)]
+    if experts:
+        raise ValueError(
+            f"model config has {experts[0]}={hf[experts[0]]}: a mixture of experts, which this Megatron policy "
+            "does not build yet (issue 59); it would train a dense model in its place"
+        )
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         if key not in hf:
             raise ValueError(f"model config lacks {key!r}; it must carry the config.json keys of its family")

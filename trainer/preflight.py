@@ -89,6 +89,12 @@ def read_model_config(path: Path) -> ModelConfig:
         raise PreflightError(f"model: {config_path} is not a valid model config ({e!r})") from None
     if not any(path.glob("*.safetensors")):
         raise PreflightError(f"model: {path} holds no *.safetensors weights")
+    if config.moe is not None:
+        raise PreflightError(
+            f"model={path}: {config.architectures[0]} is a mixture of experts; the sidecar serves it (specrl serve), "
+            "but specrl train's Megatron policy is dense until its MoE half (issue 59: experts, routing replay) "
+            "lands, and would train another model than the one served"
+        )
     return config
 
 

@@ -43,7 +43,13 @@ class ServedWeights:
         return shapes
 
     def specs(self, selector: WeightSelector) -> list[TensorSpec]:
-        return [TensorSpec(name=n, dtype=self.config.dtype, shape=s) for n, s in self.selected_shapes(selector).items()]
+        dtypes = self._dtypes()
+        return [TensorSpec(name=n, dtype=dtypes[n], shape=s) for n, s in self.selected_shapes(selector).items()]
+
+    def _dtypes(self) -> dict[str, torch.dtype]:
+        """Each pushable tensor's dtype: the parameter's (the model's dtype; a router's float32)."""
+        params = dict(self.model.named_parameters()) | self.drafter.pushed_parameters()
+        return {n: p.dtype for n, p in params.items()}
 
     def checksums(self, selector: WeightSelector) -> dict[str, int]:
         params = dict(self.model.named_parameters()) | self.drafter.pushed_parameters()
@@ -57,7 +63,7 @@ class ServedWeights:
             served_version=self.version,
             expected=self.selected_shapes(selector),
             all_names=set(self.selected_shapes(WeightSelector.ALL)),
-            dtype=self.config.dtype,
+            dtype=self._dtypes(),
         )
 
     def swap_in(self, tensors: Mapping[str, torch.Tensor], *, adopt: bool) -> dict[str, torch.Tensor]:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from sidecar.model.model import ModelConfig
 from sidecar.speculation.config import SpeculationPolicyConfig
 from sidecar.speculation.controller import SpeculationPolicy
+from sidecar.speculation.expert_union import ExpertReads
 from sidecar.types import SpeculationStatus
 
 
@@ -19,10 +21,18 @@ class SpeculationSettings:
     """The default k and automatic k's controller (see the module docstring)."""
 
     def __init__(
-        self, k: int, *, max_speculation_k: int, has_draft: bool, policy: SpeculationPolicyConfig | None
+        self,
+        k: int,
+        *,
+        max_speculation_k: int,
+        has_draft: bool,
+        policy: SpeculationPolicyConfig | None,
+        expert_reads: ExpertReads | None = None,
     ) -> None:
         """`max_speculation_k`: the largest k a request may ask for (0 without a draft); `policy`: the
-        controller's knobs (its max_speculation_k is set by the mode)."""
+        controller's knobs (its max_speculation_k is set by the mode); `expert_reads`: a
+        mixture-of-experts target's bytes per forward (`expert_reads_of`), the controller's prior."""
+        self.expert_reads = expert_reads
         self.max_speculation_k = max_speculation_k
         self.has_draft = has_draft
         self.k = k
@@ -56,7 +66,7 @@ class SpeculationSettings:
         self.k, self.auto = k, True
         if self.policy is None or self.policy.config.max_speculation_k != k:
             cfg = self._policy_config or SpeculationPolicyConfig(max_speculation_k=k)
-            self.policy = SpeculationPolicy(dataclasses.replace(cfg, max_speculation_k=k))
+            self.policy = SpeculationPolicy(dataclasses.replace(cfg, max_speculation_k=k), self.expert_reads)
 
     def set_policy(self, policy: SpeculationPolicy) -> None:
         """Auto mode with a given controller (tools and tests install a scripted or configured one)."""
@@ -81,3 +91,27 @@ class SpeculationSettings:
             acceptance=self.policy.acceptance.rates(),
             guard_trips=self.policy.trips,
         )
+
+
+def expert_reads_of(config: ModelConfig) -> ExpertReads | None:
+    """The bytes a trunk forward of a mixture-of-experts `config` reads (`expert_union`): attention,
+    dense layers, routers (float32), shared experts and the output head always; each sparse layer's
+    routed experts by the union its tokens touch. None for a dense model."""
+    moe = config.moe
+    if moe is None:
+        return None
+    h, elt = config.hidden_size, config.dtype.itemsize
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    layers = range(config.num_hidden_layers)
+    sparse = sum(config.is_sparse(i) for i in layers)
+    attention = config.num_hidden_layers * (h * (q + 2 * kv) + q * h) * elt
+    dense = (config.num_hidden_layers - sparse) * 3 * h * config.intermediate_size * elt
+    shared = sparse * (3 * h * moe.moe_intermediate_size * moe.n_shared_experts * elt + 4 * h * moe.num_experts)
+    head = config.vocab_size * h * elt
+    return ExpertReads(
+        experts=moe.num_experts,
+        top_k=moe.num_experts_per_tok,
+        sparse_layers=sparse,
+        expert_bytes=3 * h * moe.moe_intermediate_size * elt,
+        fixed_bytes=float(attention + dense + shared + head),
+    )

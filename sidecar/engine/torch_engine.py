@@ -63,7 +63,7 @@ from sidecar.engine.rows import Sequence, add_rounds, cost_clock, sequence_seed
 from sidecar.engine.runner import Prefill, Runner
 from sidecar.engine.scoring import score
 from sidecar.engine.served_weights import ServedWeights
-from sidecar.engine.speculation_settings import SpeculationSettings
+from sidecar.engine.speculation_settings import SpeculationSettings, expert_reads_of
 from sidecar.engine.validation import validate_request
 from sidecar.engine.version_ledger import VersionLedger
 from sidecar.errors import InvalidRequestError, KVCacheCapacityError
@@ -176,6 +176,7 @@ class TorchEngine(Engine):
             max_speculation_k=self.max_speculation_k,
             has_draft=drafts,
             policy=policy,
+            expert_reads=expert_reads_of(self.config),
         )
         self._clock = clock or cost_clock(self.device)
         if config.speculation_auto:
@@ -263,6 +264,10 @@ class TorchEngine(Engine):
                 num_mtp_layers=c.num_nextn_predict_layers,
                 dtype=c.torch_dtype,
                 eos_token_ids=tuple(c.eos_token_id),
+                num_experts=0 if c.moe is None else c.moe.num_experts,
+                num_experts_per_tok=0 if c.moe is None else c.moe.num_experts_per_tok,
+                router="" if c.moe is None else c.moe.router,
+                num_sparse_layers=sum(c.is_sparse(i) for i in range(c.num_hidden_layers)),
             ),
             engine="torch",
             engine_version=sidecar.__version__,

@@ -74,7 +74,7 @@ def check_weights(
     served_version: int,
     expected: Mapping[str, tuple[int, ...]],
     all_names: set[str],
-    dtype: torch.dtype,
+    dtype: torch.dtype | Mapping[str, torch.dtype],
 ) -> None:
     """Raise before any copy unless `tensors` is exactly the `selector` part with the right layouts."""
     if version <= served_version:
@@ -99,7 +99,8 @@ def check_weights(
             "an update must contain every tensor of its selector"
         )
     for name, t in tensors.items():
-        if t.dtype != dtype:
-            raise WeightMismatchError(f"{name} has dtype {t.dtype}, the served model uses {dtype}")
+        want = dtype if isinstance(dtype, torch.dtype) else dtype[name]
+        if t.dtype != want:
+            raise WeightMismatchError(f"{name} has dtype {t.dtype}, the served model uses {want}")
         if tuple(t.shape) != tuple(expected[name]):
             raise WeightMismatchError(f"{name} has shape {list(t.shape)}, the served model has {list(expected[name])}")

@@ -52,6 +52,14 @@ class Family:
     unread_keys: tuple[str, ...] = ()
     """Refusable keys its modeling code does not read (Qwen2 hard-codes its q/k/v biases: `attention_bias`
     does not change its forward)."""
+    reads: tuple[str, ...] = ()
+    """config.json keys this family's modeling code reads (`attention_bias`, `use_qk_norm`,
+    `partial_rotary_factor`: GLM-4.5's), so neither fixed here nor refused: attention_bias and
+    qk_norm above are then the defaults where the key is absent."""
+    mtp_as_decoder_layers: bool = False
+    """Its checkpoints store MTP layer j as decoder layer `model.layers.{num_hidden_layers + j}.*`
+    (DeepSeek-V3's and GLM-4.5's files); `checkpoint.load_checkpoint` serves it in `mtp_layout`
+    "specrl" (`mtp.layers.{j}.*`, the same sub-names) and `save_checkpoint` writes it back."""
 
 
 FAMILIES: dict[str, Family] = {
@@ -95,6 +103,26 @@ FAMILIES: dict[str, Family] = {
             tested_against="transformers `Qwen2ForCausalLM` (trunk), XiaomiMiMo's `modeling_mimo.py` (MTP)",
             mtp_layout="mimo",
             unread_keys=("attention_bias",),
+        ),
+        Family(
+            "Qwen3MoeForCausalLM",
+            "qwen3_moe",
+            attention_bias=False,
+            qk_norm=True,
+            moe="softmax top-k router (norm_topk_prob), dense layers by mlp_only_layers / decoder_sparse_step",
+            native_draft="none (specrl's `mtp.layers.*` by draft-init, sparse); EAGLE-3 drafts (`--draft`)",
+            tested_against="transformers `Qwen3MoeForCausalLM`",
+        ),
+        Family(
+            "Glm4MoeForCausalLM",
+            "glm4_moe",
+            attention_bias=False,
+            qk_norm=False,
+            moe="sigmoid router, group-limited with the expert-score bias, shared experts, first_k_dense_replace",
+            native_draft="its own MTP layer (`model.layers.{num_hidden_layers}.*`, DeepSeek-V3 layout)",
+            tested_against="transformers `Glm4MoeForCausalLM` (the MTP layer: lossless greedy only)",
+            reads=("attention_bias", "use_qk_norm", "partial_rotary_factor"),
+            mtp_as_decoder_layers=True,
         ),
     )
 }
@@ -163,15 +191,49 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
     ConfigKey("dtype", "read", "float32 / bfloat16 / float16", "transformers 5's name for torch_dtype"),
     ConfigKey("eos_token_id", "read", "ids in the vocabulary (int or list)", "where a sample ends"),
     ConfigKey(
-        "num_nextn_predict_layers", "read", ">= 0", "MTP draft layers (`mtp.layers.*`; MiMo: `model.mtp_layers.*`)"
+        "num_nextn_predict_layers",
+        "read",
+        ">= 0",
+        "MTP draft layers (`mtp.layers.*`; MiMo: `model.mtp_layers.*`; GLM-4.5: `model.layers.{num_hidden_layers}.*`)",
     ),
+    ConfigKey("num_mtp_layers", "read", ">= 0", "transformers' name for num_nextn_predict_layers (glm4_moe)"),
+    ConfigKey("num_experts", "read", "> 0 (qwen3_moe)", "routed experts per sparse layer (`moe.MoEConfig`)"),
+    ConfigKey("num_local_experts", "read", "> 0", "transformers 5's name for num_experts"),
+    ConfigKey("n_routed_experts", "read", "> 0 (glm4_moe)", "GLM-4.5's name for num_experts"),
+    ConfigKey("num_experts_per_tok", "read", "1..num_experts", "experts each token is routed to (top k)"),
+    ConfigKey("moe_intermediate_size", "read", "any", "SwiGLU width of one expert"),
+    ConfigKey(
+        "norm_topk_prob",
+        "read",
+        "true / false (read from the JSON: transformers' default differs from the released models)",
+        "renormalise the chosen experts' weights to sum 1",
+    ),
+    ConfigKey("mlp_only_layers", "read", "layer indices", "layers with a dense MLP (qwen3_moe)"),
+    ConfigKey("decoder_sparse_step", "read", ">= 1", "layer idx is sparse iff (idx + 1) % step == 0 (qwen3_moe)"),
+    ConfigKey("first_k_dense_replace", "read", ">= 0", "the first layers are dense (glm4_moe)"),
+    ConfigKey("n_group", "read", "a divisor of the experts (glm4_moe)", "expert groups of the sigmoid router"),
+    ConfigKey("topk_group", "read", "1..n_group (glm4_moe)", "groups a token's experts are chosen from"),
+    ConfigKey("routed_scaling_factor", "read", "any (glm4_moe)", "factor of the routed experts' weights"),
+    ConfigKey("n_shared_experts", "read", ">= 0 (glm4_moe)", "experts every token passes through"),
+    ConfigKey("use_qk_norm", "read", "true / false (glm4_moe)", "per-head RMSNorm on q and k"),
+    ConfigKey(
+        "scoring_func",
+        "refused unless",
+        "the family's (softmax: qwen3_moe, sigmoid: glm4_moe)",
+        "the router's scores (DeepSeek-style configs)",
+    ),
+    ConfigKey("topk_method", "refused unless", "noaux_tc", "the router's selection (DeepSeek-style configs)"),
+    ConfigKey("q_lora_rank", "refused unless", "absent", "multi-head latent attention (DeepSeek-V3)"),
+    ConfigKey("kv_lora_rank", "refused unless", "absent", "multi-head latent attention (DeepSeek-V3)"),
+    ConfigKey("router_aux_loss_coef", "ignored", "any", "load-balancing loss in training, not in the forward"),
+    ConfigKey("output_router_logits", "ignored", "any", "whether transformers returns router logits"),
     ConfigKey("hidden_act", "refused unless", '"silu"', "the MLP's activation (SwiGLU)", _is("silu")),
     ConfigKey(
         "attention_bias",
         "refused unless",
         "false",
         "biases on q/k/v/o projections (Qwen3, Llama); Qwen2's and MiMo's q/k/v biases are in their modeling "
-        "code, which does not read this key",
+        "code, which does not read this key; glm4_moe reads it (q/k/v biases)",
         _is(False),
     ),
     ConfigKey("mlp_bias", "refused unless", "false", "biases on the MLP's projections (Llama)", _is(False)),
@@ -183,7 +245,13 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
         "per-layer attention kind (sliding_attention: windowed)",
         _full_attention_only,
     ),
-    ConfigKey("partial_rotary_factor", "refused unless", "1 (absent)", "rotate only part of each head", _absent_or_one),
+    ConfigKey(
+        "partial_rotary_factor",
+        "refused unless",
+        "1 (absent); glm4_moe reads it (top level or in rope_parameters)",
+        "rotate only the first part of each head",
+        _absent_or_one,
+    ),
     ConfigKey("quantization_config", "refused unless", "absent", "quantized weights", lambda v: v is None),
     ConfigKey("use_mrope", "refused unless", "false", "multimodal rotary sections (MiMo's config)", _is(False)),
     ConfigKey("sliding_window", "ignored", "any", "acts only through use_sliding_window / layer_types"),
@@ -212,8 +280,11 @@ def models_markdown() -> str:
 
 def attention_text(f: Family) -> str:
     """A family's attention in words (the README's table)."""
-    parts = ["GQA", "q/k RMSNorm" if f.qk_norm else "no q/k norm", "q/k/v bias" if f.attention_bias else "no bias"]
-    return ", ".join(parts)
+    norm = "q/k RMSNorm" if f.qk_norm else "no q/k norm"
+    bias = "q/k/v bias" if f.attention_bias else "no bias"
+    if "use_qk_norm" in f.reads and "attention_bias" in f.reads:  # GLM-4.5: config.json says
+        norm, bias = "q/k RMSNorm and q/k/v bias as config.json says", "partial rotary"
+    return ", ".join(["GQA", norm, bias])
 
 
 def architectures_markdown() -> str:
@@ -245,6 +316,47 @@ def family_of(architectures: list[str] | None, model_type: str | None = None) ->
     return by_type[model_type] if model_type is not None else FAMILIES["Qwen3ForCausalLM"]
 
 
+def without_partial_rotary(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """config.json without `partial_rotary_factor` (top level and in rope_parameters / rope_scaling):
+    the rotary embedding of the rotated part, which `yarn` computes (the model rotates that part)."""
+    out = {k: v for k, v in raw.items() if k != "partial_rotary_factor"}
+    for key in ("rope_parameters", "rope_scaling"):
+        if isinstance(out.get(key), dict):
+            out[key] = {k: v for k, v in out[key].items() if k != "partial_rotary_factor"}
+    return out
+
+
+def partial_rotary_factor(raw: Mapping[str, Any], default: float = 1.0) -> float:
+    """The fraction of each head the rotary embedding rotates (1: all), wherever config.json keeps it
+    (`default` where it does not: the modeling code's)."""
+    for where in (raw, raw.get("rope_parameters"), raw.get("rope_scaling")):
+        if isinstance(where, Mapping) and where.get("partial_rotary_factor") is not None:
+            return float(where["partial_rotary_factor"])
+    return default
+
+
+def _moe_problems(raw: Mapping[str, Any], family: Family) -> list[str]:
+    """What a mixture-of-experts config.json asks that the engine does not implement: MLA attention
+    (DeepSeek-V3's `q_lora_rank` / `kv_lora_rank`) and routers other than the family's."""
+    problems = [
+        f"{key}: {json.dumps(raw[key])} (multi-head latent attention is not implemented; {family.architecture} "
+        "is served with grouped-query attention only)"
+        for key in ("q_lora_rank", "kv_lora_rank")
+        if raw.get(key) is not None
+    ]
+    scoring = raw.get("scoring_func")
+    expected = {"Qwen3MoeForCausalLM": "softmax", "Glm4MoeForCausalLM": "sigmoid"}.get(family.architecture)
+    if scoring is not None and scoring != expected:
+        problems.append(
+            f"scoring_func: {json.dumps(scoring)} (the router of {family.architecture} is implemented with "
+            f"{expected or 'no'} scores only)"
+        )
+    method = raw.get("topk_method")
+    if method is not None and method != "noaux_tc":
+        problems.append(f"topk_method: {json.dumps(method)} (implemented: noaux_tc, the biased group-limited top k)")
+    return problems
+
+
 def check_architecture(architectures: list[str] | None, model_type: str | None) -> None:
     """UnsupportedConfigError unless every named architecture (and the model_type) is one the engine serves."""
     for arch in architectures or []:
@@ -270,9 +382,11 @@ def check_config(raw: Mapping[str, Any]) -> None:
         and k.accepts is not None
         and not k.accepts(raw[name])
         and name not in family.unread_keys
+        and name not in family.reads
     ]
+    problems += _moe_problems(raw, family)
     try:
-        RopeConfig.from_hf(raw)
+        RopeConfig.from_hf(without_partial_rotary(raw) if "partial_rotary_factor" in family.reads else raw)
     except ValueError as e:
         problems.append(f"rotary embedding: {e}")
     if problems:

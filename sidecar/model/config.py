@@ -15,11 +15,15 @@ from typing import Any
 
 import torch
 
-from sidecar.model.architectures import check_config, family_of
+from sidecar.model.architectures import check_config, family_of, partial_rotary_factor
+from sidecar.model.moe import HF_DEFAULTS, MoEConfig
 from yarn import RopeConfig
 
 _FAMILY_FIELDS = ("attention_bias", "qk_norm", "mtp_layout")
-"""The fields the family decides (`architectures.Family`), never config.json keys of their own."""
+"""The fields the family decides (`architectures.Family`), never config.json keys of their own
+unless the family reads them (`Family.reads`: GLM-4.5's attention_bias and use_qk_norm)."""
+_READ_AS = {"attention_bias": "attention_bias", "qk_norm": "use_qk_norm"}
+"""A family-decided field → the config.json key of a family that reads it."""
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -52,11 +56,16 @@ class ModelConfig:
     attention_bias: bool = False
     """Biases on the q, k and v projections, never on o_proj (Qwen2; GLM-4.5's `attention_bias`)."""
     qk_norm: bool = True
-    """Per-head RMSNorm on q and k before the rotary embedding (Qwen3)."""
+    """Per-head RMSNorm on q and k before the rotary embedding (Qwen3; GLM-4.5's `use_qk_norm`)."""
+    partial_rotary_factor: float = 1.0
+    """The fraction of each head the rotary embedding rotates, its first `rotary_dim` dimensions
+    (GLM-4.5: 0.5); the rest passes through."""
     mtp_layout: str = "specrl"
     """The MTP layers' layout: "specrl" (`mtp.layers.*`) or "mimo" (`model.mtp_layers.*`, hidden state first)."""
     eos_token_id: list[int] = field(default_factory=list)
     """End-of-sequence ids (config.json's eos_token_id, an int or a list there); may be empty."""
+    moe: MoEConfig | None = None
+    """The experts of a mixture-of-experts architecture (`moe`; config.json's keys, flat); None: dense."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
@@ -88,11 +97,29 @@ class ModelConfig:
             raise ValueError(f"rope_scaling must be null or a dict, got {self.rope_scaling!r}")
         family = family_of(self.architectures)
         for name in _FAMILY_FIELDS:
-            if getattr(self, name) != getattr(family, name):
+            if _READ_AS.get(name) not in family.reads and getattr(self, name) != getattr(family, name):
                 raise ValueError(
                     f"{name}={getattr(self, name)} contradicts architectures {self.architectures}, whose "
                     f"modeling code has {name}={getattr(family, name)}; set it so or name another architecture"
                 )
+        if self.partial_rotary_factor != 1.0 and "partial_rotary_factor" not in family.reads:
+            raise ValueError(f"partial_rotary_factor must be 1 for architectures {self.architectures}")
+        if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise ValueError(
+                f"partial_rotary_factor {self.partial_rotary_factor} rotates {self.rotary_dim} of head_dim "
+                f"{self.head_dim} dimensions; that must be a positive even number"
+            )
+        if isinstance(self.moe, dict):
+            self.moe = MoEConfig(**self.moe)
+
+    def is_sparse(self, idx: int) -> bool:
+        """Whether decoder layer `idx` (MTP layer j: num_hidden_layers + j) routes to experts."""
+        return self.moe is not None and self.moe.is_sparse(idx)
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions of each head the rotary embedding rotates (transformers' int(head_dim × factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def family(self) -> str:
@@ -105,7 +132,7 @@ class ModelConfig:
 
     def rope_config(self) -> RopeConfig:
         """The rotary settings shared by trunk and MTP layers (YaRN when rope_scaling says so)."""
-        return RopeConfig.from_hf(self.to_hf_dict())
+        return RopeConfig.from_hf(self.to_hf_dict() | {"head_dim": self.rotary_dim, "partial_rotary_factor": None})
 
     @classmethod
     def tiny(cls, **overrides: Any) -> ModelConfig:
@@ -146,6 +173,8 @@ class ModelConfig:
                 rope_scaling = {k: v for k, v in params.items() if k != "rope_theta"}
         if isinstance(rope_scaling, dict) and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
             rope_scaling = None
+        if isinstance(rope_scaling, dict):  # read on its own (`partial_rotary_factor`), not a rope scaling
+            rope_scaling = {k: v for k, v in rope_scaling.items() if k != "partial_rotary_factor"}
         heads = d["num_attention_heads"]
         out: dict[str, Any] = {
             "vocab_size": d["vocab_size"],
@@ -166,17 +195,30 @@ class ModelConfig:
         family = family_of(list(d["architectures"]) if d.get("architectures") else None, d.get("model_type"))
         out["architectures"] = [family.architecture]
         out |= {name: getattr(family, name) for name in _FAMILY_FIELDS}
+        out |= {name: bool(d.get(key) or False) for name, key in _READ_AS.items() if key in family.reads}
+        if "partial_rotary_factor" in family.reads:
+            default = HF_DEFAULTS.get(family.architecture, {}).get("partial_rotary_factor", 1.0)
+            out["partial_rotary_factor"] = partial_rotary_factor(d, default)
+        out["moe"] = MoEConfig.from_hf_dict(d, family.architecture)
         eos = d.get("eos_token_id")
         if eos is not None:
             out["eos_token_id"] = [int(eos)] if isinstance(eos, int) else [int(t) for t in eos]
         return cls(**out)
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The config.json dict (the family's keys plus num_nextn_predict_layers); the attention's variants
-        are the architecture's, named only where transformers reads a key (Qwen3's, Llama's attention_bias)."""
-        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _FAMILY_FIELDS}
+        """The config.json dict (the family's keys plus num_nextn_predict_layers, an MoE's keys flat); the
+        attention's variants are the architecture's, named only where transformers reads a key (Qwen3's,
+        Llama's attention_bias; GLM-4.5's attention_bias, use_qk_norm and partial_rotary_factor)."""
+        skip = (*_FAMILY_FIELDS, "moe", "partial_rotary_factor")
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
+        d |= {} if self.moe is None else self.moe.to_hf_dict()
         d["model_type"] = self.family
         d["hidden_act"] = "silu"
-        if not self.attention_bias:
-            d["attention_bias"] = False
+        reads = family_of(self.architectures).reads
+        if not self.attention_bias or "attention_bias" in reads:
+            d["attention_bias"] = self.attention_bias
+        if "use_qk_norm" in reads:
+            d["use_qk_norm"] = self.qk_norm
+        if "partial_rotary_factor" in reads:
+            d["partial_rotary_factor"] = self.partial_rotary_factor
         return d

@@ -113,6 +113,12 @@ class DecodeKernels(DecodeOps):
     ) -> Tensor:
         return self._k.decode_attention(q, keys, values, positions, table, read)
 
+    def fused_experts(self, x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+        """A sparse layer's routed experts, sorted by expert, as two grouped GEMMs (`moe_kernels`)."""
+        from sidecar.model import moe_kernels
+
+        return moe_kernels.fused_experts(x, weights, ids, w13, w2)
+
     def round_uniforms(self, keys: Tensor, positions: Tensor, k: int) -> Tensor:
         """A round's (B, 2k + 1) counter-based uniforms, bit for bit `rows.BatchTensors.round_uniforms`."""
         return self._k.round_uniforms(keys, positions, k)

@@ -9,7 +9,7 @@ graphs read their addresses), and `joined_rows`, which finds parameters already 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -61,12 +61,13 @@ class _MLP(Protocol):
 
 class DecoderLayer(Protocol):
     """What a decoder layer (`model.DecoderLayer`) is to its decode weights: the parameters read
-    (a protocol, so that this module, which the model imports, imports nothing of the model)."""
+    (a protocol, so that this module, which the model imports, imports nothing of the model). A
+    sparse layer's MLP (`moe.SparseMoE`) has no gate_proj: its experts are read as they are."""
 
     @property
     def self_attn(self) -> _Attention: ...
     @property
-    def mlp(self) -> _MLP: ...
+    def mlp(self) -> _MLP | object: ...
     @property
     def input_layernorm(self) -> _Norm: ...
     @property
@@ -95,15 +96,17 @@ class DecodeWeights:
     """(heads + kv_heads, head_dim): the q norm's weight per query head, the k norm's (None: no norms)."""
     o: Tensor
     post_norm: Tensor
-    gate_up: Tensor
-    down: Tensor
+    gate_up: Tensor | None
+    """(None in a sparse layer: its MLP reads its router and experts itself, `moe.SparseMoE`.)"""
+    down: Tensor | None
     eps: float
     by_columns: bool
 
     def tensors(self) -> tuple[Tensor, ...]:
         """Every tensor the cached forward reads from here."""
         optional = tuple(t for t in (self.qkv_bias, self.qk_norm) if t is not None)
-        return (self.input_norm, self.qkv, *optional, self.o, self.post_norm, self.gate_up, self.down)
+        mlp = () if self.gate_up is None or self.down is None else (self.gate_up, self.down)
+        return (self.input_norm, self.qkv, *optional, self.o, self.post_norm, *mlp)
 
     def project(self, x: Tensor, w: Tensor) -> Tensor:
         """x (..., in) times one of the projections: (..., out)."""
@@ -111,9 +114,11 @@ class DecodeWeights:
 
     @staticmethod
     def sources(layer: DecoderLayer) -> tuple[Tensor, ...]:
-        """The parameters the copies are made of: q, k, v, gate, up, o, down, then the q/k/v biases
-        and the q/k norms where the layer has them."""
+        """The parameters the copies are made of: q, k, v, gate, up, o, down (a sparse layer: q, k,
+        v, o), then the q/k/v biases and the q/k norms where the layer has them."""
         a, m = layer.self_attn, layer.mlp
+        if not _is_dense(m):
+            return (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight, *_biases(layer), *_norms(layer))
         return (
             a.q_proj.weight,
             a.k_proj.weight,
@@ -126,11 +131,22 @@ class DecodeWeights:
             *_norms(layer),
         )
 
+    @staticmethod
+    def _projections(
+        layer: DecoderLayer,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor, Tensor | None]:
+        """q, k, v, gate, up, o, down (gate, up and down None in a sparse layer)."""
+        if _is_dense(layer.mlp):
+            q, k, v, gate, up, o, down = DecodeWeights.sources(layer)[:7]
+            return q, k, v, gate, up, o, down
+        q, k, v, o = DecodeWeights.sources(layer)[:4]
+        return q, k, v, None, None, o, None
+
     @classmethod
     def of(cls, layer: DecoderLayer, by_columns: bool | None = None) -> DecodeWeights:
         """`by_columns`: the CPU layout (default: on CPU devices)."""
         a = layer.self_attn
-        q, k, v, gate, up, o, down = cls.sources(layer)[:7]
+        q, k, v, gate, up, o, down = cls._projections(layer)
         biases, norms = _biases(layer), _norms(layer)
         by_columns = q.device.type == "cpu" if by_columns is None else by_columns
 
@@ -149,8 +165,8 @@ class DecodeWeights:
             else None,
             o=o.t().contiguous() if by_columns else o,
             post_norm=layer.post_attention_layernorm.weight,
-            gate_up=fused([gate, up]),
-            down=down.t().contiguous() if by_columns else down,
+            gate_up=None if gate is None or up is None else fused([gate, up]),
+            down=None if down is None else down.t().contiguous() if by_columns else down,
             eps=layer.input_layernorm.eps,
             by_columns=by_columns,
         )
@@ -161,22 +177,24 @@ class DecodeWeights:
         done (a field would change identity, shape or kind): rebuild with `of` instead."""
         new = DecodeWeights.of(layer, by_columns=True) if self.by_columns else None
         a = layer.self_attn
-        q, k, v, gate, up, o, down = DecodeWeights.sources(layer)[:7]
+        q, k, v, gate, up, o, down = DecodeWeights._projections(layer)
         biases, norms = _biases(layer), _norms(layer)
         if (self.qkv_bias is None) != (not biases) or (self.qk_norm is None) != (not norms):
+            return False
+        if (gate is None) != (self.gate_up is None):  # a layer turned sparse or dense
             return False
         own: dict[str, Tensor] = {  # fields that are the parameters themselves (GPU layout) must still be them
             "input_norm": layer.input_layernorm.weight,
             "post_norm": layer.post_attention_layernorm.weight,
         }
         if not self.by_columns:
-            own |= {"o": o, "down": down}
+            own |= {"o": o} | ({} if down is None else {"down": down})
         if any(getattr(self, f) is not t for f, t in own.items()):
             return False
         # copies built inside an engine step are inference tensors: writable in place only in inference mode
         writable = torch.is_inference_mode_enabled()
         with torch.no_grad():
-            fused = {"qkv": [q, k, v], "gate_up": [gate, up]}
+            fused = {"qkv": [q, k, v]} | ({} if gate is None or up is None else {"gate_up": [gate, up]})
             if norms:
                 fused["qk_norm"] = [norms[0].expand(a.num_heads, -1), norms[1].expand(a.num_kv_heads, -1)]
             for name, parts in fused.items():
@@ -204,7 +222,7 @@ class DecodeWeights:
                     return False
                 torch.cat(biases, out=self.qkv_bias)
             if new is not None:
-                for name in ("o", "down"):
+                for name in ("o",) if down is None else ("o", "down"):
                     dst, src = getattr(self, name), getattr(new, name)
                     if (dst.is_inference() and not writable) or src.shape != dst.shape:
                         return False
@@ -241,3 +259,8 @@ def joined_rows(parts: list[Tensor]) -> Tensor | None:
         offset += t.numel()
     rows = sum(t.shape[0] for t in parts)
     return first.as_strided((rows, first.shape[1]), (first.shape[1], 1), first.storage_offset())
+
+
+def _is_dense(mlp: object) -> TypeGuard[_MLP]:
+    """Whether a layer's MLP is the dense SwiGLU (else a sparse layer's experts)."""
+    return hasattr(mlp, "gate_proj")

@@ -41,6 +41,7 @@ from sidecar.model.config import ModelConfig as ModelConfig
 from sidecar.model.decode_kernels import DecodeKernels, DecodeOps
 from sidecar.model.decode_weights import DecodeWeights, joined_rows
 from sidecar.model.kv_cache import AttentionPlan, KVCache, attend
+from sidecar.model.moe import Router, SparseMoE
 from yarn import RotaryEmbedding, apply_rotary
 
 ROPE_MARGIN = 72
@@ -97,7 +98,9 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = cos.unsqueeze(1).to(q.dtype), sin.unsqueeze(1).to(q.dtype)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        rd = cos.shape[-1]  # partial rotary (GLM-4.5): the first rd dimensions rotate, the rest pass
+        q = torch.cat([apply_rotary(q[..., :rd], cos, sin), q[..., rd:]], -1)
+        k = torch.cat([apply_rotary(k[..., :rd], cos, sin), k[..., rd:]], -1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
 
@@ -121,7 +124,8 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = w.project(x, w.qkv)
-        if isinstance(kernels, DecodeKernels) and plan.grouped and plan.table is not None and plan.rows_read is None:
+        fused = isinstance(kernels, DecodeKernels) and plan.grouped and plan.rows_read is None and not rope.partial
+        if fused and isinstance(kernels, DecodeKernels) and plan.table is not None:  # (partial rotary: torch's)
             q = kernels.qk_norm_rope_store(
                 qkv.view(b, s, h + 2 * kv, d),
                 w.qkv_bias,
@@ -173,6 +177,8 @@ class RopeTable:
     """(positions, head_dim) the sign-folded sin."""
     positions: Tensor
     """(B, S) this forward's rotary positions (clamped into the tables when looked up)."""
+    rotary_dim: int = 0
+    """The first dimensions of each head that rotate (partial rotary, GLM-4.5); 0: all of them."""
     _looked_up: tuple[Tensor, Tensor] | None = None
 
     def _lookup(self) -> tuple[Tensor, Tensor]:
@@ -189,7 +195,17 @@ class RopeTable:
     def sin_folded(self) -> Tensor:
         return self._lookup()[1]
 
+    @property
+    def partial(self) -> bool:
+        return 0 < self.rotary_dim < self.cos_table.shape[-1]
+
     def rotate(self, x: Tensor) -> Tensor:  # (B, S, heads, head_dim)
+        """Partial rotary: the halves of the first rotary_dim dimensions swap instead (the rest is
+        multiplied by cos 1 and added to sin 0: unchanged, exactly)."""
+        if self.partial:
+            rd, half = self.rotary_dim, self.rotary_dim // 2
+            swapped = torch.cat([x[..., half:rd], x[..., :half], x[..., rd:]], -1)
+            return torch.addcmul(x * self.cos, swapped, self.sin_folded)
         return torch.addcmul(x * self.cos, x.roll(x.shape[-1] // 2, -1), self.sin_folded)
 
 
@@ -214,14 +230,17 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention block and MLP block, each with a residual connection."""
+    """Pre-norm attention block and MLP block (dense SwiGLU, or experts where layer `idx` is
+    sparse: `moe`), each with a residual connection."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, idx: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp: MLP | SparseMoE = (
+            SparseMoE(cfg.hidden_size, cfg.moe) if cfg.moe is not None and cfg.is_sparse(idx) else MLP(cfg)
+        )
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:  # (B, S, hidden)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
@@ -253,6 +272,8 @@ class DecoderLayer(nn.Module):
         x, normed = fused.add_rms_norm(
             x, self.self_attn.cached(normed, w, rope, cache, layer, plan, kernels), w.post_norm, w.eps
         )
+        if w.gate_up is None or w.down is None:  # a sparse layer: its experts (fixed shapes where the plan is)
+            return x, cast(SparseMoE, self.mlp)(normed, fixed_shape=plan.grouped, kernels=fused)
         return x, w.project(fused.silu_mul(w.project(normed, w.gate_up)), w.down)
 
 
@@ -272,8 +293,8 @@ class MTPLayer(DecoderLayer):
 
     hidden_first = False
 
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: ModelConfig, idx: int) -> None:
+        super().__init__(cfg, idx)
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
@@ -307,8 +328,8 @@ class MiMoMTPLayer(DecoderLayer):
 
     hidden_first = True
 
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: ModelConfig, idx: int) -> None:
+        super().__init__(cfg, idx)
         self.token_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hidden_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.input_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
@@ -347,7 +368,7 @@ def fused_input(layer: AnyMTPLayer, embedded: Tensor, hidden: Tensor) -> Tensor:
 def mtp_layers(cfg: ModelConfig) -> nn.ModuleList:
     """`cfg.num_nextn_predict_layers` MTP layers of `cfg.mtp_layout`'s kind."""
     kind = MiMoMTPLayer if cfg.mtp_layout == "mimo" else MTPLayer
-    return nn.ModuleList(kind(cfg) for _ in range(cfg.num_nextn_predict_layers))
+    return nn.ModuleList(kind(cfg, cfg.num_hidden_layers + j) for j in range(cfg.num_nextn_predict_layers))
 
 
 class Trunk(nn.Module):
@@ -356,7 +377,7 @@ class Trunk(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.mtp_layout == "mimo":  # MiMo keeps its MTP layers in the trunk: `model.mtp_layers.{j}.*`
             self.mtp_layers = mtp_layers(cfg)
@@ -432,13 +453,16 @@ class Qwen3WithMTP(nn.Module):
         folded = self._folded
         if folded is None or folded[0].dtype != dtype:
             rotary.ensure(self.rope_positions())
-            half = self.config.head_dim // 2
-            sin = rotary.sin_cached
+            rd = self.config.rotary_dim
+            sin, cos = rotary.sin_cached, rotary.cos_cached
+            rest = self.config.head_dim - rd  # partial rotary: the unrotated dimensions (cos 1, sin 0)
             folded = self._folded = (
-                rotary.cos_cached.to(dtype),
-                torch.cat([-sin[:, :half], sin[:, half:]], -1).to(dtype),
+                torch.cat([cos, cos.new_ones(cos.shape[0], rest)], -1).to(dtype),
+                torch.cat([-sin[:, : rd // 2], sin[:, rd // 2 :], sin.new_zeros(sin.shape[0], rest)], -1).to(dtype),
             )
-        return RopeTable(cos_table=folded[0], sin_table=folded[1], positions=positions)
+        return RopeTable(
+            cos_table=folded[0], sin_table=folded[1], positions=positions, rotary_dim=self.config.rotary_dim
+        )
 
     def decode_weights(self) -> list[DecodeWeights]:
         """`DecodeWeights` of the trunk's layers, then the MTP layers'; refreshed when a source
@@ -481,12 +505,18 @@ class Qwen3WithMTP(nn.Module):
         tensor (the parameters become views of it; values unchanged), so that where the cached
         forwards multiply by (out, in) weights (not CPUs: `DecodeWeights`) their fused projections
         are the parameters themselves instead of copies: ~70% of each layer's weights less memory.
-        Pushes copy into the views (`TorchEngine` never swaps a storage parameters share)."""
+        Pushes copy into the views (`TorchEngine` never swaps a storage parameters share). A sparse
+        layer's experts are stacked likewise (`SparseMoE.join_experts`: what the fused kernel reads)."""
         joined_any = False
         with torch.no_grad():
             for layer in (cast(DecoderLayer, m) for m in [*self.model.layers, *self.draft_layers]):
                 a, mlp = layer.self_attn, layer.mlp
-                for group in ((a.q_proj, a.k_proj, a.v_proj), (mlp.gate_proj, mlp.up_proj)):
+                if isinstance(mlp, SparseMoE) and mlp.joined_experts() is None:
+                    mlp.join_experts()
+                groups = [(a.q_proj, a.k_proj, a.v_proj)] + (
+                    [(mlp.gate_proj, mlp.up_proj)] if isinstance(mlp, MLP) else []
+                )
+                for group in groups:
                     if joined_rows([lin.weight for lin in group]) is not None:
                         continue
                     joined = torch.cat([lin.weight for lin in group])
@@ -618,4 +648,8 @@ def build_model(config: ModelConfig, *, device: str | torch.device = "cpu", seed
     model = Qwen3WithMTP(config)
     if seed is not None:
         init_weights(model, seed, std=1.0 / math.sqrt(config.hidden_size))
-    return model.to(device=device, dtype=config.dtype).eval().requires_grad_(False)
+    model = model.to(device=device, dtype=config.dtype)
+    for m in model.modules():
+        if isinstance(m, Router):
+            m.float()  # routers are float32 in every dtype (`moe`, `checkpoint.ROUTER_SUFFIXES`)
+    return model.eval().requires_grad_(False)

@@ -20,13 +20,17 @@ from sidecar.speculation.costs import (
     option_value,
     rates_per_row,
 )
+from sidecar.speculation.expert_union import ExpertReads
 
 
 class SpeculationPolicy:
     """The per-step k controller; see the module docstring."""
 
-    def __init__(self, config: SpeculationPolicyConfig) -> None:
+    def __init__(self, config: SpeculationPolicyConfig, expert_reads: ExpertReads | None = None) -> None:
         self.config = config
+        self.expert_reads = expert_reads
+        """A mixture-of-experts target's bytes per forward (`expert_union`): the prior of a verify's
+        cost counts the union of the experts its batch × width tokens read (None: a dense target)."""
         self.acceptance = AcceptanceEstimate(config)
         self._buckets: dict[int, BucketCosts] = {}
         self._observations = 0  # steps observed (cached derived estimates are valid for one count)
@@ -68,7 +72,7 @@ class SpeculationPolicy:
         near_verify = near.verify if near is not None else None
         out = []
         for k in ks:
-            verify = self._verify_seconds(verify_costs, k + 1, plain, near_verify)
+            verify = self._verify_seconds(verify_costs, k + 1, plain, near_verify, batch)
             if k == 0:
                 out.append(verify)
                 continue
@@ -101,7 +105,7 @@ class SpeculationPolicy:
         return self._buckets[min(measured)[1]] if measured else None
 
     def _verify_seconds(
-        self, costs: dict[int, float], width: int, plain: float, near: dict[int, float] | None = None
+        self, costs: dict[int, float], width: int, plain: float, near: dict[int, float] | None = None, batch: int = 1
     ) -> float:
         """Seconds of a width-`width` verify from a bucket's trusted costs (width -> seconds).
 
@@ -111,7 +115,12 @@ class SpeculationPolicy:
         Extrapolating from the bucket's own last two widths alone had one slow reading of k = 2
         at batch 8 price every longer draft out (the engine model of `tools/sim_adaptive.py`
         ran k = 1 there for 784 steps and never tried k = 3, the best; BENCHMARKS.md at ca4d93b, "Adaptive
-        speculation", seventh session)."""
+        speculation", seventh session).
+
+        Nothing measured: the prior, a plain step's cost plus `prior_verify_slope` per extra token,
+        and for a mixture-of-experts target the extra experts the width reads at this batch
+        (`ExpertReads.verify_ratio`: a k = 3 verify at batch 1 of Qwen3-30B-A3B's shape reads ~3x a
+        plain step's bytes)."""
         if width in costs or len(costs) >= 2:
             own = interpolate_cost(costs, width)
             if near is not None and width > max(costs) and len(near) >= 2:
@@ -119,7 +128,8 @@ class SpeculationPolicy:
             return own
         if near is not None:  # the nearest measured batch size's cost relative to its plain step
             return plain * self._verify_seconds(near, width, near[1]) / near[1]
-        return plain * (1.0 + self.config.prior_verify_slope * (width - 1))
+        union = 1.0 if self.expert_reads is None else self.expert_reads.verify_ratio(batch, width)
+        return plain * (union + self.config.prior_verify_slope * (width - 1))
 
     def straggler_factor(
         self,

@@ -20,8 +20,9 @@ import click
 from sidecar.config_io import retired_option
 from trainer.planning import inputs
 from trainer.planning.cost_table import CostTableError, load_costs
+from trainer.planning.experts import render_union, union_rows
 from trainer.planning.hardware import profile
-from trainer.planning.report import PlanContext, as_json, render
+from trainer.planning.report import PAYS_MARGIN, PlanContext, as_json, render
 from trainer.planning.roofline import DRAFT_KINDS, DraftShape, RooflineConfig, RooflineCosts
 from trainer.planning.shapes import ModelShape, load_shape
 from trainer.planning.step_model import (
@@ -303,15 +304,36 @@ def make_plan(opts: PlanOptions) -> tuple[Plan, PlanContext]:
         rest=rest_text,
         assumptions=assumed,
         left_out=costs.leaves_out(),
+        experts=_experts(shape, costs, acceptance, plan, opts, lengths, max_batch),
     )
     return plan, ctx
+
+
+def _experts(
+    shape: ModelShape,
+    costs: RoundCosts,
+    acceptance: Acceptance | None,
+    plan: Plan,
+    opts: PlanOptions,
+    lengths: LengthDistribution,
+    max_batch: int,
+) -> list[str]:
+    """For a mixture of experts: the experts a round reads by batch and where speculation pays
+    (`experts`), at the plan's best k > 0 (or the largest planned); empty for a dense model."""
+    drafting = [p for p in plan.ks if p.k]
+    if not shape.experts or acceptance is None or not drafting:
+        return []
+    k = min(drafting, key=lambda p: (p.step, p.k)).k
+    kv_per_row = opts.prompt_tokens + lengths.mean / 2
+    rows = union_rows(shape, costs, acceptance, k, kv_per_row, max(max_batch, 1))
+    return render_union(shape, rows, k, acceptance.tau(k), PAYS_MARGIN)
 
 
 @click.command("plan")
 @click.option(
     "--model",
     required=True,
-    help="Preset (qwen3-0.6b, qwen3-8b, qwen3-235b-a22b), config.json or its directory, or a size (70b).",
+    help="Preset (qwen3-0.6b, qwen3-8b, qwen3-30b-a3b, qwen3-235b-a22b), config.json or its directory, or a size (70b).",
 )
 @click.option("--hardware", help="Bundled GPU profile: h100, h200, b200, gb200, a100, l40s, h20.")
 @click.option(

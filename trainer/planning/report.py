@@ -30,6 +30,8 @@ class PlanContext:
     rest: str
     assumptions: list[str] = field(default_factory=list)
     left_out: list[str] = field(default_factory=list)
+    experts: list[str] = field(default_factory=list)
+    """A mixture of experts: the union table's lines (`experts.render_union`); empty for a dense model."""
 
 
 def verdict(plan: Plan) -> tuple[int, str]:
@@ -90,6 +92,9 @@ def render(plan: Plan, ctx: PlanContext) -> str:
             f"async RL at policy lag {plan.lag}: step and exposed generation (the part of generation the "
             "trainer waits for) from a pipeline of steps; speedups against plain at the same lag"
         )
+    if ctx.experts:
+        lines.append("")
+        lines += ctx.experts
     if ctx.assumptions:
         lines.append("")
         lines.append("assumed:")

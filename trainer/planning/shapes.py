@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from sidecar.speculation.expert_union import ExpertReads
+
 PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-0.6b": dict(
         vocab_size=151936,
@@ -40,6 +42,19 @@ PRESETS: dict[str, dict[str, Any]] = {
         head_dim=128,
         tie_word_embeddings=False,
     ),
+    "qwen3-30b-a3b": dict(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        tie_word_embeddings=False,
+    ),
     "qwen3-235b-a22b": dict(
         vocab_size=151936,
         hidden_size=4096,
@@ -55,7 +70,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
 }
 """The Hugging Face config.json values of the models the project plans for (Qwen/Qwen3-*)."""
-PRESET_ALIASES = {"0.6b": "qwen3-0.6b", "8b": "qwen3-8b", "235b": "qwen3-235b-a22b", "qwen3-235b": "qwen3-235b-a22b"}
+PRESET_ALIASES = {
+    "0.6b": "qwen3-0.6b",
+    "8b": "qwen3-8b",
+    "30b": "qwen3-30b-a3b",
+    "qwen3-30b": "qwen3-30b-a3b",
+    "235b": "qwen3-235b-a22b",
+    "qwen3-235b": "qwen3-235b-a22b",
+}
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -74,6 +96,10 @@ class ModelShape:
     experts: int = 0
     experts_per_token: int = 0
     expert_intermediate: int = 0
+    dense_layers: int = 0
+    """Layers of a mixture of experts with a dense MLP instead (mlp_only_layers, first_k_dense_replace)."""
+    shared_intermediate: int = 0
+    """Width of a sparse layer's shared experts, which every token passes through (GLM-4.5)."""
     weight_bytes_per_param: float = 2.0
     kv_bytes_per_value: float = 2.0
 
@@ -100,22 +126,53 @@ class ModelShape:
         return 3 * self.hidden * self.expert_intermediate
 
     @property
+    def sparse_layers(self) -> int:
+        return self.layers - self.dense_layers if self.experts else 0
+
+    @property
+    def shared_params(self) -> int:
+        """Per sparse layer: the router and the shared experts, which every forward reads."""
+        return self.hidden * self.experts + 3 * self.hidden * self.shared_intermediate
+
+    @property
     def mlp_params(self) -> int:
-        """Per layer: the dense MLP, or all experts and the router."""
+        """Per layer: the dense MLP, or all experts, the router and the shared experts."""
         if self.experts:
-            return self.experts * self.expert_params + self.hidden * self.experts
+            return self.experts * self.expert_params + self.shared_params
         return 3 * self.hidden * self.intermediate
 
     @property
     def total_params(self) -> int:
         """Everything, the embedding and an untied output head each counted once."""
-        return self.layers * (self.attention_params + self.mlp_params) + 2 * self.vocab * self.hidden
+        dense = 3 * self.hidden * self.intermediate
+        mlps = self.sparse_layers * self.mlp_params + (self.layers - self.sparse_layers) * dense
+        return self.layers * self.attention_params + mlps + 2 * self.vocab * self.hidden
 
     @property
     def active_params(self) -> int:
         """Parameters a token's forward multiplies with (no embedding gather; the output head included)."""
-        mlp = self.experts_per_token * self.expert_params if self.experts else self.mlp_params
-        return self.layers * (self.attention_params + mlp) + self.vocab * self.hidden
+        dense = 3 * self.hidden * self.intermediate
+        sparse = self.experts_per_token * self.expert_params + self.shared_params
+        mlps = self.sparse_layers * sparse + (self.layers - self.sparse_layers) * dense
+        return self.layers * self.attention_params + mlps + self.vocab * self.hidden
+
+    def expert_reads(self) -> ExpertReads:
+        """The bytes a forward reads split as `sidecar.speculation.expert_union` prices them (the
+        automatic-k controller's prior uses the same)."""
+        dense = 3 * self.hidden * self.intermediate
+        fixed = (
+            self.layers * self.attention_params
+            + self.sparse_layers * self.shared_params
+            + (self.layers - self.sparse_layers) * dense
+            + self.vocab * self.hidden
+        )
+        return ExpertReads(
+            experts=self.experts,
+            top_k=self.experts_per_token,
+            sparse_layers=self.sparse_layers,
+            expert_bytes=self.expert_params * self.weight_bytes_per_param,
+            fixed_bytes=fixed * self.weight_bytes_per_param,
+        )
 
     @property
     def kv_bytes_per_token(self) -> float:
@@ -126,13 +183,11 @@ class ModelShape:
         always; a dense MLP always; of a mixture of experts, the experts its tokens route to
         (uniform routing: E (1 - (1 - top/E)^tokens) per layer)."""
         tokens = np.asarray(tokens, dtype=float)
-        fixed = self.layers * self.attention_params + self.vocab * self.hidden
         if self.experts:
-            touched = self.experts * (1.0 - (1.0 - self.experts_per_token / self.experts) ** tokens)
-            mlp = self.layers * (touched * self.expert_params + self.hidden * self.experts)
-        else:
-            mlp = np.full_like(tokens, self.layers * self.mlp_params)
-        return (fixed + mlp) * self.weight_bytes_per_param
+            reads = self.expert_reads()
+            return np.vectorize(reads.step_bytes, otypes=[float])(tokens)
+        fixed = self.layers * (self.attention_params + self.mlp_params) + self.vocab * self.hidden
+        return np.full_like(tokens, fixed * self.weight_bytes_per_param)
 
     def attention_flops(self, width: np.ndarray | float, kv_tokens: np.ndarray) -> np.ndarray:
         """FLOPs of scores and values for `width` new tokens per row over `kv_tokens` context
@@ -146,11 +201,16 @@ class ModelShape:
             heads = int(d["num_attention_heads"])
             hidden = int(d["hidden_size"])
             experts = int(d.get("num_experts") or d.get("num_local_experts") or d.get("n_routed_experts") or 0)
+            layers = int(d["num_hidden_layers"])
+            step = int(d.get("decoder_sparse_step") or 1)
+            first_dense = int(d.get("first_k_dense_replace") or 0)
+            only = {int(i) for i in d.get("mlp_only_layers") or []}
+            dense_layers = sum(i < first_dense or i in only or (i + 1) % step != 0 for i in range(layers))
             return cls(
                 name=name,
                 vocab=int(d["vocab_size"]),
                 hidden=hidden,
-                layers=int(d["num_hidden_layers"]),
+                layers=layers,
                 heads=heads,
                 kv_heads=int(d.get("num_key_value_heads") or heads),
                 head_dim=int(d.get("head_dim") or hidden // heads),
@@ -158,6 +218,10 @@ class ModelShape:
                 experts=experts,
                 experts_per_token=int(d.get("num_experts_per_tok") or 0) if experts else 0,
                 expert_intermediate=int(d.get("moe_intermediate_size") or 0) if experts else 0,
+                dense_layers=dense_layers if experts else 0,
+                shared_intermediate=int(d.get("moe_intermediate_size") or 0) * int(d.get("n_shared_experts") or 0)
+                if experts
+                else 0,
             )
         except KeyError as e:
             raise ValueError(f"{name}: config.json lacks {e.args[0]!r}, which the roofline needs") from None
