@@ -36,7 +36,7 @@ from sidecar.model import decode_kernels
 from sidecar.model.architectures import check_architecture, check_config
 from sidecar.model.decode_kernels import DecodeKernels, DecodeOps
 from sidecar.model.decode_weights import DecodeWeights, joined_rows
-from sidecar.model.kv_cache import AttentionPlan, KVCache, attend
+from sidecar.model.kv_cache import AttentionPlan, FusedPlan, KVCache, attend
 from yarn import RopeConfig, RotaryEmbedding, apply_rotary
 
 ROPE_MARGIN = 72
@@ -247,7 +247,7 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = w.project(x, w.qkv).view(b, s, h + 2 * kv, d)
-        if isinstance(kernels, DecodeKernels) and plan.grouped and plan.table is not None and plan.rows_read is None:
+        if isinstance(kernels, DecodeKernels) and isinstance(plan, FusedPlan):
             q = kernels.qk_norm_rope_store(
                 qkv,
                 w.qk_norm,

@@ -1,7 +1,7 @@
 """The fixed-shape decode rounds (`compile: on`, what a GPU captures as CUDA graphs) against independent
 oracles, run eagerly on the CPU (issue 40).
 
-`round_graphs.FixedRounds` runs a decode round as two fixed-shape phases (`fixed_round`): rows
+`round_graphs.FixedRounds` runs a decode round as its two phases at fixed shapes (`decode_round`, `attention_lengths.DeviceLengths`): rows
 padded to a batch bucket, each row's KV read over a bucketed width under a mask built on the device
 from device row lengths, writes by device index. A GPU captures each phase once per shape and
 replays it; here the same code runs eagerly, so CI checks what the GPU replays. Oracles:
@@ -43,8 +43,8 @@ from test_eagle3 import run as run_alone_in_one_batch
 from test_speculative_distribution import ALPHA, SETTINGS, V, chi_square_pvalue, engine_counts, exact_joint
 from test_static_engine import oracle_greedy
 
+from sidecar.engine.attention_lengths import FixedShape
 from sidecar.engine.decode_round import EagerRounds
-from sidecar.engine.fixed_round import FixedShape
 from sidecar.engine.round_graphs import MIN_READ, FixedRounds, batch_bucket, read_bucket
 from sidecar.engine.torch_engine import TorchEngine
 from sidecar.losslessness.wrong_rules import WRONG_RULES
@@ -480,7 +480,7 @@ def test_the_host_transfer_check_can_fail() -> None:
 
 
 class TracedRounds(FixedRounds):
-    """Each phase of a fixed-shape round (`fixed_round.draft_phase`, `verify_phase`) traced once per
+    """Each phase of a fixed-shape round (`decode_round.draft_phase`, `verify_phase`) traced once per
     graph key — as a CUDA graph is captured once per key and replayed — with `fullgraph=True`, and
     run through the checking backend."""
 
