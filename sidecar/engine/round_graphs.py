@@ -54,11 +54,11 @@ from sidecar.model.kv_cache import KVCache, upload
 log = logging.getLogger(__name__)
 
 
-def batch_bucket(rows: int, max_batch: int) -> int:
+def batch_bucket(rows: int, max_batch_size: int) -> int:
     """The rows a fixed-shape round of `rows` live rows runs: 1, 2, 4, 8, then the next multiple
-    of 8, never more than the cache's `max_batch`."""
+    of 8, never more than the cache's `max_batch_size`."""
     bucket = 1 << max(rows - 1, 0).bit_length() if rows <= 8 else -(-rows // 8) * 8
-    return min(bucket, max_batch)
+    return min(bucket, max_batch_size)
 
 
 def read_bucket(needed: int, capacity: int) -> int:
@@ -231,7 +231,7 @@ def _shape(inp: RoundInput, cache: KVCache, draft_caches: list[KVCache]) -> Fixe
     if draft_caches:
         read_draft = read_bucket(max(max(c.lengths) for c in draft_caches) + width + k, draft_caches[0].capacity)
     read_target = read_bucket(max(cache.lengths) + k + 1, cache.capacity)
-    rows = batch_bucket(len(cache.lengths), cache.max_batch)
+    rows = batch_bucket(len(cache.lengths), cache.max_batch_size)
     return FixedShape(rows=rows, k=k, width=width, read_draft=read_draft, read_target=read_target)
 
 

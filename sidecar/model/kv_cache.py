@@ -170,9 +170,9 @@ class KVCache:
         return len(self.lengths)
 
     @property
-    def max_batch(self) -> int:
+    def max_batch_size(self) -> int:
         """Rows a paged cache's table holds (a growable cache: its rows now)."""
-        return self.pages.max_rows if self.pages is not None else self.batch
+        return self.pages.max_batch_size if self.pages is not None else self.batch
 
     @property
     def capacity(self) -> int:
@@ -324,10 +324,10 @@ class KVCache:
         r = int(lengths.shape[0])
         if self.pages is None:
             raise ValueError("plan_fixed needs a paged cache (pages given)")
-        if r > self.max_batch or read > self.capacity or width < 1:
+        if r > self.max_batch_size or read > self.capacity or width < 1:
             raise ValueError(
                 f"a fixed forward of {r} rows reading {read} slots does not fit the paged cache "
-                f"({self.max_batch} rows of {self.capacity} slots)"
+                f"({self.max_batch_size} rows of {self.capacity} slots)"
             )
         positions = lengths[:, None] + torch.arange(width, device=self.device)[None, :]  # (R, S)
         table = self.pages.table[:r]

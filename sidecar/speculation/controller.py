@@ -11,7 +11,7 @@ import math
 import statistics
 
 from sidecar.speculation.acceptance import AcceptanceEstimate
-from sidecar.speculation.config import RowState, SpeculationDecision, SpeculationPolicyConfig, batch_bucket
+from sidecar.speculation.config import RowState, SpeculationControllerConfig, SpeculationDecision, batch_bucket
 from sidecar.speculation.costs import (
     BucketCosts,
     CostSamples,
@@ -22,10 +22,10 @@ from sidecar.speculation.costs import (
 )
 
 
-class SpeculationPolicy:
+class SpeculationController:
     """The per-step k controller; see the module docstring."""
 
-    def __init__(self, config: SpeculationPolicyConfig) -> None:
+    def __init__(self, config: SpeculationControllerConfig) -> None:
         self.config = config
         self.acceptance = AcceptanceEstimate(config)
         self._buckets: dict[int, BucketCosts] = {}

@@ -61,10 +61,10 @@ pytestmark = pytest.mark.usefixtures("single_torch_thread")  # tiny models: intr
 # ---- 1. bucket functions ------------------------------------------------------------------------
 
 
-def documented_batch_bucket(rows: int, max_batch: int) -> int:
-    """The smallest of 1, 2, 4, 8, 16, 24, ... that holds `rows`, capped at max_batch."""
+def documented_batch_bucket(rows: int, max_batch_size: int) -> int:
+    """The smallest of 1, 2, 4, 8, 16, 24, ... that holds `rows`, capped at max_batch_size."""
     buckets = [1, 2, 4, 8, *range(16, rows + 16, 8)]
-    return min(min(b for b in buckets if b >= rows), max_batch)
+    return min(min(b for b in buckets if b >= rows), max_batch_size)
 
 
 def documented_read_bucket(needed: int, capacity: int) -> int:
@@ -76,15 +76,15 @@ def documented_read_bucket(needed: int, capacity: int) -> int:
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)
-@given(data=st.data(), max_batch=st.integers(1, 600))
-def test_batch_bucket_is_the_documented_bucket(data: st.DataObject, max_batch: int) -> None:
-    rows = data.draw(st.integers(1, max_batch))
-    b = batch_bucket(rows, max_batch)
-    assert b == documented_batch_bucket(rows, max_batch)
-    assert rows <= b <= max_batch  # covers the rows, never more than the cache holds
-    assert b == max_batch or b in (1, 2, 4, 8) or b % 8 == 0
-    if rows < max_batch:
-        assert batch_bucket(rows + 1, max_batch) >= b  # monotone
+@given(data=st.data(), max_batch_size=st.integers(1, 600))
+def test_batch_bucket_is_the_documented_bucket(data: st.DataObject, max_batch_size: int) -> None:
+    rows = data.draw(st.integers(1, max_batch_size))
+    b = batch_bucket(rows, max_batch_size)
+    assert b == documented_batch_bucket(rows, max_batch_size)
+    assert rows <= b <= max_batch_size  # covers the rows, never more than the cache holds
+    assert b == max_batch_size or b in (1, 2, 4, 8) or b % 8 == 0
+    if rows < max_batch_size:
+        assert batch_bucket(rows + 1, max_batch_size) >= b  # monotone
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)
@@ -114,9 +114,9 @@ def layer_model() -> Qwen3WithMTP:
 
 
 def static_cache(
-    model: Qwen3WithMTP, max_batch: int, capacity: int, lengths: list[int], seed: int, device: str = "cpu"
+    model: Qwen3WithMTP, max_batch_size: int, capacity: int, lengths: list[int], seed: int, device: str = "cpu"
 ) -> KVCache:
-    """A paged cache of len(lengths) rows (table rows for `max_batch`), each holding `capacity`
+    """A paged cache of len(lengths) rows (table rows for `max_batch_size`), each holding `capacity`
     slots in scattered blocks, every slot random (stale slots included: masking must hide them)."""
     c = model.config
     return paged_cache(
@@ -128,7 +128,7 @@ def static_cache(
         capacity=capacity,
         seed=seed,
         device=device,
-        max_rows=max_batch,
+        max_batch_size=max_batch_size,
     )
 
 
@@ -146,15 +146,15 @@ def test_a_fixed_plan_reads_and_writes_what_the_dynamic_plan_does(
     data: st.DataObject, b: int, s: int, capacity: int
 ) -> None:
     model = layer_model()
-    max_batch = data.draw(st.integers(b, 9))
-    rows = data.draw(st.integers(b, max_batch))  # the padded batch (a bucket, or any wider)
+    max_batch_size = data.draw(st.integers(b, 9))
+    rows = data.draw(st.integers(b, max_batch_size))  # the padded batch (a bucket, or any wider)
     lengths = data.draw(st.lists(st.integers(0, capacity - s), min_size=b, max_size=b))
     num_new = data.draw(st.lists(st.integers(0, s), min_size=b, max_size=b))
     read = data.draw(st.integers(max(lengths) + s, capacity))  # at least what the rows need
     seed = data.draw(st.integers(0, 2**16))
-    dynamic = static_cache(model, max_batch, capacity, lengths, seed)
-    fixed = static_cache(model, max_batch, capacity, lengths, seed)
-    before = static_cache(model, max_batch, capacity, lengths, seed)
+    dynamic = static_cache(model, max_batch_size, capacity, lengths, seed)
+    fixed = static_cache(model, max_batch_size, capacity, lengths, seed)
+    before = static_cache(model, max_batch_size, capacity, lengths, seed)
     x = torch.randn(rows, s, model.config.hidden_size, generator=torch.Generator().manual_seed(seed + 1))
 
     plan = dynamic.plan(num_new, width=s)
