@@ -71,6 +71,45 @@ def test_every_engine_option_has_the_one_default_of_its_field() -> None:
     assert ServeConfig().engine == EngineConfig()
 
 
+def test_every_serve_option_has_the_one_default_of_its_field() -> None:
+    """The serve config's own options (and its security section's) beside the engine's: the CLI
+    default is the field's, and the generated reference shows that same default."""
+    from sidecar.security import SecurityConfig
+
+    params = {p.name: p for p in main.commands["serve"].params}
+    reference = {key: default for key, default, _ in gen_config_docs.rows(ServeConfig, ServeConfig())}
+    sections = [(ServeConfig, ""), (SecurityConfig, "security.")]
+    checked = []
+    for cls, prefix in sections:
+        for f in dataclasses.fields(cls):
+            if f.name not in params or f.default is dataclasses.MISSING:
+                continue  # `engine`, `security`: sections (above); `model`: the --model argument
+            assert params[f.name].default == f.default, f.name
+            assert reference[f"{prefix}{f.name}"] == gen_config_docs.shown(f.default), f.name
+            checked.append(f.name)
+    assert {"port", "keep_staging", "weight_transports", "shutdown_grace_s", "token_file"} <= set(checked)
+
+
+def test_the_sidecar_config_defaults_are_the_serve_configs() -> None:
+    """A `Sidecar` built in Python (no `specrl serve`) gets the defaults `specrl serve` has: its
+    config's settings that the serve config also holds are derived from the serve config's."""
+    from sidecar.server.process import SidecarConfig
+
+    derived, plain = sidecar_config(ServeConfig(), token=None), SidecarConfig()
+    shared = {f.name for f in dataclasses.fields(SidecarConfig)} & {f.name for f in dataclasses.fields(ServeConfig)}
+    assert {"keep_staging", "shutdown_grace_s", "metrics_port"} <= shared
+    for name in sorted(shared - {"security"}):
+        assert getattr(derived, name) == getattr(plain, name), name
+
+
+def test_the_run_configs_k_defaults_to_the_engines() -> None:
+    """`rollout.speculation_k` (what the trainer asks of every sidecar) has no default of its own."""
+    from trainer.rl_config import RLConfig
+
+    assert RLConfig(model=Path("m")).rollout.speculation_k == EngineConfig().speculation_k
+    assert local_serve_config(RLConfig(model=Path("m"))).engine.speculation_k == EngineConfig().speculation_k
+
+
 def test_serve_options_land_in_the_engine_section(tmp_path: Path) -> None:
     args = ["--engine", "torch", "--kv-block-size", "64", "--compile", "on", "--no-speculation-auto"]
     out = CliRunner().invoke(main, ["serve", "--model", str(tmp_path), *args, "--print-config"])

@@ -581,6 +581,7 @@ def test_a_delta_for_a_tensor_without_a_base_is_refused() -> None:
             spec_of(n, t) for n, t in state.items() if sel is not WeightSelector.DRAFT or n.startswith("mtp.")
         ],
         served_version=lambda: version[0],
+        keep_staging=False,
     )
     draft = {"mtp.w": state["mtp.w"] + 1}
     staged = receiver.receive(iter_push_requests(draft, 1, WeightSelector.DRAFT))

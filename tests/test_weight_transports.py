@@ -401,7 +401,7 @@ def test_shm_receiver_returns_exactly_the_pushed_tensors_or_refuses(
     InvalidRequestError or (when the damage reads the very same bytes) stages bit-identical
     tensors: never a wrong model."""
     specs = [spec_of(n, t) for n, t in model.items()]
-    receiver = WeightReceiver(model_specs=lambda selector: specs, served_version=lambda: 0)
+    receiver = WeightReceiver(model_specs=lambda selector: specs, served_version=lambda: 0, keep_staging=False)
     region = shm.ShmRegion()
     try:
         items = list(iter_push_requests(model, 1, data_plane=ShmSender(region, batch_bytes=batch_bytes)))
@@ -480,6 +480,7 @@ def _receiver_and_region(**planes: object) -> Iterator[tuple[WeightReceiver, shm
     receiver = WeightReceiver(
         model_specs=lambda selector: specs,
         served_version=lambda: 0,
+        keep_staging=False,
         data_planes=DataPlaneConfig(**planes),  # type: ignore[arg-type]
     )
     region = shm.ShmRegion()

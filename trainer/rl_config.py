@@ -14,7 +14,8 @@ from typing import Any, ClassVar, Literal
 from muon import HybridOptimizerConfig
 from sidecar.client.client import ClientConfig
 from sidecar.client.transport import CollectiveConfig, TransportConfig
-from sidecar.config_io import to_mapping
+from sidecar.config_io import field_default, to_mapping
+from sidecar.engine.config import EngineConfig
 from sidecar.security import SecurityConfig
 from sidecar.serve_config import ServeConfig
 from trainer.draft_objective import DraftConfig
@@ -106,8 +107,9 @@ class RolloutConfig:
     """Sampling temperature (the trainer's log-probs use the same)."""
     max_new_tokens: int = 64
     """Longest response, in tokens."""
-    speculation_k: int = 3
-    """Draft tokens per verify step (0: plain decoding); with speculation_auto, the largest k."""
+    speculation_k: int = field_default(EngineConfig, "speculation_k")
+    """Draft tokens per verify step (0: plain decoding); with speculation_auto, the largest k (its
+    default is the engine's, `engine.speculation_k`)."""
     speculation_auto: bool = False
     """The sidecars choose k in 0..speculation_k for every engine step from their measured costs
     and acceptance (local sidecars start in that mode; remote ones must be started with

@@ -13,9 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import sidecar
+from sidecar.config_io import field_default
 from sidecar.engine.base import Engine
 from sidecar.protocol import services
 from sidecar.security import SecurityConfig, TokenAuthInterceptor, check_token, server_credentials
+from sidecar.serve_config import ServeConfig
 from sidecar.server import metrics
 from sidecar.server.grpc_server import EventLoopThread, ServerConfig, create_server
 from sidecar.server.scheduler import Scheduler, SchedulerConfig
@@ -43,8 +45,8 @@ class SidecarConfig:
     metrics_host: str = "127.0.0.1"
     shutdown_grace_s: float = 5.0
     """How long live calls may finish after a stop is requested."""
-    keep_staging: bool = False
-    """Receive each weight push into the previous push's staging tensors (faster pushes; ~1x
+    keep_staging: bool = field_default(ServeConfig, "keep_staging")
+    """(Default: `specrl serve`'s.) Receive each weight push into the previous push's staging tensors (faster pushes; ~1x
     the model stays resident between pushes). Only for engines that copy on update (torch)."""
     data_planes: DataPlaneConfig = field(default_factory=DataPlaneConfig)
     """Weight transports offered besides the gRPC stream (shm, collective)."""

@@ -175,9 +175,7 @@ class RolloutService(services.RolloutServicer):
 class WeightService(services.WeightServicer):
     """PushWeights, DescribeWeights and PrepareTransport (logic in weight_sync.receiver)."""
 
-    def __init__(
-        self, scheduler: Scheduler, *, keep_staging: bool = False, data_planes: DataPlaneConfig | None = None
-    ) -> None:
+    def __init__(self, scheduler: Scheduler, *, keep_staging: bool, data_planes: DataPlaneConfig | None = None) -> None:
         self._scheduler = scheduler
         self._receiver = WeightReceiver(
             model_specs=scheduler.model_specs,

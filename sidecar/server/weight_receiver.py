@@ -140,7 +140,7 @@ class WeightReceiver:
         *,
         model_specs: Callable[[WeightSelector], list[TensorSpec]],
         served_version: Callable[[], int],
-        keep_staging: bool = False,
+        keep_staging: bool,
         data_planes: DataPlaneConfig | None = None,
     ) -> None:
         """`keep_staging`: keep the buffers an applied push leaves free (the engine's displaced
