@@ -136,6 +136,7 @@ def test_a_serve_key_that_moved_names_its_new_place(data: dict[str, object], nee
     [
         ("sidecars.max_batch_size=2", "sidecars.max_batch_size is now sidecars.serve.engine.max_batch_size"),
         ("sidecars.engine=sglang", "sidecars.engine is now sidecars.serve.engine.kind"),
+        ("sidecars.weight_sync.shm=0", "weight_sync is now sidecars.weight_transport"),  # glossary: refused here
         ("sidecars.serve.kv_block_size=32", "sidecars.serve.kv_block_size is now sidecars.serve.engine.kv_block_size"),
         ("sidecars.serve.engine.speculation_k=5", "set rollout.speculation_k instead"),
         ("sidecars.serve.engine.device=cuda", "set sidecars.devices instead"),
@@ -163,15 +164,15 @@ def test_the_sidecar_around_the_engine_is_derived_from_the_serve_config() -> Non
     assert got.scheduler.max_live_sequences == 100 and got.limits.max_samples == 100
     assert (got.metrics_port, got.metrics_host, got.token) == (9100, "0.0.0.0", "t0ken")
     assert got.keep_staging is True and got.shutdown_grace_s == 1.5
-    assert (got.data_planes.shm, got.data_planes.collective, got.data_planes.sparse_deltas) == (True, False, False)
+    assert (got.transports.shm, got.transports.collective, got.transports.sparse_deltas) == (True, False, False)
     # SGLang copies what it is pushed: nothing to keep staged
     sglang = dataclasses.replace(serve, engine=EngineConfig(kind="sglang"))
     assert sidecar_config(sglang, token=None).keep_staging is False
 
 
 def test_the_renamed_sparse_deltas_key_names_its_new_spelling() -> None:
-    from trainer.rl_config import WeightSyncConfig
+    from trainer.rl_config import WeightTransportConfig
 
     with pytest.raises(ConfigError, match="deltas is now sparse_deltas"):
-        from_mapping(WeightSyncConfig, {"deltas": True})
-    assert from_mapping(WeightSyncConfig, {"sparse_deltas": True}).sparse_deltas
+        from_mapping(WeightTransportConfig, {"deltas": True})
+    assert from_mapping(WeightTransportConfig, {"sparse_deltas": True}).sparse_deltas

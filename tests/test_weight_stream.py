@@ -25,8 +25,8 @@ from sidecar.errors import (
 from sidecar.protocol.specrl.v1 import weights_pb2
 from sidecar.server.weight_receiver import WeightReceiver
 from sidecar.types import PushItem, TensorSpec, WeightChunk, WeightCommit, WeightManifest, WeightSelector
-from sidecar.weight_sync.checksum import crc32_combine
-from sidecar.weight_sync.tensors import spec_of
+from sidecar.weight_transport.checksum import crc32_combine
+from sidecar.weight_transport.tensors import spec_of
 
 MODEL = {
     "model.embed_tokens.weight": torch.randn(16, 8),

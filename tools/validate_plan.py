@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.run is not None:
         rows = read_run_metrics(args.run)
-        rest_of = [r["time/logprobs"] + r["time/train"] + r["time/weight_sync"] for r in rows]
+        rest_of = [r["time/logprobs"] + r["time/train"] + r["time/weight_push"] for r in rows]
 
         def gen(fl: EngineSplit, lengths: LengthDistribution, acc: Acceptance | None, k: int, seed: int) -> float:
             return generation(fl, lengths, acc, k, costs, args.replications, seed).seconds

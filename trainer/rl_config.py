@@ -180,8 +180,8 @@ class RewardConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class WeightSyncConfig:
-    """How weight pushes reach the sidecars (see README, "Weight sync: data planes"). Local
+class WeightTransportConfig:
+    """How weight pushes reach the sidecars (see docs/protocol.md, "Weight transport"). Local
     sidecars use shared memory once they prove they share this host; a collective group is
     set up only when `collective_host` is set; gRPC is always the fallback."""
 
@@ -220,7 +220,7 @@ class WeightSyncConfig:
                     bucket_bytes=self.bucket_mib << 20,
                 )
             except ValueError as e:
-                raise ValueError(f"sidecars.weight_sync: {e}") from None
+                raise ValueError(f"sidecars.weight_transport: {e}") from None
         return TransportConfig(shm=self.shm, collective=collective)
 
 
@@ -281,14 +281,15 @@ class SidecarsConfig:
     """What the trainer presents to every sidecar: the token's file (`token_file`, else
     $SPECRL_TOKEN; local sidecars are started with the same token), TLS (`peer_ca`, `tls`) and
     its certificate for mutual TLS (`cert`, `key`)."""
-    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
-    """Data planes for weight pushes (shm for proven local sidecars; collective when set up)."""
+    weight_transport: WeightTransportConfig = field(default_factory=WeightTransportConfig)
+    """Transports for weight pushes (shm for proven local sidecars; collective when set up)."""
 
     RETIRED_KEYS: ClassVar[dict[str, str]] = {
         "max_batch_size": "serve.engine.max_batch_size",
         "engine": "serve.engine.kind",
+        "weight_sync": "weight_transport",  # glossary: refused here
     }
-    """Keys that moved into the `serve` section (refused with their new key)."""
+    """Keys that moved (into the `serve` section, or renamed): refused with their new key."""
 
     def __post_init__(self) -> None:
         owned = trainer_owned(self.serve)

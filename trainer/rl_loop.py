@@ -170,8 +170,8 @@ def sidecar_fleet(cfg: RLConfig, run_dir: Path) -> Iterator[tuple[Fleet, LocalSi
     client = cfg.sidecars.client_config()
     client = dataclasses.replace(
         client,
-        transports=cfg.sidecars.weight_sync.transport_config(),
-        sparse_deltas=cfg.sidecars.weight_sync.sparse_deltas,
+        transports=cfg.sidecars.weight_transport.transport_config(),
+        sparse_deltas=cfg.sidecars.weight_transport.sparse_deltas,
     )
     if cfg.sidecars.local:
         local = LocalSidecars(
@@ -331,7 +331,7 @@ def rl_step(run: Run, step: int, rollouts: RolloutPipeline[Rollout] | None) -> d
     # 5. push target + draft to every sidecar (version + 1); the export gathers tensor-parallel
     #    shards, so every rank walks it
     if run.leader:
-        times.weight_sync = run.fleet.push_weights(
+        times.weight_push = run.fleet.push_weights(
             run.policy.export_named_tensors, names=run.policy.export_names()
         ).seconds
         metrics["weights/version"] = float(run.fleet.version)

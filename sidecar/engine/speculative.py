@@ -24,6 +24,10 @@ drafting for many rounds keeps only the latest of them, so its MTP cache may hav
 
 Rows may draft different numbers of tokens (per-request k, tokens left): shorter rows are
 padded, and padding never reaches a valid row (masks, per-row counts).
+
+Each forward takes its attention plan from a `attention_lengths.RoundLengths`: host lengths on the
+eager round, device lengths at a fixed shape on the round a GPU captures; the steps and their input
+records are the same for both.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from sidecar.server import metrics
 from sidecar.server.grpc_server import EventLoopThread, ServerConfig, create_server
 from sidecar.server.scheduler import Scheduler, SchedulerConfig
 from sidecar.server.servicers import ControlService, RolloutService, WeightService
-from sidecar.server.weight_receiver import DataPlaneConfig
+from sidecar.server.weight_receiver import TransportOffer
 from sidecar.types import RequestLimits
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ class SidecarConfig:
     keep_staging: bool = field_default(ServeConfig, "keep_staging")
     """(Default: `specrl serve`'s.) Receive each weight push into the previous push's staging tensors (faster pushes; ~1x
     the model stays resident between pushes). Only for engines that copy on update (torch)."""
-    data_planes: DataPlaneConfig = field(default_factory=DataPlaneConfig)
+    transports: TransportOffer = field(default_factory=TransportOffer)
     """Weight transports offered besides the gRPC stream (shm, collective)."""
 
     def __post_init__(self) -> None:
@@ -74,7 +74,7 @@ class Sidecar:
         self.control = ControlService(self.scheduler, self.config.limits, sidecar.__version__)
         self.rollout = RolloutService(self.scheduler, self.config.limits)
         self.weights = WeightService(
-            self.scheduler, keep_staging=self.config.keep_staging, data_planes=self.config.data_planes
+            self.scheduler, keep_staging=self.config.keep_staging, transports=self.config.transports
         )
         servicers = [self.rollout, self.weights, self.control]
         sec = self.config.security
