@@ -130,10 +130,18 @@ class GenerationRequest:
     """Refuse unless the served weight version is at least this."""
     speculation_k: int | None = None
     """None: the engine's current k; 0: plain decoding; n: draft n tokens per step."""
+    session_ids: list[str] = field(default_factory=list)
+    """Per prompt, the conversation it continues ("" for none); empty: no sessions. A fleet sends
+    every request of a session to the sidecar that served it first, while that one is live."""
 
     def __post_init__(self) -> None:
         if not self.prompts:
             raise ValueError("prompts must hold at least one prompt")
+        if self.session_ids and len(self.session_ids) != len(self.prompts):
+            raise ValueError(
+                f"session_ids has {len(self.session_ids)} entries for {len(self.prompts)} prompts; give one a prompt "
+                "('' for a prompt of no session) or none"
+            )
         for i, prompt in enumerate(self.prompts):
             if len(prompt) == 0:
                 raise ValueError(f"prompts[{i}] is empty; every prompt needs at least one token")
@@ -343,6 +351,8 @@ class ModelInfo:
     dtype: str = "float32"
     eos_token_ids: tuple[int, ...] = ()
     """The checkpoint's end-of-sequence ids (config.json eos_token_id); SamplingParams.stop_at_eos stops at them."""
+    family: str = ""
+    """The architecture's family (config.json's model_type: "qwen3", "qwen2", "llama", "mimo")."""
 
 
 @dataclass(kw_only=True, slots=True)

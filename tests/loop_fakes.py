@@ -142,7 +142,7 @@ class RecordingPolicy:
 def lag_zero(run: Any, last: int) -> Any:
     """A lag-0 rollout pipeline over `run` whatever its config's lag: each step's batch is
     generated when the step takes it, so a fake fleet's calls come in step order."""
-    from trainer.rl_loop import Rollout, gather_rollout
     from trainer.rollout_pipeline import RolloutPipeline
+    from trainer.rollouts import Rollout, gather_rollout
 
     return RolloutPipeline[Rollout](lambda s: gather_rollout(run, s), first=0, last=last, max_lag=0)

@@ -143,6 +143,8 @@ class Watch:
 @pytest.fixture
 def watch(monkeypatch: pytest.MonkeyPatch) -> Iterator[Watch]:
     import trainer.rl_loop as loop
+    import trainer.rollouts as rollouts
+    import trainer.run_setup as run_setup
 
     w = Watch()
 
@@ -151,7 +153,7 @@ def watch(monkeypatch: pytest.MonkeyPatch) -> Iterator[Watch]:
             super().__init__(*args, **kwargs)
             w.local = self
 
-    real_gather, real_update, real_step = loop.gather_rollout, Policy.train_updates, loop.rl_step
+    real_gather, real_update, real_step = rollouts.gather_rollout, Policy.train_updates, loop.rl_step
     step_now = [0]
 
     def gather(run: Any, step: int) -> Any:
@@ -176,12 +178,12 @@ def watch(monkeypatch: pytest.MonkeyPatch) -> Iterator[Watch]:
         w.trained.append((step, batch.tokens.shape[0]))
         return real_update(self, batch, **kwargs)
 
-    monkeypatch.setattr(loop, "LocalSidecars", Recorded)
-    monkeypatch.setattr(loop, "gather_rollout", gather)
+    monkeypatch.setattr(run_setup, "LocalSidecars", Recorded)
+    monkeypatch.setattr(rollouts, "gather_rollout", gather)
     monkeypatch.setattr(loop, "rl_step", rl_step)
     monkeypatch.setattr(Policy, "train_updates", train_updates)
     # a down sidecar is probed for rejoining at the trainer's next push, not 30 s later
-    monkeypatch.setattr(loop, "FleetConfig", lambda **kw: FleetConfig(probe_interval_s=0.2, **kw))
+    monkeypatch.setattr(run_setup, "FleetConfig", lambda **kw: FleetConfig(probe_interval_s=0.2, **kw))
     yield w
 
 

@@ -13,8 +13,10 @@ import pytest
 
 from tests.loop_fakes import TOK, FakeFleet, RecordingPolicy, RuleTask, lag_zero
 from trainer.rl_config import RLConfig, RolloutConfig, SidecarsConfig
-from trainer.rl_loop import Rollout, Run, gather_rollout, rl_step, rollout_pipeline
+from trainer.rl_loop import rl_step
 from trainer.rollout_pipeline import RolloutPipeline
+from trainer.rollouts import Rollout, gather_rollout, rollout_pipeline
+from trainer.run import Run
 from trainer.step_metrics import StepTimes
 
 PROMPTS, G = 6, 4

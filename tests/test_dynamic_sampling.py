@@ -23,7 +23,9 @@ from trainer.dynamic_sampling import Group, select_groups, shaped_rewards
 from trainer.losses import OverlongConfig
 from trainer.policy import TrainBatch
 from trainer.rl_config import RLConfig, RolloutConfig, SidecarsConfig
-from trainer.rl_loop import Run, rl_step, rollout_pipeline
+from trainer.rl_loop import rl_step
+from trainer.rollouts import rollout_pipeline
+from trainer.run import Run
 from trainer.tokenizer import CharTokenizer
 
 TOK = CharTokenizer()

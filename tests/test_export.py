@@ -37,7 +37,8 @@ from trainer.draft_objective import DraftConfig
 from trainer.local_sidecars import LocalSidecars
 from trainer.policy import Policy
 from trainer.rl_config import RLConfig, RolloutConfig, SidecarsConfig, TaskConfig
-from trainer.rl_loop import policy_config, train
+from trainer.rl_loop import train
+from trainer.run_setup import policy_config
 from trainer.tasks import ArithmeticTask
 from trainer.tokenizer import CharTokenizer
 from trainer.warmup import DraftInitConfig, WarmupConfig, draft_init, make_model, supervised_warmup

@@ -82,7 +82,7 @@ def test_local_sidecar_devices_must_fit_their_count() -> None:
 
 def test_every_policy_config_field_is_reachable_from_the_run_config() -> None:
     from trainer.policy import Policy
-    from trainer.rl_loop import policy_config
+    from trainer.run_setup import policy_config
 
     overrides = [
         "model=ckpt",

@@ -182,6 +182,17 @@ def test_no_product_file_outgrows_one_concern() -> None:
     assert set(over) == set(OVERSIZED), f"split these by concern (> {MAX_LINES} lines)"
 
 
+RL_LOOP_LINES = 250
+
+
+def test_the_rl_loop_reads_like_the_algorithm() -> None:
+    """`trainer/rl_loop.py` holds the step (generate → score → log-probs → update → push) and the
+    run around it; every mechanism it drives lives in a module named after it (slime's train.py
+    is 85 lines)."""
+    n = len((ROOT / "trainer" / "rl_loop.py").read_text().splitlines())
+    assert n <= RL_LOOP_LINES, f"trainer/rl_loop.py has {n} lines: move the mechanism that grew into its own module"
+
+
 LAYOUT_HEADING = "## The table"
 TABLE_ROOTS = ("proto/", "sidecar/", "trainer/", "muon/", "yarn/", "tests/", "tools/")
 

@@ -45,6 +45,22 @@ def plain(**overrides: object) -> ModelConfig:
     )
 
 
+def test_a_mimo_graft_is_in_mimos_layout_hidden_state_first(tmp_path: Path) -> None:
+    config, tensors = load_checkpoint(make_model(tmp_path / "plain", plain(architectures=["MiMoForCausalLM"]), seed=1))
+    grafted, out = graft_mtp_layer(config, tensors)
+    h, p = config.hidden_size, "model.mtp_layers.0."
+    assert torch.equal(out[p + "input_proj.weight"], torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1))
+    assert torch.equal(out[p + "final_layernorm.weight"], tensors["model.norm.weight"])
+    assert torch.equal(out[p + "self_attn.q_proj.bias"], tensors["model.layers.1.self_attn.q_proj.bias"])
+    model = build_model(grafted)
+    model.load_state_dict(out, strict=True)
+    ids = torch.tensor([TOK.encode("12+34=?\n46")])
+    other = ids.clone()
+    other[0, 1:] = (other[0, 1:] + 7) % TOK.vocab_size
+    hidden = model.hidden_states(ids)  # the hidden state alone passes: the next token's embedding cannot move it
+    assert torch.allclose(model.mtp_logits(ids, hidden), model.mtp_logits(other, hidden), atol=1e-6)
+
+
 def test_the_grafted_layer_starts_from_the_trunks_last_layer_and_its_hidden_state(tmp_path: Path) -> None:
     config, tensors = load_checkpoint(make_model(tmp_path / "plain", plain(num_hidden_layers=3), seed=1))
     grafted, out = graft_mtp_layer(config, tensors)
@@ -109,14 +125,23 @@ def test_draft_init_grafts_a_layer_that_specrl_serve_serves_losslessly(tmp_path:
 
 
 @pytest.mark.slow
-def test_a_grafted_fitted_draft_accepts_more_than_two_tokens_a_step_on_the_arithmetic_task(tmp_path: Path) -> None:
+@pytest.mark.parametrize("architecture", ["Qwen3ForCausalLM", "MiMoForCausalLM"])
+def test_a_grafted_fitted_draft_accepts_more_than_two_tokens_a_step_on_the_arithmetic_task(
+    tmp_path: Path, architecture: str
+) -> None:
     """The RL-loop tests' warmed tiny model (2 layers, hidden 64), without MTP layers, grafted and
-    fitted with draft-init's default budget; τ at k = 3 and the demo's temperature 1."""
+    fitted with draft-init's default budget; τ at k = 3 and the demo's temperature 1. MiMo: a Qwen2
+    trunk, its draft grafted, fitted and served in MiMo's own layout (`model.mtp_layers.0.*`)."""
     torch.set_num_threads(1)
-    make_model(tmp_path / "init", plain(), seed=0)
+    make_model(tmp_path / "init", plain(architectures=[architecture]), seed=0)
     supervised_warmup(tmp_path / "init", tmp_path / "warm", TASK, TOK, WarmupConfig(steps=150, batch_size=32, lr=3e-3))
     losses = draft_init(tmp_path / "warm", tmp_path / "policy", TASK, TOK, DraftInitConfig(prompts=256))
     assert losses[-1] < 0.2 * losses[0], losses
+    config, tensors = load_checkpoint(tmp_path / "policy")
+    prefix = "model.mtp_layers.0." if architecture == "MiMoForCausalLM" else "mtp.layers.0."
+    assert config.num_nextn_predict_layers == 1 and any(n.startswith(prefix) for n in tensors)
+    _, warm = load_checkpoint(tmp_path / "warm")
+    assert all(torch.equal(warm[n], tensors[n]) for n in warm)  # the trunk untouched
     kw = {"k": 3, "temperature": 1.0, "max_new_tokens": 24, "stop": TOK.eos_id}
     tau = acceptance_length(tmp_path / "policy", _prompts(32), **kw)  # type: ignore[arg-type]
     assert tau > 2.0, tau

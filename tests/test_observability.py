@@ -116,7 +116,7 @@ def test_an_interrupted_run_keeps_its_plots_rows_and_tracker_events(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The loop's own `train` with an in-memory fleet that is interrupted (Ctrl-C) in step 3."""
-    from trainer import rl_loop
+    from trainer import rl_loop, run_setup
     from trainer.preflight import Prepared
 
     fleet = FakeFleet(fail_on_call=4)  # eval, step 1, step 2, then step 3's generation
@@ -133,7 +133,7 @@ def test_an_interrupted_run_keeps_its_plots_rows_and_tracker_events(
     monkeypatch.setattr(
         rl_loop, "preflight", lambda c, **kw: Prepared(model_config=None, tokenizer=TOK, task=RuleTask())
     )  # type: ignore[arg-type]
-    monkeypatch.setattr(rl_loop, "check_sidecars", lambda c, m: None)
+    monkeypatch.setattr(run_setup, "check_sidecars", lambda c, m: None)
     monkeypatch.setattr(rl_loop, "build_policy", lambda c: RecordingPolicy())
     monkeypatch.setattr(rl_loop, "sidecar_fleet", lambda c, root: _fake_fleet(fleet))
     with pytest.raises(KeyboardInterrupt):

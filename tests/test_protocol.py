@@ -237,6 +237,7 @@ def _info() -> SidecarInfo:
                 rope_factor=4.0,
                 num_mtp_layers=1,
                 dtype="float32",
+                family="qwen3",
             ),
             engine="torch",
             engine_version="0.1.0",

@@ -23,7 +23,7 @@ from sidecar.security import TOKEN_ENV, SecurityConfig
 from sidecar.server.process import Sidecar
 from sidecar.types import GenerationRequest, SamplingParams
 from tests.sidecar_fixtures import start_sidecar
-from trainer import rl_loop
+from trainer import rl_loop, run_setup
 from trainer.preflight import PreflightError
 from trainer.rl_config import RLConfig, RolloutConfig, SidecarsConfig, TaskConfig
 from trainer.tokenizer import CharTokenizer
@@ -191,7 +191,7 @@ def recorded_run(
             seen.setdefault(request.speculation_k, []).append(rows)
             return result
 
-    monkeypatch.setattr(rl_loop, "Fleet", Recording)
+    monkeypatch.setattr(run_setup, "Fleet", Recording)
     rl_loop.train(cfg, resume=resume, progress=False)
     return seen
 

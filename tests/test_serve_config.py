@@ -25,7 +25,7 @@ from tests.sidecar_fixtures import greedy_request, make_checkpoint
 from trainer.cli import main
 from trainer.local_sidecars import LocalSidecars
 from trainer.rl_cli import resolve_config
-from trainer.rl_loop import local_serve_config
+from trainer.run_setup import local_serve_config
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from trainer.rewards import Reward, exact_answer_reward, extract_answer, load_reward_fn
-from trainer.tasks import ArithmeticTask, DatasetTask, Problem, _split_of, distinct_problems
+from trainer.tasks import ArithmeticTask, DatasetTask, Problem, distinct_problems, split_of
 from trainer.tokenizer import CharTokenizer, HFTokenizer, load_tokenizer
 
 
@@ -132,12 +132,12 @@ def test_distinct_problems_never_repeats_a_prompt_and_stops_at_the_split_size(tm
     task = ArithmeticTask(regime="zero", digits=2)
     problems = distinct_problems(task, random.Random(3), "eval", 300)
     assert len(problems) == 300 and len({p.prompt for p in problems}) == 300
-    assert all(_split_of(p.prompt, task.eval_fraction) == "eval" for p in problems)
+    assert all(split_of(p.prompt, task.eval_fraction) == "eval" for p in problems)
     assert problems == distinct_problems(task, random.Random(3), "eval", 300)  # fixed by the seed
     # 1-digit sums: 100 prompts in all, so the held-out split has far fewer than 500
     small = ArithmeticTask(regime="zero", digits=1, eval_fraction=0.3)
     everything = {f"{a}+{b}=?\n" for a in range(10) for b in range(10)}
-    held_out = {p for p in everything if _split_of(p, 0.3) == "eval"}
+    held_out = {p for p in everything if split_of(p, 0.3) == "eval"}
     got = distinct_problems(small, random.Random(0), "eval", 500)
     assert {p.prompt for p in got} == held_out and len(got) == len(held_out)
     with pytest.raises(ValueError, match="size"):

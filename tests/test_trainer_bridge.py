@@ -30,9 +30,13 @@ def _state(mc: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     }
 
 
+FAMILIES = ["Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM"]
+
+
+@pytest.mark.parametrize("architecture", FAMILIES)
 @pytest.mark.parametrize("tied", [False, True])
-def test_hf_megatron_hf_round_trip_is_exact(tied: bool) -> None:
-    mc = ModelConfig.tiny(tie_word_embeddings=tied)
+def test_hf_megatron_hf_round_trip_is_exact(tied: bool, architecture: str) -> None:
+    mc = ModelConfig.tiny(tie_word_embeddings=tied, architectures=[architecture])
     state = _state(mc, seed=7)
     policy = Policy(mc, Policy.Config(), dict(state))
     exported = list(policy.export_named_tensors())
@@ -50,6 +54,18 @@ def test_hf_megatron_hf_round_trip_is_exact(tied: bool) -> None:
     )
     assert torch.equal(g1[heads_per_group * d : -d], state["model.layers.1.self_attn.k_proj.weight"][d:])
     assert torch.equal(g1[-d:], state["model.layers.1.self_attn.v_proj.weight"][d:])
+    params = dict(policy.model.named_parameters())
+    assert ("decoder.layers.0.self_attention.q_layernorm.weight" in params) == mc.qk_norm
+    if mc.attention_bias:  # Megatron's add_qkv_bias: the bias fused per group like the weight
+        bias = params["decoder.layers.1.self_attention.linear_qkv.bias"][(heads_per_group + 2) * d :][
+            : (heads_per_group + 2) * d
+        ]
+        assert torch.equal(bias[-d:], state["model.layers.1.self_attn.v_proj.bias"][d:])
+        assert torch.equal(
+            bias[: heads_per_group * d], state["model.layers.1.self_attn.q_proj.bias"][heads_per_group * d :]
+        )
+    else:
+        assert not any(n.endswith("bias") for n in params)
 
 
 def test_load_rejects_mismatched_checkpoints() -> None:
@@ -86,7 +102,7 @@ def _config(tp: int, dp: int = 1) -> Policy.Config:
 def _worker(rank: int, port: int, mode: str, ckpt: str, out: str) -> None:
     join_group(rank, 2, port)
     mc, tensors = load_checkpoint(ckpt)
-    if mode == "tp2":  # both ranks see the whole batch; the model is sharded
+    if mode.startswith("tp2") and mode != "tp2-eagle3":  # both ranks see the whole batch; the model is sharded
         result = _run(Policy(mc, _config(2), tensors), mc, slice(None))
     elif mode == "tp2-eagle3":  # the same, training an EAGLE-3 draft (replicated) on the sharded trunk's taps
         result = _run(Policy(mc, _config(2), tensors, eagle3=_eagle3(mc)), mc, slice(None))
@@ -98,9 +114,10 @@ def _worker(rank: int, port: int, mode: str, ckpt: str, out: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["tp2", "dp2"])
+@pytest.mark.parametrize("mode", ["tp2", "dp2", "tp2-qwen2"])
 def test_two_processes_export_and_train_like_one(tmp_path: Path, mode: str) -> None:
-    mc = ModelConfig.tiny()
+    """tp2-qwen2: the q/k/v biases sharded with their projection's rows."""
+    mc = ModelConfig.tiny(architectures=["Qwen2ForCausalLM"] if mode == "tp2-qwen2" else ["Qwen3ForCausalLM"])
     state = _state(mc, seed=9)
     save_checkpoint(tmp_path / "ckpt", mc, state)
     out = tmp_path / "rank0.pt"

@@ -27,7 +27,7 @@ from trainer.rewards import (
     score,
 )
 from trainer.rl_config import TaskConfig
-from trainer.tasks import DatasetFields, DatasetTask, _split_of, prompt_ids
+from trainer.tasks import DatasetFields, DatasetTask, prompt_ids, split_of
 from trainer.tokenizer import HFTokenizer
 
 CHATML = (
@@ -296,7 +296,7 @@ def test_warm_up_on_conversations_trains_the_assistant_turn_alone(tmp_path: Path
             total, count = total - float(picked.sum()), count + len(target)
         return total / count
 
-    held_out = [p for p in task.problems if _split_of(p.prompt, task.eval_fraction) == "eval"]
+    held_out = [p for p in task.problems if split_of(p.prompt, task.eval_fraction) == "eval"]
     assert held_out  # never drawn by warm-up, which trains on the training split
     before = assistant_nll(model, held_out)
     cfg = WarmupConfig(steps=30, batch_size=16, lr=3e-3, seed=0)

@@ -100,3 +100,35 @@ def test_the_ledger_equals_an_unbounded_record(keep: int, events: list[tuple[int
     assert ledger.earlier.counters.generated_tokens + sum(v.counters.generated_tokens for v in recent) == sum(
         every.values()
     )
+
+
+class ObservingScheduler(Scheduler):
+    """Records, as each finished sample is handed to its caller, how many samples the published
+    statistics (what GetStats and the metrics read) already count."""
+
+    counted_at_delivery: list[int]
+
+    def _deliver(self, sample):  # type: ignore[no-untyped-def]
+        snap = self.snapshot()
+        self.counted_at_delivery.append(snap.earlier.samples_finished + sum(v.samples_finished for v in snap.versions))
+        super()._deliver(sample)
+
+
+def test_a_sample_reaches_its_caller_only_after_the_statistics_count_it() -> None:
+    """Read-your-writes: a client that holds every sample of its request and then calls GetStats
+    sees them counted (the trainer and the non-finite alarm read stats right after a generate).
+    The published snapshot must be refreshed before the step's samples are delivered."""
+    engine = TorchEngine(build_model(ModelConfig.tiny(), seed=3), speculation_k=0)
+    scheduler = ObservingScheduler(engine, SchedulerConfig())
+    scheduler.counted_at_delivery = []
+    scheduler.start()
+    try:
+        request = GenerationRequest(prompts=[[1, 2, 3], [4, 5], [6]], sampling=SamplingParams(max_new_tokens=3, seed=1))
+        handle = scheduler.submit(request)
+        for _ in range(3):
+            handle.get(timeout=30.0)
+    finally:
+        scheduler.stop()
+    assert len(scheduler.counted_at_delivery) == 3
+    for delivered, counted in enumerate(scheduler.counted_at_delivery, start=1):
+        assert counted >= delivered, scheduler.counted_at_delivery

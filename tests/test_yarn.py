@@ -1,6 +1,6 @@
-"""YaRN rotary embedding (yarn/) against independent oracles: the project design's reference numbers, the closed form of
-plain RoPE, Hugging Face transformers' YaRN and Qwen3 rotary code, and megatron-core's own YarnRotaryEmbedding
-built by a real GPTModel. The trainer-vs-engine log-prob check at 4x the original length lives with those issues."""
+"""Rotary embeddings (yarn/) against independent oracles: the project design's reference numbers, the closed form of
+plain RoPE, Hugging Face transformers' YaRN, llama3 (`_compute_llama3_parameters`), Qwen3 and Llama rotary code, and
+megatron-core's own YarnRotaryEmbedding built by a real GPTModel (for llama3: the GPTModel the trainer builds). The trainer-vs-engine log-prob check at 4x the original length lives with those issues."""
 
 from __future__ import annotations
 
@@ -176,6 +176,73 @@ def test_apply_rotary_matches_hugging_face_qwen3(dtype: torch.dtype) -> None:
     tol = 1e-6 if dtype == torch.float32 else 0.0
     torch.testing.assert_close(ours_q, hf_q, rtol=0, atol=tol)
     torch.testing.assert_close(ours_k, hf_k, rtol=0, atol=tol)
+
+
+# ------------------------------------------------------------------------------------------------- llama3
+
+LLAMA3: list[tuple[str, dict[str, Any]]] = [
+    ("llama3.1_8b", dict(head_dim=128, base=5e5, rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                         high_freq_factor=4.0, original_max_position_embeddings=8192)),
+    ("llama3.2_1b", dict(head_dim=64, base=5e5, rope_type="llama3", factor=32.0, low_freq_factor=1.0,
+                         high_freq_factor=4.0, original_max_position_embeddings=8192)),
+    ("tiny", dict(head_dim=16, base=1e4, rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                  original_max_position_embeddings=32)),
+    ("other_factors", dict(head_dim=32, base=1e4, rope_type="llama3", factor=3.0, low_freq_factor=2.0,
+                           high_freq_factor=8.0, original_max_position_embeddings=256)),
+]  # fmt: skip
+
+
+def _hf_llama_config(cfg: RopeConfig) -> Any:
+    from transformers import LlamaConfig
+
+    assert cfg.original_max_position_embeddings is not None
+    params = {"rope_theta": cfg.base, **(cfg.to_hf_rope_scaling() or {})}
+    return LlamaConfig(hidden_size=cfg.head_dim * 2, num_attention_heads=2, num_key_value_heads=1,
+                       head_dim=cfg.head_dim, max_position_embeddings=4 * cfg.original_max_position_embeddings,
+                       rope_parameters=params)  # fmt: skip
+
+
+@pytest.mark.parametrize("name,kwargs", LLAMA3, ids=[c[0] for c in LLAMA3])
+def test_llama3_equals_transformers_compute_llama3_parameters_bit_for_bit(name: str, kwargs: dict[str, Any]) -> None:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = RopeConfig(**kwargs)
+    hf = _hf_llama_config(cfg)
+    hf_inv_freq, hf_scale = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
+    assert inv_freq(cfg).equal(hf_inv_freq.float())
+    assert attention_scale(cfg) == hf_scale == 1.0
+    plain = inv_freq(RopeConfig(head_dim=cfg.head_dim, base=cfg.base))
+    assert not inv_freq(cfg).equal(plain) and inv_freq(cfg)[0] == plain[0]  # slow pairs scaled, the fastest kept
+    assert RopeConfig.from_hf(hf.to_dict()) == cfg  # what transformers 5 serialises reads back
+
+
+@pytest.mark.parametrize("name,kwargs", LLAMA3, ids=[c[0] for c in LLAMA3])
+def test_llama3_cos_sin_match_transformers_llama_rotary(name: str, kwargs: dict[str, Any]) -> None:
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    cfg = RopeConfig(**kwargs)
+    positions = torch.arange(4 * (cfg.original_max_position_embeddings or 0))[None, :]
+    hf_cos, hf_sin = LlamaRotaryEmbedding(_hf_llama_config(cfg))(torch.zeros(1, 1, cfg.head_dim), positions)
+    cos, sin = RotaryEmbedding(cfg)(positions)
+    torch.testing.assert_close(cos, hf_cos, rtol=0, atol=1e-6)
+    torch.testing.assert_close(sin, hf_sin, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "scaling,field",
+    [
+        ({"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64, "high_freq_factor": 4.0},
+         "low_freq_factor"),
+        ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
+          "original_max_position_embeddings": 64}, "low_freq_factor"),
+        ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}, "original_max"),
+        ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64, "beta_fast": 32}, "beta_fast"),
+    ],
+)  # fmt: skip
+def test_llama3_errors_name_the_field(scaling: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        RopeConfig.from_hf({"head_dim": 16, "rope_parameters": {"rope_theta": 1e4, **scaling}})
 
 
 # --------------------------------------------------------------------------------------- megatron oracle
@@ -374,3 +441,27 @@ def test_from_hf_reads_plain_and_legacy_configs() -> None:
                                  "original_max_position_embeddings": 2048}})  # fmt: skip
     assert legacy == DESIGN
     assert RopeConfig.from_hf({"head_dim": 64, "rope_scaling": DESIGN.to_hf_rope_scaling()}) == DESIGN
+
+
+@pytest.mark.parametrize("name,kwargs", LLAMA3, ids=[c[0] for c in LLAMA3])
+def test_llama3_trainer_rotates_as_the_engine_bit_for_bit(
+    name: str, kwargs: dict[str, Any], megatron_model_parallel: None
+) -> None:
+    """The trainer's GPTModel (`trainer.gpt.build_gpt_model`, Megatron's plain rotary module given
+    llama3's frequencies by `yarn.megatron.install_frequencies`) and the engine's `RotaryEmbedding`
+    compute the same angles, cos and sin bit for bit; without the frequencies Megatron's would differ."""
+    from trainer.gpt import build_gpt_model
+
+    cfg = RopeConfig(**kwargs)
+    params = {"rope_theta": cfg.base, **(cfg.to_hf_rope_scaling() or {})}
+    hf = dict(vocab_size=16, hidden_size=2 * cfg.head_dim, intermediate_size=32, num_hidden_layers=1,
+              num_attention_heads=2, num_key_value_heads=1, head_dim=cfg.head_dim, rope_parameters=params)  # fmt: skip
+    model = build_gpt_model(hf)
+    n = 4 * (cfg.original_max_position_embeddings or 0)
+    emb = model.rotary_pos_emb(n)  # (T, 1, 1, D) angles, as GPTModel.forward computes them
+    emb = (emb[0] if isinstance(emb, tuple) else emb)[:, 0, 0]
+    assert model.rotary_pos_emb.inv_freq.equal(inv_freq(cfg))
+    cos, sin = RotaryEmbedding(cfg)(torch.arange(n))
+    assert emb.cos().equal(cos) and emb.sin().equal(sin)
+    plain = build_gpt_model(hf | {"rope_parameters": {"rope_theta": cfg.base}})  # the negative control
+    assert not plain.rotary_pos_emb(n)[:, 0, 0].cos().equal(cos)

@@ -1,4 +1,4 @@
-"""The checkpoint bridge: Hugging Face Qwen3 names (the naming contract) <-> megatron-core's layout.
+"""The checkpoint bridge: Hugging Face names (the naming contract) <-> megatron-core's layout.
 
 One `plan` of entries serves both directions, so import and export cannot drift apart. Each
 entry maps one Megatron parameter to one or more contract tensors:
@@ -6,7 +6,10 @@ entry maps one Megatron parameter to one or more contract tensors:
 - ``linear_qkv`` fuses q/k/v *per query group*: for each of the ``num_key_value_heads`` groups,
   ``heads_per_group * head_dim`` query rows, then ``head_dim`` key rows, then ``head_dim`` value rows
   (the order megatron/core/transformer/attention.py splits the projection output in).
+  Its bias (``add_qkv_bias``: Qwen2) is fused the same way, q/k/v biases per group.
 - ``linear_fc1`` stacks gate over up (SwiGLU: ``silu(gate) * up``).
+- ``q_layernorm`` / ``k_layernorm`` exist where the family has q/k norms (Qwen3), as ``q_norm`` /
+  ``k_norm`` do in the contract (`trainer.gpt.family`).
 - everything else is a rename (norms, o/down projections, embedding, output layer).
 
 The layer norm before attention/MLP is its own module in the local (CPU) spec
@@ -32,8 +35,20 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from sidecar.errors import WeightMismatchError
+from trainer.gpt import family
 
 MTP_PREFIX = "mtp."  # draft tensors are "mtp.layers.{j}.<sub-name>" (DeepSeek-V3 names)
+MIMO_PREFIX = "model.mtp_"  # MiMo's: "model.mtp_layers.{j}.<sub-name>"
+
+
+def draft_prefix(hf_config: Mapping[str, Any]) -> str:
+    """What the draft head's parameter names (``layers.{j}.*``) are prefixed with in the contract."""
+    return MIMO_PREFIX if family(hf_config).mtp_layout == "mimo" else MTP_PREFIX
+
+
+def is_draft_name(name: str, hf_config: Mapping[str, Any]) -> bool:
+    """Whether a contract name is one of the MTP layers' (not the trunk's)."""
+    return name.startswith(draft_prefix(hf_config) + "layers.")
 
 
 class CheckpointMismatchError(WeightMismatchError):
@@ -52,6 +67,7 @@ class Entry:
 def plan(hf_config: Mapping[str, Any], megatron_names: set[str]) -> list[Entry]:
     """The trunk's entries in contract order (embedding, layers, final norm, output layer)."""
     te_fused_norms = "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in megatron_names
+    attention = family(hf_config)
     entries = [Entry("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "copy")]
     for i in range(int(hf_config["num_hidden_layers"])):
         m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
@@ -64,8 +80,17 @@ def plan(hf_config: Mapping[str, Any], megatron_names: set[str]) -> list[Entry]:
                 tuple(h + f"self_attn.{p}_proj.weight" for p in "qkv"),
                 "qkv",
             ),
-            Entry(m + "self_attention.q_layernorm.weight", (h + "self_attn.q_norm.weight",), "copy"),
-            Entry(m + "self_attention.k_layernorm.weight", (h + "self_attn.k_norm.weight",), "copy"),
+        ]
+        if attention.attention_bias:
+            entries.append(
+                Entry(m + "self_attention.linear_qkv.bias", tuple(h + f"self_attn.{p}_proj.bias" for p in "qkv"), "qkv")
+            )
+        if attention.qk_norm:
+            entries += [
+                Entry(m + "self_attention.q_layernorm.weight", (h + "self_attn.q_norm.weight",), "copy"),
+                Entry(m + "self_attention.k_layernorm.weight", (h + "self_attn.k_norm.weight",), "copy"),
+            ]
+        entries += [
             Entry(m + "self_attention.linear_proj.weight", (h + "self_attn.o_proj.weight",), "copy"),
             Entry(m + mlp_norm, (h + "post_attention_layernorm.weight",), "copy"),
             Entry(m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), "fc1"),
@@ -96,12 +121,12 @@ def fuse(entry: Entry, tensors: list[Tensor], hf_config: Mapping[str, Any]) -> T
     if entry.fuse == "fc1":
         return torch.cat(tensors, dim=0)  # (2*ffn, hidden): gate over up
     heads, groups, d = _heads(hf_config)
-    q, k, v = tensors  # (heads*d, H), (groups*d, H), (groups*d, H)
-    hidden = q.shape[1]
-    q = q.reshape(groups, heads // groups * d, hidden)
-    k = k.reshape(groups, d, hidden)
-    v = v.reshape(groups, d, hidden)
-    return torch.cat([q, k, v], dim=1).reshape(-1, hidden)  # per group: its q heads, then k, then v
+    q, k, v = tensors  # (heads*d, H), (groups*d, H), (groups*d, H); or their biases (heads*d,), ...
+    tail = q.shape[1:]
+    q = q.reshape(groups, heads // groups * d, *tail)
+    k = k.reshape(groups, d, *tail)
+    v = v.reshape(groups, d, *tail)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *tail)  # per group: its q heads, then k, then v
 
 
 def split(entry: Entry, full: Tensor, hf_config: Mapping[str, Any]) -> list[Tensor]:
@@ -111,9 +136,9 @@ def split(entry: Entry, full: Tensor, hf_config: Mapping[str, Any]) -> list[Tens
     if entry.fuse == "fc1":
         return list(full.chunk(2, dim=0))
     heads, groups, d = _heads(hf_config)
-    hidden = full.shape[1]
-    q, k, v = full.reshape(groups, (heads // groups + 2) * d, hidden).split([heads // groups * d, d, d], dim=1)
-    return [q.reshape(-1, hidden), k.reshape(-1, hidden), v.reshape(-1, hidden)]
+    tail = full.shape[1:]  # (H,) of the weight, () of the bias
+    q, k, v = full.reshape(groups, (heads // groups + 2) * d, *tail).split([heads // groups * d, d, d], dim=1)
+    return [q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)]
 
 
 def _tp(param: Tensor) -> tuple[bool, int, int]:
@@ -158,12 +183,12 @@ def _tp_group() -> tuple[dist.ProcessGroup | None, int, int]:
 def load_trunk(model: nn.Module, tensors: Mapping[str, Tensor], hf_config: Mapping[str, Any]) -> None:
     """Copy contract-named trunk tensors into a megatron-core GPTModel (this rank's shards).
 
-    Draft tensors (``mtp.*``) are ignored here; anything else unknown or missing raises.
+    Draft tensors (``mtp.*``, MiMo's ``model.mtp_layers.*``) are ignored here; anything else unknown or missing raises.
     """
     params = dict(model.named_parameters())
     entries = plan(hf_config, set(params))
     wanted = {name for e in entries for name in e.hf}
-    trunk = {k for k in tensors if not k.startswith(MTP_PREFIX)}
+    trunk = {k for k in tensors if not is_draft_name(k, hf_config)}
     if wanted != trunk:
         raise CheckpointMismatchError(
             f"checkpoint trunk tensors differ from the model: missing {sorted(wanted - trunk)[:5]}, "
@@ -205,12 +230,13 @@ def export_names(model: nn.Module, hf_config: Mapping[str, Any]) -> list[str]:
     return [name for e in plan(hf_config, {n for n, _ in model.named_parameters()}) for name in e.hf]
 
 
-def draft_names(draft: nn.Module) -> list[str]:
+def draft_names(draft: nn.Module, hf_config: Mapping[str, Any]) -> list[str]:
     """The contract names `export_draft` yields, in its order."""
-    return [MTP_PREFIX + name for name, _ in draft.named_parameters()]
+    return [draft_prefix(hf_config) + name for name, _ in draft.named_parameters()]
 
 
-def export_draft(draft: nn.Module) -> Iterator[tuple[str, Tensor]]:
+def export_draft(draft: nn.Module, hf_config: Mapping[str, Any]) -> Iterator[tuple[str, Tensor]]:
     """Yield (contract name, tensor) of the draft head (replicated; names already contract sub-names)."""
+    prefix = draft_prefix(hf_config)
     for name, param in draft.named_parameters():
-        yield MTP_PREFIX + name, param.detach().clone()
+        yield prefix + name, param.detach().clone()

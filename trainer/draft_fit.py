@@ -55,13 +55,14 @@ class DraftFitConfig:
 def init_draft_from_embedding(model: Qwen3WithMTP) -> None:
     """Start MTP layer 0 as the "bigram" draft: logits = lm_head(norm(embed(x_{t+1}))).
 
-    eh_proj passes the normed next-token embedding through and drops h_t; the layer's
+    The projection (eh_proj) passes the normed next-token embedding through and drops h_t; the layer's
     attention and MLP outputs start at zero (residual identity). Training then adds context.
     """
     mtp, h = model.mtp_layer(0), model.config.hidden_size
+    embedding = slice(h, 2 * h) if mtp.hidden_first else slice(0, h)  # the projection's embedding half
     with torch.no_grad():
-        mtp.eh_proj.weight.zero_()
-        mtp.eh_proj.weight[:, :h] = torch.eye(h)
+        mtp.proj.weight.zero_()
+        mtp.proj.weight[:, embedding] = torch.eye(h)
         mtp.self_attn.o_proj.weight.zero_()
         mtp.mlp.down_proj.weight.zero_()
         for name, p in mtp.named_parameters():
@@ -100,7 +101,7 @@ def fit_draft(
         target_logits = model.logits(hidden)  # (N, T, V)
     mask = torch.zeros(ids.shape[0], ids.shape[1] - 1)
     mask[:, max(cfg.prompt_length - 1, 0) :] = 1.0  # tokens[:, 1:] from the continuation on, not the random prompt
-    draft = MTPDraft(model.config, layers=model.mtp.layers)
+    draft = MTPDraft(model.config, layers=model.draft_layers)
     objective = DraftConfig(objective="kl", chain_depth=cfg.chain_depth)
     weight = model.output_weight()
 

@@ -53,7 +53,7 @@ from torch import Tensor, nn
 
 from muon import HybridOptimizerConfig
 from sidecar.model.eagle3 import Eagle3Draft
-from sidecar.model.model import ModelConfig, MTPLayer, MTPStack
+from sidecar.model.model import AnyMTPLayer, ModelConfig, mtp_layers
 from trainer.schedules import LRScheduleConfig
 from yarn import RotaryEmbedding
 
@@ -98,11 +98,13 @@ class DraftConfig:
 
 
 def init_draft_weights(module: nn.Module, std: float) -> None:
-    """A fresh draft's parameters: normal(0, std) matrices, unit norm gains (deterministic under
-    torch.manual_seed)."""
+    """A fresh draft's parameters: normal(0, std) matrices, unit norm gains, zero biases
+    (deterministic under torch.manual_seed)."""
     with torch.no_grad():
-        for p in module.parameters():
-            if p.ndim == 1:
+        for name, p in module.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            elif p.ndim == 1:
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, std)
@@ -111,7 +113,7 @@ def init_draft_weights(module: nn.Module, std: float) -> None:
 class MTPDraft(nn.Module):
     """The draft head: the engine's own MTP layers (state-dict keys ``layers.{j}.*``).
 
-    Reusing ``sidecar.model.model.MTPStack`` makes the trainer's draft function the engine's by
+    Reusing ``sidecar.model.model.mtp_layers`` makes the trainer's draft function the engine's by
     construction; this class adds the teacher-forced chain the trainer needs.
     """
 
@@ -121,7 +123,7 @@ class MTPDraft(nn.Module):
         super().__init__()
         if config.num_nextn_predict_layers < 1:
             raise ValueError("num_nextn_predict_layers must be >= 1 to build a draft head")
-        self.layers = layers if layers is not None else MTPStack(config).layers
+        self.layers = layers if layers is not None else mtp_layers(config)
         self.rotary = RotaryEmbedding(config.rope_config())
 
     def init_weights(self, std: float = 0.02) -> None:
@@ -158,11 +160,11 @@ class MTPDraft(nn.Module):
 
     def logits(self, j: int, out: Tensor, head: Callable[[Tensor], Tensor]) -> Tensor:  # (B, L, H) -> (B, L, V)
         """Output logits of draft step j through the shared output `head` (hidden -> full vocab)."""
-        return head(self.layer(j).shared_head.norm(out))
+        return head(self.layer(j).head_norm(out))
 
-    def layer(self, j: int) -> MTPLayer:
+    def layer(self, j: int) -> AnyMTPLayer:
         """The MTP layer that draft step j uses: min(j, n-1) (chain drafting)."""
-        return cast(MTPLayer, self.layers[min(j, len(self.layers) - 1)])
+        return cast(AnyMTPLayer, self.layers[min(j, len(self.layers) - 1)])
 
     def restrict(self, target_logits: Tensor) -> Tensor:
         """The target's logits over the draft's vocabulary: all of it."""

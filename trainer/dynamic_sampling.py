@@ -36,6 +36,9 @@ class Group:
     reward_terms: dict[str, Tensor] = field(default_factory=dict)
     """(G,) each reward term's values by name, for a task with several terms (their weighted sum
     is `task_rewards`); empty for a task with one."""
+    loss_masks: list[list[int]] | None = None
+    """Per sample, 1 on the tokens the loss counts (a multi-turn episode's own turns) and 0 on the
+    environment's observations; None: every generated token counts."""
 
     @property
     def informative(self) -> bool:

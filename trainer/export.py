@@ -4,7 +4,7 @@ A run keeps resumable Megatron checkpoints (`trainer.checkpointing`: ``runs/x/ch
 one ``rank*.pt`` per tensor-parallel shard); what a user takes out is the checkpoint naming
 contract (`sidecar.model.checkpoint`), which transformers' ``Qwen3ForCausalLM.from_pretrained``,
 `specrl serve` and SGLang read. Nothing here converts weights itself: the policy is rebuilt as
-the run built it (`trainer.rl_loop.build_policy`), restored from the step's checkpoint as a resume
+the run built it (`trainer.run_setup.build_policy`), restored from the step's checkpoint as a resume
 restores it (`Policy.load`), and written by the exporters the weight pushes and `draft-init` use
 (`Policy.save_hf`: ``config.json`` + ``model.safetensors``, the MTP layers inside as
 ``mtp.layers.*``; `Policy.save_draft`: an EAGLE-3 draft in the SGLang/vLLM layout). The tokenizer

@@ -1,8 +1,11 @@
-"""The policy network as a megatron-core ``GPTModel``, equal to the engine's Qwen3-style decoder.
+"""The policy network as a megatron-core ``GPTModel``, equal to the engine's decoder of each family.
 
-Qwen3 (Yang et al. 2025, arXiv:2505.09388) in Megatron's vocabulary: RMSNorm (``normalization``),
-SwiGLU (``gated_linear_unit`` + ``silu``), grouped-query attention (``num_query_groups``), RMSNorm on
-each query/key head before the rotary embedding (``qk_layernorm``), no biases anywhere, RoPE or YaRN
+Qwen3 (Yang et al. 2025, arXiv:2505.09388), Qwen2 and Llama in Megatron's vocabulary: RMSNorm
+(``normalization``), SwiGLU (``gated_linear_unit`` + ``silu``), grouped-query attention
+(``num_query_groups``), RMSNorm on each query/key head before the rotary embedding where the family
+has it (``qk_layernorm``: Qwen3), biases on q/k/v only where it has them (``add_qkv_bias``: Qwen2;
+never on the output projection or the MLP), the family read from config.json's ``architectures``
+(`sidecar.model.architectures.FAMILIES`, the descriptor the engine reads); RoPE, YaRN or llama3
 configured from ``yarn`` (`yarn.megatron.configure`, the same ``RopeConfig`` the engines use), tied
 or untied output head. The local (pure megatron-core) layer spec is used without
 TransformerEngine, the TE spec where TE is importable on CUDA.
@@ -21,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from sidecar.model.architectures import Family, family_of
 from trainer import platform
 from yarn import RopeConfig
 
@@ -39,7 +43,7 @@ def check_hf_config(hf: Mapping[str, Any], *, tensor_parallel: int) -> None:
     """Raise ValueError naming the key when `hf` cannot be built (or sharded) as asked."""
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         if key not in hf:
-            raise ValueError(f"model config lacks {key!r}; it must carry the Qwen3 config.json keys")
+            raise ValueError(f"model config lacks {key!r}; it must carry the config.json keys of its family")
     heads = int(hf["num_attention_heads"])
     groups = int(hf.get("num_key_value_heads") or heads)
     if heads % groups:
@@ -57,12 +61,19 @@ def check_hf_config(hf: Mapping[str, Any], *, tensor_parallel: int) -> None:
             )
 
 
+def family(hf: Mapping[str, Any]) -> Family:
+    """The family of a config.json dict (its attention variants), as the engine reads it."""
+    archs = hf.get("architectures")
+    return family_of(list(archs) if archs else None, hf.get("model_type"))
+
+
 def transformer_config(hf: Mapping[str, Any], *, tensor_parallel: int = 1) -> Any:
-    """megatron-core ``TransformerConfig`` for a Qwen3 config.json dict (float32, no dropout)."""
+    """megatron-core ``TransformerConfig`` for a config.json dict of a supported family (float32, no dropout)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     check_hf_config(hf, tensor_parallel=tensor_parallel)
     heads = int(hf["num_attention_heads"])
+    attention = family(hf)
     return TransformerConfig(
         num_layers=int(hf["num_hidden_layers"]),
         hidden_size=int(hf["hidden_size"]),
@@ -75,8 +86,8 @@ def transformer_config(hf: Mapping[str, Any], *, tensor_parallel: int = 1) -> An
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=False,
-        qk_layernorm=True,
+        add_qkv_bias=attention.attention_bias,
+        qk_layernorm=attention.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         # Fusions are CUDA kernels (or TE); the unfused paths are exact in float32.
@@ -107,11 +118,13 @@ def build_gpt_model(hf: Mapping[str, Any], *, tensor_parallel: int = 1) -> Any:
 
     platform.apply_cpu_accommodations()
     config = transformer_config(hf, tensor_parallel=tensor_parallel)
-    rope_kwargs = yarn.megatron.configure(config, RopeConfig.from_hf(hf))
+    rope = RopeConfig.from_hf(hf)
+    rope_kwargs = yarn.megatron.configure(config, rope)
+    qk_norm = config.qk_layernorm
     if _te_available():
-        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True)
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
     else:
-        spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+        spec = get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -123,6 +136,7 @@ def build_gpt_model(hf: Mapping[str, Any], *, tensor_parallel: int = 1) -> Any:
         share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
         **rope_kwargs,
     )
+    yarn.megatron.install_frequencies(model, rope)
     return model.to(platform.device())
 
 

@@ -22,6 +22,10 @@ through ``shared_head.norm`` and the trunk's output head. It starts as:
   from exactly zero, the way a new input branch is added without disturbing what works (LoRA's
   B = 0); its gradient is non-zero from the first step, since its input is not.
 
+In MiMo's layout (`MiMoForCausalLM`, ``model.mtp_layers.0.*``) the same start under its names:
+``token_layernorm`` / ``hidden_layernorm`` ones, ``input_proj`` the identity on its hidden half (the
+first, there), ``final_layernorm`` the trunk's final norm.
+
 That start is principled, not a measured win: after draft-init's fit, the copied-layer starts and a
 random draft reach about the same τ at the demo's size, and on a 2-layer model the random one did
 better (docs/checkpoints.md has the table).
@@ -35,16 +39,13 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from sidecar.model.checkpoint import MTP_PREFIX, check_state_dict, draft_tensor_shapes
+from sidecar.model.checkpoint import check_state_dict, draft_prefix, draft_tensor_shapes, mtp_own_names
 from sidecar.model.model import ModelConfig
-
-_OWN = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
-"""The MTP layer's own tensors; every other sub-name is a decoder-layer tensor of the trunk's."""
 
 
 def graft_mtp_layer(config: ModelConfig, tensors: Mapping[str, Tensor]) -> tuple[ModelConfig, dict[str, Tensor]]:
     """`config` with one MTP layer, and `tensors` (a checkpoint without one, contract names) with
-    that layer's ``mtp.layers.0.*`` added, initialised as the module docstring says (same dtype
+    that layer's ``mtp.layers.0.*`` (MiMo: ``model.mtp_layers.0.*``) added, initialised as the module docstring says (same dtype
     and device as the trunk's tensors). ValueError if the checkpoint already has MTP layers."""
     if config.num_nextn_predict_layers:
         raise ValueError(
@@ -52,20 +53,22 @@ def graft_mtp_layer(config: ModelConfig, tensors: Mapping[str, Tensor]) -> tuple
         )
     grafted = dataclasses.replace(config, num_nextn_predict_layers=1)
     last = f"model.layers.{config.num_hidden_layers - 1}."
-    prefix = f"{MTP_PREFIX}0."
+    prefix = f"{draft_prefix(grafted)}0."
     like = tensors["model.norm.weight"]
     h = config.hidden_size
-    eh_proj = torch.zeros(h, 2 * h, dtype=like.dtype, device=like.device)
-    eh_proj[:, h:] = torch.eye(h, dtype=like.dtype, device=like.device)  # cat([embedding, hidden]): hidden passes
-    own = {
-        "enorm.weight": torch.ones_like(like),
-        "hnorm.weight": torch.ones_like(like),
-        "eh_proj.weight": eh_proj,
-        "shared_head.norm.weight": like.clone(),
+    proj = torch.zeros(h, 2 * h, dtype=like.dtype, device=like.device)
+    hidden_half = slice(0, h) if grafted.mtp_layout == "mimo" else slice(h, 2 * h)  # MiMo: cat([hidden, embedding])
+    proj[:, hidden_half] = torch.eye(h, dtype=like.dtype, device=like.device)  # the hidden state passes
+    token_norm, hidden_norm, proj_name, head_norm = mtp_own_names(grafted)
+    own = {  # the MTP layer's own tensors; every other sub-name is a decoder-layer tensor of the trunk's
+        token_norm: torch.ones_like(like),
+        hidden_norm: torch.ones_like(like),
+        proj_name: proj,
+        head_norm: like.clone(),
     }
     out = dict(tensors)
     for name in draft_tensor_shapes(grafted):
         sub = name[len(prefix) :]
-        out[name] = own[sub] if sub in _OWN else tensors[last + sub].clone()
+        out[name] = own[sub] if sub in own else tensors[last + sub].clone()
     check_state_dict(grafted, out, source="the grafted checkpoint")
     return grafted, out

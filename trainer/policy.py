@@ -128,10 +128,15 @@ class TrainBatch:
         advantages: Tensor,  # (B,)
         rollout_logprobs: list[list[float]] | None = None,
         pad_id: int = 0,
+        loss_masks: list[list[int]] | None = None,
     ) -> TrainBatch:
-        """Pack prompt/response token lists (and the engine's per-token log-probs) into a batch."""
+        """Pack prompt/response token lists (and the engine's per-token log-probs) into a batch.
+        `loss_masks`: per response, 1 on the tokens the loss counts and 0 on the others (a multi-turn
+        episode's observations, `trainer.episodes`); None: every response token counts."""
         if len(prompts) != len(responses):
             raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+        if loss_masks is not None and [len(m) for m in loss_masks] != [len(r) for r in responses]:
+            raise ValueError("each loss mask must have one entry per response token")
         seq = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
         b = len(prompts)
         tokens = torch.full((b, seq), pad_id, dtype=torch.long)
@@ -139,7 +144,9 @@ class TrainBatch:
         rollout = torch.zeros(b, seq - 1) if rollout_logprobs is not None else None
         for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
             tokens[i, : len(p) + len(r)] = torch.tensor(p + r, dtype=torch.long)
-            mask[i, len(p) - 1 : len(p) - 1 + len(r)] = 1.0
+            mask[i, len(p) - 1 : len(p) - 1 + len(r)] = (
+                1.0 if loss_masks is None else torch.tensor(loss_masks[i]).float()
+            )
             if rollout is not None and rollout_logprobs is not None:
                 rollout[i, len(p) - 1 : len(p) - 1 + len(r)] = torch.tensor(rollout_logprobs[i], dtype=torch.float32)
         return cls(tokens=tokens, mask=mask, advantages=advantages.float(), rollout_logprobs=rollout)
@@ -235,7 +242,7 @@ class Policy:
                 self.draft.init_weights()
             self.taps = self.draft.config.aux_layers(model_config.num_hidden_layers)
             if tensors is not None:
-                tensors = {k: v for k, v in tensors.items() if not k.startswith(bridge.MTP_PREFIX)}
+                tensors = {k: v for k, v in tensors.items() if not bridge.is_draft_name(k, self.hf)}
         elif model_config.num_nextn_predict_layers > 0:
             torch.manual_seed(cfg.seed)
             self.draft = MTPDraft(model_config).to(platform.device())
@@ -287,7 +294,8 @@ class Policy:
     def load_tensors(self, tensors: dict[str, Tensor]) -> None:
         """Copy contract-named tensors in (trunk always; the draft's when present)."""
         bridge.load_trunk(self.model, tensors, self.hf)
-        draft = {k[len(bridge.MTP_PREFIX) :]: v for k, v in tensors.items() if k.startswith(bridge.MTP_PREFIX)}
+        prefix = bridge.draft_prefix(self.hf)
+        draft = {k[len(prefix) :]: v for k, v in tensors.items() if bridge.is_draft_name(k, self.hf)}
         if draft and isinstance(self.draft, Eagle3Head):
             raise bridge.CheckpointMismatchError("mtp.* tensors given to a policy that trains an EAGLE-3 draft")
         if draft and self.draft is None:
@@ -309,7 +317,7 @@ class Policy:
         """
         yield from bridge.export_trunk(self.model, self.hf)
         if isinstance(self.draft, MTPDraft):
-            yield from bridge.export_draft(self.draft)
+            yield from bridge.export_draft(self.draft, self.hf)
         elif isinstance(self.draft, Eagle3Head):  # a push's DRAFT part; the token maps stay as served
             for name, p in self.draft.named_parameters():
                 yield PUSH_PREFIX + name, p.detach().clone()
@@ -321,7 +329,7 @@ class Policy:
                 PUSH_PREFIX + n for n, _ in self.draft.named_parameters()
             ]
         return bridge.export_names(self.model, self.hf) + (
-            bridge.draft_names(self.draft) if isinstance(self.draft, MTPDraft) else []
+            bridge.draft_names(self.draft, self.hf) if isinstance(self.draft, MTPDraft) else []
         )
 
     def save_draft(self, path: str | Path) -> None:

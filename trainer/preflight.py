@@ -22,8 +22,9 @@ from tqdm import tqdm
 from sidecar.errors import SpecrlError
 from sidecar.model.architectures import UnsupportedConfigError
 from sidecar.model.model import ModelConfig
+from trainer.environments import Environment, Feedback, stop_token_ids
 from trainer.rl_config import RLConfig
-from trainer.tasks import DatasetTask, Problem, Task, prompt_ids, rows_message
+from trainer.tasks import DatasetTask, Problem, ProblemSource, Task, prompt_ids, rows_message
 from trainer.tokenizer import Tokenizer, TokenizerMismatchError, model_tokenizer
 from trainer.trackers import check_trackers
 
@@ -38,7 +39,7 @@ class Prepared:
 
     model_config: ModelConfig
     tokenizer: Tokenizer
-    task: Task
+    task: Task | Environment
 
 
 def preflight(cfg: RLConfig, *, probe_sidecars: bool = True) -> Prepared:
@@ -124,20 +125,60 @@ def _speculation(cfg: RLConfig, model: ModelConfig) -> None:
         )
 
 
-def _task(cfg: RLConfig, tokenizer: Tokenizer, model: ModelConfig) -> Task:
+def _task(cfg: RLConfig, tokenizer: Tokenizer, model: ModelConfig) -> Task | Environment:
     try:
         task = cfg.task.build()
     except (OSError, ValueError, TypeError) as e:
         raise PreflightError(f"task: {e}") from None
+    if isinstance(task, Environment):
+        _environment(cfg, task, tokenizer, model)
+        return task
     check_problems(task, tokenizer, model, cfg.rollout.max_new_tokens, seed=cfg.seed, reward_key=_reward_key(cfg))
     return task
+
+
+def _environment(cfg: RLConfig, env: Environment, tokenizer: Tokenizer, model: ModelConfig) -> None:
+    """A multi-turn environment's stop strings are one token each, its conversations fit the model's
+    context, and its episodes answer a turn with a `Feedback` (dry-played on 16 problems)."""
+    try:
+        stop_token_ids(env, tokenizer)
+    except ValueError as e:
+        raise PreflightError(f"task: {e}") from None
+    limit = cfg.task.max_episode_tokens
+    if limit > model.max_position_embeddings:
+        raise PreflightError(
+            f"task.max_episode_tokens={limit} exceeds the model's max_position_embeddings="
+            f"{model.max_position_embeddings}; lower task.max_episode_tokens"
+        )
+    for where, problem in _problems(env, cfg.seed):
+        try:
+            ids = prompt_ids(env, tokenizer, problem)
+        except ValueError as e:
+            raise PreflightError(f"task: {where}: the prompt cannot be tokenized ({e})") from None
+        if len(ids) >= limit:
+            raise PreflightError(
+                f"task: {where}'s prompt has {len(ids)} tokens, task.max_episode_tokens={limit} leaves no turn; "
+                "raise task.max_episode_tokens"
+            )
+        try:
+            feedback = env.reset(problem).step(problem.answer)
+        except Exception as e:  # user code: whatever it raises is reported
+            raise PreflightError(
+                f"task.environment={cfg.task.environment or env.name} failed on a dry turn ({where}: prompt "
+                f"{problem.prompt[:40]!r}): {type(e).__name__}: {e}"
+            ) from None
+        if not isinstance(feedback, Feedback) or not math.isfinite(feedback.reward):
+            raise PreflightError(
+                f"task.environment={cfg.task.environment or env.name}: a turn's step returned {feedback!r} ({where}); "
+                "return trainer.environments.Feedback(observation=..., reward=<finite float>, done=...)"
+            )
 
 
 def _reward_key(cfg: RLConfig) -> str:
     return f"task.rewards={list(cfg.task.rewards)}" if cfg.task.rewards else "the task's reward"
 
 
-def _problems(task: Task, seed: int) -> list[tuple[str, Problem]]:
+def _problems(task: ProblemSource, seed: int) -> list[tuple[str, Problem]]:
     """What to check: every row of a dataset (named by where it is written), or 8 problems of each
     split of a generated task."""
     if isinstance(task, DatasetTask):
@@ -207,7 +248,7 @@ def check_problems(
                 raise PreflightError(f"{reward_key} returned {value} on a dry call ({where}); return a finite float")
 
 
-def rendered_prompt(task: Task, tokenizer: Tokenizer) -> str:
+def rendered_prompt(task: ProblemSource, tokenizer: Tokenizer) -> str:
     """The first training prompt as the model sees it (decoded from its tokens, special tokens kept
     where the tokenizer can show them): printed at start so a user checks the template."""
     problem = task.sample(random.Random(0), "train")
@@ -290,7 +331,7 @@ def check_sidecars(cfg: RLConfig, model: ModelConfig) -> None:
             )
 
 
-def announce_task(task: Task, tokenizer: Tokenizer) -> None:
+def announce_task(task: ProblemSource, tokenizer: Tokenizer) -> None:
     """Show what the model sees (the first training prompt, rendered) and the rows a dataset dropped."""
     dropped = getattr(task, "dropped", None)
     if dropped:

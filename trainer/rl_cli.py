@@ -19,6 +19,7 @@ import yaml
 from tqdm import tqdm
 
 from sidecar.config_io import ConfigError, from_mapping, load_file, merge_overrides, retired_option, to_mapping
+from trainer.environments import Environment
 from trainer.rl_config import RLConfig, TaskConfig
 from trainer.tasks import DatasetFields, Task
 from trainer.tokenizer import Tokenizer
@@ -100,7 +101,7 @@ def train(
         click.echo(yaml.safe_dump(to_mapping(cfg), sort_keys=False), nl=False)
         return
     from trainer.export import EXPORT_DIR
-    from trainer.rl_loop import is_leader
+    from trainer.ranks import is_leader
     from trainer.rl_loop import train as run_training
 
     with user_errors():
@@ -156,9 +157,12 @@ def _task(
             raise ValueError(
                 f"--fields {fields!r}: keys are {[f.name for f in dataclasses.fields(DatasetFields)]}"
             ) from None
-        task = TaskConfig(kind="dataset", path=str(dataset), fields=columns, system_prompt=system_prompt)
-        return task.build(needs_answers=needs_answers)
-    return TaskConfig(kind="arithmetic", regime="think" if regime == "think" else "zero", digits=digits).build()
+        config = TaskConfig(kind="dataset", path=str(dataset), fields=columns, system_prompt=system_prompt)
+    else:
+        config = TaskConfig(kind="arithmetic", regime="think" if regime == "think" else "zero", digits=digits)
+    task = config.build(needs_answers=needs_answers)
+    assert not isinstance(task, Environment)  # single-turn kinds
+    return task
 
 
 def _checked_inputs(
@@ -363,7 +367,8 @@ def export_run(run_dir: Path, out: Path, step: int | None = None, *, progress: b
 
     from trainer.export import ExportError, export_policy, kept_steps
     from trainer.ranks import is_leader
-    from trainer.rl_loop import build_policy, phase
+    from trainer.run import phase
+    from trainer.run_setup import build_policy
 
     run_dir, out = Path(run_dir), Path(out)
     config = run_dir / "config.yaml"

@@ -19,6 +19,8 @@ from sidecar.engine.config import EngineConfig
 from sidecar.security import SecurityConfig
 from sidecar.serve_config import ServeConfig
 from trainer.draft_objective import DraftConfig
+from trainer.environments import CalculatorEnvironment, Environment, load_environment
+from trainer.episodes import EpisodeLimits
 from trainer.losses import GRPOConfig
 from trainer.rewards import rewards_from_specs
 from trainer.schedules import LRScheduleConfig
@@ -32,8 +34,10 @@ class TaskConfig:
 
     RETIRED_KEYS: ClassVar[dict[str, str]] = {"reward_fn": "rewards"}
 
-    kind: Literal["arithmetic", "dataset"] = "arithmetic"
-    """"arithmetic": the built-in synthetic task; "dataset": a user dataset at `path`."""
+    kind: Literal["arithmetic", "dataset", "calculator", "environment"] = "arithmetic"
+    """"arithmetic": the built-in synthetic task; "dataset": a user dataset at `path`; "calculator": the
+    built-in multi-turn environment (arithmetic with a calculator the policy calls); "environment": a
+    user's multi-turn environment, the class `environment` names (`trainer.environments`)."""
     regime: Literal["zero", "think"] = "zero"
     """Arithmetic regime (short scratchpad or multi-step chains)."""
     digits: int = 2
@@ -66,16 +70,38 @@ class TaskConfig:
     refusing the run."""
     eval_fraction: float = 0.1
     """Share of problems held out for evaluation (split by prompt hash)."""
+    environment: str | None = None
+    """The multi-turn environment when kind is "environment": a class "package.module:Class" or
+    "path/to/file.py:Class", built with no arguments."""
+    max_turns: int = 4
+    """Policy turns per episode of a multi-turn environment."""
+    max_episode_tokens: int = 512
+    """Tokens of a whole multi-turn conversation (prompt, turns, observations); a turn or an
+    observation past it is cut there."""
 
     def __post_init__(self) -> None:
         if self.kind == "dataset" and self.path is None:
             raise ValueError("task.path must name a dataset when task.kind is 'dataset'")
+        if self.kind == "environment" and not self.environment:
+            raise ValueError(
+                "task.environment must name a class ('package.module:Class') when task.kind is 'environment'"
+            )
+        if self.environment and self.kind != "environment":
+            raise ValueError(f"task.environment is set but task.kind is {self.kind!r}: set task.kind=environment")
+        if self.kind in ("calculator", "environment") and self.rewards:
+            raise ValueError("a multi-turn environment rewards its own episodes: unset task.rewards")
+        EpisodeLimits(max_turns=self.max_turns, max_tokens=self.max_episode_tokens)  # checks both
         if self.kind == "arithmetic" and self.rewards and tuple(self.rewards) != ("exact",):
             raise ValueError("the arithmetic task is rewarded by 'exact' alone: unset task.rewards")
 
-    def build(self, *, needs_answers: bool = True) -> Task:
+    def build(self, *, needs_answers: bool = True) -> Task | Environment:
         if self.kind == "arithmetic":
             return ArithmeticTask(regime=self.regime, digits=self.digits, eval_fraction=self.eval_fraction)
+        if self.kind == "calculator":
+            return CalculatorEnvironment(digits=self.digits, eval_fraction=self.eval_fraction)
+        if self.kind == "environment":
+            assert self.environment is not None
+            return load_environment(self.environment)
         assert self.path is not None
         path: str | Path = self.path
         if Path(self.path).exists() or Path(self.path).suffix:

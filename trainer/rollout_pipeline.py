@@ -7,7 +7,7 @@ pushed their weights: with L = 0 that is after step s - 1 (today's synchronous l
 train, push, generate...), with L = 1 while step s - 1 trains, so generation of the next batch
 overlaps training. Since a push may land while a batch is generating, a sample's tokens can come
 from several versions; the bound is checked on the oldest (`Sample.weight_version`, the version
-of its first token) by the loop that takes the batch (`trainer.rl_loop`), which regenerates a
+of its first token) by the loop that takes the batch (`trainer.rollouts.next_batch`), which regenerates a
 group that is still too old rather than train on it.
 
 `RolloutPipeline` is the schedule alone, over any `produce(step)`: the RL loop's rollouts in use,

@@ -67,18 +67,23 @@ Message = dict[str, str]
 """One chat turn, {"role": "system" | "user" | "assistant", "content": str}."""
 
 
-class Task(Protocol):
-    """A source of problems and their reward."""
+class ProblemSource(Protocol):
+    """What draws problems: a task, or a multi-turn environment (`trainer.environments`)."""
 
     @property
     def name(self) -> str: ...
 
     def sample(self, rng: random.Random, split: Split = "train") -> Problem: ...
 
+
+class Task(ProblemSource, Protocol):
+    """A source of problems and their reward."""
+
     def reward(self, problem: Problem, completion: str) -> float: ...
 
 
-def _split_of(prompt: str, eval_fraction: float) -> Split:
+def split_of(prompt: str, eval_fraction: float) -> Split:
+    """ "eval" for the share `eval_fraction` of prompts (by a hash of the text), else "train"."""
     digest = hashlib.blake2b(prompt.encode(), digest_size=8).digest()
     return "eval" if int.from_bytes(digest, "little") / 2**64 < eval_fraction else "train"
 
@@ -110,7 +115,7 @@ class ArithmeticTask:
         """Draw problems until one falls in `split` (about 1/eval_fraction draws at most)."""
         for _ in range(10_000):
             problem = self._zero(rng) if self.regime == "zero" else self._think(rng)
-            if _split_of(problem.prompt, self.eval_fraction) == split:
+            if split_of(problem.prompt, self.eval_fraction) == split:
                 return problem
         raise RuntimeError(f"no {split} problem in 10000 draws; eval_fraction={self.eval_fraction} is too extreme")
 
@@ -148,7 +153,7 @@ class ArithmeticTask:
         return Problem(prompt=f"{expr}=?\n", answer=str(acc), solution="\n".join(steps) + f"\n#{acc}")
 
 
-def distinct_problems(task: Task, rng: random.Random, split: Split, size: int) -> list[Problem]:
+def distinct_problems(task: ProblemSource, rng: random.Random, split: Split, size: int) -> list[Problem]:
     """`size` problems of `split` with distinct prompts, drawn in order from `rng`; fewer (all the
     split has) when the split holds fewer than `size` distinct prompts. A held-out set with repeats
     would count a problem twice and understate its standard error."""
@@ -167,7 +172,7 @@ def distinct_problems(task: Task, rng: random.Random, split: Split, size: int) -
     return problems
 
 
-def prompt_ids(task: Task, tokenizer: Tokenizer, problem: Problem) -> list[int]:
+def prompt_ids(task: ProblemSource, tokenizer: Tokenizer, problem: Problem) -> list[int]:
     """The token ids of `problem`'s prompt as the policy sees it (the task's rendering, e.g. through
     the model's chat template; a task without one encodes the prompt text)."""
     render = getattr(task, "prompt_ids", None)
@@ -385,7 +390,7 @@ class DatasetTask:
         if self.eval_problems:
             pool = list(self.eval_problems if split == "eval" else self.problems)
         else:
-            pool = [p for p in self.problems if _split_of(p.prompt, self.eval_fraction) == split]
+            pool = [p for p in self.problems if split_of(p.prompt, self.eval_fraction) == split]
         return rng.choice(pool or list(self.problems))
 
     def reward(self, problem: Problem, completion: str) -> float:

@@ -22,6 +22,12 @@ Where Megatron differs from Hugging Face (and so from ``yarn``), ``configure`` r
   (``apply_rope_fusion`` is fine: TE's fused RoPE warns and falls back to the unfused path). Megatron's
   dynamic-batching inference context also ignores the scale; the trainer does not use it.
 
+llama3 scaling: megatron-core's ``GPTModel(rope_scaling=True)`` applies Llama 3.1's scaling with only the
+factor configurable (``low_freq_factor`` 1, ``high_freq_factor`` 4 and an original context of 8192 are
+fixed in ``RotaryEmbedding._apply_scaling``). So ``configure`` asks for plain ``"rope"`` and
+``install_frequencies`` then sets the built model's inverse frequencies to ``yarn.inv_freq`` (the same
+float32 operations as Megatron's and transformers', for any of the four values).
+
 On a machine without CUDA, constructing ``YarnRotaryEmbedding`` (and calling it) needs
 ``torch.cuda.current_device`` to return the CPU device even with ``use_cpu_initialization=True``: it moves
 its frequency tensors to ``torch.cuda.current_device()`` on every call. The trainer's CPU platform module
@@ -38,7 +44,7 @@ from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
 )
 from megatron.core.transformer import TransformerConfig
 
-from yarn.rope import RopeConfig, attention_scale
+from yarn.rope import RopeConfig, attention_scale, inv_freq
 
 # The TransformerConfig attributes GPTModel(position_embedding_type="yarn") reads with getattr.
 YARN_ATTRIBUTES = (
@@ -82,6 +88,8 @@ def configure(config: TransformerConfig, rope: RopeConfig) -> dict[str, Any]:
         "rotary_percent": 1.0,
         "seq_len_interpolation_factor": None,
     }
+    if rope.rope_type == "llama3":
+        return kwargs  # plain RoPE's module, given llama3's frequencies by `install_frequencies`
     if rope.rope_type == "default" or rope.factor == 1.0:
         if scale != 1.0:
             raise ValueError(
@@ -110,3 +118,14 @@ def configure(config: TransformerConfig, rope: RopeConfig) -> dict[str, Any]:
             raise RuntimeError(f"megatron-core YaRN scale {megatron_scale} != yarn attention_scale {scale}")
     kwargs["position_embedding_type"] = "yarn"
     return kwargs
+
+
+def install_frequencies(model: Any, rope: RopeConfig) -> None:
+    """Give a ``GPTModel`` built with ``configure``'s kwargs the inverse frequencies of ``rope`` where
+    Megatron cannot compute them itself (llama3); a no-op otherwise. Call it before the first forward
+    (Megatron's rotary embedding caches its output per sequence length)."""
+    if rope.rope_type != "llama3":
+        return
+    rotary = model.rotary_pos_emb
+    rotary.inv_freq = inv_freq(rope).to(device=rotary.inv_freq.device, dtype=rotary.inv_freq.dtype)
+    rotary.forward.cache_clear()  # the lru_cache of the embedding by sequence length

@@ -1,4 +1,4 @@
-"""Rotary position embeddings (RoPE) with YaRN context extension, one implementation for all of specrl.
+"""Rotary position embeddings (RoPE) with YaRN or llama3 scaling, one implementation for all of specrl.
 
 RoPE (Su et al. 2021, arXiv:2104.09864) rotates each pair (x_i, x_{i+d/2}) of a query/key head by the
 angle ``position * inv_freq[i]`` with ``inv_freq[i] = base^(-2i/d)``. YaRN (Peng et al. 2023, "YaRN:
@@ -8,6 +8,11 @@ their frequency (extrapolation), slow dimensions are divided by ``factor`` (inte
 ramp blends the two between the correction range (low, high) set by ``beta_fast``/``beta_slow`` rotations.
 It also multiplies cos and sin by an attention scale ``0.1 ln(factor) + 1`` (so q·k grows by its square),
 which keeps the softmax entropy of long contexts close to that of short ones.
+
+llama3 (Meta's Llama 3.1 scaling, transformers' ``_compute_llama3_parameters``) divides by ``factor`` the
+frequencies whose wavelength exceeds ``original_max_position_embeddings / low_freq_factor``, keeps those
+whose wavelength is below ``original_max_position_embeddings / high_freq_factor``, and interpolates
+smoothly in between; cos and sin are not rescaled.
 
 Why a module of our own: the trainer (megatron-core ``YarnRotaryEmbedding``) and the rollout engines must
 produce the same log-probabilities, including past the original context. So this module follows the
@@ -26,25 +31,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-ROPE_TYPES = ("default", "yarn")
+ROPE_TYPES = ("default", "yarn", "llama3")
 
-# Keys of a Hugging Face ``rope_scaling`` / ``rope_parameters`` entry that this module understands.
-_HF_YARN_KEYS = frozenset(
-    {
-        "rope_type",
-        "type",
-        "rope_theta",
-        "factor",
-        "original_max_position_embeddings",
-        "beta_fast",
-        "beta_slow",
-        "mscale",
-        "mscale_all_dim",
-        "truncate",
-        "attention_factor",
-        "partial_rotary_factor",
-    }
+# Keys of a Hugging Face ``rope_scaling`` / ``rope_parameters`` entry that this module understands, by rope type.
+_HF_COMMON_KEYS = frozenset(
+    {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "partial_rotary_factor"}
 )
+_HF_KEYS = {
+    "default": _HF_COMMON_KEYS,
+    "yarn": _HF_COMMON_KEYS | {"beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate", "attention_factor"},
+    "llama3": _HF_COMMON_KEYS | {"low_freq_factor", "high_freq_factor"},
+}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -59,11 +56,15 @@ class RopeConfig:
     base: float = 10000.0
     """RoPE base θ (``rope_theta``)."""
     rope_type: str = "default"
-    """``"default"`` (plain RoPE) or ``"yarn"``."""
+    """``"default"`` (plain RoPE), ``"yarn"`` or ``"llama3"``."""
     factor: float = 1.0
-    """YaRN context-extension factor s >= 1, used exactly as given."""
+    """The context-extension factor s >= 1 (YaRN's, llama3's), used exactly as given."""
     original_max_position_embeddings: int | None = None
-    """Context length the model was pre-trained with (YaRN's L); required for ``"yarn"``."""
+    """Context length the model was pre-trained with (YaRN's L); required for ``"yarn"`` and ``"llama3"``."""
+    low_freq_factor: float = 1.0
+    """llama3: wavelengths above ``original_max_position_embeddings / low_freq_factor`` are divided by factor."""
+    high_freq_factor: float = 4.0
+    """llama3: wavelengths below ``original_max_position_embeddings / high_freq_factor`` keep their frequency."""
     beta_fast: float = 32.0
     """Rotations within L above which a dimension is purely extrapolated (keeps its frequency)."""
     beta_slow: float = 1.0
@@ -87,7 +88,7 @@ class RopeConfig:
         if self.rope_type not in ROPE_TYPES:
             raise ValueError(
                 f"rope_type {self.rope_type!r} is not supported; use one of {ROPE_TYPES} "
-                "(linear, dynamic, llama3 and longrope scaling are not implemented)"
+                "(linear, dynamic and longrope scaling are not implemented)"
             )
         if not (math.isfinite(self.factor) and self.factor >= 1.0):
             raise ValueError(f"factor must be a finite number >= 1 (the context-extension ratio), got {self.factor!r}")
@@ -99,17 +100,26 @@ class RopeConfig:
             if self.factor != 1.0 or self.attention_factor not in (None, 1.0):
                 raise ValueError(
                     f"factor={self.factor} / attention_factor={self.attention_factor} only take effect with "
-                    "rope_type='yarn'; set rope_type='yarn' (and original_max_position_embeddings) or drop them"
+                    "rope_type='yarn' or 'llama3'; set one (and original_max_position_embeddings) or drop them"
                 )
             return
         orig = self.original_max_position_embeddings
         if orig is None:
             raise ValueError(
-                "original_max_position_embeddings is required for rope_type='yarn': set it to the context "
-                "length the model was pre-trained with"
+                f"original_max_position_embeddings is required for rope_type={self.rope_type!r}: set it to the "
+                "context length the model was pre-trained with"
             )
         if isinstance(orig, bool) or not isinstance(orig, int) or orig <= 0:
             raise ValueError(f"original_max_position_embeddings must be a positive int, got {orig!r}")
+        if self.rope_type == "llama3":
+            if self.attention_factor is not None:
+                raise ValueError("attention_factor does not apply to rope_type='llama3' (its cos/sin are unscaled)")
+            if not (0 < self.low_freq_factor < self.high_freq_factor and math.isfinite(self.high_freq_factor)):
+                raise ValueError(
+                    f"low_freq_factor ({self.low_freq_factor!r}) and high_freq_factor ({self.high_freq_factor!r}) "
+                    "must satisfy 0 < low_freq_factor < high_freq_factor (Llama 3.1: 1 and 4)"
+                )
+            return
         if not (math.isfinite(self.beta_slow) and self.beta_slow > 0):
             raise ValueError(f"beta_slow must be a finite number > 0, got {self.beta_slow!r}")
         if not (math.isfinite(self.beta_fast) and self.beta_fast > self.beta_slow):
@@ -155,20 +165,35 @@ class RopeConfig:
         scaling = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
         base = scaling.get("rope_theta", config.get("rope_theta", 10000.0))
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        unknown = sorted(set(scaling) - _HF_YARN_KEYS)
+        unknown = sorted(set(scaling) - _HF_KEYS.get(str(rope_type), _HF_COMMON_KEYS))
         if unknown:
-            raise ValueError(f"rope_scaling has keys this implementation does not understand: {unknown}")
+            raise ValueError(
+                f"rope_scaling has keys this implementation does not understand for rope_type {rope_type!r}: {unknown}"
+            )
         if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0:
             raise ValueError("rope_scaling.partial_rotary_factor != 1 is not supported: the whole head is rotated")
-        if rope_type != "yarn":
+        if rope_type not in ("yarn", "llama3"):
             return cls(head_dim=int(head_dim), base=float(base), rope_type=str(rope_type))
         if scaling.get("factor") is None:
-            raise ValueError("rope_scaling.factor is required for rope_type='yarn' (it is never inferred)")
+            raise ValueError(f"rope_scaling.factor is required for rope_type={rope_type!r} (it is never inferred)")
         if scaling.get("original_max_position_embeddings") is None:
             hint = config.get("max_position_embeddings")
             raise ValueError(
-                "rope_scaling.original_max_position_embeddings is required for rope_type='yarn': set it to the "
-                f"pre-training context length (max_position_embeddings={hint}, factor={scaling['factor']})"
+                f"rope_scaling.original_max_position_embeddings is required for rope_type={rope_type!r}: set it to "
+                f"the pre-training context length (max_position_embeddings={hint}, factor={scaling['factor']})"
+            )
+        if rope_type == "llama3":
+            absent = [k for k in ("low_freq_factor", "high_freq_factor") if scaling.get(k) is None]
+            if absent:
+                raise ValueError(f"rope_scaling.{absent[0]} is required for rope_type='llama3' (as in transformers)")
+            return cls(
+                head_dim=int(head_dim),
+                base=float(base),
+                rope_type="llama3",
+                factor=float(scaling["factor"]),
+                original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+                low_freq_factor=float(scaling["low_freq_factor"]),
+                high_freq_factor=float(scaling["high_freq_factor"]),
             )
         # Hugging Face treats a null or 0 beta as "use the default" (its `get(...) or 32`); so do we.
         return cls(
@@ -191,6 +216,14 @@ class RopeConfig:
         """The Hugging Face ``rope_scaling`` entry for this config (None for plain RoPE)."""
         if self.rope_type == "default":
             return None
+        if self.rope_type == "llama3":
+            return {
+                "rope_type": "llama3",
+                "factor": self.factor,
+                "original_max_position_embeddings": self.original_max_position_embeddings,
+                "low_freq_factor": self.low_freq_factor,
+                "high_freq_factor": self.high_freq_factor,
+            }
         out: dict[str, Any] = {
             "rope_type": "yarn",
             "factor": self.factor,
@@ -226,13 +259,16 @@ def _get_mscale(factor: float, mscale: float = 1.0) -> float:
 
 
 def attention_scale(cfg: RopeConfig) -> float:
-    """Factor applied to cos and sin (so to q·k squared): YaRN's ``0.1 ln(factor) + 1`` by default.
+    """Factor applied to cos and sin (so to q·k squared): YaRN's ``0.1 ln(factor) + 1`` by default, 1 for
+    plain RoPE and llama3.
 
     ``attention_factor`` overrides it. With both ``mscale`` and ``mscale_all_dim`` non-zero it is
     DeepSeek's ratio ``get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)``. Otherwise
     ``mscale`` is ignored, as Hugging Face transformers does (megatron-core would use
     ``get_mscale(factor, mscale)`` there; ``yarn.megatron`` reconciles the two).
     """
+    if cfg.rope_type == "llama3":
+        return 1.0
     if cfg.attention_factor is not None:
         return float(cfg.attention_factor)
     if cfg.mscale and cfg.mscale_all_dim:
@@ -250,6 +286,8 @@ def inv_freq(cfg: RopeConfig) -> Tensor:
     dim = cfg.head_dim
     pos_freqs = cfg.base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)  # (dim/2,)
     extrapolation = 1.0 / pos_freqs
+    if cfg.rope_type == "llama3":
+        return _llama3(extrapolation, cfg)
     if cfg.rope_type == "default" or cfg.factor == 1.0:
         return extrapolation
     interpolation = 1.0 / (cfg.factor * pos_freqs)
@@ -259,6 +297,21 @@ def inv_freq(cfg: RopeConfig) -> Tensor:
     ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
     extrapolation_weight = 1 - ramp  # 1 for fast (high-frequency) pairs, 0 for slow ones
     return interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight
+
+
+def _llama3(inv: Tensor, cfg: RopeConfig) -> Tensor:
+    """Llama 3.1's scaling of plain inverse frequencies, in transformers' float32 operation order
+    (``_compute_llama3_parameters``; megatron-core's ``RotaryEmbedding._apply_scaling`` is the same)."""
+    assert cfg.original_max_position_embeddings is not None  # checked in __post_init__
+    old_context = cfg.original_max_position_embeddings
+    low_freq_wavelen = old_context / cfg.low_freq_factor
+    high_freq_wavelen = old_context / cfg.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_freq_wavelen, inv / cfg.factor, inv)  # long wavelengths: divided
+    smooth = (old_context / wavelen - cfg.low_freq_factor) / (cfg.high_freq_factor - cfg.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / cfg.factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
 
 
 class RotaryEmbedding(nn.Module):

@@ -30,6 +30,13 @@ Finished samples are kept as they stream in, even from a sidecar that fails late
 prompt is asked for again up to its highest missing sample index (same seed, so the samples
 already held come back identical and are dropped, counted in `regenerated`).
 
+Sessions (multi-turn conversations, `GenerationRequest.session_ids`): a prompt of a session goes
+to the sidecar its session is pinned to, so the next turn runs where the conversation's earlier
+turns did; a new session is pinned to the live sidecar holding the fewest sessions; a session whose
+sidecar is down is re-pinned (counted in `repinned`; the turn is served there from scratch, the
+samples the same); one whose sidecar is only busy runs elsewhere that once and keeps its pin.
+Pins are forgotten by `end_sessions`, or least recently used first beyond `max_sessions`.
+
 Weights: `push_weights` exports each tensor once and streams it to every live sidecar at once
 (`sidecar.client.weight_fanout`). Every Generate carries
 `min_weight_version` = the fleet's version, so a stale sidecar refuses rather than sampling old
@@ -38,6 +45,7 @@ weights.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import enum
 import hashlib
@@ -125,12 +133,15 @@ class FleetConfig:
     max_busy_backoff_s: float = 10.0
     busy_retries: int = 6
     """Rounds the fleet waits for a busy fleet before surfacing RESOURCE_EXHAUSTED."""
+    max_sessions: int = 100_000
+    """Sessions (`GenerationRequest.session_ids`) the fleet keeps pinned; the least recently used
+    is forgotten first (`end_sessions` forgets finished ones at once)."""
 
     def __post_init__(self) -> None:
         for name in ("deadline_s", "probe_interval_s", "busy_backoff_s", "max_busy_backoff_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"FleetConfig.{name} must be > 0, got {getattr(self, name)}")
-        for name in ("stream_bytes", "max_streams_per_sidecar"):
+        for name in ("stream_bytes", "max_streams_per_sidecar", "max_sessions"):
             if getattr(self, name) < 1:
                 raise ValueError(f"FleetConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.busy_retries < 0:
@@ -153,6 +164,11 @@ class FleetResult:
     nonfinite: int = 0
     """Samples whose log-probs hold a NaN or an infinity (kept as they came; a warning names the
     sidecars and weight versions that served them)."""
+    pinned: int = 0
+    """Prompts of a session sent to the sidecar their session is pinned to."""
+    repinned: int = 0
+    """Sessions moved to another sidecar because theirs went down (their next turn prefills the
+    whole conversation there)."""
     events: list[str] = field(default_factory=list)
 
 
@@ -214,6 +230,8 @@ class Fleet:
         self._counters: dict[str, tuple[float, SpeculationCounters]] = {}
         self._alarms = DraftAlarms()
         self._new_alarms: list[str] = []
+        self._sessions: collections.OrderedDict[str, str] = collections.OrderedDict()
+        """Session id -> the address of the sidecar it is pinned to (least recently used first)."""
         self._fanout = WeightFanout(
             stream_bytes=self.config.stream_bytes,
             deadline_s=self.config.deadline_s,
@@ -445,7 +463,7 @@ class Fleet:
                 msg = f"re-routing {n} samples of {len(missing)} prompts to {[c.address for c in ready]}"
                 log.warning(msg)
                 events.append(msg)
-            jobs = self._plan(request, rid, missing, ready, round_)
+            jobs = self._plan(request, rid, missing, ready, round_, result)
             workers = min(len(jobs), self.config.max_streams_per_sidecar * len(ready))
             failing: set[str] = set()  # unavailable this round: its queued jobs are not started
             with ThreadPoolExecutor(max_workers=workers) as pool:
@@ -538,14 +556,18 @@ class Fleet:
         missing: dict[int, list[int]],
         live: list[SidecarClient],
         round_: int,
+        result: FleetResult,
     ) -> list[_Job]:
-        """One Generate per missing prompt, round-robin over `live`. Its seed is derived from
-        (request seed, prompt index) and it asks for samples 0..max missing, so each sample's
-        random stream is the same whoever serves it."""
+        """One Generate per missing prompt: a prompt of a session to its session's sidecar
+        (`_pinned`), the others round-robin over `live`. Its seed is derived from (request seed,
+        prompt index) and it asks for samples 0..max missing, so each sample's random stream is the
+        same whoever serves it."""
         seed = request.sampling.seed
         min_version = max(request.min_weight_version, self.version)
+        placed: collections.Counter[str] = collections.Counter(self._sessions.values())
         jobs = []
         for n, p in enumerate(sorted(missing)):
+            session = request.session_ids[p] if request.session_ids else ""
             sub = replace(
                 request,
                 prompts=[request.prompts[p]],
@@ -553,9 +575,46 @@ class Fleet:
                 samples_per_prompt=max(missing[p]) + 1,
                 request_id=f"{rid}/p{p}" + (f"/r{round_}" if round_ else ""),
                 min_weight_version=min_version,
+                session_ids=[session] if session else [],
             )
-            jobs.append(_Job(client=live[(n + round_) % len(live)], prompt=p, request=sub))
+            client = self._pinned(session, live, placed, result) if session else live[(n + round_) % len(live)]
+            jobs.append(_Job(client=client, prompt=p, request=sub))
         return jobs
+
+    def _pinned(
+        self, session: str, live: list[SidecarClient], placed: collections.Counter[str], result: FleetResult
+    ) -> SidecarClient:
+        """The sidecar for a prompt of `session`: the one it is pinned to; a new session (or one
+        whose sidecar is down) is pinned to the live sidecar with the fewest sessions; a session
+        whose sidecar is up but not ready (backing off, busy) runs elsewhere this once and stays."""
+        by_address = {c.address: c for c in live}
+        address = self._sessions.get(session)
+        if address in by_address:
+            self._sessions.move_to_end(session)
+            result.pinned += 1
+            return by_address[address]
+        least = min(live, key=lambda c: placed[c.address])
+        if address is not None and address not in self._down:  # busy: its pin stays
+            return least
+        if address is not None:
+            result.repinned += 1
+            placed[address] -= 1
+        self._sessions[session] = least.address
+        self._sessions.move_to_end(session)
+        placed[least.address] += 1
+        while len(self._sessions) > self.config.max_sessions:
+            _, at = self._sessions.popitem(last=False)
+            placed[at] -= 1
+        return least
+
+    def end_sessions(self, session_ids: Sequence[str]) -> None:
+        """Forget finished sessions (their sidecars take new ones first)."""
+        for session in session_ids:
+            self._sessions.pop(session, None)
+
+    def session_sidecar(self, session_id: str) -> str | None:
+        """The address a session is pinned to, or None."""
+        return self._sessions.get(session_id)
 
     def _run(self, job: _Job, failing: set[str]) -> _Outcome:
         """Stream one prompt's request; the samples received and, if incomplete, why. A job

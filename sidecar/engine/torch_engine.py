@@ -253,6 +253,7 @@ class TorchEngine(Engine):
             model=ModelInfo(
                 name=self.name,
                 architecture=(c.architectures or ["Qwen3ForCausalLM"])[0],
+                family=c.family,
                 vocab_size=c.vocab_size,
                 hidden_size=c.hidden_size,
                 num_layers=c.num_hidden_layers,

@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.", "module.")
 """Prefixes wrappers (FSDP1, activation checkpointing, torch.compile, DDP) put before HF names."""
 
-DRAFT_PREFIXES = ("mtp.", "eagle3.")
+DRAFT_PREFIXES = ("mtp.", "eagle3.", "model.mtp_layers.")
 
 
 def contract_name(name: str) -> str:

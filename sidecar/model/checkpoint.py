@@ -1,31 +1,35 @@
 """Checkpoints in Hugging Face layout, and THE checkpoint naming contract of specrl.
 
 The trainer's weight export, the sidecar's weight streaming and this loader all use these
-names; a real local Qwen3 checkpoint loads as is (it simply has no draft layers).
+names; a real local Qwen3, Qwen2 or Llama checkpoint loads as is (it simply has no draft layers).
 
 Files
 -----
-- ``config.json``: the Qwen3 keys (``architectures: ["Qwen3ForCausalLM"]``, ``vocab_size``,
+- ``config.json``: the family's keys (``architectures``: one of `architectures.FAMILIES`, ``vocab_size``,
   ``hidden_size``, ``intermediate_size``, ``num_hidden_layers``, ``num_attention_heads``,
   ``num_key_value_heads``, ``head_dim``, ``rms_norm_eps``, ``rope_theta``, ``rope_scaling``
-  (null or a Hugging Face yarn dict; transformers 5's ``rope_parameters`` is read too),
+  (null or a Hugging Face yarn or llama3 dict; transformers 5's ``rope_parameters`` is read too),
   ``max_position_embeddings``, ``tie_word_embeddings``, ``torch_dtype``) plus
   ``num_nextn_predict_layers`` (absent or 0: no draft, speculation unavailable).
 - ``model.safetensors``, or shards listed by ``model.safetensors.index.json``
   (``{"weight_map": {name: file}}``), as Hugging Face writes them.
 
-Tensor names (no biases anywhere)
----------------------------------
-Target (trunk + output head), Hugging Face Qwen3 names, for i in 0..num_hidden_layers-1::
+Tensor names
+------------
+Target (trunk + output head), Hugging Face names (Qwen3's; Qwen2 and Llama use the same), for i in
+0..num_hidden_layers-1::
 
     model.embed_tokens.weight                          [vocab, hidden]
     model.layers.{i}.input_layernorm.weight            [hidden]
     model.layers.{i}.self_attn.q_proj.weight           [heads*head_dim, hidden]
     model.layers.{i}.self_attn.k_proj.weight           [kv_heads*head_dim, hidden]
     model.layers.{i}.self_attn.v_proj.weight           [kv_heads*head_dim, hidden]
+    model.layers.{i}.self_attn.q_proj.bias             [heads*head_dim]     (attention_bias: Qwen2)
+    model.layers.{i}.self_attn.k_proj.bias             [kv_heads*head_dim]  (attention_bias)
+    model.layers.{i}.self_attn.v_proj.bias             [kv_heads*head_dim]  (attention_bias)
     model.layers.{i}.self_attn.o_proj.weight           [hidden, heads*head_dim]
-    model.layers.{i}.self_attn.q_norm.weight           [head_dim]
-    model.layers.{i}.self_attn.k_norm.weight           [head_dim]
+    model.layers.{i}.self_attn.q_norm.weight           [head_dim]   (qk_norm: Qwen3)
+    model.layers.{i}.self_attn.k_norm.weight           [head_dim]   (qk_norm)
     model.layers.{i}.post_attention_layernorm.weight   [hidden]
     model.layers.{i}.mlp.gate_proj.weight              [intermediate, hidden]
     model.layers.{i}.mlp.up_proj.weight                [intermediate, hidden]
@@ -41,6 +45,14 @@ DeepSeek-V3 names::
     mtp.layers.{j}.eh_proj.weight                      [hidden, 2*hidden]  input = cat([enorm(e), hnorm(h)])
     mtp.layers.{j}.<every trunk-layer sub-name above>  (input_layernorm.weight, self_attn.*, mlp.*, ...)
     mtp.layers.{j}.shared_head.norm.weight             [hidden]
+
+MiMo's layout (``mtp_layout`` "mimo", `MiMoForCausalLM`), prefix ``model.mtp_layers.{j}.``::
+
+    model.mtp_layers.{j}.token_layernorm.weight        [hidden]   norm of embed(x_{t+1})
+    model.mtp_layers.{j}.hidden_layernorm.weight       [hidden]   norm of h_t
+    model.mtp_layers.{j}.input_proj.weight             [hidden, 2*hidden]  input = cat([hidden, token]): h FIRST
+    model.mtp_layers.{j}.<every trunk-layer sub-name above>
+    model.mtp_layers.{j}.final_layernorm.weight        [hidden]
 
 The embedding and the output head are shared with the trunk: they belong to the target and
 are never repeated under ``mtp.``. Selector "target" = the first list, "draft" = the MTP list,
@@ -64,35 +76,41 @@ from sidecar.model.architectures import UnsupportedConfigError
 from sidecar.model.model import ModelConfig
 
 MTP_PREFIX = "mtp.layers."
+MIMO_MTP_PREFIX = "model.mtp_layers."
+_OWN_NAMES = {  # an MTP layer's own tensors (beside its decoder layer's), by layout: (token norm, hidden norm, proj, head)
+    "specrl": ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"),
+    "mimo": ("token_layernorm.weight", "hidden_layernorm.weight", "input_proj.weight", "final_layernorm.weight"),
+}
+
+
+def draft_prefix(config: ModelConfig) -> str:
+    """Where the MTP layers' names start: "mtp.layers." or MiMo's "model.mtp_layers."."""
+    return MIMO_MTP_PREFIX if config.mtp_layout == "mimo" else MTP_PREFIX
+
+
+def mtp_own_names(config: ModelConfig) -> tuple[str, str, str, str]:
+    """An MTP layer's own sub-names in the config's layout: token norm, hidden norm, projection, head norm."""
+    names = _OWN_NAMES[config.mtp_layout]
+    return names[0], names[1], names[2], names[3]
+
+
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
-_LAYER_SUFFIXES = (
-    "input_layernorm.weight",
-    "self_attn.q_proj.weight",
-    "self_attn.k_proj.weight",
-    "self_attn.v_proj.weight",
-    "self_attn.o_proj.weight",
-    "self_attn.q_norm.weight",
-    "self_attn.k_norm.weight",
-    "post_attention_layernorm.weight",
-    "mlp.gate_proj.weight",
-    "mlp.up_proj.weight",
-    "mlp.down_proj.weight",
-)
-
 
 def _layer_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """One decoder layer's sub-names and shapes, in the module tree's order."""
     h, q, kv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    return {
-        "input_layernorm.weight": (h,),
-        "self_attn.q_proj.weight": (q, h),
-        "self_attn.k_proj.weight": (kv, h),
-        "self_attn.v_proj.weight": (kv, h),
-        "self_attn.o_proj.weight": (h, q),
-        "self_attn.q_norm.weight": (c.head_dim,),
-        "self_attn.k_norm.weight": (c.head_dim,),
+    out: dict[str, tuple[int, ...]] = {"input_layernorm.weight": (h,)}
+    for proj, rows in (("q", q), ("k", kv), ("v", kv)):
+        out[f"self_attn.{proj}_proj.weight"] = (rows, h)
+        if c.attention_bias:
+            out[f"self_attn.{proj}_proj.bias"] = (rows,)
+    out["self_attn.o_proj.weight"] = (h, q)
+    if c.qk_norm:
+        out |= {"self_attn.q_norm.weight": (c.head_dim,), "self_attn.k_norm.weight": (c.head_dim,)}
+    return out | {
         "post_attention_layernorm.weight": (h,),
         "mlp.gate_proj.weight": (c.intermediate_size, h),
         "mlp.up_proj.weight": (c.intermediate_size, h),
@@ -106,7 +124,7 @@ def target_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
     layer = _layer_shapes(config)
     for i in range(config.num_hidden_layers):
-        out.update({f"model.layers.{i}.{s}": layer[s] for s in _LAYER_SUFFIXES})
+        out.update({f"model.layers.{i}.{s}": shape for s, shape in layer.items()})
     out["model.norm.weight"] = (h,)
     if not config.tie_word_embeddings:
         out["lm_head.weight"] = (config.vocab_size, h)
@@ -118,13 +136,14 @@ def draft_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     h = config.hidden_size
     layer = _layer_shapes(config)
     out: dict[str, tuple[int, ...]] = {}
+    token, hidden, proj, head = mtp_own_names(config)
     for j in range(config.num_nextn_predict_layers):
-        p = f"{MTP_PREFIX}{j}."
-        out[p + "enorm.weight"] = (h,)
-        out[p + "hnorm.weight"] = (h,)
-        out[p + "eh_proj.weight"] = (h, 2 * h)
-        out.update({p + s: layer[s] for s in _LAYER_SUFFIXES})
-        out[p + "shared_head.norm.weight"] = (h,)
+        p = f"{draft_prefix(config)}{j}."
+        out[p + token] = (h,)
+        out[p + hidden] = (h,)
+        out[p + proj] = (h, 2 * h)
+        out.update({p + s: shape for s, shape in layer.items()})
+        out[p + head] = (h,)
     return out
 
 

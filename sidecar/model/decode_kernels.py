@@ -93,7 +93,8 @@ class DecodeKernels(DecodeOps):
     def qk_norm_rope_store(
         self,
         qkv: Tensor,
-        norm: Tensor,
+        bias: Tensor | None,
+        norm: Tensor | None,
         cos_table: Tensor,
         sin_table: Tensor,
         rope_positions: Tensor,
@@ -104,7 +105,7 @@ class DecodeKernels(DecodeOps):
         table: Tensor,
     ) -> Tensor:
         return self._k.qk_norm_rope_store(
-            qkv, norm, cos_table, sin_table, rope_positions, eps, keys, values, positions, table
+            qkv, bias, norm, cos_table, sin_table, rope_positions, eps, keys, values, positions, table
         )
 
     def decode_attention(

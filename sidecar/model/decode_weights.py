@@ -21,6 +21,11 @@ class _Weighted(Protocol):
     def weight(self) -> Tensor: ...
 
 
+class _Linear(_Weighted, Protocol):
+    @property
+    def bias(self) -> Tensor | None: ...
+
+
 class _Norm(_Weighted, Protocol):
     @property
     def eps(self) -> float: ...
@@ -28,17 +33,17 @@ class _Norm(_Weighted, Protocol):
 
 class _Attention(Protocol):
     @property
-    def q_proj(self) -> _Weighted: ...
+    def q_proj(self) -> _Linear: ...
     @property
-    def k_proj(self) -> _Weighted: ...
+    def k_proj(self) -> _Linear: ...
     @property
-    def v_proj(self) -> _Weighted: ...
+    def v_proj(self) -> _Linear: ...
     @property
     def o_proj(self) -> _Weighted: ...
     @property
-    def q_norm(self) -> _Norm: ...
+    def q_norm(self) -> _Norm | None: ...
     @property
-    def k_norm(self) -> _Norm: ...
+    def k_norm(self) -> _Norm | None: ...
     @property
     def num_heads(self) -> int: ...
     @property
@@ -71,7 +76,8 @@ class DecoderLayer(Protocol):
 @dataclass(kw_only=True, slots=True)
 class DecodeWeights:
     """One decoder layer's weights as the cached forwards use them: q|k|v and gate|up fused into
-    one matrix each and the q and k norms into one (heads, head_dim) table (copies, rebuilt
+    one matrix each, the q|k|v biases into one vector (where the layer has them) and the q and k
+    norms into one (heads, head_dim) table (where it has them; copies, rebuilt
     whenever a source changes: `Qwen3WithMTP.decode_weights`), the rest the parameters
     themselves (read without module attribute lookups).
 
@@ -83,7 +89,10 @@ class DecodeWeights:
 
     input_norm: Tensor
     qkv: Tensor
-    qk_norm: Tensor
+    qkv_bias: Tensor | None
+    """(heads + 2 kv_heads) * head_dim: q's bias, k's, v's (None: no biases)."""
+    qk_norm: Tensor | None
+    """(heads + kv_heads, head_dim): the q norm's weight per query head, the k norm's (None: no norms)."""
     o: Tensor
     post_norm: Tensor
     gate_up: Tensor
@@ -93,7 +102,8 @@ class DecodeWeights:
 
     def tensors(self) -> tuple[Tensor, ...]:
         """Every tensor the cached forward reads from here."""
-        return (self.input_norm, self.qkv, self.qk_norm, self.o, self.post_norm, self.gate_up, self.down)
+        optional = tuple(t for t in (self.qkv_bias, self.qk_norm) if t is not None)
+        return (self.input_norm, self.qkv, *optional, self.o, self.post_norm, self.gate_up, self.down)
 
     def project(self, x: Tensor, w: Tensor) -> Tensor:
         """x (..., in) times one of the projections: (..., out)."""
@@ -101,7 +111,8 @@ class DecodeWeights:
 
     @staticmethod
     def sources(layer: DecoderLayer) -> tuple[Tensor, ...]:
-        """The parameters the copies are made of: q, k, v, gate, up, q_norm, k_norm, o, down."""
+        """The parameters the copies are made of: q, k, v, gate, up, o, down, then the q/k/v biases
+        and the q/k norms where the layer has them."""
         a, m = layer.self_attn, layer.mlp
         return (
             a.q_proj.weight,
@@ -109,17 +120,18 @@ class DecodeWeights:
             a.v_proj.weight,
             m.gate_proj.weight,
             m.up_proj.weight,
-            a.q_norm.weight,
-            a.k_norm.weight,
             a.o_proj.weight,
             m.down_proj.weight,
+            *_biases(layer),
+            *_norms(layer),
         )
 
     @classmethod
     def of(cls, layer: DecoderLayer, by_columns: bool | None = None) -> DecodeWeights:
         """`by_columns`: the CPU layout (default: on CPU devices)."""
         a = layer.self_attn
-        q, k, v, gate, up, qn, kn, o, down = cls.sources(layer)
+        q, k, v, gate, up, o, down = cls.sources(layer)[:7]
+        biases, norms = _biases(layer), _norms(layer)
         by_columns = q.device.type == "cpu" if by_columns is None else by_columns
 
         def fused(parts: list[Tensor]) -> Tensor:
@@ -131,7 +143,10 @@ class DecodeWeights:
         return cls(
             input_norm=layer.input_layernorm.weight,
             qkv=fused([q, k, v]),
-            qk_norm=torch.cat([qn.expand(a.num_heads, -1), kn.expand(a.num_kv_heads, -1)]),
+            qkv_bias=torch.cat(biases) if biases else None,
+            qk_norm=torch.cat([norms[0].expand(a.num_heads, -1), norms[1].expand(a.num_kv_heads, -1)])
+            if norms
+            else None,
             o=o.t().contiguous() if by_columns else o,
             post_norm=layer.post_attention_layernorm.weight,
             gate_up=fused([gate, up]),
@@ -146,7 +161,10 @@ class DecodeWeights:
         done (a field would change identity, shape or kind): rebuild with `of` instead."""
         new = DecodeWeights.of(layer, by_columns=True) if self.by_columns else None
         a = layer.self_attn
-        q, k, v, gate, up, qn, kn, o, down = DecodeWeights.sources(layer)
+        q, k, v, gate, up, o, down = DecodeWeights.sources(layer)[:7]
+        biases, norms = _biases(layer), _norms(layer)
+        if (self.qkv_bias is None) != (not biases) or (self.qk_norm is None) != (not norms):
+            return False
         own: dict[str, Tensor] = {  # fields that are the parameters themselves (GPU layout) must still be them
             "input_norm": layer.input_layernorm.weight,
             "post_norm": layer.post_attention_layernorm.weight,
@@ -158,11 +176,9 @@ class DecodeWeights:
         # copies built inside an engine step are inference tensors: writable in place only in inference mode
         writable = torch.is_inference_mode_enabled()
         with torch.no_grad():
-            fused = {
-                "qkv": [q, k, v],
-                "gate_up": [gate, up],
-                "qk_norm": [qn.expand(a.num_heads, -1), kn.expand(a.num_kv_heads, -1)],
-            }
+            fused = {"qkv": [q, k, v], "gate_up": [gate, up]}
+            if norms:
+                fused["qk_norm"] = [norms[0].expand(a.num_heads, -1), norms[1].expand(a.num_kv_heads, -1)]
             for name, parts in fused.items():
                 dst = getattr(self, name)
                 joined = joined_rows(parts) if new is None and name != "qk_norm" else None
@@ -181,6 +197,12 @@ class DecodeWeights:
                     if dst.shape != (sum(t.shape[0] for t in parts), parts[0].shape[1]):
                         return False
                     torch.cat(parts, out=dst)
+            if self.qkv_bias is not None:
+                if (self.qkv_bias.is_inference() and not writable) or any(t.is_inference() for t in biases):
+                    return False
+                if self.qkv_bias.shape[0] != sum(t.shape[0] for t in biases):
+                    return False
+                torch.cat(biases, out=self.qkv_bias)
             if new is not None:
                 for name in ("o", "down"):
                     dst, src = getattr(self, name), getattr(new, name)
@@ -189,6 +211,19 @@ class DecodeWeights:
                     dst.copy_(src)
         self.eps = layer.input_layernorm.eps
         return True
+
+
+def _biases(layer: DecoderLayer) -> list[Tensor]:
+    """The q, k and v projections' biases, or [] where the layer has none."""
+    a = layer.self_attn
+    found = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
+    return [t for t in found if t is not None] if all(t is not None for t in found) else []
+
+
+def _norms(layer: DecoderLayer) -> list[Tensor]:
+    """The q and k norms' weights, or [] where the layer has none."""
+    a = layer.self_attn
+    return [] if a.q_norm is None or a.k_norm is None else [a.q_norm.weight, a.k_norm.weight]
 
 
 def joined_rows(parts: list[Tensor]) -> Tensor | None:

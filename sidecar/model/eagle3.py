@@ -110,7 +110,7 @@ class Eagle3Config:
             raise ValueError(f"aux_layer_ids must name 3 target layers (low, middle, high), got {self.aux_layer_ids}")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
             raise ValueError(f"rope_scaling must be null or a dict, got {self.rope_scaling!r}")
-        self.rope_config()  # ValueError for rotary scaling other than plain RoPE and YaRN (`yarn.RopeConfig`)
+        self.rope_config()  # ValueError for rotary scaling other than plain RoPE, YaRN and llama3 (`yarn.RopeConfig`)
 
     @property
     def dtype(self) -> torch.dtype:

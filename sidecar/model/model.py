@@ -1,15 +1,18 @@
-"""The served policy: a Qwen3-style decoder with DeepSeek-V3-style multi-token-prediction heads.
+"""The served policy: one dense decoder (Qwen3, Qwen2, Llama) with DeepSeek-V3-style MTP heads.
 
 Trunk (Qwen3, https://arxiv.org/abs/2505.09388): token embedding, `num_hidden_layers` pre-norm
-decoder layers (RMSNorm → grouped-query attention with per-head RMSNorm on q and k and rotary
-position embedding, optionally YaRN-scaled → residual; RMSNorm → SwiGLU MLP → residual), a
-final RMSNorm and an output head (tied to the embedding or not). No biases.
+decoder layers (RMSNorm → grouped-query attention with rotary position embedding, optionally
+scaled (YaRN, llama3) → residual; RMSNorm → SwiGLU MLP → residual), a final RMSNorm and an output
+head (tied to the embedding or not). The families differ in two attention fields
+(`architectures.FAMILIES`): `qk_norm` (per-head RMSNorm on q and k: Qwen3) and `attention_bias`
+(q/k/v biases: Qwen2); Llama has neither.
 
 Draft (DeepSeek-V3 MTP, https://arxiv.org/abs/2412.19437 §2.2): MTP layer j at position t
 combines the trunk's final-normed hidden state h_t with the embedding of the next token,
 `eh_proj(cat([enorm(embed(x_{t+1})), hnorm(h_t)]))` (embedding first, as SGLang and
 Megatron), runs one decoder layer with its own causal attention (rotary position t + 1),
-then `shared_head.norm` and the shared output head: logits for x_{t+2}.
+then `shared_head.norm` and the shared output head: logits for x_{t+2}. MiMo's layout
+(`MiMoMTPLayer`, `model.mtp_layers.*`) is the same function with the hidden state first.
 
 The module tree reproduces the checkpoint naming contract (see `checkpoint.py`) exactly, so
 `named_parameters()` *are* the checkpoint names. Two ways to run it:
@@ -24,159 +27,25 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field, fields
-from typing import Any, Protocol, cast
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sidecar.model import decode_kernels
-from sidecar.model.architectures import check_architecture, check_config
+from sidecar.model.config import _DTYPES as _DTYPES  # re-exported: the config lives in `config.py`
+from sidecar.model.config import ModelConfig as ModelConfig
 from sidecar.model.decode_kernels import DecodeKernels, DecodeOps
 from sidecar.model.decode_weights import DecodeWeights, joined_rows
 from sidecar.model.kv_cache import AttentionPlan, FusedPlan, KVCache, attend
-from yarn import RopeConfig, RotaryEmbedding, apply_rotary
+from yarn import RotaryEmbedding, apply_rotary
 
 ROPE_MARGIN = 72
 """Rotary table rows past max_position_embeddings: a verify writes up to k + 1 <= 64 scratch columns
 past a row's end (max speculation k is 63, `torch_engine`), and a prefill pads no further."""
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(kw_only=True, slots=True)
-class ModelConfig:
-    """Shape of the model; the fields are the config.json keys of the checkpoint contract."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
-    rope_scaling: dict[str, Any] | None = None
-    """None for plain RoPE, or a Hugging Face rope_scaling dict (e.g. rope_type "yarn")."""
-    max_position_embeddings: int = 4096
-    """Context length: prompt + generated tokens never exceed it."""
-    tie_word_embeddings: bool = False
-    torch_dtype: str = "float32"
-    """"float32", "bfloat16" or "float16": the dtype weights are stored and computed in."""
-    num_nextn_predict_layers: int = 0
-    """Number of MTP (draft) layers; 0 means the model cannot speculate."""
-    architectures: list[str] = field(default_factory=lambda: ["Qwen3ForCausalLM"])
-    eos_token_id: list[int] = field(default_factory=list)
-    """End-of-sequence ids (config.json's eos_token_id, an int or a list there); may be empty."""
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.num_key_value_heads <= 0 or self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_key_value_heads must divide num_attention_heads ({self.num_attention_heads}), "
-                f"got {self.num_key_value_heads}"
-            )
-        if self.head_dim <= 0 or self.head_dim % 2:
-            raise ValueError(f"head_dim must be a positive even number (rotary pairs), got {self.head_dim}")
-        if self.rms_norm_eps <= 0:
-            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
-        if self.rope_theta <= 0:
-            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
-        if self.max_position_embeddings < 2:
-            raise ValueError(f"max_position_embeddings must be >= 2, got {self.max_position_embeddings}")
-        if self.torch_dtype not in _DTYPES:
-            raise ValueError(f"torch_dtype must be one of {sorted(_DTYPES)}, got {self.torch_dtype!r}")
-        if self.num_nextn_predict_layers < 0:
-            raise ValueError(f"num_nextn_predict_layers must be >= 0, got {self.num_nextn_predict_layers}")
-        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in self.eos_token_id):
-            raise ValueError(
-                f"eos_token_id must hold token ids in [0, {self.vocab_size}), got {self.eos_token_id}; "
-                "fix eos_token_id in config.json"
-            )
-        if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
-            raise ValueError(f"rope_scaling must be null or a dict, got {self.rope_scaling!r}")
-        check_architecture(self.architectures, None)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return _DTYPES[self.torch_dtype]
-
-    def rope_config(self) -> RopeConfig:
-        """The rotary settings shared by trunk and MTP layers (YaRN when rope_scaling says so)."""
-        return RopeConfig.from_hf(self.to_hf_dict())
-
-    @classmethod
-    def tiny(cls, **overrides: Any) -> ModelConfig:
-        """A small valid config for tests: vocab 64, hidden 64, 2 layers, 4/2 heads, 1 MTP layer."""
-        base: dict[str, Any] = dict(
-            vocab_size=64,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            rope_theta=10_000.0,
-            max_position_embeddings=512,
-            num_nextn_predict_layers=1,
-        )
-        base.update(overrides)
-        return cls(**base)
-
-    @classmethod
-    def from_hf_dict(cls, d: Mapping[str, Any]) -> ModelConfig:
-        """Read a Hugging Face config.json dict (transformers 4 or 5 layout). Every key that changes
-        the forward is read or, where the engine does not implement its value, refused
-        (`UnsupportedConfigError`, a ValueError naming it: `architectures.CONFIG_KEYS`); other keys do
-        not change transformers' forward either and are ignored."""
-        check_config(d)
-        d = dict(d)
-        rope_theta = d.get("rope_theta")
-        rope_scaling = d.get("rope_scaling")
-        params = d.get("rope_parameters")  # transformers >= 5 folds theta and scaling in here
-        if isinstance(params, dict):
-            rope_theta = params.get("rope_theta", rope_theta)
-            kind = params.get("rope_type", params.get("type", "default"))
-            if kind != "default" and rope_scaling is None:
-                rope_scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-        if isinstance(rope_scaling, dict) and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
-            rope_scaling = None
-        heads = d["num_attention_heads"]
-        out: dict[str, Any] = {
-            "vocab_size": d["vocab_size"],
-            "hidden_size": d["hidden_size"],
-            "intermediate_size": d["intermediate_size"],
-            "num_hidden_layers": d["num_hidden_layers"],
-            "num_attention_heads": heads,
-            "num_key_value_heads": d.get("num_key_value_heads") or heads,
-            "head_dim": d.get("head_dim") or d["hidden_size"] // heads,
-            "rms_norm_eps": d.get("rms_norm_eps", 1e-6),
-            "rope_theta": float(rope_theta if rope_theta is not None else 10_000.0),
-            "rope_scaling": rope_scaling,
-            "max_position_embeddings": d.get("max_position_embeddings", 4096),
-            "tie_word_embeddings": bool(d.get("tie_word_embeddings", False)),
-            "torch_dtype": d.get("torch_dtype") or d.get("dtype") or "float32",
-            "num_nextn_predict_layers": int(d.get("num_nextn_predict_layers") or 0),
-        }
-        if d.get("architectures"):
-            out["architectures"] = list(d["architectures"])
-        eos = d.get("eos_token_id")
-        if eos is not None:
-            out["eos_token_id"] = [int(eos)] if isinstance(eos, int) else [int(t) for t in eos]
-        return cls(**out)
-
-    def to_hf_dict(self) -> dict[str, Any]:
-        """The config.json dict (Qwen3 keys plus num_nextn_predict_layers)."""
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
-        d["model_type"] = "qwen3"
-        d["hidden_act"] = "silu"
-        d["attention_bias"] = False
-        return d
 
 
 class RMSNorm(nn.Module):
@@ -195,7 +64,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention with q/k RMSNorm and rotary embedding."""
+    """Grouped-query self-attention with rotary embedding; q/k/v biases (Qwen2) and per-head q/k
+    RMSNorm (Qwen3) where the config has them."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -204,12 +74,13 @@ class Attention(nn.Module):
             cfg.num_key_value_heads,
             cfg.head_dim,
         )
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(
         self,
@@ -219,8 +90,11 @@ class Attention(nn.Module):
     ) -> Tensor:  # (B, S, hidden)
         """The plain causal forward over whole sequences (no cache): the reference path."""
         b, s, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, s, self.num_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = cos.unsqueeze(1).to(q.dtype), sin.unsqueeze(1).to(q.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -246,10 +120,11 @@ class Attention(nn.Module):
         attention as another (`decode_kernels`)."""
         b, s, _ = x.shape
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = w.project(x, w.qkv).view(b, s, h + 2 * kv, d)
+        qkv = w.project(x, w.qkv)
         if isinstance(kernels, DecodeKernels) and isinstance(plan, FusedPlan):
             q = kernels.qk_norm_rope_store(
-                qkv,
+                qkv.view(b, s, h + 2 * kv, d),
+                w.qkv_bias,
                 w.qk_norm,
                 rope.cos_table,
                 rope.sin_table,
@@ -264,7 +139,11 @@ class Attention(nn.Module):
                 q, plan.keys_in[layer], plan.values_in[layer], plan.positions, plan.table, plan.kv_len
             )
             return w.project(out, w.o)
-        qk = rope.rotate(_rms_w(qkv[:, :, : h + kv], w.qk_norm, w.eps))  # (B, S, h + kv, d)
+        if w.qkv_bias is not None:
+            qkv = qkv + w.qkv_bias
+        qkv = qkv.view(b, s, h + 2 * kv, d)
+        qk = qkv[:, :, : h + kv]  # (B, S, h + kv, d)
+        qk = rope.rotate(qk if w.qk_norm is None else _rms_w(qk, w.qk_norm, w.eps))
         keys, values = cache.write_and_read(layer, qk[:, :, h:], qkv[:, :, h + kv :], plan)
         return w.project(attend(qk[:, :, :h], keys, values, plan), w.o)
 
@@ -386,7 +265,12 @@ class SharedHead(nn.Module):
 
 
 class MTPLayer(DecoderLayer):
-    """One DeepSeek-V3 MTP module: enorm/hnorm, eh_proj, a decoder layer, shared_head.norm."""
+    """One DeepSeek-V3 MTP module: enorm/hnorm, eh_proj, a decoder layer, shared_head.norm.
+
+    What the forwards read of any MTP layer (`AnyMTPLayer`): `token_norm`, `hidden_norm`, `proj`,
+    `hidden_first` (the order of the fused input) and `head_norm`."""
+
+    hidden_first = False
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
@@ -395,9 +279,75 @@ class MTPLayer(DecoderLayer):
         self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.shared_head = SharedHead(cfg)
 
+    @property
+    def token_norm(self) -> RMSNorm:
+        return self.enorm
+
+    @property
+    def hidden_norm(self) -> RMSNorm:
+        return self.hnorm
+
+    @property
+    def proj(self) -> nn.Linear:
+        return self.eh_proj
+
+    @property
+    def head_norm(self) -> RMSNorm:
+        return cast(RMSNorm, self.shared_head.norm)
+
     def combine(self, embedded: Tensor, hidden: Tensor) -> Tensor:
         """eh_proj(cat([enorm(embed(x_{t+1})), hnorm(h_t)])): the layer's input, (B, S, hidden)."""
-        return self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
+        return fused_input(self, self.token_norm(embedded), self.hidden_norm(hidden))
+
+
+class MiMoMTPLayer(DecoderLayer):
+    """One MiMo MTP layer (XiaomiMiMo/MiMo `modeling_mimo.py`, `MiMoMTPLayers`): token_layernorm and
+    hidden_layernorm, input_proj of cat([hidden, token]) (the hidden state FIRST), a decoder layer of the
+    trunk's kind, final_layernorm; the trunk's output head. The same interface as `MTPLayer`."""
+
+    hidden_first = True
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        self.token_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    @property
+    def token_norm(self) -> RMSNorm:
+        return self.token_layernorm
+
+    @property
+    def hidden_norm(self) -> RMSNorm:
+        return self.hidden_layernorm
+
+    @property
+    def proj(self) -> nn.Linear:
+        return self.input_proj
+
+    @property
+    def head_norm(self) -> RMSNorm:
+        return self.final_layernorm
+
+    def combine(self, embedded: Tensor, hidden: Tensor) -> Tensor:
+        """input_proj(cat([hidden_layernorm(h_t), token_layernorm(embed(x_{t+1}))])), (B, S, hidden)."""
+        return fused_input(self, self.token_norm(embedded), self.hidden_norm(hidden))
+
+
+AnyMTPLayer = MTPLayer | MiMoMTPLayer
+
+
+def fused_input(layer: AnyMTPLayer, embedded: Tensor, hidden: Tensor) -> Tensor:
+    """The layer's projection of its normed inputs, concatenated in its layout's order."""
+    parts = [hidden, embedded] if layer.hidden_first else [embedded, hidden]
+    return F.linear(torch.cat(parts, dim=-1), layer.proj.weight)
+
+
+def mtp_layers(cfg: ModelConfig) -> nn.ModuleList:
+    """`cfg.num_nextn_predict_layers` MTP layers of `cfg.mtp_layout`'s kind."""
+    kind = MiMoMTPLayer if cfg.mtp_layout == "mimo" else MTPLayer
+    return nn.ModuleList(kind(cfg) for _ in range(cfg.num_nextn_predict_layers))
 
 
 class Trunk(nn.Module):
@@ -408,14 +358,16 @@ class Trunk(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.mtp_layout == "mimo":  # MiMo keeps its MTP layers in the trunk: `model.mtp_layers.{j}.*`
+            self.mtp_layers = mtp_layers(cfg)
 
 
 class MTPStack(nn.Module):
-    """The draft layers (checkpoint prefix `mtp.`)."""
+    """The draft layers in specrl's layout (checkpoint prefix `mtp.`; none in MiMo's layout)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(MTPLayer(cfg) for _ in range(cfg.num_nextn_predict_layers))
+        self.layers = mtp_layers(cfg) if cfg.mtp_layout == "specrl" else nn.ModuleList()
 
 
 class Qwen3WithMTP(nn.Module):
@@ -445,9 +397,14 @@ class Qwen3WithMTP(nn.Module):
         (False), or by device (None: by columns on CPUs, `DecodeWeights`)."""
 
     # ---- shared pieces -------------------------------------------------------------------
-    def mtp_layer(self, j: int) -> MTPLayer:
-        """MTP layer j (typed access into `mtp.layers`)."""
-        return cast(MTPLayer, self.mtp.layers[j])
+    @property
+    def draft_layers(self) -> nn.ModuleList:
+        """The MTP layers: `mtp.layers`, or MiMo's `model.mtp_layers`."""
+        return cast(nn.ModuleList, self.model.mtp_layers) if self.config.mtp_layout == "mimo" else self.mtp.layers
+
+    def mtp_layer(self, j: int) -> AnyMTPLayer:
+        """MTP layer j (typed access into `draft_layers`)."""
+        return cast(AnyMTPLayer, self.draft_layers[j])
 
     def output_weight(self) -> Tensor:
         """The output projection (vocab, hidden): lm_head, or the embedding when tied."""
@@ -490,7 +447,7 @@ class Qwen3WithMTP(nn.Module):
         the existing copies in place where it can (`DecodeWeights.refresh`), so a captured forward
         reads the new weights."""
         if self._fused is None:
-            layers = [cast(DecoderLayer, m) for m in [*self.model.layers, *self.mtp.layers]]
+            layers = [cast(DecoderLayer, m) for m in [*self.model.layers, *self.draft_layers]]
             self._fused = ([], [t for layer in layers for t in DecodeWeights.sources(layer)], [])
         built, sources, signature = self._fused
         if self._frozen and built:
@@ -500,7 +457,7 @@ class Qwen3WithMTP(nn.Module):
         except RuntimeError:  # an inference tensor has no version counter: rebuild every time
             now = []
         if not now or now != signature:
-            layers = [cast(DecoderLayer, m) for m in [*self.model.layers, *self.mtp.layers]]
+            layers = [cast(DecoderLayer, m) for m in [*self.model.layers, *self.draft_layers]]
             with torch.no_grad():
                 if not (len(built) == len(layers) and all(w.refresh(m) for w, m in zip(built, layers, strict=True))):
                     built[:] = [DecodeWeights.of(m, self.decode_by_columns) for m in layers]
@@ -527,7 +484,7 @@ class Qwen3WithMTP(nn.Module):
         Pushes copy into the views (`TorchEngine` never swaps a storage parameters share)."""
         joined_any = False
         with torch.no_grad():
-            for layer in (cast(DecoderLayer, m) for m in [*self.model.layers, *self.mtp.layers]):
+            for layer in (cast(DecoderLayer, m) for m in [*self.model.layers, *self.draft_layers]):
                 a, mlp = layer.self_attn, layer.mlp
                 for group in ((a.q_proj, a.k_proj, a.v_proj), (mlp.gate_proj, mlp.up_proj)):
                     if joined_rows([lin.weight for lin in group]) is not None:
@@ -587,7 +544,7 @@ class Qwen3WithMTP(nn.Module):
     def mtp_logits(self, input_ids: Tensor, hidden: Tensor, layer: int = 0) -> Tensor:
         """Draft logits (B, T-1, V): position t predicts x_{t+2}. See `mtp_hidden`."""
         out = self.mtp_hidden(input_ids, hidden, layer)
-        return self.logits(self.mtp_layer(layer).shared_head.norm(out))
+        return self.logits(self.mtp_layer(layer).head_norm(out))
 
     # ---- cache-aware steps (the engine) ---------------------------------------------------
     def trunk_step(
@@ -625,8 +582,8 @@ class Qwen3WithMTP(nn.Module):
     ) -> Tensor:  # (B, S, hidden) MTP output before shared_head.norm
         """One MTP layer over new positions, attending to its own cached earlier positions."""
         mtp = self.mtp_layer(layer)
-        embedded = self._norm(F.embedding(tokens, self.model.embed_tokens.weight), mtp.enorm)
-        x = F.linear(torch.cat([embedded, self._norm(hidden, mtp.hnorm)], dim=-1), mtp.eh_proj.weight)  # `combine`
+        embedded = self._norm(F.embedding(tokens, self.model.embed_tokens.weight), mtp.token_norm)
+        x = fused_input(mtp, embedded, self._norm(hidden, mtp.hidden_norm))  # `combine`
         rope = self.rope_table(plan.positions + 1 if rope_positions is None else rope_positions, x.dtype)
         weights = self.decode_weights()[self.config.num_hidden_layers + layer]
         x, delta = mtp.cached_parts(x, None, weights, rope, cache, 0, plan, self.kernels)
@@ -634,7 +591,7 @@ class Qwen3WithMTP(nn.Module):
 
     def mtp_normed(self, layer: int, out: Tensor) -> Tensor:
         """An MTP output through its shared_head.norm: what the output head projects."""
-        return self._norm(out, self.mtp_layer(layer).shared_head.norm)
+        return self._norm(out, self.mtp_layer(layer).head_norm)
 
     def _norm(self, x: Tensor, norm: RMSNorm) -> Tensor:
         """`norm(x)` as the cached forwards run it (`kernels`: one fused kernel, or `_rms`'s operators)."""

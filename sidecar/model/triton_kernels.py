@@ -5,8 +5,9 @@ rounds (a bf16 product is rounded to bf16 before the next operation reads it, as
 elementwise kernels do), so the two differ only in the order of a reduction's additions:
 
 - `add_rms_norm`: the residual add of the previous block and the next RMSNorm (with its weight);
-- `qk_norm_rope_store`: the q/k RMSNorms, the rotary embedding of q and k, and the writes of k and
-  v into the KV cache at the forward's slots: q comes out rotated, k and v only go to the cache;
+- `qk_norm_rope_store`: the q/k/v biases (where the model has them), the q/k RMSNorms (where it has
+  them), the rotary embedding of q and k, and the writes of k and v into the KV cache at the
+  forward's slots: q comes out rotated, k and v only go to the cache;
 - `decode_attention`: grouped-query attention of a row's few new columns (the verified column and
   its drafts) over its cached slots, reading only the slots up to the row's last position (not the
   read width a graph is captured with) and selecting by position (a stale value past a row's end is
@@ -89,6 +90,7 @@ def silu_mul(gate_up: Tensor) -> Tensor:
 @triton.jit(do_not_specialize=["S"])  # a forward's width varies (1 to k + 1): one build serves them all
 def _qk_norm_rope_store_kernel(
     qkv_ptr,
+    bias_ptr,
     norm_ptr,
     cos_ptr,
     sin_ptr,
@@ -113,6 +115,8 @@ def _qk_norm_rope_store_kernel(
     S,
     D: tl.constexpr,
     HEADS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_NORM: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)  # b * S + s: all of one token's heads
     b = token // S
@@ -126,12 +130,19 @@ def _qk_norm_rope_store_kernel(
     xr = tl.load(row + rolled, mask=live, other=0.0)
     qk = hh < n_q + n_kv
     dt = x.dtype
+    if HAS_BIAS:  # the projection's bias, rounded as torch's add rounds it
+        x = (x.to(tl.float32) + tl.load(bias_ptr + hh * D + cols, mask=live, other=0.0).to(tl.float32)).to(dt)
+        xr = (xr.to(tl.float32) + tl.load(bias_ptr + hh * D + rolled, mask=live, other=0.0).to(tl.float32)).to(dt)
     xf = x.to(tl.float32)
-    r = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / D + eps)[:, None]
-    w = tl.load(norm_ptr + hh * D + cols, mask=qk, other=0.0).to(tl.float32)
-    wr = tl.load(norm_ptr + hh * D + rolled, mask=qk, other=0.0).to(tl.float32)
-    n = ((xf * r).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
-    nr = ((xr.to(tl.float32) * r).to(dt).to(tl.float32) * wr).to(dt).to(tl.float32)
+    if HAS_NORM:
+        r = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / D + eps)[:, None]
+        w = tl.load(norm_ptr + hh * D + cols, mask=qk, other=0.0).to(tl.float32)
+        wr = tl.load(norm_ptr + hh * D + rolled, mask=qk, other=0.0).to(tl.float32)
+        n = ((xf * r).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
+        nr = ((xr.to(tl.float32) * r).to(dt).to(tl.float32) * wr).to(dt).to(tl.float32)
+    else:
+        n = xf
+        nr = xr.to(tl.float32)
     rp = tl.minimum(tl.maximum(tl.load(rope_pos_ptr + token), 0), n_rope - 1)  # the table's row
     c = tl.load(cos_ptr + rp * D + cols).to(tl.float32)
     s = tl.load(sin_ptr + rp * D + cols).to(tl.float32)
@@ -150,8 +161,9 @@ def _qk_norm_rope_store_kernel(
 
 
 def qk_norm_rope_store(
-    qkv: Tensor,  # (B, S, heads + 2 kv_heads, head_dim): one forward's q|k|v projection
-    norm: Tensor,  # (heads + kv_heads, head_dim): the q norm's weight per query head, then the k norm's
+    qkv: Tensor,  # (B, S, heads + 2 kv_heads, head_dim): one forward's q|k|v projection, before its bias
+    bias: Tensor | None,  # ((heads + 2 kv_heads) * head_dim,) the q|k|v bias, or None (no biases)
+    norm: Tensor | None,  # (heads + kv_heads, head_dim): the q norm's weight per query head, then the k norm's
     cos_table: Tensor,  # (rotary positions, head_dim)
     sin_table: Tensor,  # (rotary positions, head_dim) sign-folded (`model.RopeTable`)
     rope_positions: Tensor,  # (B, S) each column's rotary position (clamped into the tables)
@@ -161,7 +173,8 @@ def qk_norm_rope_store(
     positions: Tensor,  # (B, S) the slot each column is written to
     table: Tensor,  # (B, blocks a row) each row's blocks (`kv_pages`)
 ) -> Tensor:  # (B, S, heads, head_dim) rotated queries
-    """Normalise and rotate q and k (their rotary factors looked up in the tables), write k and v
+    """Add the bias (where given), normalise (where `norm` is given) and rotate q and k (their
+    rotary factors looked up in the tables), write k and v
     at their slots (slot t of row b: offset t % block_size of block table[b, t // block_size]);
     return q."""
     b, s, total, d = qkv.shape
@@ -173,7 +186,8 @@ def qk_norm_rope_store(
     heads = triton.next_power_of_2(total)
     _qk_norm_rope_store_kernel[(b * s,)](
         qkv.contiguous(),
-        norm.contiguous(),
+        qkv if bias is None else bias.contiguous(),
+        qkv if norm is None else norm.contiguous(),
         cos_table.contiguous(),
         sin_table.contiguous(),
         rope_positions.contiguous(),
@@ -197,6 +211,8 @@ def qk_norm_rope_store(
         s,
         D=d,
         HEADS=heads,
+        HAS_BIAS=bias is not None,
+        HAS_NORM=norm is not None,
         num_warps=_warps(heads * d),
     )
     return q

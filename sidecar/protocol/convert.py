@@ -164,6 +164,7 @@ def generation_request_to_pb(request: GenerationRequest) -> rollout_pb2.Generate
         sampling=sampling_to_pb(request.sampling),
         samples_per_prompt=request.samples_per_prompt,
         min_weight_version=request.min_weight_version,
+        session_ids=request.session_ids,
     )
     if request.speculation_k is not None:
         msg.speculation_k = request.speculation_k
@@ -182,6 +183,7 @@ def generation_request_from_pb(msg: rollout_pb2.GenerateRequest) -> GenerationRe
             request_id=msg.request_id,
             min_weight_version=msg.min_weight_version,
             speculation_k=msg.speculation_k if msg.HasField("speculation_k") else None,
+            session_ids=list(msg.session_ids),
         )
     except ValueError as e:
         raise InvalidRequestError(str(e)) from None
@@ -558,6 +560,7 @@ def info_to_pb(info: SidecarInfo) -> control_pb2.GetInfoResponse:
             num_mtp_layers=m.num_mtp_layers,
             dtype=m.dtype,
             eos_token_ids=list(m.eos_token_ids),
+            family=m.family,
         ),
         speculation=control_pb2.SpeculationInfo(
             method=e.speculation_method,
@@ -613,6 +616,7 @@ def info_from_pb(msg: control_pb2.GetInfoResponse) -> SidecarInfo:
                 num_mtp_layers=m.num_mtp_layers,
                 dtype=m.dtype,
                 eos_token_ids=tuple(m.eos_token_ids),
+                family=m.family,
             ),
             engine=msg.engine,
             engine_version=msg.engine_version,

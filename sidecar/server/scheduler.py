@@ -465,9 +465,9 @@ class Scheduler:
             self._abort_all(EngineFailure(f"the engine failed while generating ({type(e).__name__}: {e}); retry"))
             return
         self._busy[version] += time.perf_counter() - started
+        self._refresh_snapshot()  # before delivering: a caller holding its samples finds them counted
         for sample in finished:
             self._deliver(sample)
-        self._refresh_snapshot()
 
     def _admit(self, request_id: str) -> None:
         with self._lock:

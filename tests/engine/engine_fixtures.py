@@ -23,9 +23,10 @@ def aligned_draft_model(config: ModelConfig, seed: int, eps: float = 0.002) -> Q
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.mul_(eps)
             layer.mlp.down_proj.weight.mul_(eps)
-        for mtp in model.mtp.layers:
-            mtp.eh_proj.weight.zero_()
-            mtp.eh_proj.weight[:, :h] = torch.eye(h)
+        for j in range(config.num_nextn_predict_layers):
+            mtp = model.mtp_layer(j)  # either layout: the projection's embedding half passes (MiMo's is second)
+            mtp.proj.weight.zero_()
+            mtp.proj.weight[:, slice(h, 2 * h) if mtp.hidden_first else slice(0, h)] = torch.eye(h)
             mtp.self_attn.o_proj.weight.zero_()
             mtp.mlp.down_proj.weight.zero_()
     return model

@@ -99,22 +99,28 @@ def test_round_uniforms_equal_the_counter_rng_bit_for_bit(seeds: list[int], k: i
     assert DecodeKernels().round_uniforms(keys, pos, k).equal(want)
 
 
+FAMILIES = ["Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM"]
+"""q/k norm (Qwen3), q/k/v biases (Qwen2), neither (Llama): the kernel's two optional parts."""
+
+
 @functools.cache
-def layer_model(dtype: str) -> Qwen3WithMTP:
-    return build_model(
-        ModelConfig.tiny(num_hidden_layers=1, num_nextn_predict_layers=0, torch_dtype=dtype), seed=41, device=DEVICE
+def layer_model(dtype: str, architecture: str = "Qwen3ForCausalLM") -> Qwen3WithMTP:
+    config = ModelConfig.tiny(
+        num_hidden_layers=1, num_nextn_predict_layers=0, torch_dtype=dtype, architectures=[architecture]
     )
+    return build_model(config, seed=41, device=DEVICE)
 
 
+@pytest.mark.parametrize("architecture", FAMILIES)
 @settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), rows=st.integers(1, 6), s=st.integers(1, 5), seed=st.integers(0, 2**16))
 def test_a_fixed_forwards_attention_with_the_kernels_equals_torchs(
-    data: st.DataObject, rows: int, s: int, seed: int
+    architecture: str, data: st.DataObject, rows: int, s: int, seed: int
 ) -> None:
     """A layer's cached attention through a fixed plan: output and the cache it leaves. Slots past
     each row's last position hold NaN: the kernel reads up to the row's last position only (torch's
     masked attention would turn them into NaN; the reference gets zeros there instead)."""
-    model = layer_model("float32" if not CUDA else data.draw(st.sampled_from(["float32", "bfloat16"])))
+    model = layer_model("float32" if not CUDA else data.draw(st.sampled_from(["float32", "bfloat16"])), architecture)
     capacity = 300
     lengths = data.draw(st.lists(st.integers(0, capacity - s - 1), min_size=rows, max_size=rows))
     read = data.draw(st.integers(max(lengths) + s, capacity))
@@ -182,13 +188,13 @@ NEW = 10
 
 
 @functools.cache
-def aligned() -> Qwen3WithMTP:
-    return aligned_draft_model(ModelConfig.tiny(), seed=2)
+def aligned(architecture: str = "Qwen3ForCausalLM") -> Qwen3WithMTP:
+    return aligned_draft_model(ModelConfig.tiny(architectures=[architecture]), seed=2)
 
 
 @functools.cache
-def oracle(model_key: str) -> list[list[int]]:
-    model = aligned() if model_key == "mtp" else eagle3_target()
+def oracle(model_key: str, architecture: str = "Qwen3ForCausalLM") -> list[list[int]]:
+    model = aligned(architecture) if model_key == "mtp" else eagle3_target()
     return [oracle_greedy(model, p, NEW) for p in PROMPTS]
 
 
@@ -199,11 +205,14 @@ def greedy(engine: TorchEngine, k: int) -> list[list[int]]:
 
 @interpreted
 @pytest.mark.usefixtures("kernels_everywhere")
-@pytest.mark.parametrize("k", [0, 3])
-def test_greedy_with_the_kernels_equals_the_plain_forward(k: int) -> None:
-    engine = TorchEngine(aligned(), speculation_k=k, max_batch_size=8, compile="on")
+@pytest.mark.parametrize(
+    ("k", "architecture"),
+    [(0, FAMILIES[0]), (3, FAMILIES[0]), (3, FAMILIES[1]), (3, FAMILIES[2]), (3, "MiMoForCausalLM")],
+)
+def test_greedy_with_the_kernels_equals_the_plain_forward(k: int, architecture: str) -> None:
+    engine = TorchEngine(aligned(architecture), speculation_k=k, max_batch_size=8, compile="on")
     assert isinstance(engine.kernels, DecodeKernels) and isinstance(engine.runner.rounds, FixedRounds)
-    assert greedy(engine, k) == oracle("mtp")
+    assert greedy(engine, k) == oracle("mtp", architecture)
     if k:
         assert engine.stats()[0].counters.acceptance_rate > 0.6  # accepted runs, rollbacks, bonus tokens
 

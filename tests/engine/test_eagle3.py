@@ -168,8 +168,12 @@ def test_the_taps_default_to_the_loaders_layers_and_config_checks_name_the_field
     with pytest.raises(ValueError, match="num_key_value_heads"):
         Eagle3Config.for_target(cfg, num_key_value_heads=3)
     llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
-    with pytest.raises(ValueError, match="does not understand"):
+    with pytest.raises(ValueError, match="original_max_position_embeddings"):  # llama3 needs all four values
         Eagle3Config.for_target(cfg, rope_scaling=llama3)
+    llama3["original_max_position_embeddings"] = 64  # a Llama 3.1 target's draft rotates as its target does
+    assert Eagle3Config.for_target(cfg, rope_scaling=llama3).rope_config().rope_type == "llama3"
+    with pytest.raises(ValueError, match="does not understand"):
+        Eagle3Config.for_target(cfg, rope_scaling=llama3 | {"beta_fast": 32.0})
     with pytest.raises(ValueError, match="'dynamic' is not supported"):
         Eagle3Config.for_target(cfg, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     with pytest.raises(ValueError, match="hidden_size"):

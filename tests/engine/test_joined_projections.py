@@ -67,14 +67,18 @@ def test_greedy_on_joined_projections_equals_the_plain_forward(compile_mode: str
     assert greedy(engine, k) == [oracle_greedy(reference, p, NEW) for p in PROMPTS]
 
 
+@pytest.mark.parametrize("architecture", ["Qwen3ForCausalLM", "Qwen2ForCausalLM"])
 @pytest.mark.parametrize("adopt", [False, True])
-def test_a_push_lands_in_the_joined_storage_and_generation_follows_it(adopt: bool) -> None:
-    model = joined(build_model(ModelConfig.tiny(), seed=31))
+def test_a_push_lands_in_the_joined_storage_and_generation_follows_it(adopt: bool, architecture: str) -> None:
+    """Qwen2: the q/k/v biases' decode copy is refreshed in place (a captured graph reads it)."""
+    config = ModelConfig.tiny(architectures=[architecture])
+    model = joined(build_model(config, seed=31))
     engine = TorchEngine(model, speculation_k=3, compile="on")
     before = greedy(engine, 3)
     attn = model.model.layers[1].self_attn
     storage = attn.q_proj.weight.untyped_storage().data_ptr()
-    pushed = build_model(ModelConfig.tiny(), seed=32)
+    bias = model.decode_weights()[1].qkv_bias
+    pushed = build_model(config, seed=32)
     tensors = {n: t.clone() for n, t in model_state_dict(pushed).items()}
     if adopt:
         engine.adopt_weights(tensors, WeightSelector.ALL, version=1)
@@ -85,6 +89,9 @@ def test_a_push_lands_in_the_joined_storage_and_generation_follows_it(adopt: boo
     # copied into the shared storage (never swapped): still joined, still no decode copies
     assert {p.weight.untyped_storage().data_ptr() for p in (attn.q_proj, attn.k_proj, attn.v_proj)} == {storage}
     assert private_copy_bytes(model) == 0
+    if config.attention_bias:
+        assert bias is not None and model.decode_weights()[1].qkv_bias is bias  # the same storage, new values
+        assert torch.equal(bias, torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]))
 
 
 def test_joining_again_keeps_the_decode_weights_another_engines_graphs_read() -> None:

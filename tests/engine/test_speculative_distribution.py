@@ -97,6 +97,17 @@ def test_speculative_samples_follow_the_exact_target_distribution(model: Qwen3Wi
 
 
 @pytest.mark.slow
+def test_a_mimo_layout_draft_keeps_the_exact_target_distribution() -> None:
+    """MiMo's MTP layer (`model.mtp_layers.*`, hidden state first) drafting for a Qwen2 trunk."""
+    mimo = aligned_draft_model(ModelConfig.tiny(vocab_size=V, architectures=["MiMoForCausalLM"]), seed=11, eps=0.1)
+    assert mimo.config.mtp_layout == "mimo" and not list(mimo.mtp.parameters())
+    sp, k = SETTINGS[0]
+    counts, acceptance = engine_counts(mimo, sp, k)
+    assert 0.3 < acceptance < 0.8
+    assert chi_square_pvalue(counts, exact_joint(mimo, sp)) > ALPHA
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("wrong_rule", sorted(WRONG_RULES))
 def test_the_test_detects_wrong_acceptance_rules(model: Qwen3WithMTP, wrong_rule: str) -> None:
     sp, k = SETTINGS[0]

@@ -359,6 +359,7 @@ class SGLangEngine(Engine):
                 rope_factor=float(scaling.get("factor", 1.0)),
                 num_mtp_layers=m.num_nextn_predict_layers,
                 dtype=m.torch_dtype,
+                family=m.family,
             ),
             engine="sglang",
             engine_version=SGLANG_VERSION,

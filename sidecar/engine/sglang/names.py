@@ -84,6 +84,11 @@ ROUTER_SUFFIX = "mlp.gate.weight"
 
 def check_servable(config: ModelConfig) -> None:
     """Raise ValueError unless SGLang can serve `config` through this mapping."""
+    if config.family != "qwen3":
+        raise ValueError(
+            f"the SGLang adapter serves the qwen3 family only (its target is SGLang's {TARGET_ARCHITECTURE}), "
+            f"not {config.architectures[0]} (family {config.family}); serve it with --engine torch"
+        )
     if config.num_nextn_predict_layers > 1:
         raise ValueError(
             f"num_nextn_predict_layers is {config.num_nextn_predict_layers}, but SGLang 0.5.23's "

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from sidecar.protocol.specrl.v1 import common_pb2 as specrl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specrl/v1/control.proto\x12\tspecrl.v1\x1a\x16specrl/v1/common.proto\"\x10\n\x0eGetInfoRequest\"\xf3\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x13\n\x0bhidden_size\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x1f\n\x17max_position_embeddings\x18\x06 \x01(\r\x12\x11\n\trope_type\x18\x07 \x01(\t\x12\x13\n\x0brope_factor\x18\x08 \x01(\x01\x12\x16\n\x0enum_mtp_layers\x18\t \x01(\r\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x15\n\reos_token_ids\x18\x0b \x03(\r\"\x9f\x01\n\x0fSpeculationInfo\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x15\n\rspeculation_k\x18\x02 \x01(\r\x12\x19\n\x11max_speculation_k\x18\x03 \x01(\r\x12\x18\n\x10speculation_auto\x18\x04 \x01(\x08\x12\x30\n\x08\x64\x65\x63ision\x18\x05 \x01(\x0b\x32\x1e.specrl.v1.SpeculationDecision\"\xac\x01\n\x13SpeculationDecision\x12\x15\n\rspeculation_k\x18\x01 \x01(\r\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x18\n\x10\x65xpected_speedup\x18\x04 \x01(\x01\x12\x12\n\nbatch_size\x18\x05 \x01(\r\x12\x1b\n\x13position_acceptance\x18\x06 \x03(\x01\x12\x13\n\x0bguard_trips\x18\x07 \x01(\x04\"l\n\rRequestLimits\x12\x13\n\x0bmax_prompts\x18\x01 \x01(\r\x12\x13\n\x0bmax_samples\x18\x02 \x01(\r\x12\x19\n\x11max_prompt_tokens\x18\x03 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\"\xb1\x01\n\x0cGpuTelemetry\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x1a\n\x12memory_total_bytes\x18\x03 \x01(\x04\x12\x19\n\x11memory_used_bytes\x18\x04 \x01(\x04\x12\x1b\n\x13utilization_percent\x18\x05 \x01(\r\x12\x1b\n\x13temperature_celsius\x18\x06 \x01(\r\x12\x13\n\x0bpower_watts\x18\x07 \x01(\x01\"O\n\nDeviceInfo\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12%\n\x04gpus\x18\x03 \x03(\x0b\x32\x17.specrl.v1.GpuTelemetry\"\xb2\x02\n\x0fGetInfoResponse\x12#\n\x05model\x18\x01 \x01(\x0b\x32\x14.specrl.v1.ModelInfo\x12/\n\x0bspeculation\x18\x02 \x01(\x0b\x32\x1a.specrl.v1.SpeculationInfo\x12\x0e\n\x06\x65ngine\x18\x03 \x01(\t\x12\x16\n\x0e\x65ngine_version\x18\x04 \x01(\t\x12%\n\x06\x64\x65vice\x18\x05 \x01(\x0b\x32\x15.specrl.v1.DeviceInfo\x12\x16\n\x0eweight_version\x18\x06 \x01(\x04\x12\x0e\n\x06paused\x18\x07 \x01(\x08\x12(\n\x06limits\x18\x08 \x01(\x0b\x32\x18.specrl.v1.RequestLimits\x12\x10\n\x08protocol\x18\t \x01(\t\x12\x16\n\x0especrl_version\x18\n \x01(\t\"\x11\n\x0fGetStatsRequest\"\xd2\x01\n\x0cVersionStats\x12\x16\n\x0eweight_version\x18\x01 \x01(\x04\x12\x30\n\x08\x63ounters\x18\x02 \x01(\x0b\x32\x1e.specrl.v1.SpeculationCounters\x12\x18\n\x10samples_finished\x18\x03 \x01(\x04\x12\x14\n\x0c\x62usy_seconds\x18\x04 \x01(\x01\x12\x19\n\x11samples_nonfinite\x18\x05 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x06 \x01(\x04\x12\x16\n\x0eprefill_tokens\x18\x07 \x01(\x04\"\xf2\x02\n\x10GetStatsResponse\x12)\n\x08versions\x18\x01 \x03(\x0b\x32\x17.specrl.v1.VersionStats\x12-\n\x05total\x18\x02 \x01(\x0b\x32\x1e.specrl.v1.SpeculationCounters\x12\x16\n\x0eweight_version\x18\x03 \x01(\x04\x12\x18\n\x10queued_sequences\x18\x04 \x01(\r\x12\x19\n\x11running_sequences\x18\x05 \x01(\r\x12\x16\n\x0euptime_seconds\x18\x06 \x01(\x01\x12\x33\n\x0bspeculation\x18\x07 \x01(\x0b\x32\x1e.specrl.v1.SpeculationDecision\x12\x31\n\x0f\x64raft_collapsed\x18\x08 \x01(\x0b\x32\x18.specrl.v1.DraftCollapse\x12\x17\n\x0f\x64raft_collapses\x18\t \x01(\x04\x12\x1e\n\x02kv\x18\n \x01(\x0b\x32\x12.specrl.v1.KVUsage\"t\n\x07KVUsage\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x14\n\x0c\x62locks_total\x18\x02 \x01(\r\x12\x13\n\x0b\x62locks_used\x18\x03 \x01(\r\x12\x15\n\rblocks_shared\x18\x04 \x01(\r\x12\x13\n\x0bpreemptions\x18\x05 \x01(\x04\"\x97\x01\n\rDraftCollapse\x12\x16\n\x0eweight_version\x18\x01 \x01(\x04\x12\x16\n\x0elatest_version\x18\x02 \x01(\x04\x12\x19\n\x11reference_version\x18\x03 \x01(\x04\x12\x12\n\ntau_before\x18\x04 \x01(\x01\x12\x11\n\ttau_after\x18\x05 \x01(\x01\x12\x14\n\x0cverify_steps\x18\x06 \x01(\x04\"\x0e\n\x0cPauseRequest\"#\n\rPauseResponse\x12\x12\n\nwas_paused\x18\x01 \x01(\x08\"\x0f\n\rResumeRequest\"$\n\x0eResumeResponse\x12\x12\n\nwas_paused\x18\x01 \x01(\x08\"H\n\x15SetSpeculationRequest\x12\x15\n\rspeculation_k\x18\x01 \x01(\r\x12\x18\n\x10speculation_auto\x18\x02 \x01(\x08\"\x8c\x01\n\x16SetSpeculationResponse\x12\x1e\n\x16previous_speculation_k\x18\x01 \x01(\r\x12\x15\n\rspeculation_k\x18\x02 \x01(\r\x12!\n\x19previous_speculation_auto\x18\x03 \x01(\x08\x12\x18\n\x10speculation_auto\x18\x04 \x01(\x08\x32\xe9\x02\n\x0e\x43ontrolService\x12@\n\x07GetInfo\x12\x19.specrl.v1.GetInfoRequest\x1a\x1a.specrl.v1.GetInfoResponse\x12\x43\n\x08GetStats\x12\x1a.specrl.v1.GetStatsRequest\x1a\x1b.specrl.v1.GetStatsResponse\x12:\n\x05Pause\x12\x17.specrl.v1.PauseRequest\x1a\x18.specrl.v1.PauseResponse\x12=\n\x06Resume\x12\x18.specrl.v1.ResumeRequest\x1a\x19.specrl.v1.ResumeResponse\x12U\n\x0eSetSpeculation\x12 .specrl.v1.SetSpeculationRequest\x1a!.specrl.v1.SetSpeculationResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specrl/v1/control.proto\x12\tspecrl.v1\x1a\x16specrl/v1/common.proto\"\x10\n\x0eGetInfoRequest\"\x83\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x13\n\x0bhidden_size\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x1f\n\x17max_position_embeddings\x18\x06 \x01(\r\x12\x11\n\trope_type\x18\x07 \x01(\t\x12\x13\n\x0brope_factor\x18\x08 \x01(\x01\x12\x16\n\x0enum_mtp_layers\x18\t \x01(\r\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x15\n\reos_token_ids\x18\x0b \x03(\r\x12\x0e\n\x06\x66\x61mily\x18\x0c \x01(\t\"\x9f\x01\n\x0fSpeculationInfo\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x15\n\rspeculation_k\x18\x02 \x01(\r\x12\x19\n\x11max_speculation_k\x18\x03 \x01(\r\x12\x18\n\x10speculation_auto\x18\x04 \x01(\x08\x12\x30\n\x08\x64\x65\x63ision\x18\x05 \x01(\x0b\x32\x1e.specrl.v1.SpeculationDecision\"\xac\x01\n\x13SpeculationDecision\x12\x15\n\rspeculation_k\x18\x01 \x01(\r\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x18\n\x10\x65xpected_speedup\x18\x04 \x01(\x01\x12\x12\n\nbatch_size\x18\x05 \x01(\r\x12\x1b\n\x13position_acceptance\x18\x06 \x03(\x01\x12\x13\n\x0bguard_trips\x18\x07 \x01(\x04\"l\n\rRequestLimits\x12\x13\n\x0bmax_prompts\x18\x01 \x01(\r\x12\x13\n\x0bmax_samples\x18\x02 \x01(\r\x12\x19\n\x11max_prompt_tokens\x18\x03 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\"\xb1\x01\n\x0cGpuTelemetry\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x1a\n\x12memory_total_bytes\x18\x03 \x01(\x04\x12\x19\n\x11memory_used_bytes\x18\x04 \x01(\x04\x12\x1b\n\x13utilization_percent\x18\x05 \x01(\r\x12\x1b\n\x13temperature_celsius\x18\x06 \x01(\r\x12\x13\n\x0bpower_watts\x18\x07 \x01(\x01\"O\n\nDeviceInfo\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12%\n\x04gpus\x18\x03 \x03(\x0b\x32\x17.specrl.v1.GpuTelemetry\"\xb2\x02\n\x0fGetInfoResponse\x12#\n\x05model\x18\x01 \x01(\x0b\x32\x14.specrl.v1.ModelInfo\x12/\n\x0bspeculation\x18\x02 \x01(\x0b\x32\x1a.specrl.v1.SpeculationInfo\x12\x0e\n\x06\x65ngine\x18\x03 \x01(\t\x12\x16\n\x0e\x65ngine_version\x18\x04 \x01(\t\x12%\n\x06\x64\x65vice\x18\x05 \x01(\x0b\x32\x15.specrl.v1.DeviceInfo\x12\x16\n\x0eweight_version\x18\x06 \x01(\x04\x12\x0e\n\x06paused\x18\x07 \x01(\x08\x12(\n\x06limits\x18\x08 \x01(\x0b\x32\x18.specrl.v1.RequestLimits\x12\x10\n\x08protocol\x18\t \x01(\t\x12\x16\n\x0especrl_version\x18\n \x01(\t\"\x11\n\x0fGetStatsRequest\"\xd2\x01\n\x0cVersionStats\x12\x16\n\x0eweight_version\x18\x01 \x01(\x04\x12\x30\n\x08\x63ounters\x18\x02 \x01(\x0b\x32\x1e.specrl.v1.SpeculationCounters\x12\x18\n\x10samples_finished\x18\x03 \x01(\x04\x12\x14\n\x0c\x62usy_seconds\x18\x04 \x01(\x01\x12\x19\n\x11samples_nonfinite\x18\x05 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x06 \x01(\x04\x12\x16\n\x0eprefill_tokens\x18\x07 \x01(\x04\"\xf2\x02\n\x10GetStatsResponse\x12)\n\x08versions\x18\x01 \x03(\x0b\x32\x17.specrl.v1.VersionStats\x12-\n\x05total\x18\x02 \x01(\x0b\x32\x1e.specrl.v1.SpeculationCounters\x12\x16\n\x0eweight_version\x18\x03 \x01(\x04\x12\x18\n\x10queued_sequences\x18\x04 \x01(\r\x12\x19\n\x11running_sequences\x18\x05 \x01(\r\x12\x16\n\x0euptime_seconds\x18\x06 \x01(\x01\x12\x33\n\x0bspeculation\x18\x07 \x01(\x0b\x32\x1e.specrl.v1.SpeculationDecision\x12\x31\n\x0f\x64raft_collapsed\x18\x08 \x01(\x0b\x32\x18.specrl.v1.DraftCollapse\x12\x17\n\x0f\x64raft_collapses\x18\t \x01(\x04\x12\x1e\n\x02kv\x18\n \x01(\x0b\x32\x12.specrl.v1.KVUsage\"t\n\x07KVUsage\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x14\n\x0c\x62locks_total\x18\x02 \x01(\r\x12\x13\n\x0b\x62locks_used\x18\x03 \x01(\r\x12\x15\n\rblocks_shared\x18\x04 \x01(\r\x12\x13\n\x0bpreemptions\x18\x05 \x01(\x04\"\x97\x01\n\rDraftCollapse\x12\x16\n\x0eweight_version\x18\x01 \x01(\x04\x12\x16\n\x0elatest_version\x18\x02 \x01(\x04\x12\x19\n\x11reference_version\x18\x03 \x01(\x04\x12\x12\n\ntau_before\x18\x04 \x01(\x01\x12\x11\n\ttau_after\x18\x05 \x01(\x01\x12\x14\n\x0cverify_steps\x18\x06 \x01(\x04\"\x0e\n\x0cPauseRequest\"#\n\rPauseResponse\x12\x12\n\nwas_paused\x18\x01 \x01(\x08\"\x0f\n\rResumeRequest\"$\n\x0eResumeResponse\x12\x12\n\nwas_paused\x18\x01 \x01(\x08\"H\n\x15SetSpeculationRequest\x12\x15\n\rspeculation_k\x18\x01 \x01(\r\x12\x18\n\x10speculation_auto\x18\x02 \x01(\x08\"\x8c\x01\n\x16SetSpeculationResponse\x12\x1e\n\x16previous_speculation_k\x18\x01 \x01(\r\x12\x15\n\rspeculation_k\x18\x02 \x01(\r\x12!\n\x19previous_speculation_auto\x18\x03 \x01(\x08\x12\x18\n\x10speculation_auto\x18\x04 \x01(\x08\x32\xe9\x02\n\x0e\x43ontrolService\x12@\n\x07GetInfo\x12\x19.specrl.v1.GetInfoRequest\x1a\x1a.specrl.v1.GetInfoResponse\x12\x43\n\x08GetStats\x12\x1a.specrl.v1.GetStatsRequest\x1a\x1b.specrl.v1.GetStatsResponse\x12:\n\x05Pause\x12\x17.specrl.v1.PauseRequest\x1a\x18.specrl.v1.PauseResponse\x12=\n\x06Resume\x12\x18.specrl.v1.ResumeRequest\x1a\x19.specrl.v1.ResumeResponse\x12U\n\x0eSetSpeculation\x12 .specrl.v1.SetSpeculationRequest\x1a!.specrl.v1.SetSpeculationResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,41 +35,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETINFOREQUEST']._serialized_start=62
   _globals['_GETINFOREQUEST']._serialized_end=78
   _globals['_MODELINFO']._serialized_start=81
-  _globals['_MODELINFO']._serialized_end=324
-  _globals['_SPECULATIONINFO']._serialized_start=327
-  _globals['_SPECULATIONINFO']._serialized_end=486
-  _globals['_SPECULATIONDECISION']._serialized_start=489
-  _globals['_SPECULATIONDECISION']._serialized_end=661
-  _globals['_REQUESTLIMITS']._serialized_start=663
-  _globals['_REQUESTLIMITS']._serialized_end=771
-  _globals['_GPUTELEMETRY']._serialized_start=774
-  _globals['_GPUTELEMETRY']._serialized_end=951
-  _globals['_DEVICEINFO']._serialized_start=953
-  _globals['_DEVICEINFO']._serialized_end=1032
-  _globals['_GETINFORESPONSE']._serialized_start=1035
-  _globals['_GETINFORESPONSE']._serialized_end=1341
-  _globals['_GETSTATSREQUEST']._serialized_start=1343
-  _globals['_GETSTATSREQUEST']._serialized_end=1360
-  _globals['_VERSIONSTATS']._serialized_start=1363
-  _globals['_VERSIONSTATS']._serialized_end=1573
-  _globals['_GETSTATSRESPONSE']._serialized_start=1576
-  _globals['_GETSTATSRESPONSE']._serialized_end=1946
-  _globals['_KVUSAGE']._serialized_start=1948
-  _globals['_KVUSAGE']._serialized_end=2064
-  _globals['_DRAFTCOLLAPSE']._serialized_start=2067
-  _globals['_DRAFTCOLLAPSE']._serialized_end=2218
-  _globals['_PAUSEREQUEST']._serialized_start=2220
-  _globals['_PAUSEREQUEST']._serialized_end=2234
-  _globals['_PAUSERESPONSE']._serialized_start=2236
-  _globals['_PAUSERESPONSE']._serialized_end=2271
-  _globals['_RESUMEREQUEST']._serialized_start=2273
-  _globals['_RESUMEREQUEST']._serialized_end=2288
-  _globals['_RESUMERESPONSE']._serialized_start=2290
-  _globals['_RESUMERESPONSE']._serialized_end=2326
-  _globals['_SETSPECULATIONREQUEST']._serialized_start=2328
-  _globals['_SETSPECULATIONREQUEST']._serialized_end=2400
-  _globals['_SETSPECULATIONRESPONSE']._serialized_start=2403
-  _globals['_SETSPECULATIONRESPONSE']._serialized_end=2543
-  _globals['_CONTROLSERVICE']._serialized_start=2546
-  _globals['_CONTROLSERVICE']._serialized_end=2907
+  _globals['_MODELINFO']._serialized_end=340
+  _globals['_SPECULATIONINFO']._serialized_start=343
+  _globals['_SPECULATIONINFO']._serialized_end=502
+  _globals['_SPECULATIONDECISION']._serialized_start=505
+  _globals['_SPECULATIONDECISION']._serialized_end=677
+  _globals['_REQUESTLIMITS']._serialized_start=679
+  _globals['_REQUESTLIMITS']._serialized_end=787
+  _globals['_GPUTELEMETRY']._serialized_start=790
+  _globals['_GPUTELEMETRY']._serialized_end=967
+  _globals['_DEVICEINFO']._serialized_start=969
+  _globals['_DEVICEINFO']._serialized_end=1048
+  _globals['_GETINFORESPONSE']._serialized_start=1051
+  _globals['_GETINFORESPONSE']._serialized_end=1357
+  _globals['_GETSTATSREQUEST']._serialized_start=1359
+  _globals['_GETSTATSREQUEST']._serialized_end=1376
+  _globals['_VERSIONSTATS']._serialized_start=1379
+  _globals['_VERSIONSTATS']._serialized_end=1589
+  _globals['_GETSTATSRESPONSE']._serialized_start=1592
+  _globals['_GETSTATSRESPONSE']._serialized_end=1962
+  _globals['_KVUSAGE']._serialized_start=1964
+  _globals['_KVUSAGE']._serialized_end=2080
+  _globals['_DRAFTCOLLAPSE']._serialized_start=2083
+  _globals['_DRAFTCOLLAPSE']._serialized_end=2234
+  _globals['_PAUSEREQUEST']._serialized_start=2236
+  _globals['_PAUSEREQUEST']._serialized_end=2250
+  _globals['_PAUSERESPONSE']._serialized_start=2252
+  _globals['_PAUSERESPONSE']._serialized_end=2287
+  _globals['_RESUMEREQUEST']._serialized_start=2289
+  _globals['_RESUMEREQUEST']._serialized_end=2304
+  _globals['_RESUMERESPONSE']._serialized_start=2306
+  _globals['_RESUMERESPONSE']._serialized_end=2342
+  _globals['_SETSPECULATIONREQUEST']._serialized_start=2344
+  _globals['_SETSPECULATIONREQUEST']._serialized_end=2416
+  _globals['_SETSPECULATIONRESPONSE']._serialized_start=2419
+  _globals['_SETSPECULATIONRESPONSE']._serialized_end=2559
+  _globals['_CONTROLSERVICE']._serialized_start=2562
+  _globals['_CONTROLSERVICE']._serialized_end=2923
 # @@protoc_insertion_point(module_scope)

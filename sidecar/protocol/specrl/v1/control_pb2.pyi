@@ -12,7 +12,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "architecture", "vocab_size", "hidden_size", "num_layers", "max_position_embeddings", "rope_type", "rope_factor", "num_mtp_layers", "dtype", "eos_token_ids")
+    __slots__ = ("name", "architecture", "vocab_size", "hidden_size", "num_layers", "max_position_embeddings", "rope_type", "rope_factor", "num_mtp_layers", "dtype", "eos_token_ids", "family")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class ModelInfo(_message.Message):
     NUM_MTP_LAYERS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FAMILY_FIELD_NUMBER: _ClassVar[int]
     name: str
     architecture: str
     vocab_size: int
@@ -35,7 +36,8 @@ class ModelInfo(_message.Message):
     num_mtp_layers: int
     dtype: str
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., rope_type: _Optional[str] = ..., rope_factor: _Optional[float] = ..., num_mtp_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    family: str
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., rope_type: _Optional[str] = ..., rope_factor: _Optional[float] = ..., num_mtp_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., family: _Optional[str] = ...) -> None: ...
 
 class SpeculationInfo(_message.Message):
     __slots__ = ("method", "speculation_k", "max_speculation_k", "speculation_auto", "decision")

@@ -87,20 +87,22 @@ class Prompt(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompts", "sampling", "samples_per_prompt", "min_weight_version", "speculation_k")
+    __slots__ = ("request_id", "prompts", "sampling", "samples_per_prompt", "min_weight_version", "speculation_k", "session_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_PER_PROMPT_FIELD_NUMBER: _ClassVar[int]
     MIN_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_K_FIELD_NUMBER: _ClassVar[int]
+    SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     sampling: SamplingParams
     samples_per_prompt: int
     min_weight_version: int
     speculation_k: int
-    def __init__(self, request_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., samples_per_prompt: _Optional[int] = ..., min_weight_version: _Optional[int] = ..., speculation_k: _Optional[int] = ...) -> None: ...
+    session_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., samples_per_prompt: _Optional[int] = ..., min_weight_version: _Optional[int] = ..., speculation_k: _Optional[int] = ..., session_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Sample(_message.Message):
     __slots__ = ("request_id", "prompt_index", "sample_index", "token_ids", "logprobs", "finish_reason", "weight_version", "last_weight_version", "counters")
