@@ -175,6 +175,17 @@ def _refuse_retired(cls: type, data: Mapping[str, Any], path: str) -> None:
             )
 
 
+def field_default(cls: type, name: str) -> Any:
+    """The default of dataclass `cls`'s field `name`: where another config's field defaults to
+    the same setting, it reads it from here instead of writing the value a second time."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    if f.default is dataclasses.MISSING:
+        raise ValueError(f"{cls.__name__}.{name} has no default")
+    return f.default
+
+
 def retired_option(old: str, new: str) -> Callable[[F], F]:
     """A hidden click option `old` that refuses to run, naming `new`: a renamed flag in a user's
     script fails with its new name instead of changing meaning or vanishing into a generic error."""

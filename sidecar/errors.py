@@ -83,6 +83,6 @@ class EngineFailure(SpecrlError):
 
 
 class TransportUnavailableError(SpecrlError):
-    """A weight data plane (shm region, collective group) that cannot be used here or failed
+    """A weight transport (shm region, collective group) that cannot be used here or failed
     mid-transfer; nothing was applied, and the sender's next push negotiates again, falling back
     to grpc if need be (UNAVAILABLE: retry)."""

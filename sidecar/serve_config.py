@@ -43,7 +43,7 @@ class ServeConfig:
     the served ones replaced): faster pushes, but ~1x the model stays resident between pushes (the
     peak during a push is the same)."""
     weight_transports: str = "shm,collective"
-    """Weight data planes offered besides the gRPC stream (comma-separated: shm, collective; ''
+    """Weight transports offered besides the gRPC stream (comma-separated: shm, collective; ''
     for grpc only). A client proves shm (same host) before using it; collective lets a client that
     may push weights make this sidecar join its torch.distributed group."""
     sparse_deltas: bool = True
@@ -91,7 +91,7 @@ class ServeConfig:
 
     @property
     def offered_transports(self) -> set[str]:
-        """The data planes named in `weight_transports` (grpc is always offered besides them)."""
+        """The transports named in `weight_transports` (grpc is always offered besides them)."""
         return {t.strip() for t in self.weight_transports.split(",") if t.strip()}
 
 

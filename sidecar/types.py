@@ -273,7 +273,7 @@ class Sample:
 
 
 class DeltaEncoding(enum.IntEnum):
-    """How a sparse delta names its changed positions (sidecar.weight_sync.delta)."""
+    """How a sparse delta names its changed positions (sidecar.weight_transport.delta)."""
 
     INDEX = 1
     BITMASK = 2
@@ -287,7 +287,7 @@ class TensorDelta:
     changed: int
     """Number of elements whose bit pattern changed."""
     payload_length: int
-    """Bytes of the payload on the data plane (instead of the tensor's byte_length)."""
+    """Bytes of the payload on the transport (instead of the tensor's byte_length)."""
     payload_crc32: int = 0
     """CRC-32 of the payload bytes."""
 
@@ -303,11 +303,11 @@ class TensorSpec:
     """CRC-32 (zlib) of the tensor's C-contiguous little-endian bytes; 0 when unknown. For a
     delta: of the reconstructed tensor, required."""
     delta: TensorDelta | None = None
-    """Set when the bytes on the data plane are a sparse delta (see WeightManifest.base_version)."""
+    """Set when the bytes on the transport are a sparse delta (see WeightManifest.base_version)."""
 
     @property
     def wire_length(self) -> int:
-        """Bytes of this tensor on the data plane: the delta payload's, or the whole tensor's."""
+        """Bytes of this tensor on the transport: the delta payload's, or the whole tensor's."""
         return self.delta.payload_length if self.delta is not None else self.byte_length
 
     @property
@@ -555,7 +555,7 @@ class CollectivePlacement:
 
 @dataclass(kw_only=True, slots=True)
 class WeightPlaced:
-    """Tensors whose bytes travel on the manifest's data plane, announced together."""
+    """Tensors whose bytes travel on the manifest's transport, announced together."""
 
     tensors: list[PlacedTensor]
 
@@ -640,4 +640,4 @@ class PushResult:
     receive_seconds: float
     apply_seconds: float
     transport: WeightTransport = WeightTransport.GRPC
-    """The data plane that carried the bytes."""
+    """The transport that carried the bytes."""

@@ -41,7 +41,7 @@ TRANSPORTS = {
     WeightTransport.SHM: TransportConfig(),
     WeightTransport.COLLECTIVE: TransportConfig(shm=False, collective=GLOO),
 }
-"""A client's transport configuration that selects each weight data plane on a local sidecar."""
+"""A client's transport configuration that selects each weight transport on a local sidecar."""
 
 
 def tiny_config() -> ModelConfig:

@@ -67,7 +67,7 @@ def test_generation_runs_ahead_within_the_bound(lag: int) -> None:
             + m["time/stale_regeneration"]
             + m["time/logprobs"]
             + m["time/train"]
-            + m["time/weight_sync"]
+            + m["time/weight_push"]
         )
 
 
@@ -135,7 +135,7 @@ def test_step_times_add_up_to_the_step_synchronous_and_overlapped() -> None:
         refill=1.0,
         logprobs=0.5,
         train=1.5,
-        weight_sync=0.25,
+        weight_push=0.25,
         wait_generation=0.4,
         stale_regeneration=0.1,
     )

@@ -29,8 +29,8 @@ from sidecar.model.model import ModelConfig, Qwen3WithMTP, build_model
 from sidecar.server.scheduler import Scheduler, SchedulerConfig
 from sidecar.server.weight_receiver import StagedWeights
 from sidecar.speculation.collapse import CollapseRule, CollapseWatch, Verdict, drafting_tau
-from sidecar.speculation.config import SpeculationPolicyConfig
-from sidecar.speculation.controller import SpeculationPolicy
+from sidecar.speculation.config import SpeculationControllerConfig
+from sidecar.speculation.controller import SpeculationController
 from sidecar.types import (
     DraftCollapse,
     GenerationRequest,
@@ -134,7 +134,7 @@ def test_no_alarm_without_a_working_version_before_or_enough_evidence() -> None:
 
 
 def test_a_held_controller_drafts_nothing_until_the_next_version() -> None:
-    policy = SpeculationPolicy(SpeculationPolicyConfig(max_speculation_k=3))
+    policy = SpeculationController(SpeculationControllerConfig(max_speculation_k=3))
     policy.hold("draft collapsed at weight version 2")
     decision = policy.decide(4)
     assert (decision.k, decision.reason) == (0, "collapsed") and "version 2" in decision.detail
@@ -266,7 +266,7 @@ def test_automatic_k_stops_drafting_a_collapsed_version_and_resumes_on_the_next(
     assert snap.versions[-1].weight_version == 2 and snap.versions[-1].counters.drafted_tokens == drafted
     assert snap.info.speculation_status.reason == "collapsed"
     served.push(_draft(state), WeightSelector.DRAFT)  # version 3: judged afresh, automatic k may draft again
-    assert served.engine.speculation.policy is not None and served.engine.speculation.policy.held == ""
+    assert served.engine.speculation.controller is not None and served.engine.speculation.controller.held == ""
     served.scheduler.set_speculation_k(3)  # a fixed k again: new requests have nothing to hold
     assert not served.engine.hold_drafting("collapsed")
 

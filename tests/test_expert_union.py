@@ -18,8 +18,8 @@ from click.testing import CliRunner
 from sidecar.engine.speculation_settings import expert_reads_of
 from sidecar.model.model import ModelConfig
 from sidecar.model.moe import MoEConfig
-from sidecar.speculation.config import SpeculationPolicyConfig
-from sidecar.speculation.controller import SpeculationPolicy
+from sidecar.speculation.config import SpeculationControllerConfig
+from sidecar.speculation.controller import SpeculationController
 from sidecar.speculation.expert_union import ExpertReads, uniform_union
 from trainer.planning.shapes import load_shape
 
@@ -47,8 +47,8 @@ def test_the_issues_figures_for_128_experts_top_8() -> None:
     assert u(256) / u(64) == pytest.approx(1.0, abs=0.03)  # at batch 64
 
 
-def policy(reads: ExpertReads | None) -> SpeculationPolicy:
-    p = SpeculationPolicy(SpeculationPolicyConfig(max_speculation_k=3), reads)
+def controller(reads: ExpertReads | None) -> SpeculationController:
+    p = SpeculationController(SpeculationControllerConfig(max_speculation_k=3), reads)
     for batch in (1, 64):
         p.observe_step(batch=batch, k=0, draft_seconds=0.0, step_seconds=0.010, tokens=batch)
     return p
@@ -57,10 +57,10 @@ def policy(reads: ExpertReads | None) -> SpeculationPolicy:
 def test_the_controllers_prior_counts_the_union_and_a_dense_prior_is_unchanged() -> None:
     shape = load_shape("qwen3-30b-a3b")
     reads = shape.expert_reads()
-    slope = SpeculationPolicyConfig(max_speculation_k=3).prior_verify_slope
-    dense, moe = policy(None), policy(reads)
+    slope = SpeculationControllerConfig(max_speculation_k=3).prior_verify_slope
+    dense, moe = controller(None), controller(reads)
     verify_only = (
-        SpeculationPolicyConfig(max_speculation_k=3).prior_draft_cost * 3
+        SpeculationControllerConfig(max_speculation_k=3).prior_draft_cost * 3
     )  # the draft prior, identical for both
     assert dense.predicted_seconds(1, 3) == pytest.approx(0.010 * (1 + 3 * slope + verify_only))
     assert moe.predicted_seconds(1, 3) == pytest.approx(0.010 * (reads.verify_ratio(1, 4) + 3 * slope + verify_only))

@@ -18,9 +18,9 @@ import torch
 from sidecar.client.client import ClientConfig
 from sidecar.client.fleet import Fleet, FleetConfig, NoLiveSidecarError
 from sidecar.server.process import Sidecar
-from sidecar.server.weight_receiver import DataPlaneConfig
+from sidecar.server.weight_receiver import TransportOffer
 from sidecar.types import GenerationRequest, SamplingParams, WeightTransport
-from sidecar.weight_sync.shm import ShmRegion
+from sidecar.weight_transport.shm import ShmRegion
 from tests.sidecar_fixtures import greedy_reference, make_checkpoint, start_sidecar, weights
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -157,7 +157,7 @@ def test_local_sidecars_read_one_region_the_fleet_writes_once(
 
 def test_a_fleet_of_local_and_stream_only_sidecars_serves_one_model(tmp_path: Path) -> None:
     checkpoint = make_checkpoint(tmp_path / "ckpt", seed=0)
-    local, remote = start_sidecar(checkpoint), start_sidecar(checkpoint, data_planes=DataPlaneConfig(shm=False))
+    local, remote = start_sidecar(checkpoint), start_sidecar(checkpoint, transports=TransportOffer(shm=False))
     try:
         with Fleet([local.address, remote.address]) as orch:
             for version, seed in ((1, 1), (2, 2)):

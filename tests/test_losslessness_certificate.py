@@ -32,7 +32,7 @@ from sidecar.model.model import ModelConfig, Qwen3WithMTP
 from sidecar.server.grpc_server import ServerConfig
 from sidecar.server.process import Sidecar, SidecarConfig
 from sidecar.types import Sample, WeightSelector
-from sidecar.weight_sync.tensors import tensor_crc32
+from sidecar.weight_transport.tensors import tensor_crc32
 from tests.engine.engine_fixtures import aligned_draft_model, aligned_eagle3, eagle3_target
 from trainer.cli import main
 

@@ -1,5 +1,5 @@
 """Pushes of mixture-of-experts weights (issue 58): router, experts, a dense layer among sparse ones,
-on every data plane, in full and as sparse deltas.
+on every transport, in full and as sparse deltas.
 
 Oracle: a fresh engine loaded from a checkpoint of the pushed weights (its greedy output and its
 parameters), and the sender's own copy of the weights. A push holding a NaN in one expert's tensor

@@ -12,8 +12,8 @@ import pytest
 
 from trainer.planning.step_model import (
     Acceptance,
+    EngineSplit,
     EngineWorkload,
-    Fleet,
     LengthDistribution,
     StepInputs,
     admission_rounds,
@@ -46,9 +46,9 @@ class Affine:
         return []
 
 
-def work(rows: int, length: int, max_batch: int | None = None) -> EngineWorkload:
+def work(rows: int, length: int, max_batch_size: int | None = None) -> EngineWorkload:
     return EngineWorkload(
-        rows=rows, lengths=LengthDistribution.fixed(length), prompt_tokens=8, max_batch=max_batch or rows
+        rows=rows, lengths=LengthDistribution.fixed(length), prompt_tokens=8, max_batch_size=max_batch_size or rows
     )
 
 
@@ -74,7 +74,7 @@ def test_full_and_zero_acceptance_give_exact_round_counts(k: int) -> None:
 
 def test_k_zero_equals_plain_whatever_the_acceptance() -> None:
     lengths = LengthDistribution(values=(3, 10, 40), weights=(0.5, 0.3, 0.2))
-    w = EngineWorkload(rows=16, lengths=lengths, prompt_tokens=8, max_batch=6)  # a queue, too
+    w = EngineWorkload(rows=16, lengths=lengths, prompt_tokens=8, max_batch_size=6)  # a queue, too
     plain = simulate_engine(w, None, 0, Affine(), replications=20, seed=4)
     with_acc = simulate_engine(w, Acceptance(alphas=(0.9, 0.8)), 0, Affine(), replications=20, seed=4)
     assert np.array_equal(plain.seconds, with_acc.seconds)
@@ -84,7 +84,7 @@ def test_unequal_rows_at_k_zero_match_the_expected_drain() -> None:
     """E[plain time] = c0 E[max L - 1] + c1 E[sum (L - 1)] for iid lengths, all rows at once."""
     values, weights, rows, costs = (5, 20), (0.75, 0.25), 4, Affine()
     lengths = LengthDistribution(values=values, weights=weights)
-    w = EngineWorkload(rows=rows, lengths=lengths, prompt_tokens=8, max_batch=rows)
+    w = EngineWorkload(rows=rows, lengths=lengths, prompt_tokens=8, max_batch_size=rows)
     runs = simulate_engine(w, None, 0, costs, replications=4000, seed=1)
     p_all_short = weights[0] ** rows
     e_max = 4 * p_all_short + 19 * (1 - p_all_short)
@@ -128,10 +128,10 @@ def test_tau_is_one_plus_the_survival_sum_and_for_tau_inverts_it() -> None:
         Acceptance(alphas=(1.2,))
 
 
-@pytest.mark.parametrize("spread,max_batch", [(0.0, 16), (0.3, 16), (0.2, 5)])
-def test_higher_acceptance_never_costs_time_on_the_same_seed(spread: float, max_batch: int) -> None:
+@pytest.mark.parametrize("spread,max_batch_size", [(0.0, 16), (0.3, 16), (0.2, 5)])
+def test_higher_acceptance_never_costs_time_on_the_same_seed(spread: float, max_batch_size: int) -> None:
     lengths = LengthDistribution(values=(5, 17, 60), weights=(0.3, 0.5, 0.2))
-    w = EngineWorkload(rows=16, lengths=lengths, prompt_tokens=8, max_batch=max_batch)
+    w = EngineWorkload(rows=16, lengths=lengths, prompt_tokens=8, max_batch_size=max_batch_size)
     low = Acceptance(alphas=(0.5, 0.4, 0.3), spread=spread)
     high = Acceptance(alphas=(0.7, 0.6, 0.3), spread=spread)
     for k in (1, 3, 5):
@@ -148,7 +148,7 @@ def test_admission_is_first_come_first_served_into_free_slots() -> None:
 
 def test_a_queue_runs_rows_back_to_back() -> None:
     costs = Affine(c1=0.0, cd=0.0)  # a round costs c0 whatever the batch: the time is the rounds
-    runs = simulate_engine(work(rows=6, length=11, max_batch=2), None, 0, costs, replications=1)
+    runs = simulate_engine(work(rows=6, length=11, max_batch_size=2), None, 0, costs, replications=1)
     assert runs.rounds[0] == 3 * 10
     assert runs.seconds[0] == pytest.approx(30 * costs.c0)
 
@@ -167,7 +167,7 @@ def test_the_async_pipeline_hides_the_shorter_phase() -> None:
 
 
 def test_plan_derives_the_rest_of_the_step_from_the_generation_share() -> None:
-    fleet = Fleet(prompts=4, samples_per_prompt=4, engines=2, max_batch=8, prompt_tokens=8)
+    fleet = EngineSplit(prompts=4, samples_per_prompt=4, engines=2, max_batch_size=8, prompt_tokens=8)
     plan = plan_step(
         fleet, LengthDistribution.fixed(21), Acceptance(alphas=(1.0,)), [3], Affine(r=0.05), 0.25, replications=2
     )
@@ -204,10 +204,12 @@ def test_given_row_lengths_at_k_zero_drain_exactly() -> None:
     """Rows of 3, 6 and 11 tokens: 2 rounds at 3 rows, 3 at 2, 5 at 1 (the prefill emits token 1)."""
     costs = Affine()
     w = EngineWorkload(
-        rows=3, lengths=LengthDistribution.fixed(1), prompt_tokens=8, max_batch=3, row_lengths=(3, 6, 11)
+        rows=3, lengths=LengthDistribution.fixed(1), prompt_tokens=8, max_batch_size=3, row_lengths=(3, 6, 11)
     )
     runs = simulate_engine(w, None, 0, costs, replications=2)
     expected = sum(n * (costs.c0 + costs.c1 * b) for n, b in ((2, 3), (3, 2), (5, 1)))
     assert runs.seconds == pytest.approx([expected] * 2)
     with pytest.raises(ValueError, match="row_lengths must give 3 lengths"):
-        EngineWorkload(rows=3, lengths=LengthDistribution.fixed(1), prompt_tokens=8, max_batch=3, row_lengths=(3, 6))
+        EngineWorkload(
+            rows=3, lengths=LengthDistribution.fixed(1), prompt_tokens=8, max_batch_size=3, row_lengths=(3, 6)
+        )

@@ -50,7 +50,7 @@ def test_validation_predicts_every_step_of_a_run(costs: Path, tmp_path: Path, ca
     run.mkdir()
     step = {
         "time/generation": 0.05, "time/generation_plain": 0.07, "time/refill": 0.02, "time/logprobs": 0.0,
-        "time/train": 0.3, "time/weight_sync": 0.05, "rollout/refill_rounds": 1.0, "rollout/refill_prompts": 2.0,
+        "time/train": 0.3, "time/weight_push": 0.05, "rollout/refill_rounds": 1.0, "rollout/refill_prompts": 2.0,
         "spec/accept_pos0": 0.5, "spec/accept_pos1": 0.3, "spec/accept_pos2": 0.1,
         "rollout/response_len_q00": 5, "rollout/response_len_q50": 12, "rollout/response_len_q100": 40,
     }  # fmt: skip

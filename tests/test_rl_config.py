@@ -66,26 +66,31 @@ def test_the_readme_config_example_is_a_valid_run_config() -> None:
 
 
 def test_weight_sync_keys_set_up_the_data_planes(tmp_path: Path) -> None:
-    """`sidecars.weight_sync` reaches the clients' TransportConfig: shm by default, a
+    """`sidecars.weight_transport` reaches the clients' TransportConfig: shm by default, a
     collective group only when a host is named, and a bad backend is named."""
-    default = resolve_config(None, ["model=x", "sidecars.local=1"]).sidecars.weight_sync.transport_config()
+    default = resolve_config(None, ["model=x", "sidecars.local=1"]).sidecars.weight_transport.transport_config()
     assert default.shm and default.collective is None
     cfg = resolve_config(
         None,
         [
             "model=x",
             "sidecars.addresses=['10.0.0.1:50051']",
-            "sidecars.weight_sync.shm=false",
-            "sidecars.weight_sync.collective_host=10.0.0.9",
-            "sidecars.weight_sync.bucket_mib=16",
+            "sidecars.weight_transport.shm=false",
+            "sidecars.weight_transport.collective_host=10.0.0.9",
+            "sidecars.weight_transport.bucket_mib=16",
         ],
     )
-    transports = cfg.sidecars.weight_sync.transport_config()
+    transports = cfg.sidecars.weight_transport.transport_config()
     assert not transports.shm and transports.collective is not None
     assert transports.collective.host == "10.0.0.9" and transports.collective.bucket_bytes == 16 << 20
-    with pytest.raises(click.ClickException, match="weight_sync"):
+    with pytest.raises(click.ClickException, match="weight_transport"):
         resolve_config(
-            None, ["model=x", "sidecars.weight_sync.collective_host=h", "sidecars.weight_sync.collective_backend=mpi"]
+            None,
+            [
+                "model=x",
+                "sidecars.weight_transport.collective_host=h",
+                "sidecars.weight_transport.collective_backend=mpi",
+            ],
         )
 
 

@@ -111,7 +111,7 @@ def test_an_asynchronous_runs_step_bars_stack_what_the_trainer_waited_for(
                 "time/wait_generation": 0.5,
                 "time/stale_regeneration": 0.0,
                 "time/train": 2.0,
-                "time/weight_sync": 0.1,
+                "time/weight_push": 0.1,
                 "time/generation_exposed_share": 0.5 / 2.6,
             },
         )

@@ -71,6 +71,45 @@ def test_every_engine_option_has_the_one_default_of_its_field() -> None:
     assert ServeConfig().engine == EngineConfig()
 
 
+def test_every_serve_option_has_the_one_default_of_its_field() -> None:
+    """The serve config's own options (and its security section's) beside the engine's: the CLI
+    default is the field's, and the generated reference shows that same default."""
+    from sidecar.security import SecurityConfig
+
+    params = {p.name: p for p in main.commands["serve"].params}
+    reference = {key: default for key, default, _ in gen_config_docs.rows(ServeConfig, ServeConfig())}
+    sections = [(ServeConfig, ""), (SecurityConfig, "security.")]
+    checked = []
+    for cls, prefix in sections:
+        for f in dataclasses.fields(cls):
+            if f.name not in params or f.default is dataclasses.MISSING:
+                continue  # `engine`, `security`: sections (above); `model`: the --model argument
+            assert params[f.name].default == f.default, f.name
+            assert reference[f"{prefix}{f.name}"] == gen_config_docs.shown(f.default), f.name
+            checked.append(f.name)
+    assert {"port", "keep_staging", "weight_transports", "shutdown_grace_s", "token_file"} <= set(checked)
+
+
+def test_the_sidecar_config_defaults_are_the_serve_configs() -> None:
+    """A `Sidecar` built in Python (no `specrl serve`) gets the defaults `specrl serve` has: its
+    config's settings that the serve config also holds are derived from the serve config's."""
+    from sidecar.server.process import SidecarConfig
+
+    derived, plain = sidecar_config(ServeConfig(), token=None), SidecarConfig()
+    shared = {f.name for f in dataclasses.fields(SidecarConfig)} & {f.name for f in dataclasses.fields(ServeConfig)}
+    assert {"keep_staging", "shutdown_grace_s", "metrics_port"} <= shared
+    for name in sorted(shared - {"security"}):
+        assert getattr(derived, name) == getattr(plain, name), name
+
+
+def test_the_run_configs_k_defaults_to_the_engines() -> None:
+    """`rollout.speculation_k` (what the trainer asks of every sidecar) has no default of its own."""
+    from trainer.rl_config import RLConfig
+
+    assert RLConfig(model=Path("m")).rollout.speculation_k == EngineConfig().speculation_k
+    assert local_serve_config(RLConfig(model=Path("m"))).engine.speculation_k == EngineConfig().speculation_k
+
+
 def test_serve_options_land_in_the_engine_section(tmp_path: Path) -> None:
     args = ["--engine", "torch", "--kv-block-size", "64", "--compile", "on", "--no-speculation-auto"]
     out = CliRunner().invoke(main, ["serve", "--model", str(tmp_path), *args, "--print-config"])
@@ -97,6 +136,7 @@ def test_a_serve_key_that_moved_names_its_new_place(data: dict[str, object], nee
     [
         ("sidecars.max_batch_size=2", "sidecars.max_batch_size is now sidecars.serve.engine.max_batch_size"),
         ("sidecars.engine=sglang", "sidecars.engine is now sidecars.serve.engine.kind"),
+        ("sidecars.weight_sync.shm=0", "weight_sync is now sidecars.weight_transport"),  # glossary: refused here
         ("sidecars.serve.kv_block_size=32", "sidecars.serve.kv_block_size is now sidecars.serve.engine.kv_block_size"),
         ("sidecars.serve.engine.speculation_k=5", "set rollout.speculation_k instead"),
         ("sidecars.serve.engine.device=cuda", "set sidecars.devices instead"),
@@ -124,15 +164,15 @@ def test_the_sidecar_around_the_engine_is_derived_from_the_serve_config() -> Non
     assert got.scheduler.max_live_sequences == 100 and got.limits.max_samples == 100
     assert (got.metrics_port, got.metrics_host, got.token) == (9100, "0.0.0.0", "t0ken")
     assert got.keep_staging is True and got.shutdown_grace_s == 1.5
-    assert (got.data_planes.shm, got.data_planes.collective, got.data_planes.sparse_deltas) == (True, False, False)
+    assert (got.transports.shm, got.transports.collective, got.transports.sparse_deltas) == (True, False, False)
     # SGLang copies what it is pushed: nothing to keep staged
     sglang = dataclasses.replace(serve, engine=EngineConfig(kind="sglang"))
     assert sidecar_config(sglang, token=None).keep_staging is False
 
 
 def test_the_renamed_sparse_deltas_key_names_its_new_spelling() -> None:
-    from trainer.rl_config import WeightSyncConfig
+    from trainer.rl_config import WeightTransportConfig
 
     with pytest.raises(ConfigError, match="deltas is now sparse_deltas"):
-        from_mapping(WeightSyncConfig, {"deltas": True})
-    assert from_mapping(WeightSyncConfig, {"sparse_deltas": True}).sparse_deltas
+        from_mapping(WeightTransportConfig, {"deltas": True})
+    assert from_mapping(WeightTransportConfig, {"sparse_deltas": True}).sparse_deltas

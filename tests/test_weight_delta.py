@@ -44,9 +44,9 @@ from sidecar.types import (
     WeightSelector,
     WeightTransport,
 )
-from sidecar.weight_sync.checksum import crc32
-from sidecar.weight_sync.delta import DeltaBase, PlannedPush, apply_delta, encode_delta, plan_push
-from sidecar.weight_sync.tensors import spec_of, tensor_bytes
+from sidecar.weight_transport.checksum import crc32
+from sidecar.weight_transport.delta import DeltaBase, PlannedPush, apply_delta, encode_delta, plan_push
+from sidecar.weight_transport.tensors import spec_of, tensor_bytes
 from tests.sidecar_fixtures import TRANSPORTS, start_sidecar, weights
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -318,7 +318,7 @@ PLAN_FAULTS: dict[str, tuple[Callable[[PlannedPush], None], grpc.StatusCode, str
 }
 
 PART_FAULTS: dict[str, dict[str, str]] = {
-    # name: what the refusal says when the parts are the stream's chunks / a data plane's placed tensors
+    # name: what the refusal says when the parts are the stream's chunks / a transport's placed tensors
     "dropped": {"chunk": "starts at byte", "placed": "names tensor 1 but tensor 0 is next"},
     "reordered": {"chunk": "starts at byte", "placed": "names tensor 1 but tensor 0 is next"},
     "last dropped": {"chunk": "chunks but", "placed": "bytes at the commit"},
@@ -379,7 +379,7 @@ def _open_regions() -> tuple[int, int]:
 
 def _faulty_push(live: Live, fault: str) -> tuple[Iterator[PushItem], grpc.StatusCode, str]:
     """The client's next delta push with `fault` (a key of PLAN_FAULTS or PART_FAULTS), placed on
-    its negotiated data plane as the client places it; the status and message it must get."""
+    its negotiated transport as the client places it; the status and message it must get."""
     c = live.c
     c.negotiate_transport()
     plan = _delta_plan(live)
@@ -394,7 +394,7 @@ def _faulty_push(live: Live, fault: str) -> tuple[Iterator[PushItem], grpc.Statu
         specs=plan.specs,
         base_version=plan.base_version,
         chunk_bytes=256,
-        data_plane=c.data_plane.sender,
+        data_plane=c.transport_session.sender,
     )
     if fault in PART_FAULTS:
         if live.transport is WeightTransport.GRPC:
@@ -414,7 +414,7 @@ def _refused(live: Live, fault: str) -> None:
     assert c.info().weight_version == before[0] == c.delta_base.version
     items, code, message = _faulty_push(live, fault)
     with pytest.raises(SidecarCallError) as err:
-        c.push_items(items, plane=c.data_plane.sender)
+        c.push_items(items, plane=c.transport_session.sender)
     assert err.value.code == code, err.value.details
     assert message in err.value.details, err.value.details
     assert served(sc) == before and c.info().weight_version == before[0]
@@ -458,7 +458,7 @@ def test_a_dropped_or_reordered_part_is_refused_on_every_transport(live: Live, f
 @given(steps=st.lists(st.sampled_from(["good", *PLAN_FAULTS, *PART_FAULTS]), min_size=2, max_size=4))
 def test_any_run_of_bad_and_good_pushes_serves_the_last_good_one(live: Live, steps: list[str]) -> None:
     """Oracle: the client's copy of its last applied push. Refusals back to back (each on a
-    freshly prepared data plane) and good pushes in any order: the sidecar always serves the
+    freshly prepared transport) and good pushes in any order: the sidecar always serves the
     oracle's weights and version and takes every good push as a delta."""
     for step in steps:
         if step == "good":
@@ -504,8 +504,11 @@ def test_the_run_config_turns_sparse_deltas_on_for_every_client(checkpoint: Path
     from sidecar.config_io import from_mapping
     from trainer.rl_config import RLConfig
 
-    cfg = from_mapping(RLConfig, {"model": "m", "sidecars": {"local": 1, "weight_sync": {"sparse_deltas": True}}})
-    assert cfg.sidecars.weight_sync.sparse_deltas and not RLConfig(model=Path("m")).sidecars.weight_sync.sparse_deltas
+    cfg = from_mapping(RLConfig, {"model": "m", "sidecars": {"local": 1, "weight_transport": {"sparse_deltas": True}}})
+    assert (
+        cfg.sidecars.weight_transport.sparse_deltas
+        and not RLConfig(model=Path("m")).sidecars.weight_transport.sparse_deltas
+    )
     state = weights(1)
     fleet_cfg = FleetConfig(client=ClientConfig(sparse_deltas=True))
     with start_sidecar(checkpoint) as sc, Fleet([sc.address], fleet_cfg) as orch:
@@ -523,7 +526,7 @@ def test_a_refused_delta_on_any_transport_is_followed_by_a_full_push(
     checkpoint: Path, transport: WeightTransport, fault: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The client's delta, damaged before it leaves (a base the sidecar does not serve, or a
-    manifest CRC-32 its rebuilt tensor cannot match), is refused on every data plane; the client
+    manifest CRC-32 its rebuilt tensor cannot match), is refused on every transport; the client
     then pushes in full and the sidecar serves exactly the client's weights."""
     import sidecar.client.client as client_module
 
@@ -555,13 +558,13 @@ def test_a_refused_delta_on_any_transport_is_followed_by_a_full_push(
 
 
 def test_a_sidecar_that_does_not_accept_deltas_gets_full_pushes(checkpoint: Path) -> None:
-    from sidecar.server.weight_receiver import DataPlaneConfig
+    from sidecar.server.weight_receiver import TransportOffer
 
     g = torch.Generator().manual_seed(9)
     state = weights(1)
     dense = sum(t.numel() * t.element_size() for t in state.values())
     with (
-        start_sidecar(checkpoint, data_planes=DataPlaneConfig(sparse_deltas=False)) as sc,
+        start_sidecar(checkpoint, transports=TransportOffer(sparse_deltas=False)) as sc,
         delta_client(sc.address) as c,
     ):
         for v in range(1, 4):
@@ -581,6 +584,7 @@ def test_a_delta_for_a_tensor_without_a_base_is_refused() -> None:
             spec_of(n, t) for n, t in state.items() if sel is not WeightSelector.DRAFT or n.startswith("mtp.")
         ],
         served_version=lambda: version[0],
+        keep_staging=False,
     )
     draft = {"mtp.w": state["mtp.w"] + 1}
     staged = receiver.receive(iter_push_requests(draft, 1, WeightSelector.DRAFT))

@@ -25,8 +25,8 @@ from sidecar.errors import (
 from sidecar.protocol.specrl.v1 import weights_pb2
 from sidecar.server.weight_receiver import WeightReceiver
 from sidecar.types import PushItem, TensorSpec, WeightChunk, WeightCommit, WeightManifest, WeightSelector
-from sidecar.weight_sync.checksum import crc32_combine
-from sidecar.weight_sync.tensors import spec_of
+from sidecar.weight_transport.checksum import crc32_combine
+from sidecar.weight_transport.tensors import spec_of
 
 MODEL = {
     "model.embed_tokens.weight": torch.randn(16, 8),
@@ -44,7 +44,7 @@ def model_specs(selector: WeightSelector) -> list[TensorSpec]:
 
 
 def receiver(served: int = 0) -> WeightReceiver:
-    return WeightReceiver(model_specs=model_specs, served_version=lambda: served)
+    return WeightReceiver(model_specs=model_specs, served_version=lambda: served, keep_staging=False)
 
 
 def new_weights() -> dict[str, torch.Tensor]:
@@ -69,6 +69,7 @@ def test_round_trip_is_byte_exact_for_every_dtype_and_chunking(dtype: torch.dtyp
             if s == WeightSelector.ALL or v.name.startswith("mtp") == (s == WeightSelector.DRAFT)
         ],
         served_version=lambda: 0,
+        keep_staging=False,
     )
     staged = rx.receive(iter_push_requests(tensors, 3, chunk_bytes=chunk_bytes))
     assert staged.version == 3 and staged.selector == WeightSelector.ALL

@@ -1,4 +1,4 @@
-"""Weight data planes (shm, collective) under the PushWeights control plane, against a live
+"""Weight transports (shm, collective) under the PushWeights control plane, against a live
 sidecar: each transport delivers exactly the pushed model (greedy output equals the
 full-forward oracle of the pushed weights); negotiation falls back to grpc, saying why, when a
 fast path is unavailable or unproven; and every fault (bad region, rewritten bytes, wrong
@@ -26,7 +26,7 @@ from sidecar.client.transport import CollectiveConfig, TransportConfig
 from sidecar.client.weight_sender import ShmSender, iter_push_requests
 from sidecar.errors import InvalidRequestError, TransportUnavailableError
 from sidecar.server.process import Sidecar
-from sidecar.server.weight_receiver import DataPlaneConfig, WeightReceiver
+from sidecar.server.weight_receiver import TransportOffer, WeightReceiver
 from sidecar.types import (
     PlacedTensor,
     PreparedTransport,
@@ -37,9 +37,9 @@ from sidecar.types import (
     WeightSelector,
     WeightTransport,
 )
-from sidecar.weight_sync import shm
-from sidecar.weight_sync.collective import plan_buckets
-from sidecar.weight_sync.tensors import spec_of, tensor_bytes
+from sidecar.weight_transport import shm
+from sidecar.weight_transport.collective import plan_buckets
+from sidecar.weight_transport.tensors import spec_of, tensor_bytes
 from tests.sidecar_fixtures import GLOO, TRANSPORTS, greedy_oracle, greedy_tokens, start_sidecar, weights
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -70,8 +70,8 @@ def test_each_transport_delivers_the_model_exactly(checkpoint: Path, transport: 
     with start_sidecar(checkpoint) as sc, client(sc.address, TRANSPORTS[transport]) as c:
         assert oracle(0) != oracle(1)  # the test can fail: different weights, different greedy text
         result = c.push_weights(weights(1), version=1)
-        assert result.transport is transport and c.data_plane.choice is not None
-        assert c.data_plane.choice.transport is transport
+        assert result.transport is transport and c.transport_session.choice is not None
+        assert c.transport_session.choice.transport is transport
         assert result.bytes_received == sum(t.numel() * 4 for t in weights(1).values())
         assert_serves(c, 1, 1)
         # A streamed push (one tensor at a time, specs from DescribeWeights) on the same plane.
@@ -101,13 +101,13 @@ def test_a_sidecar_on_another_host_falls_back_to_grpc(checkpoint: Path, tmp_path
     other = tmp_path / "other-host-proc"
     other.mkdir()
     with (
-        start_sidecar(checkpoint, data_planes=DataPlaneConfig(proc_dir=other)) as sc,
+        start_sidecar(checkpoint, transports=TransportOffer(proc_dir=other)) as sc,
         client(sc.address, TransportConfig()) as c,
     ):
         assert WeightTransport.SHM in c.offered_transports()  # it claims shm ...
         result = c.push_weights(weights(1), version=1)
         assert result.transport is WeightTransport.GRPC  # ... but cannot prove it
-        choice = c.data_plane.choice
+        choice = c.transport_session.choice
         assert choice is not None and choice.transport is WeightTransport.GRPC
         assert "shm:" in choice.reason and "does not exist here" in choice.reason
         assert_serves(c, 1, 1)
@@ -128,8 +128,8 @@ def test_a_spoofed_shm_claim_falls_back_to_grpc(sidecar: Sidecar, monkeypatch: p
 
 
 def test_transports_not_offered_are_not_used(checkpoint: Path) -> None:
-    planes = DataPlaneConfig(shm=False, collective=False)
-    with start_sidecar(checkpoint, data_planes=planes) as sc, client(sc.address, TransportConfig(collective=GLOO)) as c:
+    planes = TransportOffer(shm=False, collective=False)
+    with start_sidecar(checkpoint, transports=planes) as sc, client(sc.address, TransportConfig(collective=GLOO)) as c:
         assert c.offered_transports() == [WeightTransport.GRPC]
         choice = c.negotiate_transport()
         assert choice.transport is WeightTransport.GRPC
@@ -294,7 +294,7 @@ def test_a_refused_push_places_nothing_in_the_region_after_it_returns(sidecar: S
     with client(sidecar.address, TransportConfig()) as c:
         version = c.info().weight_version
         assert c.push_weights(weights(5), version=version + 1).transport is WeightTransport.SHM
-        plane = c.data_plane.sender
+        plane = c.transport_session.sender
         with receiver.claim(), pytest.raises(SidecarCallError) as err:  # another push is being received
             c.push_items(slow(iter_push_requests(weights(6), version + 2, data_plane=plane)), plane=plane)
         returned = time.monotonic()
@@ -328,7 +328,7 @@ def test_a_push_refused_while_another_is_in_progress_ends_its_collective_group(s
     with client(sidecar.address, TRANSPORTS[WeightTransport.COLLECTIVE]) as c:
         version = c.info().weight_version
         assert c.push_weights(weights(5), version=version + 1).transport is WeightTransport.COLLECTIVE
-        plane = c.data_plane.sender
+        plane = c.transport_session.sender
         assert plane is not None and not isinstance(plane, ShmSender)
         group_id = plane.group.group_id
         with receiver.claim(), pytest.raises(SidecarCallError) as err:  # another push is being received
@@ -401,7 +401,7 @@ def test_shm_receiver_returns_exactly_the_pushed_tensors_or_refuses(
     InvalidRequestError or (when the damage reads the very same bytes) stages bit-identical
     tensors: never a wrong model."""
     specs = [spec_of(n, t) for n, t in model.items()]
-    receiver = WeightReceiver(model_specs=lambda selector: specs, served_version=lambda: 0)
+    receiver = WeightReceiver(model_specs=lambda selector: specs, served_version=lambda: 0, keep_staging=False)
     region = shm.ShmRegion()
     try:
         items = list(iter_push_requests(model, 1, data_plane=ShmSender(region, batch_bytes=batch_bytes)))
@@ -474,13 +474,14 @@ def _receive_over(receiver: WeightReceiver, region: shm.ShmRegion, model: dict[s
 
 @contextlib.contextmanager
 def _receiver_and_region(**planes: object) -> Iterator[tuple[WeightReceiver, shm.ShmRegion]]:
-    """A receiver for `weights(...)`-shaped pushes (DataPlaneConfig `planes`) and a sender's
+    """A receiver for `weights(...)`-shaped pushes (TransportOffer `planes`) and a sender's
     region, both closed afterwards."""
     specs = [spec_of(n, t) for n, t in weights(1).items()]
     receiver = WeightReceiver(
         model_specs=lambda selector: specs,
         served_version=lambda: 0,
-        data_planes=DataPlaneConfig(**planes),  # type: ignore[arg-type]
+        keep_staging=False,
+        transports=TransportOffer(**planes),  # type: ignore[arg-type]
     )
     region = shm.ShmRegion()
     try:
@@ -541,4 +542,4 @@ def test_keeping_regions_mapped_can_be_turned_off() -> None:
         _receive_over(receiver, region, weights(1), 1)
         assert receiver.regions.kept == []
     with pytest.raises(ValueError, match="shm_keep_mapped_s"):
-        DataPlaneConfig(shm_keep_mapped_s=-1)
+        TransportOffer(shm_keep_mapped_s=-1)

@@ -1,4 +1,4 @@
-"""The weight data planes across real processes: a `specrl serve` subprocess receives over a
+"""The weight transports across real processes: a `specrl serve` subprocess receives over a
 gloo group and over shared memory exactly the model pushed (greedy output equals the oracle);
 a sidecar killed mid-broadcast fails the push within the group's bounded wait, the group is
 dropped and rebuilt for the restarted sidecar; a sender process killed mid-transfer, on every
@@ -53,7 +53,7 @@ def test_collective_and_shm_deliver_to_a_sidecar_process_and_survive_its_death(t
             with pytest.raises(SidecarCallError):
                 c.push_weights(slow(), version=2, specs=specs)  # type: ignore[arg-type]
             assert time.monotonic() - started < GLOO.timeout_s + 30  # bounded (generous)
-            assert c.data_plane.choice is None  # dropped: the next push negotiates again
+            assert c.transport_session.choice is None  # dropped: the next push negotiates again
 
         # The restarted sidecar gets a new group; the old weights were never half-applied.
         address = local.restart(0)

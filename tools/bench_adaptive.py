@@ -48,15 +48,15 @@ from bench_engine import BENCH_CONFIG, bench_clock, device_problem, ensure_bench
 from bench_stats import against_best_held_out, median_ratio
 
 from sidecar.engine.torch_engine import TorchEngine
-from sidecar.speculation.config import RowState, SpeculationDecision, SpeculationPolicyConfig
-from sidecar.speculation.controller import SpeculationPolicy
+from sidecar.speculation.config import RowState, SpeculationControllerConfig, SpeculationDecision
+from sidecar.speculation.controller import SpeculationController
 from sidecar.types import GenerationRequest, SamplingParams, SpeculationCounters
 
 
-class CountingPolicy(SpeculationPolicy):
+class CountingPolicy(SpeculationController):
     """The production controller, counting its decisions (k, reason) for the report."""
 
-    def __init__(self, config: SpeculationPolicyConfig) -> None:
+    def __init__(self, config: SpeculationControllerConfig) -> None:
         super().__init__(config)
         self.counts: Counter[tuple[int, str]] = Counter()
 
@@ -129,14 +129,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: {_device_name(static.device)}; clock: {bench_clock(static.device)[1]} seconds", flush=True)
     print(header, flush=True)
     for temperature in [float(t) for t in args.temperatures.split(",")]:
-        policy = CountingPolicy(SpeculationPolicyConfig(max_speculation_k=args.max_speculation_k))
+        policy = CountingPolicy(SpeculationControllerConfig(max_speculation_k=args.max_speculation_k))
         auto = TorchEngine(
             model,
             speculation_k=args.max_speculation_k,
             max_speculation_k=max(*ks, args.max_speculation_k),
             max_batch_size=max(batches),
         )
-        auto.set_speculation_policy(policy)
+        auto.set_speculation_controller(policy)
         gen = torch.Generator().manual_seed(1)
         for batch, new in zip(batches, news, strict=True):
             sp = SamplingParams(temperature=temperature, max_new_tokens=new, seed=3)

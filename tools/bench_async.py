@@ -54,7 +54,7 @@ def phases(history: list[dict[str, float]]) -> dict[str, float]:
         "generation": med(lambda m: m["time/generation"] + m["time/refill"]),
         "waited": med(lambda m: m["time/wait_generation"] + m["time/stale_regeneration"]),
         "train": med(lambda m: m["time/train"] + m["time/logprobs"]),
-        "sync": med(lambda m: m["time/weight_sync"]),
+        "sync": med(lambda m: m["time/weight_push"]),
         "gated": med(lambda m: m["time/wait_weights"]),
         "lag": max(m["rollout/policy_lag_max"] for m in history),
         "tau": med(lambda m: m["spec/acceptance_length"]),

@@ -3,7 +3,7 @@
 
     tools/bench_controller.py [--batches 1,8,64,128,256] [--caps 2000-4000] [--calls 200]
 
-`SpeculationPolicy.decide` runs on the engine's thread before every automatic-mode decode step
+`SpeculationController.decide` runs on the engine's thread before every automatic-mode decode step
 and `may_draft` at every admission, so their time adds to each step (on a GPU, while the device
 waits for the next launch). For each batch size the controller is taught a synthetic workload
 (costs that grow with k and the batch, acceptance ~0.75 per position, a stop token at ~output
@@ -22,13 +22,13 @@ import statistics
 import time
 from collections.abc import Callable
 
-from sidecar.speculation.config import RowState, SpeculationPolicyConfig
-from sidecar.speculation.controller import SpeculationPolicy
+from sidecar.speculation.config import RowState, SpeculationControllerConfig
+from sidecar.speculation.controller import SpeculationController
 
 
-def taught(batch: int, max_speculation_k: int, rng: random.Random) -> SpeculationPolicy:
+def taught(batch: int, max_speculation_k: int, rng: random.Random) -> SpeculationController:
     """A controller after 400 steps of a synthetic workload at this batch size (every k measured)."""
-    policy = SpeculationPolicy(SpeculationPolicyConfig(max_speculation_k=max_speculation_k))
+    policy = SpeculationController(SpeculationControllerConfig(max_speculation_k=max_speculation_k))
     for step in range(400):
         k = step % (max_speculation_k + 1)
         accepted = []

@@ -42,7 +42,7 @@ from sidecar.client.fleet import Fleet, derive_seed
 from sidecar.engine.config import EngineConfig
 from sidecar.engine.torch_engine import TorchEngine
 from sidecar.serve_config import ServeConfig
-from sidecar.speculation.config import SpeculationPolicyConfig
+from sidecar.speculation.config import SpeculationControllerConfig
 from sidecar.types import GenerationRequest, SamplingParams, SpeculationCounters
 from trainer.demo import DemoConfig, run_demo
 from trainer.local_sidecars import LocalSidecars
@@ -213,7 +213,7 @@ def k_sweep_in_process(
     if ceiling:  # one more engine: it measures the table, then runs on it
         ceil = TorchEngine(static.model, speculation_k=max(ks), max_speculation_k=max(ks), speculation_auto=True)
         table = measure_step_costs(ceil, lambda engine, seed: generate(engine, seed, None), [0, *ks], ceiling)
-        ceil.set_speculation_policy(TablePriced(SpeculationPolicyConfig(max_speculation_k=max(ks)), table))
+        ceil.set_speculation_controller(TablePriced(SpeculationControllerConfig(max_speculation_k=max(ks)), table))
         engines["auto@costs"] = ceil
     for n in range(rounds):  # automatic mode's learning pass
         for engine in engines.values():

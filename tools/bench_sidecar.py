@@ -39,7 +39,7 @@ from sidecar.client.weight_sender import DEFAULT_CHUNK_BYTES
 from sidecar.model.checkpoint import model_state_dict, save_checkpoint
 from sidecar.model.model import ModelConfig, build_model
 from sidecar.types import GenerationRequest, SamplingParams
-from sidecar.weight_sync.tensors import tensor_bytes
+from sidecar.weight_transport.tensors import tensor_bytes
 
 MiB = 1 << 20
 RAW_METHOD = "/bench.Raw/Stream"

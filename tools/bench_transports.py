@@ -1,4 +1,4 @@
-"""Benchmark of the weight data planes (not a test): grpc, shm and collective (gloo) against a
+"""Benchmark of the weight transports (not a test): grpc, shm and collective (gloo) against a
 plain single-threaded memcpy of the same bytes, all in one run.
 
 A ~1 GiB float32 model (the push model of tools/bench_sidecar.py) is served by a real
@@ -41,7 +41,7 @@ from sidecar.client.client import ClientConfig, SidecarClient
 from sidecar.client.transport import CollectiveConfig, TransportConfig
 from sidecar.model.checkpoint import model_state_dict, save_checkpoint
 from sidecar.model.model import ModelConfig, build_model
-from sidecar.weight_sync.tensors import tensor_bytes
+from sidecar.weight_transport.tensors import tensor_bytes
 
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -70,7 +70,7 @@ def memcpy(state: dict[str, torch.Tensor], out: np.ndarray) -> float:
 def bench_fanout(model: Path, sidecars: int, repeats: int) -> None:
     """Small-model push: the fleet's streamed fan-out over grpc and shm, alternating."""
     from sidecar.client.fleet import Fleet
-    from sidecar.client.transport import DataPlaneSession
+    from sidecar.client.transport import TransportSession
     from sidecar.model.checkpoint import load_checkpoint
     from trainer.local_sidecars import LocalSidecars
 
@@ -86,12 +86,12 @@ def bench_fanout(model: Path, sidecars: int, repeats: int) -> None:
         LocalSidecars(model, sidecars, Path(tmp) / "logs") as local,
         Fleet(local.start()) as orch,
     ):
-        sessions = {k: {c.address: DataPlaneSession(config=cfg) for c in orch.clients} for k, cfg in modes.items()}
+        sessions = {k: {c.address: TransportSession(config=cfg) for c in orch.clients} for k, cfg in modes.items()}
         version = orch.start_version()
         for r in range(repeats):
             for k in list(modes)[r % 2 :] + list(modes)[: r % 2]:
                 for c in orch.clients:
-                    c.data_plane = sessions[k][c.address]
+                    c.transport_session = sessions[k][c.address]
                     c.negotiate_transport()  # once per mode and sidecar, outside the timed pushes
                 wall[k].append(orch.push_weights(lambda: state.items(), version, names=names).seconds)
                 version += 1
@@ -167,8 +167,8 @@ def main() -> None:
             for k, c in clients.items():  # warm-up push per plane: negotiation, staging, region
                 version += 1
                 result = c.push_weights(state, version)
-                assert result.transport.value == k, (k, c.data_plane.choice)
-                print(f"warm-up {k}: {c.data_plane.choice}", flush=True)
+                assert result.transport.value == k, (k, c.transport_session.choice)
+                print(f"warm-up {k}: {c.transport_session.choice}", flush=True)
             order = ["memcpy", *transports]
             for r in range(args.repeats):
                 for k in order[r % len(order) :] + order[: r % len(order)]:
@@ -206,7 +206,7 @@ def main() -> None:
                 else ""
             )
         )
-    from sidecar.weight_sync import checksum
+    from sidecar.weight_transport import checksum
 
     print(
         f"model {size / MiB:.0f} MiB; CRC-32 by {checksum.crc32.__module__}; goal: shm >= 4 GiB/s or >= 50% of memcpy"

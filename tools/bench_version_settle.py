@@ -19,12 +19,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sidecar.engine.torch_engine import TorchEngine
-from sidecar.speculation.config import SpeculationPolicyConfig
-from sidecar.speculation.controller import SpeculationPolicy
+from sidecar.speculation.config import SpeculationControllerConfig
+from sidecar.speculation.controller import SpeculationController
 from sidecar.types import GenerationRequest, SamplingParams, WeightSelector
 
 
-class FixedK3(SpeculationPolicy):
+class FixedK3(SpeculationController):
     """The controller's acceptance estimate, k = 3 every step."""
 
     def decide(self, batch, tokens_left=None, rows=None):
@@ -36,8 +36,8 @@ class FixedK3(SpeculationPolicy):
 def settle(model: Path, discount: float) -> str:
     """One run at `discount`: acceptance before and after the push, and the steps it takes to settle."""
     engine = TorchEngine.from_checkpoint(model, speculation_k=3, max_speculation_k=3, max_batch_size=8)
-    pol = FixedK3(SpeculationPolicyConfig(max_speculation_k=3, version_discount=discount))
-    engine.set_speculation_policy(pol)
+    pol = FixedK3(SpeculationControllerConfig(max_speculation_k=3, version_discount=discount))
+    engine.set_speculation_controller(pol)
     gen = torch.Generator().manual_seed(5)
     sp = SamplingParams(temperature=1.0, max_new_tokens=400, seed=1)
     engine.submit(

@@ -21,8 +21,8 @@ import statistics
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from sidecar.speculation.config import RowState, SpeculationDecision, SpeculationPolicyConfig
-from sidecar.speculation.controller import SpeculationPolicy
+from sidecar.speculation.config import RowState, SpeculationControllerConfig, SpeculationDecision
+from sidecar.speculation.controller import SpeculationController
 
 if TYPE_CHECKING:  # tools/sim_adaptive.py imports `FixedK` and replays without torch
     from sidecar.engine.torch_engine import TorchEngine
@@ -31,12 +31,12 @@ StepCosts = dict[int, dict[int, float]]
 """batch -> k -> median seconds of one decode step (draft phase and verify)."""
 
 
-class FixedK(SpeculationPolicy):
+class FixedK(SpeculationController):
     """Decides `k` for every step, never refuses a draft, and records what the engine reports of
     each decode step and of each draft prefill (also `tools/sim_adaptive.py --measure`'s recorder)."""
 
     def __init__(self, max_speculation_k: int) -> None:
-        super().__init__(SpeculationPolicyConfig(max_speculation_k=max_speculation_k))
+        super().__init__(SpeculationControllerConfig(max_speculation_k=max_speculation_k))
         self.k = 0
         self.samples: dict[tuple[int, int], list[tuple[float, float]]] = {}
         """(batch, k) -> (draft phase, rest of the step) seconds of each decode step."""
@@ -71,7 +71,7 @@ def measure_step_costs(
     if not ks or generations < 1:
         raise ValueError(f"need at least one k and one generation, got ks={ks}, generations={generations}")
     recorder = FixedK(max(ks))
-    engine.set_speculation_policy(recorder)
+    engine.set_speculation_controller(recorder)
     for n in range(generations):
         for k in ks:  # interleaved, so the box's drift falls on every k alike
             recorder.k = k
@@ -85,11 +85,11 @@ def measure_step_costs(
     return table
 
 
-class TablePriced(SpeculationPolicy):
+class TablePriced(SpeculationController):
     """The controller as it is, its step costs read from a measured table (`measure_step_costs`):
     a (batch, k) not in the table takes the nearest batch that has that k."""
 
-    def __init__(self, config: SpeculationPolicyConfig, table: StepCosts) -> None:
+    def __init__(self, config: SpeculationControllerConfig, table: StepCosts) -> None:
         super().__init__(config)
         missing = [k for k in range(config.max_speculation_k + 1) if not any(k in row for row in table.values())]
         if missing:

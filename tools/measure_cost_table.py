@@ -113,7 +113,7 @@ class DemoShare:
             policy, speculation_k=max(ks), max_speculation_k=max(ks), max_batch_size=MAX_BATCH, speculation_auto=True
         )
         self.recorder = FixedK(max(ks))  # decides every step's k, records what the engine measured of it
-        self.engine.set_speculation_policy(self.recorder)
+        self.engine.set_speculation_controller(self.recorder)
 
     def generate(self, seed: int, k: int, prompts: int | None = None) -> Generation:
         """One generation of the share at k (of its first `prompts` prompts only: a refill round's shape)."""

@@ -17,7 +17,7 @@ and AdamW on every tensor) at two learning rates:
 After every step it exports the weights the trainer would push, casts them to the served dtype
 (bfloat16 and float32 both), and counts the elements whose bit pattern differs from the previous
 step's, per tensor kind (attention, MLP, norms, embeddings, MTP draft). It also sizes the delta
-payload (per tensor the smaller of an index list and a bitmask, see sidecar/weight_sync/delta.py)
+payload (per tensor the smaller of an index list and a bitmask, see sidecar/weight_transport/delta.py)
 against the dense push. Rollouts are sampled in-process from the trainer's own policy (the same
 distribution the sidecars sample; sidecars are not needed to measure weight change).
 
@@ -167,7 +167,7 @@ def rl_steps(policy, steps: int, seed: int, rewards: list[float]) -> Iterator[in
 
 
 def run_one(policy_dir: Path, optimizer: str, lr_mode: str, steps: int, seed: int) -> dict:
-    from sidecar.weight_sync.delta import encoded_delta_bytes
+    from sidecar.weight_transport.delta import encoded_delta_bytes
 
     policy, lrs, rms = build_policy(policy_dir, optimizer, lr_mode, seed)
     dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -309,7 +309,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("/tmp/measure-weight-change"))
     ap.add_argument("--push", action="store_true", help="benchmark dense against delta pushes instead")
-    ap.add_argument("--transport", choices=("grpc", "shm"), default="grpc", help="data plane of --push")
+    ap.add_argument("--transport", choices=("grpc", "shm"), default="grpc", help="transport of --push")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # OPTIMIZER:LRMODE, run in a child process
     args = ap.parse_args()
     if args.one:

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         prompt_tokens=300,
         max_new_tokens=8192,
         lengths="lognormal:mean=1500,cv=0.6",
-        max_batch=256,
+        max_batch_size=256,
         generation_share=0.7,
         forward_overhead_ms=0.5,
         replications=args.replications,
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             "responses mean 6000 (KV-bound, memory-bound verify)",
             {"lengths": "lognormal:mean=6000,cv=0.6", "max_new_tokens": 16384},
         ),
-        ("64 running rows per engine", {"max_batch": 64}),
+        ("64 running rows per engine", {"max_batch_size": 64}),
         ("H100 instead of GB200", {"hardware": "h100"}),
         ("acceptance flat across positions (no decay)", {"acceptance": "tau=2.05@3"}),
     ]

@@ -6,13 +6,13 @@ session), the size of every effect left to find. Here the engine is a model: eac
 costs a fixed time per (batch, k) measured once on the real engine (`--measure`), times seeded
 log-normal noise; drafts are accepted with per-position rates scaled per row by the rows' spread;
 rows end at their request's answer length, the RL demo's arrival pattern (one Generate per
-prompt, a step apart) included. The real `SpeculationPolicy` decides every step and observes
+prompt, a step apart) included. The real `SpeculationController` decides every step and observes
 what the modelled step did, exactly as the engine reports it, and each configuration (static k
 and auto) runs the same seeded workload: auto's time against the best static k's is then a
 property of the controller's logic under a known truth, repeatable to the last digit.
 
 Rows admitted with a draft pay its prefill (`--prefill-per-token`, measured with the cost table),
-which is what a refusal at admission (`SpeculationPolicy.may_draft`) saves. What it leaves out:
+which is what a refusal at admission (`SpeculationController.may_draft`) saves. What it leaves out:
 the engine's own bookkeeping per step, the catch-up cost after plain rounds beyond one draft
 step, and acceptance that drifts (one fixed draft); costs that move with the box's load over
 minutes only with `--drift`.
@@ -43,8 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cost_ceiling import FixedK
 
-from sidecar.speculation.config import RowState, SpeculationDecision, SpeculationPolicyConfig
-from sidecar.speculation.controller import SpeculationPolicy
+from sidecar.speculation.config import RowState, SpeculationControllerConfig, SpeculationDecision
+from sidecar.speculation.controller import SpeculationController
 
 Costs = dict[int, dict[int, tuple[float, float]]]
 """batch -> k -> (draft seconds, verify seconds) of one decode step."""
@@ -81,7 +81,7 @@ class _Row:
     drafted_one: int = 0
     accepted_one: int = 0
     drafts: bool = True
-    """False: admitted without a draft (`SpeculationPolicy.may_draft`), plain for its whole generation."""
+    """False: admitted without a draft (`SpeculationController.may_draft`), plain for its whole generation."""
 
 
 def _new_row(work: Workload, end: int, rng: random.Random) -> _Row:
@@ -110,7 +110,7 @@ def _step(row: _Row, drafts: int, left: int, work: Workload, rng: random.Random)
 def simulate(
     costs: Costs,
     work: Workload,
-    decider: int | SpeculationPolicy,
+    decider: int | SpeculationController,
     generations: int,
     seed: int,
     noise: float,
@@ -217,10 +217,10 @@ def _nearest(costs: Costs, batch: int) -> int:
     return min(costs, key=lambda b: (abs(b - batch), b))
 
 
-class _Recording(SpeculationPolicy):
+class _Recording(SpeculationController):
     """The controller as it is, counting its decisions by (batch, k, reason)."""
 
-    def __init__(self, config: SpeculationPolicyConfig) -> None:
+    def __init__(self, config: SpeculationControllerConfig) -> None:
         super().__init__(config)
         self.decisions: Counter[tuple[int, int, str]] = Counter()
 
@@ -230,11 +230,11 @@ class _Recording(SpeculationPolicy):
         return d
 
 
-class _RandomK(SpeculationPolicy):
+class _RandomK(SpeculationController):
     """Drafts a uniformly random k each step and learns from it like the controller: acceptance
     and costs of every width, without the bias of its own choices."""
 
-    def __init__(self, config: SpeculationPolicyConfig, seed: int) -> None:
+    def __init__(self, config: SpeculationControllerConfig, seed: int) -> None:
         super().__init__(config)
         self._rng = random.Random(seed)
 
@@ -252,7 +252,7 @@ def finish_seconds(costs: Costs, work: Workload, k: int, length: int, trials: in
     """Mean seconds for one batch of the workload's rows (`rows` x its requests, all at output
     `length`) to finish under static k (drafts capped by each row's tokens left; a row stops at
     its request's end, or anywhere with probability `other_end`, or at the cap): the truth that
-    the controller's price of k from this state (`SpeculationPolicy.expected_rates`) is for."""
+    the controller's price of k from this state (`SpeculationController.expected_rates`) is for."""
     max_speculation_k = max(costs[min(costs)])
     total = 0.0
     for _ in range(trials):
@@ -291,7 +291,7 @@ def calibrate(
     true speedup over plain to the batch's end (`finish_seconds`, Monte Carlo) next to the
     controller's price of it, after `generations` generations of random k taught it the
     workload's acceptance, stop positions and (noisy) costs."""
-    policy = _RandomK(SpeculationPolicyConfig(max_speculation_k=max_speculation_k), seed)
+    policy = _RandomK(SpeculationControllerConfig(max_speculation_k=max_speculation_k), seed)
     simulate(costs, work, policy, generations, seed, noise)
     rng = random.Random(seed + 1)
     n = work.rows * len(work.ends)
@@ -328,7 +328,7 @@ def measure(
         str(model), speculation_k=max_speculation_k, max_speculation_k=max_speculation_k, max_batch_size=64
     )
     policy = FixedK(max_speculation_k)
-    engine.set_speculation_policy(policy)
+    engine.set_speculation_controller(policy)
     passes: dict[tuple[int, int], list[tuple[float, float]]] = {}
     for r in range(rounds):
         for b in batches:
@@ -397,7 +397,7 @@ def _setting(text: str) -> tuple[str, int | float]:
     help="Seconds of the draft's prefill per prompt token [default: the cost table's, else 0: not modelled].",
 )
 @click.option(
-    "--set", "overrides", multiple=True, help="A controller setting for auto, NAME=VALUE (SpeculationPolicyConfig)."
+    "--set", "overrides", multiple=True, help="A controller setting for auto, NAME=VALUE (SpeculationControllerConfig)."
 )
 @click.option(
     "--calibrate",
@@ -457,7 +457,7 @@ def main(
         return
     settings = dict(_setting(o) for o in overrides)
     try:
-        SpeculationPolicyConfig(max_speculation_k=k_top, **settings)
+        SpeculationControllerConfig(max_speculation_k=k_top, **settings)
     except (TypeError, ValueError) as e:
         raise click.BadParameter(str(e), param_hint="--set") from None
     ratios = []
@@ -465,7 +465,7 @@ def main(
         results = {}
         for k in range(k_top + 1):
             results[f"k={k}"] = simulate(costs, work, k, generations, s, noise, drift, drift_steps)
-        policy = _Recording(SpeculationPolicyConfig(max_speculation_k=k_top, **settings))
+        policy = _Recording(SpeculationControllerConfig(max_speculation_k=k_top, **settings))
         results["auto"] = simulate(costs, work, policy, generations, s, noise, drift, drift_steps)
         plain = results["k=0"][0]
         best = min((v[0], name) for name, v in results.items() if name != "auto")

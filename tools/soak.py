@@ -56,7 +56,7 @@ from sidecar.model.checkpoint import load_checkpoint
 from sidecar.model.model import ModelConfig
 from sidecar.serve_config import ServeConfig
 from sidecar.types import FinishReason, GenerationRequest, SamplingParams
-from sidecar.weight_sync.tensors import tensor_crc32
+from sidecar.weight_transport.tensors import tensor_crc32
 from trainer.local_sidecars import LocalSidecars
 from trainer.warmup import make_model
 

@@ -37,8 +37,8 @@ from trainer.planning.cost_table import TableCosts, load_costs
 from trainer.planning.inputs import read_run_metrics, step_acceptance, step_lengths
 from trainer.planning.step_model import (
     Acceptance,
+    EngineSplit,
     EngineWorkload,
-    Fleet,
     LengthDistribution,
     generation,
     simulate_engine,
@@ -83,7 +83,7 @@ def rows_generation(
     runs = []
     for e, rows in enumerate(engine_rows):
         work = EngineWorkload(
-            rows=len(rows), lengths=LengthDistribution.fixed(1), prompt_tokens=prompt_tokens, max_batch=MAX_BATCH,
+            rows=len(rows), lengths=LengthDistribution.fixed(1), prompt_tokens=prompt_tokens, max_batch_size=MAX_BATCH,
             row_lengths=tuple(rows),
         )  # fmt: skip
         runs.append(simulate_engine(work, acc if k else None, k, costs, reps, seed + 17 * e).seconds)
@@ -125,7 +125,7 @@ def engine_check(policy: Path, ks: list[int], generations: int, checks: int, rep
         rates = cumulative_rates(g.counters.drafted_per_position, g.counters.accepted_per_position)
         acc = Acceptance.from_cumulative(rates) if g.k else None
         work = EngineWorkload(
-            rows=len(g.lengths), lengths=LengthDistribution.fixed(1), prompt_tokens=prompt_tokens, max_batch=MAX_BATCH,
+            rows=len(g.lengths), lengths=LengthDistribution.fixed(1), prompt_tokens=prompt_tokens, max_batch_size=MAX_BATCH,
             row_lengths=tuple(g.lengths),
         )  # fmt: skip
         measured[g.k].append(g.seconds)
@@ -176,14 +176,18 @@ def main(argv: list[str] | None = None) -> int:
     table = json.loads(args.costs.read_text())["tables"][0]
     workload = table.get("workload", {})
     prompt_tokens = int(workload.get("prompt_tokens", 8))
-    fleet = Fleet(
-        prompts=PROMPTS, samples_per_prompt=SAMPLES, engines=ENGINES, max_batch=MAX_BATCH, prompt_tokens=prompt_tokens
+    fleet = EngineSplit(
+        prompts=PROMPTS,
+        samples_per_prompt=SAMPLES,
+        engines=ENGINES,
+        max_batch_size=MAX_BATCH,
+        prompt_tokens=prompt_tokens,
     )
     if args.run is not None:
         rows = read_run_metrics(args.run)
-        rest_of = [r["time/logprobs"] + r["time/train"] + r["time/weight_sync"] for r in rows]
+        rest_of = [r["time/logprobs"] + r["time/train"] + r["time/weight_push"] for r in rows]
 
-        def gen(fl: Fleet, lengths: LengthDistribution, acc: Acceptance | None, k: int, seed: int) -> float:
+        def gen(fl: EngineSplit, lengths: LengthDistribution, acc: Acceptance | None, k: int, seed: int) -> float:
             return generation(fl, lengths, acc, k, costs, args.replications, seed).seconds
 
         print(f"costs: {costs.description}; fixed cost per generation {1e3 * costs.request_seconds():.1f} ms")
@@ -207,8 +211,8 @@ def main(argv: list[str] | None = None) -> int:
             rounds, refill_prompts = int(row.get("rollout/refill_rounds", 0)), row.get("rollout/refill_prompts")
             if rounds and refill_prompts is not None:
                 per_round = max(math.ceil(refill_prompts / rounds), 1)
-                refill_fleet = Fleet(
-                    prompts=per_round, samples_per_prompt=SAMPLES, engines=min(ENGINES, per_round), max_batch=MAX_BATCH,
+                refill_fleet = EngineSplit(
+                    prompts=per_round, samples_per_prompt=SAMPLES, engines=min(ENGINES, per_round), max_batch_size=MAX_BATCH,
                     prompt_tokens=prompt_tokens,
                 )  # fmt: skip
                 refill = rounds * gen(refill_fleet, lengths, acc, args.k, seed + 500)

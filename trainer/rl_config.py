@@ -14,7 +14,8 @@ from typing import Any, ClassVar, Literal
 from muon import HybridOptimizerConfig
 from sidecar.client.client import ClientConfig
 from sidecar.client.transport import CollectiveConfig, TransportConfig
-from sidecar.config_io import to_mapping
+from sidecar.config_io import field_default, to_mapping
+from sidecar.engine.config import EngineConfig
 from sidecar.security import SecurityConfig
 from sidecar.serve_config import ServeConfig
 from trainer.draft_objective import DraftConfig
@@ -132,8 +133,9 @@ class RolloutConfig:
     """Sampling temperature (the trainer's log-probs use the same)."""
     max_new_tokens: int = 64
     """Longest response, in tokens."""
-    speculation_k: int = 3
-    """Draft tokens per verify step (0: plain decoding); with speculation_auto, the largest k."""
+    speculation_k: int = field_default(EngineConfig, "speculation_k")
+    """Draft tokens per verify step (0: plain decoding); with speculation_auto, the largest k (its
+    default is the engine's, `engine.speculation_k`)."""
     speculation_auto: bool = False
     """The sidecars choose k in 0..speculation_k for every engine step from their measured costs
     and acceptance (local sidecars start in that mode; remote ones must be started with
@@ -204,8 +206,8 @@ class RewardConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class WeightSyncConfig:
-    """How weight pushes reach the sidecars (see README, "Weight sync: data planes"). Local
+class WeightTransportConfig:
+    """How weight pushes reach the sidecars (see docs/protocol.md, "Weight transport"). Local
     sidecars use shared memory once they prove they share this host; a collective group is
     set up only when `collective_host` is set; gRPC is always the fallback."""
 
@@ -244,7 +246,7 @@ class WeightSyncConfig:
                     bucket_bytes=self.bucket_mib << 20,
                 )
             except ValueError as e:
-                raise ValueError(f"sidecars.weight_sync: {e}") from None
+                raise ValueError(f"sidecars.weight_transport: {e}") from None
         return TransportConfig(shm=self.shm, collective=collective)
 
 
@@ -305,14 +307,15 @@ class SidecarsConfig:
     """What the trainer presents to every sidecar: the token's file (`token_file`, else
     $SPECRL_TOKEN; local sidecars are started with the same token), TLS (`peer_ca`, `tls`) and
     its certificate for mutual TLS (`cert`, `key`)."""
-    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
-    """Data planes for weight pushes (shm for proven local sidecars; collective when set up)."""
+    weight_transport: WeightTransportConfig = field(default_factory=WeightTransportConfig)
+    """Transports for weight pushes (shm for proven local sidecars; collective when set up)."""
 
     RETIRED_KEYS: ClassVar[dict[str, str]] = {
         "max_batch_size": "serve.engine.max_batch_size",
         "engine": "serve.engine.kind",
+        "weight_sync": "weight_transport",  # glossary: refused here
     }
-    """Keys that moved into the `serve` section (refused with their new key)."""
+    """Keys that moved (into the `serve` section, or renamed): refused with their new key."""
 
     def __post_init__(self) -> None:
         owned = trainer_owned(self.serve)

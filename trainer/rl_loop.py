@@ -101,7 +101,7 @@ def rl_step(run: Run, step: int, rollouts: RolloutPipeline[Rollout] | None) -> d
     # 5. push target + draft to every sidecar (version + 1); the export gathers tensor-parallel
     #    shards, so every rank walks it
     if run.leader:
-        times.weight_sync = run.fleet.push_weights(
+        times.weight_push = run.fleet.push_weights(
             run.policy.export_named_tensors, names=run.policy.export_names()
         ).seconds
         metrics["weights/version"] = float(run.fleet.version)

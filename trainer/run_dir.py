@@ -32,7 +32,7 @@ PLOTS: dict[str, tuple[str, list[str]]] = {
     "acceptance_per_position.png": ("Acceptance rate per draft position", ["spec/accept_pos*"]),
     "step_time.png": (
         "Step time breakdown (s)",
-        ["time/weight_sync", "time/generation", "time/refill", "time/logprobs", "time/train"],
+        ["time/weight_push", "time/generation", "time/refill", "time/logprobs", "time/train"],
     ),
     "generation_share.png": ("Generation share of the step time", ["time/generation_share"]),
     "speedup.png": ("Speedup of speculation vs plain decoding (same run)", ["speedup/generation", "speedup/step"]),

@@ -70,8 +70,8 @@ def sidecar_fleet(cfg: RLConfig, run_dir: Path) -> Iterator[tuple[Fleet, LocalSi
     client = cfg.sidecars.client_config()
     client = dataclasses.replace(
         client,
-        transports=cfg.sidecars.weight_sync.transport_config(),
-        sparse_deltas=cfg.sidecars.weight_sync.sparse_deltas,
+        transports=cfg.sidecars.weight_transport.transport_config(),
+        sparse_deltas=cfg.sidecars.weight_transport.sparse_deltas,
     )
     if cfg.sidecars.local:
         local = LocalSidecars(

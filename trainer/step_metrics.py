@@ -32,14 +32,14 @@ class StepTimes:
     """Regenerating groups older than the lag bound."""
     logprobs: float = 0.0
     train: float = 0.0
-    weight_sync: float = 0.0
+    weight_push: float = 0.0
 
     def metrics(self, *, overlapped: bool) -> dict[str, float]:
         """`time/*`, the step's length and the generation's share of it, and the speedups when the
         plain pass was measured. `overlapped` (lag > 0): generation ran beside training, so the
         step holds only what the trainer waited for."""
         out = {f"time/{f.name}": v for f in dataclasses.fields(self) if (v := getattr(self, f.name)) is not None}
-        rest = self.refill + self.logprobs + self.train + self.weight_sync
+        rest = self.refill + self.logprobs + self.train + self.weight_push
         if overlapped:
             exposed = self.wait_generation + self.stale_regeneration
             step = exposed + rest - self.refill

@@ -28,8 +28,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 import sidecar.protocol.convert as convert
 import sidecar.protocol.convert_stats as convert_stats
 import sidecar.protocol.weight_wire as weight_wire
-from sidecar.client.transport import DataPlaneSession, TransportChoice, TransportConfig
-from sidecar.client.weight_sender import DEFAULT_CHUNK_BYTES, CollectiveSender, DataPlaneSender, iter_push_requests
+from sidecar.client.transport import TransportChoice, TransportConfig, TransportSession
+from sidecar.client.weight_sender import DEFAULT_CHUNK_BYTES, CollectiveSender, TransportSender, iter_push_requests
 from sidecar.errors import SpecrlError, TransportUnavailableError
 from sidecar.protocol import services
 from sidecar.protocol.specrl.v1 import control_pb2, rollout_pb2, weights_pb2
@@ -50,7 +50,7 @@ from sidecar.types import (
     WeightSelector,
     WeightTransport,
 )
-from sidecar.weight_sync.delta import DeltaBase, plan_push
+from sidecar.weight_transport.delta import DeltaBase, plan_push
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -91,7 +91,7 @@ class ClientConfig:
     None: read when the client is created, from `security.token_file` or $SPECRL_TOKEN."""
     max_message_mib: int = 64
     transports: TransportConfig = field(default_factory=TransportConfig)
-    """Weight data planes to negotiate (shm with a proven same-host sidecar by default;
+    """Weight transports to negotiate (shm with a proven same-host sidecar by default;
     collective when configured); grpc always works."""
     sparse_deltas: bool = False
     """Send each tensor as a sparse delta against the last push to that sidecar when that is
@@ -143,8 +143,8 @@ class SidecarClient:
             request_serializer=None,
             response_deserializer=weights_pb2.PushWeightsResponse.FromString,
         )
-        self.data_plane = DataPlaneSession(config=c.transports)
-        """This sidecar's negotiated weight data plane (`data_plane.choice` says which and why)."""
+        self.transport_session = TransportSession(config=c.transports)
+        """This sidecar's negotiated weight transport (`transport_session.choice` says which and why)."""
         self.delta_base = DeltaBase()
         """What the next delta push is computed against (`delta_base.forget()`: next push full)."""
         self._data_plane_lock = threading.Lock()
@@ -283,16 +283,16 @@ class SidecarClient:
         return convert.prepared_from_pb(msg)
 
     def negotiate_transport(self) -> TransportChoice:
-        """The data plane for pushes to this sidecar: kept once chosen, chosen again after it
+        """The transport for pushes to this sidecar: kept once chosen, chosen again after it
         failed. Falls back to grpc (logging why) when no faster one works."""
-        if self.data_plane.choice is not None:
-            return self.data_plane.choice
+        if self.transport_session.choice is not None:
+            return self.transport_session.choice
         try:
             offered = self.offered_transports()
         except SidecarCallError as e:
             offered = [WeightTransport.GRPC]
             log.warning("sidecar %s did not list its transports (%s); assuming grpc only", self.address, e)
-        return self.data_plane.negotiate(self.address, offered, self.prepare_transport)
+        return self.transport_session.negotiate(self.address, offered, self.prepare_transport)
 
     def push_weights(
         self,
@@ -305,7 +305,7 @@ class SidecarClient:
         timeout_s: float | None = None,
         full: bool = False,
     ) -> PushResult:
-        """Push new weights over the negotiated data plane and return once the sidecar serves
+        """Push new weights over the negotiated transport and return once the sidecar serves
         `version` (`PushResult.transport` says which plane carried the bytes).
 
         With `ClientConfig.sparse_deltas`, tensors go as sparse deltas against this client's last
@@ -314,7 +314,7 @@ class SidecarClient:
 
         `named_tensors` is a state dict, or an iterable of (name, tensor) pairs streamed one at
         a time (its order must be `specs`', which default to DescribeWeights' for `selector`).
-        A push that fails on a fast data plane drops it; the next push negotiates again.
+        A push that fails on a fast transport drops it; the next push negotiates again.
         """
         if specs is None and not isinstance(named_tensors, Mapping):
             specs, _ = self.describe_weights(selector)
@@ -381,7 +381,7 @@ class SidecarClient:
         # grpc (and the sidecar, which serialises pushes, refuses whichever comes second).
         exclusive = self._data_plane_lock.acquire(blocking=False)
         try:
-            plane = self.data_plane.sender if exclusive else None
+            plane = self.transport_session.sender if exclusive else None
             return self._push_once(named_tensors, version, selector, chunk_bytes, specs, timeout_s, plane, base_version)
         finally:
             if exclusive:
@@ -395,7 +395,7 @@ class SidecarClient:
         chunk_bytes: int,
         specs: Sequence[TensorSpec] | None,
         timeout_s: float | None,
-        plane: DataPlaneSender | None,
+        plane: TransportSender | None,
         base_version: int = 0,
     ) -> PushResult:
         items = iter_push_requests(
@@ -404,12 +404,12 @@ class SidecarClient:
         return self.push_items(items, timeout_s=timeout_s, plane=plane)
 
     def push_items(
-        self, items: Iterable[PushItem], *, timeout_s: float | None = None, plane: DataPlaneSender | None = None
+        self, items: Iterable[PushItem], *, timeout_s: float | None = None, plane: TransportSender | None = None
     ) -> PushResult:
         """Send one push given as its items (manifest, chunks or placed tensors, commit), consumed
         lazily as gRPC sends them: the primitive under `push_weights` and the incremental
         `sidecar.integrations.weight_session.WeightUpdateSession` (which sends chunks over grpc,
-        `plane` None). `plane` is the data plane `items` placed tensors on, dropped when the push
+        `plane` None). `plane` is the transport `items` placed tensors on, dropped when the push
         breaks it. An exception raised by `items` ends the stream without a commit (the sidecar
         applies nothing) and is re-raised here."""
         sender_failure: list[Exception] = []
@@ -436,10 +436,10 @@ class SidecarClient:
             # ends: a plane kept for the next push must not be written once this one returns.
             drawn.stop(wait=plane is not None and not dropped)
             if dropped:
-                self.data_plane.drop(str(sender_failure[0]) if sender_failure else error.details)
+                self.transport_session.drop(str(sender_failure[0]) if sender_failure else error.details)
             if sender_failure:
                 failure = sender_failure[0]
-                if isinstance(failure, TransportUnavailableError):  # the data plane broke: a sidecar failure
+                if isinstance(failure, TransportUnavailableError):  # the transport broke: a sidecar failure
                     raise SidecarCallError(
                         self.address, "PushWeights", grpc.StatusCode.UNAVAILABLE, str(failure)
                     ) from None
@@ -450,7 +450,7 @@ class SidecarClient:
     # --- lifetime ---------------------------------------------------------------------------
 
     def close(self) -> None:
-        self.data_plane.close()
+        self.transport_session.close()
         self.channel.close()
 
     def __enter__(self) -> SidecarClient:
@@ -463,7 +463,7 @@ class SidecarClient:
 class _StoppableRequests:
     """A push's requests as gRPC draws them (on its own thread), which the caller can stop:
     after `stop` nothing more is drawn, and with `wait` the draw in progress, if any, has
-    finished (a tensor being written into a data plane that the next push reuses)."""
+    finished (a tensor being written into a transport that the next push reuses)."""
 
     def __init__(self, requests: Iterator[bytes]) -> None:
         self._requests = requests

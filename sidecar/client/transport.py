@@ -1,4 +1,4 @@
-"""Choosing a data plane per sidecar, on the sending side, with the reason said.
+"""Choosing a transport per sidecar, on the sending side, with the reason said.
 
 A sidecar lists the transports it offers (DescribeWeights); the sender tries them best first
 and keeps the first that works for this pair, else stays on the gRPC stream:
@@ -8,7 +8,7 @@ and keeps the first that works for this pair, else stays on the gRPC stream:
 2. collective, if the run config sets it up (`CollectiveConfig`) and the sidecar offers it: a
    two-rank group, this process rank 0 serving the rendezvous store, the sidecar rank 1.
 3. grpc: always.
-A data plane that fails mid-push is dropped (`DataPlaneSession.drop`); the next push
+A transport that fails mid-push is dropped (`TransportSession.drop`); the next push
 negotiates again, so a broken group is rebuilt rather than reused.
 """
 
@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from sidecar.client.weight_sender import CollectiveSender, DataPlaneSender, ShmSender
+from sidecar.client.weight_sender import CollectiveSender, ShmSender, TransportSender
 from sidecar.types import CollectiveRendezvous, PreparedTransport, ShmProbe, WeightTransport
-from sidecar.weight_sync import collective, shm
+from sidecar.weight_transport import collective, shm
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class CollectiveConfig:
 
 @dataclass(kw_only=True, slots=True)
 class TransportConfig:
-    """Which data planes a sender may use (grpc always)."""
+    """Which transports a sender may use (grpc always)."""
 
     shm: bool = True
     """Use shared memory with sidecars that prove they share this host."""
@@ -71,19 +71,19 @@ class TransportConfig:
 
 @dataclass(kw_only=True, slots=True)
 class TransportChoice:
-    """The data plane chosen for one sidecar, and why (fallbacks say what failed)."""
+    """The transport chosen for one sidecar, and why (fallbacks say what failed)."""
 
     transport: WeightTransport
     reason: str
 
 
 @dataclass(kw_only=True, slots=True)
-class DataPlaneSession:
-    """One sidecar's negotiated data plane on the sending side (kept across pushes)."""
+class TransportSession:
+    """One sidecar's negotiated transport on the sending side (kept across pushes)."""
 
     config: TransportConfig = field(default_factory=TransportConfig)
     choice: TransportChoice | None = None
-    sender: DataPlaneSender | None = None
+    sender: TransportSender | None = None
 
     def negotiate(self, address: str, offered: Iterable[WeightTransport], prepare: Prepare) -> TransportChoice:
         """Keep the current choice, or pick the best transport that works now."""
@@ -124,9 +124,9 @@ class DataPlaneSession:
         return self.choice
 
     def drop(self, why: str) -> None:
-        """Forget the data plane after it failed; the next push negotiates again."""
+        """Forget the transport after it failed; the next push negotiates again."""
         if self.choice is not None and self.choice.transport is not WeightTransport.GRPC:
-            log.warning("dropping the %s data plane: %s", self.choice.transport.value, why)
+            log.warning("dropping the %s transport: %s", self.choice.transport.value, why)
         self.close()
 
     def close(self) -> None:

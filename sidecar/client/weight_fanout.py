@@ -3,7 +3,7 @@
 The weight half of a `Fleet` (`sidecar.client.fleet`). Each sidecar's push stream takes its
 tensors from a queue bounded by `stream_bytes` (one tensor always fits), so the trainer never holds
 a second copy of the model. Sending one sidecar its stream is `send_weight_stream`, a single
-replaceable step: PushWeights is the control plane, the bytes take the data plane negotiated for
+replaceable step: PushWeights is the control plane, the bytes take the transport negotiated for
 that sidecar (`sidecar.client.transport`). Local sidecars whose negotiated plane is shm instead all
 read one shared-memory region written once per push: one copy and one CRC-32 per tensor for all of
 them, and one placement message per 64 MiB instead of a hand-off per tensor and sidecar.
@@ -24,7 +24,7 @@ import torch
 from sidecar.client.client import SidecarCallError, SidecarClient
 from sidecar.client.weight_sender import ShmSender, checked_pairs, framed_push, push_manifest
 from sidecar.types import PushResult, TensorSpec, WeightSelector, WeightTransport
-from sidecar.weight_sync.shm import ShmRegion
+from sidecar.weight_transport.shm import ShmRegion
 
 Code = grpc.StatusCode
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
@@ -44,7 +44,7 @@ def send_weight_stream(
     specs: Sequence[TensorSpec],
 ) -> PushResult:
     """Send one sidecar its tensors (in `specs` order): PushWeights is the control plane, the
-    bytes take the data plane negotiated for that sidecar (shm, collective or the stream)."""
+    bytes take the transport negotiated for that sidecar (shm, collective or the stream)."""
     return client.push_weights(tensors, version, selector, specs=specs)
 
 
@@ -83,7 +83,7 @@ class WeightFanout:
                 manifest = push_manifest(specs, version, selector, sender.placement)
                 for c in sharing:  # a failure drops the client's own (proven) plane: it negotiates again
                     items = framed_push(manifest, iter(feeds[c]))  # type: ignore[arg-type]
-                    futures[c] = pool.submit(c.push_items, items, plane=c.data_plane.sender)
+                    futures[c] = pool.submit(c.push_items, items, plane=c.transport_session.sender)
             streamed = [c for c in clients if c not in sharing]
             for c in streamed:
                 futures[c] = pool.submit(self.send, c, iter(feeds[c]), version, selector, specs)

@@ -1,9 +1,9 @@
 """The sending side of a weight push: the PushWeights items for a stream of tensors.
 
-`iter_push_requests` turns (name, tensor) pairs into a manifest, the bytes on one data plane,
+`iter_push_requests` turns (name, tensor) pairs into a manifest, the bytes on one transport,
 and a commit. Tensors are consumed lazily, one at a time (a trainer can gather and send one
 tensor at a time). The bytes go
-- on the stream (no data plane): `WeightChunk`s of `chunk_bytes`, each with its CRC-32, the
+- on the stream (no transport): `WeightChunk`s of `chunk_bytes`, each with its CRC-32, the
   tensor's CRC-32 on its last chunk (a streaming sender cannot know it for the manifest);
 - into a shared-memory region (`ShmSender`): each tensor written once at its offset, then one
   `WeightPlaced` naming offset and CRC-32;
@@ -31,9 +31,9 @@ from sidecar.types import (
     WeightPlaced,
     WeightSelector,
 )
-from sidecar.weight_sync import collective, shm
-from sidecar.weight_sync.checksum import crc32, crc32_combine
-from sidecar.weight_sync.tensors import spec_of, tensor_bytes
+from sidecar.weight_transport import collective, shm
+from sidecar.weight_transport.checksum import crc32, crc32_combine
+from sidecar.weight_transport.tensors import spec_of, tensor_bytes
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 """4 MiB: large enough that per-message overhead is negligible, far below the 64 MiB limit."""
@@ -124,7 +124,7 @@ class CollectiveSender:
         self.group.broadcast(torch.cat([f.to(device) for f in flat]), what)
 
 
-DataPlaneSender = ShmSender | CollectiveSender
+TransportSender = ShmSender | CollectiveSender
 
 
 def iter_push_requests(
@@ -134,7 +134,7 @@ def iter_push_requests(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     *,
     specs: Sequence[TensorSpec] | None = None,
-    data_plane: DataPlaneSender | None = None,
+    data_plane: TransportSender | None = None,
     base_version: int = 0,
 ) -> Iterator[PushItem]:
     """The items of one push: manifest, the bytes (chunks, or placed tensors on `data_plane`),

@@ -3,8 +3,9 @@
 Why: on a GPU an eager decode round is launch-bound — hundreds of small kernels, each costing the
 host more than the device — so a step took about as long at 0.6B parameters as at 8B
 (BENCHMARKS.md, "The engine on a GPU"). A CUDA graph replays a whole phase with one launch, but
-only a phase whose shapes and memory addresses never change: `fixed_round` is the round written
-that way, and `FixedRounds` runs it:
+only a phase whose shapes and memory addresses never change: `FixedRounds` runs the round's phases
+(`decode_round.draft_phase`, `verify_phase`) with device lengths at a fixed shape
+(`attention_lengths.DeviceLengths`):
 
 - rows padded to a batch bucket (`batch_bucket`: 1, 2, 4, 8, then multiples of 8, as SGLang's
   CUDA-graph runner pads); padded rows have length 0 and write only scratch slots of free cache
@@ -41,22 +42,23 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from sidecar.engine.attention_lengths import DeviceLengths, FixedShape
 from sidecar.engine.config import MIN_READ
-from sidecar.engine.decode_round import EagerRounds, RoundInput, RoundOutput
+from sidecar.engine.decode_round import EagerRounds, RoundInput, RoundOutput, draft_phase, verify_phase
 from sidecar.engine.drafters import Drafter
-from sidecar.engine.fixed_round import FixedInput, FixedShape, draft_phase, verify_phase
 from sidecar.engine.rows import BatchTensors
-from sidecar.engine.sampling import AcceptanceRule, RowSampling
+from sidecar.engine.sampling import AcceptanceRule
+from sidecar.model.decode_kernels import DecodeKernels
 from sidecar.model.kv_cache import KVCache, upload
 
 log = logging.getLogger(__name__)
 
 
-def batch_bucket(rows: int, max_batch: int) -> int:
+def batch_bucket(rows: int, max_batch_size: int) -> int:
     """The rows a fixed-shape round of `rows` live rows runs: 1, 2, 4, 8, then the next multiple
-    of 8, never more than the cache's `max_batch`."""
+    of 8, never more than the cache's `max_batch_size`."""
     bucket = 1 << max(rows - 1, 0).bit_length() if rows <= 8 else -(-rows // 8) * 8
-    return min(bucket, max_batch)
+    return min(bucket, max_batch_size)
 
 
 def read_bucket(needed: int, capacity: int) -> int:
@@ -88,7 +90,6 @@ class FixedRounds:
         self._pool: Any = None  # one memory pool for all graphs (replays never overlap)
         self._signature: list[int] = []
         self._padded: tuple[BatchTensors, int, BatchTensors] | None = None  # (batch, rows, its padded form)
-        self._zeros: dict[tuple[object, ...], Tensor] = {}  # refresh inputs of rounds that do not draft
         self.captured = 0
         """Graphs captured so far (first occurrences of shapes, and recaptures after new weight storage)."""
 
@@ -105,39 +106,24 @@ class FixedRounds:
         """`decode_round` of the same inputs: on return the target cache holds each row's k + 1
         verified positions and each draft cache its refreshed ones (the engine rolls back)."""
         b, k = inp.last.shape[0], inp.round_k
-        num_refresh = inp.num_refresh if k > 0 and inp.num_refresh is not None else [0] * b
-        width = max(num_refresh) if k > 0 else 0
-        rows = batch_bucket(b, cache.max_batch)
-        read_draft = 0
-        if k > 0:
-            needed = max(max(c.lengths) for c in draft_caches) + width + k
-            read_draft = read_bucket(needed, draft_caches[0].capacity)
-        shape = FixedShape(
-            rows=rows,
-            k=k,
-            width=width,
-            read_draft=read_draft,
-            read_target=read_bucket(max(cache.lengths) + k + 1, cache.capacity),
-        )
         drafting = draft_caches if k > 0 else []
+        shape = _shape(inp, cache, drafting)
         for c in [cache, *drafting]:  # slots past the rows' lengths read as zeros (`KVCache.scrub`)
             c.scrub()
-        fixed = self._input(inp, cache, drafting, num_refresh, shape)
-        padded = self._pad_batch(batch, rows)
-        flags = (padded.rows.any_greedy, padded.rows.any_top_k, padded.rows.any_top_p, padded.rows.any_processed)
-        batch_inputs = _tensors(padded)
+        padded_batch = self._pad_batch(batch, shape.rows)
+        records = (_pad_input(inp, shape.rows), _lengths(drafter, cache, drafting, inp, shape), padded_batch)
+        rows = padded_batch.rows
+        flags = (rows.any_greedy, rows.any_top_k, rows.any_top_p, rows.any_processed)
         draft_key = ("draft", drafter, shape, flags)  # objects, not ids: the dict holds them
-        draft_inputs = (*_tensors(fixed), *batch_inputs)
+        draft_inputs, slots = _leaves(records), _slots(records)  # a phase reads its tensors from its inputs only
 
         def draft_fn(*t: Tensor) -> tuple[Tensor, ...]:
-            return draft_phase(drafter, draft_caches, _batch_of(t[-len(batch_inputs) :], padded), _input_of(t), shape)
+            phase, lengths, padded = _with_leaves(slots, t)
+            return draft_phase(drafter, draft_caches, padded, phase, lengths)
 
-        def verify_fn(*t: Tensor) -> tuple[Tensor, ...]:
-            d, qq, uu = t[:3]
-            rest = t[3:]
-            return verify_phase(
-                drafter, cache, _batch_of(rest[-len(batch_inputs) :], padded), _input_of(rest), shape, accept, d, qq, uu
-            )
+        def verify_fn(drafts: Tensor, q: Tensor, u: Tensor, *t: Tensor) -> tuple[Tensor, ...]:
+            phase, lengths, padded = _with_leaves(slots, t)
+            return verify_phase(drafter, cache, padded, phase, lengths, accept, drafts, q, u)
 
         if drafted is None:  # nothing times the draft phase: the whole round is one graph
 
@@ -154,17 +140,7 @@ class FixedRounds:
             packed, states = self._run(
                 ("verify", draft_key, accept), verify_fn, (), by_reference=(drafts, q, u, *shared), keep=(1,)
             )
-        # what the replays wrote: k + 1 verified columns a row (padded rows from slot 0); the draft
-        # refresh's `width` columns, then up to k chain entries past the refreshed positions
-        pad = [0] * (rows - b)
-        cache.mark_written([n + k + 1 for n in [*cache.lengths, *pad]])
-        for c in drafting:
-            c.mark_written(
-                [n + max(width, r + k) for n, r in zip([*c.lengths, *pad], [*num_refresh, *pad], strict=True)]
-            )
-        cache.commit_counts(inp.num_new)
-        for c in drafting:
-            c.commit_counts(num_refresh)
+        _commit(cache, drafting, inp, shape)
         return RoundOutput(packed=packed[:b], hidden=states[:b])
 
     def check_weights(self, tensors: Iterable[Tensor]) -> None:
@@ -177,40 +153,6 @@ class FixedRounds:
             self._signature = signature
 
     # ---- inputs --------------------------------------------------------------------------------
-    def _input(
-        self, inp: RoundInput, cache: KVCache, draft_caches: list[KVCache], num_refresh: list[int], shape: FixedShape
-    ) -> FixedInput:
-        b, r, dev = inp.last.shape[0], shape.rows, inp.last.device
-        pad = [0] * (r - b)
-        # every host-known length in one upload: the target's, each draft cache's, the refresh counts
-        lengths = upload(
-            [*cache.lengths, *pad, *(n for c in draft_caches for n in [*c.lengths, *pad]), *num_refresh, *pad], dev
-        ).view(-1, r)
-        width = max(shape.width, 1)
-
-        def refresh(t: Tensor | None, dtype: torch.dtype, *features: int) -> Tensor:
-            """A refresh input padded to `r` rows, or zeros of its shape when the round does not draft
-            (the same tensor every such round: never written, so a graph copies it once)."""
-            if t is not None:
-                return _pad_rows(t, r)
-            key = (r, width, features, dtype, dev)
-            if key not in self._zeros:
-                self._zeros[key] = torch.zeros(r, width, *features, dtype=dtype, device=dev)
-            return self._zeros[key]
-
-        return FixedInput(
-            out_len=_pad_rows(inp.out_len, r),
-            last=_pad_rows(inp.last, r),
-            num_draft=_pad_rows(inp.num_draft, r),
-            next_position=_pad_rows(inp.next_position, r),
-            target_lengths=lengths[0],
-            draft_lengths=lengths[1 : 1 + len(draft_caches)],
-            num_refresh=lengths[-1],
-            refresh_tokens=refresh(inp.refresh_tokens, torch.int64),
-            refresh_hidden=refresh(inp.refresh_hidden, torch.float32, 1),
-            refresh_positions=refresh(inp.refresh_positions, torch.int64),
-        )
-
     def _pad_batch(self, batch: BatchTensors, rows: int) -> BatchTensors:
         """`batch` with rows up to `rows` copying row 0's settings (built once per batch and bucket)."""
         # held, not keyed by id(): a new batch may get a freed one's id (a stale max_new_tokens
@@ -219,7 +161,7 @@ class FixedRounds:
             return self._padded[2]
         b = batch.keys.shape[0]
         index = torch.cat([torch.arange(b), torch.zeros(rows - b, dtype=torch.int64)]).to(batch.keys.device)
-        padded = _batch_of(tuple(t.index_select(0, index) for t in _tensors(batch)), batch)
+        padded = _with_leaves(batch, tuple(t.index_select(0, index) for t in _leaves(batch)), Tensor)
         self._padded = (batch, rows, padded)
         return padded
 
@@ -282,27 +224,103 @@ class FixedRounds:
         return _Graph(graph=graph, inputs=static, outputs=tuple(outputs))
 
 
-_ROW_TENSORS = [f for f in fields(RowSampling) if not f.name.startswith("any_")]
-_INPUT_FIELDS = [f.name for f in fields(FixedInput)]
+def _shape(inp: RoundInput, cache: KVCache, draft_caches: list[KVCache]) -> FixedShape:
+    """The fixed shape of a round: rows to their batch bucket, every read to its read bucket."""
+    k, width = inp.round_k, max(inp.refresh_counts) if inp.round_k > 0 else 0
+    read_draft = 0
+    if draft_caches:
+        read_draft = read_bucket(max(max(c.lengths) for c in draft_caches) + width + k, draft_caches[0].capacity)
+    read_target = read_bucket(max(cache.lengths) + k + 1, cache.capacity)
+    rows = batch_bucket(len(cache.lengths), cache.max_batch_size)
+    return FixedShape(rows=rows, k=k, width=width, read_draft=read_draft, read_target=read_target)
 
 
-def _tensors(x: FixedInput | BatchTensors) -> tuple[Tensor, ...]:
-    """A round's inputs as a flat tuple (the order `_input_of` / `_batch_of` read back)."""
-    if isinstance(x, FixedInput):
-        return tuple(getattr(x, n) for n in _INPUT_FIELDS)
-    return (*(getattr(x.rows, f.name) for f in _ROW_TENSORS), x.keys, x.stops, x.max_new)
+def _lengths(
+    drafter: Drafter, cache: KVCache, draft_caches: list[KVCache], inp: RoundInput, shape: FixedShape
+) -> DeviceLengths:
+    """The round's device row lengths: every host-known length in one upload (the target's,
+    each draft cache's before and after its refresh), padded rows of length 0."""
+    pad = [0] * (shape.rows - len(cache.lengths))
+    refreshed = [[n + r for n, r in zip(c.lengths, inp.refresh_counts, strict=True)] for c in draft_caches]
+    lengths = upload(
+        [n for row in [cache.lengths, *(c.lengths for c in draft_caches), *refreshed] for n in [*row, *pad]],
+        inp.last.device,
+    ).view(-1, shape.rows)
+    # the fused attention needs no mask; it rotates whole heads, so a partial-rotary model (GLM-4.5)
+    # attends through torch's operators, masked, while its other fused kernels still run
+    fused = isinstance(drafter.model.kernels, DecodeKernels) and drafter.model.config.partial_rotary_factor == 1.0
+    layers = len(draft_caches)
+    return DeviceLengths(
+        target=lengths[0],
+        drafts=lengths[1 : 1 + layers],
+        confirmed=lengths[1 + layers :],
+        shape=shape,
+        masked_draft=not (fused and drafter.kind == "mtp"),  # MTP layers are decoder layers
+        masked_target=not fused,
+    )
 
 
-def _input_of(t: tuple[Tensor, ...]) -> FixedInput:
-    return FixedInput(**dict(zip(_INPUT_FIELDS, t[: len(_INPUT_FIELDS)], strict=True)))
+def _commit(cache: KVCache, draft_caches: list[KVCache], inp: RoundInput, shape: FixedShape) -> None:
+    """The host side a replay cannot do: what it wrote (k + 1 verified columns a row, padded rows
+    from slot 0; the draft refresh's `width` columns, then up to k chain entries past the refreshed
+    positions), and the row lengths it leaves."""
+    pad, k = [0] * (shape.rows - len(cache.lengths)), inp.round_k
+    cache.mark_written([n + k + 1 for n in [*cache.lengths, *pad]])
+    for c in draft_caches:
+        written = zip([*c.lengths, *pad], [*inp.refresh_counts, *pad], strict=True)
+        c.mark_written([n + max(shape.width, r + k) for n, r in written])
+    cache.commit_counts(inp.num_new)
+    for c in draft_caches:
+        c.commit_counts(inp.refresh_counts)
 
 
-def _batch_of(t: tuple[Tensor, ...], like: BatchTensors) -> BatchTensors:
-    """`like` with its per-row tensors taken from `t` (in `_tensors`' order); its flags kept."""
-    n = len(_ROW_TENSORS)
-    tensors: dict[str, Any] = {f.name: v for f, v in zip(_ROW_TENSORS, t[:n], strict=True)}
-    rows = dataclasses.replace(like.rows, **tensors)
-    return BatchTensors(rows=rows, keys=t[n], stops=t[n + 1], max_new=t[n + 2])
+def _leaves(x: object) -> tuple[Tensor, ...]:
+    """A round's inputs (records, tuples of them) as a graph's flat tensors, in field order; None
+    fields (a plain round's refresh inputs) are not inputs."""
+    if isinstance(x, Tensor):
+        return (x,)
+    if isinstance(x, tuple):
+        return tuple(t for item in x for t in _leaves(item))
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return tuple(t for f in fields(x) for t in _leaves(getattr(x, f.name)))
+    return ()
+
+
+class _Slot:
+    """Where a graph input goes in `_slots`' records."""
+
+
+def _slots(x: Any) -> Any:
+    """`x` with each tensor `_leaves` lists replaced by a `_Slot`: what a phase's function holds,
+    so that tracing it reads (and guards on) the inputs it is given, never a round's tensors."""
+    return _with_leaves(x, tuple(_Slot() for _ in _leaves(x)), Tensor)
+
+
+def _with_leaves(like: Any, t: tuple[Any, ...], slot: type = _Slot) -> Any:
+    """`like` with its `slot`s taken from `t` in `_leaves`' order; everything else kept."""
+    it = iter(t)
+
+    def rebuilt(x: Any) -> Any:
+        if isinstance(x, slot):
+            return next(it)
+        if isinstance(x, tuple):
+            return tuple(rebuilt(item) for item in x)
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            changes = {f.name: rebuilt(getattr(x, f.name)) for f in fields(x) if f.init}
+            return dataclasses.replace(x, **changes)
+        return x
+
+    return rebuilt(like)
+
+
+def _pad_input(inp: RoundInput, rows: int) -> RoundInput:
+    """`inp` with every tensor's rows up to `rows` (padded rows: zeros), for the device side: its
+    host mirrors (which change every round, and no fixed-shape phase reads) left empty."""
+    padded: dict[str, Any] = {}
+    for f in fields(inp):
+        if isinstance(value := getattr(inp, f.name), Tensor):
+            padded[f.name] = _pad_rows(value, rows)
+    return dataclasses.replace(inp, **padded, num_new=[], refresh_counts=[])
 
 
 def _pad_rows(t: Tensor, rows: int) -> Tensor:

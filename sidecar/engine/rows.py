@@ -117,7 +117,7 @@ class Sequence:
     params: SamplingParams
     k: int
     speculation_auto: bool
-    """k is chosen per step by the engine's SpeculationPolicy (`k` is then unused)."""
+    """k is chosen per step by the engine's SpeculationController (`k` is then unused)."""
     seed: int
     """`sequence_seed(...)`: the key of the row's counter-based uniforms."""
     output: list[int] = field(default_factory=list)

@@ -84,19 +84,24 @@ class Runner:
         """The round's inputs from its rows: the last token and the output length of each, and for
         a round that drafts the draft's pending inputs (`rows.Pending`), right-padded."""
         seqs, row_k, dev = plan.rows, plan.row_k, self.device
+        num_refresh = plan.refresh if plan.round_k > 0 else [0] * len(seqs)
         host = torch.tensor(
-            [[len(s.output), s.last_tokens(1)[0], k, len(s.prompt) - 1] for s, k in zip(seqs, row_k, strict=True)]
+            [
+                [len(s.output), s.last_tokens(1)[0], k, len(s.prompt) - 1, n]
+                for s, k, n in zip(seqs, row_k, num_refresh, strict=True)
+            ]
         ).to(dev)
         inp = RoundInput(
+            round_k=plan.round_k,
             out_len=host[:, 0],
             last=host[:, 1],
             num_draft=host[:, 2],
             next_position=host[:, 0] + host[:, 3],
-            round_k=plan.round_k,
+            num_refresh=host[:, 4],
             num_new=[k + 1 for k in row_k],
+            refresh_counts=num_refresh,
         )
         if plan.round_k > 0:
-            num_refresh = plan.refresh
             width = max(num_refresh)
             # draft position t of each pending entry: they end at t = n - 2 (n = the row's length)
             ends = [s.length - 1 - n for s, n in zip(seqs, num_refresh, strict=True)]
@@ -105,7 +110,6 @@ class Runner:
             ).to(dev)
             inp.refresh_hidden = gather_pending(seqs, num_refresh, width)
             inp.refresh_positions = (torch.tensor(ends)[:, None] + torch.arange(width)[None, :]).to(dev)
-            inp.num_refresh = num_refresh
         return inp
 
     def round(

@@ -20,7 +20,7 @@ from sidecar.engine.validation import check_weights
 from sidecar.model.checkpoint import draft_tensor_shapes, target_tensor_shapes
 from sidecar.model.model import Qwen3WithMTP
 from sidecar.types import TensorSpec, WeightSelector
-from sidecar.weight_sync.tensors import tensor_crc32
+from sidecar.weight_transport.tensors import tensor_crc32
 
 
 class ServedWeights:

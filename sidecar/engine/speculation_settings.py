@@ -1,6 +1,6 @@
 """The engine's speculation settings: the default k, automatic k's controller, and their status.
 
-The default k for requests submitted from now on (fixed, or automatic with a `SpeculationPolicy`
+The default k for requests submitted from now on (fixed, or automatic with a `SpeculationController`
 choosing 0..k per step), its validation against the draft the engine serves, and the status
 GetInfo, GetStats and Prometheus report. A part `TorchEngine` holds (`engine.speculation`), whose
 Engine methods of the same names delegate here.
@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 
 from sidecar.model.model import ModelConfig
-from sidecar.speculation.config import SpeculationPolicyConfig
-from sidecar.speculation.controller import SpeculationPolicy
+from sidecar.speculation.config import SpeculationControllerConfig
+from sidecar.speculation.controller import SpeculationController
 from sidecar.speculation.expert_union import ExpertReads
 from sidecar.types import SpeculationStatus
 
@@ -26,10 +26,10 @@ class SpeculationSettings:
         *,
         max_speculation_k: int,
         has_draft: bool,
-        policy: SpeculationPolicyConfig | None,
+        controller: SpeculationControllerConfig | None,
         expert_reads: ExpertReads | None = None,
     ) -> None:
-        """`max_speculation_k`: the largest k a request may ask for (0 without a draft); `policy`: the
+        """`max_speculation_k`: the largest k a request may ask for (0 without a draft); `controller`: the
         controller's knobs (its max_speculation_k is set by the mode); `expert_reads`: a
         mixture-of-experts target's bytes per forward (`expert_reads_of`), the controller's prior."""
         self.expert_reads = expert_reads
@@ -38,9 +38,9 @@ class SpeculationSettings:
         self.k = k
         self.auto = False
         """New requests that do not pin k get the controller's k."""
-        self.policy: SpeculationPolicy | None = None
+        self.controller: SpeculationController | None = None
         """Automatic k's controller, kept while rows of automatic k may still run."""
-        self._policy_config = policy
+        self._controller_config = controller
         self.set_k(k)
 
     def check(self, k: int) -> None:
@@ -64,23 +64,23 @@ class SpeculationSettings:
         engine's speculation_k is then that largest k."""
         self.check(k)
         self.k, self.auto = k, True
-        if self.policy is None or self.policy.config.max_speculation_k != k:
-            cfg = self._policy_config or SpeculationPolicyConfig(max_speculation_k=k)
-            self.policy = SpeculationPolicy(dataclasses.replace(cfg, max_speculation_k=k), self.expert_reads)
+        if self.controller is None or self.controller.config.max_speculation_k != k:
+            cfg = self._controller_config or SpeculationControllerConfig(max_speculation_k=k)
+            self.controller = SpeculationController(dataclasses.replace(cfg, max_speculation_k=k), self.expert_reads)
 
-    def set_policy(self, policy: SpeculationPolicy) -> None:
+    def set_controller(self, controller: SpeculationController) -> None:
         """Auto mode with a given controller (tools and tests install a scripted or configured one)."""
-        self.check(policy.config.max_speculation_k)
-        self.k, self.auto = policy.config.max_speculation_k, True
-        self.policy = policy
+        self.check(controller.config.max_speculation_k)
+        self.k, self.auto = controller.config.max_speculation_k, True
+        self.controller = controller
 
     def status(self) -> SpeculationStatus:
         """The k in use and why (GetInfo / GetStats / Prometheus)."""
-        if not self.auto or self.policy is None:
+        if not self.auto or self.controller is None:
             return SpeculationStatus(
                 speculation_auto=False, speculation_k=self.k, reason="fixed", detail=f"fixed default k={self.k}"
             )
-        d = self.policy.last
+        d = self.controller.last
         return SpeculationStatus(
             speculation_auto=True,
             speculation_k=d.k,
@@ -88,8 +88,8 @@ class SpeculationSettings:
             detail=d.detail,
             expected_speedup=d.expected_speedup,
             batch_size=d.batch_size,
-            acceptance=self.policy.acceptance.rates(),
-            guard_trips=self.policy.trips,
+            acceptance=self.controller.acceptance.rates(),
+            guard_trips=self.controller.trips,
         )
 
 

@@ -24,6 +24,10 @@ drafting for many rounds keeps only the latest of them, so its MTP cache may hav
 
 Rows may draft different numbers of tokens (per-request k, tokens left): shorter rows are
 padded, and padding never reaches a valid row (masks, per-row counts).
+
+Each forward takes its attention plan from a `attention_lengths.RoundLengths`: host lengths on the
+eager round, device lengths at a fixed shape on the round a GPU captures; the steps and their input
+records are the same for both.
 """
 
 from __future__ import annotations
@@ -33,9 +37,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from sidecar.engine.attention_lengths import RoundLengths
 from sidecar.engine.drafters import Drafter
 from sidecar.engine.sampling import RowSampling, filtered_probs, sample_from
-from sidecar.model.kv_cache import KVCache, upload
+from sidecar.model.kv_cache import KVCache
 
 
 @dataclass(kw_only=True, slots=True)
@@ -46,8 +51,8 @@ class DraftInput:
     """(B, S) x_{t+1} for each pending position t, right-padded."""
     refresh_hidden: Tensor
     """(B, S, hidden) the pending h_t, right-padded."""
-    num_refresh: list[int]
-    """Pending positions per row (>= 1 on rows that draft; 0 on rows that do not)."""
+    num_refresh: Tensor
+    """(B,) int64 pending positions per row (>= 1 on rows that draft; 0 on rows that do not)."""
     refresh_positions: Tensor
     """(B, S) int64 the MTP position t of each pending entry (its rotary position is t + 1).
     Pending positions are consecutive and end at n - 2, but need not start right after the MTP
@@ -73,9 +78,8 @@ class DraftOutput:
 @dataclass(kw_only=True, slots=True)
 class VerifyInput:
     tokens: Tensor
-    """(B, K+1) each row's last token followed by its drafts."""
-    num_new: list[int]
-    """Valid columns per row: num_draft + 1."""
+    """(B, K+1) each row's last token followed by its drafts (a row's valid columns: its drafts
+    + 1, which the round's `RoundLengths` plan)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -95,37 +99,31 @@ def draft(
     caches: list[KVCache],  # one per MTP layer, rows aligned with the batch
     inp: DraftInput,
     rows: RowSampling,
+    lengths: RoundLengths,  # how each forward is planned: host lengths (eager) or device ones (fixed shapes)
 ) -> DraftOutput:
     """Refresh the MTP caches on confirmed positions, then chain-draft K tokens per row."""
     b, k = inp.uniforms.shape
-    width = max(max(inp.num_refresh), 1)
-    batch = torch.arange(b, device=inp.uniforms.device)
-    last = upload([max(n - 1, 0) for n in inp.num_refresh], inp.uniforms.device)
+    width = inp.refresh_tokens.shape[1]
     out0: Tensor | None = None
     for j, cache in enumerate(caches):
-        plan = cache.plan(inp.num_refresh, width=width)
+        plan = lengths.refresh(j, cache, width)
         out = drafter.step(j, inp.refresh_tokens, inp.refresh_hidden, cache, plan, inp.refresh_positions + 1)
-        cache.commit(plan)
-        if j == 0:
-            out0 = out
+        out0 = out if j == 0 else out0
     assert out0 is not None
-    confirmed = [list(c.lengths) for c in caches]
-    g = out0[batch, last]  # (B, hidden) MTP output at t = n-2
+    last = (inp.num_refresh - 1).clamp(min=0)
+    g = out0[torch.arange(b, device=inp.uniforms.device), last]  # (B, hidden) MTP output at t = n-2
     q = filtered_probs(drafter.head(0, g), rows)  # (B, V)
     token = sample_from(q, inp.uniforms[:, 0])
     tokens, probs = [token], [q]
     for d in range(1, k):
         j = min(d, len(caches) - 1)
-        plan = caches[j].plan([1] * b, width=1)
         rope = (inp.next_position + d)[:, None]  # (B, 1): MTP position t = n-2+d, rotary t+1
-        g = drafter.step(j, token[:, None], g[:, None], caches[j], plan, rope)[:, 0]
-        caches[j].commit(plan)
+        g = drafter.step(j, token[:, None], g[:, None], caches[j], lengths.chain(j, caches[j]), rope)[:, 0]
         q = filtered_probs(drafter.head(j, g), rows)
         token = sample_from(q, inp.uniforms[:, d])
         tokens.append(token)
         probs.append(q)
-    for cache, lengths in zip(caches, confirmed, strict=True):
-        cache.truncate(lengths)  # drop the chain entries: they were computed from draft states
+    lengths.end_chain(caches)  # the chain entries were computed from draft states: not confirmed
     return DraftOutput(tokens=torch.stack(tokens, dim=1), probs=torch.stack(probs, dim=1))
 
 
@@ -134,10 +132,9 @@ def verify(
     cache: KVCache,  # the target's cache; on return rows hold num_new more positions
     inp: VerifyInput,
     rows: RowSampling,
+    lengths: RoundLengths,
 ) -> VerifyOutput:
     """One target forward over each row's last token and its drafts."""
-    plan = cache.plan(inp.num_new, width=inp.tokens.shape[1])
-    hidden, states = drafter.target_step(inp.tokens, cache, plan)
-    cache.commit(plan)
+    hidden, states = drafter.target_step(inp.tokens, cache, lengths.verify(cache, inp.tokens.shape[1]))
     logits = drafter.model.logits(hidden).float()
     return VerifyOutput(hidden=hidden, states=states, logits=logits, probs=filtered_probs(logits, rows))

@@ -28,7 +28,7 @@ Weight updates land between steps; sequences in flight keep their cached prefix 
 with the old weights) and continue with the new ones (`Sample.last_weight_version`).
 
 Adaptive k (`set_speculation_auto`): sequences that do not pin k take, in each decode step, the
-k chosen by `speculation.controller.SpeculationPolicy` from the engine's own measurements (seconds of
+k chosen by `speculation.controller.SpeculationController` from the engine's own measurements (seconds of
 the draft phase and of the whole step, per batch size; per-position acceptance). Such sequences
 keep their latest `CATCH_UP_POSITIONS` MTP inputs pending while k = 0, so drafting can resume at
 any step at the cost of an ordinary draft phase (older skipped positions are never fed to the MTP
@@ -72,8 +72,8 @@ from sidecar.model.eagle3 import Eagle3Draft
 from sidecar.model.eagle3_checkpoint import load_eagle3_draft
 from sidecar.model.kv_pages import KVPages, blocks_for, pool_blocks
 from sidecar.model.model import Qwen3WithMTP, build_model
-from sidecar.speculation.config import RowState, SpeculationDecision, SpeculationPolicyConfig
-from sidecar.speculation.controller import SpeculationPolicy
+from sidecar.speculation.config import RowState, SpeculationControllerConfig, SpeculationDecision
+from sidecar.speculation.controller import SpeculationController
 from sidecar.types import (
     EngineInfo,
     FinishReason,
@@ -103,7 +103,7 @@ class TorchEngine(Engine):
         *,
         draft: Eagle3Draft | None = None,
         name: str = "",
-        policy: SpeculationPolicyConfig | None = None,
+        controller: SpeculationControllerConfig | None = None,
         clock: Callable[[], float] | None = None,
         **settings: Any,
     ) -> None:
@@ -112,7 +112,7 @@ class TorchEngine(Engine):
         `TorchEngine(model, speculation_k=2)`); the config's own checks apply either way.
 
         `draft`: an EAGLE-3 draft for a target without MTP layers (`drafters`; `from_checkpoint`
-        loads `config.draft`); `policy`: the controller's knobs (its max_speculation_k is set by
+        loads `config.draft`); `controller`: the controller's knobs (its max_speculation_k is set by
         the mode); `clock`: seconds, for the controller's cost measurements (tests inject one).
         Default: `cost_clock(device)`.
 
@@ -153,13 +153,13 @@ class TorchEngine(Engine):
             num_blocks=pool_blocks(
                 budget=config.kv_cache_bytes,
                 block_bytes=block * self.drafter.token_bytes(),
-                max_rows=self.max_batch_size,
+                max_batch_size=self.max_batch_size,
                 max_slots=slots,
                 block_size=block,
                 device=self.device,
             ),
             block_size=block,
-            max_rows=self.max_batch_size,
+            max_batch_size=self.max_batch_size,
             max_slots=slots,
             device=self.device,
         )
@@ -175,7 +175,7 @@ class TorchEngine(Engine):
             min(config.speculation_k, self.max_speculation_k),
             max_speculation_k=self.max_speculation_k,
             has_draft=drafts,
-            policy=policy,
+            controller=controller,
             expert_reads=expert_reads_of(self.config),
         )
         self._clock = clock or cost_clock(self.device)
@@ -330,18 +330,18 @@ class TorchEngine(Engine):
     def set_speculation_auto(self, k: int) -> None:
         self.speculation.set_auto(k)
 
-    def set_speculation_policy(self, policy: SpeculationPolicy) -> None:
+    def set_speculation_controller(self, controller: SpeculationController) -> None:
         """Auto mode with a given controller (tools and tests install a scripted or configured one)."""
-        self.speculation.set_policy(policy)
+        self.speculation.set_controller(controller)
 
     def speculation_status(self) -> SpeculationStatus:
         return self.speculation.status()
 
     def hold_drafting(self, why: str) -> bool:
-        policy = self.speculation.policy
-        if policy is None:
+        controller = self.speculation.controller
+        if controller is None:
             return False
-        policy.hold(why)  # also rows still running from an earlier automatic mode
+        controller.hold(why)  # also rows still running from an earlier automatic mode
         return self.speculation.auto
 
     # ---- served weights (`served_weights`) -------------------------------------------------------
@@ -372,8 +372,8 @@ class TorchEngine(Engine):
         self.weights.version = version
         self._stats.serve(version)
         self.drafter.on_weight_push()
-        if self.speculation.policy is not None:
-            self.speculation.policy.on_weight_version()
+        if self.speculation.controller is not None:
+            self.speculation.controller.on_weight_version()
 
     # ---- requests ----------------------------------------------------------------------------
     def submit(self, request: GenerationRequest) -> None:
@@ -448,7 +448,7 @@ class TorchEngine(Engine):
             if self.scheduler.running:
                 plan = self._plan_round()
                 started = self._clock()
-                timed = self.speculation.policy if any(s.speculation_auto for s in plan.rows) else None
+                timed = self.speculation.controller if any(s.speculation_auto for s in plan.rows) else None
                 drafted_at = [started]
 
                 def drafted() -> None:  # the draft phase's cost, not its launch
@@ -482,10 +482,10 @@ class TorchEngine(Engine):
             preempted += p.preempted
             self._keep_rows(p.keep)  # the rows kept, in their new places: reserve again (their needs fit now)
         seqs = self.scheduler.running
-        policy = self.speculation.policy if any(s.speculation_auto for s in seqs) else None
+        controller = self.speculation.controller if any(s.speculation_auto for s in seqs) else None
         decision: SpeculationDecision | None = (
-            policy.decide(len(seqs), self._tokens_left(seqs), [self._row_state(s) for s in seqs])
-            if policy is not None
+            controller.decide(len(seqs), self._tokens_left(seqs), [self._row_state(s) for s in seqs])
+            if controller is not None
             else None
         )
         auto_k = decision.k if decision is not None else 0
@@ -511,16 +511,16 @@ class TorchEngine(Engine):
         done = commit_round(plan, out, packed, version, self.drafter.num_layers > 0)
         finished = [self._finish(s, reason) for s, reason in done.finished]
         decision = plan.decision
-        policy = self.speculation.policy if decision is not None else None
-        if policy is not None:
+        controller = self.speculation.controller if decision is not None else None
+        if controller is not None:
             for s, _ in done.finished:
-                policy.observe_finished_row(*s.position_one())
+                controller.observe_finished_row(*s.position_one())
         add_rounds(self._stats[version].counters, plan.row_k, done.num_accepted, done.emitted)
         self.runner.roll_back(plan.lengths, done.num_accepted, self.scheduler.pages)
         self._keep_rows(done.keep)
-        if policy is not None and decision is not None:  # the controller learns from the steps it decided
-            policy.observe_acceptance(*done.evidence)
-            policy.observe_step(
+        if controller is not None and decision is not None:  # the controller learns from the steps it decided
+            controller.observe_acceptance(*done.evidence)
+            controller.observe_step(
                 batch=len(plan.rows),
                 k=plan.round_k,
                 draft_seconds=drafted_at - started,
@@ -543,11 +543,11 @@ class TorchEngine(Engine):
         self.drafter.observe([t for s in new if not s.output for t in s.prompt])
         auto = [s for s in new if s.speculation_auto]  # rows that pin k are never refused a draft: not asked
         pinned = [s for s in new if not s.speculation_auto]
-        running, policy = self.scheduler.running, self.speculation.policy
+        running, controller = self.scheduler.running, self.speculation.controller
         if (
             auto
-            and policy is not None
-            and not policy.may_draft(
+            and controller is not None
+            and not controller.may_draft(
                 len(running) + len(new),
                 self._tokens_left([*running, *new]),
                 [self._row_state(s) for s in [*running, *pinned, *auto]],
@@ -568,7 +568,7 @@ class TorchEngine(Engine):
         stats.prefill_tokens += sum(prefill.lengths)
         self.drafter.observe([int(row[0]) for row, s in zip(prefill.packed, new, strict=True) if not s.output])
         timer = (
-            self.speculation.policy if any(s.speculation_auto for s in new) else None
+            self.speculation.controller if any(s.speculation_auto for s in new) else None
         )  # learns what a refused draft saves
         timed = self.runner.prefill_draft(new, prefill, self._clock if timer is not None else None)
         if timer is not None and timed is not None:

@@ -31,8 +31,8 @@ import torch
 from sidecar.client.client import SidecarClient
 from sidecar.client.weight_sender import DEFAULT_CHUNK_BYTES
 from sidecar.types import PushItem, PushResult, TensorSpec, WeightChunk, WeightCommit, WeightManifest, WeightSelector
-from sidecar.weight_sync.checksum import crc32, crc32_combine
-from sidecar.weight_sync.tensors import tensor_bytes
+from sidecar.weight_transport.checksum import crc32, crc32_combine
+from sidecar.weight_transport.tensors import tensor_bytes
 
 _END = object()
 """Queue sentinel: the session ended (after the commit, or without one when aborted)."""

@@ -29,7 +29,7 @@ from sidecar.model.checkpoint import load_checkpoint
 from sidecar.model.eagle3 import PUSH_PREFIX, Eagle3Draft
 from sidecar.model.model import Qwen3WithMTP, build_model
 from sidecar.types import SamplingParams, TensorSpec
-from sidecar.weight_sync.tensors import tensor_crc32
+from sidecar.weight_transport.tensors import tensor_crc32
 
 
 def load_model(path: str | Path) -> Qwen3WithMTP:

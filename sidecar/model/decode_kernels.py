@@ -12,7 +12,7 @@ kernel). The MTP draft's norms and a round's counter-based uniforms are one kern
 `TorchEngine.kernels` holds a `DecodeKernels` where the engine runs fixed-shape rounds on CUDA and
 Triton is installed (`for_device`), else `DecodeOps` (torch's operators); the engine sets it on the
 model (`Qwen3WithMTP.kernels`) at every step. Attention and the cache write use the kernels only in
-fixed-shape forwards (`AttentionPlan.grouped`, what CUDA graphs capture), the norms and the
+fixed-shape forwards (`AttentionPlan.fixed_shape`, what CUDA graphs capture), the norms and the
 activation in every cached forward. The torch functions here are the references, each the operators
 the model ran before (same order, same rounding); `tests/engine/test_decode_kernels.py` checks the
 kernels against them in Triton's interpreter on a CPU and on a GPU.

@@ -45,47 +45,79 @@ from sidecar.model.kv_pages import KVPages, blocks_for, upload
 
 @dataclass(kw_only=True, slots=True)
 class AttentionPlan:
-    """Where a forward's new tokens go: computed once per forward, shared by all layers."""
+    """Where a forward's new tokens go: computed once per forward, shared by all layers. One kind
+    per storage path: `GrowablePlan`, `GatheredPlan` (a paged cache read through gathered rows) and
+    `FusedPlan` (a paged cache the fused kernels write and read through its block table)."""
 
     positions: Tensor
     """(B, S) int64 cache slot of each new token: length_b + j."""
-    mask: Tensor | None
-    """(B, 1, S, kv_len) bool, True = may attend; None when plain causal-by-length suffices."""
     kv_len: int
     """Slots [0, kv_len) are read by this forward."""
-    start: int | None
-    """The common start slot when every row has the same length (a slice write), else None."""
     num_new: list[int]
-    """Valid new tokens per row (the rest of the S columns are padding)."""
-    keys_in: tuple[Tensor, ...] = ()
-    """Per layer, the view the new keys are written through: (B, S, kv_heads, head_dim) slots
-    [start, start + S) when `start` is set, else the whole (B, capacity, kv_heads, head_dim) row
-    written at `index`. Made once per forward (one `unbind` for all layers), so a layer's write
-    is one operation."""
-    values_in: tuple[Tensor, ...] = ()
-    keys_out: tuple[Tensor, ...] = ()
+    """Valid new tokens per row (the rest of the S columns are padding; empty for a fixed-shape
+    forward, whose host side commits its own counts)."""
+    keys_in: tuple[Tensor, ...]
+    """Per layer, the view the new keys are written through (each kind says which)."""
+    values_in: tuple[Tensor, ...]
+
+    @property
+    def fixed_shape(self) -> bool:
+        """A fixed-shape forward (what CUDA graphs capture): a fused plan, or a grouped masked one."""
+        return isinstance(self, FusedPlan) or (isinstance(self, MaskedPlan) and self.grouped)
+
+
+@dataclass(kw_only=True, slots=True)
+class MaskedPlan(AttentionPlan):
+    """A plan whose layers attend with `attend` over the slots it reads, under an additive mask."""
+
+    mask: Tensor | None
+    """(B, 1, S, kv_len) additive (0 / -inf) in the cache's dtype; None when plain causal-by-length suffices."""
+    keys_out: tuple[Tensor, ...]
     """Per layer, the (B, kv_heads, kv_len, head_dim) slots the forward reads."""
-    values_out: tuple[Tensor, ...] = ()
-    index: tuple[Tensor, Tensor] | None = None
-    """(rows (B, 1), positions (B, S)): where a ragged forward (no common `start`) writes."""
+    values_out: tuple[Tensor, ...]
+    index: tuple[Tensor, Tensor] | None
+    """(rows (B, 1), positions (B, S)): where a ragged forward writes (None: a slice write at `start`)."""
     grouped: bool = False
     """Attend with each key/value head's query heads folded into its query rows (`attend`): one
     attention kernel over the cache, no key/value copies per query head. Fixed-shape forwards."""
     group_masks: dict[int, Tensor] = field(default_factory=dict)
     """`mask` repeated for G query heads per key/value head, made once per forward (by `attend`)."""
-    table: Tensor | None = None
-    """A paged cache's (B, max_blocks) block table rows (`kv_pages`); None for a growable cache.
-    A fused plan's `keys_in` / `values_in` are each layer's pool viewed (num_blocks, block_size,
-    kv_heads, head_dim); a host-path plan's are views of `rows_read`."""
-    block_size: int = 0
-    write_at: tuple[Tensor, Tensor] | None = None
-    """A paged host-path forward's (block, offset) of each new token, each (B, S)."""
-    read_table: Tensor | None = None
-    """A paged host-path forward's (B, kv_len / block_size) blocks it reads."""
-    rows_read: tuple[Tensor, Tensor] | None = None
-    """A paged host-path forward's keys and values of every layer's read slots, (L, B, kv_heads,
-    kv_len, head_dim) each, gathered from the blocks once by the plan: the layers write and read
-    these, and the last layer's write copies the new tokens into their blocks."""
+
+
+@dataclass(kw_only=True, slots=True)
+class GrowablePlan(MaskedPlan):
+    """A growable cache's forward: `keys_in` per layer is (B, S, kv_heads, head_dim) slots
+    [start, start + S) when `start` is set, else the whole (B, capacity, kv_heads, head_dim) row
+    written at `index`. Made once per forward (one `unbind` for all layers), so a layer's write is
+    one operation."""
+
+    start: int | None
+    """The common start slot when every row has the same length (a slice write), else None."""
+
+
+@dataclass(kw_only=True, slots=True)
+class GatheredPlan(MaskedPlan):
+    """A paged cache's host-path forward: every layer's read slots gathered from the blocks once
+    (`rows_read`); the layers write and read those as a growable cache's forward does, and the last
+    layer's write copies the new tokens into their blocks (`write_at`)."""
+
+    rows_read: tuple[Tensor, Tensor]
+    """Keys and values of every layer's read slots, (L, B, kv_heads, kv_len, head_dim) each."""
+    write_at: tuple[Tensor, Tensor]
+    """(block, offset) of each new token, each (B, S)."""
+    read_table: Tensor
+    """(B, kv_len / block_size) the blocks it reads."""
+
+
+@dataclass(kw_only=True, slots=True)
+class FusedPlan(AttentionPlan):
+    """A paged cache's fixed-shape forward for the fused kernels (`plan_fixed(masked=False)`): no
+    mask (the kernels select by position), `keys_in` / `values_in` each layer's pool viewed
+    (num_blocks, block_size, kv_heads, head_dim), written and read through `table`."""
+
+    table: Tensor
+    """(B, max_blocks) the rows' block table (`kv_pages`)."""
+    block_size: int
 
 
 class KVCache:
@@ -143,9 +175,9 @@ class KVCache:
         return len(self.lengths)
 
     @property
-    def max_batch(self) -> int:
+    def max_batch_size(self) -> int:
         """Rows a paged cache's table holds (a growable cache: its rows now)."""
-        return self.pages.max_rows if self.pages is not None else self.batch
+        return self.pages.max_batch_size if self.pages is not None else self.batch
 
     @property
     def capacity(self) -> int:
@@ -177,7 +209,7 @@ class KVCache:
                     f"row {r} writes {e} KV slots, its blocks hold {self.pages.slots(r)}: grow it first (KVPages.grow)"
                 )
 
-    def plan(self, num_new: list[int], width: int | None = None) -> AttentionPlan:
+    def plan(self, num_new: list[int], width: int | None = None) -> GrowablePlan | GatheredPlan:
         """Plan a forward that appends num_new[b] tokens to row b (padded to `width` columns).
 
         Row b's query j sees slots t <= length_b + j: its cached prefix and its own new tokens
@@ -215,7 +247,7 @@ class KVCache:
         else:
             k_in, v_in = k5, v5
             index = (torch.arange(b, device=self.device)[:, None], positions)
-        return AttentionPlan(
+        return GrowablePlan(
             positions=positions,
             mask=mask,
             kv_len=kv_len,
@@ -236,35 +268,21 @@ class KVCache:
         table: Tensor,
         num_new: list[int],
         grouped: bool = False,
-    ) -> AttentionPlan:
-        """A paged cache's plan: the pools as the writes address them, the table rows, and for the
-        host path where each new token goes and which blocks the forward reads."""
+    ) -> GatheredPlan:
+        """A paged cache's host-path plan: where each new token goes, which blocks the forward
+        reads, and those blocks' slots gathered once for every layer."""
         assert self.pages is not None
         bs = self.pages.block_size
-        if mask is None and grouped:  # fused kernels: they write and read the pool through the table
-            return AttentionPlan(
-                positions=positions,
-                mask=None,
-                kv_len=read,
-                start=None,
-                num_new=num_new,
-                keys_in=self._k.permute(0, 2, 3, 1, 4).unbind(0),  # each (num_blocks, block_size, kv_heads, head_dim)
-                values_in=self._v.permute(0, 2, 3, 1, 4).unbind(0),
-                grouped=grouped,
-                table=table,
-                block_size=bs,
-            )
         # the host path: every layer's read slots gathered once into rows as a growable cache holds
         # them; the layers write and read those (as a growable cache's forward does), and the last
         # layer's write puts the new tokens of all layers into their blocks (`write_and_read`)
         read_table = table[:, : blocks_for(read, bs)]
         k, v = self._gather(0, read_table, read), self._gather(1, read_table, read)  # (L, B, kv, read, d) views
         rows = torch.arange(positions.shape[0], device=self.device)[:, None]
-        return AttentionPlan(
+        return GatheredPlan(
             positions=positions,
             mask=mask,
             kv_len=read,
-            start=None,
             num_new=num_new,
             keys_in=k.transpose(2, 3).unbind(0),
             values_in=v.transpose(2, 3).unbind(0),
@@ -272,8 +290,6 @@ class KVCache:
             values_out=v.unbind(0),
             index=(rows, positions),
             grouped=grouped,
-            table=table,
-            block_size=bs,
             write_at=(table.gather(1, positions // bs), positions % bs),
             read_table=read_table,
             rows_read=(k, v),
@@ -299,7 +315,7 @@ class KVCache:
             torch.index_select(pool, 2, table.reshape(-1), out=rows)
         return rows.view(layers, kv, b, n * bs, d).transpose(1, 2)[:, :, :, :read]
 
-    def plan_fixed(self, lengths: Tensor, width: int, read: int, *, masked: bool = True) -> AttentionPlan:
+    def plan_fixed(self, lengths: Tensor, width: int, read: int, *, masked: bool = True) -> GatheredPlan | FusedPlan:
         """A forward of fixed shape: rows [0, R) of the table (R = lengths' size, the live rows
         first, then padded rows of length 0, whose table rows point to the scratch block), `width`
         new columns each, every row reading slots [0, read) under an additive mask. Row lengths
@@ -313,18 +329,27 @@ class KVCache:
         r = int(lengths.shape[0])
         if self.pages is None:
             raise ValueError("plan_fixed needs a paged cache (pages given)")
-        if r > self.max_batch or read > self.capacity or width < 1:
+        if r > self.max_batch_size or read > self.capacity or width < 1:
             raise ValueError(
                 f"a fixed forward of {r} rows reading {read} slots does not fit the paged cache "
-                f"({self.max_batch} rows of {self.capacity} slots)"
+                f"({self.max_batch_size} rows of {self.capacity} slots)"
             )
         positions = lengths[:, None] + torch.arange(width, device=self.device)[None, :]  # (R, S)
-        mask: Tensor | None = None
-        if masked:
-            slots = torch.arange(read, device=self.device)
-            allowed = (slots[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # (R, 1, S, read)
-            mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, -torch.inf)
-        return self._paged_plan(positions, mask, read, self.pages.table[:r], [], grouped=True)
+        table = self.pages.table[:r]
+        if not masked:  # fused kernels: they write and read the pool through the table
+            return FusedPlan(
+                positions=positions,
+                kv_len=read,
+                num_new=[],
+                keys_in=self._k.permute(0, 2, 3, 1, 4).unbind(0),  # each (num_blocks, block_size, kv_heads, head_dim)
+                values_in=self._v.permute(0, 2, 3, 1, 4).unbind(0),
+                table=table,
+                block_size=self.pages.block_size,
+            )
+        slots = torch.arange(read, device=self.device)
+        allowed = (slots[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # (R, 1, S, read)
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, -torch.inf)
+        return self._paged_plan(positions, mask, read, table, [], grouped=True)
 
     def mark_written(self, extents: list[int]) -> None:
         """Rows [0, len(extents)) may now hold values in slots [0, extents[r]): what a fixed-shape
@@ -382,10 +407,10 @@ class KVCache:
         """Store the new keys/values at the planned slots; return the slots this forward reads
         (views of the storage made by `plan`, which must be this cache's latest; a paged cache's
         read slots gathered from its blocks)."""
-        if plan.grouped and plan.mask is None:
+        if not isinstance(plan, MaskedPlan):
             raise ValueError("this fixed plan has no mask (plan_fixed(masked=False)): only the fused kernels write it")
-        if plan.table is not None:
-            assert plan.write_at is not None and plan.index is not None and plan.rows_read is not None
+        if isinstance(plan, GatheredPlan):
+            assert plan.index is not None
             plan.keys_in[layer].index_put_(plan.index, k)
             plan.values_in[layer].index_put_(plan.index, v)
             if layer == self.num_layers - 1:  # every layer's new tokens into their blocks at once
@@ -405,7 +430,7 @@ class KVCache:
     def read_slots(self, layer: int, plan: AttentionPlan) -> tuple[Tensor, Tensor]:
         """A paged host-path plan's read slots of `layer`, each (B, kv_heads, kv_len, head_dim):
         what its blocks held when the plan gathered them, and the forward's writes since."""
-        if plan.rows_read is None:
+        if not isinstance(plan, GatheredPlan):
             raise ValueError("read_slots reads through a paged host-path plan")
         return plan.keys_out[layer], plan.values_out[layer]
 
@@ -536,7 +561,7 @@ def attend(
     arithmetic is the same (each query row meets the same keys, values and mask)."""
     b, s, h, d = q.shape
     kv = keys.shape[1]
-    if plan.grouped and plan.mask is None:
+    if not isinstance(plan, MaskedPlan):
         raise ValueError("this fixed plan has no mask (plan_fixed(masked=False)): only the fused attention reads it")
     if plan.grouped and plan.mask is not None and h != kv:
         g = h // kv

@@ -12,7 +12,7 @@ all of them):
 - `rows[r]`: row r's blocks, in slot order (slot t of row r is at offset t % block_size of block
   rows[r][t // block_size]); `refs[b]`: how many rows hold block b (a shared prompt block > 1);
   a free list of the blocks no row holds;
-- `table`: the same as a device tensor (max_rows, max_blocks) int64, which forwards read (on the
+- `table`: the same as a device tensor (max_batch_size, max_blocks) int64, which forwards read (on the
   host a gather; in the fused kernels one indirection per slot). It lives at one address for the
   engine's life, so CUDA graphs capture it; `sync` copies the rows that changed since the last
   forward, one upload for all of them;
@@ -48,20 +48,20 @@ class KVPages:
     """The blocks of one engine's paged caches (see the module docstring)."""
 
     def __init__(
-        self, *, num_blocks: int, block_size: int, max_rows: int, max_slots: int, device: torch.device
+        self, *, num_blocks: int, block_size: int, max_batch_size: int, max_slots: int, device: torch.device
     ) -> None:
         """`num_blocks` includes the two reserved ones; a row holds at most `max_slots` slots."""
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"kv block size must be a power of two, got {block_size}")
         if num_blocks <= RESERVED_BLOCKS:
             raise ValueError(f"a KV pool needs more than {RESERVED_BLOCKS} blocks, got {num_blocks}")
-        self.num_blocks, self.block_size, self.max_rows = num_blocks, block_size, max_rows
+        self.num_blocks, self.block_size, self.max_batch_size = num_blocks, block_size, max_batch_size
         self.max_blocks = blocks_for(max_slots, block_size)
         self.device = torch.device(device)
         self.rows: list[list[int]] = []
         self.refs = [0] * num_blocks
         self._free = list(range(num_blocks - 1, RESERVED_BLOCKS - 1, -1))  # a stack: low ids first
-        self.table = torch.full((max_rows, self.max_blocks), SCRATCH_BLOCK, dtype=torch.int64, device=self.device)
+        self.table = torch.full((max_batch_size, self.max_blocks), SCRATCH_BLOCK, dtype=torch.int64, device=self.device)
         self._dirty: set[int] = set()  # table rows that differ from `rows` (and padding rows' SCRATCH)
         self._fresh: list[int] = []  # blocks taken since the last sync, to zero in every pool
         self._pools: list[tuple[Tensor, Tensor]] = []
@@ -122,8 +122,8 @@ class KVPages:
     def add_row(self, slots: int, shared: list[int] | None = None) -> int:
         """A new last row holding `shared` blocks (another row's first ones, now held by both) and
         fresh blocks up to `slots` slots. The caller checked `free`."""
-        if len(self.rows) >= self.max_rows:
-            raise ValueError(f"the KV table holds {self.max_rows} rows")
+        if len(self.rows) >= self.max_batch_size:
+            raise ValueError(f"the KV table holds {self.max_batch_size} rows")
         shared = shared or []
         for b in shared:
             self.refs[b] += 1
@@ -208,13 +208,13 @@ def upload(values: list[int], device: torch.device) -> Tensor:
 
 
 def pool_blocks(
-    *, budget: int | None, block_bytes: int, max_rows: int, max_slots: int, block_size: int, device: torch.device
+    *, budget: int | None, block_bytes: int, max_batch_size: int, max_slots: int, block_size: int, device: torch.device
 ) -> int:
     """Blocks (the reserved two included) a pool of `block_bytes` a block may allocate: as many as
-    `max_rows` full rows of `max_slots` slots need at most, or fewer when `budget` bytes hold fewer
+    `max_batch_size` full rows of `max_slots` slots need at most, or fewer when `budget` bytes hold fewer
     (default budget on CUDA: 90% of the device memory free now; on CPU none). A budget that holds
     no usable block → ValueError."""
-    most = max_rows * blocks_for(max_slots, block_size) + RESERVED_BLOCKS
+    most = max_batch_size * blocks_for(max_slots, block_size) + RESERVED_BLOCKS
     if budget is None and device.type == "cuda":
         budget = int(0.9 * torch.cuda.mem_get_info(device)[0])
     if budget is None:

@@ -40,7 +40,7 @@ from sidecar.model.config import _DTYPES as _DTYPES  # re-exported: the config l
 from sidecar.model.config import ModelConfig as ModelConfig
 from sidecar.model.decode_kernels import DecodeKernels, DecodeOps
 from sidecar.model.decode_weights import DecodeWeights, joined_rows
-from sidecar.model.kv_cache import AttentionPlan, KVCache, attend
+from sidecar.model.kv_cache import AttentionPlan, FusedPlan, KVCache, attend
 from sidecar.model.moe import Router, SparseMoE
 from yarn import RotaryEmbedding, apply_rotary
 
@@ -124,8 +124,11 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = w.project(x, w.qkv)
-        fused = isinstance(kernels, DecodeKernels) and plan.grouped and plan.rows_read is None and not rope.partial
-        if fused and isinstance(kernels, DecodeKernels) and plan.table is not None:  # (partial rotary: torch's)
+        if isinstance(kernels, DecodeKernels) and isinstance(plan, FusedPlan):
+            if rope.partial:
+                raise ValueError(
+                    "the fused q/k kernel rotates whole heads: a partial-rotary model's rounds plan masked"
+                )
             q = kernels.qk_norm_rope_store(
                 qkv.view(b, s, h + 2 * kv, d),
                 w.qkv_bias,
@@ -273,7 +276,7 @@ class DecoderLayer(nn.Module):
             x, self.self_attn.cached(normed, w, rope, cache, layer, plan, kernels), w.post_norm, w.eps
         )
         if w.gate_up is None or w.down is None:  # a sparse layer: its experts (fixed shapes where the plan is)
-            return x, cast(SparseMoE, self.mlp)(normed, fixed_shape=plan.grouped, kernels=fused)
+            return x, cast(SparseMoE, self.mlp)(normed, fixed_shape=plan.fixed_shape, kernels=fused)
         return x, w.project(fused.silu_mul(w.project(normed, w.gate_up)), w.down)
 
 

@@ -26,7 +26,7 @@ Two expert paths, the same arithmetic:
 - `experts_by_expert` (eager forwards, the CPU reference): the tokens gathered by expert, one
   gate, up and down product per *active* expert, each output scaled by its routing weight and
   added back in expert order (transformers' order, so float32 results match it to rounding).
-- `experts_fixed_shape` (fixed-shape forwards, `AttentionPlan.grouped`: what a GPU captures as CUDA
+- `experts_fixed_shape` (fixed-shape forwards, `AttentionPlan.fixed_shape`: what a GPU captures as CUDA
   graphs): every expert over every token, its output scaled by a routing weight that is 0 where the
   token was not routed to it: no host read, no data-dependent shape. The additions are the same
   and in the same order (an unrouted expert adds an exact 0), so only the products' blocking

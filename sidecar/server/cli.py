@@ -178,7 +178,7 @@ _SEC = _D.security
     "--weight-transports",
     default=_D.weight_transports,
     show_default=True,
-    help="Weight data planes offered besides the gRPC stream (comma-separated: shm, collective; '' for "
+    help="Weight transports offered besides the gRPC stream (comma-separated: shm, collective; '' for "
     "grpc only). A client proves shm (same host) before using it; collective lets a client that may push "
     "weights make this sidecar join its torch.distributed group.",
 )
@@ -321,7 +321,7 @@ def sidecar_config(cfg: ServeConfig, token: str | None) -> SidecarConfig:
     from sidecar.server.grpc_server import ServerConfig
     from sidecar.server.process import SidecarConfig
     from sidecar.server.scheduler import SchedulerConfig
-    from sidecar.server.weight_receiver import DataPlaneConfig
+    from sidecar.server.weight_receiver import TransportOffer
     from sidecar.types import RequestLimits
 
     offered = cfg.offered_transports
@@ -334,7 +334,7 @@ def sidecar_config(cfg: ServeConfig, token: str | None) -> SidecarConfig:
         metrics_port=cfg.metrics_port,
         metrics_host=cfg.host,
         keep_staging=cfg.keep_staging and cfg.engine.kind == "torch",  # SGLang copies what it is pushed
-        data_planes=DataPlaneConfig(
+        transports=TransportOffer(
             shm="shm" in offered, collective="collective" in offered, sparse_deltas=cfg.sparse_deltas
         ),
         shutdown_grace_s=cfg.shutdown_grace_s,

@@ -13,14 +13,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import sidecar
+from sidecar.config_io import field_default
 from sidecar.engine.base import Engine
 from sidecar.protocol import services
 from sidecar.security import SecurityConfig, TokenAuthInterceptor, check_token, server_credentials
+from sidecar.serve_config import ServeConfig
 from sidecar.server import metrics
 from sidecar.server.grpc_server import EventLoopThread, ServerConfig, create_server
 from sidecar.server.scheduler import Scheduler, SchedulerConfig
 from sidecar.server.servicers import ControlService, RolloutService, WeightService
-from sidecar.server.weight_receiver import DataPlaneConfig
+from sidecar.server.weight_receiver import TransportOffer
 from sidecar.types import RequestLimits
 
 log = logging.getLogger(__name__)
@@ -43,10 +45,10 @@ class SidecarConfig:
     metrics_host: str = "127.0.0.1"
     shutdown_grace_s: float = 5.0
     """How long live calls may finish after a stop is requested."""
-    keep_staging: bool = False
-    """Receive each weight push into the previous push's staging tensors (faster pushes; ~1x
+    keep_staging: bool = field_default(ServeConfig, "keep_staging")
+    """(Default: `specrl serve`'s.) Receive each weight push into the previous push's staging tensors (faster pushes; ~1x
     the model stays resident between pushes). Only for engines that copy on update (torch)."""
-    data_planes: DataPlaneConfig = field(default_factory=DataPlaneConfig)
+    transports: TransportOffer = field(default_factory=TransportOffer)
     """Weight transports offered besides the gRPC stream (shm, collective)."""
 
     def __post_init__(self) -> None:
@@ -72,7 +74,7 @@ class Sidecar:
         self.control = ControlService(self.scheduler, self.config.limits, sidecar.__version__)
         self.rollout = RolloutService(self.scheduler, self.config.limits)
         self.weights = WeightService(
-            self.scheduler, keep_staging=self.config.keep_staging, data_planes=self.config.data_planes
+            self.scheduler, keep_staging=self.config.keep_staging, transports=self.config.transports
         )
         servicers = [self.rollout, self.weights, self.control]
         sec = self.config.security

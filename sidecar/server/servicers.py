@@ -34,7 +34,7 @@ from sidecar.protocol.specrl.v1 import control_pb2, rollout_pb2, weights_pb2
 from sidecar.server import metrics
 from sidecar.server.memory import release_freed_memory
 from sidecar.server.scheduler import RequestCancelled, Scheduler
-from sidecar.server.weight_receiver import DataPlaneConfig, WeightReceiver
+from sidecar.server.weight_receiver import TransportOffer, WeightReceiver
 from sidecar.types import (
     GenerationRequest,
     PushItem,
@@ -173,17 +173,15 @@ class RolloutService(services.RolloutServicer):
 
 
 class WeightService(services.WeightServicer):
-    """PushWeights, DescribeWeights and PrepareTransport (logic in weight_sync.receiver)."""
+    """PushWeights, DescribeWeights and PrepareTransport (logic in weight_transport.receiver)."""
 
-    def __init__(
-        self, scheduler: Scheduler, *, keep_staging: bool = False, data_planes: DataPlaneConfig | None = None
-    ) -> None:
+    def __init__(self, scheduler: Scheduler, *, keep_staging: bool, transports: TransportOffer | None = None) -> None:
         self._scheduler = scheduler
         self._receiver = WeightReceiver(
             model_specs=scheduler.model_specs,
             served_version=lambda: scheduler.weight_version,
             keep_staging=keep_staging,
-            data_planes=data_planes,
+            transports=transports,
         )
 
     async def PushWeights(self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
@@ -254,7 +252,7 @@ class WeightService(services.WeightServicer):
         except Exception as e:
             await _abort(context, e)
         return convert.describe_weights_to_pb(
-            specs, version, self._receiver.data_planes.offered, accepts_deltas=self._receiver.data_planes.sparse_deltas
+            specs, version, self._receiver.transports.offered, accepts_deltas=self._receiver.transports.sparse_deltas
         )
 
     async def PrepareTransport(

@@ -1,6 +1,6 @@
 """The receiving side of `WeightService.PushWeights`: stage, verify, hand over for the swap.
 
-A push is a manifest, the tensor bytes on one data plane, and a commit. The receiver checks the
+A push is a manifest, the tensor bytes on one transport, and a commit. The receiver checks the
 manifest against the model's own tensor specs before a single byte is staged, stages every
 tensor directly into a buffer of its final dtype and shape (so a push never holds more than one
 extra copy of the model), checks each piece's CRC-32 and order as it arrives and each tensor's
@@ -8,7 +8,7 @@ CRC-32 when it is complete, and returns a fully verified set of tensors (`Staged
 the scheduler swaps in at an engine step boundary. Any failure raises a specific
 `sidecar.errors` exception and nothing is applied.
 
-The data planes (see proto/specrl/v1/weights.proto, "Data planes"):
+The transports (see proto/specrl/v1/weights.proto, "Transports"):
 - grpc: `WeightChunk`s on the stream; a staging thread checksums and copies each chunk while
   the receiving thread waits for the next message.
 - shm: one `WeightPlaced` per tensor names its offset in the sender's region; the staging
@@ -44,7 +44,7 @@ from sidecar.errors import (
     UnknownTensorError,
     WeightMismatchError,
 )
-from sidecar.server.weight_planes import (
+from sidecar.server.weight_transports import (
     CollectivePlane,
     ReceivingPlane,
     ShmPlane,
@@ -66,19 +66,19 @@ from sidecar.types import (
     WeightSelector,
     WeightTransport,
 )
-from sidecar.weight_sync import collective, shm
-from sidecar.weight_sync.checksum import crc32
-from sidecar.weight_sync.delta import apply_delta
-from sidecar.weight_sync.shm import DEFAULT_PROC_DIR
-from sidecar.weight_sync.tensors import is_finite, tensor_bytes
+from sidecar.weight_transport import collective, shm
+from sidecar.weight_transport.checksum import crc32
+from sidecar.weight_transport.delta import apply_delta
+from sidecar.weight_transport.shm import DEFAULT_PROC_DIR
+from sidecar.weight_transport.tensors import is_finite, tensor_bytes
 
 _IN_FLIGHT = 2
 """Pieces a receiver holds beyond the one being read (bounds memory to a few chunk sizes)."""
 
 
 @dataclass(kw_only=True, slots=True)
-class DataPlaneConfig:
-    """Which data planes a sidecar offers besides the gRPC stream (always offered)."""
+class TransportOffer:
+    """Which transports a sidecar offers besides the gRPC stream (always offered)."""
 
     shm: bool = True
     """Offer `shm` (a same-host sender proves itself with a probe before using it)."""
@@ -140,8 +140,8 @@ class WeightReceiver:
         *,
         model_specs: Callable[[WeightSelector], list[TensorSpec]],
         served_version: Callable[[], int],
-        keep_staging: bool = False,
-        data_planes: DataPlaneConfig | None = None,
+        keep_staging: bool,
+        transports: TransportOffer | None = None,
     ) -> None:
         """`keep_staging`: keep the buffers an applied push leaves free (the engine's displaced
         tensors, or the staged ones where it copied them) and receive the next push into them:
@@ -154,19 +154,19 @@ class WeightReceiver:
         self._lock = threading.Lock()
         self._keep_staging = keep_staging
         self._spare: dict[str, torch.Tensor] = {}  # buffers nothing serves: the next push's staging
-        self.data_planes = data_planes or DataPlaneConfig()
+        self.transports = transports or TransportOffer()
         # The tensors of the last applied push and the version it made served: what a delta
         # is rebuilt from (only while that version is still the served one).
         self._base: dict[str, torch.Tensor] = {}
         self._base_version = 0
         self.groups = collective.GroupRegistry()
-        self.regions = shm.MappedRegions(self.data_planes.proc_dir, self.data_planes.shm_keep_mapped_s)
+        self.regions = shm.MappedRegions(self.transports.proc_dir, self.transports.shm_keep_mapped_s)
         self._push_group: str | None = None  # the collective group the claimed push names
 
-    # --- data planes ------------------------------------------------------------------------
+    # --- transports ------------------------------------------------------------------------
 
     def _require(self, transport: WeightTransport) -> None:
-        if transport not in self.data_planes.offered:
+        if transport not in self.transports.offered:
             raise TransportUnavailableError(
                 f"this sidecar does not offer the {transport.value} transport; push over grpc"
             )
@@ -177,7 +177,7 @@ class WeightReceiver:
         offered or cannot be set up here."""
         if isinstance(request, ShmProbe):
             self._require(WeightTransport.SHM)
-            return PreparedTransport(shm_nonce=shm.read_probe(request.region, self.data_planes.proc_dir))
+            return PreparedTransport(shm_nonce=shm.read_probe(request.region, self.transports.proc_dir))
         self._require(WeightTransport.COLLECTIVE)
         if request.rank == 0:
             raise InvalidRequestError("rank 0 is the sender's; give the sidecar a rank from 1 to world_size-1")
@@ -236,7 +236,7 @@ class WeightReceiver:
         """Consume a whole push stream (manifest, chunks or placed tensors, commit, end of stream)
         and return the verified tensors. Raises InvalidRequestError (malformed stream or
         checksum), UnknownTensorError, WeightMismatchError, StaleVersionError,
-        TransportUnavailableError (the data plane failed) or PushCancelledError."""
+        TransportUnavailableError (the transport failed) or PushCancelledError."""
         first = _next_item(items, is_active, "the manifest")
         if first is None:
             raise InvalidRequestError("the push stream is empty; send a manifest, the chunks, then a commit")
@@ -350,7 +350,7 @@ class WeightReceiver:
         deltas = [s for s in manifest.tensors if s.delta is not None]
         if not deltas:
             return
-        if not self.data_planes.sparse_deltas:
+        if not self.transports.sparse_deltas:
             raise DeltaBaseError("this sidecar does not accept delta tensors; push the full tensors")
         if manifest.base_version != served:
             raise DeltaBaseError(
@@ -443,14 +443,14 @@ class WeightReceiver:
         (`Engine.adopt_weights`), by default the staged tensors themselves (an engine that
         copies; the next push then voids the base it receives full tensors into, see
         `_check_manifest`)."""
-        if self.data_planes.sparse_deltas:
+        if self.transports.sparse_deltas:
             self._base.update(staged.tensors)
             self._base_version = staged.version
         if self._keep_staging:
             self._spare.update(staged.tensors if free is None else free)
 
 
-# --- data planes, receiving side ------------------------------------------------------------
+# --- transports, receiving side ------------------------------------------------------------
 
 
 class _PushClaim:
@@ -487,4 +487,4 @@ def _next_item(items: Iterator[PushItem], is_active: Callable[[], bool], what: s
         return None
 
 
-__all__ = ["DataPlaneConfig", "StagedWeights", "WeightReceiver"]
+__all__ = ["StagedWeights", "TransportOffer", "WeightReceiver"]

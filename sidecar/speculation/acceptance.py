@@ -5,14 +5,14 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from sidecar.speculation.config import RowState, SpeculationPolicyConfig
+from sidecar.speculation.config import RowState, SpeculationControllerConfig
 from sidecar.speculation.stop_hazard import StopHazard
 
 
 class AcceptanceEstimate:
     """Discounted per-position acceptance counts of one sidecar (all weight versions, discounted)."""
 
-    def __init__(self, config: SpeculationPolicyConfig) -> None:
+    def __init__(self, config: SpeculationControllerConfig) -> None:
         self.config = config
         self.reached = [0.0] * config.max_speculation_k  # rounds that drafted position i with all before it accepted
         self.accepted = [0.0] * config.max_speculation_k  # ... of which position i was accepted
@@ -187,7 +187,7 @@ def acceptance_spread(rows: list[tuple[int, int]]) -> float:
     explain (binomial: a(1 - a) / n, estimated without bias by r(1 - r) / (n - 1) from a row's
     rate r), over the mean rate. 0 with fewer than two rows of `MIN_ROW_DRAFTS`+ drafts.
 
-    The variance is the quantity that matters (`SpeculationPolicy.straggler_factor` adds it) and
+    The variance is the quantity that matters (`SpeculationController.straggler_factor` adds it) and
     its estimate is unbiased but for the truncation at 0; its square root is not: with no true
     spread, 64 rows of 8-24 drafts at acceptance 0.6 still give ~0.1 (the sampling noise of the
     observed variance), 4 rows give anything from 0 to 0.4 from one batch to the next."""

@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 
 @dataclass(kw_only=True, slots=True)
-class SpeculationPolicyConfig:
+class SpeculationControllerConfig:
     """Knobs of the adaptive controller (defaults are what the engine uses)."""
 
     max_speculation_k: int
@@ -23,9 +23,9 @@ class SpeculationPolicyConfig:
     min_gain: float = 0.03
     """Relative gain over plain decoding that a k > 0 must predict to be chosen, and the relative
     loss within which joining rows are never refused a draft (see the module docstring, "Margin";
-    `SpeculationPolicy.may_draft`).
+    `SpeculationController.may_draft`).
     It covers the model's noise only: stragglers (at greedy batch 4, k = 1 gains ~1.04x per step
-    and can lose 4-8% end to end) are priced by `SpeculationPolicy.straggler_factor`."""
+    and can lose 4-8% end to end) are priced by `SpeculationController.straggler_factor`."""
     acceptance_halflife: float = 256.0
     """Verify rounds (rows that drafted, summed over steps) after which old acceptance evidence
     weighs half (tracks a drifting draft). Counted in rounds, not engine steps: a plain step brings
@@ -64,14 +64,14 @@ class SpeculationPolicyConfig:
     do not change the best k, up to `max_probe_every` (a probe of a worse k costs throughput).
     From a bucket at plain decoding a k > 0 predicted within `min_gain` of plain is probed every
     `probe_every` steps, one predicted to lose more less often, in proportion to its loss
-    (`SpeculationPolicy.plain_probe_interval`). A k not yet measured `min_cost_samples` times in
+    (`SpeculationController.plain_probe_interval`). A k not yet measured `min_cost_samples` times in
     the bucket is probed every `learn_every` steps instead."""
     max_probe_every: int = 256
     learn_every: int = 4
     """Steps between probes while a bucket learns its options' costs (a new batch size), and the
     least spacing of any two probes."""
     refuse_every: int = 16
-    """Every `refuse_every`-th admission in a row that `SpeculationPolicy.may_draft` would refuse a
+    """Every `refuse_every`-th admission in a row that `SpeculationController.may_draft` would refuse a
     draft keeps it (so that a bucket at plain can measure that this changed)."""
     guard_rows: int = 96
     """Row-rounds (sum of batch sizes) of model-chosen k > 0 steps whose realised rate the guard
@@ -140,9 +140,9 @@ class SpeculationDecision:
     k: int
     reason: str
     """'model' (best predicted k; k = 0 also when joining rows were admitted without a draft,
-    `SpeculationPolicy.may_draft`), 'probe' (measuring a neighbour or plain), 'guard' (backed off
+    `SpeculationController.may_draft`), 'probe' (measuring a neighbour or plain), 'guard' (backed off
     after realised throughput fell below plain), 'collapsed' (k = 0: the served version's draft
-    collapsed, `SpeculationPolicy.hold`, until the next weight version), 'off' (max k is 0)."""
+    collapsed, `SpeculationController.hold`, until the next weight version), 'off' (max k is 0)."""
     batch_size: int
     expected_speedup: float = 1.0
     """Predicted tokens/s of k over plain decoding's, at this batch size (1.0 when unknown)."""

@@ -11,7 +11,7 @@ import math
 import statistics
 
 from sidecar.speculation.acceptance import AcceptanceEstimate
-from sidecar.speculation.config import RowState, SpeculationDecision, SpeculationPolicyConfig, batch_bucket
+from sidecar.speculation.config import RowState, SpeculationControllerConfig, SpeculationDecision, batch_bucket
 from sidecar.speculation.costs import (
     BucketCosts,
     CostSamples,
@@ -23,10 +23,10 @@ from sidecar.speculation.costs import (
 from sidecar.speculation.expert_union import ExpertReads
 
 
-class SpeculationPolicy:
+class SpeculationController:
     """The per-step k controller; see the module docstring."""
 
-    def __init__(self, config: SpeculationPolicyConfig, expert_reads: ExpertReads | None = None) -> None:
+    def __init__(self, config: SpeculationControllerConfig, expert_reads: ExpertReads | None = None) -> None:
         self.config = config
         self.expert_reads = expert_reads
         """A mixture-of-experts target's bytes per forward (`expert_union`): the prior of a verify's

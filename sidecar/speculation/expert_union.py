@@ -14,7 +14,7 @@ so where the engine measured its own routes the measured union replaces the form
 
 `ExpertReads` turns that into a step's bytes, and the ratio a verify of width w costs over a plain
 step at batch B, which the automatic-k controller uses as its prior before it has measured a width
-(`SpeculationPolicy`; the dense prior is a flat slope) and `specrl plan` uses for its roofline
+(`SpeculationController`; the dense prior is a flat slope) and `specrl plan` uses for its roofline
 (`trainer.planning.shapes.ModelShape.weight_bytes`): one formula for both.
 """
 

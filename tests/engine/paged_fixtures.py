@@ -26,7 +26,7 @@ def paged_cache(
     capacity: int,
     seed: int,
     device: str = "cpu",
-    max_rows: int | None = None,
+    max_batch_size: int | None = None,
     block_size: int = 16,
     spare_blocks: int = 3,
 ) -> KVCache:
@@ -35,7 +35,7 @@ def paged_cache(
     pages = KVPages(
         num_blocks=max(rows, 1) * per_row + RESERVED_BLOCKS + spare_blocks,
         block_size=block_size,
-        max_rows=max_rows or max(rows, 1),
+        max_batch_size=max_batch_size or max(rows, 1),
         max_slots=capacity,
         device=torch.device(device),
     )

@@ -21,8 +21,8 @@ from sidecar.engine.torch_engine import TorchEngine
 from sidecar.model.checkpoint import model_state_dict
 from sidecar.model.model import ModelConfig, Qwen3WithMTP, build_model
 from sidecar.speculation.acceptance import MIN_ROW_DRAFTS
-from sidecar.speculation.config import RowState, SpeculationPolicyConfig
-from sidecar.speculation.controller import SpeculationPolicy
+from sidecar.speculation.config import RowState, SpeculationControllerConfig
+from sidecar.speculation.controller import SpeculationController
 from sidecar.types import GenerationRequest, SamplingParams, WeightSelector
 
 
@@ -44,7 +44,7 @@ def run_all(engine: TorchEngine, prompts: list[list[int]], new: int = NEW) -> li
 def test_greedy_output_is_plain_while_k_switches_every_step(request, draft: str, cycle: list[int]) -> None:
     model: Qwen3WithMTP = request.getfixturevalue(f"{draft}_model")
     engine = TorchEngine(model, speculation_k=3)
-    engine.set_speculation_policy(SwitchingPolicy(cycle))
+    engine.set_speculation_controller(SwitchingPolicy(cycle))
     assert run_all(engine, PROMPTS) == [naive_greedy(model, p, NEW) for p in PROMPTS]
     c = engine.stats()[0].counters
     assert c.drafted_tokens > 0 and c.verify_steps > c.generated_tokens / 6
@@ -55,7 +55,7 @@ def test_rows_that_skip_drafting_keep_a_bounded_catch_up(aligned_model) -> None:
     refresh when drafting resumes, and the resumed draft still proposes the target's tokens."""
     idle = 3 * CATCH_UP_POSITIONS
     engine = TorchEngine(aligned_model, speculation_k=3)
-    engine.set_speculation_policy(SwitchingPolicy([0] * idle + [3]))
+    engine.set_speculation_controller(SwitchingPolicy([0] * idle + [3]))
     engine.submit(
         GenerationRequest(
             prompts=[[5, 6, 7]], sampling=SamplingParams(temperature=0.0, max_new_tokens=64), request_id="r"
@@ -94,7 +94,7 @@ def run_to_stop(model: Qwen3WithMTP, cycle: list[int], stop: int) -> RecordingPo
     """PROMPTS[0] greedily under scripted k, up to 12 tokens or `stop`; the policy's record."""
     policy = RecordingPolicy(cycle)
     engine = TorchEngine(model, speculation_k=3)
-    engine.set_speculation_policy(policy)
+    engine.set_speculation_controller(policy)
     sp = SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=[stop])
     engine.submit(GenerationRequest(prompts=[PROMPTS[0]], sampling=sp, request_id="r"))
     while engine.has_work():
@@ -108,7 +108,7 @@ def test_the_engine_reports_catch_up_steps_and_stop_tokens(aligned_model) -> Non
     as ended (the length cap does not)."""
     policy = RecordingPolicy([3, 3, 0, 0, 3, 3, 0, 1])
     engine = TorchEngine(aligned_model, speculation_k=3)
-    engine.set_speculation_policy(policy)
+    engine.set_speculation_controller(policy)
     expected = naive_greedy(aligned_model, PROMPTS[0], 40)
     sp = SamplingParams(temperature=0.0, max_new_tokens=40)
     engine.submit(GenerationRequest(prompts=[PROMPTS[0]], sampling=sp, request_id="r"))
@@ -147,7 +147,7 @@ def test_every_finished_row_tells_the_controller_how_it_accepted(aligned_model) 
     spread of acceptance between rows), the same counts their samples carry."""
     policy = RecordingPolicy([2, 0, 3, 1])
     engine = TorchEngine(aligned_model, speculation_k=3, max_batch_size=2)
-    engine.set_speculation_policy(policy)
+    engine.set_speculation_controller(policy)
     samples = []
     for i, p in enumerate(PROMPTS[:3]):
         sp = SamplingParams(temperature=1.0, max_new_tokens=10 + 6 * i, seed=i)
@@ -216,10 +216,10 @@ def test_the_guard_trips_inside_the_engine_on_a_wrong_cost_model_and_output_stay
     model = aligned_draft_model(ModelConfig.tiny(), seed=3)
     ref: list[TorchEngine] = []
     clock = FakeClock(ref, draft=0.004, verify=0.010, slope=2.0)  # every k > 0 loses to plain
-    wrong = SpeculationPolicyConfig(
+    wrong = SpeculationControllerConfig(
         max_speculation_k=4, cost_bias=0.01, guard_rows=24, guard_min_steps=4, backoff_steps=8
     )
-    engine = TorchEngine(model, speculation_k=4, speculation_auto=True, policy=wrong, clock=clock)
+    engine = TorchEngine(model, speculation_k=4, speculation_auto=True, controller=wrong, clock=clock)
     ref.append(engine)
     reasons = []
     prompts = PROMPTS * 2
@@ -245,7 +245,7 @@ def test_a_weight_push_discounts_the_acceptance_estimate(random_model: Qwen3With
     model = aligned_draft_model(ModelConfig.tiny(), seed=2)
     engine = TorchEngine(model, speculation_k=3)
     policy = SwitchingPolicy([3], version_discount=0.0)  # k = 3 always; the real acceptance estimator
-    engine.set_speculation_policy(policy)
+    engine.set_speculation_controller(policy)
     run_all(engine, PROMPTS[:2])
     assert policy.acceptance.rates()[0] > 0.8  # the aligned draft
     draft_names = {t.name for t in engine.weight_specs(WeightSelector.DRAFT)}
@@ -258,7 +258,7 @@ def test_a_weight_push_discounts_the_acceptance_estimate(random_model: Qwen3With
 
 def test_switching_the_default_back_to_fixed_keeps_running_auto_rows_on_the_controller(aligned_model) -> None:
     engine = TorchEngine(aligned_model, speculation_k=3)
-    engine.set_speculation_policy(SwitchingPolicy([2]))
+    engine.set_speculation_controller(SwitchingPolicy([2]))
     sp = SamplingParams(temperature=0.0, max_new_tokens=NEW)
     engine.submit(GenerationRequest(prompts=[PROMPTS[0]], sampling=sp, request_id="auto"))
     out = {s.request_id: s.token_ids for s in engine.step() + engine.step()}
@@ -273,11 +273,11 @@ def test_switching_the_default_back_to_fixed_keeps_running_auto_rows_on_the_cont
     assert engine.stats()[0].counters.drafted_tokens > drafted  # the auto row kept drafting
 
 
-class AdmissionRecorder(SpeculationPolicy):
+class AdmissionRecorder(SpeculationController):
     """The real controller, recording what the engine tells it at admission."""
 
     def __init__(self, refuse: bool) -> None:
-        super().__init__(SpeculationPolicyConfig(max_speculation_k=3))
+        super().__init__(SpeculationControllerConfig(max_speculation_k=3))
         self.refuse = refuse
         self.asked: list[dict] = []
         self.rows: list[list[RowState]] = []
@@ -297,12 +297,12 @@ class AdmissionRecorder(SpeculationPolicy):
 def test_the_engine_times_the_draft_prefill_that_a_refusal_saves(aligned_model, refuse: bool) -> None:
     """At admission the controller learns how many rows join and how many prompt tokens their
     draft prefill covers (all but each prompt's last), and, when they keep a draft, what that
-    prefill cost: what refusing a draft would save (`SpeculationPolicy.may_draft`). Refused
+    prefill cost: what refusing a draft would save (`SpeculationController.may_draft`). Refused
     rows run no prefill and their output stays exact."""
     ticks = iter(range(10**6))
     policy = AdmissionRecorder(refuse)
     engine = TorchEngine(aligned_model, speculation_k=3, clock=lambda: 0.5 * next(ticks))
-    engine.set_speculation_policy(policy)
+    engine.set_speculation_controller(policy)
     prompts = [PROMPTS[2][:5], PROMPTS[2]]
     sp = SamplingParams(temperature=0.0, max_new_tokens=8)
     samples = engine.generate(GenerationRequest(prompts=prompts, sampling=sp))
@@ -318,7 +318,7 @@ def test_only_automatic_rows_are_put_to_the_refusal_rule(aligned_model) -> None:
     so is the prompt their prefill covers."""
     policy = AdmissionRecorder(refuse=True)
     engine = TorchEngine(aligned_model, speculation_k=3)
-    engine.set_speculation_policy(policy)
+    engine.set_speculation_controller(policy)
     sp = SamplingParams(temperature=0.0, max_new_tokens=6)
     pinned = engine.generate(GenerationRequest(prompts=[PROMPTS[1]], sampling=sp, speculation_k=2))
     assert policy.asked == []

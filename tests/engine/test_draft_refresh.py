@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sidecar.engine.attention_lengths import HostLengths
 from sidecar.engine.drafters import Drafter
 from sidecar.engine.sampling import RowSampling
 from sidecar.engine.speculative import DraftInput, draft
@@ -65,13 +66,14 @@ def test_refresh_over_a_window_attends_to_what_the_cache_holds_at_the_true_posit
         DraftInput(
             refresh_tokens=ids[:, t + 1],
             refresh_hidden=hidden[:, t],
-            num_refresh=[window],
+            num_refresh=torch.tensor([window]),
             refresh_positions=t[None],
             next_position=torch.tensor([N - 1]),
             num_draft=torch.tensor([1]),
             uniforms=torch.full((1, 1), 0.5),
         ),
         rows,
+        HostLengths(num_refresh=[window], num_new=[]),
     )
     expected = oracle_q1(model, ids, hidden, list(range(cached)) + pending)
     torch.testing.assert_close(out.probs[0, 0], expected, atol=1e-5, rtol=1e-4)

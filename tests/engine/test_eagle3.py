@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from engine_fixtures import TAPS, aligned_eagle3, eagle3_target
 from test_speculative_greedy import naive_greedy
 
+from sidecar.engine.attention_lengths import HostLengths
 from sidecar.engine.drafters import Drafter, Eagle3Drafter
 from sidecar.engine.sampling import RowSampling
 from sidecar.engine.speculative import DraftInput, draft
@@ -122,13 +123,14 @@ def test_the_engine_draft_path_equals_the_uncached_forwards(
         DraftInput(
             refresh_tokens=ids[:, t + 1],
             refresh_hidden=states[:, t],
-            num_refresh=[window],
+            num_refresh=torch.tensor([window]),
             refresh_positions=t[None],
             next_position=torch.tensor([N - 1]),
             num_draft=torch.tensor([2]),
             uniforms=torch.tensor([[0.3, 0.6]]),
         ),
         RowSampling.of([SamplingParams(temperature=1.0)]),
+        HostLengths(num_refresh=[window], num_new=[]),
     )
     assert dcache.lengths == [cached + window]  # the refresh stays cached, the chain does not
     embed = target.model.embed_tokens.weight

@@ -1,7 +1,7 @@
 """The fixed-shape decode rounds (`compile: on`, what a GPU captures as CUDA graphs) against independent
 oracles, run eagerly on the CPU (issue 40).
 
-`round_graphs.FixedRounds` runs a decode round as two fixed-shape phases (`fixed_round`): rows
+`round_graphs.FixedRounds` runs a decode round as its two phases at fixed shapes (`decode_round`, `attention_lengths.DeviceLengths`): rows
 padded to a batch bucket, each row's KV read over a bucketed width under a mask built on the device
 from device row lengths, writes by device index. A GPU captures each phase once per shape and
 replays it; here the same code runs eagerly, so CI checks what the GPU replays. Oracles:
@@ -43,8 +43,8 @@ from test_eagle3 import run as run_alone_in_one_batch
 from test_speculative_distribution import ALPHA, SETTINGS, V, chi_square_pvalue, engine_counts, exact_joint
 from test_static_engine import oracle_greedy
 
+from sidecar.engine.attention_lengths import FixedShape
 from sidecar.engine.decode_round import EagerRounds
-from sidecar.engine.fixed_round import FixedShape
 from sidecar.engine.round_graphs import MIN_READ, FixedRounds, batch_bucket, read_bucket
 from sidecar.engine.torch_engine import TorchEngine
 from sidecar.losslessness.wrong_rules import WRONG_RULES
@@ -61,10 +61,10 @@ pytestmark = pytest.mark.usefixtures("single_torch_thread")  # tiny models: intr
 # ---- 1. bucket functions ------------------------------------------------------------------------
 
 
-def documented_batch_bucket(rows: int, max_batch: int) -> int:
-    """The smallest of 1, 2, 4, 8, 16, 24, ... that holds `rows`, capped at max_batch."""
+def documented_batch_bucket(rows: int, max_batch_size: int) -> int:
+    """The smallest of 1, 2, 4, 8, 16, 24, ... that holds `rows`, capped at max_batch_size."""
     buckets = [1, 2, 4, 8, *range(16, rows + 16, 8)]
-    return min(min(b for b in buckets if b >= rows), max_batch)
+    return min(min(b for b in buckets if b >= rows), max_batch_size)
 
 
 def documented_read_bucket(needed: int, capacity: int) -> int:
@@ -76,15 +76,15 @@ def documented_read_bucket(needed: int, capacity: int) -> int:
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)
-@given(data=st.data(), max_batch=st.integers(1, 600))
-def test_batch_bucket_is_the_documented_bucket(data: st.DataObject, max_batch: int) -> None:
-    rows = data.draw(st.integers(1, max_batch))
-    b = batch_bucket(rows, max_batch)
-    assert b == documented_batch_bucket(rows, max_batch)
-    assert rows <= b <= max_batch  # covers the rows, never more than the cache holds
-    assert b == max_batch or b in (1, 2, 4, 8) or b % 8 == 0
-    if rows < max_batch:
-        assert batch_bucket(rows + 1, max_batch) >= b  # monotone
+@given(data=st.data(), max_batch_size=st.integers(1, 600))
+def test_batch_bucket_is_the_documented_bucket(data: st.DataObject, max_batch_size: int) -> None:
+    rows = data.draw(st.integers(1, max_batch_size))
+    b = batch_bucket(rows, max_batch_size)
+    assert b == documented_batch_bucket(rows, max_batch_size)
+    assert rows <= b <= max_batch_size  # covers the rows, never more than the cache holds
+    assert b == max_batch_size or b in (1, 2, 4, 8) or b % 8 == 0
+    if rows < max_batch_size:
+        assert batch_bucket(rows + 1, max_batch_size) >= b  # monotone
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)
@@ -114,9 +114,9 @@ def layer_model() -> Qwen3WithMTP:
 
 
 def static_cache(
-    model: Qwen3WithMTP, max_batch: int, capacity: int, lengths: list[int], seed: int, device: str = "cpu"
+    model: Qwen3WithMTP, max_batch_size: int, capacity: int, lengths: list[int], seed: int, device: str = "cpu"
 ) -> KVCache:
-    """A paged cache of len(lengths) rows (table rows for `max_batch`), each holding `capacity`
+    """A paged cache of len(lengths) rows (table rows for `max_batch_size`), each holding `capacity`
     slots in scattered blocks, every slot random (stale slots included: masking must hide them)."""
     c = model.config
     return paged_cache(
@@ -128,7 +128,7 @@ def static_cache(
         capacity=capacity,
         seed=seed,
         device=device,
-        max_rows=max_batch,
+        max_batch_size=max_batch_size,
     )
 
 
@@ -146,15 +146,15 @@ def test_a_fixed_plan_reads_and_writes_what_the_dynamic_plan_does(
     data: st.DataObject, b: int, s: int, capacity: int
 ) -> None:
     model = layer_model()
-    max_batch = data.draw(st.integers(b, 9))
-    rows = data.draw(st.integers(b, max_batch))  # the padded batch (a bucket, or any wider)
+    max_batch_size = data.draw(st.integers(b, 9))
+    rows = data.draw(st.integers(b, max_batch_size))  # the padded batch (a bucket, or any wider)
     lengths = data.draw(st.lists(st.integers(0, capacity - s), min_size=b, max_size=b))
     num_new = data.draw(st.lists(st.integers(0, s), min_size=b, max_size=b))
     read = data.draw(st.integers(max(lengths) + s, capacity))  # at least what the rows need
     seed = data.draw(st.integers(0, 2**16))
-    dynamic = static_cache(model, max_batch, capacity, lengths, seed)
-    fixed = static_cache(model, max_batch, capacity, lengths, seed)
-    before = static_cache(model, max_batch, capacity, lengths, seed)
+    dynamic = static_cache(model, max_batch_size, capacity, lengths, seed)
+    fixed = static_cache(model, max_batch_size, capacity, lengths, seed)
+    before = static_cache(model, max_batch_size, capacity, lengths, seed)
     x = torch.randn(rows, s, model.config.hidden_size, generator=torch.Generator().manual_seed(seed + 1))
 
     plan = dynamic.plan(num_new, width=s)
@@ -480,7 +480,7 @@ def test_the_host_transfer_check_can_fail() -> None:
 
 
 class TracedRounds(FixedRounds):
-    """Each phase of a fixed-shape round (`fixed_round.draft_phase`, `verify_phase`) traced once per
+    """Each phase of a fixed-shape round (`decode_round.draft_phase`, `verify_phase`) traced once per
     graph key — as a CUDA graph is captured once per key and replayed — with `fullgraph=True`, and
     run through the checking backend."""
 

@@ -163,6 +163,26 @@ def test_greedy_with_its_own_mtp_layer_equals_transformers_greedy(
     assert engine.stats()[0].counters.drafted_tokens > 0
 
 
+def test_greedy_through_the_fused_kernels_equals_transformers_greedy(
+    checkpoint: tuple[Any, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fixed-shape rounds with the fused kernels (Triton's interpreter on CPUs, as on a GPU): the
+    q/k kernel rotates whole heads, so GLM's partial rotary attends through torch's masked path
+    while the other fused kernels run; greedy, plain and drafting, is transformers'."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("CPU models through the kernels: Triton's interpreter, CPUs only")
+    from sidecar.model.decode_kernels import DecodeKernels
+
+    monkeypatch.setattr(DecodeKernels, "for_device", staticmethod(lambda device: DecodeKernels()))
+    hf, path = checkpoint
+    expected = [hf_greedy(hf, p, NEW) for p in PROMPTS]
+    engine = TorchEngine.from_checkpoint(path, compile="on", kv_block_size=4, max_batch_size=4)
+    assert isinstance(engine.kernels, DecodeKernels)
+    assert engine_greedy(engine, PROMPTS, 0) == expected
+    assert engine_greedy(engine, PROMPTS, 2) == expected
+
+
 def test_a_checkpoint_without_its_mtp_tensors_serves_plain(tmp_path: Path) -> None:
     """What transformers' save_pretrained writes: config.json announces the layer, no tensor holds it."""
     hf = hf_glm(tmp_path, **VARIANTS["glm45"])

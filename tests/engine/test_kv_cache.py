@@ -116,7 +116,7 @@ def test_slots_past_a_rows_length_read_as_zeros_whatever_was_written_there() -> 
     writes are marked by the caller. Oracle: every slot at or past a live row's length, within its
     blocks, is exactly 0 when a plan is made."""
     nan = float("nan")
-    pages = KVPages(num_blocks=12, block_size=4, max_rows=3, max_slots=16, device=torch.device("cpu"))
+    pages = KVPages(num_blocks=12, block_size=4, max_batch_size=3, max_slots=16, device=torch.device("cpu"))
     cache = KVCache(
         num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float32, device="cpu", pages=pages, owner=True
     )
@@ -173,10 +173,10 @@ def test_the_pages_books_balance_and_the_table_follows_them(ops: list[tuple[str,
     a block's reference count is the number of rows holding it, no two rows hold a block unless
     it was shared, and after `sync` each live table row lists its blocks then the zero block, each
     row past them the scratch block."""
-    pages = KVPages(num_blocks=20, block_size=4, max_rows=5, max_slots=40, device=torch.device("cpu"))
+    pages = KVPages(num_blocks=20, block_size=4, max_batch_size=5, max_slots=40, device=torch.device("cpu"))
     for op, n in ops:
         rows = len(pages.rows)
-        if op in ("add", "share") and rows < pages.max_rows:
+        if op in ("add", "share") and rows < pages.max_batch_size:
             shared = pages.rows[n % rows][: n % 3] if op == "share" and rows else []
             if max(0, blocks_for(n, 4) - len(shared)) <= pages.free:
                 pages.add_row(n, shared)
@@ -194,7 +194,7 @@ def test_the_pages_books_balance_and_the_table_follows_them(ops: list[tuple[str,
         assert not set(held) & {ZERO_BLOCK, SCRATCH_BLOCK}
         assert pages.shared == sum(1 for b in set(held) if held.count(b) > 1)
         pages.sync()
-        for r in range(pages.max_rows):
+        for r in range(pages.max_batch_size):
             want = (
                 pages.rows[r] + [ZERO_BLOCK] * (pages.max_blocks - len(pages.rows[r]))
                 if r < len(pages.rows)
@@ -228,7 +228,7 @@ def test_selected_rows_with_repeats_continue_as_their_source_rows(
     assert all(bool((t[:, b, :, n:] == 0).all()) for t in (cache.k, cache.v) for b, n in enumerate(cache.lengths))
     seqs = [list(prompts[r]) for r in rows]
     pages = KVPages(
-        num_blocks=2 + 4 * len(rows), block_size=4, max_rows=len(rows), max_slots=16, device=torch.device("cpu")
+        num_blocks=2 + 4 * len(rows), block_size=4, max_batch_size=len(rows), max_slots=16, device=torch.device("cpu")
     )
     paged = KVCache(
         num_layers=cache.num_layers,

@@ -3,7 +3,7 @@
 A CUDA graph replays kernels only: a value read back to the host during capture, or a host value
 copied to the device (a Python literal turned into a tensor, `t[i] = False`), is refused by the
 capture or frozen into the graph. Both showed up only on a lent GPU before these tests. Here the
-two phases a graph captures (`fixed_round.draft_phase`, `verify_phase`) run under a dispatch mode
+two phases a graph captures (`decode_round.draft_phase`, `verify_phase`) run under a dispatch mode
 that records every operator, through whole generations (MTP with one and two layers, EAGLE-3,
 greedy and top-k/top-p rows, k = 0..3): none may create a tensor from host data (`lift_fresh`),
 read one back (`.item()`, `int(t)`, `bool(t)`) or depend on values for its shape (`nonzero`). The
@@ -35,7 +35,7 @@ import torch
 from engine_fixtures import aligned_draft_model, aligned_eagle3, eagle3_target
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sidecar.engine import fixed_round, round_graphs
+from sidecar.engine import decode_round, round_graphs
 from sidecar.engine.round_graphs import FixedRounds
 from sidecar.engine.rows import BatchTensors, Sequence
 from sidecar.engine.torch_engine import TorchEngine
@@ -69,8 +69,8 @@ def recorded_phases(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[str]]:
 
         return run
 
-    monkeypatch.setattr(round_graphs, "draft_phase", wrap(fixed_round.draft_phase))
-    monkeypatch.setattr(round_graphs, "verify_phase", wrap(fixed_round.verify_phase))
+    monkeypatch.setattr(round_graphs, "draft_phase", wrap(decode_round.draft_phase))
+    monkeypatch.setattr(round_graphs, "verify_phase", wrap(decode_round.verify_phase))
     yield seen
 
 
@@ -104,14 +104,14 @@ def test_the_captured_phases_neither_read_back_nor_copy_host_values(
 
 def test_the_recorder_sees_a_host_literal_and_a_read_back(monkeypatch: pytest.MonkeyPatch) -> None:
     """The check can fail: the two patterns the GPU refused, put back into a phase."""
-    original = fixed_round.draft_phase
+    original = decode_round.draft_phase
 
     def leaky(*args: Any, **kwargs: Any) -> Any:
         drafts, q, u = original(*args, **kwargs)
         offsets = torch.tensor([0, 1], dtype=torch.int64)  # a host literal (the old counter-RNG offsets)
         return drafts + int(offsets.sum()) * int(u.numel() < 0), q, u  # and a value read back
 
-    monkeypatch.setattr(fixed_round, "draft_phase", leaky)
+    monkeypatch.setattr(decode_round, "draft_phase", leaky)
     engine = TorchEngine(aligned_draft_model(ModelConfig.tiny(), seed=3), speculation_k=3, compile="on")
     with recorded_phases(monkeypatch) as seen:
         traffic(engine)

@@ -17,15 +17,15 @@ from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from sidecar.speculation.acceptance import AcceptanceEstimate, acceptance_spread
-from sidecar.speculation.config import RowState, SpeculationPolicyConfig, batch_bucket
-from sidecar.speculation.controller import SpeculationPolicy
+from sidecar.speculation.config import RowState, SpeculationControllerConfig, batch_bucket
+from sidecar.speculation.controller import SpeculationController
 from sidecar.speculation.costs import expected_max_of_normals
 
 K = 5
-MARGIN = SpeculationPolicyConfig(max_speculation_k=K).min_gain
+MARGIN = SpeculationControllerConfig(max_speculation_k=K).min_gain
 
 
-def feed_acceptance(policy: SpeculationPolicy, alphas: list[float], rows: int = 20000) -> None:
+def feed_acceptance(policy: SpeculationController, alphas: list[float], rows: int = 20000) -> None:
     """Rows drafting len(alphas) tokens whose conditional acceptance at position i is alphas[i]."""
     drafted, accepted = [], []
     survivors = rows
@@ -39,7 +39,7 @@ def feed_acceptance(policy: SpeculationPolicy, alphas: list[float], rows: int = 
     policy.observe_acceptance(drafted, accepted)
 
 
-def feed_costs(policy: SpeculationPolicy, batch: int, verify: list[float], draft: float) -> None:
+def feed_costs(policy: SpeculationController, batch: int, verify: list[float], draft: float) -> None:
     """Exact cost measurements of every k (verify[w - 1]: a width-w step without its draft)."""
     for k in range(policy.config.max_speculation_k + 1):
         for _ in range(3):
@@ -53,7 +53,7 @@ def feed_costs(policy: SpeculationPolicy, batch: int, verify: list[float], draft
             )
 
 
-def drive(policy: SpeculationPolicy, batch: int, verify: list[float], draft: float, steps: int) -> list:
+def drive(policy: SpeculationController, batch: int, verify: list[float], draft: float, steps: int) -> list:
     """`steps` decisions at `batch`, each observed at its true cost (verify[k] + k * draft)."""
     decisions = []
     for _ in range(steps):
@@ -82,22 +82,22 @@ def oracle_best(
     return (best if rates[best] >= (1 + min_gain) * rates[0] else 0), rates
 
 
-def exact_config(**kw) -> SpeculationPolicyConfig:
-    return SpeculationPolicyConfig(max_speculation_k=K, prior_strength=1e-9, acceptance_halflife=1e9, **kw)
+def exact_config(**kw) -> SpeculationControllerConfig:
+    return SpeculationControllerConfig(max_speculation_k=K, prior_strength=1e-9, acceptance_halflife=1e9, **kw)
 
 
 def test_gpu_like_costs_and_a_good_draft_choose_a_long_draft_cpu_like_costs_choose_plain() -> None:
     alphas = [0.9] * K
-    gpu = SpeculationPolicy(exact_config())
+    gpu = SpeculationController(exact_config())
     feed_acceptance(gpu, alphas)
     feed_costs(gpu, 8, verify=[0.010 * (1 + 0.02 * k) for k in range(K + 1)], draft=0.0005)
     d = gpu.decide(8)
     assert (d.k, d.reason) == (K, "model") and d.expected_speedup > 3
-    cpu = SpeculationPolicy(exact_config())
+    cpu = SpeculationController(exact_config())
     feed_acceptance(cpu, alphas)
     feed_costs(cpu, 64, verify=[0.010 * (1 + k) for k in range(K + 1)], draft=0.003)
     assert cpu.decide(64).k == 0
-    weak = SpeculationPolicy(exact_config())  # cheap verify, but a draft that is almost never right
+    weak = SpeculationController(exact_config())  # cheap verify, but a draft that is almost never right
     feed_acceptance(weak, [0.05] * K)
     feed_costs(weak, 8, verify=[0.010 * (1 + 0.02 * k) for k in range(K + 1)], draft=0.002)
     assert weak.decide(8).k == 0
@@ -116,7 +116,7 @@ def test_decision_is_the_closed_form_argmax(alphas: list[float], slope: float, d
     ranked = sorted(rates, reverse=True)
     assume(ranked[0] > 1.02 * ranked[1])  # a clear winner (counts are rounded to whole rows)
     assume(abs(ranked[0] / rates[0] - (1 + MARGIN)) > 0.01)  # ... and not on the margin's edge
-    policy = SpeculationPolicy(exact_config())
+    policy = SpeculationController(exact_config())
     feed_acceptance(policy, alphas)
     feed_costs(policy, batch, verify, 0.01 * draft_ratio)
     d = policy.decide(batch)
@@ -125,7 +125,7 @@ def test_decision_is_the_closed_form_argmax(alphas: list[float], slope: float, d
 
 
 def test_unmeasured_widths_are_interpolated_and_plain_is_measured_first() -> None:
-    policy = SpeculationPolicy(SpeculationPolicyConfig(max_speculation_k=K))
+    policy = SpeculationController(SpeculationControllerConfig(max_speculation_k=K))
     first = policy.decide(4)
     assert (first.k, first.reason) == (0, "probe")  # plain decoding is the guard's baseline
     policy.observe_step(batch=4, k=0, draft_seconds=0.0, step_seconds=0.010, tokens=4)
@@ -138,7 +138,7 @@ def test_unmeasured_widths_are_interpolated_and_plain_is_measured_first() -> Non
 
 
 def test_probes_revisit_neighbours_and_back_off_while_nothing_changes() -> None:
-    policy = SpeculationPolicy(exact_config(probe_every=4, max_probe_every=16))
+    policy = SpeculationController(exact_config(probe_every=4, max_probe_every=16))
     feed_acceptance(policy, [0.8] * K)
     feed_costs(policy, 8, verify=[0.010 * (1 + 0.3 * k) for k in range(K + 1)], draft=0.001)
     decisions = [policy.decide(8) for _ in range(64)]
@@ -156,7 +156,7 @@ def test_a_bucket_at_plain_probes_a_k_as_often_as_its_predicted_loss_allows() ->
     """At plain decoding, a k > 0 predicted within the margin of plain is re-measured every
     `probe_every` steps, one predicted to lose more less often, in proportion to its loss (up to
     `max_probe_every`): not after the interval that doubled while nothing changed."""
-    policy = SpeculationPolicy(exact_config(probe_every=16, max_probe_every=256))
+    policy = SpeculationController(exact_config(probe_every=16, max_probe_every=256))
     feed_acceptance(policy, [0.5] * K)
     verify = [0.010, 0.0157, 0.01768, 0.0208, 0.0228, 0.0246]  # k = 1: 4.5% below plain; k = 2: 1%
     feed_costs(policy, 1, verify=verify, draft=0.0)
@@ -184,7 +184,7 @@ def test_a_new_batch_size_measures_its_neighbours_quickly_then_refuses_drafts_wh
     controller decides plain from batch 16's relative costs, but probes k = 1 after
     learn_every steps (not at its loss-scaled interval) for min_cost_samples steps in a row,
     after which rows joining a batch of 64 are refused a draft."""
-    policy = SpeculationPolicy(exact_config(probe_every=16, learn_every=4))
+    policy = SpeculationController(exact_config(probe_every=16, learn_every=4))
     feed_acceptance(policy, [0.5] * K)
     feed_costs(policy, 16, verify=[0.025 * (1 + 0.5 * k) for k in range(K + 1)], draft=0.0025)
     decisions = []
@@ -202,7 +202,7 @@ def test_a_bucket_at_plain_re_measures_the_best_draft_length_not_only_k_1() -> N
     """k = 3 was measured in a slow minute (0.93x plain), k = 1 loses for real (0.91x): at plain,
     the controller still probes k = 3 (the best k > 0) and returns to it once it measures fast
     (1.06x)."""
-    policy = SpeculationPolicy(exact_config(probe_every=4, max_probe_every=16))
+    policy = SpeculationController(exact_config(probe_every=4, max_probe_every=16))
     feed_acceptance(policy, [0.5, 0.7, 0.95, 0.3, 0.3])
     feed_costs(policy, 1, verify=[0.010, 0.016, 0.019, 0.022, 0.030, 0.035], draft=0.0005)
     assert policy.decide(1).k == 0
@@ -222,8 +222,8 @@ class Batch1:
     learned, then each `step` samples the accepted drafts and the draft phase is a quarter of the
     step."""
 
-    def __init__(self, config: SpeculationPolicyConfig, seed: int) -> None:
-        self.policy = SpeculationPolicy(config)
+    def __init__(self, config: SpeculationControllerConfig, seed: int) -> None:
+        self.policy = SpeculationController(config)
         self.rng = random.Random(seed)
         feed_acceptance(self.policy, BATCH_1_ALPHAS)
         for k in range(4):
@@ -252,7 +252,7 @@ def test_a_slow_stretch_does_not_keep_a_long_running_bucket_at_plain() -> None:
     k = 3 predicted within the margin of it, a near tie: it is re-measured within `probe_every`
     steps, not after the long interval that the bucket's many uneventful probes had reached
     (that kept such buckets at plain for up to ~1,300 steps: 0.88-0.91x of static k = 3)."""
-    bucket = Batch1(SpeculationPolicyConfig(max_speculation_k=3, prior_strength=1e-9), seed=0)
+    bucket = Batch1(SpeculationControllerConfig(max_speculation_k=3, prior_strength=1e-9), seed=0)
     for _ in range(3000):  # a long quiet run at k = 3
         bucket.step()
     assert bucket.policy.decide(1).k == 3
@@ -269,8 +269,8 @@ def test_a_bucket_at_plain_re_measures_every_near_break_even_k_not_only_the_best
     options only the best's neighbour and the best k > 0, k = 1 would be re-probed for good and k = 3
     never again (0 model steps of k = 3 in 400 before this test). Every k > 0 within the margin of
     plain takes its turn, so k = 3 is re-measured and kept."""
-    policy = SpeculationPolicy(
-        SpeculationPolicyConfig(max_speculation_k=3, prior_strength=1e-9, acceptance_halflife=1e9)
+    policy = SpeculationController(
+        SpeculationControllerConfig(max_speculation_k=3, prior_strength=1e-9, acceptance_halflife=1e9)
     )
     feed_acceptance(policy, BATCH_1_ALPHAS)
 
@@ -298,7 +298,7 @@ def test_acceptance_noise_at_batch_1_does_not_send_a_winning_k_to_plain(halflife
     at k = 3; with 64 rounds (what batch 1 had when evidence aged per engine step) the noise takes
     it to plain for a large share of the steps."""
     extra = {} if halflife is None else {"acceptance_halflife": halflife}
-    config = SpeculationPolicyConfig(max_speculation_k=3, prior_strength=1e-9, **extra)
+    config = SpeculationControllerConfig(max_speculation_k=3, prior_strength=1e-9, **extra)
     shares = []
     for seed in range(3):
         bucket = Batch1(config, seed)
@@ -308,7 +308,7 @@ def test_acceptance_noise_at_batch_1_does_not_send_a_winning_k_to_plain(halflife
     assert low <= statistics.mean(shares) <= high, shares
 
 
-def run_against(policy: SpeculationPolicy, true_seconds, alphas: list[float], batch: int, steps: int):
+def run_against(policy: SpeculationController, true_seconds, alphas: list[float], batch: int, steps: int):
     """Drive the controller against 'true' hardware: step k takes true_seconds(k) and emits the
     expected tokens. Returns (tokens, seconds, decisions)."""
     tokens = seconds = 0.0
@@ -330,8 +330,8 @@ def run_against(policy: SpeculationPolicy, true_seconds, alphas: list[float], ba
 def test_guard_trips_on_a_wrong_cost_model_and_reprobes_later() -> None:
     alphas = [0.5] * K
     true = lambda k: 0.010 * (1 + 0.8 * k)  # noqa: E731  CPU-like: every k > 0 is slower than plain
-    wrong = SpeculationPolicy(
-        SpeculationPolicyConfig(max_speculation_k=K, cost_bias=0.01, backoff_steps=40, guard_min_steps=12)
+    wrong = SpeculationController(
+        SpeculationControllerConfig(max_speculation_k=K, cost_bias=0.01, backoff_steps=40, guard_min_steps=12)
     )
     tokens, seconds, decisions = run_against(wrong, true, alphas, batch=16, steps=600)
     assert wrong.trips >= 2
@@ -341,7 +341,7 @@ def test_guard_trips_on_a_wrong_cost_model_and_reprobes_later() -> None:
     assert "model" in reasons[first_guard + 41 :]  # re-probed after the back-off
     plain_rate = 16 / true(0)
     assert tokens / seconds > 0.85 * plain_rate  # the guard bounds the damage (always-max-k: ~0.4x)
-    right = SpeculationPolicy(SpeculationPolicyConfig(max_speculation_k=K))
+    right = SpeculationController(SpeculationControllerConfig(max_speculation_k=K))
     tokens, seconds, decisions = run_against(right, true, alphas, batch=16, steps=600)
     assert right.trips == 0 and tokens / seconds > 0.97 * plain_rate
 
@@ -349,7 +349,9 @@ def test_guard_trips_on_a_wrong_cost_model_and_reprobes_later() -> None:
 def test_guard_needs_the_realised_rate_below_plain() -> None:
     alphas = [0.9] * K
     true = lambda k: 0.010 * (1 + 0.05 * k)  # noqa: E731  speculation really pays
-    policy = SpeculationPolicy(SpeculationPolicyConfig(max_speculation_k=K, cost_bias=0.5))  # wrong, but not harmful
+    policy = SpeculationController(
+        SpeculationControllerConfig(max_speculation_k=K, cost_bias=0.5)
+    )  # wrong, but not harmful
     tokens, seconds, _ = run_against(policy, true, alphas, batch=4, steps=300)
     assert policy.trips == 0 and tokens / seconds > 2 * 4 / true(0)
 
@@ -370,25 +372,25 @@ def test_a_slow_step_in_the_guard_window_does_not_trip_it() -> None:
         step += 1
         return true(k) * (5.0 if step % 13 == 0 else 1.0)
 
-    policy = SpeculationPolicy(SpeculationPolicyConfig(max_speculation_k=K))
+    policy = SpeculationController(SpeculationControllerConfig(max_speculation_k=K))
     _, _, decisions = run_against(policy, with_hiccups, alphas, batch=16, steps=600)
     assert policy.trips == 0, [d.detail for d in decisions if d.reason == "guard"][:1]
     assert [d.reason for d in decisions[300:]].count("model") > 250
     true = lambda k: 0.010 * (1 + 0.8 * k)  # noqa: E731  every k > 0 slower than plain, hiccups and all
-    wrong = SpeculationPolicy(SpeculationPolicyConfig(max_speculation_k=K, cost_bias=0.01))
+    wrong = SpeculationController(SpeculationControllerConfig(max_speculation_k=K, cost_bias=0.01))
     run_against(wrong, with_hiccups, alphas, batch=16, steps=600)
     assert wrong.trips >= 2
 
 
 def test_a_weight_version_change_discounts_the_old_acceptance() -> None:
-    policy = SpeculationPolicy(SpeculationPolicyConfig(max_speculation_k=3, version_discount=0.01))
+    policy = SpeculationController(SpeculationControllerConfig(max_speculation_k=3, version_discount=0.01))
     for _ in range(50):
         policy.observe_acceptance([3] * 8, [3] * 8)  # the old version: everything accepted
     assert policy.acceptance.rates()[0] > 0.95
     policy.on_weight_version()
     policy.observe_acceptance([3] * 8, [0] * 8)  # one step of the new version: nothing accepted
     assert policy.acceptance.rates()[0] < 0.35
-    without = SpeculationPolicy(SpeculationPolicyConfig(max_speculation_k=3))  # the same without the push
+    without = SpeculationController(SpeculationControllerConfig(max_speculation_k=3))  # the same without the push
     for _ in range(50):
         without.observe_acceptance([3] * 8, [3] * 8)
     without.observe_acceptance([3] * 8, [0] * 8)
@@ -396,7 +398,7 @@ def test_a_weight_version_change_discounts_the_old_acceptance() -> None:
 
 
 def test_acceptance_counts_are_conditional_per_position() -> None:
-    est = AcceptanceEstimate(SpeculationPolicyConfig(max_speculation_k=4, acceptance_halflife=1e9))
+    est = AcceptanceEstimate(SpeculationControllerConfig(max_speculation_k=4, acceptance_halflife=1e9))
     est.observe([3, 3, 2, 4], [1, 3, 2, 0])
     assert est.reached == pytest.approx([4, 3, 1, 0])  # row (3, 1) reaches positions 0-1, (4, 0) only 0
     assert est.accepted == pytest.approx([3, 2, 1, 0])
@@ -409,7 +411,7 @@ def test_acceptance_evidence_ages_by_rounds_not_by_steps() -> None:
     estimate where the draft's last rounds put it (aged per step, it forgot them and drifted to
     the prior), and a step of 8 drafting rows ages the evidence as much as 8 steps of one row
     (aged per step, batch 1 kept an eighth of batch 8's evidence)."""
-    config = SpeculationPolicyConfig(max_speculation_k=2, acceptance_halflife=64.0)
+    config = SpeculationControllerConfig(max_speculation_k=2, acceptance_halflife=64.0)
     one, eight = AcceptanceEstimate(config), AcceptanceEstimate(config)
     for est in (one, eight):
         est.observe([2] * 64, [2] * 16 + [0] * 48)
@@ -434,7 +436,7 @@ def test_acceptance_evidence_ages_by_rounds_not_by_steps() -> None:
 def test_the_stop_token_rate_ages_by_emitted_tokens() -> None:
     """Like acceptance, the stop-token evidence ages by what replaces it: a step emitting 8 tokens
     ages it as much as 8 steps of one token; a step emitting nothing does not age it."""
-    config = SpeculationPolicyConfig(max_speculation_k=2, acceptance_halflife=64.0)
+    config = SpeculationControllerConfig(max_speculation_k=2, acceptance_halflife=64.0)
     one, eight = AcceptanceEstimate(config), AcceptanceEstimate(config)
     for est in (one, eight):
         est.observe_ends(64, 16)
@@ -471,13 +473,13 @@ def test_batch_buckets_are_narrow_and_monotonic() -> None:
 )
 def test_bad_config_names_the_field(kw, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        SpeculationPolicyConfig(**kw)
+        SpeculationControllerConfig(**kw)
 
 
 def test_per_row_ends_that_do_not_add_up_are_refused_and_change_nothing() -> None:
     """The engine reports a step's tokens and stop tokens twice (totals and per row): when they
     disagree the step is refused before any estimate moves."""
-    policy = SpeculationPolicy(exact_config())
+    policy = SpeculationController(exact_config())
     policy.observe_step(batch=2, k=0, draft_seconds=0.0, step_seconds=0.01, tokens=2, rows=[(0, 1, False)] * 2)
     before = (policy.acceptance.stops.emitted, policy.acceptance.stops.at(3), policy._bucket(2).measured(0))
     for tokens, ended, rows in [(3, 0, [(1, 1, False)] * 2), (2, 0, [(1, 1, True), (1, 1, False)])]:
@@ -491,7 +493,7 @@ def test_per_row_ends_that_do_not_add_up_are_refused_and_change_nothing() -> Non
 
 
 def test_a_new_batch_size_borrows_the_nearest_measured_relative_costs() -> None:
-    policy = SpeculationPolicy(SpeculationPolicyConfig(max_speculation_k=3))
+    policy = SpeculationController(SpeculationControllerConfig(max_speculation_k=3))
     feed_costs(policy, 8, verify=[0.010, 0.012, 0.014, 0.016], draft=0.002)
     policy.observe_step(batch=16, k=0, draft_seconds=0.0, step_seconds=0.020, tokens=16)  # only plain at 16
     assert policy.predicted_seconds(16, 2) == pytest.approx(0.020 * 1.4 + 2 * 0.004)
@@ -503,7 +505,7 @@ def test_one_slow_step_does_not_move_the_cost_estimate() -> None:
     alphas = [0.8] * K
     verify = [0.010 * (1 + 0.1 * k) for k in range(K + 1)]
     best, _ = oracle_best(alphas, verify, 0.001)
-    policy = SpeculationPolicy(exact_config())
+    policy = SpeculationController(exact_config())
     feed_acceptance(policy, alphas)
     feed_costs(policy, 8, verify, 0.001)
     policy.observe_step(batch=8, k=0, draft_seconds=0.0, step_seconds=0.200, tokens=8, chosen=False)  # plain x20
@@ -523,8 +525,8 @@ def test_k_above_zero_must_beat_plain_by_the_margin(gain: float, drafts: bool, k
     than the margin (within it each step decides: refusing a draft is for a row's whole
     generation)."""
     alpha = 0.5
-    policy = SpeculationPolicy(
-        SpeculationPolicyConfig(max_speculation_k=1, prior_strength=1e-9, acceptance_halflife=1e9, min_gain=0.05)
+    policy = SpeculationController(
+        SpeculationControllerConfig(max_speculation_k=1, prior_strength=1e-9, acceptance_halflife=1e9, min_gain=0.05)
     )
     feed_acceptance(policy, [alpha])
     step1 = 0.010 * (1 + alpha) / gain  # tokens/s of k = 1: (1 + alpha) / step1 = gain / 0.010
@@ -553,8 +555,8 @@ def test_a_draft_is_refused_only_where_keeping_it_is_worth_less_than_its_prefill
     draft is worth, E[max(G, 0)] for the gain G ~ N(-loss, se^2) that the noisy medians leave
     open. At temperature 1, batch 4 a refusal on such an estimate had turned a 5% gain off for a
     whole grid cell."""
-    policy = SpeculationPolicy(
-        SpeculationPolicyConfig(max_speculation_k=1, prior_strength=1e-9, acceptance_halflife=1e9, cost_window=5)
+    policy = SpeculationController(
+        SpeculationControllerConfig(max_speculation_k=1, prior_strength=1e-9, acceptance_halflife=1e9, cost_window=5)
     )
     feed_acceptance(policy, [0.5])
     plain, step1 = 0.010, 0.015 / (1 - loss)  # k = 1: 1.5 tokens per step1 = (1 - loss) x plain's rate
@@ -583,8 +585,8 @@ def test_a_slow_step_among_steady_ones_does_not_make_a_loss_look_uncertain() -> 
     ignore it, and so must the noise that qualifies them: measured by the plain standard
     deviation of the logs (~0.4 here) the loss looked uncertain, rows kept drafts they never
     used, and 24% of the cell's steps were probes of k = 1."""
-    policy = SpeculationPolicy(
-        SpeculationPolicyConfig(max_speculation_k=1, prior_strength=1e-9, acceptance_halflife=1e9, cost_window=5)
+    policy = SpeculationController(
+        SpeculationControllerConfig(max_speculation_k=1, prior_strength=1e-9, acceptance_halflife=1e9, cost_window=5)
     )
     feed_acceptance(policy, [0.5])
     plain, step1 = 0.036, 1.5 * 0.036 / 0.91
@@ -600,7 +602,7 @@ def test_a_slow_step_among_steady_ones_does_not_make_a_loss_look_uncertain() -> 
 
 
 def test_a_width_measured_once_is_taken_from_the_nearest_bucket() -> None:
-    policy = SpeculationPolicy(SpeculationPolicyConfig(max_speculation_k=3))
+    policy = SpeculationController(SpeculationControllerConfig(max_speculation_k=3))
     feed_costs(policy, 8, verify=[0.010, 0.012, 0.014, 0.016], draft=0.002)
     for _ in range(3):
         policy.observe_step(batch=16, k=0, draft_seconds=0.0, step_seconds=0.020, tokens=16)
@@ -615,8 +617,8 @@ def test_without_a_measured_neighbour_a_bucket_trusts_its_own_few_measurements_o
     """Batch 64 on a CPU: one probe of k = 1 measured it 1.6x a plain step. With no other bucket
     measured, that beats the priors (verify +15% per token, draft 10% of plain), which predict a
     gain."""
-    policy = SpeculationPolicy(
-        SpeculationPolicyConfig(max_speculation_k=2, prior_strength=1e-9, acceptance_halflife=1e9)
+    policy = SpeculationController(
+        SpeculationControllerConfig(max_speculation_k=2, prior_strength=1e-9, acceptance_halflife=1e9)
     )
     feed_acceptance(policy, [0.5, 0.5])
     for _ in range(3):
@@ -630,7 +632,9 @@ def test_without_a_measured_neighbour_a_bucket_trusts_its_own_few_measurements_o
 
 
 def test_only_own_measurements_refuse_a_draft_and_refused_buckets_re_measure_now_and_then() -> None:
-    policy = SpeculationPolicy(SpeculationPolicyConfig(max_speculation_k=1, refuse_every=4, prior_strength=1e-9))
+    policy = SpeculationController(
+        SpeculationControllerConfig(max_speculation_k=1, refuse_every=4, prior_strength=1e-9)
+    )
     feed_acceptance(policy, [0.5])
     feed_costs(policy, 1, verify=[0.010, 0.020], draft=0.005)  # batch 1: k = 1 costs 2.5 plain steps
     for _ in range(3):
@@ -681,7 +685,7 @@ def test_the_straggler_factor_matches_a_simulated_batch(alpha: float, k: int, ba
     """Expected steps x straggler factor = the simulated steps of a batch's slowest row (within the
     normal approximation's error; the factor is what k > 0 pays that plain, ending all rows at
     the same step, does not)."""
-    policy = SpeculationPolicy(exact_config())
+    policy = SpeculationController(exact_config())
     feed_acceptance(policy, [alpha] * K)
     predicted = tokens / policy.acceptance.expected_tokens(k) * policy.straggler_factor(batch, k, tokens)
     simulated = simulated_finish_steps([alpha] * K, k, tokens, batch, trials=300, seed=k * 1000 + batch)
@@ -701,7 +705,7 @@ def test_rows_that_accept_differently_are_stragglers_too(alpha: float, spread: f
     """Rows whose acceptance differs (relative sd `spread`) finish further apart than rows that
     only draw their acceptance at random: the factor with the spread matches the simulated batch,
     the factor without it falls short."""
-    policy = SpeculationPolicy(exact_config())
+    policy = SpeculationController(exact_config())
     feed_acceptance(policy, [alpha] * K)
     steps = 48 / policy.acceptance.expected_tokens(k)
     simulated = simulated_finish_steps([alpha] * K, k, 48, batch, trials=300, seed=k + batch, spread=spread)
@@ -742,7 +746,7 @@ def test_the_straggler_price_comes_from_the_finished_rows_pooled(alpha: float, s
     few rows: priced with the pooled estimate, the batch's expected end matches a simulated batch
     of rows that differ by the true spread; one batch's four rows would swing the estimate (and
     the price of every k) from one batch to the next."""
-    policy = SpeculationPolicy(exact_config())
+    policy = SpeculationController(exact_config())
     feed_acceptance(policy, [alpha] * K)
     rows = finished_rows(alpha, spread, 200, seed)
     for n, a in rows:
@@ -758,7 +762,7 @@ def test_the_straggler_price_comes_from_the_finished_rows_pooled(alpha: float, s
 
 
 def test_finished_rows_are_checked_and_only_the_last_ones_kept() -> None:
-    policy = SpeculationPolicy(exact_config(spread_rows=3))
+    policy = SpeculationController(exact_config(spread_rows=3))
     with pytest.raises(ValueError, match="accepted 5 must be in"):
         policy.observe_finished_row(4, 5)
     assert policy.acceptance.spread() == 0.0  # no rows yet: no spread
@@ -775,7 +779,7 @@ def test_stragglers_make_a_batch_without_a_queue_end_on_plain_decoding() -> None
     takes it too in a continuous batch (a queue refills finished rows: tokens_left None) but not
     when the batch must finish (its slowest row sets the time), and near the end neither does
     batch 4."""
-    policy = SpeculationPolicy(exact_config(min_gain=0.0))
+    policy = SpeculationController(exact_config(min_gain=0.0))
     feed_acceptance(policy, [0.6] * K)
     for batch in (1, 4, 16):
         step1 = 0.010 * 1.6 / 1.08
@@ -789,7 +793,7 @@ def test_stragglers_make_a_batch_without_a_queue_end_on_plain_decoding() -> None
 def test_a_stop_token_rate_discounts_the_drafts_after_it() -> None:
     """A row that emits a stop token emits nothing after it: with end rate h, draft i counts with
     survival (1 - h)^i."""
-    policy = SpeculationPolicy(exact_config())
+    policy = SpeculationController(exact_config())
     feed_acceptance(policy, [0.8] * K)
     assert policy.acceptance.expected_tokens(3) == pytest.approx(1 + 0.8 + 0.64 + 0.512)
     for _ in range(50):
@@ -809,7 +813,7 @@ def test_catch_up_steps_do_not_price_the_draft_and_the_draft_has_a_fixed_part() 
     """The draft phase is measured per k (it has a fixed part: the refresh and the first head):
     k = 2 is interpolated between k = 1 and 3, k = 5 extrapolated with their slope; a step that
     also caught up positions skipped by plain rounds records its verify but not its draft."""
-    policy = SpeculationPolicy(SpeculationPolicyConfig(max_speculation_k=5))
+    policy = SpeculationController(SpeculationControllerConfig(max_speculation_k=5))
     for _ in range(3):
         policy.observe_step(batch=2, k=0, draft_seconds=0.0, step_seconds=0.010, tokens=2)
         policy.observe_step(batch=2, k=1, draft_seconds=0.003, step_seconds=0.016, tokens=3)
@@ -827,7 +831,7 @@ def test_rows_where_sequences_end_draft_short_rows_far_from_it_long() -> None:
     within a few tokens of each other, so a batch early in its output drafts long and the same
     batch at the answers' end drafts short or not at all (its drafts would come after the stop
     token). The memoryless rate (no `rows` given) prices both the same."""
-    policy = SpeculationPolicy(exact_config(stop_prior_tokens=1.0))
+    policy = SpeculationController(exact_config(stop_prior_tokens=1.0))
     feed_acceptance(policy, [0.9] * K)
     feed_costs(policy, 8, verify=[0.010 * (1 + 0.02 * k) for k in range(K + 1)], draft=0.0005)
     for _ in range(50):  # 8 rows emit 2 tokens a step, the 20th (output position 19) their stop token
@@ -856,7 +860,7 @@ def test_a_bucket_learning_its_costs_decides_by_its_model_between_probes() -> No
     its options' costs with probes of `min_cost_samples` steps in a row; `learn_every` steps of its
     own choice separate them (counted from a burst's last step: counted from its first, bursts
     of 3 every 4 steps had made ~60% of those buckets' steps probes on the RL workload)."""
-    policy = SpeculationPolicy(exact_config(learn_every=4))
+    policy = SpeculationController(exact_config(learn_every=4))
     feed_acceptance(policy, [0.8] * K)
     feed_costs(policy, 8, verify=[0.010 * (1 + 0.05 * k) for k in range(K + 1)], draft=0.0005)
     verify = [0.006 * (1 + 0.05 * k) for k in range(K + 1)]
@@ -881,7 +885,7 @@ def test_a_probe_that_wins_a_near_tie_does_not_reset_the_probe_interval() -> Non
     margin. That says nothing the model did not know, so the interval keeps doubling; only a
     probe that makes its k the best by `min_gain` resets it (probes were ~27% of the steps of
     the RL workload's batch-4 bucket)."""
-    policy = SpeculationPolicy(exact_config(probe_every=4, max_probe_every=64))
+    policy = SpeculationController(exact_config(probe_every=4, max_probe_every=64))
     feed_acceptance(policy, [0.8] * K)
     true_verify = [0.010, 0.0125, 0.0145, 0.0162, 0.0183, 0.0210]
     fed = list(true_verify)
@@ -898,7 +902,7 @@ def test_a_probe_that_wins_a_near_tie_does_not_reset_the_probe_interval() -> Non
     assert gaps[-1] == 64 + 2
 
 
-def learn_ends(policy: SpeculationPolicy, end: int, rows: int = 8, generations: int = 40) -> None:
+def learn_ends(policy: SpeculationController, end: int, rows: int = 8, generations: int = 40) -> None:
     """Rows that emit 2 tokens a step and their stop token at output position `end`."""
     for _ in range(generations):
         for start in range(0, end + 1, 2):
@@ -921,7 +925,7 @@ def test_rows_that_all_reach_the_cap_get_the_cap_price(alpha: float, k: int, bat
     """With no stop token ever seen, every row emits exactly its tokens left: the price with the
     rows' lengths is the length-cap formula (checked against simulated batches above), whatever
     the rows' positions."""
-    policy = SpeculationPolicy(exact_config())
+    policy = SpeculationController(exact_config())
     feed_acceptance(policy, [alpha] * K)
     policy.observe_step(
         batch=batch, k=1, draft_seconds=0.0, step_seconds=0.0, tokens=batch, rows=[(0, 1, False)] * batch
@@ -934,7 +938,7 @@ def test_rows_that_all_reach_the_cap_get_the_cap_price(alpha: float, k: int, bat
 def test_rows_whose_ends_scatter_pay_little_for_stragglers() -> None:
     """Where plain decoding's rows already end far apart (ends spread over many positions), the
     slowest row under speculation adds little beside that spread: the price nears 1."""
-    policy = SpeculationPolicy(exact_config())
+    policy = SpeculationController(exact_config())
     feed_acceptance(policy, [0.6] * K)
     for end in range(10, 200, 7):
         learn_ends(policy, end=end, rows=1, generations=3)
@@ -955,7 +959,7 @@ def test_the_prices_of_every_k_at_once_are_each_ks_own(
 ) -> None:
     """`expected_rates` prices every k in one pass (it runs every decode step): per-k moments
     from running prefix sums, the rows' remaining tokens once. Oracle: each k priced on its own."""
-    policy = SpeculationPolicy(exact_config())
+    policy = SpeculationController(exact_config())
     feed_acceptance(policy, alphas)
     for n, a in finished_rows(0.6, spread, 40, seed=3):
         policy.observe_finished_row(n, a)
@@ -979,7 +983,7 @@ def test_the_prices_of_every_k_at_once_are_each_ks_own(
 
 
 def _one_k_factor(
-    policy: SpeculationPolicy, batch: int, k: int, left: int | None, rows: list[RowState] | None
+    policy: SpeculationController, batch: int, k: int, left: int | None, rows: list[RowState] | None
 ) -> float:
     """The straggler factor of one k from `expected_tokens` and `token_variance` (the formula
     of `straggler_factor`'s docstring, written out)."""
@@ -1008,7 +1012,7 @@ def test_a_dear_width_does_not_price_every_longer_draft_out() -> None:
     cheaper of its own extrapolation (from the dear k = 2: every longer draft dearer still) and
     batch 4's cost relative to its plain step, so it tries k = 3 and keeps the longer drafts
     that win. Extrapolating from its own two last widths alone, it ran k <= 2 for good."""
-    policy = SpeculationPolicy(exact_config())
+    policy = SpeculationController(exact_config())
     alphas = [0.8] * K
     feed_acceptance(policy, alphas)
     smooth = [0.010 + 0.0015 * (w > 0) + 0.001 * w for w in range(K + 1)]

@@ -37,8 +37,8 @@ from sidecar.engine.torch_engine import TorchEngine
 from sidecar.losslessness.statistics import pooled_chi_square_pvalue as chi_square_pvalue
 from sidecar.losslessness.wrong_rules import WRONG_RULES, with_acceptance_rule
 from sidecar.model.model import ModelConfig, Qwen3WithMTP
-from sidecar.speculation.config import RowState, SpeculationDecision, SpeculationPolicyConfig
-from sidecar.speculation.controller import SpeculationPolicy
+from sidecar.speculation.config import RowState, SpeculationControllerConfig, SpeculationDecision
+from sidecar.speculation.controller import SpeculationController
 from sidecar.types import GenerationRequest, SamplingParams
 
 V = 8
@@ -116,12 +116,12 @@ def test_the_test_detects_wrong_acceptance_rules(model: Qwen3WithMTP, wrong_rule
     assert chi_square_pvalue(counts, exact) < 1e-4
 
 
-class SwitchingPolicy(SpeculationPolicy):
+class SwitchingPolicy(SpeculationController):
     """Scripted controller: k follows a fixed cycle, one entry per decode step (k changes between
     the rounds of every sequence, 0 included)."""
 
     def __init__(self, cycle: list[int], **config: float) -> None:
-        super().__init__(SpeculationPolicyConfig(max_speculation_k=max(cycle), **config))
+        super().__init__(SpeculationControllerConfig(max_speculation_k=max(cycle), **config))
         self.cycle, self.calls = cycle, 0
 
     def decide(
@@ -143,7 +143,7 @@ def test_k_switching_mid_sequence_keeps_the_exact_distribution(
     sp = SamplingParams(temperature=1.0, max_new_tokens=4, seed=4)
     exact = exact_joint(model, sp)
     engine = TorchEngine(model, max_batch_size=1000)
-    engine.set_speculation_policy(SwitchingPolicy(cycle))
+    engine.set_speculation_controller(SwitchingPolicy(cycle))
     samples = engine.generate(GenerationRequest(prompts=[PROMPT], sampling=sp, samples_per_prompt=N))
     cells = torch.tensor([(s.token_ids[0] * V + s.token_ids[1]) * V + s.token_ids[2] for s in samples])
     c = engine.stats()[0].counters

@@ -27,7 +27,7 @@ from trainer.planning.roofline import DRAFT_KINDS, DraftShape, RooflineConfig, R
 from trainer.planning.shapes import ModelShape, load_shape
 from trainer.planning.step_model import (
     Acceptance,
-    Fleet,
+    EngineSplit,
     LengthDistribution,
     Plan,
     RoundCosts,
@@ -62,7 +62,7 @@ class PlanOptions:
     draft_vocab_size: int = 32000
     ngram_host_us: float = 0.0
     ks: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7)
-    max_batch: int | None = None
+    max_batch_size: int | None = None
     generation_share: float | None = None
     train_seconds: float | None = None
     train_ms_per_token: float | None = None
@@ -189,12 +189,12 @@ def _acceptance(opts: PlanOptions, ks: list[int]) -> Acceptance | None:
 def _max_batch(
     opts: PlanOptions, costs: RoundCosts, shape: ModelShape, lengths: LengthDistribution, rows: int
 ) -> tuple[int, str]:
-    if opts.max_batch is not None:
-        if opts.max_batch < 1:
-            raise click.BadParameter(f"must be >= 1, got {opts.max_batch}", param_hint="--max-batch")
-        return opts.max_batch, f"{opts.max_batch} rows decode at once per engine (given)"
+    if opts.max_batch_size is not None:
+        if opts.max_batch_size < 1:
+            raise click.BadParameter(f"must be >= 1, got {opts.max_batch_size}", param_hint="--max-batch-size")
+        return opts.max_batch_size, f"{opts.max_batch_size} rows decode at once per engine (given)"
     if not isinstance(costs, RooflineCosts):
-        return rows, "every row of an engine decodes at once (no --max-batch given)"
+        return rows, "every row of an engine decodes at once (no --max-batch-size given)"
     hw = costs.hw
     budget = hw.memory_gb * 1e9 * opts.gpus_per_engine * KV_MEMORY_FRACTION - shape.total_params * 2
     values = [float(v) for v in lengths.values]
@@ -209,7 +209,7 @@ def _max_batch(
     return min(slots, rows), (
         f"{min(slots, rows)} rows decode at once per engine: the KV cache that fits in {KV_MEMORY_FRACTION:g} of "
         f"{opts.gpus_per_engine} x {hw.memory_gb:g} GB beside the weights, at a live row's mean context of "
-        f"~{live_context:.0f} tokens (set --max-batch to override)"
+        f"~{live_context:.0f} tokens (set --max-batch-size to override)"
     )
 
 
@@ -284,13 +284,13 @@ def make_plan(opts: PlanOptions) -> tuple[Plan, PlanContext]:
             f"({acceptance.alphas[-1]:.2f})"
         )
     rows = math.ceil(opts.prompts / opts.engines) * opts.samples
-    max_batch, batch_note = _max_batch(opts, costs, shape, lengths, rows)
+    max_batch_size, batch_note = _max_batch(opts, costs, shape, lengths, rows)
     assumed.append(batch_note)
-    fleet = Fleet(
+    fleet = EngineSplit(
         prompts=opts.prompts,
         samples_per_prompt=opts.samples,
         engines=opts.engines,
-        max_batch=max_batch,
+        max_batch_size=max_batch_size,
         prompt_tokens=opts.prompt_tokens,
     )
     rest, rest_text = _rest(opts, shape, lengths)
@@ -304,7 +304,7 @@ def make_plan(opts: PlanOptions) -> tuple[Plan, PlanContext]:
         rest=rest_text,
         assumptions=assumed,
         left_out=costs.leaves_out(),
-        experts=_experts(shape, costs, acceptance, plan, opts, lengths, max_batch),
+        experts=_experts(shape, costs, acceptance, plan, opts, lengths, max_batch_size),
     )
     return plan, ctx
 
@@ -316,7 +316,7 @@ def _experts(
     plan: Plan,
     opts: PlanOptions,
     lengths: LengthDistribution,
-    max_batch: int,
+    max_batch_size: int,
 ) -> list[str]:
     """For a mixture of experts: the experts a round reads by batch and where speculation pays
     (`experts`), at the plan's best k > 0 (or the largest planned); empty for a dense model."""
@@ -325,7 +325,7 @@ def _experts(
         return []
     k = min(drafting, key=lambda p: (p.step, p.k)).k
     kv_per_row = opts.prompt_tokens + lengths.mean / 2
-    rows = union_rows(shape, costs, acceptance, k, kv_per_row, max(max_batch, 1))
+    rows = union_rows(shape, costs, acceptance, k, kv_per_row, max(max_batch_size, 1))
     return render_union(shape, rows, k, acceptance.tau(k), PAYS_MARGIN)
 
 
@@ -371,7 +371,10 @@ def _experts(
 @click.option(
     "--ks", default="1,2,3,4,5,6,7", show_default=True, help="Draft lengths to plan (plain is always included)."
 )
-@click.option("--max-batch", type=int, help="Rows decoding at once per engine (default: what fits in memory / all).")
+@click.option(
+    "--max-batch-size", type=int, help="Rows decoding at once per engine (default: what fits in memory / all)."
+)
+@retired_option("--max-batch", "--max-batch-size")  # glossary: refused here
 @click.option(
     "--generation-share", type=float, help="Plain generation's share of a synchronous plain step (default 0.7)."
 )
@@ -419,7 +422,9 @@ def plan(plot: Path | None, json_out: Path | None, ks: str, **kwargs: object) ->
             raise click.UsageError("--plot needs an acceptance (plan at least one k > 0)")
         costs = _costs(opts, load_shape(opts.model), [])
         work = ctx.fleet.workload(ctx.lengths)
-        batches = [b for b in BATCHES if b < ctx.fleet.max_batch] + [ctx.fleet.max_batch]  # what fits in memory
+        batches = [b for b in BATCHES if b < ctx.fleet.max_batch_size] + [
+            ctx.fleet.max_batch_size
+        ]  # what fits in memory
         ks_drawn = [k for k in sorted(set(parsed)) if k > 0]
         plot_speedup(plot, work, ctx.acceptance, ks_drawn, costs, f"{ctx.model}\n{ctx.costs}", batches)
         click.echo(f"wrote {plot}")

@@ -38,12 +38,12 @@ class UnionRow:
 
 
 def union_rows(
-    shape: ModelShape, costs: RoundCosts, acceptance: Acceptance, k: int, kv_per_row: float, max_batch: int
+    shape: ModelShape, costs: RoundCosts, acceptance: Acceptance, k: int, kv_per_row: float, max_batch_size: int
 ) -> list[UnionRow]:
-    """The table for batches up to `max_batch` (each row's context `kv_per_row` tokens)."""
+    """The table for batches up to `max_batch_size` (each row's context `kv_per_row` tokens)."""
     reads = shape.expert_reads()
     rows = []
-    for b in [b for b in BATCHES if b <= max_batch] or [max_batch]:
+    for b in [b for b in BATCHES if b <= max_batch_size] or [max_batch_size]:
         kv = np.array([b * kv_per_row])
         plain = float(costs.round_seconds(np.array([b]), 0, kv)[0])
         spec = float(costs.round_seconds(np.array([b]), k, kv)[0])

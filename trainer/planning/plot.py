@@ -5,7 +5,7 @@ Why: the one figure that says where speculation turns from a gain to a loss on g
 memory-bound decode makes a (k+1)-token verify cost about a plain step at small batches, and
 the verify's arithmetic catches up as the batch grows. Each point simulates one engine whose
 rows all start together (no queue), with the plan's lengths, acceptance and costs, up to the
-plan's rows decoding at once (what fits in memory beside the weights, or the given --max-batch).
+plan's rows decoding at once (what fits in memory beside the weights, or the given --max-batch-size).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def speedup_by_batch(
     """k -> generation speedup over plain at each batch size (rows = max batch = that size)."""
     out: dict[int, list[float]] = {k: [] for k in ks if k > 0}
     for b in batches:
-        w = replace(work, rows=b, max_batch=b)
+        w = replace(work, rows=b, max_batch_size=b)
         plain = simulate_engine(w, None, 0, costs, replications, seed).seconds.mean()
         for k in out:
             spec = simulate_engine(w, acceptance, k, costs, replications, seed).seconds.mean()

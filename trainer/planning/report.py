@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from trainer.planning.step_model import LEFT_OUT, Acceptance, Fleet, LengthDistribution, Plan
+from trainer.planning.step_model import LEFT_OUT, Acceptance, EngineSplit, LengthDistribution, Plan
 
 PAYS_MARGIN = 0.03
 """A k > 0 'pays' when it predicts at least this much faster than plain; a closer call is not a
@@ -24,7 +24,7 @@ class PlanContext:
 
     model: str
     costs: str
-    fleet: Fleet
+    fleet: EngineSplit
     lengths: LengthDistribution
     acceptance: Acceptance | None
     rest: str
@@ -61,7 +61,7 @@ def render(plan: Plan, ctx: PlanContext) -> str:
     lines = [f"specrl plan: {ctx.model}", f"costs: {ctx.costs}"]
     lines.append(
         f"workload: {fl.prompts} prompts x {fl.samples_per_prompt} samples over {fl.engines} engine(s): "
-        f"{fl.rows_per_engine} rows on the busiest, {fl.max_batch} decoding at once; prompt {fl.prompt_tokens} tokens; "
+        f"{fl.rows_per_engine} rows on the busiest, {fl.max_batch_size} decoding at once; prompt {fl.prompt_tokens} tokens; "
         f"response lengths {lengths.label or 'given'} (mean {lengths.mean:.0f}, max {lengths.max})"
     )
     if ctx.acceptance is not None:

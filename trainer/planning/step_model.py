@@ -15,7 +15,7 @@ One engine's generation (`simulate_engine`), per replication:
   accepted, optionally scaled per row by `Acceptance.spread`); drawn by inverse CDF from one
   uniform per (row, round), so that higher acceptance never takes a row more rounds on the
   same draws (the monotonicity the tests check);
-- rows are admitted first come, first served into `max_batch` slots (continuous batching: a
+- rows are admitted first come, first served into `max_batch_size` slots (continuous batching: a
   row waiting for a slot enters after the round in which another row ended, with its prefill);
 - the engine's time is sum over rounds of cost(rows decoding, k, their KV tokens) plus the
   prefills, with the cost from a measured table or a roofline (`RoundCosts`).
@@ -206,14 +206,14 @@ class EngineWorkload:
     rows: int
     lengths: LengthDistribution
     prompt_tokens: int
-    max_batch: int
+    max_batch_size: int
     """Rows decoded at once; rows beyond wait for a slot (continuous batching)."""
     row_lengths: tuple[int, ...] | None = None
     """The rows' lengths exactly, in admission order (instead of draws from `lengths`): what a
     validation against one measured generation conditions on."""
 
     def __post_init__(self) -> None:
-        for name in ("rows", "prompt_tokens", "max_batch"):
+        for name in ("rows", "prompt_tokens", "max_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.row_lengths is not None and (len(self.row_lengths) != self.rows or min(self.row_lengths) < 1):
@@ -292,7 +292,7 @@ def simulate_engine(
             survival = np.cumprod(np.clip(base[None, :] * scale[:, None], 0.0, 1.0), axis=1)
         need = lengths - 1
         r = rounds_needed(need, survival, row_rng)
-        start = admission_rounds(r, work.max_batch)
+        start = admission_rounds(r, work.max_batch_size)
         end = start + r
         horizon = int(end.max()) + 2
         alive = np.zeros(horizon)
@@ -349,17 +349,17 @@ def expected_max(samples: np.ndarray, n: int) -> float:
 
 
 @dataclass(kw_only=True, slots=True)
-class Fleet:
+class EngineSplit:
     """How a step's rows reach the engines."""
 
     prompts: int
     samples_per_prompt: int
     engines: int = 1
-    max_batch: int = 256
+    max_batch_size: int = 256
     prompt_tokens: int = 256
 
     def __post_init__(self) -> None:
-        for name in ("prompts", "samples_per_prompt", "engines", "max_batch", "prompt_tokens"):
+        for name in ("prompts", "samples_per_prompt", "engines", "max_batch_size", "prompt_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -370,7 +370,10 @@ class Fleet:
 
     def workload(self, lengths: LengthDistribution) -> EngineWorkload:
         return EngineWorkload(
-            rows=self.rows_per_engine, lengths=lengths, prompt_tokens=self.prompt_tokens, max_batch=self.max_batch
+            rows=self.rows_per_engine,
+            lengths=lengths,
+            prompt_tokens=self.prompt_tokens,
+            max_batch_size=self.max_batch_size,
         )
 
 
@@ -387,7 +390,7 @@ class Generation:
 
 
 def generation(
-    fleet: Fleet,
+    fleet: EngineSplit,
     lengths: LengthDistribution,
     acceptance: Acceptance | None,
     k: int,
@@ -496,7 +499,7 @@ class Plan:
 
 
 def plan_step(
-    fleet: Fleet,
+    fleet: EngineSplit,
     lengths: LengthDistribution,
     acceptance: Acceptance | None,
     ks: Sequence[int],

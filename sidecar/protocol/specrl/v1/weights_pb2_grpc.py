@@ -92,8 +92,8 @@ class WeightServiceServicer:
         full tensors).
         ABORTED              another push is in progress; retry after it ends.
         CANCELLED            the client went away mid-stream.
-        UNAVAILABLE          the manifest's data plane is not offered or not
-        usable (see "Data planes"); push again after
+        UNAVAILABLE          the manifest's transport is not offered or not
+        usable (see "Transports"); push again after
         negotiating again (or over the stream).
         UNAUTHENTICATED      missing or wrong bearer token.
         """
@@ -110,7 +110,7 @@ class WeightServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PrepareTransport(self, request, context):
-        """Proves or sets up a fast data plane for later pushes (see "Data planes"
+        """Proves or sets up a fast transport for later pushes (see "Transports"
         below). Unary and bounded: the sidecar answers within the request's
         timeout or fails the call; a failure leaves the gRPC stream as the data
         plane and nothing else changes.

@@ -23,8 +23,8 @@ import torch
 
 from sidecar.errors import InvalidRequestError
 from sidecar.types import DeltaEncoding, TensorDelta, TensorSpec
-from sidecar.weight_sync.checksum import crc32
-from sidecar.weight_sync.tensors import tensor_bytes
+from sidecar.weight_transport.checksum import crc32
+from sidecar.weight_transport.tensors import tensor_bytes
 
 _INDEX_BYTES = 4
 MAX_INDEX_NUMEL = 1 << 32
@@ -149,7 +149,7 @@ class DeltaBase:
 @dataclass(kw_only=True, slots=True)
 class PlannedPush:
     """A push decided tensor by tensor: specs (full or delta, with the reconstructed tensor's
-    CRC-32) and the bytes each puts on the data plane, in manifest order."""
+    CRC-32) and the bytes each puts on the transport, in manifest order."""
 
     specs: list[TensorSpec]
     wire: list[tuple[str, torch.Tensor]]

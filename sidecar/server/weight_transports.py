@@ -1,4 +1,4 @@
-"""The receiving end of each weight data plane: bytes into staging buffers, checked as they land.
+"""The receiving end of each weight transport: bytes into staging buffers, checked as they land.
 
 `WeightReceiver` (`sidecar.server.weight_receiver`) opens one plane per push:
 - `StreamPlane` (grpc): `WeightChunk`s on the stream; a staging thread checksums and copies each
@@ -29,9 +29,9 @@ from sidecar.types import (
     WeightChunk,
     WeightPlaced,
 )
-from sidecar.weight_sync import collective, shm
-from sidecar.weight_sync.checksum import crc32, crc32_combine
-from sidecar.weight_sync.tensors import tensor_bytes
+from sidecar.weight_transport import collective, shm
+from sidecar.weight_transport.checksum import crc32, crc32_combine
+from sidecar.weight_transport.tensors import tensor_bytes
 
 
 class StagedTensor:
@@ -91,7 +91,7 @@ class StreamPlane(ReceivingPlane):
     def accept(self, item: WeightChunk | WeightPlaced, number: int) -> Callable[[], None]:
         if not isinstance(item, WeightChunk):
             raise InvalidRequestError(
-                f"message {number} is a placed tensor but the manifest names no data plane; "
+                f"message {number} is a placed tensor but the manifest names no transport; "
                 "send WeightChunks, or name the shm region or collective group in the manifest"
             )
         t = accept_chunk(self.staged, item, number)
@@ -101,7 +101,7 @@ class StreamPlane(ReceivingPlane):
 class PlacedPlane(ReceivingPlane):
     """shm and collective: one WeightPlaced per tensor, in manifest order."""
 
-    transport = "a data plane"
+    transport = "a transport"
 
     def __init__(self, staged: list[StagedTensor]) -> None:
         super().__init__(staged)
@@ -111,7 +111,7 @@ class PlacedPlane(ReceivingPlane):
         if not isinstance(item, WeightPlaced):
             raise InvalidRequestError(
                 f"message {number} is a WeightChunk but the manifest puts the bytes on {self.transport}; "
-                "send WeightPlaced items (or a manifest without a data plane)"
+                "send WeightPlaced items (or a manifest without a transport)"
             )
         if not item.tensors:
             raise InvalidRequestError(f"placed message {number} names no tensors; place at least one")

@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from sidecar.errors import InvalidRequestError, TransportUnavailableError
-from sidecar.weight_sync.checksum import copy_and_checksum
+from sidecar.weight_transport.checksum import copy_and_checksum
 
 DEFAULT_PROC_DIR = Path("/proc")
 """Where the sidecar finds the sender's descriptors (tests point a "remote host" elsewhere)."""

@@ -8,10 +8,12 @@ import numpy as np
 import torch
 
 from sidecar.types import TensorSpec
-from sidecar.weight_sync.checksum import crc32
+from sidecar.weight_transport.checksum import crc32
 
 if sys.byteorder != "little":  # the wire format is little-endian; so is every supported host
-    raise ImportError("sidecar.weight_sync needs a little-endian host (the specrl.v1 tensor bytes are little-endian)")
+    raise ImportError(
+        "sidecar.weight_transport needs a little-endian host (the specrl.v1 tensor bytes are little-endian)"
+    )
 
 
 def tensor_bytes(tensor: torch.Tensor) -> np.ndarray:
@@ -30,7 +32,7 @@ def tensor_crc32(tensor: torch.Tensor) -> int:
 def is_finite(tensor: torch.Tensor) -> bool:
     """No NaN and no infinity in `tensor` (integer tensors always are). One reduction that keeps
     NaN and infinities (its min and max), with no temporary the size of the tensor: on CPU about
-    half the speed of the CRC-32 every pushed byte already gets (BENCHMARKS, "Weight data planes")."""
+    half the speed of the CRC-32 every pushed byte already gets (BENCHMARKS, "Weight transports")."""
     if not tensor.is_floating_point() or tensor.numel() == 0:
         return True
     low, high = torch.aminmax(tensor.detach())
