@@ -92,6 +92,23 @@ def test_each_transport_delivers_the_model_exactly(checkpoint: Path, transport: 
         assert_serves(c, 3, 3)  # greedy output depends on the target only (the draft is lossless)
 
 
+@pytest.mark.parametrize("transport", list(TRANSPORTS), ids=lambda t: t.value)
+def test_pushes_back_to_back_into_reused_buffers_serve_the_last(checkpoint: Path, transport: WeightTransport) -> None:
+    """With kept staging buffers (`keep_staging`, specrl serve's default) the third push is received
+    into the buffers the first one served from, at their addresses, written below autograd's version
+    counters: with no generation between the pushes the engine's decode weights must still be
+    rebuilt (they once served stale copies: greedy output of neither version)."""
+    with (
+        start_sidecar(checkpoint, keep_staging=True) as sc,
+        client(sc.address, TRANSPORTS[transport]) as c,
+    ):
+        c.push_weights(weights(5), version=1)
+        assert_serves(c, 1, 5)
+        c.push_weights(weights(6), version=2)
+        assert c.push_weights(weights(7), version=3).transport is transport
+        assert_serves(c, 3, 7)
+
+
 # --- negotiation and fallback ---------------------------------------------------------------
 
 

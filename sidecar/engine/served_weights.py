@@ -89,6 +89,7 @@ class ServedWeights:
                 else:
                     p.copy_(t)
                     free[name] = t
+        self.model.weights_changed()  # an adopted buffer may sit where one it saw before did
         return free
 
     def _shared_storages(self) -> set[int]:

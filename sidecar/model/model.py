@@ -479,7 +479,7 @@ class Qwen3WithMTP(nn.Module):
         built, sources, signature = self._fused
         if self._frozen and built:
             return built
-        try:
+        try:  # (a push also says so itself, `weights_changed`: a reused buffer can repeat both)
             now = [(t.data_ptr(), t._version) for t in sources]
         except RuntimeError:  # an inference tensor has no version counter: rebuild every time
             now = []
@@ -491,6 +491,13 @@ class Qwen3WithMTP(nn.Module):
                     self.decode_builds += 1
             signature[:] = now
         return built
+
+    def weights_changed(self) -> None:
+        """The parameters were given new values outside what `decode_weights` can see (a push:
+        storages swapped in, possibly at addresses it saw before, written below autograd's version
+        counters): its next call refreshes the decode weights whatever their sources' signature."""
+        if self._fused is not None:
+            self._fused[2].clear()
 
     @contextlib.contextmanager
     def frozen_weights(self) -> Iterator[None]:
