@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from trainer.rewards import exact_answer_reward
-from trainer.tasks import Problem, ProblemSource, Split, split_of
+from trainer.tasks import Problem, ProblemSource, Split, draw_in_split
 from trainer.tokenizer import Tokenizer
 
 
@@ -162,18 +162,16 @@ class CalculatorEnvironment:
         return f"calculator-{self.digits}d"
 
     def sample(self, rng: random.Random, split: Split = "train") -> Problem:
-        for _ in range(10_000):
-            lo = 10 ** (self.digits - 1) if self.digits > 1 else 0
-            a, b, c = (rng.randrange(lo, 10**self.digits) for _ in range(3))
-            op = rng.choice("+-")
-            prompt = f"{a}*{b}{op}{c}=?\n"
-            if split_of(prompt, self.eval_fraction) != split:
-                continue
-            product = a * b
-            value = product + c if op == "+" else product - c
-            solution = f"[{a}*{b}]={product}\n[{product}{op}{c}]={value}\n#{value}"
-            return Problem(prompt=prompt, answer=str(value), solution=solution)
-        raise RuntimeError(f"no {split} problem in 10000 draws; eval_fraction={self.eval_fraction} is too extreme")
+        return draw_in_split(lambda: self._draw(rng), split, self.eval_fraction)
+
+    def _draw(self, rng: random.Random) -> Problem:
+        lo = 10 ** (self.digits - 1) if self.digits > 1 else 0
+        a, b, c = (rng.randrange(lo, 10**self.digits) for _ in range(3))
+        op = rng.choice("+-")
+        product = a * b
+        value = product + c if op == "+" else product - c
+        solution = f"[{a}*{b}]={product}\n[{product}{op}{c}]={value}\n#{value}"
+        return Problem(prompt=f"{a}*{b}{op}{c}=?\n", answer=str(value), solution=solution)
 
     def reset(self, problem: Problem) -> CalculatorEpisode:
         return CalculatorEpisode(problem=problem)

@@ -82,6 +82,15 @@ class Task(ProblemSource, Protocol):
     def reward(self, problem: Problem, completion: str) -> float: ...
 
 
+def draw_in_split(draw: Callable[[], Problem], split: Split, eval_fraction: float) -> Problem:
+    """Problems from `draw` until one falls in `split` (about 1/eval_fraction draws at most)."""
+    for _ in range(10_000):
+        problem = draw()
+        if split_of(problem.prompt, eval_fraction) == split:
+            return problem
+    raise RuntimeError(f"no {split} problem in 10000 draws; eval_fraction={eval_fraction} is too extreme")
+
+
 def split_of(prompt: str, eval_fraction: float) -> Split:
     """ "eval" for the share `eval_fraction` of prompts (by a hash of the text), else "train"."""
     digest = hashlib.blake2b(prompt.encode(), digest_size=8).digest()
@@ -112,12 +121,9 @@ class ArithmeticTask:
         return f"arithmetic-{self.regime}-{self.digits}d"
 
     def sample(self, rng: random.Random, split: Split = "train") -> Problem:
-        """Draw problems until one falls in `split` (about 1/eval_fraction draws at most)."""
-        for _ in range(10_000):
-            problem = self._zero(rng) if self.regime == "zero" else self._think(rng)
-            if split_of(problem.prompt, self.eval_fraction) == split:
-                return problem
-        raise RuntimeError(f"no {split} problem in 10000 draws; eval_fraction={self.eval_fraction} is too extreme")
+        return draw_in_split(
+            lambda: self._zero(rng) if self.regime == "zero" else self._think(rng), split, self.eval_fraction
+        )
 
     def reward(self, problem: Problem, completion: str) -> float:
         return exact_answer_reward(problem.prompt, completion, problem.answer)
