@@ -8,7 +8,9 @@ the calculator's sandbox is checked against Python's arithmetic and against what
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
@@ -251,3 +253,56 @@ def test_the_calculator_environment_answers_tool_calls_and_judges_the_answer() -
         call = line[: line.index("]") + 1]
         assert replay.step(call).observation == line[len(call) :] + "\n"
     assert replay.step(solution[-1]).reward == 1.0
+
+
+USER_ENVIRONMENT = """
+from trainer.environments import Feedback
+from trainer.tasks import Problem
+
+class Echo:
+    name = "echo"
+    stop = ("]",)
+
+    def sample(self, rng, split="train"):
+        return Problem(prompt=f"say {rng.randrange(10)}\\n", answer="")
+
+    def reset(self, problem):
+        return self
+
+    def step(self, turn):
+        return Feedback(reward=1.0, done=True)
+
+class NeedsArguments(Echo):
+    def __init__(self, size):
+        pass
+
+class NotAnEnvironment:
+    pass
+"""
+
+
+def test_a_user_environment_is_built_from_its_file_and_bad_names_are_refused_clearly(tmp_path: Path) -> None:
+    from trainer.environments import EnvironmentLoadError, load_environment
+    from trainer.rl_config import TaskConfig
+
+    file = tmp_path / "envs.py"
+    file.write_text(USER_ENVIRONMENT)
+    env = TaskConfig(kind="environment", environment=f"{file}:Echo").build()
+    assert env.name == "echo" and env.reset(PROBLEM).step("x") == Feedback(reward=1.0, done=True)
+    cases = {
+        f"{file}:Missing": "cannot import task.environment",
+        f"{tmp_path / 'nowhere.py'}:Echo": "does not exist",
+        "no_such_package_xyz:Env": "cannot import task.environment",
+        "Echo": "name it as 'package.module:name'",
+        f"{file}:NeedsArguments": "building it with no arguments failed: TypeError",
+        f"{file}:NotAnEnvironment": "lacks ['name', 'stop', 'sample', 'reset']",
+    }
+    for spec, message in cases.items():
+        with pytest.raises(EnvironmentLoadError, match=re.escape(message)):
+            load_environment(spec)
+    with pytest.raises(ValueError, match="task.kind=environment"):
+        TaskConfig(kind="calculator", environment=f"{file}:Echo")
+    with pytest.raises(ValueError, match="task.environment must name a class"):
+        TaskConfig(kind="environment")
+    with pytest.raises(ValueError, match="rewards its own episodes"):
+        TaskConfig(kind="calculator", rewards=("exact",))

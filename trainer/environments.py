@@ -20,17 +20,13 @@ environment answers `=408` on a line of its own. User environments are classes n
 from __future__ import annotations
 
 import ast
-import importlib
-import importlib.util
 import operator
 import random
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
-from trainer.rewards import exact_answer_reward
+from trainer.rewards import exact_answer_reward, import_named
 from trainer.tasks import Problem, ProblemSource, Split, draw_in_split
 from trainer.tokenizer import Tokenizer
 
@@ -187,34 +183,20 @@ class EnvironmentLoadError(ValueError):
 def load_environment(spec: str) -> Environment:
     """The environment class named by "package.module:Class" or "path/to/file.py:Class", built with
     no arguments; EnvironmentLoadError saying what is missing."""
-    module_name, sep, attr = spec.rpartition(":")
-    if not sep or not module_name or not attr:
+    try:
+        cls = import_named(spec, "task.environment")
+    except ValueError as e:
+        raise EnvironmentLoadError(str(e)) from None
+    try:
+        env = cls()
+    except Exception as e:  # user code: whatever it raises is reported
         raise EnvironmentLoadError(
-            f"task.environment={spec!r}: name a class as 'package.module:Class' or 'path/to/file.py:Class'"
-        )
-    module: Any
-    if module_name.endswith(".py"):
-        path = Path(module_name)
-        if not path.is_file():
-            raise EnvironmentLoadError(f"task.environment={spec!r}: no file {path}")
-        loaded = importlib.util.spec_from_file_location(f"specrl_environment_{path.stem}", path)
-        assert loaded is not None and loaded.loader is not None
-        module = importlib.util.module_from_spec(loaded)
-        sys.modules[loaded.name] = module
-        loaded.loader.exec_module(module)
-    else:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as e:
-            raise EnvironmentLoadError(f"task.environment={spec!r}: cannot import {module_name} ({e})") from None
-    cls = getattr(module, attr, None)
-    if cls is None:
-        raise EnvironmentLoadError(f"task.environment={spec!r}: {module_name} has no {attr}")
-    env = cls()
+            f"task.environment={spec!r}: building it with no arguments failed: {type(e).__name__}: {e}"
+        ) from None
     missing = [m for m in ("name", "stop", "sample", "reset") if not hasattr(env, m)]
     if missing:
         raise EnvironmentLoadError(
-            f"task.environment={spec!r}: {attr} lacks {missing}; an environment has name, stop, sample(rng, split) "
+            f"task.environment={spec!r}: {getattr(cls, '__name__', cls)!r} lacks {missing}; an environment has name, stop, sample(rng, split) "
             "and reset(problem) -> an episode with step(turn) -> Feedback (trainer.environments)"
         )
     return env

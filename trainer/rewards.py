@@ -119,6 +119,25 @@ def _import_from_file(path: Path) -> Any:
     return module
 
 
+def import_named(spec: str, what: str) -> Any:
+    """What "package.module:name" or "path/to/file.py:name" names (user code: a reward function, an
+    environment class); ValueError saying what is missing, `what` naming it."""
+    module_name, _, attr = spec.rpartition(":")
+    if not module_name or not attr:
+        raise ValueError(f"{what} {spec!r}: name it as 'package.module:name' or 'path/to/file.py:name'")
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name)
+            if not path.is_file():
+                raise ValueError(f"cannot load {what} {spec!r}: {path} does not exist")
+            module = _import_from_file(path)
+        else:
+            module = importlib.import_module(module_name)
+        return getattr(module, attr)
+    except (ImportError, AttributeError, SyntaxError) as e:
+        raise ValueError(f"cannot import {what} {spec!r}: {e}") from e
+
+
 def load_reward_fn(spec: str) -> tuple[Callable[..., Any], bool]:
     """The reward function `spec` names and whether it is batched: a built-in name, an importable
     "package.module:function", or "path/to/file.py:function". ValueError naming the problem."""
@@ -130,17 +149,7 @@ def load_reward_fn(spec: str) -> tuple[Callable[..., Any], bool]:
             f"reward {spec!r} is not one of {sorted(BUILTIN_REWARDS)}, 'package.module:function' or "
             "'path/to/file.py:function'"
         )
-    try:
-        if module_name.endswith(".py"):
-            path = Path(module_name)
-            if not path.is_file():
-                raise ValueError(f"cannot load reward {spec!r}: {path} does not exist")
-            module = _import_from_file(path)
-        else:
-            module = importlib.import_module(module_name)
-        fn = getattr(module, attr)
-    except (ImportError, AttributeError, SyntaxError) as e:
-        raise ValueError(f"cannot import reward function {spec!r}: {e}") from e
+    fn = import_named(spec, "reward function")
     if not callable(fn):
         raise ValueError(f"reward function {spec!r} is not callable")
     try:

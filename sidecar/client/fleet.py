@@ -564,7 +564,7 @@ class Fleet:
         same whoever serves it."""
         seed = request.sampling.seed
         min_version = max(request.min_weight_version, self.version)
-        placed: collections.Counter[str] = collections.Counter(self._sessions.values())
+        placed: collections.Counter[str] = collections.Counter(self._sessions.values() if request.session_ids else ())
         jobs = []
         for n, p in enumerate(sorted(missing)):
             session = request.session_ids[p] if request.session_ids else ""
