@@ -45,11 +45,14 @@ def commit_round(plan: StepPlan, out: RoundOutput, packed: list[list[float]], ve
     from the verified positions (`drafts`: the engine serves a draft)."""
     done = Committed()
     width = plan.round_k + 1
+    routes = None if out.routes is None else out.routes.cpu()  # one host copy, when a row asked
     for i, s in enumerate(plan.rows):
         row = packed[i]
         a, n, reason = int(row[2 * width]), int(row[2 * width + 1]), int(row[2 * width + 2])
         done.num_accepted.append(a)
         before = len(s.output)
+        if routes is not None and s.routes != "off":  # the inputs of its n emitted tokens: accepted columns only
+            s.add_routes(routes[:, i, :n])
         s.extend(row[:n], row[width : width + n], version)
         k = plan.row_k[i]
         add_rounds(s.counters, [k], [a], n)
@@ -84,8 +87,11 @@ def commit_prefill(new: list[Sequence], prefill: Prefill, version: int, drafts: 
     """Each new sequence takes its first token (a resumed one drew it before it was preempted, and
     takes nothing) and, when it drafts, its pending draft input: its prefix's last state."""
     done = Committed()
+    routes = None if prefill.routes is None else prefill.routes.cpu()
     for i, (s, (tok, lp, _, _, reason)) in enumerate(zip(new, prefill.packed, strict=True)):
         src = prefill.source[i]
+        if routes is not None and s.wants_prompt_routes:  # every prompt position is an input
+            s.add_routes(routes[:, src, : prefill.lengths[src]])
         if not s.output:
             add_rounds(s.counters, [0], [0], 1)
             s.extend([tok], [lp], version)

@@ -72,6 +72,7 @@ from sidecar.model.eagle3 import Eagle3Draft
 from sidecar.model.eagle3_checkpoint import load_eagle3_draft
 from sidecar.model.kv_pages import KVPages, blocks_for, pool_blocks
 from sidecar.model.model import Qwen3WithMTP, build_model
+from sidecar.model.moe import packed_routes
 from sidecar.speculation.config import RowState, SpeculationControllerConfig, SpeculationDecision
 from sidecar.speculation.controller import SpeculationController
 from sidecar.types import (
@@ -186,6 +187,11 @@ class TorchEngine(Engine):
         self._last_round_k = 0  # drafts of the previous decode step (a larger refresh is a catch-up)
         self.kernels = self.runner.kernels
         self.compile = config.compile
+        moe, layers = self.config.moe, sum(map(self.config.is_sparse, range(self.config.num_hidden_layers)))
+        self._no_routes = packed_routes(  # (sparse layers, 0, top k): a sample's routes before any position's
+            torch.empty(layers, 0, 0 if moe is None else moe.num_experts_per_tok, dtype=torch.int64),
+            0 if moe is None else moe.num_experts,
+        )
 
     def warm_up(self, progress: Callable[[int, int], None] | None = None) -> int:
         """Run a fixed-shape round at every batch bucket, plainly and at the default k, before
@@ -402,6 +408,8 @@ class TorchEngine(Engine):
                         k=k,
                         speculation_auto=auto,
                         seed=sequence_seed(seed, p, s),
+                        routes=request.routes,
+                        route_parts=[self._no_routes] if request.routes != "off" else [],
                     )
                 )
         self._live[request.request_id] = len(request.prompts) * request.samples_per_prompt

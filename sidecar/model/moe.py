@@ -379,13 +379,13 @@ def packed_routes(ids: Tensor, num_experts: int) -> Tensor:
 
 
 @contextlib.contextmanager
-def recording_routes(module: nn.Module) -> Iterator[list[Tensor]]:
+def recording_routes(module: nn.Module | None) -> Iterator[list[Tensor]]:
     """While open, every sparse layer under `module` (the trunk, `Qwen3WithMTP.model`: not the
     draft's) appends the experts each token of its forward is routed to, (tokens, k) packed
     (`packed_routes`), in the order the layers run. What a sample's routes are made of: the trainer's
     routing replay needs the choice of the pass that produced each token (issue 58; the engine's
-    rounds collect them from the verify pass)."""
-    sparse = [m for m in module.modules() if isinstance(m, SparseMoE)]
+    rounds collect them from the verify pass). None: records nothing (the list stays empty)."""
+    sparse = [] if module is None else [m for m in module.modules() if isinstance(m, SparseMoE)]
     routes: list[Tensor] = []
     for m in sparse:
         m.route_sink = routes
@@ -396,9 +396,17 @@ def recording_routes(module: nn.Module) -> Iterator[list[Tensor]]:
             m.route_sink = None
 
 
+def stacked_routes(routes: list[Tensor], batch: int, tokens: int) -> Tensor:
+    """One forward's records (`recording_routes`) over (batch, tokens) as (sparse layers, batch,
+    tokens, k), packed; a trunk without sparse layers gives (0, batch, tokens, 0)."""
+    if not routes:
+        return torch.empty(0, batch, tokens, 0, dtype=torch.uint8)
+    return torch.stack([r.view(batch, tokens, -1) for r in routes])
+
+
 def sequence_routes(trunk: nn.Module, forward: Callable[[], object], batch: int, tokens: int) -> Tensor:
     """The experts of every token of one forward over (batch, tokens) in every sparse layer of
     `trunk`: (sparse layers, batch, tokens, k), packed."""
     with recording_routes(trunk) as routes:
         forward()
-    return torch.stack([r.view(batch, tokens, -1) for r in routes])
+    return stacked_routes(routes, batch, tokens)
