@@ -261,7 +261,7 @@ class SpeculationCounters:
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class Routes:
     """The experts a sample's positions were routed to in every sparse layer of the target (proto
     Routes): row i is sequence position first_position + i as an input token (prompt and generated
@@ -286,6 +286,12 @@ class Routes:
     @property
     def positions(self) -> int:
         return self.expert_ids.shape[0]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Routes):
+            return NotImplemented
+        a, b = self.expert_ids, other.expert_ids
+        return self.first_position == other.first_position and a.dtype == b.dtype and torch.equal(a, b)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -429,11 +429,6 @@ class SGLangEngine(Engine):
                 "logprob_mode PROCESSED is not available on the sglang engine (it reports log-probs before "
                 "top-k/top-p only); use LOGPROB_MODE_RAW, or the torch engine"
             )
-        if request.routes != "off":
-            raise InvalidRequestError(
-                f"routes={request.routes!r} is not available on the sglang engine (it does not return the experts "
-                "its tokens were routed to); send routes 'off', or serve with the torch engine"
-            )
         if request.sampling.stop_at_eos:
             raise InvalidRequestError(
                 "stop_at_eos is not available on the sglang engine yet; list the model's EOS ids "
