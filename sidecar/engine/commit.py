@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from sidecar.engine.decode_round import RoundOutput
 from sidecar.engine.row_scheduler import StepPlan
 from sidecar.engine.rows import CATCH_UP_POSITIONS, REASON_LENGTH, REASON_STOP, Pending, Sequence, add_rounds
@@ -103,3 +105,16 @@ def commit_prefill(new: list[Sequence], prefill: Prefill, version: int, drafts: 
             s.pending = [Pending(base=prefill.states, row=src, start=prefill.lengths[src] - 1, count=1)]
         done.keep.append(i)
     return done
+
+
+def verify_union(
+    routes: torch.Tensor,  # (sparse layers, B, round_k + 1, top k) a round's routes
+    row_k: list[int],  # drafts per row: its first row_k + 1 columns were verified
+    experts: int,
+) -> tuple[int, float]:  # (tokens verified, distinct experts per sparse layer, the layers' mean)
+    """The experts a verify read: every verified column's, accepted or not (padding columns aside)."""
+    host = routes.cpu()
+    valid = torch.arange(host.shape[2])[None, :] <= torch.tensor(row_k)[:, None]  # (B, round_k + 1)
+    ids = host[:, valid].reshape(host.shape[0], -1).long()  # (layers, tokens * top k)
+    hit = torch.zeros(host.shape[0], experts, dtype=torch.bool).scatter_(1, ids, True)
+    return int(valid.sum()), float(hit.sum(dim=1).float().mean())

@@ -104,7 +104,7 @@ class Runner:
             num_refresh=host[:, 4],
             num_new=[k + 1 for k in row_k],
             refresh_counts=num_refresh,
-            record_routes=any(s.routes != "off" for s in seqs),
+            record_routes=plan.record_routes,
         )
         if plan.round_k > 0:
             width = max(num_refresh)

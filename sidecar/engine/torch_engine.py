@@ -53,7 +53,7 @@ import torch
 
 import sidecar
 from sidecar.engine.base import Engine
-from sidecar.engine.commit import commit_prefill, commit_round, emitted_ids
+from sidecar.engine.commit import commit_prefill, commit_round, emitted_ids, verify_union
 from sidecar.engine.config import EngineConfig
 from sidecar.engine.decode_round import RoundOutput
 from sidecar.engine.drafters import make_drafter
@@ -89,6 +89,11 @@ from sidecar.types import (
     VersionStats,
     WeightSelector,
 )
+
+UNION_EVERY = 8
+"""Automatic k on a mixture-of-experts target measures the experts one decode round in this many
+reads (`commit.verify_union`, from the round's routes: a copy of the round's expert ids to the host), for
+its cost model's union (`SpeculationController.observe_expert_union`)."""
 
 
 class TorchEngine(Engine):
@@ -185,6 +190,7 @@ class TorchEngine(Engine):
         self._stats = VersionLedger()
         self._live: dict[str, int] = {}  # request id -> unfinished sequences
         self._last_round_k = 0  # drafts of the previous decode step (a larger refresh is a catch-up)
+        self._rounds = 0  # rounds planned (automatic k measures every UNION_EVERY-th one's expert union)
         self.kernels = self.runner.kernels
         self.compile = config.compile
         moe, layers = self.config.moe, sum(map(self.config.is_sparse, range(self.config.num_hidden_layers)))
@@ -505,8 +511,16 @@ class TorchEngine(Engine):
         ]
         refresh = [s.num_pending if k else 0 for s, k in zip(seqs, row_k, strict=True)]
         lengths = list(runner.cache.lengths)
+        measure = controller is not None and controller.union is not None and self._rounds % UNION_EVERY == 0
+        self._rounds += 1
         return StepPlan(
-            rows=list(seqs), preempted=preempted, row_k=row_k, refresh=refresh, lengths=lengths, decision=decision
+            rows=list(seqs),
+            preempted=preempted,
+            row_k=row_k,
+            refresh=refresh,
+            lengths=lengths,
+            decision=decision,
+            record_routes=measure or any(s.routes != "off" for s in seqs),
         )
 
     def _commit_round(self, plan: StepPlan, out: RoundOutput, started: float, drafted_at: float) -> list[Sample]:
@@ -527,6 +541,8 @@ class TorchEngine(Engine):
         self.runner.roll_back(plan.lengths, done.num_accepted, self.scheduler.pages)
         self._keep_rows(done.keep)
         if controller is not None and decision is not None:  # the controller learns from the steps it decided
+            if out.routes is not None and controller.union is not None:
+                controller.observe_expert_union(*verify_union(out.routes, plan.row_k, controller.union.experts))
             controller.observe_acceptance(*done.evidence)
             controller.observe_step(
                 batch=len(plan.rows),
