@@ -47,7 +47,8 @@ def commit_round(plan: StepPlan, out: RoundOutput, packed: list[list[float]], ve
     from the verified positions (`drafts`: the engine serves a draft)."""
     done = Committed()
     width = plan.round_k + 1
-    routes = None if out.routes is None else out.routes.cpu()  # one host copy, when a row asked
+    asked = out.routes is not None and any(s.routes != "off" for s in plan.rows)
+    routes = out.routes.cpu() if out.routes is not None and asked else None  # one host copy, when a row asked
     for i, s in enumerate(plan.rows):
         row = packed[i]
         a, n, reason = int(row[2 * width]), int(row[2 * width + 1]), int(row[2 * width + 2])
