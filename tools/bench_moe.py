@@ -20,7 +20,8 @@ calls, on a GPU the bytes).
 `--routes`: instead, the cost of returning routes (`GenerationRequest.routes`): the MoE alone at each
 B, plain and with k drafts, routes "off" against "sequence" (every prompt and generated position's
 experts recorded in the prefill and the verify passes, copied to the host, kept per row), alternating
-`--repeats` times, medians of CPU seconds per generated token side by side.
+`--repeats` times: medians of CPU seconds per generated token side by side, and the median of the
+per-repeat ratios (each repeat runs both arms back to back).
 """
 
 from __future__ import annotations
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def routes_cost(engine: TorchEngine, args: argparse.Namespace) -> int:
     """The MoE's ms/token with routes off and "sequence", side by side (the module docstring)."""
-    print("| B | k | routes off ms/token | routes sequence ms/token | sequence / off |")
+    print("| B | k | routes off ms/token | routes sequence ms/token | sequence / off, median of per-repeat ratios |")
     print("|---|---|---|---|---|")
     for b in args.batches:
         for k in (0, args.k):
@@ -190,7 +191,8 @@ def routes_cost(engine: TorchEngine, args: argparse.Namespace) -> int:
                 for mode in ("off", "sequence") if r % 2 == 0 else ("sequence", "off"):
                     times[mode].append(generate(engine, b, k, args.new_tokens, mode)[0])
             off, on = (statistics.median(times[m]) for m in ("off", "sequence"))
-            print(f"| {b} | {k} | {off * 1e3:.3f} | {on * 1e3:.3f} | {on / off:.3f}x |", flush=True)
+            ratio = statistics.median(s / o for s, o in zip(times["sequence"], times["off"], strict=True))
+            print(f"| {b} | {k} | {off * 1e3:.3f} | {on * 1e3:.3f} | {ratio:.3f}x |", flush=True)
     return 0
 
 
