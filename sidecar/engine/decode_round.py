@@ -121,10 +121,15 @@ def verify_phase(
     acceptance and the packed result; with `inp.record_routes` the routes of the verified columns
     (`RoundOutput.routes`), recorded in this forward (so a captured round returns them too)."""
     tokens = torch.cat([inp.last[:, None], drafts], dim=1)
-    with recording_routes(drafter.model.model if inp.record_routes else None) as routes:
+    routes = None
+    if inp.record_routes:
+        with recording_routes(drafter.model.model) as recorded:
+            out = verify(drafter, cache, VerifyInput(tokens=tokens), batch.rows, lengths)
+        routes = stacked_routes(recorded, *tokens.shape)
+    else:
         out = verify(drafter, cache, VerifyInput(tokens=tokens), batch.rows, lengths)
     packed = accept_round(batch, accept, drafts, q, out.logits, out.probs, inp.num_draft, inp.out_len, u)
-    return packed, out.states, stacked_routes(routes, *tokens.shape) if inp.record_routes else None
+    return packed, out.states, routes
 
 
 def accept_round(

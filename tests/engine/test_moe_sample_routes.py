@@ -261,3 +261,25 @@ def test_routes_under_concurrent_traffic_are_each_requests_alone(
             first = 0 if p.request.routes == "sequence" else len(prompt)
             assert s.routes.first_position == first and s.routes.positions == len(prompt) + len(s.token_ids) - 1 - first
             assert torch.equal(s.routes.expert_ids.sort(-1).values, want.routes.expert_ids.sort(-1).values)
+
+
+@pytest.mark.slow
+def test_a_round_that_records_routes_traces_whole_without_host_reads() -> None:
+    """What a GPU captures when a row asks routes: every phase of the fixed-shape round traces with
+    `fullgraph=True`, nothing read back inside, and the routes equal the eager engine's."""
+    from test_fixed_shape_forwards import HostReadCheckingBackend, TracedRounds
+
+    torch._dynamo.reset()
+    model = moe_target(num_nextn_predict_layers=1, eps=0.3)
+    engine = TorchEngine(model, speculation_k=2, compile="on", kv_block_size=4)
+    backend = HostReadCheckingBackend()
+    engine.runner.rounds = traced = TracedRounds(backend)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=6)
+    req = dict(prompts=PROMPTS[:2], sampling=sp, speculation_k=2, routes="sequence")
+    with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=256):
+        got = engine.generate(GenerationRequest(**req))
+    want = TorchEngine(model, speculation_k=2, compile="off", kv_block_size=4).generate(GenerationRequest(**req))
+    assert [s.routes for s in got] == [s.routes for s in want]
+    assert any(key[0] in ("round", "verify") and key[-1] is True for key in traced.keys)  # traced, recording
+    assert backend.calls == len(traced.keys) > 0 and backend.host_reads == []
+    torch._dynamo.reset()
