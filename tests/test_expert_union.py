@@ -170,6 +170,8 @@ def test_automatic_k_prices_the_measured_union_and_turns_speculation_off_where_i
     expected = (reads.fixed_bytes + reads.sparse_layers * 16.0 * reads.expert_bytes) / reads.step_bytes(1)
     assert some.predicted_seconds(1, 3) == pytest.approx(0.010 * (expected + 3 * slope + draft))
     assert controller(None).union is None  # a dense target measures nothing
+    no_sparse = ExpertReads(experts=8, top_k=2, sparse_layers=0, expert_bytes=1.0, fixed_bytes=1.0)
+    assert controller(no_sparse).union is None  # nor one whose layers are all dense
 
 
 def test_verify_union_counts_every_verified_column_and_no_padding() -> None:

@@ -142,7 +142,9 @@ class Sequence:
 
     @property
     def wants_prompt_routes(self) -> bool:
-        """Its prompt's routes are due from the prefill that admits it (a first prefill, not a resumption's)."""
+        """Its prompt's routes are due from the prefill that admits it (a first prefill, not a
+        resumption's). Such a sequence's prompt positions must be computed by that prefill, never
+        taken from a prefix cache: cached KV carries no routes (proto GenerateRequest.routes)."""
         return self.routes == "sequence" and not self.output
 
     def add_routes(self, routes: Tensor) -> None:  # (sparse layers, n, top k) on the host

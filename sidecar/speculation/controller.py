@@ -32,7 +32,7 @@ class SpeculationController:
         self.union: MeasuredUnion | None = None
         """The experts the engine's verifies read, measured (`observe_expert_union`), for an
         `expert_reads` without a `measured` union of its own."""
-        if expert_reads is not None and expert_reads.measured is None:
+        if expert_reads is not None and expert_reads.measured is None and expert_reads.sparse_layers > 0:
             self.union = MeasuredUnion(expert_reads.experts, expert_reads.top_k)
             expert_reads = dataclasses.replace(expert_reads, measured=self.union)
         self.expert_reads = expert_reads
