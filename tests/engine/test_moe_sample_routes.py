@@ -6,8 +6,9 @@ checkpoints their `save_pretrained` writes, hooked in one forward over the sampl
 sparse layer, as a set, equal the sample's row for that position. The engine generates with
 speculation (k = 1..3: an EAGLE-3 draft on Qwen3-MoE, GLM's own MTP layer), greedy and sampled,
 eagerly and in the fixed-shape rounds a GPU captures; the targets are near-bigram (residual branches
-scaled down, routers decisive) and the drafts follow them by construction, so drafts are both
-accepted and rejected (the test requires both: only accepted tokens' routes may appear). A choice
+scaled down, routers decisive) with drafts that follow them by construction, and at transformers'
+full strength with drafts that do not; drafts are both accepted and rejected in each (the test
+requires both: only accepted tokens' routes may appear). A choice
 may differ only where the router's k-th and (k+1)-th scores lie within float32 rounding; such
 near-ties are counted, and the test requires every difference to be one (none occurred here).
 
@@ -55,24 +56,28 @@ def near_bigram(hf: torch.nn.Module) -> None:
                 p.mul_(EPS)
 
 
-def qwen3_moe_checkpoint(path: Path) -> Any:
+def qwen3_moe_checkpoint(path: Path, bigram: bool = True) -> Any:
     hf, _ = hf_qwen3_moe(
         path, norm_topk_prob=True, mlp_only_layers=[1], head_dim=12, num_hidden_layers=4
     )  # EAGLE-3 taps 1..3
-    near_bigram(hf)
-    hf.save_pretrained(path)
+    if bigram:
+        near_bigram(hf)
+        hf.save_pretrained(path)
     return hf
 
 
-def glm_checkpoint(path: Path) -> Any:
+def glm_checkpoint(path: Path, bigram: bool = True) -> Any:
     """GLM-4.5 (groups, bias, shared expert, first layer dense, partial rotary) near-bigram, with its
     native MTP layer (`model.layers.{L}.*`) set to the bigram the target nearly is: the next token's
     normed embedding straight through (eh_proj = [I, 0], attention and experts off), normed as the
-    trunk's output."""
+    trunk's output. `bigram` False: transformers' weights at full strength, the MTP layer random."""
     hf = hf_glm(path, **GLM_VARIANTS["glm45"])
-    near_bigram(hf)
-    hf.save_pretrained(path)
+    if bigram:
+        near_bigram(hf)
+        hf.save_pretrained(path)
     add_native_mtp_layer(path)
+    if not bigram:
+        return hf
     file = path / "model.safetensors"
     tensors = load_file(str(file))
     mtp, h = f"model.layers.{GLM_SHAPE['num_hidden_layers']}.", GLM_SHAPE["hidden_size"]
@@ -146,17 +151,24 @@ def check_against_transformers(engine: TorchEngine, hf: Any) -> None:
     assert differ == at_ties  # a choice differs only where float32 rounding may pick either
 
 
-@pytest.mark.parametrize("compile_mode", ["off", "on"])
-def test_qwen3_moe_sample_routes_are_transformers_routes(tmp_path: Path, compile_mode: str) -> None:
-    hf = qwen3_moe_checkpoint(tmp_path)
+STRENGTHS = [("off", True), ("on", True), ("off", False)]
+"""(compile, near-bigram): full-strength weights too (attention and experts decide the routes; the
+drafts then accept less, still both ways)."""
+
+
+@pytest.mark.parametrize(("compile_mode", "bigram"), STRENGTHS)
+def test_qwen3_moe_sample_routes_are_transformers_routes(tmp_path: Path, compile_mode: str, bigram: bool) -> None:
+    hf = qwen3_moe_checkpoint(tmp_path, bigram)
     model = loaded(tmp_path)
     engine = TorchEngine(model, draft=aligned_eagle3(model), speculation_k=3, compile=compile_mode, kv_block_size=4)
     check_against_transformers(engine, hf)
 
 
-@pytest.mark.parametrize("compile_mode", ["off", "on"])
-def test_glm_sample_routes_are_transformers_routes_under_its_own_mtp_layer(tmp_path: Path, compile_mode: str) -> None:
-    hf = glm_checkpoint(tmp_path)
+@pytest.mark.parametrize(("compile_mode", "bigram"), STRENGTHS)
+def test_glm_sample_routes_are_transformers_routes_under_its_own_mtp_layer(
+    tmp_path: Path, compile_mode: str, bigram: bool
+) -> None:
+    hf = glm_checkpoint(tmp_path, bigram)
     engine = TorchEngine.from_checkpoint(tmp_path, compile=compile_mode, kv_block_size=4)
     assert engine.info().speculation_method == "mtp"
     check_against_transformers(engine, hf)
