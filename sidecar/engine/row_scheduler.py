@@ -43,6 +43,9 @@ class StepPlan:
     """Each row's target cache length before the round (what it rolls back to, plus what it keeps)."""
     decision: SpeculationDecision | None
     """Automatic k's choice for the batch, when a row of automatic k runs."""
+    record_routes: bool = False
+    """The round returns its routes: a row asked for them, or automatic k measures the experts a
+    verify reads (`TorchEngine.UNION_EVERY`)."""
 
     @property
     def round_k(self) -> int:

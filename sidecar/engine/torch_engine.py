@@ -53,7 +53,7 @@ import torch
 
 import sidecar
 from sidecar.engine.base import Engine
-from sidecar.engine.commit import commit_prefill, commit_round, emitted_ids
+from sidecar.engine.commit import commit_prefill, commit_round, emitted_ids, verify_union
 from sidecar.engine.config import EngineConfig
 from sidecar.engine.decode_round import RoundOutput
 from sidecar.engine.drafters import make_drafter
@@ -72,6 +72,7 @@ from sidecar.model.eagle3 import Eagle3Draft
 from sidecar.model.eagle3_checkpoint import load_eagle3_draft
 from sidecar.model.kv_pages import KVPages, blocks_for, pool_blocks
 from sidecar.model.model import Qwen3WithMTP, build_model
+from sidecar.model.moe import packed_routes
 from sidecar.speculation.config import RowState, SpeculationControllerConfig, SpeculationDecision
 from sidecar.speculation.controller import SpeculationController
 from sidecar.types import (
@@ -88,6 +89,11 @@ from sidecar.types import (
     VersionStats,
     WeightSelector,
 )
+
+UNION_EVERY = 8
+"""Automatic k on a mixture-of-experts target measures the experts one decode round in this many
+reads (`commit.verify_union`, from the round's routes: a copy of the round's expert ids to the host), for
+its cost model's union (`SpeculationController.observe_expert_union`)."""
 
 
 class TorchEngine(Engine):
@@ -184,8 +190,14 @@ class TorchEngine(Engine):
         self._stats = VersionLedger()
         self._live: dict[str, int] = {}  # request id -> unfinished sequences
         self._last_round_k = 0  # drafts of the previous decode step (a larger refresh is a catch-up)
+        self._rounds = 0  # rounds planned (automatic k measures every UNION_EVERY-th one's expert union)
         self.kernels = self.runner.kernels
         self.compile = config.compile
+        moe, layers = self.config.moe, sum(map(self.config.is_sparse, range(self.config.num_hidden_layers)))
+        self._no_routes = packed_routes(  # (sparse layers, 0, top k): a sample's routes before any position's
+            torch.empty(layers, 0, 0 if moe is None else moe.num_experts_per_tok, dtype=torch.int64),
+            0 if moe is None else moe.num_experts,
+        )
 
     def warm_up(self, progress: Callable[[int, int], None] | None = None) -> int:
         """Run a fixed-shape round at every batch bucket, plainly and at the default k, before
@@ -402,6 +414,8 @@ class TorchEngine(Engine):
                         k=k,
                         speculation_auto=auto,
                         seed=sequence_seed(seed, p, s),
+                        routes=request.routes,
+                        route_parts=[self._no_routes] if request.routes != "off" else [],
                     )
                 )
         self._live[request.request_id] = len(request.prompts) * request.samples_per_prompt
@@ -497,8 +511,16 @@ class TorchEngine(Engine):
         ]
         refresh = [s.num_pending if k else 0 for s, k in zip(seqs, row_k, strict=True)]
         lengths = list(runner.cache.lengths)
+        measure = controller is not None and controller.union is not None and self._rounds % UNION_EVERY == 0
+        self._rounds += 1
         return StepPlan(
-            rows=list(seqs), preempted=preempted, row_k=row_k, refresh=refresh, lengths=lengths, decision=decision
+            rows=list(seqs),
+            preempted=preempted,
+            row_k=row_k,
+            refresh=refresh,
+            lengths=lengths,
+            decision=decision,
+            record_routes=measure or any(s.routes != "off" for s in seqs),
         )
 
     def _commit_round(self, plan: StepPlan, out: RoundOutput, started: float, drafted_at: float) -> list[Sample]:
@@ -519,6 +541,8 @@ class TorchEngine(Engine):
         self.runner.roll_back(plan.lengths, done.num_accepted, self.scheduler.pages)
         self._keep_rows(done.keep)
         if controller is not None and decision is not None:  # the controller learns from the steps it decided
+            if out.routes is not None and controller.union is not None:
+                controller.observe_expert_union(*verify_union(out.routes, plan.row_k, controller.union.experts))
             controller.observe_acceptance(*done.evidence)
             controller.observe_step(
                 batch=len(plan.rows),
