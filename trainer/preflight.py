@@ -49,6 +49,7 @@ def preflight(cfg: RLConfig, *, probe_sidecars: bool = True) -> Prepared:
     _speculation(cfg, model_config)
     task = _task(cfg, tokenizer, model_config)
     _parallel_layout(cfg, model_config)
+    _experts(cfg, model_config)
     if cfg.algorithm.kl_coef > 0 and cfg.reference_model is not None:
         reference = read_model_config(cfg.reference_model)
         if reference != model_config:
@@ -89,12 +90,6 @@ def read_model_config(path: Path) -> ModelConfig:
         raise PreflightError(f"model: {config_path} is not a valid model config ({e!r})") from None
     if not any(path.glob("*.safetensors")):
         raise PreflightError(f"model: {path} holds no *.safetensors weights")
-    if config.moe is not None:
-        raise PreflightError(
-            f"model={path}: {config.architectures[0]} is a mixture of experts; the sidecar serves it (specrl serve), "
-            "but specrl train's Megatron policy is dense until its MoE half (issue 59: experts, routing replay) "
-            "lands, and would train another model than the one served"
-        )
     return config
 
 
@@ -289,6 +284,44 @@ def _parallel_layout(cfg: RLConfig, model: ModelConfig) -> None:
         raise PreflightError(
             f"{world} processes but train.data_parallel={dp} x train.tensor_parallel={tp} = {dp * tp}: {hint}, "
             f"or launch {dp * tp} processes (torchrun --nnodes N --nproc-per-node {dp * tp} / N)"
+        )
+
+
+def _experts(cfg: RLConfig, model: ModelConfig) -> None:
+    """What a mixture-of-experts run needs: an expert-parallel size that divides the experts and the
+    processes, routing replay only on an MoE policy whose rollouts carry routes."""
+    from trainer.moe import check
+
+    ep, replay = cfg.train.expert_parallel, cfg.algorithm.routing_replay
+    if model.moe is None:
+        if ep > 1:
+            raise PreflightError(f"train.expert_parallel={ep} but model={cfg.model} is dense (no experts): set it to 1")
+        if replay != "off":
+            raise PreflightError(
+                f"algorithm.routing_replay={replay!r} but model={cfg.model} is dense: there are no routes to replay; "
+                "set algorithm.routing_replay=off"
+            )
+        return
+    try:
+        check(model.moe, tensor_parallel=cfg.train.tensor_parallel, expert_parallel=ep)
+    except ValueError as e:
+        raise PreflightError(f"model={cfg.model} (train.tensor_parallel / train.expert_parallel): {e}") from None
+    world = cfg.train.data_parallel * cfg.train.tensor_parallel
+    if world % ep:
+        raise PreflightError(
+            f"train.expert_parallel={ep} must divide the {world} processes (train.data_parallel x "
+            "train.tensor_parallel): raise train.data_parallel or choose a divisor"
+        )
+    if replay == "rollout" and cfg.task.kind == "environment":
+        raise PreflightError(
+            "algorithm.routing_replay='rollout' with task.kind='environment': a multi-turn episode's observation "
+            "tokens were never routed by the sampler; set algorithm.routing_replay=off for environments"
+        )
+    if replay == "rollout" and cfg.sidecars.serve.engine.kind != "torch" and not cfg.sidecars.addresses:
+        raise PreflightError(
+            f"algorithm.routing_replay='rollout' needs sidecars that return routes; the {cfg.sidecars.serve.engine.kind} "
+            "engine does not: serve with the embedded engine (sidecars.serve.engine.kind=torch) or set "
+            "algorithm.routing_replay=off"
         )
 
 
