@@ -172,6 +172,7 @@ class PositionReplay:
     def __init__(self) -> None:
         self.target: Tensor | None = None
         self.live: Tensor | None = None  # (S·B, k) the live router's choice in the last forward
+        self.chosen: Tensor | None = None  # (S·B, k) the experts the last forward used
         self.agreed = 0
         self.compared = 0
 
@@ -182,7 +183,7 @@ class PositionReplay:
         self, scores: Tensor, topk: int, num_groups: int | None, group_topk: int | None, default_compute_topk: Any
     ) -> tuple[Tensor, Tensor]:
         probs, ids = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
-        self.live = ids.detach()
+        self.live = self.chosen = ids.detach()
         if self.target is None:
             return probs, ids
         target = self.target.to(ids.device)
@@ -196,6 +197,7 @@ class PositionReplay:
             self.agreed += int(same.sum())
             self.compared += int(given.sum())
         chosen = torch.where(given[:, None], target, ids)
+        self.chosen = chosen.detach()
         return scores.gather(1, chosen), chosen
 
 
@@ -229,12 +231,13 @@ def replaying(slots: Sequence[PositionReplay], routes: Tensor | None) -> Iterato
             slot.set(None)
 
 
-def live_routes(slots: Sequence[PositionReplay], batch: int) -> Tensor:
-    """The live router's choice of the last forward: (B, S, sparse layers, k) int64."""
+def last_routes(slots: Sequence[PositionReplay], batch: int, *, live: bool = False) -> Tensor:
+    """The experts the last forward used (`live`: those its own router chose): (B, S, sparse layers, k) int64."""
     per_layer = []
     for slot in slots:
-        assert slot.live is not None, "no forward has run"
-        per_layer.append(slot.live.view(-1, batch, slot.live.shape[-1]).transpose(0, 1))
+        ids = slot.live if live else slot.chosen
+        assert ids is not None, "no forward has run"
+        per_layer.append(ids.view(-1, batch, ids.shape[-1]).transpose(0, 1))
     return torch.stack(per_layer, dim=2)
 
 
