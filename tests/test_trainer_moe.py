@@ -163,3 +163,37 @@ def test_two_processes_export_every_tensor_and_compute_one_processs_logprobs(
         per_layer = experts.num_experts // 2
         assert results[0]["local"] == results[1]["local"]  # local slots 0..E/2-1 on each rank
         assert max(int(n.split("local_experts.")[1].split(".")[0]) for n in results[0]["local"]) == per_layer - 1
+
+
+def test_the_preflight_names_what_an_moe_run_needs(tmp_path: Path) -> None:
+    """Before anything is built: an expert-parallel size that divides the experts and the processes;
+    routing replay only on an MoE policy; and an MoE checkpoint is no longer refused."""
+    from sidecar.model.checkpoint import model_state_dict
+    from sidecar.model.model import ModelConfig
+    from sidecar.model.moe import MoEConfig
+    from trainer.preflight import PreflightError, preflight
+    from trainer.rl_cli import resolve_config
+
+    def checkpoint(path: Path, experts: MoEConfig | None) -> Path:
+        arch = ["Qwen3MoeForCausalLM"] if experts is not None else ["Qwen3ForCausalLM"]
+        config = ModelConfig.tiny(vocab_size=128, max_position_embeddings=256, architectures=arch, moe=experts)
+        save_checkpoint(path, config, model_state_dict(build_model(config, seed=0)))
+        return path
+
+    sparse = checkpoint(tmp_path / "moe", MoEConfig(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32))
+    dense = checkpoint(tmp_path / "dense", None)
+
+    def check(model: Path, *overrides: str) -> None:
+        preflight(resolve_config(None, [f"model={model}", "sidecars.local=1", *overrides]), probe_sidecars=False)
+
+    check(sparse, "algorithm.routing_replay=rollout")  # accepted: replay on an MoE served by the torch engine
+    with pytest.raises(PreflightError, match=r"num_experts=6 is not divisible by expert_parallel=4"):
+        check(sparse, "train.expert_parallel=4", "train.data_parallel=4")
+    with pytest.raises(PreflightError, match=r"train.expert_parallel=2 must divide the 1 processes"):
+        check(sparse, "train.expert_parallel=2")
+    with pytest.raises(PreflightError, match=r"routing_replay='rollout' but model=.* is dense"):
+        check(dense, "algorithm.routing_replay=rollout")
+    with pytest.raises(PreflightError, match=r"expert_parallel=2 but model=.* is dense"):
+        check(dense, "train.expert_parallel=2", "train.data_parallel=2")
+    with pytest.raises(Exception, match="routing_replay must be one of"):  # the CLI refuses the value
+        check(sparse, "algorithm.routing_replay=sampler")

@@ -48,8 +48,8 @@ def preflight(cfg: RLConfig, *, probe_sidecars: bool = True) -> Prepared:
     tokenizer = _tokenizer(cfg, model_config)
     _speculation(cfg, model_config)
     task = _task(cfg, tokenizer, model_config)
-    _parallel_layout(cfg, model_config)
     _experts(cfg, model_config)
+    _parallel_layout(cfg, model_config)
     if cfg.algorithm.kl_coef > 0 and cfg.reference_model is not None:
         reference = read_model_config(cfg.reference_model)
         if reference != model_config:
