@@ -158,12 +158,14 @@ def build_optimizer(
     qkv_layout: QKVLayout | None = None,
     route: RouteFn | None = None,
     tp_group: dist.ProcessGroup | None = None,
+    expert_group: dist.ProcessGroup | None = None,
 ) -> HybridOptimizer:
     """Route ``named_parameters`` (trainable ones only) and build Muon + AdamW as one optimizer.
 
     ``tp_group`` is the tensor-parallel group of megatron-core parameters (None: no tensor
     parallelism). Order of parameters is preserved inside each optimizer, so the same model gives
-    the same state-dict layout.
+    the same state-dict layout. ``expert_group``: the expert-parallel group of a mixture of
+    experts (None: no expert parallelism), over which the gradient norm sums the experts.
     """
     muon_named: list[tuple[str, nn.Parameter]] = []
     adamw_named: list[tuple[str, nn.Parameter]] = []
@@ -221,4 +223,5 @@ def build_optimizer(
         muon_names=[n for n, _ in muon_named],
         adamw_names=[n for n, _ in adamw_named],
         tp_group=tp_group,
+        expert_group=expert_group,
     )

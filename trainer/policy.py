@@ -39,6 +39,12 @@ from trainer.losses import BatchTotals, GRPOConfig, mismatch_metrics, policy_los
 from trainer.moe import RouterConfig
 from trainer.schedules import LRScheduleConfig, build_scheduler
 
+MOE_TENSOR_PARALLEL = (
+    "training a mixture of experts with tensor_parallel > 1 needs Megatron-core's sequence parallelism, which "
+    "the trainer does not use yet (its log-probs and exports run at any tensor-parallel size): train with "
+    "tensor_parallel=1 and shard the experts with expert_parallel"
+)
+
 
 @dataclass(kw_only=True, slots=True)
 class TrainBatch:
@@ -315,7 +321,14 @@ class Policy:
             num_attention_heads=c.num_attention_heads, num_query_groups=c.num_key_value_heads, head_dim=c.head_dim
         )
         tp_group = parallel_state.get_tensor_model_parallel_group() if self.cfg.tensor_parallel > 1 else None
-        return build_optimizer(self.model.named_parameters(), self.cfg.optimizer, qkv_layout=layout, tp_group=tp_group)
+        ep_group = parallel_state.get_expert_model_parallel_group() if self.cfg.expert_parallel > 1 else None
+        return build_optimizer(
+            self.model.named_parameters(),
+            self.cfg.optimizer,
+            qkv_layout=layout,
+            tp_group=tp_group,
+            expert_group=ep_group,
+        )
 
     # ---- weights -------------------------------------------------------------------------
     def load_tensors(self, tensors: dict[str, Tensor]) -> None:
@@ -415,6 +428,8 @@ class Policy:
         that are shares (losses, clip fractions) are summed likewise."""
         from megatron.core import parallel_state
 
+        if self.replay_slots and self.cfg.tensor_parallel > 1:
+            raise ValueError(MOE_TENSOR_PARALLEL)
         dev = platform.device()
         mask_all = batch.mask.to(dev)
         totals = BatchTotals.of(mask_all)

@@ -306,6 +306,10 @@ def _experts(cfg: RLConfig, model: ModelConfig) -> None:
         check(model.moe, tensor_parallel=cfg.train.tensor_parallel, expert_parallel=ep)
     except ValueError as e:
         raise PreflightError(f"model={cfg.model} (train.tensor_parallel / train.expert_parallel): {e}") from None
+    if cfg.train.tensor_parallel > 1:
+        from trainer.policy import MOE_TENSOR_PARALLEL
+
+        raise PreflightError(f"train.tensor_parallel={cfg.train.tensor_parallel}: {MOE_TENSOR_PARALLEL}")
     world = cfg.train.data_parallel * cfg.train.tensor_parallel
     if world % ep:
         raise PreflightError(
