@@ -249,3 +249,20 @@ def test_the_rollout_asks_for_routes_only_with_replay_and_packs_them_per_sample(
         batch_routes([FakeSample([1], None)], [3], 3)
     with pytest.raises(ValueError, match="do not fit"):
         batch_routes([FakeSample([1], Routes(ids, 0))], [3], 3)
+
+
+def test_the_load_balancing_loss_stays_available_and_is_off_by_default(checkpoint: Path) -> None:
+    """aux_loss_coeff > 0 moves the routers' gradients (Megatron's aux loss attached to the routing
+    weights); at the default 0 they are the policy loss's alone, equal to a run that never built one."""
+    config, tensors = load_checkpoint(checkpoint)
+    ids = ids_()
+    grads = {}
+    for coeff in (0.0, 0.0, 0.5):
+        policy = Policy(config, Policy.Config(router=RouterConfig(aux_loss_coeff=coeff)), tensors)
+        policy.backward(TrainBatch(tokens=ids, mask=torch.ones(B, S - 1), advantages=torch.tensor([1.0, -1.0, 0.5])))
+        grads.setdefault(coeff, []).append(
+            {n: p.grad.clone() for n, p in policy.model.named_parameters() if moe.is_router_name(n)}
+        )
+    first, again = grads[0.0]
+    assert all(torch.equal(first[n], again[n]) for n in first)
+    assert all((grads[0.5][0][n] - first[n]).abs().max() > 1e-3 for n in first)
