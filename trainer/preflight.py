@@ -356,6 +356,7 @@ def check_sidecars(cfg: RLConfig, model: ModelConfig) -> None:
             "hidden_size": model.hidden_size,
             "num_layers": model.num_hidden_layers,
             "num_mtp_layers": model.num_nextn_predict_layers,
+            "num_experts": 0 if model.moe is None else model.moe.num_experts,
         }
         theirs = {k: getattr(served, k) for k in ours}
         if theirs != ours:
