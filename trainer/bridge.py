@@ -8,8 +8,12 @@ entry maps one Megatron parameter to one or more contract tensors:
   (the order megatron/core/transformer/attention.py splits the projection output in).
   Its bias (``add_qkv_bias``: Qwen2) is fused the same way, q/k/v biases per group.
 - ``linear_fc1`` stacks gate over up (SwiGLU: ``silu(gate) * up``).
-- ``q_layernorm`` / ``k_layernorm`` exist where the family has q/k norms (Qwen3), as ``q_norm`` /
-  ``k_norm`` do in the contract (`trainer.gpt.family`).
+- ``q_layernorm`` / ``k_layernorm`` exist where the family has q/k norms (Qwen3, GLM-4.5's
+  use_qk_norm), as ``q_norm`` / ``k_norm`` do in the contract (`trainer.gpt.model_config`).
+- a sparse layer (mixture of experts): ``mlp.router.weight`` is ``mlp.gate.weight``, the router's
+  ``expert_bias`` *buffer* is ``mlp.gate.e_score_correction_bias`` (sigmoid routers), each
+  ``mlp.experts.local_experts.{l}.linear_fc1`` (SequentialMLP) stacks expert e's gate over up and
+  ``linear_fc2`` is its down, ``mlp.shared_experts.linear_fc1/fc2`` the shared experts' likewise.
 - everything else is a rename (norms, o/down projections, embedding, output layer).
 
 The layer norm before attention/MLP is its own module in the local (CPU) spec
@@ -22,6 +26,10 @@ Tensor parallelism: a Megatron parameter carries ``tensor_model_parallel``, ``pa
 the gated fc1, whose rank r stores ``[gate_r; up_r]``). Export is a generator that gathers one
 parameter at a time over the tensor-parallel group, so peak extra memory is one full tensor.
 Every rank of the group must drive the generator in lockstep (the gathers are collective).
+A routed expert is sharded over the expert-tensor-parallel group. Expert parallelism: local slot
+l of expert-parallel rank r is expert ``r * E / EP + l`` (`ExpertLayout`); import takes each rank's
+experts from the full checkpoint, export gathers slot l of every rank at once (one layer's slot
+across the EP group: peak extra memory EP tensors) and names them by their global ids.
 """
 
 from __future__ import annotations

@@ -8,7 +8,10 @@ never on the output projection or the MLP), the family read from config.json's `
 (`sidecar.model.architectures.FAMILIES`, the descriptor the engine reads); RoPE, YaRN or llama3
 configured from ``yarn`` (`yarn.megatron.configure`, the same ``RopeConfig`` the engines use), tied
 or untied output head. The local (pure megatron-core) layer spec is used without
-TransformerEngine, the TE spec where TE is importable on CUDA.
+TransformerEngine, the TE spec where TE is importable on CUDA. Mixture-of-experts families
+(Qwen3-MoE, GLM-4.5: `ModelConfig.moe`) get Megatron-core's MoE layers where the engine's layers are
+sparse, their routers configured by `trainer.moe` (and GLM-4.5's partial rotary as
+``rotary_percent``).
 
 `forward` returns the tensor-parallel logits shard *and* the final hidden states after the final
 norm (what the output layer sees), which the MTP draft head consumes (detached). Dropout is 0: the
