@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from muon import HybridOptimizerConfig
 from muon.newton_schulz import orthogonalize
@@ -266,3 +268,51 @@ def test_the_load_balancing_loss_stays_available_and_is_off_by_default(checkpoin
     first, again = grads[0.0]
     assert all(torch.equal(first[n], again[n]) for n in first)
     assert all((grads[0.5][0][n] - first[n]).abs().max() > 1e-3 for n in first)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    batch=st.integers(1, 3),
+    seq=st.integers(1, 6),
+    layers=st.integers(1, 3),
+    experts=st.integers(2, 6),
+    data=st.data(),
+)
+def test_position_replay_takes_the_given_experts_in_megatrons_token_order(
+    batch: int, seq: int, layers: int, experts: int, data: st.DataObject
+) -> None:
+    """Against an oracle written per token: Megatron flattens (S, B) sequence-major; a token with a
+    route gets those experts and the live scores at them, one without keeps the live top-k; the
+    agreement counts the given tokens whose live choice is the same set."""
+    k = data.draw(st.integers(1, experts))
+    seed = data.draw(st.integers(0, 2**16))
+    gen = torch.Generator().manual_seed(seed)
+    routes = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(batch * seq * layers)])
+    routes = routes.view(batch, seq, layers, k)
+    live_only = torch.rand(batch, seq, generator=gen) < 0.3
+    routes[live_only] = -1
+    slots = [moe.PositionReplay() for _ in range(layers)]
+    scores = torch.rand(layers, seq * batch, experts, generator=gen)
+
+    def topk(
+        x: torch.Tensor, k: int, num_groups: Any = None, group_topk: Any = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.topk(x, k, dim=1)
+
+    with moe.replaying(slots, routes):
+        out = [slot.get_replay_topk(scores[i], k, None, None, topk) for i, slot in enumerate(slots)]
+    agreed, compared = moe.take_agreement(slots)
+    want_agreed = 0
+    for i in range(layers):
+        probs, ids = out[i]
+        for s in range(seq):
+            for b in range(batch):
+                row, live = s * batch + b, torch.topk(scores[i, s * batch + b], k).indices
+                given_ids = routes[b, s, i]
+                expect = live if bool(live_only[b, s]) else given_ids
+                assert torch.equal(ids[row], expect)
+                assert torch.equal(probs[row], scores[i, row][expect])
+                if not bool(live_only[b, s]):
+                    want_agreed += int(set(live.tolist()) == set(given_ids.tolist()))
+    assert compared == layers * int((~live_only).sum()) and agreed == want_agreed
+    assert all(slot.target is None for slot in slots)  # replay ends with the block
