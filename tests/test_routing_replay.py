@@ -27,8 +27,9 @@ from muon.newton_schulz import orthogonalize
 from sidecar.model.checkpoint import load_checkpoint
 from sidecar.model.model import build_model
 from sidecar.model.moe import sequence_routes
+from sidecar.types import Routes
 from trainer import gpt, moe
-from trainer.moe import RouterConfig, batch_routes, routed_generate
+from trainer.moe import RouterConfig, batch_routes, routes_asked
 from trainer.policy import Policy, TrainBatch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "engine"))  # the engine tests' checkpoint builders
@@ -37,12 +38,6 @@ from test_moe_models import hf_qwen3_moe
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 B, S = 3, 32
-
-
-@dataclass(frozen=True)
-class Routes:  # `sidecar.types.Routes`' contract (the sidecar half defines the type)
-    expert_ids: torch.Tensor  # (positions, sparse layers, k) uint8
-    first_position: int
 
 
 @dataclass
@@ -83,7 +78,9 @@ def sampler(config: Any, tensors: dict[str, torch.Tensor], ids: torch.Tensor) ->
 def packed(routes: torch.Tensor) -> torch.Tensor:
     """The sampler's routes as samples carry them (P + T - 1 rows: the last token is never an
     input), through the trainer's packing (`batch_routes`)."""
-    samples = [FakeSample(list(range(S)), Routes(r[: S - 1].to(torch.uint8), 0)) for r in routes]
+    samples = [
+        FakeSample(list(range(S)), Routes(expert_ids=r[: S - 1].to(torch.uint8), first_position=0)) for r in routes
+    ]
     return batch_routes(samples, [S] * B, S)
 
 
@@ -233,24 +230,23 @@ def test_muon_orthogonalises_each_expert_on_its_own_and_the_router_goes_to_adamw
 
 
 def test_the_rollout_asks_for_routes_only_with_replay_and_packs_them_per_sample() -> None:
-    calls: list[dict[str, Any]] = []
-
-    def generate(request: str, **kwargs: Any) -> str:
-        calls.append(kwargs)
-        return request
-
-    assert routed_generate(generate, "r", "off", rejoin=True) == "r" and calls[-1] == {"rejoin": True}
-    routed_generate(generate, "r", "rollout", rejoin=False)
-    assert calls[-1] == {"rejoin": False, "routes": "sequence"}
+    assert routes_asked("off") == "off" and routes_asked("rollout") == "sequence"
     ids = torch.randint(0, 8, (4, 2, 2), dtype=torch.uint8)
-    got = batch_routes([FakeSample([1] * 3, Routes(ids, 0)), FakeSample([1] * 2, Routes(ids[:2], 1))], [5, 4], 6)
+    got = batch_routes(
+        [
+            FakeSample([1] * 3, Routes(expert_ids=ids, first_position=0)),
+            FakeSample([1] * 2, Routes(expert_ids=ids[:2], first_position=1)),
+        ],
+        [5, 4],
+        6,
+    )
     assert got.shape == (2, 6, 2, 2) and got.dtype == torch.long
     assert torch.equal(got[0, :4], ids.long()) and (got[0, 4:] == -1).all()
     assert (got[1, 0] == -1).all() and torch.equal(got[1, 1:3], ids[:2].long()) and (got[1, 3:] == -1).all()
     with pytest.raises(ValueError, match="carries no routes"):
         batch_routes([FakeSample([1], None)], [3], 3)
     with pytest.raises(ValueError, match="do not fit"):
-        batch_routes([FakeSample([1], Routes(ids, 0))], [3], 3)
+        batch_routes([FakeSample([1], Routes(expert_ids=ids, first_position=0))], [3], 3)
 
 
 def test_the_load_balancing_loss_stays_available_and_is_off_by_default(checkpoint: Path) -> None:

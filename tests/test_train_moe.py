@@ -4,7 +4,8 @@ task end to end (the Megatron MoE policy, the push of every expert, speculation 
 The checkpoint is transformers' `save_pretrained` of a random `Qwen3MoeForCausalLM` sized to the
 built-in character tokenizer; `specrl draft-init` grafts an MTP layer (a sparse layer itself: a copy
 of the last, routed, layer) and fits it on the policy's own completions, as a user would run it.
-Routing replay is off here: the sidecar does not return routes on this branch yet (docs/moe.md).
+Run with routing replay off and on (`algorithm.routing_replay=rollout`: the sidecar returns every
+sample's routes, the trainer's routers replay them).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ SHAPE = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, nu
 
 @pytest.mark.long
 @pytest.mark.slow
-def test_specrl_train_runs_an_moe_policy_with_a_draft(tmp_path: Path) -> None:
+@pytest.mark.parametrize("replay", ["off", "rollout"])
+def test_specrl_train_runs_an_moe_policy_with_a_draft(tmp_path: Path, replay: str) -> None:
     tok = CharTokenizer()
     torch.manual_seed(0)
     model = transformers.Qwen3MoeForCausalLM(
@@ -47,6 +49,7 @@ def test_specrl_train_runs_an_moe_policy_with_a_draft(tmp_path: Path) -> None:
     args += ["--set", "steps=6", "--set", "eval_every=6", "--set", "eval_size=8"]
     args += ["--set", "rollout.prompts_per_step=2", "--set", "rollout.samples_per_prompt=2"]
     args += ["--set", "rollout.max_new_tokens=12", "--set", "algorithm.filter_equal_groups=false"]
+    args += ["--set", f"algorithm.routing_replay={replay}"]
     result = runner.invoke(main, args)
     assert result.exit_code == 0, result.output
     assert "done: 6 steps" in result.output
@@ -55,3 +58,8 @@ def test_specrl_train_runs_an_moe_policy_with_a_draft(tmp_path: Path) -> None:
     gaps = [r["mismatch/logprob_abs_max"] for r in rows if "mismatch/logprob_abs_max" in r]
     assert len(gaps) == 6 and max(gaps) < 1e-4  # the trainer's log-probs are the sidecar's, every step
     assert any(r.get("spec/acceptance_length", 0.0) > 1.0 for r in rows)  # it speculated
+    agreement = [r["train/routing_agreement"] for r in rows if "train/routing_agreement" in r]
+    if replay == "rollout":  # the live router agrees with the sampler's routes it replays (float32, equal weights)
+        assert len(agreement) == 6 and min(agreement) > 0.99, agreement
+    else:
+        assert agreement == []

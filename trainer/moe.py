@@ -35,16 +35,15 @@ the replayed ids follow that order.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
 from sidecar.model.moe import MoEConfig
 
-R = TypeVar("R")
 RoutingReplay = Literal["off", "rollout"]
 ROUTING_REPLAY_MODES: tuple[RoutingReplay, ...] = ("off", "rollout")
 
@@ -249,12 +248,11 @@ def take_agreement(slots: Sequence[PositionReplay]) -> tuple[int, int]:
     return agreed, compared
 
 
-def routed_generate(generate: Callable[..., R], request: Any, replay: RoutingReplay, **kwargs: Any) -> R:
-    """``generate(request, **kwargs)`` (a fleet's or a client's), asking for every sample's whole
-    sequence of routes (``routes="sequence"``) when routing replay is on; unchanged when off."""
-    if replay == "rollout":
-        kwargs["routes"] = "sequence"
-    return generate(request, **kwargs)
+def routes_asked(replay: RoutingReplay) -> str:
+    """What a rollout request asks each sample's routes to be (`GenerationRequest.routes`): the whole
+    sequence's when routing replay is on (the trainer's forward routes every input position), none
+    when off."""
+    return "sequence" if replay == "rollout" else "off"
 
 
 def batch_routes(samples: Sequence[Any], lengths: Sequence[int], seq: int) -> Tensor:

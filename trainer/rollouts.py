@@ -19,7 +19,7 @@ from trainer.dynamic_sampling import Group, Selection, group_samples, select_gro
 from trainer.environments import Environment
 from trainer.episodes import EpisodeLimits, Episodes, episode_metrics, run_episodes
 from trainer.losses import OverlongConfig, sample_advantages
-from trainer.moe import batch_routes, routed_generate
+from trainer.moe import batch_routes, routes_asked
 from trainer.policy import TrainBatch
 from trainer.rollout_pipeline import RolloutPipeline
 from trainer.run import Run
@@ -93,8 +93,9 @@ def _generate(
         samples_per_prompt=ro.samples_per_prompt,
         speculation_k=k,
         min_weight_version=min_weight_version,
+        routes=routes_asked(cfg.algorithm.routing_replay),
     )
-    return routed_generate(run.fleet.generate, request, cfg.algorithm.routing_replay, rejoin=rejoin)
+    return run.fleet.generate(request, rejoin=rejoin)
 
 
 def _score(
