@@ -28,6 +28,10 @@ from tests.sidecar_fixtures import make_checkpoint, make_pki, start_sidecar
 if not torch.cuda.is_available():  # the decode kernels run in Triton's interpreter (before Triton's import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:  # tools/test runs one worker per core: a worker's intra-op threads get its share of the cores
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
+
 
 @pytest.fixture
 def single_torch_thread() -> Iterator[None]:
