@@ -94,6 +94,8 @@ class RowScheduler:
             blocks_used=p.used,
             blocks_shared=p.shared,
             preemptions=p.preemptions,
+            blocks_cached=p.cache.cached if p.cache is not None else 0,
+            prefix_cache_evictions=p.cache.counters.evictions if p.cache is not None else 0,
         )
 
     def keep_rows(self, order: list[int]) -> None:
@@ -167,19 +169,23 @@ class RowScheduler:
         while self.blocks_needed(new) > self.pages.free:
             self.queue.appendleft(new.pop())
 
-    def add_rows(self, seqs: list[Sequence], source: list[int], lengths: list[int]) -> None:
+    def add_rows(
+        self, seqs: list[Sequence], source: list[int], lengths: list[int], hits: list[list[int]] | None = None
+    ) -> None:
         """`seqs` join the running rows after a prefill: sequence i holds the blocks of
-        `lengths[source[i]]` prefix tokens, sharing the full ones with the first of them prefilled
-        from the same prefix that drafts alike (`KVPages.add_row`)."""
+        `lengths[source[i]]` prefix tokens, its prefix-cache blocks `hits[i]` first (held already,
+        `KVPages.acquire`), sharing the other full ones with the first of them prefilled from the
+        same prefix that drafts alike (`KVPages.add_row`)."""
+        hits = hits if hits is not None else [[] for _ in seqs]
         leaders: dict[tuple[int, bool], int] = {}  # (prefill row, drafts) -> the first row holding its blocks
-        for s, src in zip(seqs, source, strict=True):
+        for s, src, held in zip(seqs, source, hits, strict=True):
             n = lengths[src]
             key = (src, s.drafts)
             if key in leaders:
-                shared = self.pages.rows[leaders[key]][: self.shareable(n, s.drafts)]
-                self.pages.add_row(n, shared)
+                shared = self.pages.rows[leaders[key]][len(held) : self.shareable(n, s.drafts)]
+                self.pages.add_row(n, shared, held=held)
             else:
-                leaders[key] = self.pages.add_row(n)
+                leaders[key] = self.pages.add_row(n, held=held)
             self.admissions += 1
             s.admitted = self.admissions
         self.running += seqs
