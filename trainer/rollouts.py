@@ -22,7 +22,13 @@ from trainer.losses import OverlongConfig, sample_advantages
 from trainer.policy import TrainBatch
 from trainer.rollout_pipeline import RolloutPipeline
 from trainer.run import Run
-from trainer.step_metrics import StepTimes, length_quantiles, reward_metric_name, speculation_metrics
+from trainer.step_metrics import (
+    StepTimes,
+    length_quantiles,
+    prefix_cache_metrics,
+    reward_metric_name,
+    speculation_metrics,
+)
 from trainer.tasks import Problem, prompt_ids, score_completions
 
 log = logging.getLogger(__name__)
@@ -170,8 +176,10 @@ def _gather(run: Run, step: int, metrics: dict[str, float], times: StepTimes, ev
     if plain_first:
         times.generation_plain = _generate(run, problems, prompts, sampling, 0, rejoin=rejoin).seconds
         run.fleet.speculation_delta()
+    before = dict(run.fleet.latest_stats)
     rollout = _generate(run, problems, prompts, sampling, ro.request_k, rejoin=rejoin)
     counters = run.fleet.speculation_delta()
+    metrics.update(prefix_cache_metrics(before, run.fleet.latest_stats))
     if ro.measure_plain and not plain_first:
         times.generation_plain = _generate(run, problems, prompts, sampling, 0, rejoin=rejoin).seconds
     samples = rollout.samples
