@@ -15,7 +15,7 @@ time: the box is shared), their ratio, and the stats' prefill_tokens / prompt_to
 The model: tools/bench_engine.py's (hidden 512, 12 layers, 8/4 heads, vocab 4096, one MTP
 layer, context 1024) with random weights: admission's cost does not depend on their values.
 
-    tools/bench_prefill.py --multi-turn [--problems 4] [--group 4] [--turns 4] [--tool-tokens 30]
+    tools/bench_prefill.py --multi-turn [--problems 4] [--group 8] [--turns 4] [--tool-tokens 30]
                            [--max-new-tokens 24] [--k 2] [--repeats 3] [--threads 1]
 
 Multi-turn (the prefix cache, docs/engine.md): `trainer.episodes.run_episodes` over two real

@@ -596,17 +596,29 @@ class TorchEngine(Engine):
         done = commit_prefill(new, prefill, self.weights.version, self.drafter.num_layers > 0)
         add_rounds(stats.counters, [0] * done.emitted, [0] * done.emitted, done.emitted)
         finished = [self._finish(s, reason) for s, reason in done.finished]
-        kept_at = set(done.keep)
+        # a sequence that ended at its first token (a one-token turn) still leaves its prefix's
+        # blocks for the next turn: one row per prefix joins, enters the cache and leaves at once
+        ended: dict[tuple[int, bool], int] = {}
+        if self.prefix_cache is not None:
+            for i, (s, _) in zip([i for i in range(len(new)) if i not in set(done.keep)], done.finished, strict=True):
+                ended.setdefault((prefill.source[i], self._drafting(s)), i)
+        rows = done.keep + list(ended.values())
+        joined = set(rows)
         for i, h in enumerate(hits):
-            if i not in kept_at:  # it ended at its prefill: the blocks it held go back
+            if i not in joined:  # it ended at its prefill: the blocks it held go back
                 self.scheduler.pages.release(h)
-        if done.keep:
-            kept = [new[i] for i in done.keep]
-            picked = [prefill.source[i] for i in done.keep]
-            for s in kept:
+        if rows:
+            seqs = [new[i] for i in rows]
+            picked = [prefill.source[i] for i in rows]
+            for s in seqs:
                 s.kv_version, s.draft_gap = self.weights.version, False
-            self.scheduler.add_rows(kept, picked, prefill.lengths, [hits[i] for i in done.keep])
-            self.runner.load(prefill, kept, picked)
+            self.scheduler.add_rows(seqs, picked, prefill.lengths, [hits[i] for i in rows])
+            self.runner.load(prefill, seqs, picked)
+        if ended:
+            first = len(self.scheduler.running) - len(ended)
+            for row in range(first, len(self.scheduler.running)):
+                self._cache_blocks(row, self.scheduler.running[row])
+            self._keep_rows(list(range(first)))
         return finished
 
     # ---- the prefix cache (`prefix_cache`) ---------------------------------------------------

@@ -348,3 +348,19 @@ def test_preempted_rows_resume_from_their_cached_blocks_and_stay_exact() -> None
         assert_same(g, w)
     assert tight.kv_usage().preemptions > 0
     assert tight.stats()[-1].prefix_cache_hit_tokens > len(first)
+
+
+@pytest.mark.parametrize("k", [0, MAX_K])
+def test_a_turn_that_ends_at_its_first_token_leaves_its_blocks_for_the_next(k: int) -> None:
+    """A one-token turn never joins the batch, yet its prefix's blocks are cached (one row per
+    prefix joins and leaves at once): the next turn hits them and equals a full prefill."""
+    on, off = engine("mtp"), engine("mtp", prefix_cache=False)
+    first = list(range(3, 40))
+    (a,) = ask(on, first, "a", k, n=1)
+    assert on.kv_usage().blocks_cached > 0 and on.kv_usage().blocks_used == 0
+    second = first + a.token_ids + OBSERVATION
+    (got,) = ask(on, second, "b", k)
+    assert on.stats()[-1].prefix_cache_hit_tokens >= len(first) - 4
+    assert_same(got, ask(off, second, "b", k)[0])
+    pages = on.scheduler.pages
+    assert pages.free == pages.usable
