@@ -41,6 +41,7 @@ class HybridOptimizer(torch.optim.Optimizer):
         muon_names: list[str],
         adamw_names: list[str],
         tp_group: dist.ProcessGroup | None = None,
+        expert_group: dist.ProcessGroup | None = None,
     ) -> None:
         if muon is None and adamw is None:
             raise ValueError("HybridOptimizer got no parameters at all; check the named_parameters passed in")
@@ -49,6 +50,9 @@ class HybridOptimizer(torch.optim.Optimizer):
         self.muon_names = list(muon_names)
         self.adamw_names = list(adamw_names)
         self.tp_group = tp_group
+        self.expert_group = expert_group
+        """The expert-parallel group: each of its ranks holds other experts (Megatron marks their
+        parameters ``allreduce=False``), whose gradients the norm sums over it; None without EP."""
         self.defaults: dict[str, Any] = {}
 
     @property
@@ -97,12 +101,13 @@ class HybridOptimizer(torch.optim.Optimizer):
 
         The norm covers Muon's and AdamW's parameters jointly (and, under tensor parallelism, the
         unsharded model: see ``muon.tensor_parallel.total_grad_norm``). Returns the norm before
-        clipping, as ``torch.nn.utils.clip_grad_norm_`` does.
+        clipping, as ``torch.nn.utils.clip_grad_norm_`` does. Under expert parallelism the experts
+        of every rank count (``expert_group``).
         """
         if not max_norm > 0:
             raise ValueError(f"clip_grad_norm_: max_norm={max_norm!r} must be > 0")
         params = list(self.parameters())
-        total = total_grad_norm(params, self.tp_group, norm_type)
+        total = total_grad_norm(params, self.tp_group, norm_type, expert_group=self.expert_group)
         grads = [p.grad for p in params if p.grad is not None]
         if grads:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)

@@ -9,8 +9,12 @@ gains and biases are optimised with AdamW, as in the reference implementations (
    (or ``"exclude"``: not in this optimizer at all);
 2. anything that is not 2-D → AdamW (norm gains, biases);
 3. names containing an embedding/head pattern (``embedding``, ``embed_tokens``, ``output_layer``,
-   ``lm_head``), a norm pattern (``norm``, which covers ``layernorm``) or ending in ``bias`` → AdamW;
-4. every other 2-D matrix → Muon.
+   ``lm_head``), a norm pattern (``norm``, which covers ``layernorm``), a mixture of experts' router
+   (Megatron's ``mlp.router.``, the contract's ``mlp.gate.``: like the output head, a classifier
+   whose rows are experts, not a map between hidden spaces) or ending in ``bias`` → AdamW;
+4. every other 2-D matrix → Muon: each routed expert's matrices are parameters of their own
+   (Megatron's ``SequentialMLP.local_experts.{e}``, the MTP draft's ``mlp.experts.{e}``), so each
+   expert is orthogonalised on its own, never stacked with the others.
 
 Forcing a non-2-D tensor to Muon is a configuration error and names the parameter. Megatron's
 fused ``linear_qkv`` is split into Q, K, V (per query group by default, see ``muon.layout``); a
@@ -76,8 +80,17 @@ class HybridOptimizerConfig:
     one V matrix across all groups (megatron-core's own Muon). See ``muon.layout``."""
     split_gated_fc1: bool = False
     """Orthogonalise a SwiGLU ``linear_fc1`` as separate gate and up matrices."""
-    adamw_name_patterns: tuple[str, ...] = ("embedding", "embed_tokens", "output_layer", "lm_head", "norm")
-    """Substrings (lower-case match) of parameter names that always go to AdamW."""
+    adamw_name_patterns: tuple[str, ...] = (
+        "embedding",
+        "embed_tokens",
+        "output_layer",
+        "lm_head",
+        "norm",
+        "mlp.router.",
+        "mlp.gate.",
+    )
+    """Substrings (lower-case match) of parameter names that always go to AdamW (embeddings, the
+    output head, norms, and a mixture of experts' routers)."""
 
     def __post_init__(self) -> None:
         for name in ("lr", "weight_decay", "adamw_eps"):
@@ -145,12 +158,14 @@ def build_optimizer(
     qkv_layout: QKVLayout | None = None,
     route: RouteFn | None = None,
     tp_group: dist.ProcessGroup | None = None,
+    expert_group: dist.ProcessGroup | None = None,
 ) -> HybridOptimizer:
     """Route ``named_parameters`` (trainable ones only) and build Muon + AdamW as one optimizer.
 
     ``tp_group`` is the tensor-parallel group of megatron-core parameters (None: no tensor
     parallelism). Order of parameters is preserved inside each optimizer, so the same model gives
-    the same state-dict layout.
+    the same state-dict layout. ``expert_group``: the expert-parallel group of a mixture of
+    experts (None: no expert parallelism), over which the gradient norm sums the experts.
     """
     muon_named: list[tuple[str, nn.Parameter]] = []
     adamw_named: list[tuple[str, nn.Parameter]] = []
@@ -208,4 +223,5 @@ def build_optimizer(
         muon_names=[n for n, _ in muon_named],
         adamw_names=[n for n, _ in adamw_named],
         tp_group=tp_group,
+        expert_group=expert_group,
     )

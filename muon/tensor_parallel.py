@@ -102,31 +102,47 @@ def local_chunk(full: Tensor, spec: ShardSpec) -> Tensor:  # full in global orde
 
 
 def total_grad_norm(
-    params: Iterable[Tensor], group: dist.ProcessGroup | None, norm_type: float = 2.0
+    params: Iterable[Tensor],
+    group: dist.ProcessGroup | None,
+    norm_type: float = 2.0,
+    *,
+    expert_group: dist.ProcessGroup | None = None,
 ) -> Tensor:  # () float32
     """Norm of all gradients as if the model were unsharded.
 
     Sharded parameters contribute their local part on every rank; replicated ones (norms, and
     any parameter without ``tensor_model_parallel``) only on TP rank 0, so nothing is counted
     twice (megatron-core's ``param_is_not_tensor_parallel_duplicate`` rule). The partial sums
-    are all-reduced over ``group``.
+    are all-reduced over ``group``. With ``expert_group`` (expert parallelism), the parameters
+    Megatron marks ``allreduce=False`` (this rank's experts; the other ranks hold the others) are
+    summed over that group as well (megatron-core's rule in its optimizer).
     """
-    grads: list[Tensor] = []
     rank = 0 if group is None else dist.get_rank(group)
+    parts: list[list[Tensor]] = [[], []]  # [replicated over expert_group, this rank's experts]
     for p in params:
         if p.grad is not None and (rank == 0 or is_tensor_parallel(p)):
-            grads.append(p.grad.detach())
+            own = expert_group is not None and not getattr(p, "allreduce", True)
+            parts[int(own)].append(p.grad.detach())
+    grads = parts[0] + parts[1]
     device = grads[0].device if grads else torch.device("cpu")
     if math.isinf(norm_type):
         local = torch.stack([g.abs().max().float() for g in grads]).max() if grads else torch.zeros((), device=device)
-        if group is not None:
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+        for g in (group, expert_group):
+            if g is not None:
+                dist.all_reduce(local, op=dist.ReduceOp.MAX, group=g)
         return local
-    if grads:
-        local = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads])
-        local = local.pow(norm_type).sum()
-    else:
-        local = torch.zeros((), device=device)
+
+    def power_sum(gs: list[Tensor]) -> Tensor:
+        if not gs:
+            return torch.zeros((), device=device)
+        return (
+            torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in gs]).pow(norm_type).sum()
+        )
+
+    dense, experts = power_sum(parts[0]), power_sum(parts[1])
     if group is not None:
-        dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
-    return local.pow(1.0 / norm_type)
+        dist.all_reduce(dense, op=dist.ReduceOp.SUM, group=group)
+        dist.all_reduce(experts, op=dist.ReduceOp.SUM, group=group)
+    if expert_group is not None:
+        dist.all_reduce(experts, op=dist.ReduceOp.SUM, group=expert_group)
+    return (dense + experts).pow(1.0 / norm_type)

@@ -115,6 +115,11 @@ class SamplingParams:
         self.stop_token_ids = tuple(self.stop_token_ids)
 
 
+ROUTE_REQUESTS = ("off", "generated", "sequence")
+"""What `GenerationRequest.routes` may ask (proto RouteRequest): no routes, the generated tokens',
+or the prompt's and the generated tokens' (`Routes`)."""
+
+
 @dataclass(kw_only=True, slots=True)
 class GenerationRequest:
     """A batch of tokenised prompts, each sampled `samples_per_prompt` times."""
@@ -133,8 +138,16 @@ class GenerationRequest:
     session_ids: list[str] = field(default_factory=list)
     """Per prompt, the conversation it continues ("" for none); empty: no sessions. A fleet sends
     every request of a session to the sidecar that served it first, while that one is live."""
+    routes: str = "off"
+    """Which positions' routes each sample carries (`Sample.routes`, one of ROUTE_REQUESTS): "off",
+    "generated" (the generated tokens') or "sequence" (the prompt's too). Mixture-of-experts models only."""
 
     def __post_init__(self) -> None:
+        if self.routes not in ROUTE_REQUESTS:
+            raise ValueError(
+                f"routes must be one of {', '.join(map(repr, ROUTE_REQUESTS))}, got {self.routes!r}: 'generated' "
+                "returns the generated tokens' routes, 'sequence' the prompt's too"
+            )
         if not self.prompts:
             raise ValueError("prompts must hold at least one prompt")
         if self.session_ids and len(self.session_ids) != len(self.prompts):
@@ -248,6 +261,39 @@ class SpeculationCounters:
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class Routes:
+    """The experts a sample's positions were routed to in every sparse layer of the target (proto
+    Routes): row i is sequence position first_position + i as an input token (prompt and generated
+    tokens counted together), from the pass that computed it (the prefill, the verify pass of the
+    accepted tokens, the decode step). The last generated token is never an input: P prompt and T
+    generated tokens give P + T - 1 rows from 0 ("sequence") or T - 1 rows from P ("generated")."""
+
+    expert_ids: torch.Tensor
+    """(positions, sparse_layers, top_k) uint8 (at most 256 experts) or int16, on the CPU; a row's
+    top_k ids are a set (in the router's order)."""
+    first_position: int
+
+    def __post_init__(self) -> None:
+        if self.expert_ids.dtype not in (torch.uint8, torch.int16) or self.expert_ids.dim() != 3:
+            raise ValueError(
+                "Routes.expert_ids must be a (positions, sparse_layers, top_k) uint8 or int16 tensor, got "
+                f"{self.expert_ids.dtype} of shape {list(self.expert_ids.shape)}"
+            )
+        if self.first_position < 0:
+            raise ValueError(f"Routes.first_position must be >= 0, got {self.first_position}")
+
+    @property
+    def positions(self) -> int:
+        return self.expert_ids.shape[0]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Routes):
+            return NotImplemented
+        a, b = self.expert_ids, other.expert_ids
+        return self.first_position == other.first_position and a.dtype == b.dtype and torch.equal(a, b)
+
+
 @dataclass(kw_only=True, slots=True)
 class Sample:
     """One finished sample."""
@@ -265,6 +311,8 @@ class Sample:
     last_weight_version: int
     """Weight version that produced the last token (differs if a push landed mid-sample)."""
     counters: SpeculationCounters = field(default_factory=SpeculationCounters)
+    routes: Routes | None = None
+    """The experts its positions were routed to, when the request asked (`GenerationRequest.routes`)."""
 
     @property
     def nonfinite(self) -> bool:

@@ -15,12 +15,13 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from sidecar.engine.commit import verify_union
 from sidecar.engine.speculation_settings import expert_reads_of
 from sidecar.model.model import ModelConfig
 from sidecar.model.moe import MoEConfig
 from sidecar.speculation.config import SpeculationControllerConfig
 from sidecar.speculation.controller import SpeculationController
-from sidecar.speculation.expert_union import ExpertReads, uniform_union
+from sidecar.speculation.expert_union import ExpertReads, MeasuredUnion, uniform_union
 from trainer.planning.shapes import load_shape
 
 
@@ -125,3 +126,80 @@ def test_tools_bench_moe_runs_side_by_side_and_reports_the_measured_union(capsys
     assert measured.endswith("forwards)") and float(rows[0].split("|")[8]) == pytest.approx(
         uniform_union(32, 4, 8), abs=0.05
     )
+
+
+def test_the_measured_union_replaces_the_formula_where_measured() -> None:
+    """Closed forms: nothing measured is the uniform formula; a measured count is its readings' mean;
+    another count is the formula times the nearest measured count's ratio, never beyond E."""
+    union = MeasuredUnion(128, 8)
+    assert union(4) == pytest.approx(uniform_union(128, 8, 4))
+    union.observe(4, 11.0)
+    union.observe(4, 13.0)
+    assert union(4) == pytest.approx(12.0)
+    assert union(8) == pytest.approx(uniform_union(128, 8, 8) * 12.0 / uniform_union(128, 8, 4))
+    assert union(3) == pytest.approx(uniform_union(128, 8, 3) * 12.0 / uniform_union(128, 8, 4))
+    union.observe(64, 128.0)
+    assert union(1024) == 128.0 and union.measured_tokens == [4, 64]
+    with pytest.raises(ValueError, match="cannot read 129"):
+        union.observe(64, 129.0)
+
+
+def test_automatic_k_prices_the_measured_union_and_turns_speculation_off_where_it_loses() -> None:
+    """A constructed cost table (plain step 10 ms at batch 1 and 64, Qwen3-30B-A3B's bytes): the
+    prior of a k = 3 verify at batch 1 is the measured union's bytes over a plain step's (closed
+    form); under uniform routing (29 experts for 4 tokens) automatic k chooses k = 0 at batch 1; where
+    the engine measured that 4 consecutive tokens share their 8 experts it drafts, as for a dense model."""
+    reads = load_shape("qwen3-30b-a3b").expert_reads()
+    slope = SpeculationControllerConfig(max_speculation_k=3).prior_verify_slope
+    draft = SpeculationControllerConfig(max_speculation_k=3).prior_draft_cost * 3
+    best = lambda rates: max(range(len(rates)), key=lambda k: rates[k])  # noqa: E731
+    uniform = controller(reads)
+    assert uniform.union is not None and uniform.union.measured_tokens == []
+    rates = uniform.expected_rates(1)
+    assert rates is not None and best(rates) == 0  # speculation loses: k = 0
+    shared = controller(reads)
+    for tokens, distinct in ((1, 8.0), (4, 8.0)):
+        shared.observe_expert_union(tokens, distinct)
+    ratio = (reads.fixed_bytes + reads.sparse_layers * 8.0 * reads.expert_bytes) / reads.step_bytes(1)
+    assert ratio == pytest.approx(1.0)
+    assert shared.predicted_seconds(1, 3) == pytest.approx(0.010 * (ratio + 3 * slope + draft))
+    rates = shared.expected_rates(1)
+    assert rates is not None and best(rates) > 0
+    some = controller(reads)
+    some.observe_expert_union(4, 16.0)  # half the uniform union's extra experts
+    expected = (reads.fixed_bytes + reads.sparse_layers * 16.0 * reads.expert_bytes) / reads.step_bytes(1)
+    assert some.predicted_seconds(1, 3) == pytest.approx(0.010 * (expected + 3 * slope + draft))
+    assert controller(None).union is None  # a dense target measures nothing
+    no_sparse = ExpertReads(experts=8, top_k=2, sparse_layers=0, expert_bytes=1.0, fixed_bytes=1.0)
+    assert controller(no_sparse).union is None  # nor one whose layers are all dense
+
+
+def test_verify_union_counts_every_verified_column_and_no_padding() -> None:
+    """By hand: row 0 verified 3 columns (experts {0, 1}, {1, 2}, {5, 6}), row 1 one ({3, 4}); its
+    padding columns name experts 7 and 6, which no verify read."""
+    routes = torch.tensor([[[[0, 1], [1, 2], [5, 6]], [[3, 4], [7, 7], [6, 6]]]], dtype=torch.uint8)
+    assert verify_union(routes, [2, 0], experts=8) == (4, 7.0)
+    two_layers = torch.cat([routes, torch.zeros_like(routes)])  # a second layer reads expert 0 only
+    assert verify_union(two_layers, [2, 0], experts=8) == (4, 4.0)
+
+
+def test_the_engines_automatic_k_measures_the_union_of_its_verifies() -> None:
+    """An MoE target under automatic k: the controller holds the engine's readings, each a union the
+    tokens could read (between top k and min(E, tokens x top k)); one token reads exactly top k."""
+    from sidecar.engine.torch_engine import UNION_EVERY, TorchEngine
+    from sidecar.model.model import build_model
+    from sidecar.types import GenerationRequest, SamplingParams
+
+    moe = MoEConfig(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+    config = ModelConfig.tiny(num_nextn_predict_layers=1, architectures=["Qwen3MoeForCausalLM"], moe=moe)
+    engine = TorchEngine(build_model(config, seed=3), speculation_k=3, kv_block_size=4)
+    engine.set_speculation_auto(3)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=6 * UNION_EVERY)
+    engine.generate(GenerationRequest(prompts=[[1, 2, 3]], sampling=sp))
+    engine.generate(GenerationRequest(prompts=[[4, 5], [6]], sampling=sp))
+    union = engine.speculation.controller.union if engine.speculation.controller else None
+    assert union is not None and union.measured_tokens
+    for tokens in union.measured_tokens:
+        assert 2 <= union(tokens) <= min(8, 2 * tokens)
+    if 1 in union.measured_tokens:
+        assert union(1) == 2.0

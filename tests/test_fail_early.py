@@ -101,6 +101,8 @@ def test_every_policy_config_field_is_reachable_from_the_run_config() -> None:
         "train.lr_schedule.warmup_steps=3",
         "draft.lr_schedule.decay=cosine",
         "train.epochs=2",  # total_updates = steps x epochs x mini_batches
+        "train.expert_parallel=2",
+        "train.router.frozen=true",
     ]
     got = policy_config(resolve_config(None, overrides))
     default = Policy.Config()

@@ -15,9 +15,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sidecar.errors import InvalidRequestError
+from sidecar.model.moe import packed_routes
 from sidecar.protocol import convert, convert_stats
 from sidecar.protocol.specrl.v1 import common_pb2, control_pb2, rollout_pb2, weights_pb2
 from sidecar.types import (
+    ROUTE_REQUESTS,
     DraftCollapse,
     EngineInfo,
     FinishReason,
@@ -26,6 +28,7 @@ from sidecar.types import (
     KVUsage,
     ModelInfo,
     RequestLimits,
+    Routes,
     Sample,
     SamplingParams,
     SidecarInfo,
@@ -143,7 +146,7 @@ sampling = st.builds(
 
 @given(sampling, st.lists(st.lists(u32, min_size=1, max_size=5), min_size=1, max_size=4), st.integers(1, 64))
 def test_generation_request_round_trips(params: SamplingParams, prompts: list[list[int]], g: int) -> None:
-    for k in (None, 0, 3):
+    for k, routes in zip((None, 0, 3), ROUTE_REQUESTS, strict=True):
         request = GenerationRequest(
             prompts=prompts,
             sampling=params,
@@ -151,8 +154,66 @@ def test_generation_request_round_trips(params: SamplingParams, prompts: list[li
             request_id="r",
             min_weight_version=7,
             speculation_k=k,
+            routes=routes,
         )
         assert convert.generation_request_from_pb(convert.generation_request_to_pb(request)) == request
+
+
+def test_routes_requests_are_named_and_checked() -> None:
+    msg = convert.generation_request_to_pb(GenerationRequest(prompts=[[1]], routes="sequence"))
+    assert msg.routes == rollout_pb2.ROUTE_REQUEST_SEQUENCE
+    assert convert.generation_request_to_pb(GenerationRequest(prompts=[[1]])).routes == rollout_pb2.ROUTE_REQUEST_OFF
+    msg.routes = 7  # an enum value this version does not know
+    with pytest.raises(InvalidRequestError, match="not a known RouteRequest"):
+        convert.generation_request_from_pb(msg)
+    with pytest.raises(ValueError, match="routes must be one of 'off', 'generated', 'sequence', got 'all'"):
+        GenerationRequest(prompts=[[1]], routes="all")
+
+
+@st.composite
+def routes_of(draw: st.DrawFn) -> Routes:
+    experts = draw(st.sampled_from([8, 256, 257, 4096]))
+    shape = (draw(st.integers(0, 6)), draw(st.integers(0, 4)), draw(st.integers(1, 8)))
+    seed = draw(st.integers(0, 2**16))
+    ids = torch.randint(0, experts, shape, generator=torch.Generator().manual_seed(seed))
+    return Routes(expert_ids=packed_routes(ids, experts), first_position=draw(st.integers(0, 2**20)))
+
+
+@given(routes_of())
+def test_routes_round_trip_in_a_sample(routes: Routes) -> None:
+    sample = Sample(
+        request_id="req",
+        prompt_index=0,
+        sample_index=0,
+        token_ids=[1, 2],
+        logprobs=[-0.5, -0.25],
+        finish_reason=FinishReason.LENGTH,
+        weight_version=1,
+        last_weight_version=1,
+        routes=routes,
+    )
+    back = convert.sample_from_pb(convert.sample_to_pb(sample))
+    assert back == sample and back.routes is not None and back.routes.expert_ids.dtype == routes.expert_ids.dtype
+
+
+def test_routes_travel_row_major_and_little_endian() -> None:
+    """The wire layout by hand (the oracle): ids of (positions, layers, top_k) in C order, 1 byte
+    each up to 256 experts, 2 little-endian bytes beyond."""
+    small = convert.routes_to_pb(
+        Routes(expert_ids=torch.tensor([[[1, 2]], [[3, 255]]], dtype=torch.uint8), first_position=4)
+    )
+    assert (small.expert_ids, small.positions, small.sparse_layers, small.top_k) == (bytes([1, 2, 3, 255]), 2, 1, 2)
+    assert (small.id_bytes, small.first_position) == (1, 4)
+    wide = convert.routes_to_pb(Routes(expert_ids=torch.tensor([[[258, 7]]], dtype=torch.int16), first_position=0))
+    assert (wide.expert_ids, wide.id_bytes) == (bytes([2, 1, 7, 0]), 2)
+    wide.expert_ids = wide.expert_ids[:3]
+    with pytest.raises(InvalidRequestError, match=r"3 bytes do not hold \(1, 1, 2\) ids of id_bytes=2"):
+        convert.routes_from_pb(wide)
+    small.id_bytes = 4
+    with pytest.raises(InvalidRequestError, match="id_bytes=4"):
+        convert.routes_from_pb(small)
+    with pytest.raises(ValueError, match="uint8 or int16"):
+        Routes(expert_ids=torch.zeros(1, 1, 1, dtype=torch.int64), first_position=0)
 
 
 @given(counters, st.sampled_from(list(FinishReason)), st.lists(u32, max_size=6))

@@ -578,3 +578,21 @@ def test_device_config() -> None:
     assert gpu1["base_gpu_id"] == 1 and "device" not in gpu1
     with pytest.raises(ValueError, match="device must be"):
         SGLangEngineConfig(model_path="/m", speculative_algorithm=None, speculation_k=0, device="tpu")
+
+
+def test_routes_are_refused_clearly(ckpt: Path) -> None:
+    """The adapter serves dense Qwen3 only (an MoE is refused at start, naming the torch engine), so
+    a routes request meets a model without experts and is refused naming that."""
+    import dataclasses
+
+    from sidecar.model.moe import MoEConfig
+
+    model, _ = load_checkpoint(ckpt)
+    cfg = SGLangEngineConfig(model_path=str(ckpt), speculative_algorithm=None, speculation_k=0, device="cpu")
+    eng = SGLangEngine(cfg, model, backend=RecordingBackend(k=0))  # type: ignore[arg-type]
+    eng.validate(GenerationRequest(prompts=[[1]], sampling=SamplingParams(temperature=0.0)))
+    with pytest.raises(InvalidRequestError, match="without experts.*send routes 'off'"):
+        eng.validate(GenerationRequest(prompts=[[1]], sampling=SamplingParams(temperature=0.0), routes="sequence"))
+    moe = MoEConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
+    with pytest.raises(ValueError, match="serve it with --engine torch"):
+        SGLangEngine(cfg, dataclasses.replace(model, moe=moe, architectures=["Qwen3MoeForCausalLM"]))  # type: ignore[arg-type]

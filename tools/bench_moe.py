@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Speculation on a mixture of experts against a dense model of equal active parameters, on CPU.
 
-    tools/bench_moe.py [--batches 1,16,64] [--k 3] [--new-tokens 32] [--repeats 3]
+    tools/bench_moe.py [--batches 1,16,64] [--k 3] [--new-tokens 32] [--repeats 3] [--routes]
 
 Two models of one shape, scaled down from Qwen3-30B-A3B for a CPU (hidden 128, 4 layers, 8/2
 heads): an MoE of 32 experts, top 4, expert width 128, and a dense model whose MLP is as wide as
@@ -16,6 +16,12 @@ prediction E·(1 − (1 − top/E)^T) for T = B·(k + 1) tokens (`sidecar.specul
 The CPU reference path runs one SwiGLU per active expert, so a round's MoE cost grows with the
 union as a GPU's weight reads do (the mechanism is not the same: on a CPU the per-expert operator
 calls, on a GPU the bytes).
+
+`--routes`: instead, the cost of returning routes (`GenerationRequest.routes`): the MoE alone at each
+B, plain and with k drafts, routes "off" against "sequence" (every prompt and generated position's
+experts recorded in the prefill and the verify passes, copied to the host, kept per row), alternating
+`--repeats` times: medians of CPU seconds per generated token side by side, and the median of the
+per-repeat ratios (each repeat runs both arms back to back).
 """
 
 from __future__ import annotations
@@ -107,12 +113,12 @@ class UnionProbe:
             h.remove()
 
 
-def generate(engine: TorchEngine, b: int, k: int, new: int) -> tuple[float, float]:
+def generate(engine: TorchEngine, b: int, k: int, new: int, routes: str = "off") -> tuple[float, float]:
     """(CPU seconds per generated token, τ) of one generation of `b` prompts."""
     prompts = torch.randint(0, SHAPE["vocab_size"], (b, 16), generator=torch.Generator().manual_seed(b)).tolist()
     sp = SamplingParams(temperature=0.0, max_new_tokens=new, stop_at_eos=False)
     start = time.process_time()
-    samples = engine.generate(GenerationRequest(prompts=prompts, sampling=sp, speculation_k=k))
+    samples = engine.generate(GenerationRequest(prompts=prompts, sampling=sp, speculation_k=k, routes=routes))
     seconds = time.process_time() - start
     tokens = sum(len(s.token_ids) for s in samples)
     steps = sum(s.counters.verify_steps for s in samples)
@@ -125,9 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--routes", action="store_true", help="the cost of returning routes, off against sequence")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     built = models()
+    if args.routes:
+        return routes_cost(TorchEngine(built["moe"], speculation_k=args.k, max_batch_size=max(args.batches)), args)
     engines = {
         name: TorchEngine(m, speculation_k=args.k, max_batch_size=max(args.batches)) for name, m in built.items()
     }
@@ -167,6 +176,23 @@ def main(argv: list[str] | None = None) -> int:
                 f"| {union} | {predicted} |",
                 flush=True,
             )
+    return 0
+
+
+def routes_cost(engine: TorchEngine, args: argparse.Namespace) -> int:
+    """The MoE's ms/token with routes off and "sequence", side by side (the module docstring)."""
+    print("| B | k | routes off ms/token | routes sequence ms/token | sequence / off, median of per-repeat ratios |")
+    print("|---|---|---|---|---|")
+    for b in args.batches:
+        for k in (0, args.k):
+            generate(engine, b, k, 4, "sequence")  # warm-up
+            times: dict[str, list[float]] = {"off": [], "sequence": []}
+            for r in range(args.repeats):
+                for mode in ("off", "sequence") if r % 2 == 0 else ("sequence", "off"):
+                    times[mode].append(generate(engine, b, k, args.new_tokens, mode)[0])
+            off, on = (statistics.median(times[m]) for m in ("off", "sequence"))
+            ratio = statistics.median(s / o for s, o in zip(times["sequence"], times["off"], strict=True))
+            print(f"| {b} | {k} | {off * 1e3:.3f} | {on * 1e3:.3f} | {ratio:.3f}x |", flush=True)
     return 0
 
 

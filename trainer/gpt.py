@@ -8,7 +8,10 @@ never on the output projection or the MLP), the family read from config.json's `
 (`sidecar.model.architectures.FAMILIES`, the descriptor the engine reads); RoPE, YaRN or llama3
 configured from ``yarn`` (`yarn.megatron.configure`, the same ``RopeConfig`` the engines use), tied
 or untied output head. The local (pure megatron-core) layer spec is used without
-TransformerEngine, the TE spec where TE is importable on CUDA.
+TransformerEngine, the TE spec where TE is importable on CUDA. Mixture-of-experts families
+(Qwen3-MoE, GLM-4.5: `ModelConfig.moe`) get Megatron-core's MoE layers where the engine's layers are
+sparse, their routers configured by `trainer.moe` (and GLM-4.5's partial rotary as
+``rotary_percent``).
 
 `forward` returns the tensor-parallel logits shard *and* the final hidden states after the final
 norm (what the output layer sees), which the MTP draft head consumes (detached). Dropout is 0: the
@@ -25,8 +28,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from sidecar.model.architectures import Family, family_of
-from trainer import platform
-from yarn import RopeConfig
+from sidecar.model.config import ModelConfig
+from trainer import moe, platform
 
 
 def _te_available() -> bool:
@@ -39,14 +42,8 @@ def _te_available() -> bool:
     return True
 
 
-def check_hf_config(hf: Mapping[str, Any], *, tensor_parallel: int) -> None:
+def check_hf_config(hf: Mapping[str, Any], *, tensor_parallel: int, expert_parallel: int = 1) -> None:
     """Raise ValueError naming the key when `hf` cannot be built (or sharded) as asked."""
-    experts = [k for k in ("num_experts", "num_local_experts", "n_routed_experts") if hf.get(k)]
-    if experts:
-        raise ValueError(
-            f"model config has {experts[0]}={hf[experts[0]]}: a mixture of experts, which this Megatron policy "
-            "does not build yet (issue 59); it would train a dense model in its place"
-        )
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         if key not in hf:
             raise ValueError(f"model config lacks {key!r}; it must carry the config.json keys of its family")
@@ -65,6 +62,17 @@ def check_hf_config(hf: Mapping[str, Any], *, tensor_parallel: int) -> None:
                 f"{key}={value} is not divisible by tensor_parallel={tensor_parallel}; choose a tensor-parallel "
                 "size that divides it (the vocabulary is not padded, so log-probs stay exact)"
             )
+    experts = model_config(hf).moe
+    if experts is not None:
+        moe.check(experts, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel)
+    elif expert_parallel > 1:
+        raise ValueError(f"expert_parallel={expert_parallel} but the model is dense (no experts): set it to 1")
+
+
+def model_config(hf: Mapping[str, Any]) -> ModelConfig:
+    """The engine's reading of a config.json dict: its attention variants (GLM-4.5 reads
+    attention_bias, use_qk_norm and partial_rotary_factor from it) and its experts."""
+    return ModelConfig.from_hf_dict(hf)
 
 
 def family(hf: Mapping[str, Any]) -> Family:
@@ -73,13 +81,29 @@ def family(hf: Mapping[str, Any]) -> Family:
     return family_of(list(archs) if archs else None, hf.get("model_type"))
 
 
-def transformer_config(hf: Mapping[str, Any], *, tensor_parallel: int = 1) -> Any:
-    """megatron-core ``TransformerConfig`` for a config.json dict of a supported family (float32, no dropout)."""
+def transformer_config(
+    hf: Mapping[str, Any],
+    *,
+    tensor_parallel: int = 1,
+    expert_parallel: int = 1,
+    router: moe.RouterConfig | None = None,
+) -> Any:
+    """megatron-core ``TransformerConfig`` for a config.json dict of a supported family (float32, no
+    dropout); a mixture of experts' keys from `trainer.moe.megatron_kwargs`."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    check_hf_config(hf, tensor_parallel=tensor_parallel)
+    check_hf_config(hf, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel)
     heads = int(hf["num_attention_heads"])
-    attention = family(hf)
+    attention = model_config(hf)
+    experts: dict[str, Any] = {}
+    if attention.moe is not None:
+        experts = moe.megatron_kwargs(
+            attention.moe,
+            int(hf["num_hidden_layers"]),
+            router or moe.RouterConfig(),
+            tensor_parallel=tensor_parallel,
+            expert_parallel=expert_parallel,
+        )
     return TransformerConfig(
         num_layers=int(hf["num_hidden_layers"]),
         hidden_size=int(hf["hidden_size"]),
@@ -109,12 +133,23 @@ def transformer_config(hf: Mapping[str, Any], *, tensor_parallel: int = 1) -> An
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=1,
         sequence_parallel=False,
+        **experts,
     )
 
 
-def build_gpt_model(hf: Mapping[str, Any], *, tensor_parallel: int = 1) -> Any:
-    """A megatron-core ``GPTModel`` for `hf` (Megatron parallel state must be initialised)."""
+def build_gpt_model(
+    hf: Mapping[str, Any],
+    *,
+    tensor_parallel: int = 1,
+    expert_parallel: int = 1,
+    router: moe.RouterConfig | None = None,
+) -> Any:
+    """A megatron-core ``GPTModel`` for `hf` (Megatron parallel state must be initialised). A
+    mixture of experts gets one layer spec per layer (dense or sparse: ``moe_layer_freq``), its
+    experts a ``SequentialMLP`` on the local spec (the TE spec's ``TEGroupedMLP`` on CUDA with
+    TransformerEngine, untested here), and a `trainer.moe.PositionReplay` slot in every router."""
     from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
@@ -123,11 +158,18 @@ def build_gpt_model(hf: Mapping[str, Any], *, tensor_parallel: int = 1) -> Any:
     import yarn.megatron
 
     platform.apply_cpu_accommodations()
-    config = transformer_config(hf, tensor_parallel=tensor_parallel)
-    rope = RopeConfig.from_hf(hf)
-    rope_kwargs = yarn.megatron.configure(config, rope)
+    config = transformer_config(hf, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel, router=router)
+    engine_config = model_config(hf)
+    rope = engine_config.rope_config()  # head_dim: the rotated dimensions (GLM-4.5's partial rotary)
+    rope_kwargs = yarn.megatron.configure(config, rope, rotary_percent=engine_config.partial_rotary_factor)
     qk_norm = config.qk_layernorm
-    if _te_available():
+    spec: Any
+    if config.num_moe_experts:
+        platform.apply_moe_accommodations()
+        # SequentialMLP on both specs: the grouped experts (TEGroupedMLP) need CUDA kernels and
+        # name their weights otherwise (`experts.linear_fc1.weight{e}`), which the bridge does not map
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=_te_available(), normalization="RMSNorm")
+    elif _te_available():
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
@@ -143,6 +185,8 @@ def build_gpt_model(hf: Mapping[str, Any], *, tensor_parallel: int = 1) -> Any:
         **rope_kwargs,
     )
     yarn.megatron.install_frequencies(model, rope)
+    if config.num_moe_experts:
+        moe.install_replay(model)
     return model.to(platform.device())
 
 

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from trainer.moe import ROUTING_REPLAY_MODES, RoutingReplay
+
 
 @dataclass(kw_only=True, slots=True)
 class GRPOConfig:
@@ -60,6 +62,14 @@ class GRPOConfig:
     min(pi_prox / pi_behaviour, importance_cap), pi_behaviour the log-probs the sidecar reported
     when it sampled the token (an older policy), pi_prox the trainer's current one (decoupled
     PPO with truncated importance sampling); unused at lag 0, where the two policies agree."""
+    routing_replay: RoutingReplay = "off"
+    """Mixture-of-experts policies: "rollout" asks the sidecars for each sample's routes (the
+    experts the sampler chose for every token in every sparse layer) and replays them in the
+    trainer's forwards, the routing weights recomputed from the live router (Rollout Routing
+    Replay, arXiv:2510.11370; `trainer.moe`), so the log-probs the loss takes are the sampler's;
+    "off" routes live. Without replay the trainer's router picks other experts for some tokens
+    (numerics, batch composition) and its log-probs drift from the sampler's far more than a dense
+    model's. Needs an MoE policy and sidecars that return routes."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.eps_low < 1.0:
@@ -70,6 +80,8 @@ class GRPOConfig:
             raise ValueError(f"std_eps must be > 0, got {self.std_eps}")
         if not self.kl_coef >= 0.0:
             raise ValueError(f"kl_coef must be >= 0 (0 disables the KL penalty), got {self.kl_coef}")
+        if self.routing_replay not in ROUTING_REPLAY_MODES:
+            raise ValueError(f"routing_replay must be one of {ROUTING_REPLAY_MODES}, got {self.routing_replay!r}")
         if not self.importance_cap >= 1.0:
             raise ValueError(
                 f"importance_cap must be >= 1 (it truncates importance weights, which are 1 on-policy), "

@@ -18,7 +18,13 @@ that the rest of the trainer never branches on the device:
    generator instead. We train without dropout, so nothing is lost; initialisation is made
    tensor-parallel invariant with ``use_cpu_initialization`` (see `trainer.policy`).
 
-The accommodations are applied only when CUDA is absent (`apply_cpu_accommodations` is a no-op
+A fourth concerns mixture-of-experts layers wherever TransformerEngine is absent (CPU or not):
+megatron-core 0.16.1's ``moe_utils`` imports its TE kernels (``te_general_gemm``, the fused
+permutes and top-k) in a ``try`` that leaves the names undefined when TE is missing, and the
+router's logits then raise ``NameError`` instead of taking its torch path;
+`apply_moe_accommodations` defines them as None, the value Megatron tests for.
+
+The CUDA accommodations are applied only when CUDA is absent (`apply_cpu_accommodations` is a no-op
 otherwise); on GPU, megatron-core runs as designed with NCCL.
 
 `init_single_process_group` and `free_port` serve tests and single-process tools: a world of
@@ -60,6 +66,31 @@ def apply_cpu_accommodations() -> None:
     if has_cuda() or torch.cuda.current_device is _cpu_current_device:
         return
     torch.cuda.current_device = _cpu_current_device  # type: ignore[assignment]
+
+
+_TE_KERNELS = (
+    "fused_compute_score_for_moe_aux_loss",
+    "fused_moe_aux_loss",
+    "fused_permute",
+    "fused_permute_with_probs",
+    "fused_sort_chunks_by_index",
+    "fused_sort_chunks_by_index_with_probs",
+    "fused_topk_with_score_function",
+    "fused_unpermute",
+    "te_general_gemm",
+)
+
+
+def apply_moe_accommodations() -> None:
+    """Define Megatron's TE kernel names in ``moe_utils`` as None where TE is absent (module
+    docstring, the fourth accommodation); a no-op with TE, idempotent."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if getattr(moe_utils, "HAVE_TE", False):
+        return
+    for name in _TE_KERNELS:
+        if not hasattr(moe_utils, name):
+            setattr(moe_utils, name, None)
 
 
 def causal_mask(seq_len: int, dev: torch.device | None = None) -> torch.Tensor:
@@ -124,10 +155,13 @@ def init_single_process_group() -> None:
     init_distributed(rank=0, world_size=1, port=free_port())
 
 
-def initialize_model_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1, *, seed: int = 1234) -> None:
-    """Create Megatron's TP/PP/DP groups over the existing world and seed its RNG tracker.
+def initialize_model_parallel(
+    tensor_parallel: int = 1, pipeline_parallel: int = 1, *, seed: int = 1234, expert_parallel: int = 1
+) -> None:
+    """Create Megatron's TP/PP/DP (and expert-parallel) groups over the existing world and seed its RNG tracker.
 
-    Data parallel size is what remains: world_size / (tensor_parallel * pipeline_parallel).
+    Data parallel size is what remains: world_size / (tensor_parallel * pipeline_parallel);
+    `expert_parallel` ranks share out a mixture of experts' experts (it must divide the world).
     With groups of the same layout already present they are kept (models built on them stay
     valid) and only the RNGs are re-seeded; a different layout re-creates them.
     """
@@ -141,10 +175,15 @@ def initialize_model_parallel(tensor_parallel: int = 1, pipeline_parallel: int =
             f"world size {world} is not divisible by tensor_parallel*pipeline_parallel="
             f"{tensor_parallel * pipeline_parallel}; choose sizes that divide the number of processes"
         )
+    if world % expert_parallel != 0:
+        raise ValueError(
+            f"world size {world} is not divisible by expert_parallel={expert_parallel}; launch a multiple of it"
+        )
     if parallel_state.model_parallel_is_initialized():
         if (
             parallel_state.get_tensor_model_parallel_world_size() == tensor_parallel
             and parallel_state.get_pipeline_model_parallel_world_size() == pipeline_parallel
+            and parallel_state.get_expert_model_parallel_world_size() == expert_parallel
         ):
             seed_everything(seed)  # same layout: keep the groups (live models hold them)
             return
@@ -152,6 +191,7 @@ def initialize_model_parallel(tensor_parallel: int = 1, pipeline_parallel: int =
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
+        expert_model_parallel_size=expert_parallel,
     )
     seed_everything(seed)
 

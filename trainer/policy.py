@@ -32,11 +32,18 @@ from torch import Tensor
 from muon import HybridOptimizer, HybridOptimizerConfig, QKVLayout, build_optimizer
 from sidecar.model.eagle3 import PUSH_PREFIX, Eagle3Config, Eagle3Draft
 from sidecar.model.model import ModelConfig
-from trainer import bridge, gpt, platform
+from trainer import bridge, gpt, moe, platform
 from trainer.data_parallel import adopt_main_grads, balanced_rows, reduce_metrics, reduce_mismatch, row_lengths, wrap
 from trainer.draft_objective import DraftConfig, DraftHead, Eagle3Head, MTPDraft, draft_loss, draft_step_tokens
 from trainer.losses import BatchTotals, GRPOConfig, mismatch_metrics, policy_loss
+from trainer.moe import RouterConfig
 from trainer.schedules import LRScheduleConfig, build_scheduler
+
+MOE_TENSOR_PARALLEL = (
+    "training a mixture of experts with tensor_parallel > 1 needs Megatron-core's sequence parallelism, which "
+    "the trainer does not use yet (its log-probs and exports run at any tensor-parallel size): train with "
+    "tensor_parallel=1 and shard the experts with expert_parallel"
+)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -59,6 +66,10 @@ class TrainBatch:
     generated: Tensor | None = None
     """(B, S-1) 1 on every generated token, including those of groups the loss filters out:
     where the training–inference mismatch metric is taken; None: `mask`."""
+    routes: Tensor | None = None
+    """(B, S, sparse layers, k) int64: the experts the sampler chose for each token as an input, in
+    every sparse layer, -1 on positions the trainer routes live (each sample's last token, padding);
+    the forwards replay them (routing replay, `trainer.moe`). None: live routing."""
     off_policy: bool = False
     """The samples came from an older policy (asynchronous RL): the loss weights each token by
     its truncated importance weight against `rollout_logprobs` (`trainer.losses.policy_loss`)."""
@@ -75,6 +86,10 @@ class TrainBatch:
             raise ValueError("an off-policy batch needs rollout_logprobs (the sampling policy's log-probs)")
         if tuple(self.advantages.shape) != (b,):
             raise ValueError(f"advantages must be (B,) = ({b},), got {tuple(self.advantages.shape)}")
+        if self.routes is not None and (self.routes.ndim != 4 or tuple(self.routes.shape[:2]) != (b, s)):
+            raise ValueError(
+                f"routes must be (B, S, sparse layers, k) with (B, S) = ({b}, {s}) the tokens', got {tuple(self.routes.shape)}"
+            )
 
     def select(self, rows: Tensor) -> TrainBatch:
         """The samples at `rows` (1-D int64 indices), every field sliced alike."""
@@ -90,6 +105,7 @@ class TrainBatch:
             rollout_logprobs=pick(self.rollout_logprobs),
             ref_logprobs=pick(self.ref_logprobs),
             generated=pick(self.generated),
+            routes=pick(self.routes),
             off_policy=self.off_policy,
         )
 
@@ -108,6 +124,7 @@ class TrainBatch:
             rollout_logprobs=cut(self.rollout_logprobs),
             ref_logprobs=cut(self.ref_logprobs),
             generated=cut(self.generated),
+            routes=None if self.routes is None else self.routes[:, :seq],
             off_policy=self.off_policy,
         )
 
@@ -161,6 +178,12 @@ class Policy:
 
         tensor_parallel: int = 1
         """Tensor-parallel size (must divide heads, kv heads, ffn and vocab)."""
+        expert_parallel: int = 1
+        """Expert-parallel size of a mixture of experts (must divide num_experts and the world):
+        each of these ranks holds num_experts / expert_parallel of every sparse layer's experts, the
+        tokens exchanged by Megatron's allgather dispatcher. 1 for a dense model."""
+        router: RouterConfig = field(default_factory=RouterConfig)
+        """How an MoE policy's routers train (`trainer.moe.RouterConfig`); ignored when dense."""
         data_parallel: int = 1
         """Data-parallel replicas: the process group must hold data_parallel x tensor_parallel
         ranks. Every rank is given the whole batch and trains its replica's token-balanced share;
@@ -188,6 +211,8 @@ class Policy:
         def __post_init__(self) -> None:
             if self.tensor_parallel < 1:
                 raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
+            if self.expert_parallel < 1:
+                raise ValueError(f"expert_parallel must be >= 1, got {self.expert_parallel}")
             if self.data_parallel < 1:
                 raise ValueError(f"data_parallel must be >= 1, got {self.data_parallel}")
             if self.micro_batch_rows < 0:
@@ -217,7 +242,7 @@ class Policy:
         platform.apply_cpu_accommodations()
         if not dist.is_initialized():
             platform.init_single_process_group()
-        platform.initialize_model_parallel(cfg.tensor_parallel, 1, seed=cfg.seed)
+        platform.initialize_model_parallel(cfg.tensor_parallel, 1, seed=cfg.seed, expert_parallel=cfg.expert_parallel)
         world = dist.get_world_size()
         if world != cfg.data_parallel * cfg.tensor_parallel:
             raise ValueError(
@@ -227,7 +252,15 @@ class Policy:
         self.cfg = cfg
         self.model_config = model_config
         self.hf = model_config.to_hf_dict()
-        self.model = gpt.build_gpt_model(self.hf, tensor_parallel=cfg.tensor_parallel)
+        self.model = gpt.build_gpt_model(
+            self.hf, tensor_parallel=cfg.tensor_parallel, expert_parallel=cfg.expert_parallel, router=cfg.router
+        )
+        self.replay_slots = moe.install_replay(self.model) if model_config.moe is not None else []
+        """The routers' replay slots (`trainer.moe.PositionReplay`), in sparse-layer order; [] when dense."""
+        if cfg.router.frozen:
+            for name, p in self.model.named_parameters():
+                if moe.is_router_name(name):
+                    p.requires_grad_(False)
         self.draft: DraftHead | None = None
         self.taps: tuple[int, ...] = ()
         """Trunk layers whose input the draft reads (EAGLE-3's low/middle/high); () for MTP."""
@@ -288,7 +321,14 @@ class Policy:
             num_attention_heads=c.num_attention_heads, num_query_groups=c.num_key_value_heads, head_dim=c.head_dim
         )
         tp_group = parallel_state.get_tensor_model_parallel_group() if self.cfg.tensor_parallel > 1 else None
-        return build_optimizer(self.model.named_parameters(), self.cfg.optimizer, qkv_layout=layout, tp_group=tp_group)
+        ep_group = parallel_state.get_expert_model_parallel_group() if self.cfg.expert_parallel > 1 else None
+        return build_optimizer(
+            self.model.named_parameters(),
+            self.cfg.optimizer,
+            qkv_layout=layout,
+            tp_group=tp_group,
+            expert_group=ep_group,
+        )
 
     # ---- weights -------------------------------------------------------------------------
     def load_tensors(self, tensors: dict[str, Tensor]) -> None:
@@ -359,10 +399,11 @@ class Policy:
             dist.barrier()
 
     # ---- forward -------------------------------------------------------------------------
-    def logprobs(self, tokens: Tensor) -> Tensor:  # tokens (B, S) -> (B, S-1) float32
-        """log p(tokens[:, t+1] | tokens[:, :t+1]) at the rollout temperature, no grad."""
+    def logprobs(self, tokens: Tensor, routes: Tensor | None = None) -> Tensor:  # tokens (B, S) -> (B, S-1) float32
+        """log p(tokens[:, t+1] | tokens[:, :t+1]) at the rollout temperature, no grad; `routes`
+        (`TrainBatch.routes`) replayed where given."""
         self.model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), self._routing(routes):
             logits, _ = gpt.forward(self.model, tokens.to(platform.device()))
             return gpt.token_logprobs(logits[:, :-1], tokens[:, 1:].to(logits.device), self.cfg.temperature)
 
@@ -387,6 +428,8 @@ class Policy:
         that are shares (losses, clip fractions) are summed likewise."""
         from megatron.core import parallel_state
 
+        if self.replay_slots and self.cfg.tensor_parallel > 1:
+            raise ValueError(MOE_TENSOR_PARALLEL)
         dev = platform.device()
         mask_all = batch.mask.to(dev)
         totals = BatchTotals.of(mask_all)
@@ -404,6 +447,7 @@ class Policy:
             self.draft_optimizer.zero_grad(set_to_none=True)
         for ddp in self._ddp:
             ddp.zero_grad_buffer()
+        moe.take_agreement(self.replay_slots)  # count this batch's forwards only
         rows = local.tokens.shape[0]
         size = self.cfg.micro_batch_rows or rows
         metrics: dict[str, float] = {}
@@ -416,7 +460,8 @@ class Policy:
                         stack.enter_context(ddp.no_sync())
                 tokens = local.tokens[part].to(dev)
                 mask = local.mask[part].to(dev)
-                logits, hidden = self._trunk(tokens)
+                with self._routing(None if local.routes is None else local.routes[part]):
+                    logits, hidden = self._trunk(tokens)
                 logp = gpt.token_logprobs(logits[:, :-1], tokens[:, 1:], self.cfg.temperature)
                 old = local.old_logprobs[part].to(dev) if local.old_logprobs is not None else logp.detach()
                 ref = local.ref_logprobs[part].to(dev) if local.ref_logprobs is not None else None
@@ -434,8 +479,15 @@ class Policy:
                 if train_draft:
                     _add(metrics, self._draft_backward(tokens, hidden, logits, mask, step_tokens))
         group = parallel_state.get_data_parallel_group() if replicas > 1 else None
+        agreed, compared = moe.take_agreement(self.replay_slots)
+        if local.routes is not None:
+            metrics["routing_agreed"], metrics["routing_compared"] = float(agreed), float(compared)
         if group is not None:
             metrics = reduce_metrics(metrics, group)
+        if "routing_compared" in metrics:  # a share of the summed counts, not a sum of shares
+            compared_all = metrics.pop("routing_compared")
+            agreed_all = metrics.pop("routing_agreed")
+            metrics["routing_agreement"] = agreed_all / compared_all if compared_all else 1.0
         if local.rollout_logprobs is not None:
             where = local.generated.to(dev) if local.generated is not None else local.mask.to(dev)
             rollout = local.rollout_logprobs.to(dev)
@@ -469,6 +521,14 @@ class Policy:
         )
         dloss.backward()
         return dmetrics
+
+    def _routing(self, routes: Tensor | None) -> contextlib.AbstractContextManager[None]:
+        """Replay `routes` (`TrainBatch.routes`) in the forwards inside; live routing when None or dense."""
+        if routes is None:
+            return contextlib.nullcontext()
+        if not self.replay_slots:
+            raise ValueError("routes given to a dense policy: routing replay needs a mixture of experts")
+        return moe.replaying(self.replay_slots, routes.to(platform.device()))
 
     def _trunk(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """The trunk's forward: (logits (B, S, V/tp), the draft's input): the final hidden states

@@ -48,6 +48,7 @@ def preflight(cfg: RLConfig, *, probe_sidecars: bool = True) -> Prepared:
     tokenizer = _tokenizer(cfg, model_config)
     _speculation(cfg, model_config)
     task = _task(cfg, tokenizer, model_config)
+    _experts(cfg, model_config)
     _parallel_layout(cfg, model_config)
     if cfg.algorithm.kl_coef > 0 and cfg.reference_model is not None:
         reference = read_model_config(cfg.reference_model)
@@ -89,12 +90,6 @@ def read_model_config(path: Path) -> ModelConfig:
         raise PreflightError(f"model: {config_path} is not a valid model config ({e!r})") from None
     if not any(path.glob("*.safetensors")):
         raise PreflightError(f"model: {path} holds no *.safetensors weights")
-    if config.moe is not None:
-        raise PreflightError(
-            f"model={path}: {config.architectures[0]} is a mixture of experts; the sidecar serves it (specrl serve), "
-            "but specrl train's Megatron policy is dense until its MoE half (issue 59: experts, routing replay) "
-            "lands, and would train another model than the one served"
-        )
     return config
 
 
@@ -292,6 +287,48 @@ def _parallel_layout(cfg: RLConfig, model: ModelConfig) -> None:
         )
 
 
+def _experts(cfg: RLConfig, model: ModelConfig) -> None:
+    """What a mixture-of-experts run needs: an expert-parallel size that divides the experts and the
+    processes, routing replay only on an MoE policy whose rollouts carry routes."""
+    from trainer.moe import check
+
+    ep, replay = cfg.train.expert_parallel, cfg.algorithm.routing_replay
+    if model.moe is None:
+        if ep > 1:
+            raise PreflightError(f"train.expert_parallel={ep} but model={cfg.model} is dense (no experts): set it to 1")
+        if replay != "off":
+            raise PreflightError(
+                f"algorithm.routing_replay={replay!r} but model={cfg.model} is dense: there are no routes to replay; "
+                "set algorithm.routing_replay=off"
+            )
+        return
+    try:
+        check(model.moe, tensor_parallel=cfg.train.tensor_parallel, expert_parallel=ep)
+    except ValueError as e:
+        raise PreflightError(f"model={cfg.model} (train.tensor_parallel / train.expert_parallel): {e}") from None
+    if cfg.train.tensor_parallel > 1:
+        from trainer.policy import MOE_TENSOR_PARALLEL
+
+        raise PreflightError(f"train.tensor_parallel={cfg.train.tensor_parallel}: {MOE_TENSOR_PARALLEL}")
+    world = cfg.train.data_parallel * cfg.train.tensor_parallel
+    if world % ep:
+        raise PreflightError(
+            f"train.expert_parallel={ep} must divide the {world} processes (train.data_parallel x "
+            "train.tensor_parallel): raise train.data_parallel or choose a divisor"
+        )
+    if replay == "rollout" and cfg.task.kind == "environment":
+        raise PreflightError(
+            "algorithm.routing_replay='rollout' with task.kind='environment': a multi-turn episode's observation "
+            "tokens were never routed by the sampler; set algorithm.routing_replay=off for environments"
+        )
+    if replay == "rollout" and cfg.sidecars.serve.engine.kind != "torch" and not cfg.sidecars.addresses:
+        raise PreflightError(
+            f"algorithm.routing_replay='rollout' needs sidecars that return routes; the {cfg.sidecars.serve.engine.kind} "
+            "engine does not: serve with the embedded engine (sidecars.serve.engine.kind=torch) or set "
+            "algorithm.routing_replay=off"
+        )
+
+
 def check_sidecars(cfg: RLConfig, model: ModelConfig) -> None:
     """Each remote sidecar answers GetInfo within sidecars.call_timeout_s and serves this model's shape."""
     from dataclasses import replace
@@ -319,6 +356,7 @@ def check_sidecars(cfg: RLConfig, model: ModelConfig) -> None:
             "hidden_size": model.hidden_size,
             "num_layers": model.num_hidden_layers,
             "num_mtp_layers": model.num_nextn_predict_layers,
+            "num_experts": 0 if model.moe is None else model.moe.num_experts,
         }
         theirs = {k: getattr(served, k) for k in ours}
         if theirs != ours:

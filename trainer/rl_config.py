@@ -22,6 +22,7 @@ from trainer.draft_objective import DraftConfig
 from trainer.environments import CalculatorEnvironment, Environment, load_environment
 from trainer.episodes import EpisodeLimits
 from trainer.losses import GRPOConfig
+from trainer.moe import RouterConfig
 from trainer.rewards import rewards_from_specs
 from trainer.schedules import LRScheduleConfig
 from trainer.tasks import ArithmeticTask, DatasetFields, DatasetTask, Task
@@ -372,6 +373,13 @@ class TrainConfig:
     """Data-parallel replicas D of the (tensor-parallel) policy: `torchrun` starts D x T processes
     (README, "Training on several nodes"); each replica trains a token-balanced share of every
     update's samples, gradients summed over replicas (the update is the D = 1 update)."""
+    expert_parallel: int = 1
+    """Expert-parallel size E of a mixture-of-experts policy: each group of E ranks shares out every
+    sparse layer's experts (num_experts / E each; it must divide num_experts and the processes). 1
+    for a dense model (docs/moe.md)."""
+    router: RouterConfig = field(default_factory=RouterConfig)
+    """How an MoE policy's routers train: RL's defaults keep the sampler's routing (no
+    load-balancing loss, no expert-bias updates, float32 routing); ignored for a dense model."""
     rank_timeout_s: float = 60.0
     """Multi-process runs: a rank that stops answering (killed, hung) for this long, or that
     fails, stops every rank with one error naming it (`trainer.ranks.RankWatchdog`)."""
@@ -394,6 +402,8 @@ class TrainConfig:
             raise ValueError(f"train.tensor_parallel must be >= 1, got {self.tensor_parallel}")
         if self.data_parallel < 1:
             raise ValueError(f"train.data_parallel must be >= 1, got {self.data_parallel}")
+        if self.expert_parallel < 1:
+            raise ValueError(f"train.expert_parallel must be >= 1, got {self.expert_parallel}")
         if not self.rank_timeout_s > 0:
             raise ValueError(f"train.rank_timeout_s must be > 0, got {self.rank_timeout_s}")
         if self.micro_batch_rows < 0:

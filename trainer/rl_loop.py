@@ -49,10 +49,12 @@ from trainer.step_metrics import StepTimes
 log = logging.getLogger(__name__)
 
 
-def logprobs_in_micro_batches(policy: Policy, tokens: Tensor, rows: int) -> Tensor:  # (B, S) -> (B, S-1)
-    """The policy's log-probs of `tokens`, `rows` samples per forward (0: all at once), on CPU."""
-    size = rows or tokens.shape[0]
-    return torch.cat([policy.logprobs(part).cpu() for part in tokens.split(size)])
+def logprobs_in_micro_batches(policy: Policy, tokens: Tensor, rows: int, routes: Tensor | None = None) -> Tensor:
+    """The policy's log-probs of `tokens` (B, S) -> (B, S-1), `rows` samples per forward (0: all at
+    once), on CPU; `routes` (`TrainBatch.routes`) replayed where given."""
+    parts = tokens.split(rows or tokens.shape[0])
+    replayed = routes.split(rows or tokens.shape[0]) if routes is not None else [None] * len(parts)
+    return torch.cat([policy.logprobs(t, r).cpu() for t, r in zip(parts, replayed, strict=True)])
 
 
 def rl_step(run: Run, step: int, rollouts: RolloutPipeline[Rollout] | None) -> dict[str, float]:
@@ -79,7 +81,9 @@ def rl_step(run: Run, step: int, rollouts: RolloutPipeline[Rollout] | None) -> d
     t = time.perf_counter()
     updates = cfg.train.updates_per_batch
     if cfg.separate_logprob_pass or updates > 1:
-        batch.old_logprobs = logprobs_in_micro_batches(run.policy, batch.tokens, cfg.train.micro_batch_rows)
+        batch.old_logprobs = logprobs_in_micro_batches(
+            run.policy, batch.tokens, cfg.train.micro_batch_rows, batch.routes
+        )
     if run.reference is not None:
         size = cfg.train.micro_batch_rows or batch.tokens.shape[0]
         batch.ref_logprobs = torch.cat([run.reference.logprobs(part).cpu() for part in batch.tokens.split(size)])

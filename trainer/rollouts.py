@@ -19,6 +19,7 @@ from trainer.dynamic_sampling import Group, Selection, group_samples, select_gro
 from trainer.environments import Environment
 from trainer.episodes import EpisodeLimits, Episodes, episode_metrics, run_episodes
 from trainer.losses import OverlongConfig, sample_advantages
+from trainer.moe import batch_routes, routed_generate
 from trainer.policy import TrainBatch
 from trainer.rollout_pipeline import RolloutPipeline
 from trainer.run import Run
@@ -99,7 +100,7 @@ def _generate(
         speculation_k=k,
         min_weight_version=min_weight_version,
     )
-    return run.fleet.generate(request, rejoin=rejoin)
+    return routed_generate(run.fleet.generate, request, cfg.algorithm.routing_replay, rejoin=rejoin)
 
 
 def _score(
@@ -332,6 +333,10 @@ def pack_batch(run: Run, rollout: Rollout) -> TrainBatch:
         pad_id=run.tokenizer.pad_id,
         loss_masks=masks,
     )
+    if cfg.algorithm.routing_replay == "rollout":  # the experts that sampled each token, replayed
+        samples = [s for g in groups for s in g.samples]
+        lengths = [len(g.prompt) + len(s.token_ids) for g in groups for s in g.samples]
+        batch.routes = batch_routes(samples, lengths, batch.tokens.shape[1])
     batch.generated = batch.mask.clone()  # every sampled token (the loss then drops filtered groups)
     batch.mask = batch.mask * keep.float()[:, None]
     batch.off_policy = cfg.rollout.max_policy_lag > 0

@@ -26,6 +26,8 @@ def policy_config(cfg: RLConfig) -> Policy.Config:
     return Policy.Config(
         tensor_parallel=cfg.train.tensor_parallel,
         data_parallel=cfg.train.data_parallel,
+        expert_parallel=cfg.train.expert_parallel,
+        router=cfg.train.router,
         seed=cfg.seed,
         temperature=cfg.rollout.temperature,
         grpo=cfg.algorithm,

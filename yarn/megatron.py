@@ -58,17 +58,24 @@ YARN_ATTRIBUTES = (
 )
 
 
-def configure(config: TransformerConfig, rope: RopeConfig) -> dict[str, Any]:
+def configure(config: TransformerConfig, rope: RopeConfig, *, rotary_percent: float = 1.0) -> dict[str, Any]:
     """Set ``rope``'s YaRN values on ``config`` (in place) and return the rotary ``GPTModel`` kwargs.
 
     Use as ``GPTModel(config=config, ..., **configure(config, rope))``. The returned kwargs are
     ``position_embedding_type`` ("rope" for plain RoPE, "yarn" otherwise), ``rotary_base``,
-    ``rotary_percent`` (1.0) and ``seq_len_interpolation_factor`` (None). Raises ValueError for a
-    config that cannot reproduce ``rope`` (head size, interleaved rotary, MLA, fused single-QKV RoPE).
+    ``rotary_percent`` and ``seq_len_interpolation_factor`` (None). ``rotary_percent`` < 1 rotates the
+    first ``rope.head_dim`` of each head's ``kv_channels`` (GLM-4.5's partial rotary; Megatron's
+    ``rotary_percent``, the rest passing through), plain RoPE only. Raises ValueError for a config
+    that cannot reproduce ``rope`` (head size, interleaved rotary, MLA, fused single-QKV RoPE).
     """
-    if config.kv_channels != rope.head_dim:
+    if int(config.kv_channels * rotary_percent) != rope.head_dim:
         raise ValueError(
-            f"TransformerConfig.kv_channels ({config.kv_channels}) must equal RopeConfig.head_dim ({rope.head_dim})"
+            f"TransformerConfig.kv_channels ({config.kv_channels}) x rotary_percent ({rotary_percent}) must equal "
+            f"RopeConfig.head_dim ({rope.head_dim}), the rotated dimensions"
+        )
+    if rotary_percent != 1.0 and rope.rope_type != "default" and rope.factor != 1.0:
+        raise ValueError(
+            f"partial rotary (rotary_percent={rotary_percent}) with {rope.rope_type} scaling is not supported"
         )
     if config.rotary_interleaved:
         raise ValueError("TransformerConfig.rotary_interleaved must be False: yarn uses the rotate-half layout")
@@ -85,7 +92,7 @@ def configure(config: TransformerConfig, rope: RopeConfig) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
         "position_embedding_type": "rope",
         "rotary_base": rope.base,
-        "rotary_percent": 1.0,
+        "rotary_percent": rotary_percent,
         "seq_len_interpolation_factor": None,
     }
     if rope.rope_type == "llama3":

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from sidecar.engine.decode_round import RoundOutput
 from sidecar.engine.row_scheduler import StepPlan
 from sidecar.engine.rows import CATCH_UP_POSITIONS, REASON_LENGTH, REASON_STOP, Pending, Sequence, add_rounds
@@ -45,11 +47,15 @@ def commit_round(plan: StepPlan, out: RoundOutput, packed: list[list[float]], ve
     from the verified positions (`drafts`: the engine serves a draft)."""
     done = Committed()
     width = plan.round_k + 1
+    asked = out.routes is not None and any(s.routes != "off" for s in plan.rows)
+    routes = out.routes.cpu() if out.routes is not None and asked else None  # one host copy, when a row asked
     for i, s in enumerate(plan.rows):
         row = packed[i]
         a, n, reason = int(row[2 * width]), int(row[2 * width + 1]), int(row[2 * width + 2])
         done.num_accepted.append(a)
         before = len(s.output)
+        if routes is not None and s.routes != "off":  # the inputs of its n emitted tokens: accepted columns only
+            s.add_routes(routes[:, i, :n])
         s.extend(row[:n], row[width : width + n], version)
         k = plan.row_k[i]
         add_rounds(s.counters, [k], [a], n)
@@ -85,8 +91,11 @@ def commit_prefill(new: list[Sequence], prefill: Prefill, version: int, drafts: 
     """Each new sequence takes its first token (a resumed one drew it before it was preempted, and
     takes nothing) and, when it drafts, its pending draft input: its prefix's last state."""
     done = Committed()
+    routes = None if prefill.routes is None else prefill.routes.cpu()
     for i, (s, (tok, lp, _, _, reason)) in enumerate(zip(new, prefill.packed, strict=True)):
         src = prefill.source[i]
+        if routes is not None and s.wants_prompt_routes:  # every prompt position is an input
+            s.add_routes(routes[:, src, : prefill.lengths[src]])
         if not s.output:
             add_rounds(s.counters, [0], [0], 1)
             s.extend([tok], [lp], version)
@@ -99,3 +108,16 @@ def commit_prefill(new: list[Sequence], prefill: Prefill, version: int, drafts: 
             s.pending = [Pending(base=prefill.states, row=src, start=last, count=1)]
         done.keep.append(i)
     return done
+
+
+def verify_union(
+    routes: torch.Tensor,  # (sparse layers, B, round_k + 1, top k) a round's routes
+    row_k: list[int],  # drafts per row: its first row_k + 1 columns were verified
+    experts: int,
+) -> tuple[int, float]:  # (tokens verified, distinct experts per sparse layer, the layers' mean)
+    """The experts a verify read: every verified column's, accepted or not (padding columns aside)."""
+    host = routes.cpu()
+    valid = torch.arange(host.shape[2])[None, :] <= torch.tensor(row_k)[:, None]  # (B, round_k + 1)
+    ids = host[:, valid].reshape(host.shape[0], -1).long()  # (layers, tokens * top k)
+    hit = torch.zeros(host.shape[0], experts, dtype=torch.bool).scatter_(1, ids, True)
+    return int(valid.sum()), float(hit.sum(dim=1).float().mean())

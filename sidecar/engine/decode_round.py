@@ -30,6 +30,7 @@ from sidecar.engine.sampling import AcceptanceRule, reported_logprobs
 from sidecar.engine.speculative import DraftInput, VerifyInput, draft, verify
 from sidecar.model.decode_kernels import DecodeKernels
 from sidecar.model.kv_cache import KVCache
+from sidecar.model.moe import recording_routes, stacked_routes
 
 
 @dataclass(kw_only=True, slots=True)
@@ -58,6 +59,8 @@ class RoundInput:
     """Host mirror: verified columns per row (its drafts + 1)."""
     refresh_counts: list[int]
     """Host mirror of `num_refresh`."""
+    record_routes: bool = False
+    """Return the verified columns' routes (`RoundOutput.routes`): a row of the round asked for them."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -67,6 +70,10 @@ class RoundOutput:
     hidden: Tensor
     """(B, round_k + 1, draft hidden) the draft's inputs at the verified positions (the next round's
     pending inputs: the target's hidden states for MTP, fused taps for EAGLE-3)."""
+    routes: Tensor | None = None
+    """(sparse layers, B, round_k + 1, top k) packed expert ids of the verified columns as inputs,
+    from the verify pass (`RoundInput.record_routes`; the engine keeps each row's first n columns,
+    the inputs of its n emitted tokens); None when not recorded."""
 
 
 def draft_phase(
@@ -109,13 +116,20 @@ def verify_phase(
     drafts: Tensor,  # (B, k)
     q: Tensor,  # (B, k, V)
     u: Tensor,  # (B, 2k + 1)
-) -> tuple[Tensor, Tensor]:  # packed (B, 2(k + 1) + 3) float64, draft inputs at the verified positions (B, k + 1, dh)
+) -> tuple[Tensor, Tensor, Tensor | None]:  # packed (B, 2(k+1) + 3) f64, draft inputs (B, k+1, dh), routes
     """The target forward over each row's last token and its drafts (`speculative.verify`), then
-    acceptance and the packed result."""
+    acceptance and the packed result; with `inp.record_routes` the routes of the verified columns
+    (`RoundOutput.routes`), recorded in this forward (so a captured round returns them too)."""
     tokens = torch.cat([inp.last[:, None], drafts], dim=1)
-    out = verify(drafter, cache, VerifyInput(tokens=tokens), batch.rows, lengths)
+    routes = None
+    if inp.record_routes:
+        with recording_routes(drafter.model.model) as recorded:
+            out = verify(drafter, cache, VerifyInput(tokens=tokens), batch.rows, lengths)
+        routes = stacked_routes(recorded, *tokens.shape)
+    else:
+        out = verify(drafter, cache, VerifyInput(tokens=tokens), batch.rows, lengths)
     packed = accept_round(batch, accept, drafts, q, out.logits, out.probs, inp.num_draft, inp.out_len, u)
-    return packed, out.states
+    return packed, out.states, routes
 
 
 def accept_round(
@@ -152,8 +166,8 @@ def decode_round(
     drafts, q, u = draft_phase(drafter, draft_caches, batch, inp, lengths)
     if drafted is not None:
         drafted()
-    packed, states = verify_phase(drafter, cache, batch, inp, lengths, accept, drafts, q, u)
-    return RoundOutput(packed=packed, hidden=states)
+    packed, states, routes = verify_phase(drafter, cache, batch, inp, lengths, accept, drafts, q, u)
+    return RoundOutput(packed=packed, hidden=states, routes=routes)
 
 
 class EagerRounds:

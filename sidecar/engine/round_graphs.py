@@ -123,25 +123,34 @@ class FixedRounds:
 
         def verify_fn(drafts: Tensor, q: Tensor, u: Tensor, *t: Tensor) -> tuple[Tensor, ...]:
             phase, lengths, padded = _with_leaves(slots, t)
-            return verify_phase(drafter, cache, padded, phase, lengths, accept, drafts, q, u)
+            packed, states, routes = verify_phase(drafter, cache, padded, phase, lengths, accept, drafts, q, u)
+            return (packed, states) if routes is None else (packed, states, routes)
 
+        keep = (1, 2) if inp.record_routes else (1,)  # outputs copied out of the graphs' pool (routes too)
         if drafted is None:  # nothing times the draft phase: the whole round is one graph
 
             def round_fn(*t: Tensor) -> tuple[Tensor, ...]:
                 return verify_fn(*draft_fn(*t), *t)
 
-            packed, states = self._run(("round", draft_key, accept), round_fn, draft_inputs, by_reference=(), keep=(1,))
+            packed, states, *routes = self._run(
+                ("round", draft_key, accept, inp.record_routes), round_fn, draft_inputs, by_reference=(), keep=keep
+            )
         else:  # two graphs, the controller's clock read between them
             drafts, q, u = self._run(draft_key, draft_fn, draft_inputs, by_reference=(), keep=())
             drafted()
             # the verify graph reads this round's inputs where the draft graph's replay copied them
             # (its key pins the draft graph): one copy of each input a round, not two
             shared = self._graphs[draft_key].inputs if self.capture and draft_key in self._graphs else draft_inputs
-            packed, states = self._run(
-                ("verify", draft_key, accept), verify_fn, (), by_reference=(drafts, q, u, *shared), keep=(1,)
+            packed, states, *routes = self._run(
+                ("verify", draft_key, accept, inp.record_routes),
+                verify_fn,
+                (),
+                by_reference=(drafts, q, u, *shared),
+                keep=keep,
             )
         _commit(cache, drafting, inp, shape)
-        return RoundOutput(packed=packed[:b], hidden=states[:b])
+        recorded = routes[0] if routes else None  # (sparse layers, bucket rows, k + 1, top k)
+        return RoundOutput(packed=packed[:b], hidden=states[:b], routes=None if recorded is None else recorded[:, :b])
 
     def check_weights(self, tensors: Iterable[Tensor]) -> None:
         """Drop every captured graph when a tensor the rounds read has moved since they were captured."""

@@ -43,6 +43,9 @@ class StepPlan:
     """Each row's target cache length before the round (what it rolls back to, plus what it keeps)."""
     decision: SpeculationDecision | None
     """Automatic k's choice for the batch, when a row of automatic k runs."""
+    record_routes: bool = False
+    """The round returns its routes: a row asked for them, or automatic k measures the experts a
+    verify reads (`TorchEngine.UNION_EVERY`)."""
 
     @property
     def round_k(self) -> int:
@@ -209,3 +212,40 @@ class RowScheduler:
         shared = self.shareable(len(p), s.drafts) if key in seen else 0
         seen.add(key)
         return blocks_for(len(p) + extra, self.pages.block_size) - shared
+
+    # ---- the prefix cache (`prefix_cache`) -------------------------------------------------------
+    def drafting(self, s: Sequence) -> bool:
+        """The row drafts: its blocks hold draft KV (a prefix-cache namespace of their own)."""
+        return s.drafts and self.drafts
+
+    def prefix_hits(self, new: list[Sequence], version: int) -> list[list[int]]:
+        """Each sequence's cached blocks (its prefix's leading full blocks; none for a sequence
+        that may not use them), held at once, before the pool takes a block for anyone."""
+        cache = self.pages.cache
+        if cache is None:
+            return [[] for _ in new]
+        hits = [  # a prompt whose routes are due is computed whole: cached KV carries no routes
+            cache.lookup(version, self.drafting(s), s.prefix())
+            if s.use_prefix_cache and not s.wants_prompt_routes
+            else []
+            for s in new
+        ]
+        for h in hits:
+            self.pages.acquire(h)
+        return hits
+
+    def cache_row(self, row: int, s: Sequence, version: int, lengths: list[int]) -> None:
+        """Row `row` (sequence `s`, its caches' `lengths`: the target's, then each draft layer's)
+        leaves the batch: its full blocks whose KV (the target's, and the draft's on a drafting row)
+        holds its own tokens, computed with `version`, the weights serving now, enter the cache."""
+        cache = self.pages.cache
+        if cache is None or s.kv_version != version:
+            return
+        tokens = s.prompt + s.output
+        valid = min(lengths[0], len(tokens))  # slots past the tokens: drafts the row did not emit
+        drafting = self.drafting(s)
+        if drafting:
+            if s.draft_gap:
+                return
+            valid = min(valid, len(tokens) - 1, *lengths[1:])
+        cache.insert(version, drafting, tokens, self.pages.rows[row][: valid // self.pages.block_size])

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from sidecar.engine import counter_rng
 from sidecar.engine.sampling import RowSampling
-from sidecar.types import FinishReason, Sample, SamplingParams, SpeculationCounters
+from sidecar.types import FinishReason, Routes, Sample, SamplingParams, SpeculationCounters
 
 CATCH_UP_POSITIONS = 8
 """Most pending MTP inputs an auto sequence keeps while the controller chooses k = 0. Resuming
@@ -137,11 +137,28 @@ class Sequence:
     draft_gap: bool = False
     """Its draft caches skipped positions (`CATCH_UP_POSITIONS`): their blocks' draft KV is not the
     prefix's, so none of its blocks is cached."""
+    routes: str = "off"
+    """Which routes the sample carries (`GenerationRequest.routes`)."""
+    route_parts: list[Tensor] = field(default_factory=list)
+    """Its routes so far, (sparse layers, n, top k) packed on the host each: the prompt's from its
+    prefill ("sequence"), then per round the inputs of the tokens it emitted. A preempted sequence
+    keeps them (its re-prefill adds none), so resuming changes no route."""
 
     @property
     def drafts(self) -> bool:
         """May draft in some step (so its MTP inputs must be kept)."""
         return self.speculation_auto or self.k > 0
+
+    @property
+    def wants_prompt_routes(self) -> bool:
+        """Its prompt's routes are due from the prefill that admits it (a first prefill, not a
+        resumption's). Such a sequence's prompt positions must be computed by that prefill, never
+        taken from a prefix cache: cached KV carries no routes (proto GenerateRequest.routes)."""
+        return self.routes == "sequence" and not self.output
+
+    def add_routes(self, routes: Tensor) -> None:  # (sparse layers, n, top k) on the host
+        """Its next positions' routes (a copy: the round's tensor is not kept alive by a row)."""
+        self.route_parts.append(routes.clone())
 
     @property
     def num_pending(self) -> int:
@@ -186,6 +203,16 @@ class Sequence:
             weight_version=self.first_version,
             last_weight_version=self.last_version,
             counters=self.counters,
+            routes=self._routes(),
+        )
+
+    def _routes(self) -> Routes | None:
+        if self.routes == "off":
+            return None
+        ids = torch.cat(self.route_parts, dim=1) if self.route_parts else torch.empty(0, 0, 0, dtype=torch.uint8)
+        return Routes(
+            expert_ids=ids.transpose(0, 1).contiguous(),  # (positions, sparse layers, top k)
+            first_position=0 if self.routes == "sequence" else len(self.prompt),
         )
 
 

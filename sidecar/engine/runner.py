@@ -25,6 +25,7 @@ from sidecar.model.decode_kernels import DecodeKernels, DecodeOps
 from sidecar.model.kv_cache import KVCache
 from sidecar.model.kv_pages import KVPages
 from sidecar.model.model import Qwen3WithMTP
+from sidecar.model.moe import recording_routes, stacked_routes
 
 
 @dataclass(kw_only=True, slots=True)
@@ -50,6 +51,9 @@ class Prefill:
     """The prefixes' target cache (growable; `load` copies the rows kept)."""
     draft_caches: list[KVCache]
     """Their draft caches, once `prefill_draft` ran (empty until then)."""
+    routes: Tensor | None = None
+    """(sparse layers, U, width, top k) the prefixes' packed routes, recorded when a new sequence
+    asked for its prompt's (`Sequence.wants_prompt_routes`); None otherwise."""
 
 
 class Runner:
@@ -105,6 +109,7 @@ class Runner:
             num_refresh=host[:, 4],
             num_new=[k + 1 for k in row_k],
             refresh_counts=num_refresh,
+            record_routes=plan.record_routes,
         )
         if plan.round_k > 0:
             width = max(num_refresh)
@@ -181,7 +186,9 @@ class Runner:
         if any(cached):
             cache.load_prefix(self.cache, [list(h) for _, h in rows])
         attention = cache.plan(todo, width=width)
-        hidden, states = self.drafter.target_step(tokens, cache, attention)  # (u, width, hidden), the draft's inputs
+        record = any(s.wants_prompt_routes for s in new)  # such a sequence took no cached block: its row is whole
+        with recording_routes(self.model.model if record else None) as recorded:
+            hidden, states = self.drafter.target_step(tokens, cache, attention)  # (u, width, hidden), draft inputs
         cache.commit(attention)
         last = torch.tensor([n - 1 for n in todo], device=self.device)
         logits = self.model.logits(hidden[torch.arange(u, device=self.device), last]).float()  # (u, V)
@@ -202,6 +209,7 @@ class Runner:
             packed=packed,
             cache=cache,
             draft_caches=[],
+            routes=stacked_routes(recorded, u, width) if record else None,
         )
 
     def prefill_draft(

@@ -53,7 +53,7 @@ import torch
 
 import sidecar
 from sidecar.engine.base import Engine
-from sidecar.engine.commit import commit_prefill, commit_round, emitted_ids
+from sidecar.engine.commit import commit_prefill, commit_round, emitted_ids, verify_union
 from sidecar.engine.config import EngineConfig
 from sidecar.engine.decode_round import RoundOutput
 from sidecar.engine.drafters import make_drafter
@@ -72,6 +72,7 @@ from sidecar.model.eagle3 import Eagle3Draft
 from sidecar.model.eagle3_checkpoint import load_eagle3_draft
 from sidecar.model.kv_pages import KVPages, blocks_for, pool_blocks
 from sidecar.model.model import Qwen3WithMTP, build_model
+from sidecar.model.moe import packed_routes
 from sidecar.model.prefix_cache import PrefixCache
 from sidecar.speculation.config import RowState, SpeculationControllerConfig, SpeculationDecision
 from sidecar.speculation.controller import SpeculationController
@@ -89,6 +90,11 @@ from sidecar.types import (
     VersionStats,
     WeightSelector,
 )
+
+UNION_EVERY = 8
+"""Automatic k on a mixture-of-experts target measures the experts one decode round in this many
+reads (`commit.verify_union`, from the round's routes: a copy of the round's expert ids to the host), for
+its cost model's union (`SpeculationController.observe_expert_union`)."""
 
 
 class TorchEngine(Engine):
@@ -189,8 +195,14 @@ class TorchEngine(Engine):
         self._stats = VersionLedger()
         self._live: dict[str, int] = {}  # request id -> unfinished sequences
         self._last_round_k = 0  # drafts of the previous decode step (a larger refresh is a catch-up)
+        self._rounds = 0  # rounds planned (automatic k measures every UNION_EVERY-th one's expert union)
         self.kernels = self.runner.kernels
         self.compile = config.compile
+        moe, layers = self.config.moe, sum(map(self.config.is_sparse, range(self.config.num_hidden_layers)))
+        self._no_routes = packed_routes(  # (sparse layers, 0, top k): a sample's routes before any position's
+            torch.empty(layers, 0, 0 if moe is None else moe.num_experts_per_tok, dtype=torch.int64),
+            0 if moe is None else moe.num_experts,
+        )
 
     def warm_up(self, progress: Callable[[int, int], None] | None = None) -> int:
         """Run a fixed-shape round at every batch bucket, plainly and at the default k, before
@@ -409,8 +421,9 @@ class TorchEngine(Engine):
                         k=k,
                         speculation_auto=auto,
                         seed=sequence_seed(seed, p, s),
-                        # the hook for a request whose prefill must see its whole prompt (its routes)
                         use_prefix_cache=self.prefix_cache is not None,
+                        routes=request.routes,
+                        route_parts=[self._no_routes] if request.routes != "off" else [],
                     )
                 )
         self._live[request.request_id] = len(request.prompts) * request.samples_per_prompt
@@ -476,7 +489,7 @@ class TorchEngine(Engine):
             if self.scheduler.queue and len(self.scheduler.running) < self.max_batch_size:
                 new = self._plan_admission()
                 if new:
-                    hits = self._prefix_hits(new)
+                    hits = self.scheduler.prefix_hits(new, self.weights.version)
                     prefill = self.runner.prefill(new, hits)
                     finished += self._commit_prefill(new, prefill, hits)
         if finished or self.scheduler.running:
@@ -511,8 +524,16 @@ class TorchEngine(Engine):
         ]
         refresh = [s.num_pending if k else 0 for s, k in zip(seqs, row_k, strict=True)]
         lengths = list(runner.cache.lengths)
+        measure = controller is not None and controller.union is not None and self._rounds % UNION_EVERY == 0
+        self._rounds += 1
         return StepPlan(
-            rows=list(seqs), preempted=preempted, row_k=row_k, refresh=refresh, lengths=lengths, decision=decision
+            rows=list(seqs),
+            preempted=preempted,
+            row_k=row_k,
+            refresh=refresh,
+            lengths=lengths,
+            decision=decision,
+            record_routes=measure or any(s.routes != "off" for s in seqs),
         )
 
     def _commit_round(self, plan: StepPlan, out: RoundOutput, started: float, drafted_at: float) -> list[Sample]:
@@ -537,6 +558,8 @@ class TorchEngine(Engine):
                 self._cache_blocks(i, s)
         self._keep_rows(done.keep)
         if controller is not None and decision is not None:  # the controller learns from the steps it decided
+            if out.routes is not None and controller.union is not None:
+                controller.observe_expert_union(*verify_union(out.routes, plan.row_k, controller.union.experts))
             controller.observe_acceptance(*done.evidence)
             controller.observe_step(
                 batch=len(plan.rows),
@@ -601,7 +624,7 @@ class TorchEngine(Engine):
         ended: dict[tuple[int, bool], int] = {}
         if self.prefix_cache is not None:
             for i, (s, _) in zip([i for i in range(len(new)) if i not in set(done.keep)], done.finished, strict=True):
-                ended.setdefault((prefill.source[i], self._drafting(s)), i)
+                ended.setdefault((prefill.source[i], self.scheduler.drafting(s)), i)
         rows = done.keep + list(ended.values())
         joined = set(rows)
         for i, h in enumerate(hits):
@@ -621,38 +644,10 @@ class TorchEngine(Engine):
             self._keep_rows(list(range(first)))
         return finished
 
-    # ---- the prefix cache (`prefix_cache`) ---------------------------------------------------
-    def _drafting(self, s: Sequence) -> bool:
-        """The row drafts: its blocks hold draft KV (a cache namespace of their own)."""
-        return s.drafts and self.scheduler.drafts
-
-    def _prefix_hits(self, new: list[Sequence]) -> list[list[int]]:
-        """Each sequence's cached blocks (its prefix's leading full blocks, none for a sequence
-        that may not use them), held at once, before the pool takes a block for anyone."""
-        cache, pages = self.prefix_cache, self.scheduler.pages
-        if cache is None:
-            return [[] for _ in new]
-        version = self.weights.version
-        hits = [cache.lookup(version, self._drafting(s), s.prefix()) if s.use_prefix_cache else [] for s in new]
-        for h in hits:
-            pages.acquire(h)
-        return hits
-
     def _cache_blocks(self, row: int, s: Sequence) -> None:
-        """Row `row` (sequence `s`) leaves the batch: its full blocks whose KV (the target's, and the
-        draft's on a drafting row) holds its own tokens, computed with the weights serving now,
-        enter the prefix cache."""
-        cache, pages = self.prefix_cache, self.scheduler.pages
-        if cache is None or s.kv_version != self.weights.version:
-            return
-        tokens = s.prompt + s.output
-        valid = min(self.runner.cache.lengths[row], len(tokens))  # slots past the tokens: rejected drafts
-        drafting = self._drafting(s)
-        if drafting:
-            if s.draft_gap:
-                return
-            valid = min(valid, len(tokens) - 1, *(c.lengths[row] for c in self.runner.draft_caches))
-        cache.insert(self.weights.version, drafting, tokens, pages.rows[row][: valid // pages.block_size])
+        """Row `row` leaves the batch: its blocks into the prefix cache (`RowScheduler.cache_row`)."""
+        lengths = [c.lengths[row] for c in [self.runner.cache, *self.runner.draft_caches]]
+        self.scheduler.cache_row(row, s, self.weights.version, lengths)
 
     @staticmethod
     def _row_state(s: Sequence) -> RowState:

@@ -52,6 +52,11 @@ def validate_request(request: GenerationRequest, config: ModelConfig, max_specul
                 f"prompts[{i}] has {len(prompt)} tokens; with max_new_tokens={sp.max_new_tokens} that exceeds "
                 f"the model context of {context} (max_position_embeddings); shorten the prompt or lower max_new_tokens"
             )
+    if request.routes != "off" and config.moe is None:
+        raise InvalidRequestError(
+            f"routes={request.routes!r} asked of a model without experts ({(config.architectures or ['a dense model'])[0]} "
+            "has no mixture-of-experts layers, so its tokens have no routes); send routes 'off'"
+        )
     k = request.speculation_k
     if k is not None:
         if k < 0:

@@ -42,6 +42,7 @@ checkpoint names follow the module tree (`checkpoint.py`): `mlp.gate.weight` [E,
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -378,14 +379,26 @@ def packed_routes(ids: Tensor, num_experts: int) -> Tensor:
     return ids.to(torch.uint8 if num_experts <= 256 else torch.int16)
 
 
+_SPARSE_LAYERS: weakref.WeakKeyDictionary[nn.Module, list[SparseMoE]] = weakref.WeakKeyDictionary()
+
+
+def sparse_layers(module: nn.Module) -> list[SparseMoE]:
+    """The sparse layers under `module`, in the order they run (found once: a model's tree is fixed
+    once built, and walking it every round cost a tenth of a tiny MoE's step)."""
+    found = _SPARSE_LAYERS.get(module)
+    if found is None:
+        found = _SPARSE_LAYERS[module] = [m for m in module.modules() if isinstance(m, SparseMoE)]
+    return found
+
+
 @contextlib.contextmanager
-def recording_routes(module: nn.Module) -> Iterator[list[Tensor]]:
+def recording_routes(module: nn.Module | None) -> Iterator[list[Tensor]]:
     """While open, every sparse layer under `module` (the trunk, `Qwen3WithMTP.model`: not the
     draft's) appends the experts each token of its forward is routed to, (tokens, k) packed
     (`packed_routes`), in the order the layers run. What a sample's routes are made of: the trainer's
     routing replay needs the choice of the pass that produced each token (issue 58; the engine's
-    rounds collect them from the verify pass)."""
-    sparse = [m for m in module.modules() if isinstance(m, SparseMoE)]
+    rounds collect them from the verify pass). None: records nothing (the list stays empty)."""
+    sparse = [] if module is None else sparse_layers(module)
     routes: list[Tensor] = []
     for m in sparse:
         m.route_sink = routes
@@ -396,9 +409,17 @@ def recording_routes(module: nn.Module) -> Iterator[list[Tensor]]:
             m.route_sink = None
 
 
+def stacked_routes(routes: list[Tensor], batch: int, tokens: int) -> Tensor:
+    """One forward's records (`recording_routes`) over (batch, tokens) as (sparse layers, batch,
+    tokens, k), packed; a trunk without sparse layers gives (0, batch, tokens, 0)."""
+    if not routes:
+        return torch.empty(0, batch, tokens, 0, dtype=torch.uint8)
+    return torch.stack([r.view(batch, tokens, -1) for r in routes])
+
+
 def sequence_routes(trunk: nn.Module, forward: Callable[[], object], batch: int, tokens: int) -> Tensor:
     """The experts of every token of one forward over (batch, tokens) in every sparse layer of
     `trunk`: (sparse layers, batch, tokens, k), packed."""
     with recording_routes(trunk) as routes:
         forward()
-    return torch.stack([r.view(batch, tokens, -1) for r in routes])
+    return stacked_routes(routes, batch, tokens)

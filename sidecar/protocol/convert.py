@@ -8,6 +8,7 @@ ValueError) for a message whose content is not acceptable, naming the field.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from sidecar.errors import InvalidRequestError
@@ -27,6 +28,7 @@ from sidecar.types import (
     PushItem,
     PushResult,
     RequestLimits,
+    Routes,
     Sample,
     SamplingParams,
     ScoreRequest,
@@ -60,6 +62,14 @@ _FINISH_TO_PB = {
     FinishReason.ABORT: rollout_pb2.FINISH_REASON_ABORT,
 }
 _FINISH_FROM_PB = {v: k for k, v in _FINISH_TO_PB.items()}
+_ROUTES_TO_PB = {
+    "off": rollout_pb2.ROUTE_REQUEST_OFF,
+    "generated": rollout_pb2.ROUTE_REQUEST_GENERATED,
+    "sequence": rollout_pb2.ROUTE_REQUEST_SEQUENCE,
+}
+_ROUTES_FROM_PB = {v: k for k, v in _ROUTES_TO_PB.items()}
+_ID_DTYPES = {1: torch.uint8, 2: torch.int16}  # Routes.id_bytes -> the ids' dtype
+_WIRE = {torch.uint8: "<u1", torch.int16: "<i2"}  # their little-endian wire forms
 _DTYPE_TO_PB = {
     torch.float32: weights_pb2.D_TYPE_FLOAT32,
     torch.float16: weights_pb2.D_TYPE_FLOAT16,
@@ -165,6 +175,7 @@ def generation_request_to_pb(request: GenerationRequest) -> rollout_pb2.Generate
         samples_per_prompt=request.samples_per_prompt,
         min_weight_version=request.min_weight_version,
         session_ids=request.session_ids,
+        routes=_ROUTES_TO_PB[request.routes],
     )
     if request.speculation_k is not None:
         msg.speculation_k = request.speculation_k
@@ -175,6 +186,8 @@ def generation_request_from_pb(msg: rollout_pb2.GenerateRequest) -> GenerationRe
     if not msg.HasField("sampling"):
         raise InvalidRequestError("sampling is missing; set at least sampling.max_new_tokens")
     sampling = sampling_from_pb(msg.sampling)
+    if msg.routes not in _ROUTES_FROM_PB:
+        raise InvalidRequestError(f"routes is {msg.routes}, not a known RouteRequest (OFF, GENERATED or SEQUENCE)")
     try:
         return GenerationRequest(
             prompts=[list(p.token_ids) for p in msg.prompts],
@@ -184,6 +197,7 @@ def generation_request_from_pb(msg: rollout_pb2.GenerateRequest) -> GenerationRe
             min_weight_version=msg.min_weight_version,
             speculation_k=msg.speculation_k if msg.HasField("speculation_k") else None,
             session_ids=list(msg.session_ids),
+            routes=_ROUTES_FROM_PB[msg.routes],
         )
     except ValueError as e:
         raise InvalidRequestError(str(e)) from None
@@ -256,7 +270,32 @@ def sample_to_pb(sample: Sample) -> rollout_pb2.Sample:
         weight_version=sample.weight_version,
         last_weight_version=sample.last_weight_version,
         counters=counters_to_pb(sample.counters),
+        routes=None if sample.routes is None else routes_to_pb(sample.routes),
     )
+
+
+def routes_to_pb(routes: Routes) -> rollout_pb2.Routes:
+    ids = routes.expert_ids.contiguous()
+    raw = ids.numpy().astype(_WIRE[ids.dtype], copy=False).tobytes()
+    p, layers, top = ids.shape
+    return rollout_pb2.Routes(
+        expert_ids=raw,
+        positions=p,
+        sparse_layers=layers,
+        top_k=top,
+        first_position=routes.first_position,
+        id_bytes=ids.element_size(),
+    )
+
+
+def routes_from_pb(msg: rollout_pb2.Routes) -> Routes:
+    dtype, shape = _ID_DTYPES.get(msg.id_bytes), (msg.positions, msg.sparse_layers, msg.top_k)
+    if dtype is None or len(msg.expert_ids) != msg.id_bytes * shape[0] * shape[1] * shape[2]:
+        raise InvalidRequestError(
+            f"routes: {len(msg.expert_ids)} bytes do not hold {shape} ids of id_bytes={msg.id_bytes} (1 or 2)"
+        )
+    wire = np.frombuffer(msg.expert_ids, dtype=_WIRE[dtype]).astype(_WIRE[dtype][1:])  # to this host's byte order
+    return Routes(expert_ids=torch.from_numpy(wire).view(shape), first_position=msg.first_position)
 
 
 def sample_from_pb(msg: rollout_pb2.Sample) -> Sample:
@@ -272,6 +311,7 @@ def sample_from_pb(msg: rollout_pb2.Sample) -> Sample:
         weight_version=msg.weight_version,
         last_weight_version=msg.last_weight_version,
         counters=counters_from_pb(msg.counters),
+        routes=routes_from_pb(msg.routes) if msg.HasField("routes") else None,
     )
 
 

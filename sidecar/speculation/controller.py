@@ -7,6 +7,7 @@ injected costs and acceptance.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 
@@ -20,7 +21,7 @@ from sidecar.speculation.costs import (
     option_value,
     rates_per_row,
 )
-from sidecar.speculation.expert_union import ExpertReads
+from sidecar.speculation.expert_union import ExpertReads, MeasuredUnion
 
 
 class SpeculationController:
@@ -28,9 +29,16 @@ class SpeculationController:
 
     def __init__(self, config: SpeculationControllerConfig, expert_reads: ExpertReads | None = None) -> None:
         self.config = config
+        self.union: MeasuredUnion | None = None
+        """The experts the engine's verifies read, measured (`observe_expert_union`), for an
+        `expert_reads` without a `measured` union of its own."""
+        if expert_reads is not None and expert_reads.measured is None and expert_reads.sparse_layers > 0:
+            self.union = MeasuredUnion(expert_reads.experts, expert_reads.top_k)
+            expert_reads = dataclasses.replace(expert_reads, measured=self.union)
         self.expert_reads = expert_reads
         """A mixture-of-experts target's bytes per forward (`expert_union`): the prior of a verify's
-        cost counts the union of the experts its batch × width tokens read (None: a dense target)."""
+        cost counts the union of the experts its batch × width tokens read, measured where the
+        engine measured it, the uniform formula otherwise (None: a dense target)."""
         self.acceptance = AcceptanceEstimate(config)
         self._buckets: dict[int, BucketCosts] = {}
         self._observations = 0  # steps observed (cached derived estimates are valid for one count)
@@ -45,6 +53,12 @@ class SpeculationController:
         self.held = ""
         """Why drafting is held off until the next weight version ('' when it is not): the
         served version's draft collapsed (`hold`)."""
+
+    def observe_expert_union(self, tokens: int, distinct: float) -> None:
+        """A verify of `tokens` tokens (every row's verified columns) read `distinct` experts per
+        sparse layer (the engine's measurement from its routes; nothing to do for a dense target)."""
+        if self.union is not None:
+            self.union.observe(tokens, distinct)
 
     # ---- predictions ------------------------------------------------------------------------
     def _bucket(self, batch: int) -> BucketCosts:

@@ -20,6 +20,8 @@ step at batch B, which the automatic-k controller uses as its prior before it ha
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -63,3 +65,40 @@ class ExpertReads:
     def verify_ratio(self, batch: int, width: int) -> float:
         """A width-`width` verify's bytes over a plain step's at `batch` rows (>= 1)."""
         return self.step_bytes(batch * width) / self.step_bytes(batch)
+
+
+class MeasuredUnion:
+    """Distinct experts per sparse layer by the tokens of a forward, as the engine measured them in
+    its verify passes (`observe`: the routes of every verified column, accepted or not: the verify
+    read them all). A token count measured: the mean of its latest `window` readings. One not
+    measured: the uniform formula times the measured / uniform ratio at the nearest measured count
+    (in log tokens; consecutive tokens share experts alike at neighbouring widths), within what
+    any T tokens read (top k to min(E, T x top k): one token reads exactly top k). Nothing
+    measured: the uniform formula. Callable as `ExpertReads.measured`."""
+
+    def __init__(self, experts: int, top_k: int, window: int = 64) -> None:
+        self.experts, self.top_k, self.window = experts, top_k, window
+        self._readings: dict[int, deque[float]] = {}
+
+    def observe(self, tokens: int, distinct: float) -> None:
+        """One forward of `tokens` tokens read `distinct` experts per sparse layer (the layers' mean)."""
+        if tokens <= 0 or not 0.0 < distinct <= self.experts:
+            raise ValueError(f"a forward of {tokens} tokens cannot read {distinct} of {self.experts} experts")
+        self._readings.setdefault(tokens, deque(maxlen=self.window)).append(distinct)
+
+    @property
+    def measured_tokens(self) -> list[int]:
+        """The token counts measured so far."""
+        return sorted(self._readings)
+
+    def __call__(self, tokens: float) -> float:
+        uniform = uniform_union(self.experts, self.top_k, tokens)
+        if not self._readings or tokens <= 0:
+            return uniform
+        nearest = min(self._readings, key=lambda t: (abs(math.log(t / tokens)), t))
+        readings = self._readings[nearest]
+        mean = sum(readings) / len(readings)
+        if nearest != tokens:
+            mean = uniform * mean / uniform_union(self.experts, self.top_k, nearest)
+        # what any T >= 1 tokens read: at least one token's top k, at most T x top k and E (one token: top k)
+        return min(max(mean, float(self.top_k)), float(self.experts), max(tokens, 1.0) * self.top_k)

@@ -20,7 +20,6 @@ is decisive and every expert matters. Checked:
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
@@ -264,15 +263,3 @@ def test_the_fixed_shape_expert_sum_traces_whole_without_host_reads() -> None:
     assert backend.calls == len(traced.keys) > 0
     assert backend.host_reads == []
     torch._dynamo.reset()
-
-
-def test_the_trainer_refuses_an_moe_policy_until_it_trains_one(checkpoint: tuple[Any, Path]) -> None:
-    """Invariant 2 (trainer and engine agree): the dense Megatron policy must not stand in for experts."""
-    from trainer.gpt import check_hf_config
-    from trainer.preflight import PreflightError, read_model_config
-
-    _, path = checkpoint
-    with pytest.raises(PreflightError, match="Qwen3MoeForCausalLM is a mixture of experts"):
-        read_model_config(path)
-    with pytest.raises(ValueError, match="mixture of experts"):
-        check_hf_config(json.loads((path / "config.json").read_text()), tensor_parallel=1)

@@ -292,14 +292,14 @@ def test_traffic_with_pushes_never_reads_another_versions_kv_and_blocks_come_bac
     cache = e.prefix_cache
     assert isinstance(cache, PrefixCache)
     hit_versions: list[tuple[int, int]] = []
-    lookup = e._prefix_hits
+    lookup = e.scheduler.prefix_hits
 
-    def checked(new: list) -> list[list[int]]:  # every hit's blocks: computed with the serving weights
-        hits = lookup(new)
+    def checked(new: list, version: int) -> list[list[int]]:  # every hit's blocks: the serving weights' KV
+        hits = lookup(new, version)
         hit_versions.extend((cache.version_of(b), e.weights.version) for h in hits for b in h)
         return hits
 
-    e._prefix_hits = checked  # type: ignore[method-assign]
+    e.scheduler.prefix_hits = checked  # type: ignore[method-assign]
     k_of = {f"{c}-{i}": k for i, (_, c, k, _) in enumerate(events)}
     done = drive(e, events, seed)
     check_against_versions(done, k_of)
@@ -311,22 +311,33 @@ def test_traffic_with_pushes_never_reads_another_versions_kv_and_blocks_come_bac
 
 
 def test_the_push_oracle_catches_a_push_that_keeps_the_cache() -> None:
-    """Negative control: with a push that keeps the cache and keys without the version, a turn after
-    the push reads KV of the old weights, and the oracle of its version sees it."""
-    events = [("turn", 0, 0, 8), ("step", 0, 0, 0)] * 6 + [("push", 0, 0, 0), ("turn", 0, 0, 8)]
+    """Negative control: with a push that keeps the cache and lookups that ignore the version, a
+    turn after the push reads KV of the old weights, and the oracle of its version sees it; with
+    keys that ignore the version, the lookup's own guard refuses the block."""
+    turn = [("turn", 0, 0, 8)] + [("step", 0, 0, 0)] * 12  # a turn, run to its end
+    events = turn * 2 + [("push", 0, 0, 0), ("turn", 0, 0, 8)]
     k_of = {f"{c}-{i}": k for i, (_, c, k, _) in enumerate(events)}
     good = pushed_engine()
-    check_against_versions(drive(good, events, seed=3), k_of)
+    assert check_against_versions(drive(good, events, seed=3), k_of) == 3  # every turn within one version
     assert good.stats()[-1].weight_version == 1
 
-    broken = pushed_engine()
+    broken = pushed_engine()  # a push that keeps the cache, and lookups that ignore the version
     broken.scheduler.pages.drop_cache = lambda: None  # type: ignore[method-assign]
     cache = broken.prefix_cache
     assert cache is not None
-    real_keys = cache.keys
-    cache.keys = lambda version, drafting, tokens, n: real_keys(0, drafting, tokens, n)  # type: ignore[method-assign]
+    real_lookup = cache.lookup
+    cache.lookup = lambda version, drafting, prefix: real_lookup(0, drafting, prefix)  # type: ignore[method-assign]
     with pytest.raises(AssertionError):
         check_against_versions(drive(broken, events, seed=3), k_of)
+
+    guarded = pushed_engine()  # keys without the version: the lookup's guard refuses the stale block
+    guarded.scheduler.pages.drop_cache = lambda: None  # type: ignore[method-assign]
+    cache = guarded.prefix_cache
+    assert cache is not None
+    real_keys = cache.keys
+    cache.keys = lambda version, drafting, tokens, n: real_keys(0, drafting, tokens, n)  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="holds version 0 KV, 1 serves"):
+        drive(guarded, events, seed=3)
 
 
 def test_preempted_rows_resume_from_their_cached_blocks_and_stay_exact() -> None:
@@ -364,3 +375,25 @@ def test_a_turn_that_ends_at_its_first_token_leaves_its_blocks_for_the_next(k: i
     assert_same(got, ask(off, second, "b", k)[0])
     pages = on.scheduler.pages
     assert pages.free == pages.usable
+
+
+def test_a_request_for_its_prompts_routes_prefills_its_whole_prompt() -> None:
+    """An MoE turn asking for its prompt's routes (`GenerationRequest.routes = "sequence"`) takes
+    no cached block, whose KV carries no routes: its routes cover every prompt position and equal
+    those of an engine without a cache; the same turn without routes does hit the cache."""
+    from test_moe_models import moe_target
+
+    model = moe_target(num_nextn_predict_layers=1, eps=0.3)
+    on = TorchEngine(model, speculation_k=2, kv_block_size=4)
+    off = TorchEngine(model, speculation_k=2, kv_block_size=4, prefix_cache=False)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=8)
+    first = list(range(3, 30))
+    (a,) = on.generate(GenerationRequest(prompts=[first], sampling=sp, speculation_k=2))
+    second = first + a.token_ids + OBSERVATION
+    (got,) = on.generate(GenerationRequest(prompts=[second], sampling=sp, speculation_k=2, routes="sequence"))
+    assert on.stats()[-1].prefix_cache_hit_tokens == 0
+    (want,) = off.generate(GenerationRequest(prompts=[second], sampling=sp, speculation_k=2, routes="sequence"))
+    assert got.routes is not None and want.routes is not None
+    assert got.routes.first_position == 0 and torch.equal(got.routes.expert_ids, want.routes.expert_ids)
+    on.generate(GenerationRequest(prompts=[[*second, 4]], sampling=sp, speculation_k=2))
+    assert on.stats()[-1].prefix_cache_hit_tokens > len(first)

@@ -25,17 +25,19 @@ _sym_db = _symbol_database.Default()
 from sidecar.protocol.specrl.v1 import common_pb2 as specrl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specrl/v1/rollout.proto\x12\tspecrl.v1\x1a\x16specrl/v1/common.proto\"7\n\rScoreSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x13\n\x0bstart_index\x18\x02 \x01(\r\"l\n\x0cScoreRequest\x12+\n\tsequences\x18\x01 \x03(\x0b\x32\x18.specrl.v1.ScoreSequence\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x1a\n\x12min_weight_version\x18\x03 \x01(\x04\"!\n\rSequenceScore\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\"Q\n\rScoreResponse\x12(\n\x06scores\x18\x01 \x03(\x0b\x32\x18.specrl.v1.SequenceScore\x12\x16\n\x0eweight_version\x18\x02 \x01(\x04\"\xf0\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x01\x88\x01\x01\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\r\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x02\x88\x01\x01\x12\x13\n\x0bstop_at_eos\x18\x07 \x01(\x08\x12,\n\x0clogprob_mode\x18\x08 \x01(\x0e\x32\x16.specrl.v1.LogprobModeB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\x1b\n\x06Prompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\xf1\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x07prompts\x18\x02 \x03(\x0b\x32\x11.specrl.v1.Prompt\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.specrl.v1.SamplingParams\x12\x1a\n\x12samples_per_prompt\x18\x04 \x01(\r\x12\x1a\n\x12min_weight_version\x18\x05 \x01(\x04\x12\x1a\n\rspeculation_k\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0bsession_ids\x18\x07 \x03(\tB\x10\n\x0e_speculation_k\"\x84\x02\n\x06Sample\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0cprompt_index\x18\x02 \x01(\r\x12\x14\n\x0csample_index\x18\x03 \x01(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12.\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x17.specrl.v1.FinishReason\x12\x16\n\x0eweight_version\x18\x07 \x01(\x04\x12\x1b\n\x13last_weight_version\x18\x08 \x01(\x04\x12\x30\n\x08\x63ounters\x18\t \x01(\x0b\x32\x1e.specrl.v1.SpeculationCounters\"5\n\x10GenerateResponse\x12!\n\x06sample\x18\x01 \x01(\x0b\x32\x11.specrl.v1.Sample\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"7\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x17\n\x0f\x61\x62orted_samples\x18\x02 \x01(\r*]\n\x0bLogprobMode\x12\x1c\n\x18LOGPROB_MODE_UNSPECIFIED\x10\x00\x12\x14\n\x10LOGPROB_MODE_RAW\x10\x01\x12\x1a\n\x16LOGPROB_MODE_PROCESSED\x10\x02*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xcf\x01\n\x0eRolloutService\x12\x45\n\x08Generate\x12\x1a.specrl.v1.GenerateRequest\x1a\x1b.specrl.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.specrl.v1.AbortRequest\x1a\x18.specrl.v1.AbortResponse\x12:\n\x05Score\x12\x17.specrl.v1.ScoreRequest\x1a\x18.specrl.v1.ScoreResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specrl/v1/rollout.proto\x12\tspecrl.v1\x1a\x16specrl/v1/common.proto\"7\n\rScoreSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x13\n\x0bstart_index\x18\x02 \x01(\r\"l\n\x0cScoreRequest\x12+\n\tsequences\x18\x01 \x03(\x0b\x32\x18.specrl.v1.ScoreSequence\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x1a\n\x12min_weight_version\x18\x03 \x01(\x04\"!\n\rSequenceScore\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\"Q\n\rScoreResponse\x12(\n\x06scores\x18\x01 \x03(\x0b\x32\x18.specrl.v1.SequenceScore\x12\x16\n\x0eweight_version\x18\x02 \x01(\x04\"\xf0\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x01\x88\x01\x01\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\r\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x02\x88\x01\x01\x12\x13\n\x0bstop_at_eos\x18\x07 \x01(\x08\x12,\n\x0clogprob_mode\x18\x08 \x01(\x0e\x32\x16.specrl.v1.LogprobModeB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\x1b\n\x06Prompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x9a\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x07prompts\x18\x02 \x03(\x0b\x32\x11.specrl.v1.Prompt\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.specrl.v1.SamplingParams\x12\x1a\n\x12samples_per_prompt\x18\x04 \x01(\r\x12\x1a\n\x12min_weight_version\x18\x05 \x01(\x04\x12\x1a\n\rspeculation_k\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0bsession_ids\x18\x07 \x03(\t\x12\'\n\x06routes\x18\x08 \x01(\x0e\x32\x17.specrl.v1.RouteRequestB\x10\n\x0e_speculation_k\"\x7f\n\x06Routes\x12\x12\n\nexpert_ids\x18\x01 \x01(\x0c\x12\x11\n\tpositions\x18\x02 \x01(\r\x12\x15\n\rsparse_layers\x18\x03 \x01(\r\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x16\n\x0e\x66irst_position\x18\x05 \x01(\r\x12\x10\n\x08id_bytes\x18\x06 \x01(\r\"\xa7\x02\n\x06Sample\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0cprompt_index\x18\x02 \x01(\r\x12\x14\n\x0csample_index\x18\x03 \x01(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12.\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x17.specrl.v1.FinishReason\x12\x16\n\x0eweight_version\x18\x07 \x01(\x04\x12\x1b\n\x13last_weight_version\x18\x08 \x01(\x04\x12\x30\n\x08\x63ounters\x18\t \x01(\x0b\x32\x1e.specrl.v1.SpeculationCounters\x12!\n\x06routes\x18\n \x01(\x0b\x32\x11.specrl.v1.Routes\"5\n\x10GenerateResponse\x12!\n\x06sample\x18\x01 \x01(\x0b\x32\x11.specrl.v1.Sample\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"7\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x17\n\x0f\x61\x62orted_samples\x18\x02 \x01(\r*]\n\x0bLogprobMode\x12\x1c\n\x18LOGPROB_MODE_UNSPECIFIED\x10\x00\x12\x14\n\x10LOGPROB_MODE_RAW\x10\x01\x12\x1a\n\x16LOGPROB_MODE_PROCESSED\x10\x02*^\n\x0cRouteRequest\x12\x15\n\x11ROUTE_REQUEST_OFF\x10\x00\x12\x1b\n\x17ROUTE_REQUEST_GENERATED\x10\x01\x12\x1a\n\x16ROUTE_REQUEST_SEQUENCE\x10\x02*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xcf\x01\n\x0eRolloutService\x12\x45\n\x08Generate\x12\x1a.specrl.v1.GenerateRequest\x1a\x1b.specrl.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.specrl.v1.AbortRequest\x1a\x18.specrl.v1.AbortResponse\x12:\n\x05Score\x12\x17.specrl.v1.ScoreRequest\x1a\x18.specrl.v1.ScoreResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specrl.v1.rollout_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_LOGPROBMODE']._serialized_start=1274
-  _globals['_LOGPROBMODE']._serialized_end=1367
-  _globals['_FINISHREASON']._serialized_start=1369
-  _globals['_FINISHREASON']._serialized_end=1489
+  _globals['_LOGPROBMODE']._serialized_start=1479
+  _globals['_LOGPROBMODE']._serialized_end=1572
+  _globals['_ROUTEREQUEST']._serialized_start=1574
+  _globals['_ROUTEREQUEST']._serialized_end=1668
+  _globals['_FINISHREASON']._serialized_start=1670
+  _globals['_FINISHREASON']._serialized_end=1790
   _globals['_SCORESEQUENCE']._serialized_start=62
   _globals['_SCORESEQUENCE']._serialized_end=117
   _globals['_SCOREREQUEST']._serialized_start=119
@@ -49,15 +51,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROMPT']._serialized_start=590
   _globals['_PROMPT']._serialized_end=617
   _globals['_GENERATEREQUEST']._serialized_start=620
-  _globals['_GENERATEREQUEST']._serialized_end=861
-  _globals['_SAMPLE']._serialized_start=864
-  _globals['_SAMPLE']._serialized_end=1124
-  _globals['_GENERATERESPONSE']._serialized_start=1126
-  _globals['_GENERATERESPONSE']._serialized_end=1179
-  _globals['_ABORTREQUEST']._serialized_start=1181
-  _globals['_ABORTREQUEST']._serialized_end=1215
-  _globals['_ABORTRESPONSE']._serialized_start=1217
-  _globals['_ABORTRESPONSE']._serialized_end=1272
-  _globals['_ROLLOUTSERVICE']._serialized_start=1492
-  _globals['_ROLLOUTSERVICE']._serialized_end=1699
+  _globals['_GENERATEREQUEST']._serialized_end=902
+  _globals['_ROUTES']._serialized_start=904
+  _globals['_ROUTES']._serialized_end=1031
+  _globals['_SAMPLE']._serialized_start=1034
+  _globals['_SAMPLE']._serialized_end=1329
+  _globals['_GENERATERESPONSE']._serialized_start=1331
+  _globals['_GENERATERESPONSE']._serialized_end=1384
+  _globals['_ABORTREQUEST']._serialized_start=1386
+  _globals['_ABORTREQUEST']._serialized_end=1420
+  _globals['_ABORTRESPONSE']._serialized_start=1422
+  _globals['_ABORTRESPONSE']._serialized_end=1477
+  _globals['_ROLLOUTSERVICE']._serialized_start=1793
+  _globals['_ROLLOUTSERVICE']._serialized_end=2000
 # @@protoc_insertion_point(module_scope)

@@ -14,6 +14,12 @@ class LogprobMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     LOGPROB_MODE_RAW: _ClassVar[LogprobMode]
     LOGPROB_MODE_PROCESSED: _ClassVar[LogprobMode]
 
+class RouteRequest(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROUTE_REQUEST_OFF: _ClassVar[RouteRequest]
+    ROUTE_REQUEST_GENERATED: _ClassVar[RouteRequest]
+    ROUTE_REQUEST_SEQUENCE: _ClassVar[RouteRequest]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
@@ -23,6 +29,9 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 LOGPROB_MODE_UNSPECIFIED: LogprobMode
 LOGPROB_MODE_RAW: LogprobMode
 LOGPROB_MODE_PROCESSED: LogprobMode
+ROUTE_REQUEST_OFF: RouteRequest
+ROUTE_REQUEST_GENERATED: RouteRequest
+ROUTE_REQUEST_SEQUENCE: RouteRequest
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -87,7 +96,7 @@ class Prompt(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompts", "sampling", "samples_per_prompt", "min_weight_version", "speculation_k", "session_ids")
+    __slots__ = ("request_id", "prompts", "sampling", "samples_per_prompt", "min_weight_version", "speculation_k", "session_ids", "routes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +104,7 @@ class GenerateRequest(_message.Message):
     MIN_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_K_FIELD_NUMBER: _ClassVar[int]
     SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    ROUTES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     sampling: SamplingParams
@@ -102,10 +112,27 @@ class GenerateRequest(_message.Message):
     min_weight_version: int
     speculation_k: int
     session_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., samples_per_prompt: _Optional[int] = ..., min_weight_version: _Optional[int] = ..., speculation_k: _Optional[int] = ..., session_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    routes: RouteRequest
+    def __init__(self, request_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., samples_per_prompt: _Optional[int] = ..., min_weight_version: _Optional[int] = ..., speculation_k: _Optional[int] = ..., session_ids: _Optional[_Iterable[str]] = ..., routes: _Optional[_Union[RouteRequest, str]] = ...) -> None: ...
+
+class Routes(_message.Message):
+    __slots__ = ("expert_ids", "positions", "sparse_layers", "top_k", "first_position", "id_bytes")
+    EXPERT_IDS_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    FIRST_POSITION_FIELD_NUMBER: _ClassVar[int]
+    ID_BYTES_FIELD_NUMBER: _ClassVar[int]
+    expert_ids: bytes
+    positions: int
+    sparse_layers: int
+    top_k: int
+    first_position: int
+    id_bytes: int
+    def __init__(self, expert_ids: _Optional[bytes] = ..., positions: _Optional[int] = ..., sparse_layers: _Optional[int] = ..., top_k: _Optional[int] = ..., first_position: _Optional[int] = ..., id_bytes: _Optional[int] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("request_id", "prompt_index", "sample_index", "token_ids", "logprobs", "finish_reason", "weight_version", "last_weight_version", "counters")
+    __slots__ = ("request_id", "prompt_index", "sample_index", "token_ids", "logprobs", "finish_reason", "weight_version", "last_weight_version", "counters", "routes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_INDEX_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +142,7 @@ class Sample(_message.Message):
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     LAST_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    ROUTES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_index: int
     sample_index: int
@@ -124,7 +152,8 @@ class Sample(_message.Message):
     weight_version: int
     last_weight_version: int
     counters: _common_pb2.SpeculationCounters
-    def __init__(self, request_id: _Optional[str] = ..., prompt_index: _Optional[int] = ..., sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., weight_version: _Optional[int] = ..., last_weight_version: _Optional[int] = ..., counters: _Optional[_Union[_common_pb2.SpeculationCounters, _Mapping]] = ...) -> None: ...
+    routes: Routes
+    def __init__(self, request_id: _Optional[str] = ..., prompt_index: _Optional[int] = ..., sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., weight_version: _Optional[int] = ..., last_weight_version: _Optional[int] = ..., counters: _Optional[_Union[_common_pb2.SpeculationCounters, _Mapping]] = ..., routes: _Optional[_Union[Routes, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("sample",)

@@ -69,7 +69,8 @@ class RolloutServiceServicer:
         INVALID_ARGUMENT     empty prompt, token id outside the vocabulary,
         prompt + max_new_tokens beyond the context, bad
         sampling values, request larger than the limits in
-        GetInfoResponse.limits, duplicate live request_id.
+        GetInfoResponse.limits, duplicate live request_id,
+        routes asked of a model without experts.
         FAILED_PRECONDITION  the sidecar serves an older weight version than
         min_weight_version (push weights first, then retry).
         RESOURCE_EXHAUSTED   the admission queue is full; retry with backoff.
