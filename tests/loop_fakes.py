@@ -57,6 +57,8 @@ class FakeFleet:
     """... and as `draft_collapses`."""
     alarms: DraftAlarms = field(default_factory=DraftAlarms)
     new_alarms: list[str] = field(default_factory=list)
+    latest_stats: dict[str, SidecarStats] = field(default_factory=dict)
+    """Each sidecar's GetStats at the latest `speculation_delta` (the trainer's prefix_cache/* read it)."""
 
     def start_version(self) -> int:
         return self.version + 1
@@ -94,6 +96,7 @@ class FakeFleet:
             draft_collapsed=self.collapse,
             draft_collapses=self.collapses,
         )
+        self.latest_stats = {self.clients[0]: stats}
         alarm = self.alarms.observe(self.clients[0], stats)  # the fleet's own rule: Fleet.speculation_delta
         if alarm is not None:
             self.new_alarms.append(alarm)
