@@ -100,7 +100,8 @@ def rl_step(run: Run, step: int, rollouts: RolloutPipeline[Rollout] | None) -> d
         where = batch.generated if batch.generated is not None else batch.mask
         mismatch = mismatch_metrics(batch.old_logprobs, batch.rollout_logprobs, where)  # type: ignore[arg-type]
         metrics.update({f"train/{k}": v for k, v in mismatch.items()})
-    metrics["mismatch/logprob_abs_max"] = metrics["train/mismatch_logprob_abs_max"]
+    for stat in ("mean", "p99", "max"):  # the sampler-vs-trainer log-prob gap per token, in nats
+        metrics[f"mismatch/logprob_abs_{stat}"] = metrics[f"train/mismatch_logprob_abs_{stat}"]
 
     # 5. push target + draft to every sidecar (version + 1); the export gathers tensor-parallel
     #    shards, so every rank walks it
