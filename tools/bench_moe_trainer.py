@@ -3,6 +3,7 @@
 
     tools/bench_moe_trainer.py [--rows 8] [--seq 64] [--repeats 5] [--replay]
     tools/bench_moe_trainer.py --gap CHECKPOINT [--prompts 64] [--seed 0]
+    tools/bench_moe_trainer.py --learning OUT --seeds 100 101 ...
 
 `tools/bench_moe.py`'s two shapes (hidden 128, 4 layers, 8/2 heads, vocab 256; the MoE 32 experts,
 top 4, expert width 128; the dense MLP 512 wide: a token multiplies the same parameters in both), no
@@ -25,11 +26,18 @@ stays float32, so the gap is the routing's). Printed: per setting the gap's mean
 the response tokens (`trainer.losses.mismatch_metrics`) and the routing agreement (the share of
 token x sparse-layer choices where the trainer's live router picks the sampler's experts, measured
 in the replaying forward: `train/routing_agreement`).
+
+`--learning OUT`: `tests/test_moe_learning.py`'s runs (its `rl_run`: the checkpoint, warm-up, draft
+fit and 20 RL steps with routing replay, one per seed) at speculation_k 3 and 0 for each of
+`--seeds`, kept under OUT; printed per run the held-out reward before and after, τ and the largest
+step's gap mean and p99, then the paired TOST of k3 − k0 at ±0.05 (`trainer.equivalence`, the dense
+comparison's test) with its false-equivalence rate and power simulated at the observed spread.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -125,6 +133,34 @@ def gap_table(checkpoint: Path, prompts: int, seed: int) -> str:
     )
 
 
+def learning(out: Path, seeds: list[int]) -> str:
+    """The `--learning` arm: both arms per seed, then the paired TOST of the final held-out reward."""
+    from tests.test_moe_learning import MARGIN, rl_run
+    from trainer.equivalence import tost_operating_characteristics, tost_paired
+
+    lines, diffs = [], []
+    for seed in seeds:
+        final = {}
+        for k in (3, 0):
+            run = rl_run(out, seed, k)
+            before, after = run["before"]["reward/eval_mean"], run["after"]["reward/eval_mean"]
+            se = math.hypot(run["before"]["reward/eval_stderr"], run["after"]["reward/eval_stderr"])
+            taus = [m.get("spec/acceptance_length", 1.0) for m in run["history"]]
+            mean = max(m["mismatch/logprob_abs_mean"] for m in run["history"])
+            p99 = max(m["mismatch/logprob_abs_p99"] for m in run["history"])
+            lines.append(
+                f"seed {seed} k{k}: {before:.3f} -> {after:.3f} ({(after - before) / se:+.1f} se), "
+                f"tau {statistics.mean(taus):.2f}, gap mean {mean:.1e} p99 {p99:.1e}"
+            )
+            final[k] = after
+        diffs.append(final[3] - final[0])
+    result = tost_paired(diffs, margin=MARGIN)
+    lines.append(f"k3 - k0 {statistics.mean(diffs):+.3f} (sd {statistics.stdev(diffs):.3f}): {result.describe()}")
+    oc = tost_operating_characteristics(len(diffs), statistics.stdev(diffs), MARGIN)
+    lines.append(oc.describe())
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=8)
@@ -136,8 +172,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--learning", type=Path, metavar="OUT", help="the learning comparison, runs kept under OUT")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    if args.learning is not None:
+        print(learning(args.learning, args.seeds))
+        return 0
     if args.gap is not None:
         print(gap_table(args.gap, args.prompts, args.seed))
         return 0
