@@ -68,13 +68,13 @@ def policies() -> dict[str, Policy]:
 
 
 def bf16_router(router: Any) -> None:
-    """Round `router`'s input and weight to bfloat16 before its float32 logits (in place)."""
+    """Round `router`'s weight (in place) and every input to bfloat16; its logits stay a float32 matmul."""
+    router.weight.data = router.weight.data.to(torch.bfloat16).float()
 
-    def gating(x: torch.Tensor) -> torch.Tensor:
-        w = router.weight
-        return torch.nn.functional.linear(x.to(torch.bfloat16).float(), w.to(torch.bfloat16).float())
+    def rounded(module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (args[0].to(torch.bfloat16).float(), *args[1:])
 
-    router.gating = gating
+    router.register_forward_pre_hook(rounded)
 
 
 def gap_table(checkpoint: Path, prompts: int, seed: int) -> str:
