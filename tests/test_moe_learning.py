@@ -35,7 +35,6 @@ own: seeds 100-111 (12, none used before), both arms, the same runs and the same
 from __future__ import annotations
 
 import json
-from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -111,11 +110,10 @@ def rl_run(root: Path, seed: int, speculation_k: int) -> dict[str, Any]:
     return _RUNS[root, seed, speculation_k]
 
 
-@cache
-def _root() -> Path:
-    import tempfile
-
-    return Path(tempfile.mkdtemp(prefix="specrl-moe-learning-"))
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One directory for the module: the equivalence test reuses the learning test's runs."""
+    return tmp_path_factory.mktemp("moe-learning")
 
 
 def _summary(run: dict[str, Any], label: str) -> tuple[float, list[str]]:
@@ -143,21 +141,21 @@ def _summary(run: dict[str, Any], label: str) -> tuple[float, list[str]]:
 
 @pytest.mark.long
 @pytest.mark.parametrize("seed", SEEDS)
-def test_rl_on_an_moe_raises_the_held_out_reward(seed: int) -> None:
+def test_rl_on_an_moe_raises_the_held_out_reward(root: Path, seed: int) -> None:
     torch.set_num_threads(1)
-    run = rl_run(_root(), seed, 3)
+    run = rl_run(root, seed, 3)
     assert all(m["spec/acceptance_length"] > 1.0 for m in run["history"])
     _, missed = _summary(run, f"seed {seed} k3")
     assert not missed, missed
 
 
 @pytest.mark.long
-def test_an_moe_learns_equivalently_without_speculation() -> None:
+def test_an_moe_learns_equivalently_without_speculation(root: Path) -> None:
     torch.set_num_threads(1)
     diffs, missed = [], []
     for seed in SEEDS:  # every run first, then the verdicts: a miss does not hide the others' figures
-        spec, spec_missed = _summary(rl_run(_root(), seed, 3), f"seed {seed} k3")
-        plain, plain_missed = _summary(rl_run(_root(), seed, 0), f"seed {seed} k0")
+        spec, spec_missed = _summary(rl_run(root, seed, 3), f"seed {seed} k3")
+        plain, plain_missed = _summary(rl_run(root, seed, 0), f"seed {seed} k0")
         diffs.append(spec - plain)
         missed += spec_missed + plain_missed
     result = tost_paired(diffs, margin=MARGIN)
