@@ -139,8 +139,20 @@ def _summary(run: dict[str, Any], label: str) -> tuple[float, list[str]]:
     return after, missed
 
 
+# The registered criteria as they came out (2026-12-02, docs/moe.md "Learning"): kept, and marked where
+# they failed, so a change that makes them pass (or fail elsewhere) shows.
+MISSED_SEED_1 = "registered and missed: seed 1 at k = 3 went 0.328 -> 0.359 against 2 SE of 0.119 (2026-12-02)"
+MISSED_EQUIVALENCE = (
+    "registered and not shown: k3 - k0 = -0.227, -0.148 over seeds 0 and 1 (90% CI [-0.434, +0.059]; "
+    "the 12-seed run: +0.017 +- 0.026, CI [-0.029, +0.063], 20% power at margin 0.05), and seed 1 misses its 2 SE"
+)
+
+
 @pytest.mark.long
-@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize(
+    "seed",
+    [pytest.param(s, marks=pytest.mark.xfail(strict=True, reason=MISSED_SEED_1)) if s == 1 else s for s in SEEDS],
+)
 def test_rl_on_an_moe_raises_the_held_out_reward(root: Path, seed: int) -> None:
     torch.set_num_threads(1)
     run = rl_run(root, seed, 3)
@@ -150,6 +162,7 @@ def test_rl_on_an_moe_raises_the_held_out_reward(root: Path, seed: int) -> None:
 
 
 @pytest.mark.long
+@pytest.mark.xfail(strict=True, reason=MISSED_EQUIVALENCE)
 def test_an_moe_learns_equivalently_without_speculation(root: Path) -> None:
     torch.set_num_threads(1)
     diffs, missed = [], []
