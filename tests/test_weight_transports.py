@@ -317,7 +317,9 @@ def test_a_refused_push_places_nothing_in_the_region_after_it_returns(sidecar: S
         returned = time.monotonic()
         assert err.value.code == grpc.StatusCode.ABORTED
         time.sleep(0.6)
-        assert len(drawn_at) == 1 and drawn_at[0] <= returned
+        # At most the item being placed when the refusal came was drawn (none, when the refusal won the race
+        # to gRPC's draw thread, as on a loaded box), and it finished before push_items returned.
+        assert len(drawn_at) <= 1 and all(t <= returned for t in drawn_at)
         assert c.push_weights(weights(6), version=version + 2).transport is WeightTransport.SHM
         assert_serves(c, version + 2, 6)
 
