@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def measure(model_dir: str, batches: list[int], ks: list[int], new_tokens: int, temperature: float) -> dict[str, float]:

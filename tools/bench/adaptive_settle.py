@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from sidecar.engine.torch_engine import TorchEngine
 from sidecar.speculation.config import SpeculationControllerConfig
 from sidecar.speculation.controller import SpeculationController

@@ -34,9 +34,6 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from bench_engine import bench_clock, device_problem
-from bench_stats import against_best_held_out, best_in_sample, held_out_choices, median_ratio
-from cost_ceiling import TablePriced, measure_step_costs
 
 from sidecar.client.fleet import Fleet, derive_seed
 from sidecar.engine.config import EngineConfig
@@ -44,6 +41,9 @@ from sidecar.engine.torch_engine import TorchEngine
 from sidecar.serve_config import ServeConfig
 from sidecar.speculation.config import SpeculationControllerConfig
 from sidecar.types import GenerationRequest, SamplingParams, SpeculationCounters
+from tools.bench.common import against_best_held_out, best_in_sample, held_out_choices, median_ratio
+from tools.bench.cost_ceiling import TablePriced, measure_step_costs
+from tools.bench.engine import bench_clock, device_problem
 from trainer.demo import DemoConfig, run_demo
 from trainer.local_sidecars import LocalSidecars
 from trainer.rl_config import demo_config

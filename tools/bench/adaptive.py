@@ -41,16 +41,14 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_engine import BENCH_CONFIG, bench_clock, device_problem, ensure_bench_checkpoint
-from bench_stats import against_best_held_out, median_ratio
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from sidecar.engine.torch_engine import TorchEngine
 from sidecar.speculation.config import RowState, SpeculationControllerConfig, SpeculationDecision
 from sidecar.speculation.controller import SpeculationController
 from sidecar.types import GenerationRequest, SamplingParams, SpeculationCounters
+from tools.bench.common import against_best_held_out, median_ratio
+from tools.bench.engine import BENCH_CONFIG, bench_clock, device_problem, ensure_bench_checkpoint
 
 
 class CountingPolicy(SpeculationController):

@@ -35,13 +35,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from bench_sidecar import Served  # tools/ is sys.path[0] when run as a script
 
 from sidecar.client.client import ClientConfig, SidecarClient
 from sidecar.client.transport import CollectiveConfig, TransportConfig
 from sidecar.model.checkpoint import model_state_dict, save_checkpoint
 from sidecar.model.model import ModelConfig, build_model
 from sidecar.weight_transport.tensors import tensor_bytes
+from tools.bench.sidecar_generate import Served
 
 MiB, GiB = 1 << 20, 1 << 30
 

@@ -39,12 +39,11 @@ from pathlib import Path
 
 import click
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from cost_ceiling import FixedK
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from sidecar.speculation.config import RowState, SpeculationControllerConfig, SpeculationDecision
 from sidecar.speculation.controller import SpeculationController
+from tools.bench.cost_ceiling import FixedK
 
 Costs = dict[int, dict[int, tuple[float, float]]]
 """batch -> k -> (draft seconds, verify seconds) of one decode step."""

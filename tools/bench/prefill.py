@@ -26,15 +26,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_engine import BENCH_CONFIG
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from sidecar.engine.config import EngineConfig
 from sidecar.engine.torch_engine import TorchEngine
 from sidecar.model.model import build_model
 from sidecar.types import GenerationRequest, SamplingParams
+from tools.bench.engine import BENCH_CONFIG
 
 
 def admit(engine: TorchEngine, request: GenerationRequest) -> float:

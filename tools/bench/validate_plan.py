@@ -27,12 +27,11 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy as np
-from measure_cost_table import ENGINES, MAX_BATCH, PROMPTS, SAMPLES
 
+from tools.bench.cost_table import ENGINES, MAX_BATCH, PROMPTS, SAMPLES
 from trainer.planning.cost_table import TableCosts, load_costs
 from trainer.planning.inputs import read_run_metrics, step_acceptance, step_lengths
 from trainer.planning.step_model import (
@@ -96,8 +95,8 @@ def engine_check(policy: Path, ks: list[int], generations: int, checks: int, rep
     acceptance (out of sample: other seeds than the costs were measured on; cost and check
     generations interleaved in time, so that both see the box's load alike)."""
     import torch
-    from measure_cost_table import DemoShare, rounds_table, step_overhead
 
+    from tools.bench.cost_table import DemoShare, rounds_table, step_overhead
     from trainer.planning.inputs import cumulative_rates
 
     torch.set_num_threads(1)

@@ -35,17 +35,15 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_rl import cpu_seconds, sweep_workload
-from cost_ceiling import FixedK
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from sidecar.client.fleet import Fleet, derive_seed
 from sidecar.engine.config import EngineConfig
 from sidecar.engine.torch_engine import TorchEngine
 from sidecar.serve_config import ServeConfig
 from sidecar.types import GenerationRequest, SamplingParams, SpeculationCounters
+from tools.bench.cost_ceiling import FixedK
+from tools.bench.rl import cpu_seconds, sweep_workload
 from trainer.local_sidecars import LocalSidecars
 from trainer.planning.cost_table import cost_table_document
 from trainer.planning.inputs import cumulative_rates

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from sidecar.model.checkpoint import load_checkpoint, model_state_dict, save_checkpoint
 from sidecar.model.model import build_model

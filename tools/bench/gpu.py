@@ -53,16 +53,14 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_engine import bench_clock, device_problem
-from profile_round import profile_rounds, random_model, shape_config
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from sidecar.engine.torch_engine import TorchEngine
 from sidecar.model.decode_kernels import DecodeOps
 from sidecar.model.model import Qwen3WithMTP
 from sidecar.types import GenerationRequest, SamplingParams
+from tools.bench.engine import bench_clock, device_problem
+from tools.bench.gpu_profile import profile_rounds, random_model, shape_config
 from trainer.planning.cost_table import cost_table_document
 from trainer.planning.shapes import PRESETS
 

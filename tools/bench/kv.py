@@ -72,16 +72,14 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_engine import BENCH_CONFIG
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from sidecar.engine.rows import Sequence
 from sidecar.engine.torch_engine import TorchEngine
 from sidecar.model.kv_pages import RESERVED_BLOCKS, blocks_for
 from sidecar.model.model import ModelConfig, Qwen3WithMTP, build_model
 from sidecar.types import GenerationRequest, SamplingParams
+from tools.bench.engine import BENCH_CONFIG
 
 MEDIAN, P99, CAP = 1024, 16384, 32768
 """The issue's length mix (tokens, before --scale)."""

@@ -25,16 +25,14 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_engine import device_problem
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from sidecar.engine.torch_engine import TorchEngine
 from sidecar.model.decode_kernels import DecodeOps
 from sidecar.model.model import ModelConfig, Qwen3WithMTP
 from sidecar.model.moe import MoEConfig, Router
 from sidecar.types import GenerationRequest, SamplingParams
+from tools.bench.engine import device_problem
 from trainer.planning.shapes import PRESETS
 
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from sidecar.engine.sampling import RowSampling, filtered_probs, sample_from
 from sidecar.engine.torch_engine import TorchEngine
