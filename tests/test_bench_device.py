@@ -1,5 +1,5 @@
 """The benchmarks' `--device`: a device they cannot run on is refused up front, with what to pass
-instead, before any model is built (tools/bench/engine.py `device_problem`)."""
+instead, before any model is built (tools/bench/common.py `device_problem`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tools.bench import adaptive as bench_adaptive
-from tools.bench.engine import device_problem
+from tools.bench.common import device_problem
 
 
 def test_cpu_is_fine_and_a_non_device_or_unsupported_kind_is_refused() -> None:

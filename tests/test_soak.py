@@ -29,7 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_the_short_soak_passes_and_reports_what_it_checked() -> None:
     start = time.monotonic()
     done = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "soak.py"), "--short"],
+        [sys.executable, "-m", "tools.bench", "soak", "--short"],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=240,

@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """Adaptive speculation (automatic k) against plain decoding and every static k, in one run.
 
-    tools/bench_adaptive.py [--model DIR] [--batches 1,4,16,64] [--ks 1,2,3,5] [--max-speculation-k 5]
+    specrl bench adaptive [--model DIR] [--batches 1,4,16,64] [--ks 1,2,3,5] [--max-speculation-k 5]
                             [--temperatures 0,1] [--new-tokens 64,64,48,32] [--repeats 3]
                             [--device cpu|cuda]
 
-The model is `tools/bench_engine.py`'s (built into --model on first use: a Qwen3-shaped 12-layer
+The model is `specrl bench engine`'s (built into --model on first use: a Qwen3-shaped 12-layer
 target with its "bigram" MTP draft). For each temperature and batch size B, the same prompts are
 generated with k = 0 (plain), each static k (pinned per request) and automatic mode, the
 configurations interleaved and their order rotated per repeat; process CPU seconds (robust to
@@ -15,7 +15,7 @@ within one repeat (paired: the configurations of a repeat ran next to each other
 90% bootstrap interval over the repeats; "auto / best static" pairs auto with the faster of plain
 and the best static k in each repeat, that k chosen on the same repeats ("in-sample": biased
 against auto, the winner's curse) and, per repeat, on the other repeats ("held out", with its
-interval; tools/bench_stats.py). Each repeat samples with its own seed (4, 5, ...; the learning
+interval; tools/bench/common.py). Each repeat samples with its own seed (4, 5, ...; the learning
 pass 3), the same for every configuration: at temperature > 0 a pinned k reproduces its
 sequences from the seed, so with one seed for all repeats a static k's figure rode on two fixed
 sequences' acceptance (at temperature 1, batch 1, static k = 3 had tau 1.96 on seed 3 and
@@ -47,8 +47,15 @@ from sidecar.engine.torch_engine import TorchEngine
 from sidecar.speculation.config import RowState, SpeculationControllerConfig, SpeculationDecision
 from sidecar.speculation.controller import SpeculationController
 from sidecar.types import GenerationRequest, SamplingParams, SpeculationCounters
-from tools.bench.common import against_best_held_out, median_ratio
-from tools.bench.engine import BENCH_CONFIG, bench_clock, device_problem, ensure_bench_checkpoint
+from tools.bench.common import (
+    BENCH_CONFIG,
+    against_best_held_out,
+    bench_clock,
+    device_problem,
+    ensure_bench_checkpoint,
+    median_ratio,
+    subcommand,
+)
 
 
 class CountingPolicy(SpeculationController):
@@ -85,8 +92,18 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
+SUBCOMMANDS = {"controller": "adaptive_controller", "sim": "adaptive_sim", "settle": "adaptive_settle"}
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    merged = subcommand(argv, SUBCOMMANDS, "specrl bench adaptive")
+    if merged is not None:
+        return merged
+    ap = argparse.ArgumentParser(
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="subcommands (each with its own --help): controller (the controller's own cost per call), sim (the\ncontroller simulated on measured per-k costs), settle (how fast the acceptance estimate follows a push)",
+    )
     ap.add_argument("--model", type=Path, default=Path("/tmp/specrl-bench-engine-model"))
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--ks", default="1,2,3,5")
@@ -167,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             against_best = statistics.median(
                 min(p, b) / a for p, b, a in zip(times[0], times[best], times["auto"], strict=True)
             )
-            # the best static k chosen without the repeat it is compared on (tools/bench_stats.py)
+            # the best static k chosen without the repeat it is compared on (tools/bench/common.py)
             held_out = against_best_held_out(times, ks, "auto", reference=lambda c, i, t=times: min(t[0][i], t[c][i]))
             against_plain = median_ratio(times[0], times["auto"])
             steps = sum(policy.counts.values())

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The speculation controller's own CPU time per decode step, by batch size and length caps.
 
-    tools/bench_controller.py [--batches 1,8,64,128,256] [--caps 2000-4000] [--calls 200]
+    specrl bench adaptive controller [--batches 1,8,64,128,256] [--caps 2000-4000] [--calls 200]
 
 `SpeculationController.decide` runs on the engine's thread before every automatic-mode decode step
 and `may_draft` at every admission, so their time adds to each step (on a GPU, while the device

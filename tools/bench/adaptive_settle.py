@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """How many engine steps the adaptive controller's acceptance estimate takes to settle after a push.
 
-    tools/bench_version_settle.py [--model DIR]
+    specrl bench adaptive settle [--model DIR]
 
-The benchmark model of tools/bench_engine.py (built there), 8 rows at temperature 1, k = 3 every
+The benchmark model of specrl bench engine (built there), 8 rows at temperature 1, k = 3 every
 step; after 60 steps a draft-only push scrambles the MTP layer (acceptance collapses), then 40 more
 steps. For each `version_discount` (1.0 = no reset ... 0.0 = hard reset) prints position-1
 acceptance before and after, and the engine steps until the estimate stays within 10% of the
@@ -73,7 +73,10 @@ def settle(model: Path, discount: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
-        "--model", type=Path, default=Path("/tmp/specrl-bench-engine-model"), help="built by bench_engine.py"
+        "--model",
+        type=Path,
+        default=Path("/tmp/specrl-bench-engine-model"),
+        help="built by `specrl bench engine` (the bench model)",
     )
     args = ap.parse_args(argv)
     torch.set_num_threads(1)

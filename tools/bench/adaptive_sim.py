@@ -21,9 +21,9 @@ minutes only with `--drift`.
 modelled engine's truth for a batch with given tokens left, after random-k generations taught it
 the workload.
 
-    .venv/bin/python tools/sim_adaptive.py --measure /tmp/i16a/rl/policy --costs /tmp/costs.json
-    .venv/bin/python tools/sim_adaptive.py --costs /tmp/costs.json --generations 400
-    .venv/bin/python tools/sim_adaptive.py --costs /tmp/costs.json --generations 200 --calibrate 40,20,10,4
+    specrl bench adaptive sim --measure /tmp/i16a/rl/policy --costs /tmp/costs.json
+    specrl bench adaptive sim --costs /tmp/costs.json --generations 400
+    specrl bench adaptive sim --costs /tmp/costs.json --generations 200 --calibrate 40,20,10,4
 """
 
 from __future__ import annotations

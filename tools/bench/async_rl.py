@@ -11,7 +11,7 @@ push, and how long the producer waited for weights. Then the projection for a de
 the sidecars do not share the trainer's cores: a lag-1 step costs max(generation, the rest) +
 what cannot overlap, from each lag-0 arm's own phase times.
 
-    OMP_NUM_THREADS=1 .venv/bin/python tools/bench_async.py --policy DEMO/policy --out /tmp/async
+    OMP_NUM_THREADS=1 specrl bench async --policy DEMO/policy --out /tmp/async
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ engine's rows, so the rule's error rates come from the rule itself:
 Rows, not rounds, are the unit that makes the evidence noisy: a row whose prompt the draft
 cannot predict gives many low rounds in a row, so batch 1 with long rows is the hard case.
 
-Usage: python tools/collapse_calibration.py [--replicates 20000]   (prints the table of README,
+Usage: specrl bench collapse-calibration [--replicates 20000]   (prints the table of README,
 "Drafts cannot silently go stale")
 """
 

@@ -1,4 +1,16 @@
-"""Paired-repeat statistics for the benchmarks that compare configurations side by side.
+"""The benchmarks' shared pieces: models, clocks, paired statistics, and the section registry.
+
+- **Models**: `BENCH_CONFIG` and `ensure_bench_checkpoint` (the embedded-engine bench model: a
+  synthetic target whose MTP draft is initialised from its bigram statistics), `shape_config` and
+  `random_model` (a preset's shape with random weights, for the GPU benchmarks).
+- **Clocks**: `bench_clock` (CPU seconds on a CPU, synchronised wall seconds on CUDA),
+  `median_time`, `cpu_seconds` (other processes' CPU seconds, from /proc), `device_problem`.
+- **The registry**: `SECTIONS`, each BENCHMARKS.md section (or docs page) and the module that
+  measures it; `specrl bench SECTION` and `python -m tools.bench SECTION` dispatch through it
+  (tools/bench/__init__.py).
+
+## Paired statistics
+
 
 A benchmark here runs every configuration once per repeat, next to each other, so the ratio of two
 configurations within a repeat cancels the machine's drift between repeats. Two things still
@@ -14,15 +26,28 @@ mislead when one figure per run is quoted, and this module answers both:
   `against_best_held_out` picks the best configuration for each repeat from the *other* repeats
   (leave-one-out), which is what a user who tuned k on earlier runs gets.
 
-Stdlib only, so every tool can import it.
 """
 
 from __future__ import annotations
 
+import inspect
+import math
+import os
 import random
 import statistics
+import sys
+import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sidecar.model.checkpoint import model_state_dict, save_checkpoint
+from sidecar.model.model import ModelConfig, Qwen3WithMTP, build_model
+from sidecar.model.moe import MoEConfig, Router
+from trainer.draft_fit import DraftFitConfig, fit_draft, init_draft_from_embedding
+from trainer.planning.shapes import PRESETS
 
 
 @dataclass(frozen=True)
@@ -117,3 +142,292 @@ def against_best_held_out(
 def _same_length(a: Sequence[float], b: Sequence[float]) -> None:
     if len(a) != len(b):
         raise ValueError(f"paired repeats differ in number: {len(a)} against {len(b)}")
+
+
+# ---- models ----
+
+BENCH_CONFIG = ModelConfig(
+    vocab_size=4096,
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=12,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    rope_theta=10_000.0,
+    max_position_embeddings=1024,
+    num_nextn_predict_layers=1,
+)
+
+
+RESIDUAL_SCALE = 0.08
+
+
+def ensure_bench_checkpoint(path: Path, fit_steps: int = 0) -> None:
+    """Build the bench checkpoint at `path` (seed 0) unless one is already there."""
+    if not (path / "config.json").is_file():
+        torch.manual_seed(0)
+        build_bench_checkpoint(path, fit_steps)
+
+
+def build_bench_checkpoint(path: Path, fit_steps: int) -> None:
+    """The synthetic target and its MTP draft (bigram init, optionally self-distilled; see the module docstring)."""
+    model = build_model(BENCH_CONFIG, seed=0)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(math.sqrt(BENCH_CONFIG.hidden_size))  # unit-RMS embeddings
+        for name, p in model.named_parameters():  # the trunk's residual branches (attention, MLP outputs)
+            if name.startswith("model.layers.") and name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
+                p.mul_(RESIDUAL_SCALE)
+        assert model.lm_head is not None
+        model.lm_head.weight.mul_(4.0)
+    init_draft_from_embedding(model)
+    if fit_steps <= 0:
+        save_checkpoint(path, BENCH_CONFIG, model_state_dict(model))
+        return
+    start = time.perf_counter()
+
+    def progress(step: int, loss: float) -> None:
+        if step == 1 or step % 10 == 0:
+            print(f"  fit step {step}/{fit_steps} loss {loss:.3f} ({time.perf_counter() - start:.0f}s)", flush=True)
+
+    print(f"building the benchmark model into {path} (draft fit: {fit_steps} steps)", flush=True)
+    fit_draft(model, DraftFitConfig(num_sequences=32, new_tokens=64, steps=fit_steps, lr=1e-3), progress)
+    save_checkpoint(path, BENCH_CONFIG, model_state_dict(model))
+
+
+def device_problem(device: str) -> str | None:
+    """Why the benchmarks cannot run on `device` here, with what to pass instead; None if they can."""
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        return f"--device {device!r} is not a torch device: pass cpu, cuda or cuda:N"
+    if kind not in ("cpu", "cuda"):
+        return f"--device {device!r}: the benchmarks run on cpu or cuda only"
+    if kind == "cuda" and not torch.cuda.is_available():
+        return f"--device {device!r}: torch {torch.__version__} sees no CUDA device here; pass --device cpu"
+    return None
+
+
+def bench_clock(device: torch.device | str) -> tuple[Callable[[], float], str]:
+    """The clock a benchmark on `device` reads, and its name. CPU: process CPU seconds (robust to
+    other tenants of a shared box). CUDA: wall seconds, the device synchronised first, so a reading
+    includes the kernels launched before it (a CPU-time reading would count only the launches)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return time.process_time, "CPU"
+
+    def wall() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return wall, "GPU wall"
+
+
+def median_time(fn, repeats: int) -> float:
+    """Median process CPU seconds of fn() (CPU time: robust to other tenants of a shared box)."""
+    times = []
+    for _ in range(repeats):
+        t = time.process_time()
+        fn()
+        times.append(time.process_time() - t)
+    return statistics.median(times)
+
+
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)  # fmt: skip
+
+
+def shape_config(name: str) -> ModelConfig:
+    """The engine's config at a preset's shape: bf16, one MTP layer, no stop tokens; a preset with
+    experts (qwen3-30b-a3b, qwen3-235b-a22b) is a Qwen3-MoE (norm_topk_prob true, as released)."""
+    base = TINY if name == "tiny" else PRESETS[name]
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "tie_word_embeddings")  # fmt: skip
+    moe = None
+    if base.get("num_experts"):
+        moe = MoEConfig(num_experts=base["num_experts"], num_experts_per_tok=base["num_experts_per_tok"],
+                        moe_intermediate_size=base["moe_intermediate_size"], norm_topk_prob=True)  # fmt: skip
+    return ModelConfig(
+        **{k: base[k] for k in keys},
+        rope_theta=1_000_000.0,
+        max_position_embeddings=4096,
+        torch_dtype="bfloat16",
+        num_nextn_predict_layers=1,
+        **({} if moe is None else {"architectures": ["Qwen3MoeForCausalLM"], "moe": moe}),
+    )
+
+
+def random_model(cfg: ModelConfig, device: torch.device, seed: int = 0) -> Qwen3WithMTP:
+    """Random weights created on `device` in the model's dtype (normal(0, 0.02); norms 1)."""
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(cfg.dtype)
+    try:
+        with torch.device(device):
+            model = Qwen3WithMTP(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02)
+    for m in model.modules():
+        if isinstance(m, Router):
+            m.float()  # routers are float32 in every dtype (`checkpoint.ROUTER_SUFFIXES`)
+    return model.eval().requires_grad_(False)
+
+
+# ---- clocks ----
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of the processes so far (/proc/PID/stat, clock-tick resolution)."""
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+# ---- the section registry ----
+
+
+@dataclass(frozen=True)
+class Section:
+    """One `specrl bench NAME`: the module whose `main(argv)` runs it, and where its figures are:
+    BENCHMARKS.md headings (without the `## `), or a docs page (a path such as `docs/moe.md`)."""
+
+    name: str
+    module: str
+    where: tuple[str, ...]
+    summary: str
+
+    @property
+    def path(self) -> Path:
+        return Path(__file__).resolve().parent / f"{self.module}.py"
+
+
+PLANNING = "Planning: `specrl plan`"
+SGLANG = "SGLang: adapter costs, and the engine on CPU"
+DRAFT_VOCAB = "Draft vocabulary: MTP head over the most frequent tokens"
+SECTIONS: tuple[Section, ...] = (
+    Section(
+        "rl", "rl", ("RL loop: the demo workload",), "k sweep of the demo's generations, static k against automatic"
+    ),
+    Section(
+        "adaptive",
+        "adaptive",
+        ("Adaptive speculation (automatic k)",),
+        "automatic k on the engine grid; subcommands: controller, sim, settle",
+    ),
+    Section(
+        "engine",
+        "engine",
+        ("Embedded engine: speculative vs plain decoding", "Engine step, CPU"),
+        "speculative against plain decoding on the bench model; subcommand: step (against a checkout)",
+    ),
+    Section("prefill", "prefill", ("Admission of a GRPO group, CPU",), "admitting a group: one shared prefill"),
+    Section("kv", "kv", ("Paged KV cache, CPU",), "the paged KV cache against the static one"),
+    Section(
+        "gpu",
+        "gpu",
+        ("The engine on a GPU", DRAFT_VOCAB),
+        "round times at a preset's shape on a GPU; subcommand: profile (kernels a round)",
+    ),
+    Section("moe", "moe", ("Mixture of experts, CPU",), "speculation on an MoE against a dense model"),
+    Section("moe-trainer", "moe_trainer", ("docs/moe.md",), "the trainer's update on an MoE against a dense model"),
+    Section("muon", "muon_step", ("Muon optimizer step",), "the Muon optimizer's step against AdamW"),
+    Section("trainer", "trainer_step", ("Trainer step",), "the trainer's update step"),
+    Section("cost-table", "cost_table", (PLANNING,), "measure the cost table `specrl plan` reads"),
+    Section("validate-plan", "validate_plan", (PLANNING,), "the planner's predictions against measured runs"),
+    Section("plan-study", "plan_study", (PLANNING,), "the planner fed the reference study's inputs"),
+    Section(
+        "data-parallel", "data_parallel", ("Trainer: data parallel",), "the trainer's step over data-parallel ranks"
+    ),
+    Section("sidecar", "sidecar_generate", ("Sidecar: generate throughput",), "a sidecar's generate and push"),
+    Section(
+        "control-plane",
+        "control_plane",
+        ("Sidecar control plane under open streams",),
+        "control calls under open Generate streams",
+    ),
+    Section("transports", "transports", ("Weight transports: grpc, shm, collective",), "weight pushes per transport"),
+    Section("weight-change", "weight_change", ("Sparse delta pushes",), "how much an RL step changes the weights"),
+    Section(
+        "session-memory",
+        "session_memory",
+        ("Weight update session: trainer-side memory",),
+        "the trainer's memory during a weight update session",
+    ),
+    Section("fleet-split", "fleet_split", ("Fleet: one Generate per prompt",), "a fleet's Generate split per prompt"),
+    Section("verify", "verify", ("Losslessness certificate: `specrl verify`",), "the losslessness certificate's power"),
+    Section("trl-tau", "trl_tau", ("TRL: τ when TRL never updates the draft",), "τ under TRL without draft updates"),
+    Section(
+        "draft-kinds",
+        "draft_kinds",
+        ("Draft kinds: EAGLE-3 against MTP on the demo workload", DRAFT_VOCAB),
+        "EAGLE-3 against MTP drafts, and draft vocabularies, on the demo workload",
+    ),
+    Section("sglang-adapter", "sglang_adapter", (SGLANG,), "what the SGLang adapter adds"),
+    Section("sglang-serve", "sglang_serve", (SGLANG,), "`specrl serve --engine sglang` on CPU"),
+    Section(
+        "learning",
+        "learning",
+        ("Learning: held-out reward of the demo's RL phase", "Learning with and without speculation"),
+        "held-out reward of the demo's RL phase, with and without speculation",
+    ),
+    Section("async", "async_rl", ("Asynchronous RL: policy lag 0 and 1",), "policy lag 0 against 1"),
+    Section("soak", "soak", ("Soak",), "a local fleet under mixed traffic (tools/soak runs it)"),
+    Section(
+        "collapse-calibration", "collapse_calibration", ("docs/engine.md",), "the draft-collapse rule's false alarms"
+    ),
+    Section("graft-starts", "graft_starts", ("docs/checkpoints.md",), "MTP graft starting points against each other"),
+    Section(
+        "fit-draft",
+        "fit_draft",
+        ("README.md",),
+        "fit a draft head to a checkpoint's own outputs (a tool, not a benchmark)",
+    ),
+)
+BY_NAME = {s.name: s for s in SECTIONS}
+
+
+def call_main(module: str, argv: list[str], prog: str) -> int:
+    """Run `tools/bench/MODULE.py`'s `main` on `argv` with `prog` as its program name, whichever of
+    the tools' shapes it has: a click command, an argparse `main(argv)`, or a `main()` that reads
+    sys.argv. A missing module is a clear error naming the file."""
+    import importlib
+
+    import click
+
+    try:
+        mod = importlib.import_module(f"tools.bench.{module}")
+    except ModuleNotFoundError as e:
+        if e.name != f"tools.bench.{module}":
+            raise
+        raise SystemExit(
+            f"{prog}: tools/bench/{module}.py is missing from this checkout (the registry in "
+            "tools/bench/common.py names it): move the script there with git mv, or drop its entry"
+        ) from None
+    main = getattr(mod, "main", None)
+    if main is None:
+        raise SystemExit(f"{prog}: tools/bench/{module}.py has no `main`")
+    saved = sys.argv
+    sys.argv = [prog, *argv]  # argparse's usage line names `prog`
+    try:
+        if isinstance(main, click.Command):
+            return int(main.main(args=list(argv), prog_name=prog, standalone_mode=False) or 0)
+        if inspect.signature(main).parameters:
+            return int(main(list(argv)) or 0)
+        return int(main() or 0)
+    finally:
+        sys.argv = saved
+
+
+def subcommand(argv: list[str] | None, subcommands: Mapping[str, str], prog: str) -> int | None:
+    """For a section that merged several scripts: if argv starts with one of `subcommands` (name ->
+    module), run that module's main on the rest and return its status; else None (the section's own
+    options follow)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in subcommands:
+        return call_main(subcommands[argv[0]], argv[1:], f"{prog} {argv[0]}")
+    return None

@@ -13,7 +13,7 @@ on one machine. Per round and source tree:
 Reports the median latency per call over the rounds ("timeout" when the 5 s deadline expired
 in the majority of rounds) and how many of the N streams the server had admitted.
 
-Usage: python tools/bench_control_plane.py --src /path/to/main --src . [--streams 200] [--rounds 3]
+Usage: specrl bench control-plane --src /path/to/main --src . [--streams 200] [--rounds 3]
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ k with a recording policy and keeps the median seconds of a decode step per (bat
 built with `TablePriced` then decides exactly as the engine's does (same acceptance and stop-token
 learning, same probes, guard and margin) but prices every step from that table instead of its own
 measurements. Run next to plain automatic mode, "auto / auto on the measured costs" is the share
-of the gap that better cost estimates could close (`tools/bench_rl.py --in-process --ceiling`;
+of the gap that better cost estimates could close (`specrl bench rl --in-process --ceiling`;
 BENCHMARKS.md at ca4d93b, "Adaptive speculation", tenth session).
 
 The table is the workload's, measured before the sweep on the same engine and model: a ceiling for
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from sidecar.speculation.config import RowState, SpeculationControllerConfig, SpeculationDecision
 from sidecar.speculation.controller import SpeculationController
 
-if TYPE_CHECKING:  # tools/sim_adaptive.py imports `FixedK` and replays without torch
+if TYPE_CHECKING:  # specrl bench adaptive sim imports `FixedK` and replays without torch
     from sidecar.engine.torch_engine import TorchEngine
 
 StepCosts = dict[int, dict[int, float]]
@@ -33,7 +33,7 @@ StepCosts = dict[int, dict[int, float]]
 
 class FixedK(SpeculationController):
     """Decides `k` for every step, never refuses a draft, and records what the engine reports of
-    each decode step and of each draft prefill (also `tools/sim_adaptive.py --measure`'s recorder)."""
+    each decode step and of each draft prefill (also `specrl bench adaptive sim --measure`'s recorder)."""
 
     def __init__(self, max_speculation_k: int) -> None:
         super().__init__(SpeculationControllerConfig(max_speculation_k=max_speculation_k))

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """A cost table of a policy checkpoint on the demo's RL workload, measured by the engine itself,
-for `specrl plan --costs` (and the plan's validation, `tools/validate_plan.py`).
+for `specrl plan --costs` (and the plan's validation, `specrl bench validate-plan`).
 
-    .venv/bin/python tools/measure_cost_table.py --policy OUT/policy --out /tmp/demo-costs.json --fleet
+    specrl bench cost-table --policy OUT/policy --out /tmp/demo-costs.json --fleet
 
 Why: the demo's sidecars decode batches of up to 32 rows of a 24-layer, hidden-128 policy on a
 CPU, where a round's cost is the engine's, not a roofline's. This runs one sidecar's share of the
@@ -42,8 +42,9 @@ from sidecar.engine.config import EngineConfig
 from sidecar.engine.torch_engine import TorchEngine
 from sidecar.serve_config import ServeConfig
 from sidecar.types import GenerationRequest, SamplingParams, SpeculationCounters
+from tools.bench.common import cpu_seconds
 from tools.bench.cost_ceiling import FixedK
-from tools.bench.rl import cpu_seconds, sweep_workload
+from tools.bench.rl import sweep_workload
 from trainer.local_sidecars import LocalSidecars
 from trainer.planning.cost_table import cost_table_document
 from trainer.planning.inputs import cumulative_rates
@@ -264,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "name": args.policy.name,
                 "device": "cpu (" + (torch.backends.cpu.get_cpu_capability() or "?") + ", 1 thread)",
-                "source": "tools/measure_cost_table.py: the engine's own round timings (thread CPU time) on the demo workload",
+                "source": "specrl bench cost-table: the engine's own round timings (thread CPU time) on the demo workload",
                 "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
                 "rounds": rounds,
                 "prefill": prefill,

@@ -8,7 +8,7 @@ updates of the same batch (`Policy.backward`: forward, backward and the DDP grad
 so it counts until the slowest replica is done. Arms alternate D = 1, 2, 1, 2, ... (`--repeats` each) so that load on a shared
 machine falls on both alike. Also printed: each replica's share of the batch's tokens.
 
-    OMP_NUM_THREADS=1 .venv/bin/python tools/bench_data_parallel.py --repeats 2 --steps 3
+    OMP_NUM_THREADS=1 specrl bench data-parallel --repeats 2 --steps 3
 """
 
 from __future__ import annotations

@@ -19,9 +19,9 @@
    EAGLE-3 draft initialised weakly (--weak-steps of draft-init) served through N steps of the
    demo's RL, once trained online and once frozen (`draft.train` off); τ per step of each.
 
-    OMP_NUM_THREADS=1 .venv/bin/python tools/bench_draft_kinds.py --out /tmp/kinds --ks 1,2,3,4,5
-    OMP_NUM_THREADS=1 .venv/bin/python tools/bench_draft_kinds.py --out /tmp/kinds --online-steps 20
-    OMP_NUM_THREADS=1 .venv/bin/python tools/bench_draft_kinds.py --out /tmp/kinds --ks 3 --draft-vocab-sizes 0,50,25,12
+    OMP_NUM_THREADS=1 specrl bench draft-kinds --out /tmp/kinds --ks 1,2,3,4,5
+    OMP_NUM_THREADS=1 specrl bench draft-kinds --out /tmp/kinds --online-steps 20
+    OMP_NUM_THREADS=1 specrl bench draft-kinds --out /tmp/kinds --ks 3 --draft-vocab-sizes 0,50,25,12
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Speculative vs plain decoding in the embedded engine, side by side in one run.
 
-    tools/bench_engine.py [--model DIR] [--batches 1,4,16,64] [--ks 1,2,3,5,7] [--repeats 3]
+    specrl bench engine [--model DIR] [--batches 1,4,16,64] [--ks 1,2,3,5,7] [--repeats 3]
                           [--temperature 0] [--threads 1]
 
 For each batch size B and draft length k, generates the same prompts with k = 0 (plain) and
@@ -20,7 +20,7 @@ The model (built on first use into --model): a Qwen3-shaped target (hidden 512, 
 and whose output logits are sharpened (x4), so that the next token depends mostly — not
 only — on the current one, like a peaked LM continuation; its MTP layer is the
 "bigram" draft (logits = lm_head(norm(embed(x_{t+1})))); --fit-steps N then trains it on
-the target's own greedy outputs (tools/fit_draft.py logic: detached hidden states, trunk
+the target's own greedy outputs (specrl bench fit-draft logic: detached hidden states, trunk
 frozen) — off by default, since the few thousand tokens a CPU affords over-fit.
 """
 
@@ -28,13 +28,11 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import math
 import pstats
 import resource
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -43,97 +41,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from sidecar.engine.sampling import RowSampling, filtered_probs, sample_from
 from sidecar.engine.torch_engine import TorchEngine
-from sidecar.model.checkpoint import model_state_dict, save_checkpoint
 from sidecar.model.kv_cache import KVCache
-from sidecar.model.model import ModelConfig, Qwen3WithMTP, build_model
+from sidecar.model.model import Qwen3WithMTP
 from sidecar.types import GenerationRequest, SamplingParams, SpeculationCounters
-from trainer.draft_fit import DraftFitConfig, fit_draft, init_draft_from_embedding
-
-BENCH_CONFIG = ModelConfig(
-    vocab_size=4096,
-    hidden_size=512,
-    intermediate_size=1408,
-    num_hidden_layers=12,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=64,
-    rope_theta=10_000.0,
-    max_position_embeddings=1024,
-    num_nextn_predict_layers=1,
+from tools.bench.common import (
+    BENCH_CONFIG,
+    ensure_bench_checkpoint,
+    median_time,
+    subcommand,
 )
-
-
-RESIDUAL_SCALE = 0.08
-
-
-def ensure_bench_checkpoint(path: Path, fit_steps: int = 0) -> None:
-    """Build the bench checkpoint at `path` (seed 0) unless one is already there."""
-    if not (path / "config.json").is_file():
-        torch.manual_seed(0)
-        build_bench_checkpoint(path, fit_steps)
-
-
-def build_bench_checkpoint(path: Path, fit_steps: int) -> None:
-    """The synthetic target and its MTP draft (bigram init, optionally self-distilled; see the module docstring)."""
-    model = build_model(BENCH_CONFIG, seed=0)
-    with torch.no_grad():
-        model.model.embed_tokens.weight.mul_(math.sqrt(BENCH_CONFIG.hidden_size))  # unit-RMS embeddings
-        for name, p in model.named_parameters():  # the trunk's residual branches (attention, MLP outputs)
-            if name.startswith("model.layers.") and name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
-                p.mul_(RESIDUAL_SCALE)
-        assert model.lm_head is not None
-        model.lm_head.weight.mul_(4.0)
-    init_draft_from_embedding(model)
-    if fit_steps <= 0:
-        save_checkpoint(path, BENCH_CONFIG, model_state_dict(model))
-        return
-    start = time.perf_counter()
-
-    def progress(step: int, loss: float) -> None:
-        if step == 1 or step % 10 == 0:
-            print(f"  fit step {step}/{fit_steps} loss {loss:.3f} ({time.perf_counter() - start:.0f}s)", flush=True)
-
-    print(f"building the benchmark model into {path} (draft fit: {fit_steps} steps)", flush=True)
-    fit_draft(model, DraftFitConfig(num_sequences=32, new_tokens=64, steps=fit_steps, lr=1e-3), progress)
-    save_checkpoint(path, BENCH_CONFIG, model_state_dict(model))
-
-
-def device_problem(device: str) -> str | None:
-    """Why the benchmarks cannot run on `device` here, with what to pass instead; None if they can."""
-    try:
-        kind = torch.device(device).type
-    except RuntimeError:
-        return f"--device {device!r} is not a torch device: pass cpu, cuda or cuda:N"
-    if kind not in ("cpu", "cuda"):
-        return f"--device {device!r}: the benchmarks run on cpu or cuda only"
-    if kind == "cuda" and not torch.cuda.is_available():
-        return f"--device {device!r}: torch {torch.__version__} sees no CUDA device here; pass --device cpu"
-    return None
-
-
-def bench_clock(device: torch.device | str) -> tuple[Callable[[], float], str]:
-    """The clock a benchmark on `device` reads, and its name. CPU: process CPU seconds (robust to
-    other tenants of a shared box). CUDA: wall seconds, the device synchronised first, so a reading
-    includes the kernels launched before it (a CPU-time reading would count only the launches)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return time.process_time, "CPU"
-
-    def wall() -> float:
-        torch.cuda.synchronize(device)
-        return time.perf_counter()
-
-    return wall, "GPU wall"
-
-
-def median_time(fn, repeats: int) -> float:
-    """Median process CPU seconds of fn() (CPU time: robust to other tenants of a shared box)."""
-    times = []
-    for _ in range(repeats):
-        t = time.process_time()
-        fn()
-        times.append(time.process_time() - t)
-    return statistics.median(times)
 
 
 @torch.inference_mode()
@@ -217,8 +133,18 @@ def step_breakdown(engine: TorchEngine, prompts: list[list[int]], sp: SamplingPa
         )
 
 
+SUBCOMMANDS = {"step": "engine_step"}
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    merged = subcommand(argv, SUBCOMMANDS, "specrl bench engine")
+    if merged is not None:
+        return merged
+    ap = argparse.ArgumentParser(
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="subcommand: step (engine step time, this checkout against another: `specrl bench engine step --help`)",
+    )
     ap.add_argument("--model", type=Path, default=Path("/tmp/specrl-bench-engine-model"))
     ap.add_argument("--fit-steps", type=int, default=0, help="self-distillation steps for the draft (0: bigram draft)")
     ap.add_argument("--batches", default="1,4,16,64")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Engine step time, this checkout against another one, side by side in one run.
 
-    tools/bench_step.py [--model DIR] [--against /path/to/other/checkout] [--batches 1,16,64]
+    specrl bench engine step [--model DIR] [--against /path/to/other/checkout] [--batches 1,16,64]
                         [--ks 0,3] [--new-tokens 48] [--repeats 3] [--temperature 1]
 
 Generates with `TorchEngine.generate` (one torch thread, CPU) at each batch size B and draft

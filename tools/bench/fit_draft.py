@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Fit a checkpoint's MTP draft layer to the target's own outputs and save the result.
 
-    tools/fit_draft.py IN_CHECKPOINT OUT_CHECKPOINT [--steps 60] [--sequences 48] [--new-tokens 64]
+    specrl bench fit-draft IN_CHECKPOINT OUT_CHECKPOINT [--steps 60] [--sequences 48] [--new-tokens 64]
                        [--temperature 0] [--init-bigram]
 
 Samples continuations of random prompts from the target (plain decoding), then trains MTP

@@ -6,7 +6,7 @@ before it sent one call per sidecar holding all of that sidecar's prompts. Both 
 side by side (alternating, same sidecars, same prompts, fresh seeds per round) on local `specrl
 serve` processes: "per sidecar" is that old split, driven through `SidecarClient` directly.
 
-    python tools/bench_fleet_split.py [--prompts 4 16] [--samples 4] [--repeats 5]
+    specrl bench fleet-split [--prompts 4 16] [--samples 4] [--repeats 5]
 """
 
 from __future__ import annotations

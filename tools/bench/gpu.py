@@ -2,8 +2,8 @@
 """The embedded engine on a GPU, in one command that fits a 10-minute device run; its output is a
 cost table `specrl plan --costs FILE` reads.
 
-    tools/bench_gpu.py --device cuda --out /tmp/bench-gpu             # Qwen3-0.6B and -8B shapes
-    tools/bench_gpu.py --device cpu --tiny --out /tmp/bench-tiny      # a tiny shape, for tests
+    specrl bench gpu --device cuda --out /tmp/bench-gpu             # Qwen3-0.6B and -8B shapes
+    specrl bench gpu --device cpu --tiny --out /tmp/bench-tiny      # a tiny shape, for tests
 
 What it measures, each part under its own time limit (`--part-s`; a part out of time skips its
 remaining cells and says so), every result written to OUT as soon as it is measured (a run cut
@@ -26,7 +26,7 @@ line per cell, OUT/summary.md at the end of each part):
    round is not forced through a private hook. Also the prefill of B prompts. `--draft-vocab-sizes
    0,N`: engines whose MTP head scores N ids (`draft_vocab_size`) beside the full one, interleaved.
    On CUDA, the kernels of one round at each (B, k), counted by torch.profiler
-   (`profile_round.profile_rounds`).
+   (`gpu_profile.profile_rounds`, `specrl bench gpu profile`).
 3. **HF transformers eager**: `Qwen3ForCausalLM` with random bf16 weights at the same shape,
    `generate` (greedy, no stop), ms per token step by the same difference of two lengths.
 4. **SGLang** beside it, only where `import sglang` works (`load_format="dummy"` random weights,
@@ -59,8 +59,8 @@ from sidecar.engine.torch_engine import TorchEngine
 from sidecar.model.decode_kernels import DecodeOps
 from sidecar.model.model import Qwen3WithMTP
 from sidecar.types import GenerationRequest, SamplingParams
-from tools.bench.engine import bench_clock, device_problem
-from tools.bench.gpu_profile import profile_rounds, random_model, shape_config
+from tools.bench.common import bench_clock, device_problem, random_model, shape_config, subcommand
+from tools.bench.gpu_profile import profile_rounds
 from trainer.planning.cost_table import cost_table_document
 from trainer.planning.shapes import PRESETS
 
@@ -173,7 +173,7 @@ def engine_part(args: argparse.Namespace, shape: str, device: torch.device, out:
             {
                 "name": name,
                 "device": out.meta["device"],
-                "source": f"tools/bench_gpu.py: TorchEngine (compile={mode}, kernels={kern}, draft_vocab_size={n}), "
+                "source": f"specrl bench gpu: TorchEngine (compile={mode}, kernels={kern}, draft_vocab_size={n}), "
                 f"random bf16 weights, temperature {args.temperature}, prompt {args.prompt}",
                 "date": out.meta["date"],
                 "model": cfg.to_hf_dict(),
@@ -369,7 +369,7 @@ def release(device: torch.device) -> None:
 
 
 def summary(out: Output, args: argparse.Namespace) -> None:
-    lines = [f"# tools/bench_gpu.py — {out.meta['device']}, {out.meta['date']}", ""]
+    lines = [f"# specrl bench gpu — {out.meta['device']}, {out.meta['date']}", ""]
     copy = out.reference["copy"]
     if copy:
         lines.append(f"device copy: {copy['bytes_per_s'] / 1e12:.3f} TB/s ({args.copy_mib} MiB)")
@@ -410,8 +410,18 @@ def summary(out: Output, args: argparse.Namespace) -> None:
     (out.out / "summary.md").write_text("\n".join(lines) + "\n")
 
 
+SUBCOMMANDS = {"profile": "gpu_profile"}
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    merged = subcommand(argv, SUBCOMMANDS, "specrl bench gpu")
+    if merged is not None:
+        return merged
+    ap = argparse.ArgumentParser(
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="subcommand: profile (kernels a round under torch.profiler: `specrl bench gpu profile --help`)",
+    )
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="a tiny shape and short runs (tests, CPU)")
     ap.add_argument("--out", type=Path, required=True)

@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """Where one decode round's time goes: the host's work against the device's, per compile mode.
 
-    tools/profile_round.py --device cuda --shape qwen3-0.6b --batches 1,16 --ks 0,3
-    tools/profile_round.py --device cpu --shape tiny                      # the path, for tests
-    tools/profile_round.py --device cuda --compile on --kernels auto,torch # fused kernels against torch's
+    specrl bench gpu profile --device cuda --shape qwen3-0.6b --batches 1,16 --ks 0,3
+    specrl bench gpu profile --device cpu --shape tiny                      # the path, for tests
+    specrl bench gpu profile --device cuda --compile on --kernels auto,torch # fused kernels against torch's
 
 For each (compile mode, batch, k): the engine (random bf16 weights built on the device, as
-tools/bench_gpu.py) generates a warm-up request, then `--rounds` decode rounds run under
+specrl bench gpu) generates a warm-up request, then `--rounds` decode rounds run under
 torch.profiler. Printed per round: the wall time of `step()` (median, device synchronised), the
 device time (the kernels' durations summed, CUDA only), the kernels run and the CUDA-graph
 launches. A round whose wall time is near its device time is device-bound; one far above it is
@@ -29,53 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from sidecar.engine.torch_engine import TorchEngine
 from sidecar.model.decode_kernels import DecodeOps
-from sidecar.model.model import ModelConfig, Qwen3WithMTP
-from sidecar.model.moe import MoEConfig, Router
 from sidecar.types import GenerationRequest, SamplingParams
-from tools.bench.engine import device_problem
-from trainer.planning.shapes import PRESETS
-
-TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)  # fmt: skip
-
-
-def shape_config(name: str) -> ModelConfig:
-    """The engine's config at a preset's shape: bf16, one MTP layer, no stop tokens; a preset with
-    experts (qwen3-30b-a3b, qwen3-235b-a22b) is a Qwen3-MoE (norm_topk_prob true, as released)."""
-    base = TINY if name == "tiny" else PRESETS[name]
-    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "head_dim", "tie_word_embeddings")  # fmt: skip
-    moe = None
-    if base.get("num_experts"):
-        moe = MoEConfig(num_experts=base["num_experts"], num_experts_per_tok=base["num_experts_per_tok"],
-                        moe_intermediate_size=base["moe_intermediate_size"], norm_topk_prob=True)  # fmt: skip
-    return ModelConfig(
-        **{k: base[k] for k in keys},
-        rope_theta=1_000_000.0,
-        max_position_embeddings=4096,
-        torch_dtype="bfloat16",
-        num_nextn_predict_layers=1,
-        **({} if moe is None else {"architectures": ["Qwen3MoeForCausalLM"], "moe": moe}),
-    )
-
-
-def random_model(cfg: ModelConfig, device: torch.device, seed: int = 0) -> Qwen3WithMTP:
-    """Random weights created on `device` in the model's dtype (normal(0, 0.02); norms 1)."""
-    torch.manual_seed(seed)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(cfg.dtype)
-    try:
-        with torch.device(device):
-            model = Qwen3WithMTP(cfg)
-    finally:
-        torch.set_default_dtype(previous)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02)
-    for m in model.modules():
-        if isinstance(m, Router):
-            m.float()  # routers are float32 in every dtype (`checkpoint.ROUTER_SUFFIXES`)
-    return model.eval().requires_grad_(False)
+from tools.bench.common import device_problem, random_model, shape_config
 
 
 def profile_rounds(engine: TorchEngine, batch: int, k: int, prompt: int, rounds: int) -> dict[str, float]:

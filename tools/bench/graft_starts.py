@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """How the start of a grafted MTP layer matters once draft-init has fitted it (#61).
 
-    tools/graft_starts.py [--model tiny|demo] [--starts hidden,embedding,half,both,random] [--prompts 32]
+    specrl bench graft-starts [--model tiny|demo] [--starts hidden,embedding,half,both,random] [--prompts 32]
                           [--threads 1] [--out DIR]
 
 `specrl draft-init` on a checkpoint without MTP layers grafts one (`trainer.mtp_graft`: decoder

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The paged KV cache against the static one, on one KV budget, at a long-tailed length mix (#48).
 
-    tools/bench_kv.py [--scale 0.03125] [--groups 24] [--group 8] [--prompt-length 16] [--budget-rows 4]
+    specrl bench kv [--scale 0.03125] [--groups 24] [--group 8] [--prompt-length 16] [--budget-rows 4]
                       [--block-size N] [--k 0] [--arms static,paged] [--threads 1] [--out FILE] [--quick]
 
 Issue #48's claim: with a long-tailed length mix (log-normal, median 1k tokens, p99 16k, max 32k,
@@ -50,7 +50,7 @@ rows resuming prefill their prompt and output again, which the stats count too, 
 gives those recomputed tokens and the ratio without them: the prompts' prefill, what sharing
 saves. The table puts the arms and paged / static side by side; `--out` writes it as JSON.
 
-The model: tools/bench_engine.py's shape (hidden 512, 12 layers, 8/4 heads, vocab 4096, one MTP
+The model: specrl bench engine's shape (hidden 512, 12 layers, 8/4 heads, vocab 4096, one MTP
 layer; its context raised to max_context where that is longer) with random weights: the
 lengths are fixed in advance, so the tokens' values change nothing measured here. `--k` > 0
 speculates with the (random, so rarely accepted) MTP draft. `--quick`: a tiny model, scale 1/256
@@ -79,7 +79,7 @@ from sidecar.engine.torch_engine import TorchEngine
 from sidecar.model.kv_pages import RESERVED_BLOCKS, blocks_for
 from sidecar.model.model import ModelConfig, Qwen3WithMTP, build_model
 from sidecar.types import GenerationRequest, SamplingParams
-from tools.bench.engine import BENCH_CONFIG
+from tools.bench.common import BENCH_CONFIG
 
 MEDIAN, P99, CAP = 1024, 16384, 32768
 """The issue's length mix (tokens, before --scale)."""

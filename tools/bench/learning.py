@@ -25,8 +25,8 @@ reward (lines with ± 1 sd bands) against step, per arm. Finished runs are reuse
 directory with its last step logged), so an interrupted comparison resumes; `results.json`
 holds every run's curves.
 
-    OMP_NUM_THREADS=1 .venv/bin/python tools/bench_learning.py --out /tmp/learning --seeds 0 1 2
-    OMP_NUM_THREADS=1 .venv/bin/python tools/bench_learning.py --out /tmp/learning --compare-spec --seeds 0 1 2 3
+    OMP_NUM_THREADS=1 specrl bench learning --out /tmp/learning --seeds 0 1 2
+    OMP_NUM_THREADS=1 specrl bench learning --out /tmp/learning --compare-spec --seeds 0 1 2 3
 """
 
 from __future__ import annotations

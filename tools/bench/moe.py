@@ -1,13 +1,13 @@
 #!/usr/bin/env python
 """Speculation on a mixture of experts against a dense model of equal active parameters, on CPU.
 
-    tools/bench_moe.py [--batches 1,16,64] [--k 3] [--new-tokens 32] [--repeats 3] [--routes]
+    specrl bench moe [--batches 1,16,64] [--k 3] [--new-tokens 32] [--repeats 3] [--routes]
 
 Two models of one shape, scaled down from Qwen3-30B-A3B for a CPU (hidden 128, 4 layers, 8/2
 heads): an MoE of 32 experts, top 4, expert width 128, and a dense model whose MLP is as wide as
 the 4 active experts together (512), so a token multiplies the same number of parameters in both.
 Both get one MTP layer that follows its target by construction (the trunk's residual branches
-scaled towards a bigram model, as `tools/bench_step.py`), so the two accept alike. At each batch B
+scaled towards a bigram model, as `specrl bench engine step`), so the two accept alike. At each batch B
 the engine generates plain and with k drafts, one torch thread, alternating MoE / dense and plain /
 k `--repeats` times (medians of CPU seconds per generated token); printed: each model's k / plain
 throughput ratio, τ, and for the MoE the experts a round reads — measured from the router's choices

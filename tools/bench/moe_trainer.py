@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """The trainer's step on a mixture of experts against a dense model of equal active parameters, on CPU.
 
-    tools/bench_moe_trainer.py [--rows 8] [--seq 64] [--repeats 5] [--replay]
+    specrl bench moe-trainer [--rows 8] [--seq 64] [--repeats 5] [--replay]
 
-`tools/bench_moe.py`'s two shapes (hidden 128, 4 layers, 8/2 heads, vocab 256; the MoE 32 experts,
+`specrl bench moe`'s two shapes (hidden 128, 4 layers, 8/2 heads, vocab 256; the MoE 32 experts,
 top 4, expert width 128; the dense MLP 512 wide: a token multiplies the same parameters in both), no
 draft, as the trainer's Megatron-core policy (`trainer.policy.Policy`: local spec, SequentialMLP
 experts, allgather dispatcher, one process). One update (`Policy.train_step`: forward, backward,

@@ -7,8 +7,8 @@ gradients. Muon's extra cost is the Newton–Schulz iteration on every hidden ma
 the baseline the ratio is taken against. The two optimizers are timed side by side, alternating
 within each repeat, and the medians of the repeats are reported (machines here are noisy).
 
-    .venv/bin/python tools/bench_muon.py --threads 1     # CPU, one thread
-    .venv/bin/python tools/bench_muon.py --device cuda   # on a GPU node
+    specrl bench muon --threads 1     # CPU, one thread
+    specrl bench muon --device cuda   # on a GPU node
 """
 
 from __future__ import annotations

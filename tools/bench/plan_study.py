@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """`specrl plan` fed the reference study's reported inputs, beside the study's reported outputs.
 
-    .venv/bin/python tools/plan_study.py [--replications 8]
+    specrl bench plan-study [--replications 8]
 
 Why: the study (arXiv 2604.26779: NeMo RL + vLLM, EAGLE-3 drafts, Qwen3-8B measured, Qwen3-235B
 projected by a GB200-calibrated simulator that is not public) is the one published account of

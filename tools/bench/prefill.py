@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Admission of a GRPO group: G samples of one prompt prefilled once, against G prefills.
 
-    tools/bench_prefill.py [--group 8] [--prompt-length 512] [--ks 0,3] [--repeats 5] [--threads 1]
+    specrl bench prefill [--group 8] [--prompt-length 512] [--ks 0,3] [--repeats 5] [--threads 1]
 
 The engine admits a group (one request, one prompt, `--group` samples) in one step: the target's
 prefill of the prompt, its KV, the draft's prefill (k > 0), each sample's first token and its rows
@@ -12,7 +12,7 @@ cost does not depend on its tokens' values). Both run interleaved in one process
 times; the table gives median CPU milliseconds of the admitting step per group (this thread's CPU
 time: the box is shared), their ratio, and the stats' prefill_tokens / prompt_tokens.
 
-The model: tools/bench_engine.py's (hidden 512, 12 layers, 8/4 heads, vocab 4096, one MTP
+The model: specrl bench engine's (hidden 512, 12 layers, 8/4 heads, vocab 4096, one MTP
 layer, context 1024) with random weights: admission's cost does not depend on their values.
 """
 

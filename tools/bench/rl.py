@@ -10,20 +10,19 @@
    sidecars' raw counters — where longer drafts stop paying; plus automatic mode ("auto": the sidecars, started with
    `--speculation-auto --speculation-k max(ks)`, choose k per engine step; their first generations, untimed, are its learning
    pass), against the best static k: chosen on the same repeats (biased against auto) and held out
-   (each repeat against the k fastest on the others), with 90% bootstrap intervals (tools/bench_stats.py).
+   (each repeat against the k fastest on the others), with 90% bootstrap intervals (tools/bench/common.py).
    `--in-process` runs the sweep on one sidecar's share of the workload in this process instead
    (no gRPC, no second engine process on the cores): the controller against the static k alone.
 
-    .venv/bin/python tools/bench_rl.py --out /tmp/bench-rl --repeats 5
-    .venv/bin/python tools/bench_rl.py --out /tmp/bench-rl --in-process --repeats 30   # reuses OUT/policy
-    .venv/bin/python tools/bench_rl.py --out /tmp/bench-rl --in-process --repeats 30 --ceiling 20   # + auto@costs
+    specrl bench rl --out /tmp/bench-rl --repeats 5
+    specrl bench rl --out /tmp/bench-rl --in-process --repeats 30   # reuses OUT/policy
+    specrl bench rl --out /tmp/bench-rl --in-process --repeats 30 --ceiling 20   # + auto@costs
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import subprocess
@@ -41,23 +40,21 @@ from sidecar.engine.torch_engine import TorchEngine
 from sidecar.serve_config import ServeConfig
 from sidecar.speculation.config import SpeculationControllerConfig
 from sidecar.types import GenerationRequest, SamplingParams, SpeculationCounters
-from tools.bench.common import against_best_held_out, best_in_sample, held_out_choices, median_ratio
+from tools.bench.common import (
+    against_best_held_out,
+    bench_clock,
+    best_in_sample,
+    cpu_seconds,
+    device_problem,
+    held_out_choices,
+    median_ratio,
+)
 from tools.bench.cost_ceiling import TablePriced, measure_step_costs
-from tools.bench.engine import bench_clock, device_problem
 from trainer.demo import DemoConfig, run_demo
 from trainer.local_sidecars import LocalSidecars
 from trainer.rl_config import demo_config
 from trainer.tasks import ArithmeticTask
 from trainer.tokenizer import CharTokenizer
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU seconds of the processes so far (/proc/PID/stat, clock-tick resolution)."""
-    total = 0
-    for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
-    return total / os.sysconf("SC_CLK_TCK")
 
 
 def sweep_workload(prompts_n: int) -> tuple[list[list[int]], SamplingParams]:
@@ -134,7 +131,7 @@ def _report(
     cpu_label: str,
     clock: str = "CPU",
 ) -> list[str]:
-    """The sweep's table (medians) and auto against the best static k and plain (tools/bench_stats.py).
+    """The sweep's table (medians) and auto against the best static k and plain (tools/bench/common.py).
     `cpu` holds the seconds of the run's main clock, named `clock` ("CPU"; "GPU wall" on CUDA)."""
     w0, c0 = statistics.median(wall[0]), statistics.median(cpu[0])
     rows = [
@@ -150,7 +147,7 @@ def _report(
     rows.append(
         f"auto vs the best static k, median of per-repeat ratios [90% bootstrap interval] (> 1: auto faster): "
         f"in-sample best (k={best} by {clock}, chosen on the same repeats: biased against auto, see "
-        f"tools/bench_stats.py): {clock} {median_ratio(cpu[best], cpu['auto'])}, wall {median_ratio(wall[best], wall['auto'])}"
+        f"tools/bench/common.py): {clock} {median_ratio(cpu[best], cpu['auto'])}, wall {median_ratio(wall[best], wall['auto'])}"
     )
     choices = Counter(held_out_choices(cpu, ks))
     rows.append(
@@ -186,7 +183,7 @@ def k_sweep_in_process(
     configurations interleaved, their order rotated per repeat; CPU seconds of this process.
     `ceiling` > 0: first measure the workload's step costs per (batch, k) over that many
     generations of each static k, then sweep a third engine, "auto@costs", whose controller prices
-    its steps from that table (`tools/cost_ceiling.py`): what auto loses to its cost estimates.
+    its steps from that table (`tools/bench/cost_ceiling.py`): what auto loses to its cost estimates.
     `device` "cuda": the engines run there, timed by synchronised wall clock (`bench_engine.bench_clock`)."""
     prompts, warm = sweep_workload(prompts_n)
     mine = list(range(0, prompts_n, 2))
@@ -276,7 +273,7 @@ def main() -> None:
         default=0,
         metavar="N",
         help="With --in-process: also sweep auto priced by the workload's step costs, measured first over N "
-        "generations per static k (tools/cost_ceiling.py): what auto loses to its own cost estimates.",
+        "generations per static k (tools/bench/cost_ceiling.py): what auto loses to its own cost estimates.",
     )
     args = ap.parse_args()
     if args.ceiling < 0 or (args.ceiling and not args.in_process):

@@ -8,7 +8,7 @@ trainer process holding the model, the peak RSS (VmHWM after resetting it throug
            when the protocol needs every tensor at once), which costs ~1x the model.
 Both push the whole target to a sidecar that serves it, so the two rows are the same update.
 
-    python tools/bench_session_memory.py [--hidden 256 512 1024 2048] [--layers 4] [--vocab 8192]
+    specrl bench session-memory [--hidden 256 512 1024 2048] [--layers 4] [--vocab 8192]
 
 Linux only (VmHWM). Prints a Markdown table.
 """

@@ -5,7 +5,7 @@
    draft of a given size (one MTP layer of a 7B-class model is ~0.4 GB in bfloat16).
 2. Converting one finished SGLang output to a `Sample` (`sample_from_meta_info`) per 1k tokens.
 
-Usage: python tools/bench_sglang_adapter.py [--mb 256] [--repeats 5]
+Usage: specrl bench sglang-adapter [--mb 256] [--repeats 5]
 Prints medians of `--repeats` runs.
 """
 

@@ -14,7 +14,7 @@ and tree ops are the plain-PyTorch reference ops of tests/sglang_cpu_support/ (P
 sequence), not SGLang's real CPU kernels: this compares our embedded engine with SGLang's
 scheduler running test scaffolding, not SGLang's production speed. Run it with .venv-sglang:
 
-    SGLANG_USE_CPU_ENGINE=1 .venv-sglang/bin/python tools/bench_sglang_serve.py --policy DIR --repeats 5
+    SGLANG_USE_CPU_ENGINE=1 .venv-sglang/bin/python -m tools.bench sglang-serve --policy DIR --repeats 5
 """
 
 from __future__ import annotations

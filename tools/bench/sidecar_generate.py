@@ -13,7 +13,7 @@
    streams (C = 1, 8, 32, 64) each send greedy one-prompt requests; reports generated tokens/s
    and p50/p99 request latency.
 
-Usage: python tools/bench_sidecar.py [--repeats 5] [--layers 14] [--no-keep-staging] [--skip-push] [--skip-generate]
+Usage: specrl bench sidecar [--repeats 5] [--layers 14] [--no-keep-staging] [--skip-push] [--skip-generate]
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ Checks (each breach is a violation; the run exits 1 if there was any):
 - after warm-up, each sidecar's RSS, descriptors and threads stay within a bound of their
   post-warm-up level.
 
-    tools/soak.py --minutes 10          # progress every 30 s, a summary at the end
-    tools/soak.py --short               # about a minute (CI: tests/test_soak.py)
+    specrl bench soak --minutes 10          # progress every 30 s, a summary at the end
+    specrl bench soak --short               # about a minute (CI: tests/test_soak.py)
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Ratios reported:
 - Megatron log-prob recomputation over the engine's plain reference forward (same weights, batch);
 - weight export (naming contract, one tensor at a time) per step.
 
-    .venv/bin/python tools/bench_trainer.py --repeats 5
+    specrl bench trainer --repeats 5
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Benchmark of the weight transports (not a test): grpc, shm and collective (gloo) against a
 plain single-threaded memcpy of the same bytes, all in one run.
 
-A ~1 GiB float32 model (the push model of tools/bench_sidecar.py) is served by a real
+A ~1 GiB float32 model (the push model of specrl bench sidecar) is served by a real
 `specrl serve --keep-staging` subprocess. Each round, in a rotating order, this process
 (the sender) 1. copies the model's bytes into one preallocated buffer with numpy (one thread:
 the memcpy a perfect single-copy transport could not beat), then pushes the whole state dict
@@ -18,8 +18,8 @@ size (per-push fixed costs, not bytes): the trainer's streamed fan-out (`Fleet.p
 with the export order) of MODEL_DIR's weights to N local `specrl serve` processes, over grpc and
 over shm, alternating, and one client's push with the sidecar's receive/apply split.
 
-Usage: python tools/bench_transports.py [--repeats 3] [--layers 14]
-       python tools/bench_transports.py --fanout DEMO_OUT/init [--sidecars 2] [--repeats 20]
+Usage: specrl bench transports [--repeats 3] [--layers 14]
+       specrl bench transports --fanout DEMO_OUT/init [--sidecars 2] [--repeats 20]
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ tests/with_trl/tiny_model.py through a real `specrl serve` (k = 2); every step p
 counters of that step's rollouts), for each learning rate, side by side; with --align also with
 `DraftAligner` (the draft refitted to the policy on the latest rollouts after every sync).
 
-    .venv-trl/bin/python tools/bench_trl_tau.py [--steps 30] [--lr 3e-3 1e-2] [--align]
+    .venv-trl/bin/python -m tools.bench trl-tau [--steps 30] [--lr 3e-3 1e-2] [--align]
 """
 
 from __future__ import annotations

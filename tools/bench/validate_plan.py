@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """`specrl plan`'s model against measurement: the demo's per-step generation and step times, with
-and without speculation, and the ordering of k in `tools/bench_rl.py`'s sweep.
+and without speculation, and the ordering of k in `specrl bench rl`'s sweep.
 
-    .venv/bin/python tools/validate_plan.py --run OUT/run --costs /tmp/demo-costs.json [--sweep RAW.json]
+    specrl bench validate-plan --run OUT/run --costs /tmp/demo-costs.json [--sweep RAW.json]
 
 Inputs, all measured, none fitted to the times they predict:
-- costs: a cost table of the demo's policy measured by the engine (`tools/measure_cost_table.py`):
+- costs: a cost table of the demo's policy measured by the engine (`specrl bench cost-table`):
   seconds per decode round per (batch, k), prefill, the fleet's fixed cost per generation;
 - per step, from the run's metrics.jsonl: the step's response-length percentiles and acceptance
   per draft position (what the sidecars counted), its refill rounds and prompts;
@@ -13,7 +13,7 @@ Inputs, all measured, none fitted to the times they predict:
   (leave-one-out: the step's own time is never an input to its prediction).
 Predicted per step: generation at the run's k and at k = 0, the refill rounds at k, and the step
 (generation + refill + rest); the trainer's plain step is the plain generation plus the same rest.
-With `--sweep` (bench_rl.py `--raw`: per repeat, three generations of the workload per k on two
+With `--sweep` (`specrl bench rl --raw`: per repeat, three generations of the workload per k on two
 sidecars), each k's time is predicted from the cost table's own workload record (acceptance and
 lengths at the largest k), and the predicted ordering of k is set against the measured one.
 """
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--generations", type=int, default=6, help="with --engine-check: generations per k for the costs")
     ap.add_argument("--checks", type=int, default=8, help="with --engine-check: fresh generations per k predicted")
     ap.add_argument("--k", type=int, default=3, help="the run's speculation k")
-    ap.add_argument("--sweep", type=Path, help="bench_rl.py --raw output of a k sweep on the same policy")
+    ap.add_argument("--sweep", type=Path, help="`specrl bench rl --raw` output of a k sweep on the same policy")
     ap.add_argument("--replications", type=int, default=64)
     args = ap.parse_args(argv)
     if args.engine_check is not None:

@@ -11,7 +11,7 @@ best "underpowered"; the distribution test's own pass/fail is what is counted). 
 per seed (with its wall and CPU seconds: the CPU of this process, so the verifier's and the
 in-process sidecar's together) and the verdict counts; `--json` keeps every certificate.
 
-    OMP_NUM_THREADS=1 .venv/bin/python tools/bench_verify.py --model DEMO/policy --seeds 0-19 --k 0 --tokens 9
+    OMP_NUM_THREADS=1 specrl bench verify --model DEMO/policy --seeds 0-19 --k 0 --tokens 9
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ payload (per tensor the smaller of an index list and a bitmask, see sidecar/weig
 against the dense push. Rollouts are sampled in-process from the trainer's own policy (the same
 distribution the sidecars sample; sidecars are not needed to measure weight change).
 
-    .venv/bin/python tools/measure_weight_change.py --policy /tmp/i20/policy --steps 12
+    specrl bench weight-change --policy /tmp/i20/policy --steps 12
 
 `--policy` is a demo policy checkpoint (`specrl demo` writes one under OUT/policy); without it the
 tool runs the demo's warm-up and draft initialisation first (minutes).
