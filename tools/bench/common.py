@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -233,17 +234,18 @@ def median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+TINY: dict[str, Any] = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)  # fmt: skip
 
 
 def shape_config(name: str) -> ModelConfig:
     """The engine's config at a preset's shape: bf16, one MTP layer, no stop tokens; a preset with
     experts (qwen3-30b-a3b, qwen3-235b-a22b) is a Qwen3-MoE (norm_topk_prob true, as released)."""
-    base = TINY if name == "tiny" else PRESETS[name]
+    base: dict[str, Any] = TINY if name == "tiny" else PRESETS[name]
     keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "tie_word_embeddings")  # fmt: skip
-    moe = None
+    moe: MoEConfig | None = None
+    extra: dict[str, Any] = {}
     if base.get("num_experts"):
         moe = MoEConfig(num_experts=base["num_experts"], num_experts_per_tok=base["num_experts_per_tok"],
                         moe_intermediate_size=base["moe_intermediate_size"], norm_topk_prob=True)  # fmt: skip
@@ -253,7 +255,7 @@ def shape_config(name: str) -> ModelConfig:
         max_position_embeddings=4096,
         torch_dtype="bfloat16",
         num_nextn_predict_layers=1,
-        **({} if moe is None else {"architectures": ["Qwen3MoeForCausalLM"], "moe": moe}),
+        **(extra if moe is None else {"architectures": ["Qwen3MoeForCausalLM"], "moe": moe}),
     )
 
 
