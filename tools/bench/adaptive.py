@@ -10,7 +10,7 @@ target with its "bigram" MTP draft). For each temperature and batch size B, the 
 generated with k = 0 (plain), each static k (pinned per request) and automatic mode, the
 configurations interleaved and their order rotated per repeat; process CPU seconds (robust to
 other tenants of a shared machine; with `--device cuda`, wall seconds with the device synchronised
-around each timed run, `bench_engine.bench_clock`); each speedup is the median over `--repeats` of the ratio
+around each timed run, `common.bench_clock`); each speedup is the median over `--repeats` of the ratio
 within one repeat (paired: the configurations of a repeat ran next to each other), auto's with the
 90% bootstrap interval over the repeats; "auto / best static" pairs auto with the faster of plain
 and the best static k in each repeat, that k chosen on the same repeats ("in-sample": biased
@@ -77,7 +77,7 @@ def run(
     engine: TorchEngine, batches: list[list[list[int]]], sp: SamplingParams, k: int | None
 ) -> tuple[float, SpeculationCounters]:
     """Generate each batch of prompts in turn (k None: the engine's automatic mode); seconds on
-    the engine device's benchmark clock (`bench_engine.bench_clock`), counters."""
+    the engine device's benchmark clock (`common.bench_clock`), counters."""
     clock, _ = bench_clock(engine.device)
     before = SpeculationCounters()
     before.add(engine.stats()[-1].counters)

@@ -33,7 +33,7 @@ line per cell, OUT/summary.md at the end of each part):
    plain decoding).
 
 Timing: wall clock with the device synchronised (CUDA); process CPU time on a CPU
-(`bench_engine.bench_clock`). Medians of `--repeats`, configurations interleaved.
+(`common.bench_clock`). Medians of `--repeats`, configurations interleaved.
 """
 
 from __future__ import annotations

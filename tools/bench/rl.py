@@ -184,7 +184,7 @@ def k_sweep_in_process(
     `ceiling` > 0: first measure the workload's step costs per (batch, k) over that many
     generations of each static k, then sweep a third engine, "auto@costs", whose controller prices
     its steps from that table (`tools/bench/cost_ceiling.py`): what auto loses to its cost estimates.
-    `device` "cuda": the engines run there, timed by synchronised wall clock (`bench_engine.bench_clock`)."""
+    `device` "cuda": the engines run there, timed by synchronised wall clock (`common.bench_clock`)."""
     prompts, warm = sweep_workload(prompts_n)
     mine = list(range(0, prompts_n, 2))
     static = TorchEngine.from_checkpoint(policy, device=device, speculation_k=0, max_speculation_k=max(ks))
