@@ -381,6 +381,10 @@ class VersionStats:
     prefill_tokens: int = 0
     """Prompt tokens the admission prefills computed: each distinct prompt admitted in one step
     once, so `prefill_tokens / prompt_tokens` is about 1/G for GRPO groups of G samples."""
+    prefix_cache_hit_tokens: int = 0
+    """Prefix tokens the admission prefills took from prefix-cache blocks instead of computing
+    (counted as `prefill_tokens` is: once a distinct prefix). The prefix cache's hit rate is
+    `prefix_cache_hit_tokens / (prefix_cache_hit_tokens + prefill_tokens)`."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -543,6 +547,10 @@ class KVUsage:
     preemptions: int = 0
     """Rows preempted since the engine started (monotonic): their blocks freed when the pool ran
     out mid-generation, requeued, resumed later by recomputing their prefix."""
+    blocks_cached: int = 0
+    """Blocks the prefix cache indexes now (held by rows or idle; idle ones count as free)."""
+    prefix_cache_evictions: int = 0
+    """Idle cached blocks taken for other tokens since the engine started (monotonic)."""
 
 
 @dataclass(kw_only=True, slots=True)

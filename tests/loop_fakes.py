@@ -57,6 +57,8 @@ class FakeFleet:
     """... and as `draft_collapses`."""
     alarms: DraftAlarms = field(default_factory=DraftAlarms)
     new_alarms: list[str] = field(default_factory=list)
+    latest_stats: dict[str, SidecarStats] = field(default_factory=dict)
+    """Each sidecar's GetStats at the latest `speculation_delta` (the trainer's prefix_cache/* read it)."""
 
     def start_version(self) -> int:
         return self.version + 1
@@ -94,6 +96,7 @@ class FakeFleet:
             draft_collapsed=self.collapse,
             draft_collapses=self.collapses,
         )
+        self.latest_stats = {self.clients[0]: stats}
         alarm = self.alarms.observe(self.clients[0], stats)  # the fleet's own rule: Fleet.speculation_delta
         if alarm is not None:
             self.new_alarms.append(alarm)
@@ -124,7 +127,7 @@ class RecordingPolicy:
 
     def train_updates(self, batch: TrainBatch, **kw: Any) -> dict[str, float]:
         self.batches.append(batch)
-        return {"mismatch_logprob_abs_max": 0.0}
+        return {f"mismatch_logprob_abs_{stat}": 0.0 for stat in ("mean", "p99", "max")}
 
     def export_named_tensors(self) -> list[Any]:
         return []

@@ -15,14 +15,15 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import distributed as dist
 
 from muon import HybridOptimizerConfig
 from sidecar.model.checkpoint import model_state_dict
 from sidecar.model.model import ModelConfig, build_model
 from tests.spawn_workers import join_group, leave_group, spawn
-from trainer.data_parallel import balanced_rows, row_lengths
+from trainer.data_parallel import balanced_rows, reduce_mismatch, row_lengths
 from trainer.draft_objective import DraftConfig
-from trainer.losses import GRPOConfig
+from trainer.losses import GRPOConfig, mismatch_metrics
 from trainer.policy import Policy, TrainBatch
 
 MC = ModelConfig.tiny(max_position_embeddings=64)
@@ -204,3 +205,51 @@ def test_two_replicas_train_an_eagle3_draft_like_one_process(tmp_path: Path) -> 
             torch.testing.assert_close(
                 got["weights"][name], w, atol=WEIGHT_ATOL, rtol=0, msg=lambda m, n=name: f"{n}: {m}"
             )
+
+
+def _mismatch_cases() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Random batches (train, rollout, mask) of 2-9 rows: heavy-tailed gaps (a few whole nats among
+    1e-6-sized ones, as a flipped expert makes them), rows without a response token, a replica's
+    share with none at all (case 0)."""
+    cases = []
+    for case in range(12):
+        gen = torch.Generator().manual_seed(100 + case)
+        rows, seq = 2 + case % 8, 5 + (7 * case) % 30
+        rollout = -5 * torch.rand(rows, seq, generator=gen)
+        gap = 1e-6 * torch.randn(rows, seq, generator=gen)
+        gap += torch.where(torch.rand(rows, seq, generator=gen) < 0.03, 3 * torch.randn(rows, seq, generator=gen), 0.0)
+        mask = (torch.rand(rows, seq, generator=gen) < 0.6).float()
+        if case == 0:
+            mask[: rows // 2] = 0.0  # replica 0's share has nothing to compare
+        cases.append((rollout + gap, rollout, mask))
+    return cases
+
+
+def _mismatch_worker(rank: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    join_group(rank, 2, port)
+    results = []  # the world group is the data-parallel group of the two replicas here
+    for train, rollout, mask in _mismatch_cases():
+        half = train.shape[0] // 2
+        rows = slice(0, half) if rank == 0 else slice(half, None)  # replica 0 the first rows, 1 the rest
+        results.append(reduce_mismatch(train[rows], rollout[rows], mask[rows], dist.group.WORLD))  # type: ignore[arg-type]
+    torch.save(results, f"{out}.{rank}")
+    leave_group()
+
+
+@pytest.mark.slow
+def test_two_replicas_report_the_one_process_mismatch_exactly(tmp_path: Path) -> None:
+    """`reduce_mismatch` over two replicas' rows = `mismatch_metrics` of the whole batch, the p99
+    included (gathered per-token gaps: the same float64 values in the same order, so equal to the
+    last bit); a per-replica p99 averaged (what a sum/max reduction could give) would not be."""
+    spawn(_mismatch_worker, (str(tmp_path / "out"),), nprocs=2, timeout_s=120)
+    two = [torch.load(tmp_path / f"out.{r}", weights_only=False) for r in (0, 1)]
+    averaged_differs = 0
+    for i, (train, rollout, mask) in enumerate(_mismatch_cases()):
+        one = mismatch_metrics(train, rollout, mask)
+        assert two[0][i] == one and two[1][i] == one, (i, one, two[0][i])
+        half = train.shape[0] // 2
+        shares = [mismatch_metrics(train[r], rollout[r], mask[r]) for r in (slice(0, half), slice(half, None))]
+        averaged = sum(s["mismatch_logprob_abs_p99"] for s in shares) / 2
+        averaged_differs += int(abs(averaged - one["mismatch_logprob_abs_p99"]) > 1e-9)
+    assert averaged_differs >= 6  # negative control: the reduction's exactness is not automatic

@@ -27,7 +27,7 @@ from trainer.environments import (
     continuation_ids,
     stop_token_ids,
 )
-from trainer.episodes import EpisodeLimits, run_episodes
+from trainer.episodes import EpisodeLimits, episode_metrics, run_episodes
 from trainer.losses import GRPOConfig, policy_loss
 from trainer.policy import TrainBatch
 from trainer.tasks import Problem
@@ -89,7 +89,7 @@ class ScriptFleet:
                         last_weight_version=self.version,
                     )
                 )
-        return FleetResult(samples=samples, seconds=0.0)
+        return FleetResult(samples=samples, seconds=0.5 * len(self.requests))  # call n takes n/2 seconds
 
 
 SOLVES = {"": "[12*34]", "[12*34]=408\n": "[408+5]", "[12*34]=408\n[408+5]=413\n": "#413"}
@@ -140,6 +140,15 @@ def test_an_episode_is_its_turns_and_observations_in_order_with_only_the_policy_
     sessions = [r.session_ids for r in fleet.requests]
     assert sessions[0] == sessions[1][:1] == sessions[2][:1] and len(set(sessions[1])) == 1
     assert fleet.ended == sessions[0]
+    # per turn: the seconds of its request, the prompt tokens it sent (G prompts once, then histories)
+    assert out.turn_seconds == [0.5, 1.0, 1.5]
+    assert out.turn_prompt_tokens == [len(PROMPT)] + [2 * len(r.prompts[0]) for r in fleet.requests[1:]]
+    m = episode_metrics(out)
+    assert (m["time/turn_1"], m["time/turn_3"], m["rollout/turn_2_prompt_tokens"]) == (
+        0.5,
+        1.5,
+        float(out.turn_prompt_tokens[1]),
+    )
 
 
 def test_the_turn_limit_ends_an_episode_without_a_trailing_observation() -> None:

@@ -65,6 +65,9 @@ def test_specrl_train_runs_calculator_episodes_and_trains_only_the_policy_tokens
     assert all(1.0 <= m["rollout/turns_mean"] <= 3.0 for m in history)
     assert sum(m["rollout/tool_calls_mean"] for m in history) > 0, "no episode called the calculator"
     assert any(m["rollout/observation_token_share"] > 0 for m in history)
+    # a later turn's history starts with the earlier turns' cached blocks (one sidecar: all pinned)
+    assert any(m["prefix_cache/hit_rate"] > 0 for m in history), [m["prefix_cache/hit_rate"] for m in history]
+    assert all("time/turn_1" in m and "rollout/turn_1_prompt_tokens" in m for m in history)
     assert "reward/eval_mean" in history[-1] and "spec/acceptance_length" in history[-1]
     observed = 0
     for batch in batches:

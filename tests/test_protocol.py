@@ -232,7 +232,18 @@ def test_sample_round_trips(c: SpeculationCounters, reason: FinishReason, tokens
     assert convert.sample_from_pb(convert.sample_to_pb(sample)) == sample
 
 
-@given(st.builds(KVUsage, block_size=u32, blocks_total=u32, blocks_used=u32, blocks_shared=u32, preemptions=u64))
+@given(
+    st.builds(
+        KVUsage,
+        block_size=u32,
+        blocks_total=u32,
+        blocks_used=u32,
+        blocks_shared=u32,
+        preemptions=u64,
+        blocks_cached=u32,
+        prefix_cache_evictions=u64,
+    )
+)
 def test_kv_usage_round_trips_in_getstats(kv: KVUsage) -> None:
     stats = SidecarStats(versions=[], total=SpeculationCounters(), weight_version=0, kv=kv)
     assert convert_stats.stats_from_pb(convert_stats.stats_to_pb(stats)) == stats
@@ -323,7 +334,13 @@ def test_info_and_stats_round_trip() -> None:
     stats = SidecarStats(
         versions=[
             VersionStats(
-                weight_version=1, counters=c, samples_finished=4, busy_seconds=1.5, prompt_tokens=96, prefill_tokens=12
+                weight_version=1,
+                counters=c,
+                samples_finished=4,
+                busy_seconds=1.5,
+                prompt_tokens=96,
+                prefill_tokens=12,
+                prefix_cache_hit_tokens=40,
             )
         ],
         total=c,

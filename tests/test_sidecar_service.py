@@ -283,8 +283,16 @@ def test_the_engines_kv_blocks_reach_getstats_and_prometheus_each_step(
     """Whatever `Engine.kv_usage()` says at an engine step is what GetStats (over gRPC) and the
     Prometheus text report: the figures are planted in the engine, then changed between requests."""
     figures = [
-        KVUsage(block_size=16, blocks_total=900, blocks_used=37, blocks_shared=5, preemptions=3),
-        KVUsage(block_size=16, blocks_total=900, blocks_used=12, blocks_shared=0, preemptions=4),
+        KVUsage(block_size=16, blocks_total=900, blocks_used=37, blocks_shared=5, preemptions=3, blocks_cached=9),
+        KVUsage(
+            block_size=16,
+            blocks_total=900,
+            blocks_used=12,
+            blocks_shared=0,
+            preemptions=4,
+            blocks_cached=20,
+            prefix_cache_evictions=6,
+        ),
     ]
     engine_now = {"kv": KVUsage()}
     monkeypatch.setattr(sidecar.scheduler._engine, "kv_usage", lambda: engine_now["kv"])
@@ -300,6 +308,8 @@ def test_the_engines_kv_blocks_reach_getstats_and_prometheus_each_step(
         assert f"specrl_kv_blocks_shared {float(kv.blocks_shared)}" in text
         assert "# TYPE specrl_preemptions_total counter" in text
         assert f"specrl_preemptions_total {float(kv.preemptions)}" in text
+        assert f"specrl_kv_blocks_cached {float(kv.blocks_cached)}" in text
+        assert f"specrl_prefix_cache_evictions_total {float(kv.prefix_cache_evictions)}" in text
 
 
 def test_speculation_off_gives_the_same_greedy_output(client: SidecarClient, oracle: list[list[int]]) -> None:

@@ -109,6 +109,36 @@ def test_mismatch_metrics() -> None:
     # ratios 1.0 and 0.8 (the third token is masked out)
     assert m["mismatch_abs_ratio_mean"] == pytest.approx(0.1, abs=1e-6)
     assert m["mismatch_abs_ratio_max"] == pytest.approx(0.2, abs=1e-6)
+    assert m["mismatch_logprob_abs_mean"] == pytest.approx(-math.log(0.8) / 2, abs=1e-6)
+    assert m["mismatch_logprob_abs_max"] == pytest.approx(-math.log(0.8), abs=1e-6)
+
+
+def test_mismatch_gap_mean_and_p99_by_hand() -> None:
+    """101 compared tokens whose gaps are 0, 0.01, ..., 1.00 nats (signs alternating, order shuffled,
+    padding and masked tokens carrying huge gaps): mean 0.5, p99 0.99 (linear interpolation between
+    order statistics: rank 0.99 * 100 = 99 exactly), max 1.0."""
+    gaps = torch.arange(101, dtype=torch.float64) / 100
+    signed = gaps * torch.where(torch.arange(101) % 2 == 0, 1.0, -1.0).double()
+    order = torch.randperm(101, generator=torch.Generator().manual_seed(0))
+    rollout = -torch.rand(3, 40, generator=torch.Generator().manual_seed(1), dtype=torch.float64) - 2.0
+    mask = torch.zeros(3, 40)
+    where = torch.randperm(120, generator=torch.Generator().manual_seed(2))[:101]
+    mask.view(-1)[where] = 1.0
+    train = rollout + 50.0  # masked-out tokens: a 50-nat gap that must not count
+    train.view(-1)[where] = rollout.view(-1)[where] + signed[order]
+    m = mismatch_metrics(train, rollout, mask)
+    assert m["mismatch_logprob_abs_mean"] == pytest.approx(0.5, abs=1e-12)
+    assert m["mismatch_logprob_abs_p99"] == pytest.approx(0.99, abs=1e-12)
+    assert m["mismatch_logprob_abs_max"] == pytest.approx(1.0, abs=1e-12)
+    # negative control: one masked 50-nat token let in (102 gaps: p99 at rank 0.99 * 101 = 99.99,
+    # between 0.99 and 1.00; the mean (50.5 + 50) / 102)
+    mask.view(-1)[next(i for i in range(120) if i not in set(where.tolist()))] = 1.0
+    leaked = mismatch_metrics(train, rollout, mask)
+    assert leaked["mismatch_logprob_abs_p99"] == pytest.approx(0.9999, abs=1e-9)
+    assert leaked["mismatch_logprob_abs_mean"] == pytest.approx(100.5 / 102, abs=1e-9)
+    assert leaked["mismatch_logprob_abs_max"] == pytest.approx(50.0, abs=1e-9)
+    empty = mismatch_metrics(train, rollout, torch.zeros(3, 40))
+    assert empty["mismatch_logprob_abs_mean"] == empty["mismatch_logprob_abs_p99"] == 0.0
 
 
 def test_config_validation() -> None:

@@ -17,8 +17,8 @@ the global count. Muon and AdamW then step on the full reduced gradient, identic
 replica (Muon's Newton-Schulz iterations are repeated D times; a sharded Muon would split them).
 
 Metrics follow the same rule: every loss metric is a share that sums to the whole batch's
-(`reduce_metrics`); the training-inference mismatch is reduced as sums and maxima
-(`reduce_mismatch`).
+(`reduce_metrics`); the training-inference mismatch gathers every replica's per-token log-prob
+gaps (`reduce_mismatch`), so its mean, p99 and maximum are the whole batch's exactly.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from trainer.losses import mismatch_metrics
+from trainer.losses import mismatch_of_gaps
 
 
 def balanced_rows(lengths: list[int], parts: int) -> list[list[int]]:
@@ -100,22 +100,12 @@ def reduce_mismatch(
     mask: Tensor,  # (b, T)
     group: dist.ProcessGroup,
 ) -> dict[str, float]:
-    """`trainer.losses.mismatch_metrics` of the whole batch from every replica's rows."""
+    """`trainer.losses.mismatch_metrics` of the whole batch from every replica's rows: each replica's
+    per-token differences are gathered (one float64 per response token: small next to the batch),
+    so the mean, p99 and maximum are the whole batch's exactly, as one process computes them."""
     with torch.no_grad():
         m = mask.to(torch.bool)
-        diff = (train_logprobs.detach().to(torch.float64) - rollout_logprobs.to(torch.float64))[m]
-        dev = (torch.exp(diff) - 1.0).abs()
-        sums = torch.tensor([float(dev.sum()), float(m.sum())], dtype=torch.float64)
-        maxima = torch.tensor(
-            [float(dev.max()) if dev.numel() else 0.0, float(diff.abs().max()) if diff.numel() else 0.0],
-            dtype=torch.float64,
-        )
-        dist.all_reduce(sums, group=group)
-        dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
-    if sums[1] == 0:
-        return mismatch_metrics(train_logprobs, rollout_logprobs, mask)  # the empty case's zeros
-    return {
-        "mismatch_abs_ratio_mean": float(sums[0] / sums[1]),
-        "mismatch_abs_ratio_max": float(maxima[0]),
-        "mismatch_logprob_abs_max": float(maxima[1]),
-    }
+        diff = (train_logprobs.detach().to(torch.float64) - rollout_logprobs.to(torch.float64))[m].cpu()
+        parts: list[Tensor | None] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, diff, group=group)
+    return mismatch_of_gaps(torch.cat([p for p in parts if p is not None]))

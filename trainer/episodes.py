@@ -78,6 +78,10 @@ class Episodes:
     """Turns sent to the sidecar their conversation is pinned to (`Fleet` sessions)."""
     repinned: int = 0
     """Conversations moved to another sidecar because theirs went down."""
+    turn_seconds: list[float] = field(default_factory=list)
+    """Per turn (first, second, ...), the seconds its requests took."""
+    turn_prompt_tokens: list[int] = field(default_factory=list)
+    """Per turn, the prompt tokens its requests sent (the histories the sidecars' prefills need)."""
     events: list[str] = field(default_factory=list)
 
 
@@ -173,6 +177,8 @@ def run_episodes(
         by_length: dict[int, list[_Conversation]] = {}
         for c in live:
             by_length.setdefault(min(sampling.max_new_tokens, c.room(limits)), []).append(c)
+        out.turn_seconds.append(0.0)
+        out.turn_prompt_tokens.append(0)
         for n, group in sorted(by_length.items(), reverse=True):
             turn_sampling = dataclasses.replace(
                 sampling,
@@ -236,6 +242,8 @@ def _turn(
     )
     result = fleet.generate(request, rejoin=rejoin)
     out.seconds += result.seconds
+    out.turn_seconds[-1] += result.seconds
+    out.turn_prompt_tokens[-1] += sum(len(p) for p in prompts)
     out.rerouted += result.rerouted
     out.regenerated += result.regenerated
     out.duplicates += result.duplicates
@@ -277,10 +285,13 @@ def _take_turn(
 
 def episode_metrics(episodes: Episodes) -> dict[str, float]:
     """What a step logs of its episodes: turns and tool calls per episode, episodes cut by a limit,
-    and the share of a conversation's tokens that the environment wrote."""
+    the share of a conversation's tokens that the environment wrote, and each turn's seconds and
+    prompt tokens (`time/turn_N`, `rollout/turn_N_prompt_tokens`, N from 1)."""
     n = len(episodes.samples)
     tokens = sum(len(m) for m in episodes.loss_masks)
-    return {
+    per_turn = {f"time/turn_{t + 1}": s for t, s in enumerate(episodes.turn_seconds)}
+    per_turn |= {f"rollout/turn_{t + 1}_prompt_tokens": float(p) for t, p in enumerate(episodes.turn_prompt_tokens)}
+    return per_turn | {
         "rollout/turns_mean": sum(episodes.turns) / n,
         "rollout/tool_calls_mean": sum(episodes.tool_calls) / n,
         "rollout/episodes_cut": float(episodes.cut),

@@ -73,11 +73,10 @@ def rl_step(run: Run, step: int, rollouts: RolloutPipeline[Rollout] | None) -> d
     batch = share(next_batch(run, step, rollouts, metrics, times) if run.leader else None)
     assert batch is not None
 
-    # 3. log-prob recomputation with the trainer's policy (the PPO ratio's denominator): in a
-    #    pass of its own, or (default) taken detached from the training forward of step 4; and
-    #    the frozen reference's log-probs when the KL penalty is on
-    #    (several updates per batch always take the separate pass: after the first update the
-    #    training forward no longer computes the sampling policy's log-probs)
+    # 3. log-prob recomputation with the trainer's policy (the PPO ratio's denominator): in a pass of its own, or
+    #    (default) taken detached from the training forward of step 4 (several updates per batch always take the
+    #    separate pass: after the first update the training forward no longer computes the sampling policy's
+    #    log-probs); and the frozen reference's log-probs when the KL penalty is on
     t = time.perf_counter()
     updates = cfg.train.updates_per_batch
     if cfg.separate_logprob_pass or updates > 1:
@@ -100,7 +99,8 @@ def rl_step(run: Run, step: int, rollouts: RolloutPipeline[Rollout] | None) -> d
         where = batch.generated if batch.generated is not None else batch.mask
         mismatch = mismatch_metrics(batch.old_logprobs, batch.rollout_logprobs, where)  # type: ignore[arg-type]
         metrics.update({f"train/{k}": v for k, v in mismatch.items()})
-    metrics["mismatch/logprob_abs_max"] = metrics["train/mismatch_logprob_abs_max"]
+    for s in ("mean", "p99", "max"):  # the per-token log-prob gap to the sampler, in nats
+        metrics[f"mismatch/logprob_abs_{s}"] = metrics[f"train/mismatch_logprob_abs_{s}"]
 
     # 5. push target + draft to every sidecar (version + 1); the export gathers tensor-parallel
     #    shards, so every rank walks it

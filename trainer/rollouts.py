@@ -23,7 +23,13 @@ from trainer.moe import batch_routes, routes_asked
 from trainer.policy import TrainBatch
 from trainer.rollout_pipeline import RolloutPipeline
 from trainer.run import Run
-from trainer.step_metrics import StepTimes, length_quantiles, reward_metric_name, speculation_metrics
+from trainer.step_metrics import (
+    StepTimes,
+    length_quantiles,
+    prefix_cache_metrics,
+    reward_metric_name,
+    speculation_metrics,
+)
 from trainer.tasks import Problem, prompt_ids, score_completions
 
 log = logging.getLogger(__name__)
@@ -172,8 +178,10 @@ def _gather(run: Run, step: int, metrics: dict[str, float], times: StepTimes, ev
     if plain_first:
         times.generation_plain = _generate(run, problems, prompts, sampling, 0, rejoin=rejoin).seconds
         run.fleet.speculation_delta()
+    before = dict(run.fleet.latest_stats)
     rollout = _generate(run, problems, prompts, sampling, ro.request_k, rejoin=rejoin)
     counters = run.fleet.speculation_delta()
+    metrics.update(prefix_cache_metrics(before, run.fleet.latest_stats))
     if ro.measure_plain and not plain_first:
         times.generation_plain = _generate(run, problems, prompts, sampling, 0, rejoin=rejoin).seconds
     samples = rollout.samples

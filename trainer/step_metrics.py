@@ -1,6 +1,7 @@
 """What one RL step logs about itself: its timings phase by phase (`StepTimes`, the `time/*` keys,
 the step's length and the generation's share), the speculation figures of its rollouts
-(`spec/*`) and the quantiles of its response lengths (`rollout/response_len_qNN`)."""
+(`spec/*`), the sidecars' prefix cache (`prefix_cache/*`) and the quantiles of its response
+lengths (`rollout/response_len_qNN`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sidecar.types import SpeculationCounters
+from sidecar.types import SidecarStats, SpeculationCounters
 
 
 @dataclass(kw_only=True, slots=True)
@@ -60,6 +61,32 @@ def speculation_metrics(c: SpeculationCounters) -> dict[str, float]:
         a = c.accepted_per_position[i] if i < len(c.accepted_per_position) else 0
         out[f"spec/accept_pos{i}"] = a / d if d else 0.0
     return out
+
+
+def prefix_cache_metrics(before: dict[str, SidecarStats], after: dict[str, SidecarStats]) -> dict[str, float]:
+    """`prefix_cache/*` of the sidecars' stats between two readings (by address, `Fleet.latest_stats`):
+    prefill tokens computed and taken from the prefix cache, the hit rate (taken / both), the
+    blocks cached now and evictions. Per weight version, so versions folded out of GetStats' list
+    between the readings (which no longer change) drop nothing."""
+    hits = prefill = evictions = cached = 0
+    for address, now in after.items():
+        then = before.get(address)
+        if then is not None and now.uptime_seconds < then.uptime_seconds:
+            then = None  # restarted: everything since its start is new
+        old = {v.weight_version: v for v in then.versions} if then is not None else {}
+        for v in now.versions:
+            o = old.get(v.weight_version)
+            hits += v.prefix_cache_hit_tokens - (o.prefix_cache_hit_tokens if o else 0)
+            prefill += v.prefill_tokens - (o.prefill_tokens if o else 0)
+        evictions += now.kv.prefix_cache_evictions - (then.kv.prefix_cache_evictions if then is not None else 0)
+        cached += now.kv.blocks_cached
+    return {
+        "prefix_cache/hit_tokens": float(hits),
+        "prefix_cache/prefill_tokens": float(prefill),
+        "prefix_cache/hit_rate": hits / (hits + prefill) if hits + prefill else 0.0,
+        "prefix_cache/blocks_cached": float(cached),
+        "prefix_cache/evictions": float(evictions),
+    }
 
 
 LENGTH_QUANTILES = (0, 10, 25, 50, 75, 90, 100)

@@ -67,6 +67,7 @@ from sidecar.types import (
     GenerationRequest,
     PushResult,
     Sample,
+    SidecarStats,
     SpeculationCounters,
     TensorSpec,
     WeightSelector,
@@ -228,6 +229,7 @@ class Fleet:
         self._busy_until: dict[str, float] = {}
         self._busy_backoff: dict[str, float] = {}
         self._counters: dict[str, tuple[float, SpeculationCounters]] = {}
+        self.latest_stats: dict[str, SidecarStats] = {}  # each sidecar's at the latest `speculation_delta`
         self._alarms = DraftAlarms()
         self._new_alarms: list[str] = []
         self._sessions: collections.OrderedDict[str, str] = collections.OrderedDict()
@@ -617,9 +619,8 @@ class Fleet:
         return self._sessions.get(session_id)
 
     def _run(self, job: _Job, failing: set[str]) -> _Outcome:
-        """Stream one prompt's request; the samples received and, if incomplete, why. A job
-        whose sidecar already failed as unavailable this round (in `failing`) is not started, so a
-        hung sidecar costs one deadline, not one per queued prompt."""
+        """Stream one prompt's request; the samples received and, if incomplete, why. A job whose sidecar
+        failed as unavailable this round (`failing`) is not started: a hung sidecar costs one deadline."""
         samples: list[Sample] = []
         if job.client.address in failing:
             return _Outcome(samples=samples, why="an earlier call to it failed this round")
@@ -655,7 +656,7 @@ class Fleet:
     # ---- statistics --------------------------------------------------------------------------
     def speculation_delta(self) -> SpeculationCounters:
         """Raw speculation counters accumulated on the live sidecars since the last call; each
-        sidecar's draft-collapse alarm is read on the way (`draft_collapses`, `take_draft_alarms`)."""
+        sidecar's stats are kept (`latest_stats`) and its draft-collapse alarm read on the way."""
         total = SpeculationCounters()
         for c in self.live():
             try:
@@ -670,11 +671,11 @@ class Fleet:
                 before = (0.0, SpeculationCounters())
             total.add(stats.total.minus(before[1]))
             self._counters[c.address] = (stats.uptime_seconds, stats.total)
+            self.latest_stats[c.address] = stats
         return total
 
     def draft_collapses(self) -> dict[str, DraftCollapse]:
-        """The draft collapse each sidecar raised at its latest reading (`speculation_delta`), by
-        address; empty while every draft works."""
+        """Each sidecar's draft collapse at its latest reading (`speculation_delta`); empty if none."""
         live = {c.address for c in self.live()}
         return {a: c for a, c in self._alarms.raised().items() if a in live}
 

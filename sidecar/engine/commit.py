@@ -76,6 +76,7 @@ def commit_round(plan: StepPlan, out: RoundOutput, packed: list[list[float]], ve
                 s.pending = [*s.pending, new_pending]
                 while len(s.pending) > 1 and s.num_pending - s.pending[0].count >= CATCH_UP_POSITIONS:
                     s.pending.pop(0)
+                    s.draft_gap = True
         done.keep.append(i)
     return done
 
@@ -103,7 +104,8 @@ def commit_prefill(new: list[Sequence], prefill: Prefill, version: int, drafts: 
                 done.finished.append((s, REASONS[int(reason)]))
                 continue
         if s.drafts and drafts:
-            s.pending = [Pending(base=prefill.states, row=src, start=prefill.lengths[src] - 1, count=1)]
+            last = prefill.lengths[src] - prefill.cached[src] - 1  # its column in the prefill's states
+            s.pending = [Pending(base=prefill.states, row=src, start=last, count=1)]
         done.keep.append(i)
     return done
 

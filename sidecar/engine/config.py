@@ -61,6 +61,13 @@ class EngineConfig:
     kv_block_size: int = 16
     """Tokens a KV block holds (torch engine; a power of two, at most 256): the pool's unit of
     allocation and sharing."""
+    prefix_cache: bool = True
+    """Torch engine: keep the full KV blocks of finished and preempted sequences, within one
+    weight version, for later requests that start with the same tokens (a multi-turn
+    conversation's next turn): their prefill computes only the rest. The target's and the draft's
+    KV together; idle cached blocks are free for admission and evicted least recently used; a
+    push drops them all. Greedy tokens are those of a full prefill, log-probs within float
+    rounding (docs/engine.md, "Prefix cache")."""
     compile: Literal["auto", "on", "off"] = "auto"
     """How the torch engine runs a decode round's forwards: "on" at fixed shapes captured as CUDA
     graphs (on a CPU run eagerly; fused Triton kernels on CUDA where Triton is installed), "off"
@@ -121,6 +128,8 @@ class EngineConfig:
     def _check_torch_only(self) -> None:
         """The settings only the torch engine reads stay at their defaults on another kind."""
         changed = {f.name for f in fields(self) if getattr(self, f.name) != f.default}
+        if "prefix_cache" in changed:
+            raise ValueError("engine.prefix_cache is the torch engine's; SGLang keeps its own radix cache")
         if "compile" in changed:
             raise ValueError("engine.compile chooses how the torch engine runs its forwards; SGLang runs its own")
         if changed & {"max_context", "kv_cache_gib", "kv_block_size"}:

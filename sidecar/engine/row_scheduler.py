@@ -97,6 +97,8 @@ class RowScheduler:
             blocks_used=p.used,
             blocks_shared=p.shared,
             preemptions=p.preemptions,
+            blocks_cached=p.cache.cached if p.cache is not None else 0,
+            prefix_cache_evictions=p.cache.counters.evictions if p.cache is not None else 0,
         )
 
     def keep_rows(self, order: list[int]) -> None:
@@ -170,19 +172,23 @@ class RowScheduler:
         while self.blocks_needed(new) > self.pages.free:
             self.queue.appendleft(new.pop())
 
-    def add_rows(self, seqs: list[Sequence], source: list[int], lengths: list[int]) -> None:
+    def add_rows(
+        self, seqs: list[Sequence], source: list[int], lengths: list[int], hits: list[list[int]] | None = None
+    ) -> None:
         """`seqs` join the running rows after a prefill: sequence i holds the blocks of
-        `lengths[source[i]]` prefix tokens, sharing the full ones with the first of them prefilled
-        from the same prefix that drafts alike (`KVPages.add_row`)."""
+        `lengths[source[i]]` prefix tokens, its prefix-cache blocks `hits[i]` first (held already,
+        `KVPages.acquire`), sharing the other full ones with the first of them prefilled from the
+        same prefix that drafts alike (`KVPages.add_row`)."""
+        hits = hits if hits is not None else [[] for _ in seqs]
         leaders: dict[tuple[int, bool], int] = {}  # (prefill row, drafts) -> the first row holding its blocks
-        for s, src in zip(seqs, source, strict=True):
+        for s, src, held in zip(seqs, source, hits, strict=True):
             n = lengths[src]
             key = (src, s.drafts)
             if key in leaders:
-                shared = self.pages.rows[leaders[key]][: self.shareable(n, s.drafts)]
-                self.pages.add_row(n, shared)
+                shared = self.pages.rows[leaders[key]][len(held) : self.shareable(n, s.drafts)]
+                self.pages.add_row(n, shared, held=held)
             else:
-                leaders[key] = self.pages.add_row(n)
+                leaders[key] = self.pages.add_row(n, held=held)
             self.admissions += 1
             s.admitted = self.admissions
         self.running += seqs
@@ -206,3 +212,40 @@ class RowScheduler:
         shared = self.shareable(len(p), s.drafts) if key in seen else 0
         seen.add(key)
         return blocks_for(len(p) + extra, self.pages.block_size) - shared
+
+    # ---- the prefix cache (`prefix_cache`) -------------------------------------------------------
+    def drafting(self, s: Sequence) -> bool:
+        """The row drafts: its blocks hold draft KV (a prefix-cache namespace of their own)."""
+        return s.drafts and self.drafts
+
+    def prefix_hits(self, new: list[Sequence], version: int) -> list[list[int]]:
+        """Each sequence's cached blocks (its prefix's leading full blocks; none for a sequence
+        that may not use them), held at once, before the pool takes a block for anyone."""
+        cache = self.pages.cache
+        if cache is None:
+            return [[] for _ in new]
+        hits = [  # a prompt whose routes are due is computed whole: cached KV carries no routes
+            cache.lookup(version, self.drafting(s), s.prefix())
+            if s.use_prefix_cache and not s.wants_prompt_routes
+            else []
+            for s in new
+        ]
+        for h in hits:
+            self.pages.acquire(h)
+        return hits
+
+    def cache_row(self, row: int, s: Sequence, version: int, lengths: list[int]) -> None:
+        """Row `row` (sequence `s`, its caches' `lengths`: the target's, then each draft layer's)
+        leaves the batch: its full blocks whose KV (the target's, and the draft's on a drafting row)
+        holds its own tokens, computed with `version`, the weights serving now, enter the cache."""
+        cache = self.pages.cache
+        if cache is None or s.kv_version != version:
+            return
+        tokens = s.prompt + s.output
+        valid = min(lengths[0], len(tokens))  # slots past the tokens: drafts the row did not emit
+        drafting = self.drafting(s)
+        if drafting:
+            if s.draft_gap:
+                return
+            valid = min(valid, len(tokens) - 1, *lengths[1:])
+        cache.insert(version, drafting, tokens, self.pages.rows[row][: valid // self.pages.block_size])

@@ -128,6 +128,15 @@ class Sequence:
     pending: list[Pending] | None = None  # runs of trunk states the MTP layers have not consumed, oldest first
     admitted: int = 0
     """When the sequence last joined the running batch (the engine's count): the latest are preempted first."""
+    use_prefix_cache: bool = True
+    """Its prefill may start from prefix-cache blocks (`prefix_cache`). The hook for requests whose
+    prefill must run over the whole prompt (e.g. one that asks for the prompt's expert routes)."""
+    kv_version: int = -1
+    """The weight version its cached prefix was computed with (set when it joins the batch); its
+    blocks enter the prefix cache only while that version still serves."""
+    draft_gap: bool = False
+    """Its draft caches skipped positions (`CATCH_UP_POSITIONS`): their blocks' draft KV is not the
+    prefix's, so none of its blocks is cached."""
     routes: str = "off"
     """Which routes the sample carries (`GenerationRequest.routes`)."""
     route_parts: list[Tensor] = field(default_factory=list)

@@ -36,10 +36,15 @@ class Prefill:
     """Each sequence's prefill row (sequences with one prefix share it)."""
     lengths: list[int]
     """Tokens of each prefill row's prefix."""
+    cached: list[int]
+    """Of those, the leading ones served from prefix-cache blocks (not computed: `tokens` and
+    `states` hold the rest)."""
+    hits: list[list[int]]
+    """Each prefill row's prefix-cache blocks (`cached` = their slots)."""
     tokens: Tensor
-    """(U, width) int64 the prefixes, right-padded."""
+    """(U, width) int64 the prefixes' tokens past their cached ones, right-padded."""
     states: Tensor
-    """(U, width, draft hidden) the draft's inputs at every prefix position."""
+    """(U, width, draft hidden) the draft's inputs at those positions."""
     packed: list[list[float]]
     """Per sequence its first token, its log-prob, 0, 0, the finish reason (`rows.round_outcome`)."""
     cache: KVCache
@@ -155,26 +160,37 @@ class Runner:
             pages.trim(i, max(c.lengths[i] for c in [self.cache, *self.draft_caches]) + reserve)
 
     # ---- a prefill -------------------------------------------------------------------------------
-    def prefill(self, new: list[Sequence]) -> Prefill:
+    def prefill(self, new: list[Sequence], hits: list[list[int]] | None = None) -> Prefill:
         """The target forward over the distinct prefixes of `new` (the G samples of a GRPO prompt,
         or equal prompts of different requests, are prefilled once) and each sequence's first token,
-        drawn with the uniform of its output position 0."""
-        distinct: dict[tuple[int, ...], int] = {}  # prefix -> its row in the prefill
-        source = [distinct.setdefault(tuple(s.prefix()), len(distinct)) for s in new]
-        prompts = list(distinct)
-        b, u, lengths = len(new), len(prompts), [len(p) for p in prompts]
-        width = max(lengths)
+        drawn with the uniform of its output position 0. `hits[i]`: the prefix-cache blocks that
+        hold sequence i's leading full blocks (held by the caller): its prefill row starts from
+        their KV and computes only the rest of its prefix, attending to them."""
+        hits = hits if hits is not None else [[] for _ in new]
+        distinct: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}  # (prefix, hits) -> its row in the prefill
+        source = [
+            distinct.setdefault((tuple(s.prefix()), tuple(h)), len(distinct)) for s, h in zip(new, hits, strict=True)
+        ]
+        rows = list(distinct)
+        b, u = len(new), len(rows)
+        bs = self.cache.pages.block_size if self.cache.pages is not None else 1
+        lengths = [len(p) for p, _ in rows]
+        cached = [len(h) * bs for _, h in rows]
+        todo = [n - c for n, c in zip(lengths, cached, strict=True)]
+        width = max(todo)
         tokens = torch.zeros(u, width, dtype=torch.int64)
-        for i, p in enumerate(prompts):
-            tokens[i, : lengths[i]] = torch.tensor(p)
+        for i, (p, _) in enumerate(rows):
+            tokens[i, : todo[i]] = torch.tensor(p[cached[i] :])
         tokens = tokens.to(self.device)
-        cache = self.drafter.target_cache(u, width + self.max_speculation_k + 2)
-        attention = cache.plan(lengths, width=width)
-        record = any(s.wants_prompt_routes for s in new)
+        cache = self.drafter.target_cache(u, max(lengths) + self.max_speculation_k + 2)
+        if any(cached):
+            cache.load_prefix(self.cache, [list(h) for _, h in rows])
+        attention = cache.plan(todo, width=width)
+        record = any(s.wants_prompt_routes for s in new)  # such a sequence took no cached block: its row is whole
         with recording_routes(self.model.model if record else None) as recorded:
             hidden, states = self.drafter.target_step(tokens, cache, attention)  # (u, width, hidden), draft inputs
         cache.commit(attention)
-        last = torch.tensor([n - 1 for n in lengths], device=self.device)
+        last = torch.tensor([n - 1 for n in todo], device=self.device)
         logits = self.model.logits(hidden[torch.arange(u, device=self.device), last]).float()  # (u, V)
         logits = logits[torch.tensor(source, device=self.device)]  # (b, V): each sequence's prefix's
         batch = BatchTensors.of(new, self.device)
@@ -186,6 +202,8 @@ class Runner:
         return Prefill(
             source=source,
             lengths=lengths,
+            cached=cached,
+            hits=[list(h) for _, h in rows],
             tokens=tokens,
             states=states,
             packed=packed,
@@ -198,19 +216,26 @@ class Runner:
         self, new: list[Sequence], prefill: Prefill, clock: Callable[[], float] | None = None
     ) -> tuple[int, float] | None:
         """The draft caches of the prefixes a sequence of which drafts: draft positions t = 0..P-2
-        (inputs h_t and x_{t+1}); h_{P-1} stays pending. With a `clock`: (positions prefilled, the
-        seconds the draft's prefill took), for automatic k, when one ran."""
+        (inputs h_t and x_{t+1}); h_{P-1} stays pending; a prefix served from cached blocks starts
+        from their draft KV and computes positions c..P-2. With a `clock`: (positions prefilled,
+        the seconds the draft's prefill took), for automatic k, when one ran."""
         width = prefill.tokens.shape[1]
+        capacity = max(prefill.lengths) + self.max_speculation_k + 2
         prefill.draft_caches = [
-            self.drafter.new_cache(len(prefill.lengths), width + self.max_speculation_k + 2)
-            for _ in range(self.drafter.num_layers)
+            self.drafter.new_cache(len(prefill.lengths), capacity) for _ in range(self.drafter.num_layers)
         ]
         drafting = [False] * len(prefill.lengths)  # a prefix is drafted when one of its sequences drafts
         for s, i in zip(new, prefill.source, strict=True):
             drafting[i] = drafting[i] or s.drafts
-        if not any(drafting) or width == 1:
+        if not any(drafting):
             return None
-        num = [n - 1 if d else 0 for n, d in zip(prefill.lengths, drafting, strict=True)]
+        if any(prefill.cached):  # a drafting row's cached blocks hold its draft KV too (`prefix_cache`)
+            loaded = [h if d else [] for h, d in zip(prefill.hits, drafting, strict=True)]
+            for mine, fresh in zip(self.draft_caches, prefill.draft_caches, strict=True):
+                fresh.load_prefix(mine, loaded)
+        if width == 1:
+            return None
+        num = [n - 1 - c if d else 0 for n, c, d in zip(prefill.lengths, prefill.cached, drafting, strict=True)]
         if clock is not None and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the prefill's cost, not the trunk's before it
         started = clock() if clock is not None else 0.0
@@ -223,8 +248,11 @@ class Runner:
 
     def load(self, prefill: Prefill, seqs: list[Sequence], picked: list[int]) -> None:
         """Rows for `seqs` join the caches (their blocks added already, `RowScheduler.add_rows`):
-        sequence i the prefill row picked[i]; a sequence that does not draft has no draft cache."""
-        self.cache.load_rows(prefill.cache, picked)
+        sequence i the prefill row picked[i]; a sequence that does not draft has no draft cache.
+        Cached blocks (hits) are not written: they hold their KV."""
+        cached = {b for p in picked for b in prefill.hits[p]}
+        self.cache.load_rows(prefill.cache, picked, cached=cached)
         for mine, mc in zip(self.draft_caches, prefill.draft_caches, strict=True):
-            mine.load_rows(mc, picked, [mc.lengths[p] if s.drafts else 0 for s, p in zip(seqs, picked, strict=True)])
+            draft_lengths = [mc.lengths[p] if s.drafts else 0 for s, p in zip(seqs, picked, strict=True)]
+            mine.load_rows(mc, picked, draft_lengths, cached=cached)
         self.batch = None

@@ -73,6 +73,7 @@ from sidecar.model.eagle3_checkpoint import load_eagle3_draft
 from sidecar.model.kv_pages import KVPages, blocks_for, pool_blocks
 from sidecar.model.model import Qwen3WithMTP, build_model
 from sidecar.model.moe import packed_routes
+from sidecar.model.prefix_cache import PrefixCache
 from sidecar.speculation.config import RowState, SpeculationControllerConfig, SpeculationDecision
 from sidecar.speculation.controller import SpeculationController
 from sidecar.types import (
@@ -169,6 +170,10 @@ class TorchEngine(Engine):
             max_slots=slots,
             device=self.device,
         )
+        if config.prefix_cache:
+            pages.cache = PrefixCache(block)
+        self.prefix_cache = pages.cache
+        """Full blocks of rows that left, kept within a weight version (`prefix_cache`), or None."""
         self.scheduler = RowScheduler(
             pages, max_batch_size=self.max_batch_size, max_speculation_k=self.max_speculation_k, drafts=drafts
         )
@@ -232,6 +237,7 @@ class TorchEngine(Engine):
             self.runner.timed_drafts = False
         self._stats = VersionLedger()
         self._stats.serve(self.weights.version)
+        self.scheduler.pages.drop_cache()  # nor in the prefix cache
         if self.drafter.vocab is not None:
             self.drafter.vocab.forget()  # nor in the reduced draft vocabulary's counts
         return self.runner.rounds.captured - before
@@ -383,6 +389,7 @@ class TorchEngine(Engine):
     def _served(self, version: int) -> None:
         self.weights.version = version
         self._stats.serve(version)
+        self.scheduler.pages.drop_cache()  # never serve KV computed with other weights
         self.drafter.on_weight_push()
         if self.speculation.controller is not None:
             self.speculation.controller.on_weight_version()
@@ -414,6 +421,7 @@ class TorchEngine(Engine):
                         k=k,
                         speculation_auto=auto,
                         seed=sequence_seed(seed, p, s),
+                        use_prefix_cache=self.prefix_cache is not None,
                         routes=request.routes,
                         route_parts=[self._no_routes] if request.routes != "off" else [],
                     )
@@ -481,8 +489,9 @@ class TorchEngine(Engine):
             if self.scheduler.queue and len(self.scheduler.running) < self.max_batch_size:
                 new = self._plan_admission()
                 if new:
-                    prefill = self.runner.prefill(new)
-                    finished += self._commit_prefill(new, prefill)
+                    hits = self.scheduler.prefix_hits(new, self.weights.version)
+                    prefill = self.runner.prefill(new, hits)
+                    finished += self._commit_prefill(new, prefill, hits)
         if finished or self.scheduler.running:
             self._stats[self.weights.version].busy_seconds += time.perf_counter() - start
         return finished
@@ -494,6 +503,10 @@ class TorchEngine(Engine):
         runner = self.runner
         while (p := self.scheduler.reserve(runner.cache.lengths, [c.lengths for c in runner.draft_caches])) is not None:
             preempted += p.preempted
+            kept = set(p.keep)
+            for i, s in enumerate(self.scheduler.running):
+                if i not in kept:
+                    self._cache_blocks(i, s)  # a resumed row finds its own blocks while they stay
             self._keep_rows(p.keep)  # the rows kept, in their new places: reserve again (their needs fit now)
         seqs = self.scheduler.running
         controller = self.speculation.controller if any(s.speculation_auto for s in seqs) else None
@@ -539,6 +552,10 @@ class TorchEngine(Engine):
                 controller.observe_finished_row(*s.position_one())
         add_rounds(self._stats[version].counters, plan.row_k, done.num_accepted, done.emitted)
         self.runner.roll_back(plan.lengths, done.num_accepted, self.scheduler.pages)
+        kept = set(done.keep)
+        for i, s in enumerate(plan.rows):
+            if i not in kept:
+                self._cache_blocks(i, s)
         self._keep_rows(done.keep)
         if controller is not None and decision is not None:  # the controller learns from the steps it decided
             if out.routes is not None and controller.union is not None:
@@ -584,12 +601,14 @@ class TorchEngine(Engine):
         self.scheduler.fit(new)  # drafting changed: sharing may have too
         return new
 
-    def _commit_prefill(self, new: list[Sequence], prefill: Prefill) -> list[Sample]:
+    def _commit_prefill(self, new: list[Sequence], prefill: Prefill, hits: list[list[int]]) -> list[Sample]:
         """A prefill's first tokens into the new rows; the draft's prefill; the rows that did not
-        end join the batch: the scheduler's blocks, then the runner's caches."""
+        end join the batch: the scheduler's blocks (their prefix-cache hits among them), then the
+        runner's caches."""
         stats = self._stats[self.weights.version]
         stats.prompt_tokens += sum(len(s.prompt) for s in new if not s.output)
-        stats.prefill_tokens += sum(prefill.lengths)
+        stats.prefill_tokens += sum(prefill.lengths) - sum(prefill.cached)
+        stats.prefix_cache_hit_tokens += sum(prefill.cached)
         self.drafter.observe([int(row[0]) for row, s in zip(prefill.packed, new, strict=True) if not s.output])
         timer = (
             self.speculation.controller if any(s.speculation_auto for s in new) else None
@@ -600,12 +619,35 @@ class TorchEngine(Engine):
         done = commit_prefill(new, prefill, self.weights.version, self.drafter.num_layers > 0)
         add_rounds(stats.counters, [0] * done.emitted, [0] * done.emitted, done.emitted)
         finished = [self._finish(s, reason) for s, reason in done.finished]
-        if done.keep:
-            kept = [new[i] for i in done.keep]
-            picked = [prefill.source[i] for i in done.keep]
-            self.scheduler.add_rows(kept, picked, prefill.lengths)
-            self.runner.load(prefill, kept, picked)
+        # a sequence that ended at its first token (a one-token turn) still leaves its prefix's
+        # blocks for the next turn: one row per prefix joins, enters the cache and leaves at once
+        ended: dict[tuple[int, bool], int] = {}
+        if self.prefix_cache is not None:
+            for i, (s, _) in zip([i for i in range(len(new)) if i not in set(done.keep)], done.finished, strict=True):
+                ended.setdefault((prefill.source[i], self.scheduler.drafting(s)), i)
+        rows = done.keep + list(ended.values())
+        joined = set(rows)
+        for i, h in enumerate(hits):
+            if i not in joined:  # it ended at its prefill: the blocks it held go back
+                self.scheduler.pages.release(h)
+        if rows:
+            seqs = [new[i] for i in rows]
+            picked = [prefill.source[i] for i in rows]
+            for s in seqs:
+                s.kv_version, s.draft_gap = self.weights.version, False
+            self.scheduler.add_rows(seqs, picked, prefill.lengths, [hits[i] for i in rows])
+            self.runner.load(prefill, seqs, picked)
+        if ended:
+            first = len(self.scheduler.running) - len(ended)
+            for row in range(first, len(self.scheduler.running)):
+                self._cache_blocks(row, self.scheduler.running[row])
+            self._keep_rows(list(range(first)))
         return finished
+
+    def _cache_blocks(self, row: int, s: Sequence) -> None:
+        """Row `row` leaves the batch: its blocks into the prefix cache (`RowScheduler.cache_row`)."""
+        lengths = [c.lengths[row] for c in [self.runner.cache, *self.runner.draft_caches]]
+        self.scheduler.cache_row(row, s, self.weights.version, lengths)
 
     @staticmethod
     def _row_state(s: Sequence) -> RowState:

@@ -23,6 +23,7 @@ def fold(into: VersionStats, stats: VersionStats) -> None:
     into.samples_nonfinite += stats.samples_nonfinite
     into.prompt_tokens += stats.prompt_tokens
     into.prefill_tokens += stats.prefill_tokens
+    into.prefix_cache_hit_tokens += stats.prefix_cache_hit_tokens
     into.busy_seconds += stats.busy_seconds
 
 

@@ -130,7 +130,13 @@ class SpecrlServer:
         sampling = sampling_from_verl(dict(sampling_params), default_max_tokens=self.response_length, seed=seed)
         prompt = [int(t) for t in prompt_ids]
         request = GenerationRequest(
-            prompts=[prompt], sampling=sampling, request_id=request_id, speculation_k=self.options.speculation_k
+            prompts=[prompt],
+            sampling=sampling,
+            request_id=request_id,
+            speculation_k=self.options.speculation_k,
+            # verl's affinity: an agent loop sends every turn under one request id, which its
+            # router keeps on one replica; as the session, its turns find their prefix cached
+            session_ids=[request_id],
         )
         self._live.add(request_id)
         start = time.perf_counter()

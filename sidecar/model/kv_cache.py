@@ -474,12 +474,14 @@ class KVCache:
         self._written = [self._written[r] for r in rows]
         self.lengths = [self.lengths[r] for r in rows]
 
-    def load_rows(self, other: KVCache, sources: list[int], lengths: list[int] | None = None) -> None:
+    def load_rows(
+        self, other: KVCache, sources: list[int], lengths: list[int] | None = None, cached: set[int] | None = None
+    ) -> None:
         """A paged cache's rows join: new row i (after this cache's rows; its blocks already added
         to the pages by the engine, `KVPages.add_row`) holds the first lengths[i] slots (default
         other's length) of growable `other`'s row sources[i]. Blocks it shares with an earlier row
-        (refs > 1 and already filled) are not written again. One gather and one indexed write per k
-        and v for all rows."""
+        (refs > 1 and already filled) and `cached` blocks (prefix-cache hits, which hold their KV)
+        are not written again. One gather and one indexed write per k and v for all rows."""
         if self.pages is None or other.pages is not None:
             raise ValueError("load_rows copies a growable cache's rows into a paged one")
         pages, bs = self.pages, self.pages.block_size
@@ -488,7 +490,7 @@ class KVCache:
         first = self.batch
         if first + len(sources) > len(pages.rows):
             raise ValueError(f"{len(sources)} rows join, the pages hold {len(pages.rows) - first} new rows")
-        filled: set[int] = set()
+        filled: set[int] = set(cached or ())
         for r in range(first):
             filled.update(pages.rows[r])
         src_rows: list[int] = []
@@ -515,6 +517,29 @@ class KVCache:
             self._v[:, :, db, do] = other._v[:, sr, :, st].permute(1, 2, 0, 3)
         self.lengths = self.lengths + list(lengths)
         self._written = self._written + list(lengths)
+
+    def load_prefix(self, paged: KVCache, blocks: list[list[int]]) -> None:
+        """`load_rows`' inverse for prefix-cache hits: growable row r (length 0) takes the slots of
+        paged `paged`'s `blocks[r]` (full blocks, in slot order) as its first len(blocks[r]) *
+        block_size slots, and that length. One gather and one indexed write per k and v."""
+        if self.pages is not None or paged.pages is None:
+            raise ValueError("load_prefix copies a paged cache's blocks into a growable one")
+        if len(blocks) != self.batch or any(self.lengths):
+            raise ValueError(f"load_prefix fills the {self.batch} empty rows of a fresh prefill cache")
+        bs = paged.pages.block_size
+        lengths = [len(b) * bs for b in blocks]
+        self._grow(max(lengths, default=0))
+        rows = [r for r, n in enumerate(lengths) for _ in range(n)]
+        if rows:
+            slots = [t for n in lengths for t in range(n)]
+            flat = [b for bl in blocks for b in bl for _ in range(bs)]
+            offsets = [t % bs for t in slots]
+            sr, st = upload(rows, self.device), upload(slots, self.device)
+            db, do = upload(flat, self.device), upload(offsets, self.device)
+            self._k[:, sr, :, st] = paged._k[:, :, db, do].permute(2, 0, 1, 3)  # (slots, L, kv_heads, head_dim)
+            self._v[:, sr, :, st] = paged._v[:, :, db, do].permute(2, 0, 1, 3)
+        self.lengths = list(lengths)
+        self._written = list(lengths)
 
     def append_rows(self, other: KVCache) -> None:
         """Append growable `other`'s rows after this growable cache's rows (same layers, heads,

@@ -25,12 +25,19 @@ registered pool before the next forward, so past a row's written slots every slo
 property `KVCache.scrub` keeps within a row). Writing happens only at or past a row's length, and
 a shared block lies wholly below the length of every row and cache that shares it (`admit`), so
 shared blocks are read-only: no copy on write is ever needed.
+
+With a prefix cache (`prefix_cache`, `cache`), a cached block whose last row releases it is
+*idle*, not free: it keeps its KV for a later request (`acquire` takes it back), counts in `free`
+(admission may use it) and is taken, least recently used first, only when the free list is empty
+(`_take`: an eviction); `drop_cache` (a weight push) frees every idle block.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from sidecar.model.prefix_cache import PrefixCache
 
 ZERO_BLOCK = 0
 """Never written: a table entry past a row's blocks points here (reads zeros)."""
@@ -68,12 +75,14 @@ class KVPages:
         self._shared = 0  # blocks with refs > 1, kept as refs change
         self.preemptions = 0
         """Rows preempted (counted by the engine that preempts them)."""
+        self.cache: PrefixCache | None = None
+        """The prefix cache over these blocks, when the engine keeps one (`prefix_cache`)."""
 
     # ---- the books ----------------------------------------------------------------------------
     @property
     def free(self) -> int:
-        """Blocks no row holds."""
-        return len(self._free)
+        """Blocks no row holds (idle cached blocks included: they are taken when needed)."""
+        return len(self._free) + (self.cache.idle if self.cache is not None else 0)
 
     @property
     def usable(self) -> int:
@@ -102,9 +111,9 @@ class KVPages:
         self._pools.append((k, v))
 
     def _take(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise RuntimeError(f"{n} KV blocks wanted, {len(self._free)} free (the engine checks before taking)")
-        got = [self._free.pop() for _ in range(n)]
+        if n > self.free:
+            raise RuntimeError(f"{n} KV blocks wanted, {self.free} free (the engine checks before taking)")
+        got = [self._free.pop() if self._free else self._evict() for _ in range(n)]
         for b in got:
             self.refs[b] = 1
         self._fresh += got
@@ -116,20 +125,51 @@ class KVPages:
             if self.refs[b] == 1:
                 self._shared -= 1
             elif self.refs[b] == 0:
-                self._free.append(b)
+                if self.cache is not None and self.cache.holds(b):
+                    self.cache.park(b)
+                else:
+                    self._free.append(b)
+
+    def _evict(self) -> int:
+        assert self.cache is not None
+        return self.cache.evict()
+
+    # ---- the prefix cache's blocks ---------------------------------------------------------------
+    def acquire(self, blocks: list[int]) -> None:
+        """Hold cached `blocks` for a row about to join (`add_row(held=...)`), taking idle ones
+        back from the eviction order, before anything takes blocks from the pool."""
+        for b in blocks:
+            if self.refs[b] == 0:
+                assert self.cache is not None
+                self.cache.unpark(b)
+            self.refs[b] += 1
+            if self.refs[b] == 2:
+                self._shared += 1
+
+    def release(self, blocks: list[int]) -> None:
+        """Undo `acquire` (for a sequence that ended at its prefill)."""
+        self._drop(blocks)
+
+    def drop_cache(self) -> None:
+        """Forget every cached block (a weight push): idle ones are free again."""
+        if self.cache is not None:
+            self._free += self.cache.clear()
 
     # ---- rows ---------------------------------------------------------------------------------
-    def add_row(self, slots: int, shared: list[int] | None = None) -> int:
-        """A new last row holding `shared` blocks (another row's first ones, now held by both) and
-        fresh blocks up to `slots` slots. The caller checked `free`."""
+    def add_row(self, slots: int, shared: list[int] | None = None, held: list[int] | None = None) -> int:
+        """A new last row holding `held` blocks (cached ones it `acquire`d), then `shared` blocks
+        (another row's, now held by both), then fresh blocks up to `slots` slots. The caller
+        checked `free`."""
         if len(self.rows) >= self.max_batch_size:
             raise ValueError(f"the KV table holds {self.max_batch_size} rows")
+        held = held or []
         shared = shared or []
         for b in shared:
             self.refs[b] += 1
             if self.refs[b] == 2:
                 self._shared += 1
-        blocks = list(shared) + self._take(max(0, blocks_for(slots, self.block_size) - len(shared)))
+        have = len(held) + len(shared)
+        blocks = [*held, *shared, *self._take(max(0, blocks_for(slots, self.block_size) - have))]
         self.rows.append(blocks)
         self._dirty.add(len(self.rows) - 1)
         return len(self.rows) - 1

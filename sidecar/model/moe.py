@@ -396,7 +396,7 @@ def recording_routes(module: nn.Module | None) -> Iterator[list[Tensor]]:
     """While open, every sparse layer under `module` (the trunk, `Qwen3WithMTP.model`: not the
     draft's) appends the experts each token of its forward is routed to, (tokens, k) packed
     (`packed_routes`), in the order the layers run. What a sample's routes are made of: the trainer's
-    routing replay needs the choice of the pass that produced each token (issue 58; the engine's
+    routing replay needs the choice of the pass that produced each token (the engine's
     rounds collect them from the verify pass). None: records nothing (the list stays empty)."""
     sparse = [] if module is None else sparse_layers(module)
     routes: list[Tensor] = []

@@ -28,6 +28,7 @@ def stats_to_pb(stats: SidecarStats) -> control_pb2.GetStatsResponse:
                 samples_nonfinite=v.samples_nonfinite,
                 prompt_tokens=v.prompt_tokens,
                 prefill_tokens=v.prefill_tokens,
+                prefix_cache_hit_tokens=v.prefix_cache_hit_tokens,
             )
             for v in stats.versions
         ],
@@ -50,6 +51,8 @@ def kv_usage_to_pb(kv: KVUsage) -> control_pb2.KVUsage:
         blocks_used=kv.blocks_used,
         blocks_shared=kv.blocks_shared,
         preemptions=kv.preemptions,
+        blocks_cached=kv.blocks_cached,
+        prefix_cache_evictions=kv.prefix_cache_evictions,
     )
 
 
@@ -60,6 +63,8 @@ def kv_usage_from_pb(msg: control_pb2.KVUsage) -> KVUsage:
         blocks_used=msg.blocks_used,
         blocks_shared=msg.blocks_shared,
         preemptions=msg.preemptions,
+        blocks_cached=msg.blocks_cached,
+        prefix_cache_evictions=msg.prefix_cache_evictions,
     )
 
 
@@ -101,6 +106,7 @@ def stats_from_pb(msg: control_pb2.GetStatsResponse) -> SidecarStats:
                 samples_nonfinite=v.samples_nonfinite,
                 prompt_tokens=v.prompt_tokens,
                 prefill_tokens=v.prefill_tokens,
+                prefix_cache_hit_tokens=v.prefix_cache_hit_tokens,
             )
             for v in msg.versions
         ],

@@ -8,7 +8,8 @@ tests) in one process do not collide in the global registry.
 Exported (prefix `specrl_`):
 - counters `verify_steps_total`, `drafted_tokens_total`, `accepted_tokens_total`,
   `generated_tokens_total`, `samples_finished_total`, `samples_nonfinite_total`, `prompt_tokens_total`,
-  `prefill_tokens_total` (prompt tokens admitted, and those the prefill computed), `busy_seconds_total`;
+  `prefill_tokens_total` (prompt tokens admitted, and those the prefill computed),
+  `prefix_cache_hit_tokens_total` (those the prefill took from the prefix cache), `busy_seconds_total`;
 - gauges `acceptance_length` (tau = generated / verify steps, bonus token included),
   `acceptance_rate` (accepted / drafted), `position_acceptance_rate{position}` (per draft
   position), all over the served weight version so they follow the current policy;
@@ -25,7 +26,8 @@ Exported (prefix `specrl_`):
 - the engine's paged KV cache (`Engine.kv_usage`, zeros where the engine pages none itself): gauges
   `kv_block_size` (token slots a block), `kv_blocks_total`, `kv_blocks_used` (a shared block once),
   `kv_blocks_shared` (held by more than one sequence), counter `preemptions_total` (sequences whose
-  blocks were freed when the pool ran out, to resume later).
+  blocks were freed when the pool ran out, to resume later); the prefix cache's gauge
+  `kv_blocks_cached` and counter `prefix_cache_evictions_total`.
 
 GPU telemetry comes from NVML (nvidia-ml-py) and is cleanly absent where there is no NVIDIA
 driver: on a CPU-only machine `pynvml` imports but `nvmlInit` raises `NVMLError` (no driver
@@ -64,7 +66,7 @@ class SidecarMetrics(Collector):
         snap = self._scheduler.snapshot()
         total = SpeculationCounters()
         samples = 0
-        nonfinite = prompt = prefill = 0
+        nonfinite = prompt = prefill = hits = 0
         busy = 0.0
         current = SpeculationCounters()
         for v in [snap.earlier, *snap.versions]:
@@ -73,6 +75,7 @@ class SidecarMetrics(Collector):
             nonfinite += v.samples_nonfinite
             prompt += v.prompt_tokens
             prefill += v.prefill_tokens
+            hits += v.prefix_cache_hit_tokens
             busy += v.busy_seconds
             if v.weight_version == snap.weight_version:
                 current = v.counters
@@ -85,6 +88,7 @@ class SidecarMetrics(Collector):
             ("samples_nonfinite", nonfinite, "Samples finished with a NaN or infinite log-prob (broken weights)"),
             ("prompt_tokens", prompt, "Prompt tokens of the sequences admitted (each sample counts its prompt)"),
             ("prefill_tokens", prefill, "Prompt tokens the prefill computed (a prompt shared by samples once)"),
+            ("prefix_cache_hit_tokens", hits, "Prefix tokens the prefill took from the prefix cache"),
             ("busy_seconds", busy, "Seconds the engine spent computing"),
         ):
             c = CounterMetricFamily(f"specrl_{name}", doc)
@@ -163,11 +167,17 @@ def _kv_metrics(kv: KVUsage) -> Iterator[Any]:
     )
     preemptions.add_metric([], kv.preemptions)
     yield preemptions
+    evictions = CounterMetricFamily(
+        "specrl_prefix_cache_evictions", "Idle prefix-cache blocks taken for other tokens (least recently used)"
+    )
+    evictions.add_metric([], kv.prefix_cache_evictions)
+    yield evictions
     for name, value, doc in (
         ("kv_block_size", kv.block_size, "Token slots a KV block holds"),
         ("kv_blocks_total", kv.blocks_total, "Blocks of the KV pool"),
         ("kv_blocks_used", kv.blocks_used, "KV blocks held by running sequences (a shared block counted once)"),
         ("kv_blocks_shared", kv.blocks_shared, "KV blocks held by more than one sequence (a shared prompt)"),
+        ("kv_blocks_cached", kv.blocks_cached, "KV blocks the prefix cache keeps (held or idle)"),
     ):
         g = GaugeMetricFamily(f"specrl_{name}", doc)
         g.add_metric([], float(value))

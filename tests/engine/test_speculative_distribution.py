@@ -52,11 +52,13 @@ def model() -> Qwen3WithMTP:
     return aligned_draft_model(ModelConfig.tiny(vocab_size=V), seed=11, eps=0.1)
 
 
-def exact_joint(model: Qwen3WithMTP, sp: SamplingParams) -> torch.Tensor:  # (V**3,) P(t1, t2, t3)
+def exact_joint(
+    model: Qwen3WithMTP, sp: SamplingParams, prompt: list[int] = PROMPT
+) -> torch.Tensor:  # (V**3,) P(t1, t2, t3)
     conts = torch.tensor(list(itertools.product(range(V), repeat=3)))  # (V^3, 3), lexicographic
-    ids = torch.cat([torch.tensor(PROMPT).expand(len(conts), -1), conts], dim=1)
+    ids = torch.cat([torch.tensor(prompt).expand(len(conts), -1), conts], dim=1)
     with torch.no_grad():
-        logits = model(ids)[:, len(PROMPT) - 1 : len(PROMPT) + 2].double()  # predicts t1, t2, t3
+        logits = model(ids)[:, len(prompt) - 1 : len(prompt) + 2].double()  # predicts t1, t2, t3
     probs = torch.stack([hf_probs(logits[:, i], sp) for i in range(3)], dim=1)  # (V^3, 3, V)
     return probs.gather(-1, conts[..., None])[..., 0].prod(dim=1)
 
@@ -105,6 +107,29 @@ def test_a_mimo_layout_draft_keeps_the_exact_target_distribution() -> None:
     counts, acceptance = engine_counts(mimo, sp, k)
     assert 0.3 < acceptance < 0.8
     assert chi_square_pvalue(counts, exact_joint(mimo, sp)) > ALPHA
+
+
+@pytest.mark.slow
+def test_a_turn_served_from_the_prefix_cache_keeps_the_exact_distribution(model: Qwen3WithMTP) -> None:
+    """A conversation's second turn (the first turn's prompt, its response, a tool's output) whose
+    prefill takes the first turn's cached blocks, target and draft KV, generated tokens' included,
+    then speculates: its samples follow the exact joint of the full forward over the whole turn."""
+    sp, k = SETTINGS[0]
+    engine = TorchEngine(model, speculation_k=k, max_batch_size=1000, kv_block_size=2)
+    first = [3, 1, 4, 1, 5, 7, 2, 6]
+    (turn,) = engine.generate(
+        GenerationRequest(
+            prompts=[first], sampling=SamplingParams(temperature=1.0, max_new_tokens=8, seed=5), speculation_k=k
+        )
+    )
+    second = first + turn.token_ids + [0, 1, 2]
+    samples = engine.generate(GenerationRequest(prompts=[second], sampling=sp, samples_per_prompt=N, speculation_k=k))
+    stats = engine.stats()[0]
+    assert stats.prefix_cache_hit_tokens >= len(first) + 2  # the first turn's response is cached too
+    cells = torch.tensor([(s.token_ids[0] * V + s.token_ids[1]) * V + s.token_ids[2] for s in samples])
+    counts = torch.bincount(cells, minlength=V**3).double()
+    assert 0.3 < stats.counters.acceptance_rate < 0.8
+    assert chi_square_pvalue(counts, exact_joint(model, sp, second)) > ALPHA
 
 
 @pytest.mark.slow

@@ -135,3 +135,35 @@ def test_unknown_option_fails_at_start(checkpoint: Path, serve: ServeProcess) ->
     )
     with pytest.raises(SpecrlConfigError, match=r"unknown option\(s\) \[.speculaton_k.\]"):
         LLMServerManager.create(config=config, worker_group=None)
+
+
+def test_a_tool_agent_loop_runs_its_turns_on_the_sidecars_prefix_cache(checkpoint: Path, serve: ServeProcess) -> None:
+    """verl's tool agent loop (multi-turn: three policy turns, a tool's answer after each) against
+    a real sidecar: every turn is prompted with the whole history under the conversation's request
+    id (the plugin's session), and from the second turn on the sidecar's prefill takes the earlier
+    turns' KV from its prefix cache."""
+    tools = Path(__file__).with_name("echo_tools.py")
+    extra = (
+        *STANDALONE,
+        "actor_rollout_ref.rollout.multi_turn.enable=True",
+        "actor_rollout_ref.rollout.multi_turn.format=specrl_every_turn",
+        f"actor_rollout_ref.rollout.multi_turn.function_tool_path={tools}",
+        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
+        "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent",
+    )
+    config = compose_config(checkpoint, [serve.address], n=2, extra=extra, response_length=96)
+    servers = LLMServerManager.create(config=config, worker_group=None)
+    agent = SpecrlAgentLoopManager.create(config=config, llm_client=servers.get_client())
+    with SidecarClient(serve.address) as direct:
+        before = direct.stats()
+    out = agent.generate_sequences(prompt_batch(2))
+    with SidecarClient(serve.address) as direct:
+        after = direct.stats()
+    turns = [int(t) for t in out.non_tensor_batch["__num_turns__"]]
+    hits = sum(v.prefix_cache_hit_tokens for v in after.versions) - sum(
+        v.prefix_cache_hit_tokens for v in before.versions
+    )
+    prefilled = sum(v.prefill_tokens for v in after.versions) - sum(v.prefill_tokens for v in before.versions)
+    print(f"\nturns per conversation {turns}; prefill: {prefilled} tokens computed, {hits} from the prefix cache")
+    assert all(t >= 4 for t in turns), turns  # 1 + assistant and tool turns: several policy turns each
+    assert hits > 0, (hits, prefilled)

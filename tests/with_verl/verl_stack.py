@@ -33,7 +33,9 @@ from verl.workers.rollout.base import get_rollout_class
 CONFIG_DIR = Path(verl.__file__).parent / "trainer" / "config"
 
 
-def compose_config(model: Path, sidecars: list[str], *, extra: tuple[str, ...] = (), n: int = 4) -> DictConfig:
+def compose_config(
+    model: Path, sidecars: list[str], *, extra: tuple[str, ...] = (), n: int = 4, response_length: int = 12
+) -> DictConfig:
     """verl's GRPO config with the lines a specrl user changes (README, "Use specrl from verl")."""
     overrides = [
         f"actor_rollout_ref.model.path={model}",
@@ -44,7 +46,7 @@ def compose_config(model: Path, sidecars: list[str], *, extra: tuple[str, ...] =
         "algorithm.adv_estimator=grpo",
         f"actor_rollout_ref.rollout.n={n}",
         "actor_rollout_ref.rollout.prompt_length=16",
-        "actor_rollout_ref.rollout.response_length=12",
+        f"actor_rollout_ref.rollout.response_length={response_length}",
         "actor_rollout_ref.rollout.temperature=1.0",
         "actor_rollout_ref.rollout.agent.num_workers=1",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",

@@ -148,7 +148,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class VersionStats(_message.Message):
-    __slots__ = ("weight_version", "counters", "samples_finished", "busy_seconds", "samples_nonfinite", "prompt_tokens", "prefill_tokens")
+    __slots__ = ("weight_version", "counters", "samples_finished", "busy_seconds", "samples_nonfinite", "prompt_tokens", "prefill_tokens", "prefix_cache_hit_tokens")
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FINISHED_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +156,7 @@ class VersionStats(_message.Message):
     SAMPLES_NONFINITE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     weight_version: int
     counters: _common_pb2.SpeculationCounters
     samples_finished: int
@@ -163,7 +164,8 @@ class VersionStats(_message.Message):
     samples_nonfinite: int
     prompt_tokens: int
     prefill_tokens: int
-    def __init__(self, weight_version: _Optional[int] = ..., counters: _Optional[_Union[_common_pb2.SpeculationCounters, _Mapping]] = ..., samples_finished: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., samples_nonfinite: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., prefill_tokens: _Optional[int] = ...) -> None: ...
+    prefix_cache_hit_tokens: int
+    def __init__(self, weight_version: _Optional[int] = ..., counters: _Optional[_Union[_common_pb2.SpeculationCounters, _Mapping]] = ..., samples_finished: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., samples_nonfinite: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
     __slots__ = ("versions", "total", "weight_version", "queued_sequences", "running_sequences", "uptime_seconds", "speculation", "draft_collapsed", "draft_collapses", "kv")
@@ -190,18 +192,22 @@ class GetStatsResponse(_message.Message):
     def __init__(self, versions: _Optional[_Iterable[_Union[VersionStats, _Mapping]]] = ..., total: _Optional[_Union[_common_pb2.SpeculationCounters, _Mapping]] = ..., weight_version: _Optional[int] = ..., queued_sequences: _Optional[int] = ..., running_sequences: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., speculation: _Optional[_Union[SpeculationDecision, _Mapping]] = ..., draft_collapsed: _Optional[_Union[DraftCollapse, _Mapping]] = ..., draft_collapses: _Optional[int] = ..., kv: _Optional[_Union[KVUsage, _Mapping]] = ...) -> None: ...
 
 class KVUsage(_message.Message):
-    __slots__ = ("block_size", "blocks_total", "blocks_used", "blocks_shared", "preemptions")
+    __slots__ = ("block_size", "blocks_total", "blocks_used", "blocks_shared", "preemptions", "blocks_cached", "prefix_cache_evictions")
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_SHARED_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     block_size: int
     blocks_total: int
     blocks_used: int
     blocks_shared: int
     preemptions: int
-    def __init__(self, block_size: _Optional[int] = ..., blocks_total: _Optional[int] = ..., blocks_used: _Optional[int] = ..., blocks_shared: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
+    blocks_cached: int
+    prefix_cache_evictions: int
+    def __init__(self, block_size: _Optional[int] = ..., blocks_total: _Optional[int] = ..., blocks_used: _Optional[int] = ..., blocks_shared: _Optional[int] = ..., preemptions: _Optional[int] = ..., blocks_cached: _Optional[int] = ..., prefix_cache_evictions: _Optional[int] = ...) -> None: ...
 
 class DraftCollapse(_message.Message):
     __slots__ = ("weight_version", "latest_version", "reference_version", "tau_before", "tau_after", "verify_steps")
