@@ -425,11 +425,16 @@ def call_main(module: str, argv: list[str], prog: str) -> int:
         sys.argv = saved
 
 
-def subcommand(argv: list[str] | None, subcommands: Mapping[str, str], prog: str) -> int | None:
+def subcommand(
+    argv: list[str] | None, subcommands: Mapping[str, str | Callable[[list[str]], int]], prog: str
+) -> int | None:
     """For a section that merged several scripts: if argv starts with one of `subcommands` (name ->
-    module), run that module's main on the rest and return its status; else None (the section's own
-    options follow)."""
+    a module whose main runs it, or a `main(argv)` of the section's own), run it on the rest and
+    return its status; else None (the section's own options follow)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in subcommands:
-        return call_main(subcommands[argv[0]], argv[1:], f"{prog} {argv[0]}")
+        run = subcommands[argv[0]]
+        if callable(run):
+            return int(run(list(argv[1:])) or 0)
+        return call_main(run, argv[1:], f"{prog} {argv[0]}")
     return None
