@@ -273,3 +273,13 @@ def test_help_catches_a_tool_without_options(monkeypatch: pytest.MonkeyPatch) ->
 
     with pytest.raises(pytest.fail.Exception):
         help_text(main, "probe.py", monkeypatch)
+
+
+def test_specrl_bench_outside_a_checkout_says_what_to_do(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Installed without tools/ beside trainer/ (a wheel), `specrl bench` says to run it from a checkout."""
+    import trainer.cli
+
+    monkeypatch.setattr(trainer.cli, "__file__", str(tmp_path / "trainer" / "cli.py"))
+    result = CliRunner().invoke(trainer.cli.main, ["bench", "--help"])
+    assert result.exit_code != 0
+    assert "run it from a checkout" in result.output and "python -m tools.bench" in result.output, result.output
