@@ -1,18 +1,15 @@
 """The benchmarks' `--device`: a device they cannot run on is refused up front, with what to pass
-instead, before any model is built (tools/bench_engine.py `device_problem`)."""
+instead, before any model is built (tools/bench/common.py `device_problem`)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-
-import bench_adaptive
-from bench_engine import device_problem
+from tools.bench import adaptive as bench_adaptive
+from tools.bench.common import device_problem
 
 
 def test_cpu_is_fine_and_a_non_device_or_unsupported_kind_is_refused() -> None:

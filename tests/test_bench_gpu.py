@@ -1,19 +1,15 @@
-"""`tools/bench_gpu.py --device cpu --tiny`: the GPU benchmark's whole path on a tiny shape. Its
+"""`specrl bench gpu --device cpu --tiny`: the GPU benchmark's whole path on a tiny shape. Its
 output must be a cost table `specrl plan --costs` reads, written as it goes (a part out of time
 skips its cells and says so, and what was measured before stays)."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 from click.testing import CliRunner
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-
-import bench_gpu
-
+from tools.bench import gpu as bench_gpu
 from trainer.cli import main
 from trainer.planning.cost_table import load_costs
 

@@ -1,4 +1,4 @@
-"""`tools/bench_kv.py --quick`: the paged-against-static KV benchmark's whole path on a tiny model.
+"""`specrl bench kv --quick`: the paged-against-static KV benchmark's whole path on a tiny model.
 Both arms generate every sample to its drawn length on the same KV budget; the static arm never
 runs more rows than the budget's full-context rows, the paged one runs more; a group's samples
 admitted together prefill their prompt once."""
@@ -6,14 +6,11 @@ admitted together prefill their prompt once."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-
-import bench_kv
+from tools.bench import kv as bench_kv
 
 
 def test_quick_run_writes_both_arms(tmp_path: Path, capsys) -> None:

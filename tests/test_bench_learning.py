@@ -1,15 +1,11 @@
-"""tools/bench_learning.py's comparison report on synthetic runs (the runs themselves take minutes)."""
+"""`specrl bench learning`'s comparison report on synthetic runs (the runs themselves take minutes)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-
-from bench_learning import plot_compare, summarize
-
+from tools.bench.learning import plot_compare, summarize
 from trainer.equivalence import tost_paired
 
 

@@ -1,4 +1,4 @@
-"""The benchmarks' paired statistics (tools/bench_stats.py), checked on synthetic repeats whose
+"""The benchmarks' paired statistics (tools/bench/common.py), checked on synthetic repeats whose
 truth is known: the held-out choice of the best configuration is unbiased where the in-sample
 choice is not, and the bootstrap interval covers the true median about as often as it says."""
 
@@ -7,14 +7,10 @@ from __future__ import annotations
 import math
 import random
 import statistics
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-
-from bench_stats import (
+from tools.bench.common import (
     against_best_held_out,
     best_in_sample,
     bootstrap_median,

@@ -7,13 +7,12 @@ that distributions are peaked as a trained LM's are: on the tiny random model at
 any two drafts agree half the time, since both distributions are nearly flat). The oracle of
 "stale" is the construction itself: a draft that matched its target, then a target it was not
 trained for. The rule's error rates are calibrated by simulating the rule itself
-(tools/collapse_calibration.py), its simulator checked against the exact binomial tail.
+(tools/bench/collapse_calibration.py), its simulator checked against the exact binomial tail.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,13 +41,11 @@ from sidecar.types import (
 from tests.engine.engine_fixtures import aligned_draft_model
 from tests.loop_fakes import TOK, FakeFleet, RecordingPolicy, RuleTask
 from tests.sidecar_fixtures import start_sidecar, wait_until
+from tools.bench.collapse_calibration import binomial_tail, simulate_alarms
 from trainer.rl_config import RLConfig, RolloutConfig, SidecarsConfig
 from trainer.rl_loop import rl_step
 from trainer.rollouts import rollout_pipeline
 from trainer.run import Run
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from collapse_calibration import binomial_tail, simulate_alarms
 
 RULE = CollapseRule()
 CONFIG = ModelConfig.tiny(vocab_size=256)
@@ -80,7 +77,7 @@ def test_the_simulator_matches_the_exact_binomial_tail() -> None:
 @pytest.mark.parametrize(("batch", "row_rounds"), [(1, 256.0), (8, 64.0)])
 def test_working_drafts_do_not_alarm_and_dead_ones_do(batch: int, row_rounds: float) -> None:
     """Calibration of the shipped rule, checked after every engine step over a version's life of
-    4,096 drafting rounds, rows ~ Beta(mean, relative sd 0.5) (tools/collapse_calibration.py):
+    4,096 drafting rounds, rows ~ Beta(mean, relative sd 0.5) (tools/bench/collapse_calibration.py):
     a working draft (acceptance 0.3 per token, k = 1: its lowest tau) alarms on at most 1 in
     1,000 versions (0 observed here; the module docstring's 20,000-version run bounds it below
     1.5e-4); a dead draft (acceptance 0) and a near-dead one (0.02) alarm on >= 98% of versions
@@ -162,7 +159,7 @@ def _target(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def _nudged(state: dict[str, torch.Tensor], gen: torch.Generator) -> dict[str, torch.Tensor]:
     """A trainer-sized update of every tensor, target and draft alike, as the RL loop pushes them
     (selector ALL): 1.5% of each tensor's scale per push (an Adam step at the demo's trunk lr 3e-4
-    moves a weight of RMS 0.02 by about that much; tools/measure_weight_change.py)."""
+    moves a weight of RMS 0.02 by about that much; tools/bench/weight_change.py)."""
     return {n: t + 1.5e-2 * t.std().clamp_min(1e-6) * torch.randn(t.shape, generator=gen) for n, t in state.items()}
 
 

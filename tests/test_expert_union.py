@@ -109,11 +109,11 @@ def test_specrl_plan_prints_the_union_aware_projection_for_qwen3_30b_a3b() -> No
 
 
 def test_tools_bench_moe_runs_side_by_side_and_reports_the_measured_union(capsys: pytest.CaptureFixture[str]) -> None:
-    """tools/bench_moe.py (docs/moe.md's CPU figures) at its smallest: both models, both k, the union."""
+    """specrl bench moe (docs/moe.md's CPU figures) at its smallest: both models, both k, the union."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "tools" / "bench_moe.py"
+    path = Path(__file__).resolve().parents[1] / "tools" / "bench" / "moe.py"
     spec = importlib.util.spec_from_file_location("bench_moe", path)
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)

@@ -114,16 +114,16 @@ def test_the_rules_catch_a_server_module_importing_the_client() -> None:
 
 
 def _module_graph() -> dict[str, set[str]]:
-    """Every product module and tool (`tools/x.py` as `tools.x`) -> the modules of that set it
+    """Every product module and tool (`tools/bench/x.py` as `tools.bench.x`) -> the modules of that set it
     imports, anywhere in it (at the top, in a function, under TYPE_CHECKING): `from a import b`
     counts as importing `a.b` where that is a module, else `a`."""
     files = {_module_name(p): p for p in _product_files()}
-    files |= {f"tools.{p.stem}": p for p in sorted((ROOT / "tools").glob("*.py"))}
+    for p in sorted((ROOT / "tools").rglob("*.py")):
+        parts = p.relative_to(ROOT).with_suffix("").parts
+        files[".".join(parts[:-1] if p.name == "__init__.py" else parts)] = p
     graph: dict[str, set[str]] = {}
     for name, path in files.items():
         named = _imports(path.read_text(), name, path.name == "__init__.py")
-        if name.startswith("tools."):  # a tool imports its neighbours by their bare names
-            named |= {f"tools.{n}" for n in named}
         modules = {n for n in named if n in files and n != name}
         # `from a import b` names `a` and `a.b`: where `a.b` is a module, that is the import
         graph[name] = {n for n in modules if not any(m.startswith(n + ".") and m in modules for m in modules)}
@@ -166,7 +166,7 @@ def test_no_import_circle_anywhere() -> None:
     """A module that needs another which needs it back (even for a type, or inside a function) is
     one concern split in two, or two tangled: neither reads alone. None in the product or tools."""
     graph = _module_graph()
-    assert {"sidecar.engine.torch_engine", "trainer.policy", "tools.bench_gpu"} <= set(graph)
+    assert {"sidecar.engine.torch_engine", "trainer.policy", "tools.bench.gpu"} <= set(graph)
     assert import_cycles(graph) == []
 
 
@@ -201,7 +201,7 @@ def layout_table_paths(readme: str) -> set[str]:
     """The files the README's layout table names, as paths from the repository root.
 
     A row's first cell names a folder or a file (its folder is the row's base); a backticked path
-    that starts at the root (`tools/bench_gpu.py`) or a subfolder (`sglang/`) moves the base there,
+    that starts at the root (`tools/bench/gpu.py`) or a subfolder (`sglang/`) moves the base there,
     and a bare name (`convert.py`) is a file in the current base. Backticked words that are not
     paths (`SidecarClient`) are skipped."""
     section = readme.split(LAYOUT_HEADING, 1)[1].split("\n## ", 1)[0]

@@ -29,7 +29,7 @@ Registered before any run (2026-12-02), not changed after:
 A larger comparison, registered (2026-12-02 04:24 UTC) after the two-seed runs and before any of its
 own: seeds 100-111 (12, none used before), both arms, the same runs and the same TOST (margin ±0.05,
 α = 0.05 each side, one look after all 24 runs, no seed added or dropped), by
-`tools/bench_moe_trainer.py --learning OUT --seeds 100 ... 111`; reported in docs/moe.md.
+`specrl bench moe-trainer --learning OUT --seeds 100 ... 111`; reported in docs/moe.md.
 """
 
 from __future__ import annotations

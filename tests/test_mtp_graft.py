@@ -5,7 +5,7 @@ hidden state, so the next token's embedding cannot change the draft before the f
 decoding with the full forward pass of the *original* plain checkpoint (what `specrl serve` on
 the grafted checkpoint must produce at k = 3, token for token); the acceptance length the
 sidecar counts (τ = generated tokens / verify steps) on held-out prompts. How other starts compare
-after the same fit: tools/graft_starts.py (docs/checkpoints.md's table).
+after the same fit: tools/bench/graft_starts.py (docs/checkpoints.md's table).
 """
 
 from __future__ import annotations

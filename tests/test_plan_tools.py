@@ -1,22 +1,18 @@
-"""The planner's validation tools on a tiny checkpoint: `tools/measure_cost_table.py` records the
+"""The planner's validation tools on a tiny checkpoint: `specrl bench cost-table` records the
 engine's own round costs on the demo workload as a cost table `specrl plan` reads, with the
-workload's acceptance and lengths; `tools/validate_plan.py` predicts a run's steps from it."""
+workload's acceptance and lengths; `specrl bench validate-plan` predicts a run's steps from it."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-
-import measure_cost_table
-import validate_plan
-
 from sidecar.model.checkpoint import model_state_dict, save_checkpoint
 from sidecar.model.model import ModelConfig, build_model
+from tools.bench import cost_table as measure_cost_table
+from tools.bench import validate_plan
 from trainer.planning.cost_table import load_costs
 
 

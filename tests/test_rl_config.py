@@ -102,7 +102,7 @@ def test_a_partial_section_keeps_the_run_defaults_it_does_not_name() -> None:
 
 
 def test_the_demo_rl_phase_is_sized_to_show_learning_beyond_noise() -> None:
-    """The demo and tools/bench_learning.py run the same RL phase, its held-out set is distinct
+    """The demo and specrl bench learning run the same RL phase, its held-out set is distinct
     problems that exist in the split, and its noise is below the gain it must show (BENCHMARKS.md,
     "Learning": ~0.3 in 20 steps; the issue asks >= 0.10 beyond 2 standard errors)."""
     import math

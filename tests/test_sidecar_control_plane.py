@@ -6,7 +6,7 @@ the sidecar is paused). Here 200 streams are held open on a paused sidecar — e
 admitted, none able to finish — and the control RPCs must each answer within a generous
 bound (1 s; the issue asks for "well under a second"), Abort must reach its stream, a weight
 push must land, and after Resume every stream must complete with the greedy oracle's tokens.
-The latency figures themselves are measured by tools/bench_control_plane.py, not asserted.
+The latency figures themselves are measured by specrl bench control-plane, not asserted.
 """
 
 from __future__ import annotations

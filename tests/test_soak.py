@@ -1,4 +1,4 @@
-"""`tools/soak.py`: its short mode end to end (real `specrl serve` processes, pushes, a kill), and
+"""`tools/soak` (tools/bench/soak.py): its short mode end to end (real `specrl serve` processes, pushes, a kill), and
 its checks shown to fire: a sample from a version never pushed, a stream that ends short, a
 sidecar serving other weights than the push, a request that ran into its full deadline (a hang),
 an error nothing explains."""
@@ -20,10 +20,7 @@ from sidecar.client.client import SidecarCallError, SidecarClient
 from sidecar.server.process import Sidecar
 from sidecar.types import FinishReason, GenerationRequest, Sample
 from tests.sidecar_fixtures import weights
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-
-import soak
+from tools.bench import soak
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,7 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_the_short_soak_passes_and_reports_what_it_checked() -> None:
     start = time.monotonic()
     done = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "soak.py"), "--short"],
+        [sys.executable, "-m", "tools.bench", "soak", "--short"],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=240,

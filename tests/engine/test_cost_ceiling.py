@@ -1,22 +1,16 @@
-"""The controller-ceiling tool (tools/cost_ceiling.py): the cost table it measures comes from the
+"""The controller-ceiling tool (tools/bench/cost_ceiling.py): the cost table it measures comes from the
 engine's own decode steps at each static k, and a controller priced from it decides by the table
 (oracle: the closed-form argmax of tests/engine/test_speculation_policy.py)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 from test_speculation_policy import exact_config, feed_acceptance, oracle_best
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-
-from cost_ceiling import TablePriced, measure_step_costs
 
 from sidecar.engine.torch_engine import TorchEngine
 from sidecar.model.model import Qwen3WithMTP
 from sidecar.types import GenerationRequest, SamplingParams
+from tools.bench.cost_ceiling import TablePriced, measure_step_costs
 
 
 def test_the_table_holds_every_static_k_that_ran(random_model: Qwen3WithMTP) -> None:

@@ -11,7 +11,7 @@ before Triton is imported), in float32; on a GPU (`-m gpu`) compiled, in bfloat1
   (`compile: off`) sample for sample at temperature 1, each request of a traffic plan run alone;
 - the kernel count: the operators a plain round runs per decoder layer, counted on a model of L
   and of L + 1 layers (the difference is one layer's), every operator that launches device work
-  once (views and allocations none, a Triton kernel one) — what `tools/profile_round.py` counts as
+  once (views and allocations none, a Triton kernel one) — what `specrl bench gpu profile` counts as
   CUDA kernels on a GPU. It fails above the bound reached (9 a layer, from 28 with torch's
   operators).
 """

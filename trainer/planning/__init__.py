@@ -6,7 +6,7 @@ explicit, measurable inputs (`specrl plan`).
 - `hardware`: bundled GPU profiles (published HBM bandwidth and dense bf16 peak).
 - `shapes`: a model's parameter and KV-cache bytes and FLOPs per token, from a config.json.
 - `roofline`: decode, verify and draft costs from a shape and a profile.
-- `cost_table`: costs measured by the engine on a user's machine (`tools/bench_gpu.py`,
-  `tools/measure_cost_table.py`), read and interpolated.
+- `cost_table`: costs measured by the engine on a user's machine (`specrl bench gpu`,
+  `specrl bench cost-table`), read and interpolated.
 - `report`, `plot`, `cli`: the `specrl plan` command.
 """

@@ -2,7 +2,7 @@
 
 Why a command: users of every RL framework ask it before they spend GPU hours, and the answer
 depends on inputs they can measure (or this project measures for them): the costs of a decode
-round on their node (`tools/bench_gpu.py`) or a published GPU profile, the acceptance per draft
+round on their node (`specrl bench gpu`) or a published GPU profile, the acceptance per draft
 position (a sidecar's GetStats, a run's metrics), the response lengths. The simulator is
 `trainer.planning.step_model`; this module turns options into its inputs, refusing inconsistent
 ones with what to fix.
@@ -95,7 +95,7 @@ def _costs(opts: PlanOptions, shape: ModelShape, assumed: list[str]) -> RoundCos
     if (opts.hardware is None) == (opts.costs is None):
         raise click.UsageError(
             "give exactly one of --hardware NAME (a bundled GPU profile) or --costs FILE (a table measured "
-            "by tools/bench_gpu.py on your node)"
+            "by specrl bench gpu on your node)"
         )
     if opts.costs is not None:
         try:
@@ -339,7 +339,7 @@ def _experts(
 @click.option(
     "--costs",
     type=click.Path(dir_okay=False, path_type=Path),
-    help="Cost table measured on your node (tools/bench_gpu.py).",
+    help="Cost table measured on your node (specrl bench gpu).",
 )
 @click.option("--costs-table", help="Which table of a --costs file holding several.")
 @click.option(

@@ -2,7 +2,7 @@
 
 Why: a roofline says what the hardware allows, not what an engine achieves (BENCHMARKS.md,
 "Adaptive speculation": this engine's step on an H100 is host time, ~25-30 ms whatever the
-model). A table measured on the node — `tools/bench_gpu.py` on a GPU, `tools/measure_cost_table.py`
+model). A table measured on the node — `specrl bench gpu` on a GPU, `specrl bench cost-table`
 on the project's own workload — prices a round as the engine runs it; the plan then needs no
 efficiency factors. Format (JSON; other keys are kept for the reader and ignored here):
 
@@ -20,7 +20,7 @@ extrapolated from the last two (said in the plan), below the smallest the smalle
 measured at a batch is interpolated (or extrapolated) linearly from that batch's measured ks, or
 takes the nearest batch's cost relative to plain. `step_seconds` is added to every round: the
 host work of an engine step that a round's own timing leaves out (admission checks, finishing
-rows); `tools/bench_gpu.py` times whole steps and writes 0. Costs do not grow with context here:
+rows); `specrl bench gpu` times whole steps and writes 0. Costs do not grow with context here:
 the table says at which context they were measured.
 """
 
@@ -174,7 +174,7 @@ def read_cost_tables(path: Path) -> list[dict[str, Any]]:
     try:
         doc = json.loads(Path(path).read_text())
     except FileNotFoundError:
-        raise CostTableError(f"{path}: no such file; measure one with tools/bench_gpu.py") from None
+        raise CostTableError(f"{path}: no such file; measure one with specrl bench gpu") from None
     except json.JSONDecodeError as e:
         raise CostTableError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:

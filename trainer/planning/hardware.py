@@ -6,7 +6,7 @@ NVIDIA's datasheets (dense = half of the "with sparsity" figure the datasheets h
 entry is one Blackwell GPU of a GB200 NVL72 (the rack's figures divided by 72). Published peaks
 are not achieved: the roofline applies `memory_efficiency` and `compute_efficiency` (defaults in
 `roofline.RooflineConfig`), and a cost table measured on the user's own node
-(`tools/bench_gpu.py`) replaces the roofline altogether.
+(`specrl bench gpu`) replaces the roofline altogether.
 """
 
 from __future__ import annotations
@@ -104,6 +104,6 @@ def profile(name: str) -> HardwareProfile:
     if key not in PROFILES:
         raise ValueError(
             f"unknown hardware profile {name!r}; known profiles: {', '.join(PROFILES)} "
-            "(or measure your own node: tools/bench_gpu.py, then --costs FILE)"
+            "(or measure your own node: specrl bench gpu, then --costs FILE)"
         )
     return PROFILES[key]
