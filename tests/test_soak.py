@@ -9,7 +9,6 @@ import argparse
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -27,7 +26,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_the_short_soak_passes_and_reports_what_it_checked() -> None:
-    start = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-m", "tools.bench", "soak", "--short"],
         cwd=ROOT,
@@ -37,7 +35,6 @@ def test_the_short_soak_passes_and_reports_what_it_checked() -> None:
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert time.monotonic() - start < 120
     out = done.stdout
     assert "violations 0" in out and ("kills 1" in out or "kills 2" in out), out
     for needed in ("requests", "complete", "disconnected", "shm", "grpc", "delta", "GetStats: n", "p99", "RSS"):

@@ -24,7 +24,7 @@ newest working version seen), and stays raised through later collapsed or undeci
 it clears when a later version is judged working. One collapse is one episode (`collapses`
 counts them), whatever number of versions it spans.
 
-Calibration (tools/collapse_calibration.py simulates the rule's sequential check after every
+Calibration (`specrl bench collapse-calibration` simulates the rule's sequential check after every
 engine step over a version's life of 4,096 drafting rounds; rows with per-row acceptance
 ~ Beta(mean, relative sd 0.5), finishing after a geometric number of rounds; 20,000 versions per
 line, 2026-11-27; README, "Drafts cannot silently go stale", has the table):

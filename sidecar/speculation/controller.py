@@ -127,7 +127,7 @@ class SpeculationController:
         nearest measured batch size's cost relative to its plain step (`near`): an estimate too
         cheap is corrected by the steps that choose it, one too dear is never measured again.
         Extrapolating from the bucket's own last two widths alone had one slow reading of k = 2
-        at batch 8 price every longer draft out (the engine model of `tools/sim_adaptive.py`
+        at batch 8 price every longer draft out (the engine model of `specrl bench adaptive sim`
         ran k = 1 there for 784 steps and never tried k = 3, the best; BENCHMARKS.md at ca4d93b, "Adaptive
         speculation", seventh session).
 

@@ -133,7 +133,7 @@ class StopHazard:
         moves slowly), but no more than once per horizon / `REBUILD_POSITIONS` observations. A
         table per cap had cost O(rows x cap) per decode step where more than 64 caps evicted each
         other: 0.19 s per step at batch 128 with caps of 2,000-4,000 tokens
-        (`tools/bench_controller.py`)."""
+        (`specrl bench adaptive controller`)."""
         if left <= 0:
             return 0.0, 0.0
         cap = position + left
