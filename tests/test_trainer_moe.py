@@ -236,13 +236,8 @@ def test_the_preflight_names_what_an_moe_run_needs(tmp_path: Path) -> None:
 
 def test_tools_bench_moe_trainer_runs_both_policies(capsys: pytest.CaptureFixture[str]) -> None:
     """tools/bench/moe_trainer.py (docs/moe.md's trainer step figures) at its smallest, with replay."""
-    import importlib.util
+    from tools.bench import moe_trainer as tool
 
-    path = Path(__file__).resolve().parents[1] / "tools" / "bench" / "moe_trainer.py"
-    spec = importlib.util.spec_from_file_location("bench_moe_trainer", path)
-    assert spec is not None and spec.loader is not None
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
     assert tool.main(["--rows", "2", "--seq", "8", "--repeats", "1", "--replay"]) == 0
     row = capsys.readouterr().out.strip().splitlines()[-1]
     assert row.startswith("| 2 x 8 |") and row.endswith("| on |")
