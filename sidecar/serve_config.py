@@ -58,7 +58,7 @@ class ServeConfig:
     normally, the rest UNAVAILABLE), before the server stops."""
     parent_pid: int | None = None
     """Shut down (gracefully) once the process with this id is no longer this sidecar's parent:
-    a sidecar started by a trainer (`trainer.local_sidecars`) must not outlive it, even when the
+    a sidecar started by a trainer (`trainer.rl.local_sidecars`) must not outlive it, even when the
     trainer is SIGKILLed and cannot tear it down. Unset: serve until signalled."""
     log_level: str = "INFO"
     """Logging level of the sidecar process (DEBUG, INFO, WARNING, ...)."""

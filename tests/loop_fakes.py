@@ -13,8 +13,8 @@ from typing import Any
 from sidecar.client.draft_alarm import DraftAlarms
 from sidecar.client.fleet import FleetResult, PushReport
 from sidecar.types import DraftCollapse, FinishReason, GenerationRequest, Sample, SidecarStats, SpeculationCounters
-from trainer.policy import TrainBatch
-from trainer.tasks import Problem
+from trainer.policy.policy import TrainBatch
+from trainer.rl.tasks import Problem
 from trainer.tokenizer import CharTokenizer
 
 TOK = CharTokenizer()
@@ -145,7 +145,7 @@ class RecordingPolicy:
 def lag_zero(run: Any, last: int) -> Any:
     """A lag-0 rollout pipeline over `run` whatever its config's lag: each step's batch is
     generated when the step takes it, so a fake fleet's calls come in step order."""
-    from trainer.rollout_pipeline import RolloutPipeline
-    from trainer.rollouts import Rollout, gather_rollout
+    from trainer.rl.rollout_pipeline import RolloutPipeline
+    from trainer.rl.rollouts import Rollout, gather_rollout
 
     return RolloutPipeline[Rollout](lambda s: gather_rollout(run, s), first=0, last=last, max_lag=0)

@@ -1,7 +1,7 @@
 """Run a test's worker function in N spawned processes that form one gloo group.
 
 Shared by the multi-process tests (tensor-parallel Muon, the TP/DP trainer bridge). Workers join
-over a TCP store on 127.0.0.1 (``trainer.platform.init_distributed``) and meet at a barrier before
+over a TCP store on 127.0.0.1 (``trainer.policy.platform.init_distributed``) and meet at a barrier before
 tearing the group down, so no rank closes its gloo pairs while a peer is still in a collective.
 The parent never waits forever: a worker that hangs is killed and the test fails saying so.
 """
@@ -19,7 +19,7 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trainer import platform
+from trainer.policy import platform
 
 
 def spawn(worker: Callable[..., None], args: tuple[Any, ...], *, nprocs: int, timeout_s: float = 180.0) -> None:

@@ -37,14 +37,14 @@ from sidecar.client.fleet import FleetConfig
 from sidecar.model.checkpoint import load_checkpoint
 from sidecar.model.model import ModelConfig
 from tests.spawn_workers import python_call, run_commands
-from trainer import platform
-from trainer.local_sidecars import LocalSidecars
-from trainer.losses import GRPOConfig
-from trainer.policy import Policy, TrainBatch
-from trainer.ranks import EXIT_CODE
-from trainer.rl_config import RLConfig, RolloutConfig, SidecarsConfig, TaskConfig, TrainConfig
+from trainer.policy import platform
+from trainer.policy.losses import GRPOConfig
+from trainer.policy.policy import Policy, TrainBatch
+from trainer.rl.config import RLConfig, RolloutConfig, SidecarsConfig, TaskConfig, TrainConfig
+from trainer.rl.local_sidecars import LocalSidecars
+from trainer.rl.ranks import EXIT_CODE
+from trainer.rl.warmup import make_model
 from trainer.tokenizer import CharTokenizer
-from trainer.warmup import make_model
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -142,9 +142,9 @@ class Watch:
 
 @pytest.fixture
 def watch(monkeypatch: pytest.MonkeyPatch) -> Iterator[Watch]:
-    import trainer.rl_loop as loop
-    import trainer.rollouts as rollouts
-    import trainer.run_setup as run_setup
+    import trainer.rl.loop as loop
+    import trainer.rl.rollouts as rollouts
+    import trainer.rl.run_setup as run_setup
 
     w = Watch()
 
@@ -251,7 +251,7 @@ def test_a_sidecar_killed_while_the_producer_generates_loses_nothing(
 
 
 def train_run(cfg: RLConfig, **kwargs: Any) -> list[dict[str, float]]:
-    from trainer.rl_loop import train
+    from trainer.rl.loop import train
 
     return train(cfg, progress=False, **kwargs)
 
@@ -366,7 +366,7 @@ def _train_command(checkpoint: Path, run: Path, *, lag: int, steps: int, resume:
         "rollout.max_policy_lag": lag,
         "algorithm.filter_equal_groups": "false",
     }
-    cmd = [sys.executable, "-m", "trainer.cli", "train", "--model", str(checkpoint), "--run-dir", str(run)]
+    cmd = [sys.executable, "-m", "trainer.cli.main", "train", "--model", str(checkpoint), "--run-dir", str(run)]
     cmd += ["--local-sidecars", "2", *(["--resume"] if resume else [])]
     return cmd + [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
 
@@ -432,7 +432,7 @@ def _dp_worker(checkpoint: str, run_dir: str, lag: str) -> None:
     """A rank of a data-parallel-2 run (env:// from the test); rank 1 SIGKILLs itself at the start
     of step 1's update, while rank 0's producer generates step 2's batch ahead."""
     torch.set_num_threads(1)
-    from trainer.rl_loop import train
+    from trainer.rl.loop import train
 
     if os.environ["RANK"] == "1":
         real = Policy.train_updates

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from tests.loop_fakes import TOK, FakeFleet, RecordingPolicy, RuleTask, lag_zero
-from trainer.rl_config import RLConfig, RolloutConfig, SidecarsConfig
-from trainer.rl_loop import rl_step
-from trainer.rollout_pipeline import RolloutPipeline
-from trainer.rollouts import Rollout, gather_rollout, rollout_pipeline
-from trainer.run import Run
-from trainer.step_metrics import StepTimes
+from trainer.rl.config import RLConfig, RolloutConfig, SidecarsConfig
+from trainer.rl.loop import rl_step
+from trainer.rl.rollout_pipeline import RolloutPipeline
+from trainer.rl.rollouts import Rollout, gather_rollout, rollout_pipeline
+from trainer.rl.run import Run
+from trainer.rl.step_metrics import StepTimes
 
 PROMPTS, G = 6, 4
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from tools.bench import gpu as bench_gpu
-from trainer.cli import main
+from trainer.cli.main import main
 from trainer.planning.cost_table import load_costs
 
 

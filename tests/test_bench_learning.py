@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from tools.bench.learning import plot_compare, summarize
-from trainer.equivalence import tost_paired
+from trainer.rl.equivalence import tost_paired
 
 
 def _run(first: float, last: float, generation_s: float) -> dict[str, Any]:

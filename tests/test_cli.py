@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from click.testing import CliRunner
 
-from trainer.cli import main
+from trainer.cli.main import main
 
 
 def test_help_lists_the_commands() -> None:

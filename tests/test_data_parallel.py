@@ -21,10 +21,10 @@ from muon import HybridOptimizerConfig
 from sidecar.model.checkpoint import model_state_dict
 from sidecar.model.model import ModelConfig, build_model
 from tests.spawn_workers import join_group, leave_group, spawn
-from trainer.data_parallel import balanced_rows, reduce_mismatch, row_lengths
-from trainer.draft_objective import DraftConfig
-from trainer.losses import GRPOConfig, mismatch_metrics
-from trainer.policy import Policy, TrainBatch
+from trainer.draft.objective import DraftConfig
+from trainer.policy.data_parallel import balanced_rows, reduce_mismatch, row_lengths
+from trainer.policy.losses import GRPOConfig, mismatch_metrics
+from trainer.policy.policy import Policy, TrainBatch
 
 MC = ModelConfig.tiny(max_position_embeddings=64)
 ATOL, RTOL = 1e-6, 1e-5  # tests/test_trainer_updates.py: the micro-batch test's float32 standard

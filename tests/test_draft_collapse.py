@@ -42,10 +42,10 @@ from tests.engine.engine_fixtures import aligned_draft_model
 from tests.loop_fakes import TOK, FakeFleet, RecordingPolicy, RuleTask
 from tests.sidecar_fixtures import start_sidecar, wait_until
 from tools.bench.collapse_calibration import binomial_tail, simulate_alarms
-from trainer.rl_config import RLConfig, RolloutConfig, SidecarsConfig
-from trainer.rl_loop import rl_step
-from trainer.rollouts import rollout_pipeline
-from trainer.run import Run
+from trainer.rl.config import RLConfig, RolloutConfig, SidecarsConfig
+from trainer.rl.loop import rl_step
+from trainer.rl.rollouts import rollout_pipeline
+from trainer.rl.run import Run
 
 RULE = CollapseRule()
 CONFIG = ModelConfig.tiny(vocab_size=256)
@@ -331,7 +331,9 @@ def test_the_trainer_logs_each_collapse_once_and_plots_it_every_step(caplog: pyt
             history.append(rl_step(run, step, rollouts))
     assert [m["spec/draft_collapsed"] for m in history] == [0.0, 0.0, 1.0, 1.0, 0.0, 0.0]
     lines = [
-        r.getMessage() for r in caplog.records if r.name == "trainer.rollouts" and "draft collapsed" in r.getMessage()
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "trainer.rl.rollouts" and "draft collapsed" in r.getMessage()
     ]
     assert len(lines) == 1 and lines[0].startswith("step 2:") and "fake:1" in lines[0] and "version 3" in lines[0]
 

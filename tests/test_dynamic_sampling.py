@@ -18,14 +18,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.loop_fakes import FakeFleet, RecordingPolicy, RuleTask
-from trainer.draft_objective import DraftConfig
-from trainer.dynamic_sampling import Group, select_groups, shaped_rewards
-from trainer.losses import OverlongConfig
-from trainer.policy import TrainBatch
-from trainer.rl_config import RLConfig, RolloutConfig, SidecarsConfig
-from trainer.rl_loop import rl_step
-from trainer.rollouts import rollout_pipeline
-from trainer.run import Run
+from trainer.draft.objective import DraftConfig
+from trainer.policy.losses import OverlongConfig
+from trainer.policy.policy import TrainBatch
+from trainer.rl.config import RLConfig, RolloutConfig, SidecarsConfig
+from trainer.rl.dynamic_sampling import Group, select_groups, shaped_rewards
+from trainer.rl.loop import rl_step
+from trainer.rl.rollouts import rollout_pipeline
+from trainer.rl.run import Run
 from trainer.tokenizer import CharTokenizer
 
 TOK = CharTokenizer()
@@ -110,9 +110,9 @@ def test_filtered_groups_are_refilled_up_to_the_batch(refill_rounds: int, caplog
 def test_reference_policy_is_frozen_and_feeds_the_kl() -> None:
     from sidecar.model.checkpoint import model_state_dict
     from sidecar.model.model import ModelConfig, build_model
-    from trainer.losses import GRPOConfig
-    from trainer.policy import Policy
-    from trainer.reference import ReferencePolicy
+    from trainer.policy.losses import GRPOConfig
+    from trainer.policy.policy import Policy
+    from trainer.policy.reference import ReferencePolicy
 
     mc = ModelConfig.tiny(max_position_embeddings=64)
     state = model_state_dict(build_model(mc, seed=4))

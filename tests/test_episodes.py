@@ -1,4 +1,4 @@
-"""Multi-turn episodes (`trainer.episodes`, `trainer.environments`) against hand-built oracles.
+"""Multi-turn episodes (`trainer.rl.episodes`, `trainer.rl.environments`) against hand-built oracles.
 
 A scripted fleet plays the policy: its next turn is a function of the conversation so far, so the
 conversation, its log-probs and its loss mask can be written out by hand and compared exactly;
@@ -19,7 +19,9 @@ from hypothesis import strategies as st
 
 from sidecar.client.fleet import FleetResult
 from sidecar.types import FinishReason, GenerationRequest, Sample, SamplingParams
-from trainer.environments import (
+from trainer.policy.losses import GRPOConfig, policy_loss
+from trainer.policy.policy import TrainBatch
+from trainer.rl.environments import (
     CalculatorEnvironment,
     CalculatorError,
     Feedback,
@@ -27,10 +29,8 @@ from trainer.environments import (
     continuation_ids,
     stop_token_ids,
 )
-from trainer.episodes import EpisodeLimits, episode_metrics, run_episodes
-from trainer.losses import GRPOConfig, policy_loss
-from trainer.policy import TrainBatch
-from trainer.tasks import Problem
+from trainer.rl.episodes import EpisodeLimits, episode_metrics, run_episodes
+from trainer.rl.tasks import Problem
 from trainer.tokenizer import CharTokenizer
 
 TOK = CharTokenizer()
@@ -265,8 +265,8 @@ def test_the_calculator_environment_answers_tool_calls_and_judges_the_answer() -
 
 
 USER_ENVIRONMENT = """
-from trainer.environments import Feedback
-from trainer.tasks import Problem
+from trainer.rl.environments import Feedback
+from trainer.rl.tasks import Problem
 
 class Echo:
     name = "echo"
@@ -291,8 +291,8 @@ class NotAnEnvironment:
 
 
 def test_a_user_environment_is_built_from_its_file_and_bad_names_are_refused_clearly(tmp_path: Path) -> None:
-    from trainer.environments import EnvironmentLoadError, load_environment
-    from trainer.rl_config import TaskConfig
+    from trainer.rl.config import TaskConfig
+    from trainer.rl.environments import EnvironmentLoadError, load_environment
 
     file = tmp_path / "envs.py"
     file.write_text(USER_ENVIRONMENT)

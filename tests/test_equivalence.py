@@ -1,4 +1,4 @@
-"""The paired TOST of `trainer.equivalence`: Student's t against closed forms, the test's decision
+"""The paired TOST of `trainer.rl.equivalence`: Student's t against closed forms, the test's decision
 against its definition, and its calibration by simulation (false equivalence <= alpha at the
 margin, power at a true difference of 0)."""
 
@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from trainer.equivalence import regularized_beta, t_cdf, t_ppf, tost_operating_characteristics, tost_paired
+from trainer.rl.equivalence import regularized_beta, t_cdf, t_ppf, tost_operating_characteristics, tost_paired
 
 
 @pytest.mark.parametrize("t", [-7.5, -2.0, -0.3, 0.0, 0.4, 1.0, 3.2, 40.0])

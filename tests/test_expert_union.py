@@ -96,7 +96,7 @@ def test_the_planners_bytes_are_the_union(tmp_path) -> None:
 
 
 def test_specrl_plan_prints_the_union_aware_projection_for_qwen3_30b_a3b() -> None:
-    from trainer.cli import main
+    from trainer.cli.main import main
 
     args = ["plan", "--model", "qwen3-30b-a3b", "--hardware", "h200", "--lengths", "2000"]
     result = CliRunner().invoke(main, [*args, "--acceptance", "0.8,0.7,0.6", "--ks", "1,2,3"])

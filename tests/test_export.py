@@ -31,17 +31,17 @@ from sidecar.model.model import ModelConfig
 from sidecar.serve_config import ServeConfig
 from sidecar.types import GenerationRequest, Sample, SamplingParams
 from tests.eagle3_layout import LAYOUT
-from trainer import gpt
-from trainer.cli import main
-from trainer.draft_objective import DraftConfig
-from trainer.local_sidecars import LocalSidecars
-from trainer.policy import Policy
-from trainer.rl_config import RLConfig, RolloutConfig, SidecarsConfig, TaskConfig
-from trainer.rl_loop import train
-from trainer.run_setup import policy_config
-from trainer.tasks import ArithmeticTask
+from trainer.cli.main import main
+from trainer.draft.objective import DraftConfig
+from trainer.policy import gpt
+from trainer.policy.policy import Policy
+from trainer.rl.config import RLConfig, RolloutConfig, SidecarsConfig, TaskConfig
+from trainer.rl.local_sidecars import LocalSidecars
+from trainer.rl.loop import train
+from trainer.rl.run_setup import policy_config
+from trainer.rl.tasks import ArithmeticTask
+from trainer.rl.warmup import DraftInitConfig, WarmupConfig, draft_init, make_model, supervised_warmup
 from trainer.tokenizer import CharTokenizer
-from trainer.warmup import DraftInitConfig, WarmupConfig, draft_init, make_model, supervised_warmup
 
 TASK = ArithmeticTask(regime="zero", digits=2)
 TOK = CharTokenizer()
@@ -179,7 +179,7 @@ def test_a_missing_run_or_step_is_one_line_that_says_what_exists(mtp_run: Traine
     (tp / "config.yaml").write_text(config.replace("tensor_parallel: 1", "tensor_parallel: 2", 1))
     result = CliRunner().invoke(main, ["export", str(tp), "--out", str(tmp_path / "x")])
     assert result.exit_code == 1 and "train.tensor_parallel=2" in result.output, result.output
-    assert f"torchrun --nproc-per-node 2 -m trainer.cli export {tp} --out" in result.output
+    assert f"torchrun --nproc-per-node 2 -m trainer.cli.main export {tp} --out" in result.output
 
 
 @pytest.fixture(scope="module")
@@ -233,7 +233,7 @@ def test_a_users_model_exports_with_its_own_tokenizer_and_chat_template(tmp_path
     import transformers
 
     from tests.test_user_data import _write, bpe_model, gsm8k_rows
-    from trainer.rl_cli import resolve_config
+    from trainer.cli.commands import resolve_config
 
     model = bpe_model(tmp_path / "model")
     data = _write(gsm8k_rows(), tmp_path / "gsm8k.parquet")

@@ -23,12 +23,12 @@ from sidecar.engine.config import EngineConfig
 from sidecar.security import SecurityConfig
 from sidecar.serve_config import SECURITY_OPTIONS, ServeConfig
 from tests.sidecar_fixtures import start_sidecar
-from trainer.cli import main
-from trainer.rewards import Reward, RewardFunctionError
-from trainer.rl_cli import resolve_config
-from trainer.rl_config import RLConfig, SidecarsConfig
-from trainer.tasks import DatasetTask, Problem
-from trainer.warmup import DraftInitConfig, WarmupConfig, WarmupError
+from trainer.cli.commands import resolve_config
+from trainer.cli.main import main
+from trainer.rl.config import RLConfig, SidecarsConfig
+from trainer.rl.rewards import Reward, RewardFunctionError
+from trainer.rl.tasks import DatasetTask, Problem
+from trainer.rl.warmup import DraftInitConfig, WarmupConfig, WarmupError
 
 
 def _cli(args: list[str]) -> tuple[int, str]:
@@ -81,8 +81,8 @@ def test_local_sidecar_devices_must_fit_their_count() -> None:
 
 
 def test_every_policy_config_field_is_reachable_from_the_run_config() -> None:
-    from trainer.policy import Policy
-    from trainer.run_setup import policy_config
+    from trainer.policy.policy import Policy
+    from trainer.rl.run_setup import policy_config
 
     overrides = [
         "model=ckpt",
@@ -145,7 +145,7 @@ def test_serve_defaults_equal_serve_config_and_demo_steps_equal_demo_config() ->
     assert set(SECURITY_OPTIONS) == security
     assert {n: params[n] for n in security} == {n: getattr(cfg.security, n) for n in security}
     assert "tls" not in params
-    from trainer.demo import DemoConfig
+    from trainer.cli.demo import DemoConfig
 
     assert {p.name: p.default for p in main.commands["demo"].params}["rl_steps"] == DemoConfig().rl_steps
 
@@ -362,9 +362,9 @@ def test_merge_overrides_keeps_strings_that_look_like_nothing() -> None:
 def _expected_errors() -> list[Exception]:
     from sidecar.client.fleet import NoLiveSidecarError
     from sidecar.config_io import ConfigError
-    from trainer.bridge import CheckpointMismatchError
-    from trainer.local_sidecars import SidecarStartError
-    from trainer.preflight import PreflightError
+    from trainer.policy.bridge import CheckpointMismatchError
+    from trainer.rl.local_sidecars import SidecarStartError
+    from trainer.rl.preflight import PreflightError
 
     return [
         NoLiveSidecarError("no live sidecar"),
@@ -382,7 +382,7 @@ def _expected_errors() -> list[Exception]:
 def test_every_expected_error_is_one_cli_message(error: Exception) -> None:
     import click
 
-    from trainer.rl_cli import user_errors
+    from trainer.cli.commands import user_errors
 
     @click.command()
     def fails() -> None:
@@ -394,7 +394,7 @@ def test_every_expected_error_is_one_cli_message(error: Exception) -> None:
 
 
 def test_a_bug_keeps_its_traceback() -> None:
-    from trainer.rl_cli import user_errors
+    from trainer.cli.commands import user_errors
 
     with pytest.raises(ZeroDivisionError), user_errors():
         _ = 1 / 0
@@ -415,7 +415,7 @@ def _hf_tokenizer(path: Path, words: list[str]) -> Path:
 
 
 def _preflight(ckpt: Path, data: Path, **overrides: object):  # type: ignore[no-untyped-def]
-    from trainer.preflight import preflight
+    from trainer.rl.preflight import preflight
 
     cfg = resolve_config(None, [f"model={ckpt}", "task.kind=dataset", f"task.path={data}", "sidecars.local=1"])
     return preflight(dataclasses.replace(cfg, **overrides), probe_sidecars=False)  # type: ignore[arg-type]
@@ -440,7 +440,7 @@ def test_a_checkpoint_the_engine_does_not_implement_is_refused_before_megatron(
 
 
 def test_the_default_tokenizer_is_the_models_own(tmp_path: Path, jsonl_run: tuple[Path, Path]) -> None:
-    from trainer.preflight import PreflightError
+    from trainer.rl.preflight import PreflightError
     from trainer.tokenizer import CharTokenizer, HFTokenizer
 
     plain, data = jsonl_run
@@ -556,7 +556,7 @@ def test_retired_task_keys_name_their_new_spelling() -> None:
 def test_over_long_prompts_are_dropped_and_counted_when_filtering_is_asked_for(
     tmp_path: Path, jsonl_run: tuple[Path, Path]
 ) -> None:
-    from trainer.preflight import PreflightError
+    from trainer.rl.preflight import PreflightError
 
     ckpt, _ = jsonl_run
     rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(30)] + [{"prompt": "9" * 300, "answer": "9"}]

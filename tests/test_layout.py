@@ -24,6 +24,9 @@ MAX_LINES = 700
 SERVER = ("sidecar.server",)
 CLIENT = ("sidecar.client", "sidecar.integrations", "sidecar.losslessness")
 CORE = ("sidecar.engine", "sidecar.model", "sidecar.speculation")
+TRAINER_GROUPS = ("trainer.cli", "trainer.rl", "trainer.policy", "trainer.draft", "trainer.planning")
+TRAINER_GROUPS_ABOVE_DRAFT = ("trainer.cli", "trainer.rl", "trainer.policy", "trainer.planning")
+TRAINER_SHARED = ("trainer.schedules", "trainer.tokenizer")
 
 # (importer prefixes, forbidden import prefixes, why)
 RULES: list[tuple[tuple[str, ...], tuple[str, ...], str]] = [
@@ -35,10 +38,16 @@ RULES: list[tuple[tuple[str, ...], tuple[str, ...], str]] = [
     (("sidecar",), ("trainer",), "the sidecar package never imports the trainer"),
     (("trainer",), ("sidecar.server", "sidecar.protocol"), "the trainer talks to sidecars through the client"),
     (("muon", "yarn"), ("sidecar", "trainer"), "muon and yarn are at the bottom"),
+    # inside the trainer: CLI -> RL algorithm -> policy and Megatron -> draft; planning apart; shared below
+    (("trainer.rl",), ("trainer.cli", "trainer.planning"), "the RL algorithm knows no command"),
+    (("trainer.policy",), ("trainer.cli", "trainer.rl", "trainer.planning"), "the policy knows no RL loop or command"),
+    (("trainer.draft",), TRAINER_GROUPS_ABOVE_DRAFT, "the draft is below the policy"),
+    (("trainer.planning",), ("trainer.cli", "trainer.rl", "trainer.policy", "trainer.draft"), "planning reads no run"),
+    (TRAINER_SHARED, TRAINER_GROUPS, "the trainer's shared modules are below every group"),
 ]
 
 ALLOWED = {
-    ("trainer.cli", "sidecar.server.cli"): "the one `specrl` command registers `specrl serve`",
+    ("trainer.cli.main", "sidecar.server.cli"): "the one `specrl` command registers `specrl serve`",
 }
 OVERSIZED: dict[str, str] = {}
 """Product files allowed over MAX_LINES for now, each with why; the test fails once one shrinks."""
@@ -98,6 +107,26 @@ def test_imports_run_one_way() -> None:
     }
     assert len(modules) > 50
     assert violations(modules) == []
+
+
+def test_every_trainer_module_has_its_group() -> None:
+    """The trainer is grouped by role (the CLI, the RL algorithm, the policy and Megatron, the
+    draft, planning) with a few shared modules below them; a new module joins a group."""
+    trainer = [_module_name(p) for p in _product_files() if p.parts[len(ROOT.parts)] == "trainer"]
+    loose = [m for m in trainer if m != "trainer" and not _within(m, (*TRAINER_GROUPS, *TRAINER_SHARED))]
+    assert len(trainer) > 40
+    assert loose == [], f"put these in the trainer group of their role (trainer/__init__.py): {loose}"
+
+
+def test_the_rules_catch_the_policy_importing_the_rl_loop() -> None:
+    probe = "from trainer.rl.loop import rl_step\nfrom ..draft import objective\n"
+    found = violations({"trainer.policy._probe": _imports(probe, "trainer.policy._probe")})
+    assert found == [
+        "trainer.policy._probe imports trainer.rl.loop: the policy knows no RL loop or command",
+        "trainer.policy._probe imports trainer.rl.loop.rl_step: the policy knows no RL loop or command",
+    ]
+    found = violations({"trainer.draft._probe": _imports(probe, "trainer.draft._probe")})
+    assert "trainer.draft._probe imports trainer.rl.loop: the draft is below the policy" in found
 
 
 def test_the_rules_catch_a_server_module_importing_the_client() -> None:
@@ -166,7 +195,7 @@ def test_no_import_circle_anywhere() -> None:
     """A module that needs another which needs it back (even for a type, or inside a function) is
     one concern split in two, or two tangled: neither reads alone. None in the product or tools."""
     graph = _module_graph()
-    assert {"sidecar.engine.torch_engine", "trainer.policy", "tools.bench.gpu"} <= set(graph)
+    assert {"sidecar.engine.torch_engine", "trainer.policy.policy", "tools.bench.gpu"} <= set(graph)
     assert import_cycles(graph) == []
 
 
@@ -186,11 +215,11 @@ RL_LOOP_LINES = 250
 
 
 def test_the_rl_loop_reads_like_the_algorithm() -> None:
-    """`trainer/rl_loop.py` holds the step (generate → score → log-probs → update → push) and the
+    """`trainer/rl/loop.py` holds the step (generate → score → log-probs → update → push) and the
     run around it; every mechanism it drives lives in a module named after it (slime's train.py
     is 85 lines)."""
-    n = len((ROOT / "trainer" / "rl_loop.py").read_text().splitlines())
-    assert n <= RL_LOOP_LINES, f"trainer/rl_loop.py has {n} lines: move the mechanism that grew into its own module"
+    n = len((ROOT / "trainer" / "rl" / "loop.py").read_text().splitlines())
+    assert n <= RL_LOOP_LINES, f"trainer/rl/loop.py has {n} lines: move the mechanism that grew into its own module"
 
 
 LAYOUT_HEADING = "## The table"
@@ -249,13 +278,13 @@ def test_the_table_parser_reads_bases_and_subfolders() -> None:
     readme = (
         f"{LAYOUT_HEADING}\n\n| folder / file | what it holds |\n|---|---|\n"
         "| `sidecar/engine/` | `base.py` (`Engine`), `sglang/` (`engine.py`), `tools/x.py`, `y.py` |\n"
-        "| `trainer/cli.py`, `demo.py` | the `specrl` command |\n\n## Next\n| `muon/z.py` | not in the section |\n"
+        "| `trainer/cli/main.py`, `demo.py` | the `specrl` command |\n\n## Next\n| `muon/z.py` | not in the section |\n"
     )
     assert layout_table_paths(readme) == {
         "sidecar/engine/base.py",
         "sidecar/engine/sglang/engine.py",
         "tools/x.py",
         "tools/y.py",
-        "trainer/cli.py",
-        "trainer/demo.py",
+        "trainer/cli/main.py",
+        "trainer/cli/demo.py",
     }

@@ -34,7 +34,7 @@ from sidecar.server.process import Sidecar, SidecarConfig
 from sidecar.types import Sample, WeightSelector
 from sidecar.weight_transport.tensors import tensor_crc32
 from tests.engine.engine_fixtures import aligned_draft_model, aligned_eagle3, eagle3_target
-from trainer.cli import main
+from trainer.cli.main import main
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 

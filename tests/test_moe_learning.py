@@ -17,7 +17,7 @@ Registered before any run (2026-12-02), not changed after:
   weights), `mismatch/logprob_abs_max` < 1e-4 (the sidecar's log-probs are the trainer's); the
   gap's mean and p99 are logged.
 - Equivalence (`test_an_moe_learns_equivalently_without_speculation`): the project's criterion for
-  dense models (BENCHMARKS.md, "Learning with and without speculation"; `trainer.equivalence`): a
+  dense models (BENCHMARKS.md, "Learning with and without speculation"; `trainer.rl.equivalence`): a
   paired TOST of the final held-out reward, speculation_k 3 minus speculation_k 0 on the same seed
   (same checkpoint, prompts and held-out problems), margin ±0.05, α = 0.05 each side, over seeds 0
   and 1. Two seeds are what two shared CPU cores allow; with one degree of freedom the 90% interval
@@ -44,11 +44,11 @@ import transformers
 
 from muon import HybridOptimizerConfig
 from tests.family_fixtures import randomise
-from trainer.equivalence import tost_paired
-from trainer.losses import GRPOConfig
-from trainer.rl_config import RLConfig, RolloutConfig, SidecarsConfig, TaskConfig
-from trainer.rl_loop import train
-from trainer.tasks import ArithmeticTask
+from trainer.policy.losses import GRPOConfig
+from trainer.rl.config import RLConfig, RolloutConfig, SidecarsConfig, TaskConfig
+from trainer.rl.equivalence import tost_paired
+from trainer.rl.loop import train
+from trainer.rl.tasks import ArithmeticTask
 from trainer.tokenizer import CharTokenizer
 
 SEEDS = (0, 1)
@@ -60,7 +60,7 @@ SHAPE = dict(hidden_size=64, intermediate_size=192, moe_intermediate_size=64, nu
 
 def moe_policy(root: Path, seed: int) -> Path:
     """The warmed-up MoE policy with its fitted MTP draft, written once per seed under `root`."""
-    from trainer.warmup import DraftInitConfig, WarmupConfig, draft_init, supervised_warmup
+    from trainer.rl.warmup import DraftInitConfig, WarmupConfig, draft_init, supervised_warmup
 
     out = root / f"policy{seed}"
     if (out / "config.json").exists():

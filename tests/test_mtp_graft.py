@@ -1,4 +1,4 @@
-"""`specrl draft-init` on a checkpoint without MTP layers grafts one (`trainer.mtp_graft`) and fits it.
+"""`specrl draft-init` on a checkpoint without MTP layers grafts one (`trainer.draft.mtp_graft`) and fits it.
 
 Oracles: the trunk's tensors it was copied from and closed forms (unit norms; eh_proj passing the
 hidden state, so the next token's embedding cannot change the draft before the fit); plain greedy
@@ -26,12 +26,19 @@ from sidecar.model.model import ModelConfig, build_model
 from sidecar.serve_config import ServeConfig
 from sidecar.types import GenerationRequest, SamplingParams
 from tests.sidecar_fixtures import greedy_reference
-from trainer.cli import main
-from trainer.local_sidecars import LocalSidecars
-from trainer.mtp_graft import graft_mtp_layer
-from trainer.tasks import ArithmeticTask
+from trainer.cli.main import main
+from trainer.draft.mtp_graft import graft_mtp_layer
+from trainer.rl.local_sidecars import LocalSidecars
+from trainer.rl.tasks import ArithmeticTask
+from trainer.rl.warmup import (
+    DraftInitConfig,
+    WarmupConfig,
+    acceptance_length,
+    draft_init,
+    make_model,
+    supervised_warmup,
+)
 from trainer.tokenizer import CharTokenizer
-from trainer.warmup import DraftInitConfig, WarmupConfig, acceptance_length, draft_init, make_model, supervised_warmup
 
 TASK = ArithmeticTask(regime="zero", digits=2)
 TOK = CharTokenizer()
@@ -152,7 +159,7 @@ def test_a_grafted_fitted_draft_accepts_more_than_two_tokens_a_step_on_the_arith
 def test_on_the_demo_model_a_grafted_fitted_draft_accepts_more_than_two_tokens_a_step(tmp_path: Path) -> None:
     """The demo's model (24 layers, width 128) without its MTP layer, warmed up and draft-initialised
     as the demo does it (minutes on a 2-core CPU: the first row of docs/checkpoints.md's table)."""
-    from trainer.demo import DemoConfig, demo_model_config
+    from trainer.cli.demo import DemoConfig, demo_model_config
 
     torch.set_num_threads(1)
     demo = DemoConfig()

@@ -19,11 +19,11 @@ import torch
 
 from muon import HybridOptimizerConfig
 from sidecar.model.model import ModelConfig
-from trainer.policy import Policy, TrainBatch
-from trainer.rl_config import RLConfig, RolloutConfig, SidecarsConfig, TaskConfig
-from trainer.rl_loop import train
+from trainer.policy.policy import Policy, TrainBatch
+from trainer.rl.config import RLConfig, RolloutConfig, SidecarsConfig, TaskConfig
+from trainer.rl.loop import train
+from trainer.rl.warmup import make_model
 from trainer.tokenizer import CharTokenizer
-from trainer.warmup import make_model
 
 TOK = CharTokenizer()
 
@@ -92,8 +92,8 @@ def test_rl_on_the_calculator_raises_the_held_out_reward(tmp_path: Path, seed: i
     calculator twice but copies its numbers wrong a fifth of the time), then 20 RL steps of
     calculator episodes with speculation: the held-out reward (greedy episodes, 128 problems) rises
     beyond 2 standard errors of the difference. (`docs/environments.md` quotes the figures.)"""
-    from trainer.environments import CalculatorEnvironment
-    from trainer.warmup import DraftInitConfig, WarmupConfig, draft_init, supervised_warmup
+    from trainer.rl.environments import CalculatorEnvironment
+    from trainer.rl.warmup import DraftInitConfig, WarmupConfig, draft_init, supervised_warmup
 
     torch.set_num_threads(1)
     env = CalculatorEnvironment(digits=2)

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from tests.loop_fakes import TOK, FakeFleet, RecordingPolicy, RuleTask
-from trainer.rl_config import RLConfig, RolloutConfig, SidecarsConfig
-from trainer.run_dir import RunDir, plot_metrics
-from trainer.trackers import TrackersConfig, open_trackers
+from trainer.rl.config import RLConfig, RolloutConfig, SidecarsConfig
+from trainer.rl.run_dir import RunDir, plot_metrics
+from trainer.rl.trackers import TrackersConfig, open_trackers
 
 ROWS = [{"reward/train_mean": 0.25 * i, "spec/accept_pos0": 0.9, "nan": float("nan")} for i in range(3)]
 
@@ -82,7 +82,7 @@ def test_tensorboard_and_offline_wandb_receive_every_row(tmp_path: Path) -> None
 def test_a_missing_tracker_package_is_named_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 
-    from trainer.trackers import check_trackers
+    from trainer.rl.trackers import check_trackers
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "wandb" else real(name))
@@ -116,8 +116,9 @@ def test_an_interrupted_run_keeps_its_plots_rows_and_tracker_events(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The loop's own `train` with an in-memory fleet that is interrupted (Ctrl-C) in step 3."""
-    from trainer import rl_loop, run_setup
-    from trainer.preflight import Prepared
+    from trainer.rl import loop as rl_loop
+    from trainer.rl import run_setup
+    from trainer.rl.preflight import Prepared
 
     fleet = FakeFleet(fail_on_call=4)  # eval, step 1, step 2, then step 3's generation
     cfg = RLConfig(

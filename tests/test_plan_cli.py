@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from trainer.cli import main
+from trainer.cli.main import main
 from trainer.planning.cost_table import CostTableError, TableCosts, cost_table_document, load_costs
 from trainer.planning.hardware import PROFILES, profile
 from trainer.planning.roofline import RooflineConfig, RooflineCosts

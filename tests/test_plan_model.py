@@ -184,7 +184,7 @@ def test_plan_derives_the_rest_of_the_step_from_the_generation_share() -> None:
 
 def test_the_trainer_logs_length_percentiles_that_the_plan_reads_back() -> None:
     from trainer.planning.inputs import step_lengths
-    from trainer.step_metrics import length_quantiles
+    from trainer.rl.step_metrics import length_quantiles
 
     logged = length_quantiles([1, 2, 3, 4, 5])
     assert logged == {

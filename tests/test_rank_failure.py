@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from tests.spawn_workers import python_call, run_commands
-from trainer import platform
-from trainer.ranks import EXIT_CODE, RankWatchdog
+from trainer.policy import platform
+from trainer.rl.ranks import EXIT_CODE, RankWatchdog
 
 WORLD = 3
 GROUP_TIMEOUT_S = 900.0  # what a collective would wait for a dead peer without the watchdog

@@ -8,8 +8,8 @@ from pathlib import Path
 import click
 import pytest
 
-from trainer.rl_cli import resolve_config
-from trainer.rl_config import RLConfig, RolloutConfig, SidecarsConfig
+from trainer.cli.commands import resolve_config
+from trainer.rl.config import RLConfig, RolloutConfig, SidecarsConfig
 
 
 def test_yaml_and_overrides_map_onto_the_typed_config(tmp_path: Path) -> None:
@@ -55,7 +55,7 @@ def test_component_checks() -> None:
 
 def test_the_readme_config_example_is_a_valid_run_config() -> None:
     from sidecar.config_io import from_mapping, yaml_load
-    from trainer.rl_config import RLConfig
+    from trainer.rl.config import RLConfig
 
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     example = readme.split("```yaml\n", 1)[1].split("```", 1)[0]
@@ -108,9 +108,9 @@ def test_the_demo_rl_phase_is_sized_to_show_learning_beyond_noise() -> None:
     import math
     import random
 
-    from trainer.demo import DemoConfig
-    from trainer.rl_config import demo_config
-    from trainer.tasks import distinct_problems
+    from trainer.cli.demo import DemoConfig
+    from trainer.rl.config import demo_config
+    from trainer.rl.tasks import distinct_problems
 
     cfg = demo_config(Path("policy"), Path("run"))
     assert DemoConfig().rl_steps == cfg.steps

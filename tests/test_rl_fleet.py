@@ -23,11 +23,12 @@ from sidecar.security import TOKEN_ENV, SecurityConfig
 from sidecar.server.process import Sidecar
 from sidecar.types import GenerationRequest, SamplingParams
 from tests.sidecar_fixtures import start_sidecar
-from trainer import rl_loop, run_setup
-from trainer.preflight import PreflightError
-from trainer.rl_config import RLConfig, RolloutConfig, SidecarsConfig, TaskConfig
+from trainer.rl import loop as rl_loop
+from trainer.rl import run_setup
+from trainer.rl.config import RLConfig, RolloutConfig, SidecarsConfig, TaskConfig
+from trainer.rl.preflight import PreflightError
+from trainer.rl.warmup import make_model
 from trainer.tokenizer import CharTokenizer
-from trainer.warmup import make_model
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 Code = grpc.StatusCode

@@ -30,13 +30,12 @@ from sidecar.model.model import ModelConfig
 from sidecar.serve_config import ServeConfig
 from sidecar.types import GenerationRequest, SamplingParams
 from tests.sidecar_fixtures import greedy_reference
-from trainer.draft_objective import DraftConfig
-from trainer.local_sidecars import LocalSidecars
-from trainer.rl_config import RLConfig, RolloutConfig, SidecarsConfig, TaskConfig
-from trainer.rl_loop import train
-from trainer.tasks import ArithmeticTask
-from trainer.tokenizer import CharTokenizer
-from trainer.warmup import (
+from trainer.draft.objective import DraftConfig
+from trainer.rl.config import RLConfig, RolloutConfig, SidecarsConfig, TaskConfig
+from trainer.rl.local_sidecars import LocalSidecars
+from trainer.rl.loop import train
+from trainer.rl.tasks import ArithmeticTask
+from trainer.rl.warmup import (
     DraftInitConfig,
     WarmupConfig,
     acceptance_length,
@@ -44,6 +43,7 @@ from trainer.warmup import (
     make_model,
     supervised_warmup,
 )
+from trainer.tokenizer import CharTokenizer
 
 TASK = ArithmeticTask(regime="zero", digits=2)
 TOK = CharTokenizer()
@@ -259,7 +259,7 @@ def test_a_sidecar_that_stops_answering_is_given_up_on_at_the_deadline(
 def test_specrl_train_command_runs_a_step(checkpoints: dict[str, Path], tmp_path: Path) -> None:
     from click.testing import CliRunner
 
-    from trainer.cli import main
+    from trainer.cli.main import main
 
     config = tmp_path / "run.yaml"
     config.write_text("rollout: {prompts_per_step: 2, samples_per_prompt: 2, max_new_tokens: 16}\nsteps: 1\n")
@@ -285,7 +285,7 @@ def test_specrl_train_command_runs_a_step(checkpoints: dict[str, Path], tmp_path
 @pytest.mark.slow
 def test_demo_pipeline_at_toy_size(tmp_path: Path) -> None:
     """The demo's phases and report, shrunk (the real demo takes minutes)."""
-    from trainer.demo import DemoConfig, run_demo
+    from trainer.cli.demo import DemoConfig, run_demo
 
     cfg = DemoConfig(
         layers=2,

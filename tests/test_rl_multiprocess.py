@@ -24,13 +24,13 @@ import torch
 from sidecar.model.checkpoint import load_checkpoint, model_state_dict, save_checkpoint
 from sidecar.model.model import ModelConfig, build_model
 from tests.spawn_workers import join_group, leave_group, python_call, run_commands, spawn
-from trainer import platform
-from trainer.ranks import EXIT_CODE
+from trainer.policy import platform
+from trainer.rl.ranks import EXIT_CODE
 
 
 def _config(ckpt: str, run_dir: str, *, tp: int, eval_every: int = 2) -> object:
-    from trainer.losses import GRPOConfig
-    from trainer.rl_config import RLConfig, RolloutConfig, SidecarsConfig, TrainConfig
+    from trainer.policy.losses import GRPOConfig
+    from trainer.rl.config import RLConfig, RolloutConfig, SidecarsConfig, TrainConfig
 
     return RLConfig(
         model=Path(ckpt),
@@ -48,7 +48,7 @@ def _config(ckpt: str, run_dir: str, *, tp: int, eval_every: int = 2) -> object:
 def _worker(rank: int, port: int, ckpt: str, run_dir: str, out: str) -> None:
     torch.set_num_threads(1)
     join_group(rank, 2, port)
-    from trainer.rl_loop import train
+    from trainer.rl.loop import train
 
     history = train(_config(ckpt, run_dir, tp=2), progress=False)  # type: ignore[arg-type]
     torch.save(history, f"{out}.{rank}")
@@ -82,7 +82,7 @@ def test_two_tensor_parallel_ranks_run_the_loop_with_one_writer(tmp_path: Path) 
 
     # the run's export at its end gathered both shards; `specrl export` under torchrun restores the
     # step from its two shard files and writes the same tensors, bit for bit
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "trainer.cli"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "trainer.cli.main"]
     export = [*torchrun, "export", str(run), "--step", "2", "--out", str(tmp_path / "exported")]
     ((code, output),) = run_commands([export], timeout_s=200, env={"OMP_NUM_THREADS": "1"})
     assert code == 0 and output.count("export: step 2 of") == 1, output[-3000:]  # rank 0 reports
@@ -94,7 +94,7 @@ def test_two_tensor_parallel_ranks_run_the_loop_with_one_writer(tmp_path: Path) 
 def _node_command(node: int, port: int, ckpt: Path, run: Path) -> list[str]:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node)]
     torchrun += ["--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}"]
-    train = ["-m", "trainer.cli", "train", "--model", str(ckpt), "--run-dir", str(run), "--local-sidecars", "1"]
+    train = ["-m", "trainer.cli.main", "train", "--model", str(ckpt), "--run-dir", str(run), "--local-sidecars", "1"]
     sets = [
         "steps=2",
         "eval_every=0",
@@ -137,7 +137,7 @@ def _failing_push_worker(ckpt: str, run_dir: str) -> None:
     fails after two tensors, while rank 1 is inside the export's all-gathers."""
     torch.set_num_threads(1)
     from sidecar.client.fleet import Fleet
-    from trainer.rl_loop import train
+    from trainer.rl.loop import train
 
     if os.environ["RANK"] == "0":
         real = Fleet.push_weights

@@ -1,4 +1,4 @@
-"""The asynchronous RL schedule (`trainer.rollout_pipeline`) against its contract, over random
+"""The asynchronous RL schedule (`trainer.rl.rollout_pipeline`) against its contract, over random
 generation and training durations: every batch is trained on at most `max_lag` versions after
 the weights that started it, each step is produced once and taken once, in order, and at lag 0
 generation and training strictly alternate (the synchronous loop)."""
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer.rollout_pipeline import RolloutPipeline
+from trainer.rl.rollout_pipeline import RolloutPipeline
 
 durations = st.lists(st.floats(min_value=0.0, max_value=0.003), min_size=1, max_size=6)
 

@@ -28,9 +28,9 @@ from sidecar.model.checkpoint import load_checkpoint
 from sidecar.model.model import build_model
 from sidecar.model.moe import sequence_routes
 from sidecar.types import Routes
-from trainer import gpt, moe
-from trainer.moe import RouterConfig, batch_routes, routes_asked
-from trainer.policy import Policy, TrainBatch
+from trainer.policy import gpt, moe
+from trainer.policy.moe import RouterConfig, batch_routes, routes_asked
+from trainer.policy.policy import Policy, TrainBatch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "engine"))  # the engine tests' checkpoint builders
 from test_moe_models import hf_qwen3_moe
@@ -140,7 +140,7 @@ def test_a_dense_policy_with_replay_off_is_built_and_differentiated_as_before() 
 
     import yarn.megatron
     from sidecar.model.model import ModelConfig
-    from trainer import platform
+    from trainer.policy import platform
     from yarn import RopeConfig
 
     mc = ModelConfig.tiny(

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from trainer.run_dir import RunDir
+from trainer.rl.run_dir import RunDir
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

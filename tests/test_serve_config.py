@@ -22,10 +22,10 @@ from sidecar.engine.config import EngineConfig
 from sidecar.serve_config import ServeConfig
 from sidecar.server.cli import ENGINE_OPTIONS, sidecar_config
 from tests.sidecar_fixtures import greedy_request, make_checkpoint
-from trainer.cli import main
-from trainer.local_sidecars import LocalSidecars
-from trainer.rl_cli import resolve_config
-from trainer.run_setup import local_serve_config
+from trainer.cli.commands import resolve_config
+from trainer.cli.main import main
+from trainer.rl.local_sidecars import LocalSidecars
+from trainer.rl.run_setup import local_serve_config
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
@@ -104,7 +104,7 @@ def test_the_sidecar_config_defaults_are_the_serve_configs() -> None:
 
 def test_the_run_configs_k_defaults_to_the_engines() -> None:
     """`rollout.speculation_k` (what the trainer asks of every sidecar) has no default of its own."""
-    from trainer.rl_config import RLConfig
+    from trainer.rl.config import RLConfig
 
     assert RLConfig(model=Path("m")).rollout.speculation_k == EngineConfig().speculation_k
     assert local_serve_config(RLConfig(model=Path("m"))).engine.speculation_k == EngineConfig().speculation_k
@@ -171,7 +171,7 @@ def test_the_sidecar_around_the_engine_is_derived_from_the_serve_config() -> Non
 
 
 def test_the_renamed_sparse_deltas_key_names_its_new_spelling() -> None:
-    from trainer.rl_config import WeightTransportConfig
+    from trainer.rl.config import WeightTransportConfig
 
     with pytest.raises(ConfigError, match="deltas is now sparse_deltas"):
         from_mapping(WeightTransportConfig, {"deltas": True})

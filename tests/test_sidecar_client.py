@@ -26,7 +26,7 @@ from sidecar.protocol.specrl.v1 import rollout_pb2, weights_pb2
 from sidecar.server.process import Sidecar
 from sidecar.types import KVUsage
 from tests.sidecar_fixtures import DEADLINE, PROMPTS, greedy_oracle, greedy_request, start_sidecar, weights
-from trainer.cli import main
+from trainer.cli.main import main
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.rewards import Reward, exact_answer_reward, extract_answer, load_reward_fn
-from trainer.tasks import ArithmeticTask, DatasetTask, Problem, distinct_problems, split_of
+from trainer.rl.rewards import Reward, exact_answer_reward, extract_answer, load_reward_fn
+from trainer.rl.tasks import ArithmeticTask, DatasetTask, Problem, distinct_problems, split_of
 from trainer.tokenizer import CharTokenizer, HFTokenizer, load_tokenizer
 
 

@@ -227,7 +227,7 @@ def test_a_benchmarks_tools_path_exists(command: str) -> None:
 
 
 def test_specrl_bench_help_lists_the_sections() -> None:
-    from trainer.cli import main
+    from trainer.cli.main import main
 
     result = CliRunner().invoke(main, ["bench", "--help"])
     assert result.exit_code == 0, result.output
@@ -277,9 +277,9 @@ def test_help_catches_a_tool_without_options(monkeypatch: pytest.MonkeyPatch) ->
 
 def test_specrl_bench_outside_a_checkout_says_what_to_do(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Installed without tools/ beside trainer/ (a wheel), `specrl bench` says to run it from a checkout."""
-    import trainer.cli
+    import trainer.cli.main
 
-    monkeypatch.setattr(trainer.cli, "__file__", str(tmp_path / "trainer" / "cli.py"))
-    result = CliRunner().invoke(trainer.cli.main, ["bench", "--help"])
+    monkeypatch.setattr(trainer.cli.main, "__file__", str(tmp_path / "trainer" / "cli" / "main.py"))
+    result = CliRunner().invoke(trainer.cli.main.main, ["bench", "--help"])
     assert result.exit_code != 0
     assert "run it from a checkout" in result.output and "python -m tools.bench" in result.output, result.output

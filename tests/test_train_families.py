@@ -17,7 +17,7 @@ import transformers
 from click.testing import CliRunner
 
 from tests.family_fixtures import LLAMA3, randomise
-from trainer.cli import main
+from trainer.cli.main import main
 from trainer.tokenizer import CharTokenizer
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

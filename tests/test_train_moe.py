@@ -19,7 +19,7 @@ import transformers
 from click.testing import CliRunner
 
 from tests.family_fixtures import randomise
-from trainer.cli import main
+from trainer.cli.main import main
 from trainer.tokenizer import CharTokenizer
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,

@@ -17,9 +17,9 @@ from sidecar.model.checkpoint import load_checkpoint, model_state_dict, save_che
 from sidecar.model.eagle3 import Eagle3Config
 from sidecar.model.model import ModelConfig, build_model
 from tests.spawn_workers import join_group, leave_group, spawn
-from trainer import bridge
-from trainer.draft_objective import DraftConfig
-from trainer.policy import Policy, TrainBatch
+from trainer.draft.objective import DraftConfig
+from trainer.policy import bridge
+from trainer.policy.policy import Policy, TrainBatch
 
 
 def _state(mc: ModelConfig, seed: int) -> dict[str, torch.Tensor]:

@@ -13,8 +13,8 @@ from muon import HybridOptimizerConfig
 from sidecar.errors import CheckpointError
 from sidecar.model.checkpoint import load_checkpoint, model_state_dict
 from sidecar.model.model import ModelConfig, build_model
-from trainer.draft_objective import DraftConfig
-from trainer.policy import Policy, TrainBatch
+from trainer.draft.objective import DraftConfig
+from trainer.policy.policy import Policy, TrainBatch
 
 
 def _batches(mc: ModelConfig, n: int) -> list[TrainBatch]:

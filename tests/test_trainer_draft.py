@@ -15,8 +15,8 @@ from muon import HybridOptimizerConfig
 from sidecar.model.checkpoint import model_state_dict
 from sidecar.model.model import ModelConfig, Qwen3WithMTP, build_model
 from tests.sidecar_fixtures import hf_qwen3_config
-from trainer.draft_objective import DraftConfig
-from trainer.policy import Policy, TrainBatch
+from trainer.draft.objective import DraftConfig
+from trainer.policy.policy import Policy, TrainBatch
 
 
 def _sample(engine: Qwen3WithMTP, prompts: torch.Tensor, new: int, seed: int) -> torch.Tensor:

@@ -27,9 +27,9 @@ from sidecar.model.kv_cache import KVCache
 from sidecar.model.model import ModelConfig, Qwen3WithMTP, build_model
 from sidecar.types import GenerationRequest, SamplingParams, WeightSelector
 from tests.test_trainer_draft import _batch, _sample
-from trainer import gpt
-from trainer.draft_objective import DraftConfig, Eagle3Head
-from trainer.policy import Policy
+from trainer.draft.objective import DraftConfig, Eagle3Head
+from trainer.policy import gpt
+from trainer.policy.policy import Policy
 
 TAPS = [1, 2, 3]
 

@@ -13,8 +13,8 @@ from sidecar.engine.torch_engine import TorchEngine
 from sidecar.model.checkpoint import model_state_dict, save_checkpoint
 from sidecar.model.model import ModelConfig, build_model
 from sidecar.types import GenerationRequest, SamplingParams
-from trainer.losses import mismatch_metrics
-from trainer.policy import Policy, TrainBatch
+from trainer.policy.losses import mismatch_metrics
+from trainer.policy.policy import Policy, TrainBatch
 
 
 def test_engine_rollout_logprobs_equal_policy_recomputation(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from sidecar.model.checkpoint import load_checkpoint
 from sidecar.types import ScoreRequest
 from tests.family_fixtures import CASES, SHAPE, hf_model
 from tests.sidecar_fixtures import start_sidecar
-from trainer.policy import Policy
+from trainer.policy.policy import Policy
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -61,7 +61,7 @@ def test_the_trainer_trains_mimos_draft_in_its_layout_and_pushes_keep_its_names(
     from sidecar.model.model import build_model
     from sidecar.types import GenerationRequest, SamplingParams
     from tests.engine.test_mimo import mimo, write_mimo_checkpoint
-    from trainer.policy import TrainBatch
+    from trainer.policy.policy import TrainBatch
 
     path = write_mimo_checkpoint(tmp_path / "mimo")
     config, tensors = load_checkpoint(path)

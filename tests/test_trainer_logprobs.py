@@ -13,7 +13,7 @@ import torch
 from sidecar.model.checkpoint import model_state_dict
 from sidecar.model.model import ModelConfig, build_model
 from tests.sidecar_fixtures import hf_qwen3_config
-from trainer.policy import Policy, TrainBatch
+from trainer.policy.policy import Policy, TrainBatch
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
 SEQ = 64  # four times the original YaRN context (factor 4): the whole extended window

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from trainer.losses import (
+from trainer.policy.losses import (
     GRPOConfig,
     OverlongConfig,
     group_advantages,

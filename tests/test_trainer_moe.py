@@ -24,8 +24,8 @@ from sidecar.model.model import build_model
 from sidecar.types import ScoreRequest
 from tests.sidecar_fixtures import start_sidecar
 from tests.spawn_workers import join_group, leave_group, spawn
-from trainer.draft_objective import DraftConfig
-from trainer.policy import Policy, TrainBatch
+from trainer.draft.objective import DraftConfig
+from trainer.policy.policy import Policy, TrainBatch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "engine"))  # the engine tests' checkpoint builders
 from test_glm_moe import add_native_mtp_layer, hf_glm
@@ -206,8 +206,8 @@ def test_the_preflight_names_what_an_moe_run_needs(tmp_path: Path) -> None:
     from sidecar.model.checkpoint import model_state_dict
     from sidecar.model.model import ModelConfig
     from sidecar.model.moe import MoEConfig
-    from trainer.preflight import PreflightError, preflight
-    from trainer.rl_cli import resolve_config
+    from trainer.cli.commands import resolve_config
+    from trainer.rl.preflight import PreflightError, preflight
 
     def checkpoint(path: Path, experts: MoEConfig | None) -> Path:
         arch = ["Qwen3MoeForCausalLM"] if experts is not None else ["Qwen3ForCausalLM"]

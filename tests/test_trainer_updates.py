@@ -16,9 +16,9 @@ import torch
 
 from sidecar.model.checkpoint import model_state_dict
 from sidecar.model.model import ModelConfig, build_model
-from trainer.draft_objective import DraftConfig
-from trainer.losses import GRPOConfig
-from trainer.policy import Policy, TrainBatch
+from trainer.draft.objective import DraftConfig
+from trainer.policy.losses import GRPOConfig
+from trainer.policy.policy import Policy, TrainBatch
 from trainer.schedules import LRScheduleConfig
 
 MC = ModelConfig.tiny(max_position_embeddings=64)

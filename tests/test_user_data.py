@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from trainer.rewards import (
+from trainer.rl.config import TaskConfig
+from trainer.rl.rewards import (
     Reward,
     format_reward,
     gsm8k_reward,
@@ -26,8 +27,7 @@ from trainer.rewards import (
     rewards_from_specs,
     score,
 )
-from trainer.rl_config import TaskConfig
-from trainer.tasks import DatasetFields, DatasetTask, prompt_ids, split_of
+from trainer.rl.tasks import DatasetFields, DatasetTask, prompt_ids, split_of
 from trainer.tokenizer import HFTokenizer
 
 CHATML = (
@@ -153,7 +153,7 @@ def test_format_weights_batched_and_file_rewards(tmp_path: Path, monkeypatch: py
     assert [r.batched for r in rewards] == [False, True]
     totals, parts = score(rewards, ["p", "p"], ["#### 4", "no"], ["4", "4"])
     assert parts == {"gsm8k": [1.0, 0.0], "trainer.py:batch": [1.0, 0.0]} and totals == [1.5, 0.0]
-    import trainer.cli  # noqa: F401  (the package still imports: the user's trainer.py did not shadow it)
+    import trainer.cli.main  # noqa: F401  (the package still imports: the user's trainer.py did not shadow it)
 
     with pytest.raises(ValueError, match="does not exist"):
         load_reward_fn("nowhere.py:fn")
@@ -230,8 +230,8 @@ def test_prompts_are_the_ids_transformers_apply_chat_template_gives(tmp_path: Pa
 # ---- RL and warm-up on a user's model and data ------------------------------------------------------
 @pytest.mark.slow
 def test_rl_on_a_parquet_gsm8k_file_with_the_math_reward_and_a_chat_template(tmp_path: Path) -> None:
-    from trainer.rl_cli import resolve_config
-    from trainer.rl_loop import train
+    from trainer.cli.commands import resolve_config
+    from trainer.rl.loop import train
 
     model = bpe_model(tmp_path / "model")
     data = _write(gsm8k_rows(), tmp_path / "gsm8k.parquet")
@@ -267,7 +267,7 @@ def test_rl_on_a_parquet_gsm8k_file_with_the_math_reward_and_a_chat_template(tmp
 def test_warm_up_on_conversations_trains_the_assistant_turn_alone(tmp_path: Path) -> None:
     import transformers
 
-    from trainer.warmup import WarmupConfig, solution_ids, supervised_warmup
+    from trainer.rl.warmup import WarmupConfig, solution_ids, supervised_warmup
 
     model = bpe_model(tmp_path / "model")
     rows = [
@@ -309,7 +309,7 @@ def test_warm_up_on_conversations_trains_the_assistant_turn_alone(tmp_path: Path
 
 
 def test_a_reward_term_carries_its_own_name_into_the_metrics() -> None:
-    from trainer.step_metrics import reward_metric_name
+    from trainer.rl.step_metrics import reward_metric_name
 
     assert [reward_metric_name(n) for n in ("math", "rewards.py:score", "pkg.mod:fn")] == [
         "math",
@@ -320,7 +320,7 @@ def test_a_reward_term_carries_its_own_name_into_the_metrics() -> None:
 
 
 def test_the_first_prompt_is_shown_as_the_model_sees_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from trainer.preflight import announce_task
+    from trainer.rl.preflight import announce_task
 
     model = bpe_model(tmp_path / "model")
     rows = [{"question": "", "answer": "#### 1"}, *gsm8k_rows(3)]
@@ -340,7 +340,7 @@ def test_the_first_prompt_is_shown_as_the_model_sees_it(tmp_path: Path, capsys: 
 def test_warmup_on_a_users_parquet_file_through_its_field_mapping(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
-    from trainer.cli import main
+    from trainer.cli.main import main
 
     model = bpe_model(tmp_path / "model")
     data = _write(gsm8k_rows(), tmp_path / "gsm8k.parquet")

@@ -502,7 +502,7 @@ def test_receiver_refuses_a_delta_before_it_holds_a_base() -> None:
 def test_the_run_config_turns_sparse_deltas_on_for_every_client(checkpoint: Path) -> None:
     from sidecar.client.fleet import Fleet, FleetConfig
     from sidecar.config_io import from_mapping
-    from trainer.rl_config import RLConfig
+    from trainer.rl.config import RLConfig
 
     cfg = from_mapping(RLConfig, {"model": "m", "sidecars": {"local": 1, "weight_transport": {"sparse_deltas": True}}})
     assert (

@@ -21,7 +21,7 @@ from sidecar.engine.config import EngineConfig
 from sidecar.serve_config import ServeConfig
 from sidecar.types import WeightTransport
 from tests.sidecar_fixtures import greedy_oracle, greedy_tokens, make_checkpoint, start_sidecar, weights
-from trainer.local_sidecars import LocalSidecars
+from trainer.rl.local_sidecars import LocalSidecars
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 ROOT = Path(__file__).resolve().parent.parent

@@ -447,10 +447,10 @@ def test_from_hf_reads_plain_and_legacy_configs() -> None:
 def test_llama3_trainer_rotates_as_the_engine_bit_for_bit(
     name: str, kwargs: dict[str, Any], megatron_model_parallel: None
 ) -> None:
-    """The trainer's GPTModel (`trainer.gpt.build_gpt_model`, Megatron's plain rotary module given
+    """The trainer's GPTModel (`trainer.policy.gpt.build_gpt_model`, Megatron's plain rotary module given
     llama3's frequencies by `yarn.megatron.install_frequencies`) and the engine's `RotaryEmbedding`
     compute the same angles, cos and sin bit for bit; without the frequencies Megatron's would differ."""
-    from trainer.gpt import build_gpt_model
+    from trainer.policy.gpt import build_gpt_model
 
     cfg = RopeConfig(**kwargs)
     params = {"rope_theta": cfg.base, **(cfg.to_hf_rope_scaling() or {})}

@@ -69,12 +69,12 @@ def rows(cls: type, instance: Any, prefix: str = "") -> list[tuple[str, str, str
 
 def page() -> str:
     from sidecar.serve_config import ServeConfig
-    from trainer.rl_config import RLConfig
+    from trainer.rl.config import RLConfig
 
     sections = [
         (
             "Run configuration: `specrl train --config run.yaml`",
-            "`trainer.rl_config.RLConfig`. A YAML file of these keys (nested sections as mappings), "
+            "`trainer.rl.config.RLConfig`. A YAML file of these keys (nested sections as mappings), "
             "then `--set key.sub=value` overrides; `specrl train --print-config` shows the result.",
             rows(RLConfig, RLConfig(model=Path("ckpt"))),
         ),
@@ -136,7 +136,7 @@ def models_page() -> str:
 def undocumented() -> list[str]:
     """Keys whose field has no docstring."""
     from sidecar.serve_config import ServeConfig
-    from trainer.rl_config import RLConfig
+    from trainer.rl.config import RLConfig
 
     return [
         key

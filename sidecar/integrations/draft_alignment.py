@@ -11,7 +11,7 @@ Objective: the draft at position t predicts x_{t+2} from (h_t, x_{t+1}); it is f
 KL to the policy's own distribution for x_{t+2} at the rollout temperature (the quantity exact
 rejection sampling accepts by: acceptance = 1 - TV(p, q)), on the policy's final-normed hidden
 states computed without gradient (the detached-hidden-state objective of
-`trainer.draft_objective`). The policy is never changed.
+`trainer.draft.objective`). The policy is never changed.
 
 Memory: only the draft layers are held (read from the checkpoint's `mtp.*` tensors); the
 embedding and output head are the policy's own modules, shared, not copied.

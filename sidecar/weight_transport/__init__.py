@@ -1,7 +1,7 @@
 """Weight transport: moving a trainer's new weights into the sidecars' engines.
 
 Follow one tensor, in one direction:
-1. `trainer.policy.Policy.export_named_tensors` yields (name, tensor) in the naming contract.
+1. `trainer.policy.policy.Policy.export_named_tensors` yields (name, tensor) in the naming contract.
 2. `sender.iter_push_requests` turns the stream into a manifest, the bytes on one transport,
    and a commit; `negotiation.TransportSession` picked that plane for this sidecar
    (`shm` if same host is proven, `collective` if the run sets a group up, else `grpc`).

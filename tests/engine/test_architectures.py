@@ -99,7 +99,7 @@ def test_a_checkpoint_the_engine_does_not_implement_is_refused_naming_the_key(tm
 
 
 def test_serve_ends_in_one_error_line_naming_the_key(tmp_path: Path) -> None:
-    from trainer.cli import main
+    from trainer.cli.main import main
 
     path = hf_checkpoint(tmp_path / "gelu", transformers.Qwen3Config, transformers.Qwen3ForCausalLM, hidden_act="gelu")
     result = CliRunner().invoke(main, ["serve", "--model", str(path), "--port", "0"])
@@ -107,7 +107,7 @@ def test_serve_ends_in_one_error_line_naming_the_key(tmp_path: Path) -> None:
 
 
 def test_verify_refuses_to_certify_a_model_the_engine_does_not_implement(tmp_path: Path) -> None:
-    from trainer.cli import main
+    from trainer.cli.main import main
 
     path = hf_checkpoint(
         tmp_path / "swa", transformers.Qwen3Config, transformers.Qwen3ForCausalLM, use_sliding_window=True

@@ -10,7 +10,7 @@ import torch
 from sidecar.engine.torch_engine import TorchEngine
 from sidecar.model.model import ModelConfig, build_model
 from sidecar.types import GenerationRequest, SamplingParams
-from trainer.draft_fit import DraftFitConfig, fit_draft, init_draft_from_embedding
+from trainer.draft.fit import DraftFitConfig, fit_draft, init_draft_from_embedding
 
 
 def acceptance(model, k: int = 2) -> float:

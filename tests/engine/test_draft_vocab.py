@@ -293,7 +293,7 @@ def test_draft_vocab_size_is_validated_and_reaches_the_engine(tmp_path: Path) ->
     from sidecar.engine.config import EngineConfig
     from sidecar.serve_config import ServeConfig
     from sidecar.server import cli
-    from trainer.cli import main
+    from trainer.cli.main import main
 
     with pytest.raises(ValueError, match="draft_vocab_size must be >= 0"):
         ServeConfig(engine=EngineConfig(draft_vocab_size=-1))

@@ -31,7 +31,7 @@ from sidecar.server.cli import load_engine
 from sidecar.types import GenerationRequest, SamplingParams
 from tests.eagle3_layout import LAYOUT
 from tests.sidecar_fixtures import start_sidecar
-from trainer.cli import main
+from trainer.cli.main import main
 
 REDUCED = sorted({*range(0, 64, 2), 1, 3, 5})
 

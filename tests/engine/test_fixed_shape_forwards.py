@@ -585,7 +585,7 @@ def test_compile_is_validated_and_reaches_the_engine(tmp_path: Path, monkeypatch
     from sidecar.engine.config import EngineConfig
     from sidecar.serve_config import ServeConfig
     from sidecar.server import cli
-    from trainer.cli import main
+    from trainer.cli.main import main
 
     with pytest.raises(ValueError, match="compile must be one of auto, on, off, got 'fast'"):
         ServeConfig(engine=EngineConfig(compile="fast"))  # type: ignore[arg-type]

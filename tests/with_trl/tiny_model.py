@@ -7,7 +7,7 @@ its tokenizer (`AutoTokenizer.from_pretrained(DIR)`), which is what a TRL user h
 The draft is made to agree with the target so that speculation pays (τ > 1.5 at k = 2): the
 trunk's attention and MLP outputs are scaled down (the next token then depends mostly on the
 current one) and the MTP layer starts as the "bigram" draft
-(`trainer.draft_fit.init_draft_from_embedding`). Training moves the trunk away from that,
+(`trainer.draft.fit.init_draft_from_embedding`). Training moves the trunk away from that,
 which is what the τ-decay measurement watches.
 """
 
@@ -19,7 +19,7 @@ import torch
 
 from sidecar.model.checkpoint import model_state_dict, save_checkpoint
 from sidecar.model.model import ModelConfig, build_model
-from trainer.draft_fit import init_draft_from_embedding
+from trainer.draft.fit import init_draft_from_embedding
 
 VOCAB = 64
 PAD, EOS, UNK = 0, 1, 2

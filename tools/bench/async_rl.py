@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Step time of the demo's RL phase at policy lag 0 and 1, with and without speculation.
 
-Runs the demo's RL configuration (`trainer.rl_config.demo_config`, no plain-decoding pass, no
+Runs the demo's RL configuration (`trainer.rl.config.demo_config`, no plain-decoding pass, no
 evaluations) from one policy in four arms — `rollout.max_policy_lag` 0 and 1 × `speculation_k`
 0 and 3 — `--repeats` times, arms in a rotating order so that load on a shared machine falls on
 all alike, and prints per arm the median over steps (the first step of each run left out: at
@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from trainer.rl_config import RLConfig, demo_config
-from trainer.rl_loop import train
+from trainer.rl.config import RLConfig, demo_config
+from trainer.rl.loop import train
 
 ARMS = [(0, 0), (0, 3), (1, 0), (1, 3)]
 """(max_policy_lag, speculation_k)."""

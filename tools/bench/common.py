@@ -47,7 +47,7 @@ import torch
 from sidecar.model.checkpoint import model_state_dict, save_checkpoint
 from sidecar.model.model import ModelConfig, Qwen3WithMTP, build_model
 from sidecar.model.moe import MoEConfig, Router
-from trainer.draft_fit import DraftFitConfig, fit_draft, init_draft_from_embedding
+from trainer.draft.fit import DraftFitConfig, fit_draft, init_draft_from_embedding
 from trainer.planning.shapes import PRESETS
 
 

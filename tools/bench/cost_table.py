@@ -45,15 +45,15 @@ from sidecar.types import GenerationRequest, SamplingParams, SpeculationCounters
 from tools.bench.common import cpu_seconds
 from tools.bench.cost_ceiling import FixedK
 from tools.bench.rl import sweep_workload
-from trainer.local_sidecars import LocalSidecars
 from trainer.planning.cost_table import cost_table_document
 from trainer.planning.inputs import cumulative_rates
-from trainer.rl_config import demo_config
+from trainer.rl.config import demo_config
+from trainer.rl.local_sidecars import LocalSidecars
 
 _DEMO = demo_config(Path("policy"), Path("run"))
 PROMPTS, SAMPLES = _DEMO.rollout.prompts_per_step, _DEMO.rollout.samples_per_prompt
 ENGINES, MAX_BATCH = int(_DEMO.sidecars.local), _DEMO.sidecars.serve.engine.max_batch_size
-"""The demo's rollout (`trainer.rl_config.demo_config`): PROMPTS x SAMPLES per step over ENGINES sidecars."""
+"""The demo's rollout (`trainer.rl.config.demo_config`): PROMPTS x SAMPLES per step over ENGINES sidecars."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from trainer import platform
+from trainer.policy import platform
 
 
 def model_config():  # type: ignore[no-untyped-def]
@@ -41,7 +41,7 @@ def model_config():  # type: ignore[no-untyped-def]
 
 def batch(rows: int, seq: int):  # type: ignore[no-untyped-def]
     """Prompts of 16 tokens, responses of very different lengths (as RL rollouts are)."""
-    from trainer.policy import TrainBatch
+    from trainer.policy.policy import TrainBatch
 
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 1024, (rows, seq), generator=gen)
@@ -59,7 +59,7 @@ def worker(rank: int, port: int, world: int, steps: int, rows: int, seq: int, ou
 
     from sidecar.model.checkpoint import model_state_dict
     from sidecar.model.model import build_model
-    from trainer.policy import Policy
+    from trainer.policy.policy import Policy
 
     mc = model_config()
     policy = Policy(mc, Policy.Config(data_parallel=world), model_state_dict(build_model(mc, seed=1)))
@@ -88,7 +88,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--seq", type=int, default=160)
     args = ap.parse_args()
-    from trainer.data_parallel import balanced_rows, row_lengths
+    from trainer.policy.data_parallel import balanced_rows, row_lengths
 
     b = batch(args.rows, args.seq)
     lengths = row_lengths(b.mask)

@@ -40,12 +40,12 @@ from sidecar.engine.torch_engine import TorchEngine
 from sidecar.model.checkpoint import load_checkpoint, save_checkpoint
 from sidecar.model.model import build_model
 from sidecar.types import GenerationRequest, SamplingParams
-from trainer.demo import DemoConfig, demo_model_config
-from trainer.rl_config import demo_config
-from trainer.rl_loop import train
-from trainer.tasks import ArithmeticTask
+from trainer.cli.demo import DemoConfig, demo_model_config
+from trainer.rl.config import demo_config
+from trainer.rl.loop import train
+from trainer.rl.tasks import ArithmeticTask
+from trainer.rl.warmup import draft_init, make_model, supervised_warmup
 from trainer.tokenizer import CharTokenizer
-from trainer.warmup import draft_init, make_model, supervised_warmup
 
 TASK, TOK = ArithmeticTask(regime="zero", digits=2), CharTokenizer()
 

@@ -9,7 +9,7 @@ length k, and prints CPU milliseconds per round and generated tokens per CPU sec
 `--against`, every measurement runs in turn in a subprocess of this checkout and of the other one
 (alternating, `--repeats` times, medians), so both see the same load on a shared machine; the
 table then gives both and their ratio. The model: `--model` (a checkpoint directory, e.g. the
-demo's trained policy `.demo/policy`), or by default the demo's shape (trainer/demo.py: 24 layers
+demo's trained policy `.demo/policy`), or by default the demo's shape (trainer/cli/demo.py: 24 layers
 of width 128, vocab 99, one MTP layer) with random weights made to speculate (`aligned_draft`:
 plain decoding's cost does not depend on the weights' values; speculation's does, through
 acceptance).
@@ -43,7 +43,7 @@ def measure(model_dir: str, batches: list[int], ks: list[int], new_tokens: int, 
     if model_dir:
         engine = TorchEngine.from_checkpoint(model_dir, speculation_k=0, max_speculation_k=max(ks), max_batch_size=64)
     else:
-        from trainer.demo import demo_model_config
+        from trainer.cli.demo import demo_model_config
 
         model = build_model(demo_model_config(24), seed=0)
         aligned_draft(model)

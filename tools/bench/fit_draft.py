@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from sidecar.model.checkpoint import load_checkpoint, model_state_dict, save_checkpoint
 from sidecar.model.model import build_model
-from trainer.draft_fit import DraftFitConfig, fit_draft, init_draft_from_embedding
+from trainer.draft.fit import DraftFitConfig, fit_draft, init_draft_from_embedding
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,10 +25,10 @@ import torch
 from sidecar.client.fleet import Fleet
 from sidecar.model.model import ModelConfig
 from sidecar.types import GenerationRequest, SamplingParams
-from trainer.local_sidecars import LocalSidecars
-from trainer.tasks import ArithmeticTask
+from trainer.rl.local_sidecars import LocalSidecars
+from trainer.rl.tasks import ArithmeticTask
+from trainer.rl.warmup import make_model
 from trainer.tokenizer import CharTokenizer
-from trainer.warmup import make_model
 
 
 def per_sidecar(fleet: Fleet, request: GenerationRequest) -> float:

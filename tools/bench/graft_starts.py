@@ -4,7 +4,7 @@
     specrl bench graft-starts [--model tiny|demo] [--starts hidden,embedding,half,both,random] [--prompts 32]
                           [--threads 1] [--out DIR]
 
-`specrl draft-init` on a checkpoint without MTP layers grafts one (`trainer.mtp_graft`: decoder
+`specrl draft-init` on a checkpoint without MTP layers grafts one (`trainer.draft.mtp_graft`: decoder
 layer copied from the trunk's last, eh_proj passing the hidden state, "hidden" below) and fits it.
 This warms a model up on the arithmetic task (no MTP layer), then for each start grafts, fits with
 draft-init's budget and measures τ at k = 3 on held-out prompts, at temperature 1 (the demo's) and
@@ -36,10 +36,10 @@ from torch import Tensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from sidecar.model.model import ModelConfig
-from trainer import warmup
-from trainer.demo import demo_model_config
-from trainer.mtp_graft import graft_mtp_layer
-from trainer.tasks import ArithmeticTask
+from trainer.cli.demo import demo_model_config
+from trainer.draft.mtp_graft import graft_mtp_layer
+from trainer.rl import warmup
+from trainer.rl.tasks import ArithmeticTask
 from trainer.tokenizer import CharTokenizer
 
 TASK, TOK = ArithmeticTask(regime="zero", digits=2), CharTokenizer()

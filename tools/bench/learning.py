@@ -2,7 +2,7 @@
 """Does the demo's RL phase learn beyond noise, and does it learn the same with speculation?
 
 Warm-up and draft-init run once (the demo's own `DemoConfig`, kept under --out and reused); then
-the demo's RL phase (`trainer.rl_config.demo_config`, without its plain-decoding timing pass)
+the demo's RL phase (`trainer.rl.config.demo_config`, without its plain-decoding timing pass)
 runs from that policy once per seed and arm. Each run evaluates the held-out split (greedy, the
 same `eval_size` distinct problems before the first step and every `eval_every` steps, fixed
 by the seed) and logs the training reward per step.
@@ -17,7 +17,7 @@ arms: plain decoding (k = 0), static k = 3, and automatic k (the sidecars choose
 step). Runs are ordered seed by seed, arms in turn, so that load on a shared machine falls on
 all arms alike. At temperature 1 a speculative run and a plain run draw different random
 numbers, so they differ sample by sample and update by update: equivalence is statistical. For
-each speculative arm, a paired TOST (`trainer.equivalence`) of the final held-out reward
+each speculative arm, a paired TOST (`trainer.rl.equivalence`) of the final held-out reward
 against plain at ±--margin, with its false-equivalence rate and power simulated for the seed
 count and the observed spread; the generation seconds each arm spent (rollouts and refills);
 and `learning_compare.png`: held-out reward (points, mean over seeds ± 1 sd) and training
@@ -43,13 +43,13 @@ import torch
 import yaml
 
 from sidecar.config_io import from_mapping, merge_overrides, to_mapping, yaml_load
-from trainer.demo import DemoConfig, demo_model_config
-from trainer.equivalence import tost_operating_characteristics, tost_paired
-from trainer.rl_config import RLConfig, demo_config
-from trainer.rl_loop import train
-from trainer.tasks import ArithmeticTask
+from trainer.cli.demo import DemoConfig, demo_model_config
+from trainer.rl.config import RLConfig, demo_config
+from trainer.rl.equivalence import tost_operating_characteristics, tost_paired
+from trainer.rl.loop import train
+from trainer.rl.tasks import ArithmeticTask
+from trainer.rl.warmup import draft_init, make_model, supervised_warmup
 from trainer.tokenizer import CharTokenizer
-from trainer.warmup import draft_init, make_model, supervised_warmup
 
 ARMS: dict[str, tuple[int, bool]] = {"plain": (0, False), "k3": (3, False), "auto": (3, True)}
 """Arm -> (rollout.speculation_k, rollout.speculation_auto); "k3" is the demo's own setting."""

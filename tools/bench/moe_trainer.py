@@ -7,7 +7,7 @@
 
 `specrl bench moe`'s two shapes (hidden 128, 4 layers, 8/2 heads, vocab 256; the MoE 32 experts,
 top 4, expert width 128; the dense MLP 512 wide: a token multiplies the same parameters in both), no
-draft, as the trainer's Megatron-core policy (`trainer.policy.Policy`: local spec, SequentialMLP
+draft, as the trainer's Megatron-core policy (`trainer.policy.policy.Policy`: local spec, SequentialMLP
 experts, allgather dispatcher, one process). One update (`Policy.train_step`: forward, backward,
 Muon + AdamW) on `--rows` random sequences of `--seq` tokens; one torch thread; MoE and dense
 alternate `--repeats` times after a warm-up step; printed: medians of process CPU seconds per step
@@ -23,14 +23,14 @@ sampler's (float32), then perturbed as a real deployment's is: the router's inpu
 rounded to bfloat16 before its float32 matmul (a trainer that keeps activations and weights in bf16,
 as Megatron with `moe_router_dtype` fp32 does, against a float32 sampler; the rest of the model
 stays float32, so the gap is the routing's). Printed: per setting the gap's mean, p99 and max over
-the response tokens (`trainer.losses.mismatch_metrics`) and the routing agreement (the share of
+the response tokens (`trainer.policy.losses.mismatch_metrics`) and the routing agreement (the share of
 token x sparse-layer choices where the trainer's live router picks the sampler's experts, measured
 in the replaying forward: `train/routing_agreement`).
 
 `--learning OUT`: `tests/test_moe_learning.py`'s runs (its `rl_run`: the checkpoint, warm-up, draft
 fit and 20 RL steps with routing replay, one per seed) at speculation_k 3 and 0 for each of
 `--seeds`, kept under OUT; printed per run the held-out reward before and after, τ and the largest
-step's gap mean and p99, then the paired TOST of k3 − k0 at ±0.05 (`trainer.equivalence`, the dense
+step's gap mean and p99, then the paired TOST of k3 − k0 at ±0.05 (`trainer.rl.equivalence`, the dense
 comparison's test) with its false-equivalence rate and power simulated at the observed spread.
 """
 
@@ -51,8 +51,11 @@ import torch  # noqa: E402
 
 from sidecar.model.model import ModelConfig  # noqa: E402
 from sidecar.model.moe import MoEConfig  # noqa: E402
-from trainer import moe  # noqa: E402
-from trainer.policy import Policy, TrainBatch  # noqa: E402
+from trainer.policy.policy import (  # noqa: E402
+    Policy,
+    TrainBatch,
+    moe,
+)
 
 EXPERTS, TOP, WIDTH = 32, 4, 128
 SHAPE = dict(vocab_size=256, hidden_size=128, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
@@ -83,8 +86,8 @@ def gap_table(checkpoint: Path, prompts: int, seed: int) -> str:
 
     from sidecar.engine.torch_engine import TorchEngine
     from sidecar.types import GenerationRequest, SamplingParams
-    from trainer.losses import mismatch_metrics
-    from trainer.tasks import ArithmeticTask, prompt_ids
+    from trainer.policy.losses import mismatch_metrics
+    from trainer.rl.tasks import ArithmeticTask, prompt_ids
     from trainer.tokenizer import CharTokenizer
 
     task, tok = ArithmeticTask(regime="zero", digits=2), CharTokenizer()
@@ -136,7 +139,7 @@ def gap_table(checkpoint: Path, prompts: int, seed: int) -> str:
 def learning(out: Path, seeds: list[int]) -> str:
     """The `--learning` arm: both arms per seed, then the paired TOST of the final held-out reward."""
     from tests.test_moe_learning import MARGIN, rl_run
-    from trainer.equivalence import tost_operating_characteristics, tost_paired
+    from trainer.rl.equivalence import tost_operating_characteristics, tost_paired
 
     lines, diffs = [], []
     for seed in seeds:

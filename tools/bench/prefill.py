@@ -18,7 +18,7 @@ layer, context 1024) with random weights: admission's cost does not depend on th
     specrl bench prefill --multi-turn [--problems 4] [--group 8] [--turns 4] [--tool-tokens 30]
                            [--max-new-tokens 24] [--k 2] [--repeats 3] [--threads 1]
 
-Multi-turn (the prefix cache, docs/engine.md): `trainer.episodes.run_episodes` over two real
+Multi-turn (the prefix cache, docs/engine.md): `trainer.rl.episodes.run_episodes` over two real
 in-process sidecars, G conversations of each problem, each turn `--max-new-tokens` of the policy
 then a tool's output of `--tool-tokens` tokens (a scripted tool: the episode never ends early), so
 every turn sends the whole history. Three arms side by side in one run, interleaved, `--repeats`
@@ -52,9 +52,9 @@ from sidecar.server.grpc_server import ServerConfig
 from sidecar.server.process import Sidecar, SidecarConfig
 from sidecar.types import GenerationRequest, RequestLimits, SamplingParams
 from tools.bench.engine import BENCH_CONFIG
-from trainer.environments import Feedback
-from trainer.episodes import EpisodeLimits, run_episodes
-from trainer.tasks import Problem
+from trainer.rl.environments import Feedback
+from trainer.rl.episodes import EpisodeLimits, run_episodes
+from trainer.rl.tasks import Problem
 from trainer.tokenizer import CharTokenizer
 
 
@@ -82,7 +82,7 @@ class ToolEpisode:
 
 @dataclasses.dataclass
 class ToolEnvironment:
-    """The multi-turn workload's environment (`trainer.environments.Environment`)."""
+    """The multi-turn workload's environment (`trainer.rl.environments.Environment`)."""
 
     tokens: int
     name: str = "bench-tool"

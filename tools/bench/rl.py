@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark: speculation on the demo workload, side by side with plain decoding in one run.
 
-1. the demo (`trainer.demo.run_demo`): warm-up, in-domain draft-init, two local sidecars, RL steps
+1. the demo (`trainer.cli.demo.run_demo`): warm-up, in-domain draft-init, two local sidecars, RL steps
    that each generate their prompts with speculation (k = 3) and again without, on the same weights
    (order alternating per step): generation speedup and RL step speedup per step;
 2. a sweep of k on the same two sidecars and the demo's workload (`demo_config`'s rollout:
@@ -50,10 +50,10 @@ from tools.bench.common import (
     median_ratio,
 )
 from tools.bench.cost_ceiling import TablePriced, measure_step_costs
-from trainer.demo import DemoConfig, run_demo
-from trainer.local_sidecars import LocalSidecars
-from trainer.rl_config import demo_config
-from trainer.tasks import ArithmeticTask
+from trainer.cli.demo import DemoConfig, run_demo
+from trainer.rl.config import demo_config
+from trainer.rl.local_sidecars import LocalSidecars
+from trainer.rl.tasks import ArithmeticTask
 from trainer.tokenizer import CharTokenizer
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark: the demo workload's generation through `specrl serve --engine sglang` vs `--engine torch`.
 
-Two sidecars on the same draft-initialised demo policy (a `tools/demo` / `trainer.demo` output's
+Two sidecars on the same draft-initialised demo policy (a `tools/demo` / `trainer.cli.demo` output's
 ``policy`` directory), both on this machine's CPU with one thread, both speculating with k = 3;
 requests of the demo's rollout shape (4 arithmetic prompts × 4 samples, max 40 new tokens, stop at
 EOS) go to them alternately (A/B, then B/A), `--repeats` times; medians of wall seconds per request,
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from sidecar.client.client import SidecarClient
 from sidecar.types import GenerationRequest, SamplingParams
 from tests.with_sglang.served import specrl_serve
-from trainer.tasks import ArithmeticTask
+from trainer.rl.tasks import ArithmeticTask
 from trainer.tokenizer import CharTokenizer
 
 

@@ -3,7 +3,7 @@
 bounded time, checking the sidecar's invariants all the while (DESIGN.md, "Running for days").
 
 What runs (all on 127.0.0.1, a tiny model built here, no downloads):
-- 2-3 sidecars (`trainer.local_sidecars`), the last one with automatic k (`--speculation-auto`);
+- 2-3 sidecars (`trainer.rl.local_sidecars`), the last one with automatic k (`--speculation-auto`);
 - traffic threads sending Generate of random shapes (prompts, lengths, samples, max new tokens,
   temperature 0 or 1, k 0..3 or the sidecar's own/automatic choice); some are cancelled by the
   client mid-stream (it disconnects), some aborted by request id, some given a deadline too short
@@ -57,8 +57,8 @@ from sidecar.model.model import ModelConfig
 from sidecar.serve_config import ServeConfig
 from sidecar.types import FinishReason, GenerationRequest, SamplingParams
 from sidecar.weight_transport.tensors import tensor_crc32
-from trainer.local_sidecars import LocalSidecars
-from trainer.warmup import make_model
+from trainer.rl.local_sidecars import LocalSidecars
+from trainer.rl.warmup import make_model
 
 Code = grpc.StatusCode
 VOCAB = 64

@@ -38,8 +38,8 @@ def main() -> None:
 
     from sidecar.model.checkpoint import model_state_dict
     from sidecar.model.model import ModelConfig, build_model
-    from trainer.draft_objective import DraftConfig
-    from trainer.policy import Policy, TrainBatch
+    from trainer.draft.objective import DraftConfig
+    from trainer.policy.policy import Policy, TrainBatch
 
     mc = ModelConfig.tiny(
         vocab_size=args.vocab,

@@ -72,7 +72,7 @@ def bench_fanout(model: Path, sidecars: int, repeats: int) -> None:
     from sidecar.client.fleet import Fleet
     from sidecar.client.transport import TransportSession
     from sidecar.model.checkpoint import load_checkpoint
-    from trainer.local_sidecars import LocalSidecars
+    from trainer.rl.local_sidecars import LocalSidecars
 
     _, state = load_checkpoint(model)
     size = sum(t.numel() * t.element_size() for t in state.values())

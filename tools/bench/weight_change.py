@@ -70,7 +70,7 @@ def served_bits(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[st
 
 def generate(policy, prompt: list[int], g: int, max_new: int, eos: int, gen: torch.Generator) -> list[list[int]]:
     """G samples of one prompt at temperature 1 from the trainer's policy (no KV cache: small model)."""
-    from trainer import gpt
+    from trainer.policy import gpt
 
     tokens = torch.tensor([prompt] * g, dtype=torch.long)
     done = torch.zeros(g, dtype=torch.bool)
@@ -103,8 +103,8 @@ def hidden_rms(policy) -> float:
 def build_policy(policy_dir: Path, optimizer: str, lr_mode: str, seed: int):
     """(policy, (trunk lr, draft lr), hidden RMS) for one configuration."""
     from muon import HybridOptimizerConfig
-    from trainer.policy import Policy
-    from trainer.rl_config import demo_config
+    from trainer.policy.policy import Policy
+    from trainer.rl.config import demo_config
 
     demo = demo_config(policy_dir, Path("/dev/null"))
     route: dict[str, Any] = {"hybrid": {}, "adamw": {"adamw_name_patterns": ("",)}}[optimizer]  # "" matches every name
@@ -136,10 +136,10 @@ def build_policy(policy_dir: Path, optimizer: str, lr_mode: str, seed: int):
 
 def rl_steps(policy, steps: int, seed: int, rewards: list[float]) -> Iterator[int]:
     """The demo's RL steps on `policy` (rollouts sampled in-process); yields after each update."""
-    from trainer.losses import sample_advantages
-    from trainer.policy import TrainBatch
-    from trainer.rl_config import demo_config
-    from trainer.tasks import ArithmeticTask
+    from trainer.policy.losses import sample_advantages
+    from trainer.policy.policy import TrainBatch
+    from trainer.rl.config import demo_config
+    from trainer.rl.tasks import ArithmeticTask
     from trainer.tokenizer import CharTokenizer
 
     demo = demo_config(Path("unused"), Path("/dev/null"))
@@ -321,10 +321,10 @@ def main() -> None:
             print(json.dumps(run_one(args.policy, opt, mode, args.steps, args.seed)))
         return
     if args.policy is None:
-        from trainer.demo import DemoConfig, demo_model_config
-        from trainer.tasks import ArithmeticTask
+        from trainer.cli.demo import DemoConfig, demo_model_config
+        from trainer.rl.tasks import ArithmeticTask
+        from trainer.rl.warmup import draft_init, make_model, supervised_warmup
         from trainer.tokenizer import CharTokenizer
-        from trainer.warmup import draft_init, make_model, supervised_warmup
 
         cfg = DemoConfig()
         task, tok = ArithmeticTask(regime="zero", digits=2), CharTokenizer()
