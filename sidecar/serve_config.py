@@ -98,4 +98,4 @@ class ServeConfig:
 SECURITY_OPTIONS = ("cert", "key", "peer_ca", "token_file")
 """The `security.*` fields `specrl serve` has an option of the same name for (--cert, --key,
 --peer-ca, --token-file): every `SecurityConfig` field but `tls`, a client setting
-(`tests/test_fail_early.py` holds them to the fields and their defaults)."""
+(`tests/trainer/rl/test_fail_early.py` holds them to the fields and their defaults)."""

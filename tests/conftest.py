@@ -8,7 +8,8 @@ weights or another sidecar, it overrides `checkpoint_seed` or `sidecar_settings`
 `checkpoint` itself) with a fixture of the same name; everything built on them follows.
 
 The helpers these are made of, and the oracles, are plain functions in tests/sidecar_fixtures.py;
-fixtures of the engine tests alone are in tests/engine/conftest.py.
+the engines' tiny models (`tiny_config`, a `random_model`, an `aligned_model` whose draft
+agrees with its target) are built in tests/sidecar/engine_fixtures.py.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import pytest
 import torch
 
 from sidecar.client.client import SidecarClient
+from sidecar.model.model import ModelConfig, Qwen3WithMTP, build_model
 from sidecar.server.process import Sidecar
+from tests.sidecar.engine_fixtures import aligned_draft_model
 from tests.sidecar_fixtures import make_checkpoint, make_pki, start_sidecar
 
 if not torch.cuda.is_available():  # the decode kernels run in Triton's interpreter (before Triton's import)
@@ -31,6 +34,22 @@ if not torch.cuda.is_available():  # the decode kernels run in Triton's interpre
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:  # tools/test runs one worker per core: a worker's intra-op threads get its share of the cores
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
+
+
+@pytest.fixture(scope="session")
+def tiny_config() -> ModelConfig:
+    return ModelConfig.tiny()
+
+
+@pytest.fixture(scope="session")
+def random_model(tiny_config: ModelConfig) -> Qwen3WithMTP:
+    """A random target with a random (misaligned) MTP layer."""
+    return build_model(tiny_config, seed=1)
+
+
+@pytest.fixture(scope="session")
+def aligned_model(tiny_config: ModelConfig) -> Qwen3WithMTP:
+    return aligned_draft_model(tiny_config, seed=2)
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """The EAGLE-3 draft directory's tensors as SGLang's (`LlamaForCausalLMEagle3.load_weights`) and
 vLLM's (`Eagle3LlamaForCausalLM.load_weights`) loaders read them, written out as literals: the
-oracle of every test of a written draft directory (`tests/engine/test_eagle3_checkpoint.py`, a
-run's export in `tests/test_export.py`)."""
+oracle of every test of a written draft directory (`tests/sidecar/model/test_eagle3_checkpoint.py`, a
+run's export in `tests/trainer/rl/test_export.py`)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import re
 import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[1]
 GLOSSARY = ROOT / "docs" / "glossary.md"
 CHANGELOG = ROOT / "docs" / "changelog.md"
 REFUSED_HERE = "# glossary: refused here"

@@ -288,3 +288,93 @@ def test_the_table_parser_reads_bases_and_subfolders() -> None:
         "trainer/cli/main.py",
         "trainer/cli/demo.py",
     }
+
+
+TESTS = ROOT / "tests"
+HEAVY_TARGETS = ("with_trl", "with_verl", "with_sglang", "sglang_cpu_support", "protocol_baseline")
+REPOSITORY_CHECKS = {"test_layout.py", "test_doc_links.py", "test_glossary.py", "test_config_docs.py"}
+
+
+def _test_modules() -> list[Path]:
+    return sorted(TESTS.rglob("test_*.py"))
+
+
+def _taken_from(modules: dict[str, Path]) -> dict[tuple[str, str], str]:
+    """(module, name) -> the product module a name comes from, where a module imports it at its top
+    (`from sidecar.model.model import ModelConfig` is the class of `sidecar.model.config`)."""
+    taken: dict[tuple[str, str], str] = {}
+    for name, path in modules.items():
+        here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join([*here[: len(here) - node.level + 1], *([base] if base else [])])
+                for alias in node.names:
+                    if base in modules:
+                        taken[(name, alias.asname or alias.name)] = base
+    return taken
+
+
+def modules_named(source: str, modules: dict[str, Path], taken: dict[tuple[str, str], str]) -> set[str]:
+    """The product modules a test module's text names: those it imports (a module, a name from it,
+    or a name another module takes from it), and those it names by path or dotted name (a test that
+    drives a module through another says which in its docstring)."""
+    named: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            named.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            named.add(node.module)
+            for alias in node.names:
+                named.add(f"{node.module}.{alias.name}")
+                if (node.module, alias.name) in taken:
+                    named.add(taken[(node.module, alias.name)])
+    for module, path in modules.items():
+        if module not in named and (
+            str(path.relative_to(ROOT)) in source or re.search(rf"(?<![\w.]){re.escape(module)}(?!\w)", source)
+        ):
+            named.add(module)
+    return {m for m in named if m in modules}
+
+
+def untested_modules(modules: dict[str, Path], tests: list[str]) -> list[str]:
+    taken = _taken_from(modules)
+    named = set().union(*(modules_named(source, modules, taken) for source in tests))
+    return sorted(m for m, p in modules.items() if p.name != "__init__.py" and m not in named)
+
+
+def test_every_product_module_has_a_test_module_naming_it() -> None:
+    """A newcomer finds a module's tests by its name: each product module is imported or named by
+    a test module (the heavy targets' count: verl's and TRL's plugins are tested there)."""
+    modules = {_module_name(p): p for p in _product_files()}
+    missing = untested_modules(modules, [p.read_text() for p in _test_modules()])
+    assert missing == [], f"no test module names these (test them, or name them where a test drives them): {missing}"
+
+
+def test_the_naming_check_catches_an_unnamed_module() -> None:
+    """The check itself: a module no test names is reported; importing it, importing a name another
+    module takes from it, or naming its path each count."""
+    modules = {_module_name(p): p for p in _product_files()}
+    taken = _taken_from(modules)
+    assert modules_named("from sidecar.model.model import ModelConfig\n", modules, taken) >= {
+        "sidecar.model.model",
+        "sidecar.model.config",
+    }
+    assert "sidecar.engine.runner" in modules_named('"""Drives `sidecar/engine/runner.py`."""\n', modules, taken)
+    assert modules_named("import torch\n", modules, taken) == set()
+    only_one = {m: p for m, p in modules.items() if m in ("sidecar.engine.runner", "sidecar.engine.commit")}
+    assert untested_modules(only_one, ["from sidecar.engine.commit import commit_round\n"]) == ["sidecar.engine.runner"]
+
+
+def test_the_tests_mirror_the_packages() -> None:
+    """`tests/sidecar/engine/` holds the tests of `sidecar/engine/`, and so on: every folder of test
+    modules is a product folder's mirror (the heavy targets and the repository's own checks aside)."""
+    folders = {p.parent.relative_to(TESTS) for p in _test_modules()}
+    strays = sorted(str(f) for f in folders if f.parts and f.parts[0] not in HEAVY_TARGETS and not (ROOT / f).is_dir())
+    assert strays == [], f"test folders that mirror no product folder: {strays}"
+    top = sorted(p.name for p in _test_modules() if p.parent == TESTS)
+    assert set(top) == REPOSITORY_CHECKS, (
+        f"move these into the folder of what they test: {set(top) - REPOSITORY_CHECKS}"
+    )
+    assert {"sidecar", "trainer", "muon", "yarn", "tools"} <= {f.parts[0] for f in folders if f.parts}

@@ -13,7 +13,7 @@ The round (`decode_round.draft_phase`, `verify_phase`) is written once; each of 
   CUDA graph captures once and replays; the host commits the lengths after the replay.
 
 The arithmetic is the same row by row: a fixed shape only adds masked slots and padded rows no live
-row depends on (tests/engine/test_fixed_shape_forwards.py).
+row depends on (tests/sidecar/engine/test_fixed_shape_forwards.py).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ compiled code agree bit for bit.
 The engine's keys: the row seed (63 bits, from the request seed, prompt index and sample index),
 the round's *output position* n (tokens the row had emitted when the round started: rounds start
 at strictly increasing n, so no key is ever drawn twice), a role (draft sample, acceptance test,
-final token) and the index within the round. `tests/engine/test_counter_rng.py` checks uniformity
+final token) and the index within the round. `tests/sidecar/engine/test_counter_rng.py` checks uniformity
 and pairwise independence with calibrated chi-square tests.
 """
 

@@ -27,7 +27,7 @@ graph when any weight's address changed anyway (a push that adopted new storage)
 after a push always computes with the pushed weights.
 
 On a CPU the same fixed-shape rounds run eagerly (nothing to capture): that is how CI tests the
-code a GPU captures (`tests/engine/test_fixed_shape_forwards.py`). It is slower there than
+code a GPU captures (`tests/sidecar/engine/test_fixed_shape_forwards.py`). It is slower there than
 `decode_round` at the batch's own shapes, so `compile: auto` keeps CPUs on the eager path.
 """
 

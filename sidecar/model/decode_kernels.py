@@ -14,7 +14,7 @@ Triton is installed (`for_device`), else `DecodeOps` (torch's operators); the en
 model (`Qwen3WithMTP.kernels`) at every step. Attention and the cache write use the kernels only in
 fixed-shape forwards (`AttentionPlan.fixed_shape`, what CUDA graphs capture), the norms and the
 activation in every cached forward. The torch functions here are the references, each the operators
-the model ran before (same order, same rounding); `tests/engine/test_decode_kernels.py` checks the
+the model ran before (same order, same rounding); `tests/sidecar/model/test_decode_kernels.py` checks the
 kernels against them in Triton's interpreter on a CPU and on a GPU.
 """
 

@@ -4,7 +4,7 @@ A sparse layer's MLP replaces the dense SwiGLU with E SwiGLU experts of width
 `moe_intermediate_size`, of which a router picks `num_experts_per_tok` per token; the layer's output
 is the routing-weighted sum of the picked experts' outputs (plus, in GLM-4.5, `n_shared_experts`
 experts every token passes through, as one SwiGLU of n times the width). Two router kinds, each
-transformers' own (its modeling code is the oracle, `tests/engine/test_moe_models.py`):
+transformers' own (its modeling code is the oracle, `tests/sidecar/model/test_moe_models.py`):
 
 - `softmax_topk` (Qwen3-MoE, `modeling_qwen3_moe.Qwen3MoeTopKRouter`; Qwen3 report
   https://arxiv.org/abs/2505.09388): softmax over all E logits in float32, the top k, renormalised
@@ -85,7 +85,7 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
     },
 }
 """transformers' class defaults (`Qwen3MoeConfig`, `Glm4MoeConfig`, 5.x) of the keys read, which its
-forward uses where config.json leaves a key out (`tests/engine/test_moe_routers.py` compares them)."""
+forward uses where config.json leaves a key out (`tests/sidecar/model/test_moe_routers.py` compares them)."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -18,7 +18,7 @@ per block of its tokens and never an inactive expert's (the union the cost model
 
 The arithmetic is `moe.experts_by_expert`'s (products accumulated in float32, each result rounded to
 the model's dtype where the reference rounds it, the routing weight in the model's dtype), so the
-two differ in the order of additions only; `tests/engine/test_moe_kernels.py` checks them in
+two differ in the order of additions only; `tests/sidecar/model/test_moe_kernels.py` checks them in
 Triton's interpreter on a CPU (float32) and compiled on a GPU. The weights are read as the stacked
 (E, 2I, hidden) gate|up and (E, hidden, I) down tensors the experts' parameters are views of
 (`SparseMoE.join_experts`). Imported only where Triton is installed.

@@ -27,7 +27,7 @@ from sidecar.engine.torch_engine import TorchEngine
 from sidecar.model.checkpoint import load_checkpoint, model_state_dict, save_checkpoint
 from sidecar.model.model import build_model
 from sidecar.types import GenerationRequest, SamplingParams
-from tests.engine.engine_fixtures import aligned_draft_model
+from tests.sidecar.engine_fixtures import aligned_draft_model
 from tests.with_sglang.served import DEVICE, END_TO_END, small_config, start_sglang_engine
 
 pytestmark = END_TO_END

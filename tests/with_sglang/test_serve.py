@@ -24,7 +24,7 @@ from sidecar.engine.torch_engine import TorchEngine
 from sidecar.model.checkpoint import model_state_dict, save_checkpoint
 from sidecar.model.model import build_model
 from sidecar.types import GenerationRequest, SamplingParams, WeightSelector
-from tests.engine.engine_fixtures import aligned_draft_model
+from tests.sidecar.engine_fixtures import aligned_draft_model
 from tests.with_sglang.served import DEVICE, END_TO_END, small_config, specrl_serve
 
 pytestmark = END_TO_END

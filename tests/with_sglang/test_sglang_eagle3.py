@@ -33,7 +33,7 @@ from sidecar.model.eagle3 import Eagle3Draft
 from sidecar.model.eagle3_checkpoint import load_eagle3_draft, save_eagle3_draft
 from sidecar.model.model import Qwen3WithMTP, build_model
 from sidecar.types import GenerationRequest, SamplingParams
-from tests.engine.engine_fixtures import aligned_eagle3
+from tests.sidecar.engine_fixtures import aligned_eagle3
 from tests.with_sglang.served import NEEDS_SGLANG, small_config, specrl_serve
 
 pytestmark = NEEDS_SGLANG

@@ -1,6 +1,6 @@
 """SGLang at temperature > 0, and SGLang's side of a failed weight push (the stale-draft proof).
 
-Losslessness. The chi-square harness the embedded engine passes (tests/engine/
+Losslessness. The chi-square harness the embedded engine passes (tests/sidecar/engine/
 test_speculative_distribution.py: the exact joint law of the first three tokens of a V = 8 model
 with a partly aligned draft, enumerated through the plain forward and Hugging Face's warpers)
 is run against SGLang:
@@ -25,7 +25,6 @@ refusing work, and a correct push must clear it.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,13 +38,11 @@ from sidecar.engine.torch_engine import TorchEngine
 from sidecar.model.checkpoint import model_state_dict, save_checkpoint
 from sidecar.model.model import ModelConfig, Qwen3WithMTP, build_model
 from sidecar.types import GenerationRequest, SamplingParams, WeightSelector
-from tests.engine.engine_fixtures import aligned_draft_model
-from tests.with_sglang.served import DEVICE, END_TO_END, specrl_serve, start_sglang_engine
 
-# The harness itself (one piece of code for both engines); its module imports its neighbours as
-# top-level modules, as tests/engine's conftest arranges.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
-from test_speculative_distribution import PROMPT, V, chi_square_pvalue, exact_joint
+# the harness itself: one piece of code for both engines
+from tests.sidecar.engine.test_speculative_distribution import PROMPT, V, chi_square_pvalue, exact_joint
+from tests.sidecar.engine_fixtures import aligned_draft_model
+from tests.with_sglang.served import DEVICE, END_TO_END, specrl_serve, start_sglang_engine
 
 pytestmark = END_TO_END
 

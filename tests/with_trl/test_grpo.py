@@ -238,7 +238,7 @@ def test_a_lost_draft_is_reported_once_and_the_aligner_refits_at_once(
 
     from sidecar.model.checkpoint import model_state_dict, save_checkpoint
     from sidecar.model.model import ModelConfig
-    from tests.engine.engine_fixtures import aligned_draft_model
+    from tests.sidecar.engine_fixtures import aligned_draft_model
 
     config = ModelConfig.tiny(vocab_size=256)
     aligned = aligned_draft_model(config, seed=3)

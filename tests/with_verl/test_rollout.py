@@ -9,6 +9,8 @@ The oracle is the trainer's own forward: after every push, the log-probs the tra
 weights give the sampled tokens equal the sidecar's `rollout_log_probs` within 1e-4 (float32).
 The negative control runs the same loop with verl's sync but no push: the trainer moves away
 from what the sidecar serves and the same difference grows.
+
+verl loads the plugin `sidecar/integrations/verl.py`, which runs `sidecar/integrations/verl_server.py` (the replica) and `sidecar/integrations/verl_weights.py` (the push per step).
 """
 
 from __future__ import annotations

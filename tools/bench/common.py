@@ -22,7 +22,7 @@ mislead when one figure per run is quoted, and this module answers both:
 - **Winner's curse.** "Auto against the best static k" picks the best k from the same repeats it
   then compares on. Among several static k within noise of each other, the one picked is the one
   whose repeats ran luckiest, so the comparison is biased against the challenger even when it is
-  as fast as the best k (`tests/test_bench_stats.py` shows the bias on synthetic repeats).
+  as fast as the best k (`tests/tools/test_bench_stats.py` shows the bias on synthetic repeats).
   `against_best_held_out` picks the best configuration for each repeat from the *other* repeats
   (leave-one-out), which is what a user who tuned k on earlier runs gets.
 

@@ -54,7 +54,7 @@ The model: specrl bench engine's shape (hidden 512, 12 layers, 8/4 heads, vocab 
 layer; its context raised to max_context where that is longer) with random weights: the
 lengths are fixed in advance, so the tokens' values change nothing measured here. `--k` > 0
 speculates with the (random, so rarely accepted) MTP draft. `--quick`: a tiny model, scale 1/256
-and 16 groups, a seconds-long smoke run (tests/test_bench_kv.py).
+and 16 groups, a seconds-long smoke run (tests/tools/test_bench_kv.py).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ alternate `--repeats` times after a warm-up step; printed: medians of process CP
 and the ratio. `--replay`: the MoE replays routes (its own live choice, recorded once: the cost of
 replay itself, no change of experts).
 
-`--gap CHECKPOINT` (an MoE checkpoint, e.g. `tests/test_moe_learning.py`'s warmed-up policy): the
+`--gap CHECKPOINT` (an MoE checkpoint, e.g. `tests/trainer/rl/test_moe_learning.py`'s warmed-up policy): the
 sampler-vs-trainer log-prob gap per token. The sidecar's engine (`TorchEngine`, float32, plain
 decoding) samples `--prompts` arithmetic prompts at temperature 1 with every position's routes
 (`routes="sequence"`); the trainer's policy (`Policy.from_checkpoint`) scores the same tokens with
@@ -27,7 +27,7 @@ the response tokens (`trainer.policy.losses.mismatch_metrics`) and the routing a
 token x sparse-layer choices where the trainer's live router picks the sampler's experts, measured
 in the replaying forward: `train/routing_agreement`).
 
-`--learning OUT`: `tests/test_moe_learning.py`'s runs (its `rl_run`: the checkpoint, warm-up, draft
+`--learning OUT`: `tests/trainer/rl/test_moe_learning.py`'s runs (its `rl_run`: the checkpoint, warm-up, draft
 fit and 20 RL steps with routing replay, one per seed) at speculation_k 3 and 0 for each of
 `--seeds`, kept under OUT; printed per run the held-out reward before and after, τ and the largest
 step's gap mean and p99, then the paired TOST of k3 − k0 at ±0.05 (`trainer.rl.equivalence`, the dense
@@ -138,7 +138,7 @@ def gap_table(checkpoint: Path, prompts: int, seed: int) -> str:
 
 def learning(out: Path, seeds: list[int]) -> str:
     """The `--learning` arm: both arms per seed, then the paired TOST of the final held-out reward."""
-    from tests.test_moe_learning import MARGIN, rl_run
+    from tests.trainer.rl.test_moe_learning import MARGIN, rl_run
     from trainer.rl.equivalence import tost_operating_characteristics, tost_paired
 
     lines, diffs = [], []

@@ -27,7 +27,7 @@ Checks (each breach is a violation; the run exits 1 if there was any):
   post-warm-up level.
 
     specrl bench soak --minutes 10          # progress every 30 s, a summary at the end
-    specrl bench soak --short               # about a minute (CI: tests/test_soak.py)
+    specrl bench soak --short               # about a minute (CI: tests/tools/test_soak.py)
 """
 
 from __future__ import annotations
