@@ -299,10 +299,10 @@ def _test_modules() -> list[Path]:
     return sorted(TESTS.rglob("test_*.py"))
 
 
-def _taken_from(modules: dict[str, Path]) -> dict[tuple[str, str], str]:
-    """(module, name) -> the product module a name comes from, where a module imports it at its top
+def _taken_from(modules: dict[str, Path]) -> dict[str, str]:
+    """`module.name` -> the product module a name comes from, where a module imports it at its top
     (`from sidecar.model.model import ModelConfig` is the class of `sidecar.model.config`)."""
-    taken: dict[tuple[str, str], str] = {}
+    taken: dict[str, str] = {}
     for name, path in modules.items():
         here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
         for node in ast.parse(path.read_text()).body:
@@ -312,24 +312,16 @@ def _taken_from(modules: dict[str, Path]) -> dict[tuple[str, str], str]:
                     base = ".".join([*here[: len(here) - node.level + 1], *([base] if base else [])])
                 for alias in node.names:
                     if base in modules:
-                        taken[(name, alias.asname or alias.name)] = base
+                        taken[f"{name}.{alias.asname or alias.name}"] = base
     return taken
 
 
-def modules_named(source: str, modules: dict[str, Path], taken: dict[tuple[str, str], str]) -> set[str]:
+def modules_named(source: str, modules: dict[str, Path], taken: dict[str, str]) -> set[str]:
     """The product modules a test module's text names: those it imports (a module, a name from it,
     or a name another module takes from it), and those it names by path or dotted name (a test that
     drives a module through another says which in its docstring)."""
-    named: set[str] = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            named.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            named.add(node.module)
-            for alias in node.names:
-                named.add(f"{node.module}.{alias.name}")
-                if (node.module, alias.name) in taken:
-                    named.add(taken[(node.module, alias.name)])
+    named = _imports(source, "tests._probe")
+    named |= {taken[n] for n in named if n in taken}
     for module, path in modules.items():
         if module not in named and (
             str(path.relative_to(ROOT)) in source or re.search(rf"(?<![\w.]){re.escape(module)}(?!\w)", source)
